@@ -1,0 +1,109 @@
+# moelua - build, test, run. `make test` and `make run` install what is
+# missing (make deps), build and go; see README.md.
+
+CC      ?= cc
+NVCC    ?= /usr/local/cuda/bin/nvcc
+LUA_INC := /usr/include/lua5.4
+LUA_A   := /usr/lib/x86_64-linux-gnu/liblua5.4.a
+
+# No -ffast-math anywhere; no FMA contraction, so our own kernels' summation
+# order is the one the source says (DESIGN.md, Numerics).
+CFLAGS  ?= -O2 -g
+CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp \
+           -ffp-contract=off -I$(LUA_INC) -MMD -MP
+# Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
+# term, system) resolve lua_* against the host.
+LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lm -ldl -fopenmp
+
+HOST_SRC    := $(filter-out host/backend_cuda.c,$(wildcard host/*.c))
+KERNEL_SRC  := $(wildcard kernels/*.c)
+CUDA_SRC    := $(wildcard kernels/*.cu)
+SRC         := $(HOST_SRC) $(KERNEL_SRC)
+
+ifeq ($(CUDA),1)
+BUILD   := build/cuda
+TARGET  := build/cuda/moelua
+CFLAGS  += -DML_WITH_CUDA -I/usr/local/cuda/include
+SRC     += host/backend_cuda.c
+NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
+           -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+LDLIBS  += -L/usr/local/cuda/lib64 -lcublas -lcudart_static -lrt -lpthread -lstdc++
+else ifeq ($(SANITIZE),1)
+BUILD   := build/asan
+TARGET  := build/asan/moelua
+CFLAGS  += -fsanitize=address,undefined -fno-omit-frame-pointer
+LDLIBS  += -fsanitize=address,undefined
+else
+BUILD   := build/cpu
+TARGET  := moelua
+endif
+
+OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
+
+DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libreadline-dev \
+            mpich libmpich-dev pkg-config
+BENCH_PKGS := python3 python3-torch python3-numpy
+
+.PHONY: all deps bench-deps test run sanitize gpu-bundle bench clean
+all: $(TARGET)
+
+$(TARGET): $(OBJ)
+	$(CC) -o $@ $(OBJ) $(LDLIBS)
+
+$(BUILD)/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVFLAGS) -Xcompiler -fPIC -c $< -o $@
+
+-include $(OBJ:.o=.d)
+
+# Installs only what is missing, so a ready machine pays one dpkg query.
+deps:
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+bench-deps: deps
+	@missing=$$(for p in $(BENCH_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+test: deps
+	$(MAKE) all
+	$(MAKE) build/tests
+	MOELUA=./$(TARGET) tests/run.sh
+
+run: deps
+	$(MAKE) all
+	./moelua recipes/demo.lua
+
+# C unit tests: each tests/c/test_*.c links against the host objects.
+TEST_SRC := $(wildcard tests/c/test_*.c)
+TEST_BIN := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
+LIB_OBJ  := $(filter-out $(BUILD)/host/main.o,$(OBJ))
+.PHONY: build/tests
+build/tests: $(TEST_BIN)
+$(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Ihost -o $@ $< $(LIB_OBJ) $(LDLIBS)
+
+# ASan + UBSan over the whole suite (slower; not part of CI, see README).
+sanitize: deps
+	$(MAKE) SANITIZE=1 all
+	$(MAKE) SANITIZE=1 build/tests
+	ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions=tests/lsan.supp \
+	  MOELUA=./build/asan/moelua TEST_BUILD=build/asan tests/run.sh
+
+gpu-bundle:
+	$(MAKE) CUDA=1 all
+	tests/gpu/bundle.sh
+
+clean:
+	rm -rf build gpu-bundle moelua

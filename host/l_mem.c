@@ -1,0 +1,251 @@
+/*
+ * host/l_mem.c - the Lua library `moelua.mem`: the memory ledger's account
+ * book, budgets, peaks, the timeline, and the category of allocations.
+ *
+ *   mem.report([device])          the account book as text (also printed)
+ *   mem.stats()                   {cpu = {...}, cuda = {...}} as tables
+ *   mem.reset_peak([device])
+ *   mem.budget{total=, params=, ..., device=}   sizes in bytes; 0 removes
+ *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
+ *   mem.category([name])          get / set the current category
+ *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
+ */
+#include "l_util.h"
+
+#include <string.h>
+
+static ml_device opt_device(lua_State *L, int idx, const char *fn)
+{
+    if (lua_type(L, idx) == LUA_TSTRING) {
+        int d = ml_device_from_name(lua_tostring(L, idx));
+        if (d < 0)
+            ml_error(L, fn, "unknown device '%s' (cpu, cuda)", lua_tostring(L, idx));
+        return (ml_device)d;
+    }
+    if (!lua_isnoneornil(L, idx))
+        ml_error(L, fn, "argument #%d: expected a device name, got %s", idx, luaL_typename(L, idx));
+    return ML_CPU;
+}
+
+static void push_report(lua_State *L, ml_host *h, ml_device d)
+{
+    char buf[4096];
+    size_t rss = d == ML_CPU ? ml_process_rss() : 0, total = h->ledger[d].total;
+    ml_ledger_format(&h->ledger[d], rss > total ? rss - total : 0, d == ML_CPU, buf, sizeof buf);
+    lua_pushstring(L, buf);
+}
+
+static int l_mem_report(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    push_report(L, h, opt_device(L, 1, "moelua.mem.report"));
+    return 1;
+}
+
+static void push_categories(lua_State *L, const size_t *v)
+{
+    lua_createtable(L, 0, ML_NCAT);
+    for (int c = 0; c < ML_NCAT; c++) {
+        lua_pushinteger(L, (lua_Integer)v[c]);
+        lua_setfield(L, -2, ml_category_names[c]);
+    }
+}
+
+static void set_int(lua_State *L, const char *k, lua_Integer v)
+{
+    lua_pushinteger(L, v);
+    lua_setfield(L, -2, k);
+}
+
+static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
+{
+    lua_createtable(L, 0, 16);
+    push_categories(L, lg->cur);
+    lua_setfield(L, -2, "current");
+    push_categories(L, lg->peak);
+    lua_setfield(L, -2, "peak");
+    push_categories(L, lg->at_peak);
+    lua_setfield(L, -2, "at_peak");
+    push_categories(L, lg->budget);
+    lua_setfield(L, -2, "budget");
+    size_t allocs[ML_NCAT], frees[ML_NCAT];
+    for (int c = 0; c < ML_NCAT; c++) {
+        allocs[c] = (size_t)lg->nalloc[c];
+        frees[c] = (size_t)lg->nfree[c];
+    }
+    push_categories(L, allocs);
+    lua_setfield(L, -2, "allocs");
+    push_categories(L, frees);
+    lua_setfield(L, -2, "frees");
+    set_int(L, "total", (lua_Integer)lg->total);
+    set_int(L, "total_peak", (lua_Integer)lg->total_peak);
+    set_int(L, "reserved", (lua_Integer)lg->reserved);
+    set_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
+    set_int(L, "budget_total", (lua_Integer)lg->budget_total);
+    set_int(L, "refused", (lua_Integer)lg->nrefused);
+    if (d == ML_CPU) {
+        size_t rss = ml_process_rss();
+        set_int(L, "rss", (lua_Integer)rss);
+        set_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
+    }
+}
+
+static int l_mem_stats(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    lua_createtable(L, 0, ML_NDEVICES);
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        push_ledger(L, &h->ledger[d], (ml_device)d);
+        lua_setfield(L, -2, ml_device_names[d]);
+    }
+    return 1;
+}
+
+static int l_mem_reset_peak(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    if (lua_isnoneornil(L, 1)) {
+        for (int d = 0; d < ML_NDEVICES; d++)
+            ml_ledger_reset_peak(&h->ledger[d]);
+    } else {
+        ml_ledger_reset_peak(&h->ledger[opt_device(L, 1, "moelua.mem.reset_peak")]);
+    }
+    return 0;
+}
+
+static size_t check_bytes(lua_State *L, int idx, const char *fn, const char *key)
+{
+    int isnum;
+    lua_Number v = lua_tonumberx(L, idx, &isnum);
+    if (!isnum || v < 0 || v != v || v > 9.0e18)
+        ml_error(L, fn, "option '%s' must be a byte count >= 0, got %s", key,
+                 isnum ? lua_tostring(L, idx) : luaL_typename(L, idx));
+    return (size_t)v;
+}
+
+/* mem.budget{total=, <category>=, device=}: bytes, 0 removes a budget. Returns the old values. */
+static int l_mem_budget(lua_State *L)
+{
+    static const char fn[] = "moelua.mem.budget";
+    ml_host *h = ml_host_of(L);
+    luaL_checktype(L, 1, LUA_TTABLE);
+    lua_getfield(L, 1, "device");
+    ml_device d = opt_device(L, -1, fn);
+    lua_pop(L, 1);
+    ml_ledger *lg = &h->ledger[d];
+    /* validate every key before changing anything */
+    lua_pushnil(L);
+    while (lua_next(L, 1)) {
+        const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "total") != 0 && ml_category_from_name(k) < 0))
+            ml_error(L, fn, "unknown option '%s' (total, device, or a category: params, grads, "
+                     "optim, acts, pool, comm, cache, other)", k ? k : luaL_typename(L, -2));
+        if (strcmp(k, "device") != 0)
+            check_bytes(L, -1, fn, k);
+        lua_pop(L, 1);
+    }
+    lua_createtable(L, 0, ML_NCAT + 1);
+    set_int(L, "total", (lua_Integer)lg->budget_total);
+    for (int c = 0; c < ML_NCAT; c++)
+        set_int(L, ml_category_names[c], (lua_Integer)lg->budget[c]);
+    if (lua_getfield(L, 1, "total") != LUA_TNIL)
+        lg->budget_total = check_bytes(L, -1, fn, "total");
+    lua_pop(L, 1);
+    for (int c = 0; c < ML_NCAT; c++) {
+        if (lua_getfield(L, 1, ml_category_names[c]) != LUA_TNIL)
+            lg->budget[c] = check_bytes(L, -1, fn, ml_category_names[c]);
+        lua_pop(L, 1);
+    }
+    return 1;
+}
+
+static int check_category(lua_State *L, int idx, const char *fn)
+{
+    const char *s = luaL_checkstring(L, idx);
+    int c = ml_category_from_name(s);
+    if (c < 0)
+        ml_error(L, fn, "unknown category '%s' (params, grads, optim, acts, pool, comm, cache, other)", s);
+    return c;
+}
+
+static int l_mem_category(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    lua_pushstring(L, ml_category_names[h->category]);
+    if (!lua_isnoneornil(L, 1))
+        h->category = (ml_category)check_category(L, 1, "moelua.mem.category");
+    return 1;
+}
+
+/* Restores the category even when fn raises, then re-raises. */
+static int l_mem_scope(lua_State *L)
+{
+    static const char fn[] = "moelua.mem.scope";
+    ml_host *h = ml_host_of(L);
+    ml_category c = (ml_category)check_category(L, 1, fn);
+    luaL_checktype(L, 2, LUA_TFUNCTION);
+    ml_category saved = h->category;
+    h->category = c;
+    int nargs = lua_gettop(L) - 2;
+    int status = lua_pcall(L, nargs, LUA_MULTRET, 0);
+    h->category = saved;
+    if (status != LUA_OK)
+        return lua_error(L);
+    return lua_gettop(L) - 1;
+}
+
+/* mem.timeline{cap=, interval=, device=} starts (cap 0 stops) sampling;
+ * mem.timeline([device]) returns {{t=, <category>=bytes...}, ...}, dropped. */
+static int l_mem_timeline(lua_State *L)
+{
+    static const char fn[] = "moelua.mem.timeline";
+    ml_host *h = ml_host_of(L);
+    if (lua_istable(L, 1)) {
+        static const char *const opts[] = {"cap", "interval", "device", NULL};
+        ml_check_opts(L, 1, fn, opts);
+        lua_getfield(L, 1, "device");
+        ml_device d = opt_device(L, -1, fn);
+        lua_getfield(L, 1, "cap");
+        lua_Integer cap = luaL_optinteger(L, -1, 100000);
+        lua_getfield(L, 1, "interval");
+        lua_Number interval = luaL_optnumber(L, -1, 0);
+        if (cap < 0 || cap > 100000000 || interval < 0)
+            ml_error(L, fn, "cap must be in 0..1e8 and interval >= 0");
+        if (ml_ledger_timeline(&h->ledger[d], (size_t)cap, interval) != 0)
+            ml_error(L, fn, "out of memory for %lld samples", (long long)cap);
+        return 0;
+    }
+    const ml_ledger *lg = &h->ledger[opt_device(L, 1, fn)];
+    lua_createtable(L, (int)lg->nsamples, 0);
+    for (size_t i = 0; i < lg->nsamples; i++) {
+        const ml_sample *s = &lg->samples[i];
+        push_categories(L, s->bytes);
+        lua_pushnumber(L, s->t);
+        lua_setfield(L, -2, "t");
+        size_t total = 0;
+        for (int c = 0; c < ML_NCAT; c++)
+            total += s->bytes[c];
+        set_int(L, "total", (lua_Integer)total);
+        lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+    lua_pushinteger(L, (lua_Integer)lg->ndropped);
+    return 2;
+}
+
+static const luaL_Reg mem_functions[] = {
+    {"report", l_mem_report},
+    {"stats", l_mem_stats},
+    {"reset_peak", l_mem_reset_peak},
+    {"budget", l_mem_budget},
+    {"category", l_mem_category},
+    {"scope", l_mem_scope},
+    {"timeline", l_mem_timeline},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_mem(lua_State *L)
+{
+    ml_host_of(L);
+    luaL_newlib(L, mem_functions);
+    return 1;
+}

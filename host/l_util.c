@@ -1,0 +1,303 @@
+/*
+ * host/l_util.c - shared binding helpers: the host in the registry, tensor
+ * argument checks, ledger-backed tensor creation and error reporting.
+ */
+#include "l_util.h"
+#include "pool.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static const char HOST_KEY[] = "moelua.host";
+
+void ml_host_register(lua_State *L, ml_host *h)
+{
+    lua_pushlightuserdata(L, h);
+    lua_setfield(L, LUA_REGISTRYINDEX, HOST_KEY);
+}
+
+ml_host *ml_host_of(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, HOST_KEY);
+    ml_host *h = lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    if (!h)
+        luaL_error(L, "moelua: the moelua C libraries run only inside the moelua host");
+    return h;
+}
+
+int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    luaL_where(L, 1);
+    lua_pushfstring(L, "%s: %s", fn, msg);
+    lua_concat(L, 2);
+    lua_error(L);
+    for (;;) {}  /* lua_error does not return */
+}
+
+ml_tensor *ml_testtensor(lua_State *L, int idx)
+{
+    return luaL_testudata(L, idx, ML_TENSOR_MT);
+}
+
+ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
+{
+    ml_tensor *t = ml_testtensor(L, idx);
+    if (!t)
+        ml_error(L, fn, "argument #%d: expected a tensor, got %s", idx, luaL_typename(L, idx));
+    if (!t->st)
+        ml_error(L, fn, "argument #%d: the tensor was freed", idx);
+    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
+        ml_error(L, fn, "argument #%d: stale pool view (its frame was rewound)", idx);
+    return t;
+}
+
+ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt)
+{
+    ml_tensor *t = ml_checktensor(L, idx, fn);
+    if (dt >= 0 && t->dtype != (ml_dtype)dt)
+        ml_error(L, fn, "argument #%d: expected dtype %s, got %s", idx, ml_dtype_names[dt],
+                 ml_dtype_names[t->dtype]);
+    if (!ml_is_contiguous(t))
+        ml_error(L, fn, "argument #%d: expected a contiguous tensor (call :contiguous())", idx);
+    return t;
+}
+
+ml_tensor *ml_pushtensor(lua_State *L)
+{
+    ml_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
+    memset(t, 0, sizeof *t);
+    luaL_setmetatable(L, ML_TENSOR_MT);
+    return t;
+}
+
+ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
+                       const int64_t *shape, const int64_t *stride)
+{
+    ml_tensor *t = ml_pushtensor(L);
+    t->offset = offset;
+    t->ndim = ndim;
+    t->dtype = src->dtype;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    memcpy(t->stride, stride, (size_t)ndim * sizeof *stride);
+    t->st = src->st;
+    ml_storage_retain(t->st);
+    return t;
+}
+
+static void push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
+{
+    char buf[2048];
+    size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
+    size_t total = h->ledger[dev].total;
+    ml_ledger_format(&h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU, buf, sizeof buf);
+    lua_pushstring(L, buf);
+}
+
+ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
+                        int ndim, const int64_t *shape)
+{
+    ml_host *h = ml_host_of(L);
+    int64_t n = ml_shape_numel(ndim, shape);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
+        ml_error(L, fn, "shape has a negative size or too many elements");
+    size_t nbytes = (size_t)n * ml_dtype_size(dt);
+    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first: an error below leaks nothing */
+    ml_storage *st = NULL;
+    ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
+    if (s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) {
+        lua_gc(L, LUA_GCCOLLECT);
+        s = ml_storage_new(h, dev, nbytes, &st);
+    }
+    if (s != ML_ALLOC_OK) {
+        char want[32], limit[32];
+        ml_format_bytes(nbytes, want, sizeof want);
+        const ml_ledger *lg = &h->ledger[dev];
+        const char *cat = ml_category_names[h->category];
+        if (s == ML_ALLOC_NODEVICE)
+            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
+                     h->backend[dev] ? "no device present" : "built without it: make CUDA=1");
+        if (s == ML_ALLOC_OVER_TOTAL)
+            ml_format_bytes(lg->budget_total, limit, sizeof limit);
+        else
+            ml_format_bytes(lg->budget[h->category], limit, sizeof limit);
+        luaL_where(L, 1);
+        if (s == ML_ALLOC_NOMEM)
+            lua_pushfstring(L, "%s: out of memory allocating %s (%s) on %s\n", fn, want, cat,
+                            ml_device_names[dev]);
+        else
+            lua_pushfstring(L, "%s: allocating %s (%s) on %s would exceed the %s budget of %s\n",
+                            fn, want, cat, ml_device_names[dev],
+                            s == ML_ALLOC_OVER_TOTAL ? "total" : cat, limit);
+        push_ledger_report(L, h, dev);
+        lua_concat(L, 3);
+        lua_error(L);
+    }
+    t->st = st;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    ml_set_contiguous_strides(t);
+    return t;
+}
+
+void ml_check_status(lua_State *L, const char *fn, ml_status s)
+{
+    switch (s) {
+    case ML_OK:             return;
+    case ML_EINTERRUPTED:   ml_error(L, fn, "interrupted");
+    case ML_ENAN:           ml_error(L, fn, "NaN in the input");
+    case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
+    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error");
+    }
+    ml_error(L, fn, "unknown status %d", (int)s);
+}
+
+ml_kctx ml_kctx_of(ml_host *h)
+{
+    ml_kctx c = {h->nthreads, h->interrupt, NULL};
+    return c;
+}
+
+const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev)
+{
+    const ml_backend *be = ml_host_of(L)->backend[dev];
+    if (!be)
+        ml_error(L, fn, "device %s is not built in (make CUDA=1)", ml_device_names[dev]);
+    return be;
+}
+
+static int find_name(const char *s, const char *const *names, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (strcmp(s, names[i]) == 0)
+            return i;
+    return -1;
+}
+
+int ml_dtype_from_name(const char *s) { return find_name(s, ml_dtype_names, ML_NDTYPES); }
+int ml_device_from_name(const char *s) { return find_name(s, ml_device_names, ML_NDEVICES); }
+int ml_category_from_name(const char *s) { return find_name(s, ml_category_names, ML_NCAT); }
+
+ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return def;
+    lua_getfield(L, idx, "dtype");
+    if (lua_isnil(L, -1)) {
+        lua_pop(L, 1);
+        return def;
+    }
+    const char *s = lua_tostring(L, -1);
+    int dt = s ? ml_dtype_from_name(s) : -1;
+    if (dt < 0)
+        ml_error(L, fn, "option 'dtype': unknown dtype '%s' (f32, f64, bf16, f16, i32, i64, u8)",
+                 s ? s : luaL_typename(L, -1));
+    lua_pop(L, 1);
+    return (ml_dtype)dt;
+}
+
+ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return def;
+    lua_getfield(L, idx, "device");
+    if (lua_isnil(L, -1)) {
+        lua_pop(L, 1);
+        return def;
+    }
+    const char *s = lua_tostring(L, -1);
+    int dev = s ? ml_device_from_name(s) : -1;
+    if (dev < 0)
+        ml_error(L, fn, "option 'device': unknown device '%s' (cpu, cuda)",
+                 s ? s : luaL_typename(L, -1));
+    lua_pop(L, 1);
+    return (ml_device)dev;
+}
+
+void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return;
+    if (!lua_istable(L, idx))
+        ml_error(L, fn, "options must be a table, got %s", luaL_typename(L, idx));
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        lua_pop(L, 1);
+        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+        int ok = 0;
+        for (const char *const *a = allowed; k && *a; a++)
+            ok |= strcmp(k, *a) == 0;
+        if (!ok) {
+            luaL_Buffer b;
+            luaL_buffinit(L, &b);
+            for (const char *const *a = allowed; *a; a++) {
+                luaL_addstring(&b, a == allowed ? "" : ", ");
+                luaL_addstring(&b, *a);
+            }
+            luaL_pushresult(&b);
+            ml_error(L, fn, "unknown option '%s' (expected one of: %s)",
+                     k ? k : luaL_typename(L, -2), lua_tostring(L, -1));
+        }
+    }
+}
+
+static int64_t check_size(lua_State *L, int idx, const char *fn, int dim)
+{
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, idx, &isint);
+    if (!isint)
+        ml_error(L, fn, "size of dim %d must be an integer, got %s", dim + 1,
+                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
+    if (v < 0)
+        ml_error(L, fn, "size of dim %d is negative (%lld)", dim + 1, (long long)v);
+    return v;
+}
+
+int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next)
+{
+    int ndim = 0;
+    if (lua_istable(L, idx) && !ml_testtensor(L, idx)) {
+        ndim = (int)luaL_len(L, idx);
+        if (ndim > ML_MAXDIM)
+            ml_error(L, fn, "%d dims given, at most %d are supported", ndim, ML_MAXDIM);
+        for (int i = 0; i < ndim; i++) {
+            lua_geti(L, idx, i + 1);
+            shape[i] = check_size(L, -1, fn, i);
+            lua_pop(L, 1);
+        }
+        *next = idx + 1;
+    } else {
+        int top = lua_gettop(L);
+        while (idx + ndim <= top && lua_type(L, idx + ndim) == LUA_TNUMBER) {
+            if (ndim == ML_MAXDIM)
+                ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
+            shape[ndim] = check_size(L, idx + ndim, fn, ndim);
+            ndim++;
+        }
+        if (ndim == 0 && idx <= top && !lua_istable(L, idx))
+            ml_error(L, fn, "argument #%d: expected a shape (table or integers), got %s", idx,
+                     luaL_typename(L, idx));
+        *next = idx + ndim;
+    }
+    if (ml_shape_numel(ndim, shape) < 0)
+        ml_error(L, fn, "shape has too many elements");
+    return ndim;
+}
+
+int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
+{
+    lua_Integer d = luaL_checkinteger(L, idx);
+    if (d < 0)
+        d += ndim + 1;
+    if (d < 1 || d > ndim)
+        ml_error(L, fn, "dim %lld out of range for a %d-dim tensor (dims are 1-based)",
+                 (long long)luaL_checkinteger(L, idx), ndim);
+    return (int)d - 1;
+}

@@ -1,0 +1,64 @@
+/*
+ * host/l_util.h - what every binding file shares: reaching the host from a
+ * Lua state, checking tensor arguments, creating tensors through the ledger
+ * (with the collect-and-retry rule), and turning statuses into Lua errors
+ * that name the function.
+ */
+#ifndef ML_L_UTIL_H
+#define ML_L_UTIL_H
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include "backend.h"
+#include "tensor.h"
+
+#define ML_TENSOR_MT "moelua.Tensor"
+
+ml_host *ml_host_of(lua_State *L);
+void ml_host_register(lua_State *L, ml_host *h);
+
+/* "fn: message" as a Lua error (never returns). */
+int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4), noreturn));
+
+/* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
+ * rewound pool frame; otherwise an error naming fn and the argument. */
+ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn);
+ml_tensor *ml_testtensor(lua_State *L, int idx);
+/* Additionally: contiguous, and of dtype dt (dt < 0: any). */
+ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
+
+/* A new tensor userdata pushed in the freed (safe) state; the caller fills it. */
+ml_tensor *ml_pushtensor(lua_State *L);
+/* Push a view sharing src's storage with the given geometry. */
+ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
+                       const int64_t *shape, const int64_t *stride);
+/* Push a new contiguous tensor of the given shape, allocated through the
+ * ledger. Over budget: collect garbage once, retry, then raise an error
+ * that contains the ledger table. */
+ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
+                        int ndim, const int64_t *shape);
+
+/* Raise for a non-OK kernel status. */
+void ml_check_status(lua_State *L, const char *fn, ml_status s);
+ml_kctx ml_kctx_of(ml_host *h);
+const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev);
+
+/* Names -> enums; -1 when unknown. */
+int ml_dtype_from_name(const char *s);
+int ml_device_from_name(const char *s);
+int ml_category_from_name(const char *s);
+/* opts.dtype / opts.device of the table at idx (0 or none: defaults). */
+ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def);
+ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def);
+/* Refuse keys of the options table at idx that are not in `allowed` (NULL-terminated). */
+void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed);
+
+/* A shape from a table {2,3} or from integers at idx..top; returns ndim.
+ * Stops at the first non-number (an options table). *next gets the index after. */
+int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next);
+/* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
+int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
+
+#endif

@@ -1,0 +1,11 @@
+/*
+ * host/libs.c - the table of preloaded C libraries. A new binding file adds
+ * its luaopen here and its declaration in libs.h.
+ */
+#include "libs.h"
+
+const luaL_Reg ml_libs[] = {
+    {"moelua.tensor", luaopen_moelua_tensor},
+    {"moelua.mem", luaopen_moelua_mem},
+    {NULL, NULL}
+};

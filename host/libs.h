@@ -1,0 +1,17 @@
+/*
+ * host/libs.h - the C libraries the host preloads (require "moelua.<lib>").
+ * One binding file per library: host/l_<lib>.c.
+ */
+#ifndef ML_LIBS_H
+#define ML_LIBS_H
+
+#include <lauxlib.h>
+#include <lua.h>
+
+int luaopen_moelua_tensor(lua_State *L);
+int luaopen_moelua_mem(lua_State *L);
+
+/* {name, luaopen} pairs, NULL-terminated; defined in host/libs.c. */
+extern const luaL_Reg ml_libs[];
+
+#endif

@@ -1,0 +1,147 @@
+/*
+ * host/pool.c - stack pools: blocks from the ledger (category `pool`), a
+ * bump pointer per block, and an allocation stack whose ids make stale
+ * views detectable. See pool.h for the contract.
+ */
+#include "pool.h"
+#include "backend.h"
+
+#include <stdlib.h>
+
+#define POOL_ALIGN 64
+
+static size_t align_up(size_t n)
+{
+    return (n + POOL_ALIGN - 1) & ~(size_t)(POOL_ALIGN - 1);
+}
+
+/* A new block of `bytes` charged to the ledger under `pool`. */
+static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
+{
+    ml_host *h = p->host;
+    ml_ledger *lg = &h->ledger[p->device];
+    const ml_backend *be = h->backend[p->device];
+    *astatus = ML_ALLOC_OK;
+    if (!be || !be->available()) {
+        *astatus = ML_ALLOC_NODEVICE;
+        return ML_POOL_LEDGER;
+    }
+    switch (ml_ledger_check(lg, ML_CAT_POOL, bytes)) {
+    case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
+    case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
+    case ML_LEDGER_OK:            break;
+    }
+    ml_pool_block *nb = realloc(p->blocks, (p->nblocks + 1) * sizeof *nb);
+    if (!nb)
+        return ML_POOL_NOMEM;
+    p->blocks = nb;
+    void *data = bytes ? be->alloc(bytes, lg) : NULL;
+    if (bytes && !data) {
+        *astatus = ML_ALLOC_NOMEM;
+        return ML_POOL_NOMEM;
+    }
+    ml_ledger_charge(lg, ML_CAT_POOL, bytes);
+    p->blocks[p->nblocks++] = (ml_pool_block){data, bytes, 0};
+    p->capacity += bytes;
+    return ML_POOL_OK;
+}
+
+ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
+                           ml_pool **out, ml_alloc_status *astatus)
+{
+    *out = NULL;
+    ml_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        return ML_POOL_NOMEM;
+    p->host = h;
+    p->device = dev;
+    p->refs = 1;
+    p->grow = grow;
+    ml_pool_status s = add_block(p, align_up(bytes), astatus);
+    if (s != ML_POOL_OK) {
+        free(p->blocks);
+        free(p);
+        return s;
+    }
+    *out = p;
+    return ML_POOL_OK;
+}
+
+ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slot, uint64_t *id,
+                             ml_alloc_status *astatus)
+{
+    size_t need = align_up(nbytes);
+    *astatus = ML_ALLOC_OK;
+    ml_pool_block *b = &p->blocks[p->nblocks - 1];
+    if (b->size - b->used < need) {
+        p->noverflow++;
+        if (!p->grow)
+            return ML_POOL_FULL;
+        /* grow by at least the current capacity, so growth is geometric */
+        size_t add = need > p->capacity ? need : p->capacity;
+        ml_pool_status s = add_block(p, add, astatus);
+        if (s != ML_POOL_OK)
+            return s;
+        b = &p->blocks[p->nblocks - 1];
+    }
+    if (p->nslots == p->cap_slots) {
+        size_t cap = p->cap_slots ? 2 * p->cap_slots : 64;
+        ml_pool_slot *ns = realloc(p->slots, cap * sizeof *ns);
+        if (!ns)
+            return ML_POOL_NOMEM;
+        p->slots = ns;
+        p->cap_slots = cap;
+    }
+    ml_pool_slot *s = &p->slots[p->nslots];
+    s->block = p->nblocks - 1;
+    s->offset = b->used;
+    s->nbytes = need;
+    s->id = ++p->next_id;
+    b->used += need;
+    p->used += need;
+    if (p->used > p->high_water)
+        p->high_water = p->used;
+    *data = (char *)b->data + s->offset;
+    *slot = p->nslots++;
+    *id = s->id;
+    return ML_POOL_OK;
+}
+
+size_t ml_pool_mark(const ml_pool *p)
+{
+    return p->nslots;
+}
+
+void ml_pool_rewind(ml_pool *p, size_t mark)
+{
+    while (p->nslots > mark) {
+        ml_pool_slot *s = &p->slots[--p->nslots];
+        p->blocks[s->block].used = s->offset;
+        p->used -= s->nbytes;
+    }
+}
+
+int ml_pool_view_valid(const ml_pool *p, size_t slot, uint64_t id)
+{
+    return slot < p->nslots && p->slots[slot].id == id;
+}
+
+void ml_pool_retain(ml_pool *p)
+{
+    p->refs++;
+}
+
+void ml_pool_release(ml_pool *p)
+{
+    if (--p->refs > 0)
+        return;
+    ml_ledger *lg = &p->host->ledger[p->device];
+    for (size_t i = 0; i < p->nblocks; i++) {
+        ml_ledger_credit(lg, ML_CAT_POOL, p->blocks[i].size);
+        if (p->blocks[i].data)
+            p->host->backend[p->device]->free(p->blocks[i].data, p->blocks[i].size, lg);
+    }
+    free(p->blocks);
+    free(p->slots);
+    free(p);
+}

@@ -1,0 +1,32 @@
+/*
+ * kernels/matmul.h - (batched) matrix multiply through BLAS: OpenBLAS on
+ * the CPU, cuBLAS on CUDA. Transposes are flags, never copies.
+ *
+ * Row-major: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b], where op(A)
+ * is [m, k] (A stored [m, k] with leading dim lda, or [k, m] when ta), op(B)
+ * is [k, n]; batch b at offsets b*sa, b*sb, b*sc elements. C accumulates
+ * when beta != 0. f32, f64 (f64 on the CPU only). Not bitwise stable across
+ * thread counts or M (DESIGN.md): tests use normwise tolerances.
+ */
+#ifndef ML_KERNELS_MATMUL_H
+#define ML_KERNELS_MATMUL_H
+
+#include "core.h"
+
+typedef struct {
+    int64_t batch, m, n, k;
+    int ta, tb;
+    int64_t lda, ldb, ldc;
+    int64_t sa, sb, sc;
+    double alpha, beta;
+} ml_gemm_shape;
+
+ml_status ml_matmul_cpu(ml_dtype dt, void *c, const void *a, const void *b,
+                        const ml_gemm_shape *s, const ml_kctx *ctx);
+ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const void *b,
+                         const ml_gemm_shape *s, const ml_kctx *ctx);
+
+/* OpenBLAS thread count (CPU only; set by moelua.threads, not per call). */
+void ml_matmul_set_threads_cpu(int n);
+
+#endif

@@ -1,0 +1,13 @@
+-- moelua: the Lua face of the host. Tensor functions come from the C
+-- library moelua.tensor; this module gathers the libraries into one table.
+--   local moelua = require "moelua"
+--   local x = moelua.randn({4, 8})
+--   print(moelua.mem.report())
+local tensor = require "moelua.tensor"
+
+local moelua = {}
+for k, v in pairs(tensor) do moelua[k] = v end
+
+moelua.mem = require "moelua.mem"
+
+return moelua
