@@ -27,8 +27,11 @@ CFLAGS  += -DML_WITH_CUDA -I/usr/local/cuda/include
 SRC     += host/backend_cuda.c
 NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
-LDLIBS  += -L/usr/local/cuda/lib64 -lcublas -lcudart_static -lrt -lpthread -lstdc++
+# .cu objects get their own suffix: kernels/x.c and kernels/x.cu share a stem.
+CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.cu.o)
+# cudart static; cuBLAS is dlopen'ed on the first matmul (kernels/matmul.cu):
+# the binary starts without it and the bundle does not carry its 600 MB.
+LDLIBS  += -L/usr/local/cuda/lib64 -lcudart_static -lrt -lpthread -ldl -lstdc++
 else ifeq ($(SANITIZE),1)
 BUILD   := build/asan
 TARGET  := build/asan/moelua
@@ -55,9 +58,9 @@ $(BUILD)/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/%.o: %.cu
+$(BUILD)/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(NVFLAGS) -Xcompiler -fPIC -c $< -o $@
+	$(NVCC) $(NVFLAGS) -Xcompiler -fPIC,-Wall,-Wextra,-Wno-unused-parameter -MMD -MP -MF $(@:.o=.d) -c $< -o $@
 
 -include $(OBJ:.o=.d)
 

@@ -264,6 +264,30 @@ static int draw(lua_State *L, const char *fn, int normal)
 static int l_tensor_rand(lua_State *L) { return draw(L, "moelua.rand", 0); }
 static int l_tensor_randn(lua_State *L) { return draw(L, "moelua.randn", 1); }
 
+/* moelua.philox4x32_10({c0,c1,c2,c3}, {k0,k1}) -> four u32: the raw block,
+ * for known-answer tests against Random123. */
+static int l_tensor_philox4x32_10(lua_State *L)
+{
+    static const char fn[] = "moelua.philox4x32_10";
+    uint32_t ctr[4], key[2], out[4];
+    luaL_checktype(L, 1, LUA_TTABLE);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    for (int i = 0; i < 6; i++) {
+        lua_geti(L, i < 4 ? 1 : 2, i < 4 ? i + 1 : i - 3);
+        int isint;
+        lua_Integer v = lua_tointegerx(L, -1, &isint);
+        if (!isint || v < 0 || v > 0xffffffffLL)
+            ml_error(L, fn, "%s word %d must be an integer in [0, 2^32)", i < 4 ? "counter" : "key",
+                     i < 4 ? i + 1 : i - 3);
+        if (i < 4) ctr[i] = (uint32_t)v; else key[i - 4] = (uint32_t)v;
+        lua_pop(L, 1);
+    }
+    ml_philox4x32_10(ctr, key, out);
+    for (int i = 0; i < 4; i++)
+        lua_pushinteger(L, out[i]);
+    return 4;
+}
+
 static int l_tensor_manual_seed(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
@@ -411,9 +435,11 @@ static int l_tensor_select(lua_State *L)
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer i = luaL_checkinteger(L, 3);
+    if (i < 0)
+        i += t->shape[d] + 1;   /* -1 is the last */
     if (i < 1 || i > t->shape[d])
-        ml_error(L, fn, "index %lld is outside dim %d of size %lld (1-based)", (long long)i, d + 1,
-                 (long long)t->shape[d]);
+        ml_error(L, fn, "index %lld is outside dim %d of size %lld (1-based, negative from the end)",
+                 (long long)luaL_checkinteger(L, 3), d + 1, (long long)t->shape[d]);
     int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
     int nd = 0;
     for (int k = 0; k < t->ndim; k++) {
@@ -614,14 +640,27 @@ static int l_tensor_copy_(lua_State *L)
     return 1;
 }
 
+/* t:fill_(v); a strided view is filled by the copy kernel from one value
+ * broadcast with zero strides. */
 static int l_tensor_fill_(lua_State *L)
 {
     static const char fn[] = "Tensor:fill_";
-    ml_tensor *t = ml_checkcontig(L, 1, fn, -1);
+    ml_tensor *t = ml_checktensor(L, 1, fn);
     double v = luaL_checknumber(L, 2);
+    lua_settop(L, 1);
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, h->backend[t->st->device]->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    const ml_backend *be = ml_backend_of(L, fn, t->st->device);
+    if (ml_is_contiguous(t)) {
+        ml_check_status(L, fn, be->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+        return 1;
+    }
+    int64_t one = 1;
+    ml_tensor *s = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &one);
+    ml_check_status(L, fn, be->fill(t->dtype, ml_data(s), v, 1, &ctx));
+    static const int64_t zero[ML_MAXDIM];
+    ml_check_status(L, fn, be->copy(t->dtype, ml_data(t), t->stride, t->dtype, ml_data(s), zero,
+                                    t->ndim, t->shape, &ctx));
     lua_settop(L, 1);
     return 1;
 }
@@ -782,6 +821,7 @@ static const luaL_Reg tensor_functions[] = {
     {"rand", l_tensor_rand},
     {"randn", l_tensor_randn},
     {"manual_seed", l_tensor_manual_seed},
+    {"philox4x32_10", l_tensor_philox4x32_10},
     {"rng_state", l_tensor_rng_state},
     {"threads", l_tensor_threads},
     {"cuda_available", l_tensor_cuda_available},

@@ -75,7 +75,7 @@ void ml_ledger_charge(ml_ledger *lg, ml_category cat, size_t n)
         lg->total_peak = lg->total;
         memcpy(lg->at_peak, lg->cur, sizeof lg->at_peak);
     }
-    if (lg->reserved < lg->total)
+    if (!lg->caching || lg->reserved < lg->total)
         ml_ledger_set_reserved(lg, lg->total);
     sample(lg);
 }
@@ -90,6 +90,8 @@ void ml_ledger_credit(ml_ledger *lg, ml_category cat, size_t n)
     lg->cur[cat] -= n;
     lg->total -= n;
     lg->nfree[cat]++;
+    if (!lg->caching)
+        ml_ledger_set_reserved(lg, lg->total);
     sample(lg);
 }
 

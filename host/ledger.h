@@ -33,8 +33,9 @@ typedef struct {
     size_t total, total_peak;
     size_t at_peak[ML_NCAT];        /* breakdown at the moment of total_peak */
     uint64_t nalloc[ML_NCAT], nfree[ML_NCAT];
-    size_t reserved;                /* bytes held from the device (>= total on
-                                       a caching allocator, == total on CPU) */
+    int caching;                    /* 1: a caching allocator reports `reserved`;
+                                       0: reserved follows total (CPU) */
+    size_t reserved;                /* bytes held from the device (>= total) */
     size_t reserved_peak;
     size_t budget_total;            /* 0: no budget */
     size_t budget[ML_NCAT];         /* 0: no budget for that category */

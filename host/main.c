@@ -299,6 +299,7 @@ static void host_init(ml_host *h)
     h->interrupt = &interrupted;
     h->seed = 0x6d6f656c7561ULL;  /* "moelua"; moelua.manual_seed replaces it */
     h->backend[ML_CPU] = &ml_backend_cpu;
+    h->ledger[ML_CUDA].caching = 1;
 #ifdef ML_WITH_CUDA
     h->backend[ML_CUDA] = &ml_backend_cuda;
 #endif

@@ -40,7 +40,7 @@ static inline ml_status ml_cuda_status(cudaError_t e)
 {
     if (e == cudaSuccess)
         return ML_OK;
-    ml_cuda_note_error((int)e, cudaGetErrorString(e));
+    ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
     return ML_EDEVICE;
 }
 

@@ -10,11 +10,10 @@
 
 static char last_error[256];
 
-extern "C" void ml_cuda_note_error(int code, const char *what)
+extern "C" void ml_cuda_note_error(const char *name, int code, const char *what)
 {
-    const char *name = cudaGetErrorName((cudaError_t)code);
     snprintf(last_error, sizeof last_error, "%s (%d): %s",
-             name ? name : "cudaError", code, what ? what : "");
+             name ? name : "cuda", code, what ? what : "");
 }
 
 extern "C" const char *ml_cuda_error_string(void)

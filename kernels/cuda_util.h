@@ -13,8 +13,9 @@
 extern "C" {
 #endif
 
-/* Record a CUDA error (code and its runtime description). */
-void ml_cuda_note_error(int code, const char *what);
+/* Record an error of the CUDA runtime or a CUDA library: its name (e.g.
+ * "cudaErrorMemoryAllocation", "cublas"), code and description. */
+void ml_cuda_note_error(const char *name, int code, const char *what);
 /* The last recorded error, e.g. "cudaErrorMemoryAllocation (2): out of
  * memory", or "" when none was recorded. Never NULL. */
 const char *ml_cuda_error_string(void);
