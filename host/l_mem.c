@@ -27,18 +27,10 @@ static ml_device opt_device(lua_State *L, int idx, const char *fn)
     return ML_CPU;
 }
 
-static void push_report(lua_State *L, ml_host *h, ml_device d)
-{
-    char buf[4096];
-    size_t rss = d == ML_CPU ? ml_process_rss() : 0, total = h->ledger[d].total;
-    ml_ledger_format(&h->ledger[d], rss > total ? rss - total : 0, d == ML_CPU, buf, sizeof buf);
-    lua_pushstring(L, buf);
-}
-
 static int l_mem_report(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
-    push_report(L, h, opt_device(L, 1, "moelua.mem.report"));
+    ml_push_ledger_report(L, h, opt_device(L, 1, "moelua.mem.report"));
     return 1;
 }
 

@@ -187,7 +187,10 @@ static void table_fill(lua_State *L, const char *fn, ml_tensor *t, int level, in
             if (!isnum)
                 ml_error(L, fn, "element %lld is %s, not a number", (long long)(*pos + 1),
                          luaL_typename(L, -1));
-            ml_store(t->dtype, t->st->data, (size_t)(*pos)++, v);
+            if (t->dtype == ML_I64 && lua_isinteger(L, -1))   /* exact beyond 2^53 */
+                ((int64_t *)t->st->data)[(*pos)++] = lua_tointeger(L, -1);
+            else
+                ml_store(t->dtype, t->st->data, (size_t)(*pos)++, v);
         }
         lua_pop(L, 1);
     }
@@ -205,7 +208,9 @@ static int l_tensor_tensor(lua_State *L)
     int64_t shape[ML_MAXDIM];
     int ndim = lua_istable(L, 1) ? table_shape(L, 1, fn, shape) : 0;
     ml_tensor *t = ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
-    if (ndim == 0) {
+    if (ndim == 0 && dt == ML_I64 && lua_isinteger(L, 1)) {
+        *(int64_t *)t->st->data = lua_tointeger(L, 1);
+    } else if (ndim == 0) {
         ml_store(dt, t->st->data, 0, lua_tonumber(L, 1));
     } else {
         int64_t pos = 0;

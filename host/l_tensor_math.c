@@ -60,12 +60,15 @@ static int binary(lua_State *L, ml_binop op, int inplace)
         int ti = ta ? 1 : 2, si = ta ? 2 : 1;
         if (!ta && inplace)
             ml_error(L, fn, "argument #1: expected a tensor, got %s", luaL_typename(L, 1));
-        ml_tensor *t = ml_contiguous_arg(L, ti, fn);
+        /* in place writes the tensor itself, never a contiguous copy of it */
+        ml_tensor *t = inplace ? ml_checkcontig(L, 1, fn, -1) : ml_contiguous_arg(L, ti, fn);
         if (lua_type(L, si) != LUA_TNUMBER)
             ml_error(L, fn, "argument #%d: expected a tensor or a number, got %s", si,
                      luaL_typename(L, si));
         double s = lua_tonumber(L, si);
-        if (op == ML_DIV && s == 0 && ta && (t->dtype == ML_I32 || t->dtype == ML_I64))
+        if (op == ML_DIV && (t->dtype == ML_I32 || t->dtype == ML_I64) && !ta)
+            ml_error(L, fn, "integer division of a number by a tensor is not supported");
+        if (op == ML_DIV && s == 0 && (t->dtype == ML_I32 || t->dtype == ML_I64))
             ml_error(L, fn, "integer division by zero");
         ml_tensor *out = inplace ? t : ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
         ml_kctx ctx = ml_kctx_of(ml_host_of(L));
@@ -80,7 +83,11 @@ static int binary(lua_State *L, ml_binop op, int inplace)
     if (a->dtype != b->dtype)
         ml_error(L, fn, "dtypes differ (%s and %s): convert one with :to()", ml_dtype_names[a->dtype],
                  ml_dtype_names[b->dtype]);
-    const ml_tensor *big = ml_numel(a) >= ml_numel(b) ? a : b;
+    /* the output takes the shape of the operand that is not a single
+     * element, else of the longer one ([3] + [1,3], [0,D] + [D]) */
+    int64_t na = ml_numel(a), nb = ml_numel(b);
+    int b_big = na == 1 && nb != 1 ? 1 : nb == 1 && na != 1 ? 0 : b->ndim > a->ndim;
+    const ml_tensor *big = b_big ? b : a;
     const ml_tensor *small = big == a ? b : a;
     if (!broadcasts(big, small) || (inplace && big != a && ml_numel(a) != ml_numel(b))) {
         char sa[128], sb[128];
@@ -90,7 +97,7 @@ static int binary(lua_State *L, ml_binop op, int inplace)
                  inplace ? " into the first" : "");
     }
     int big_is_a = big == a;
-    a = ml_contiguous_arg(L, 1, fn);
+    a = inplace ? ml_checkcontig(L, 1, fn, -1) : ml_contiguous_arg(L, 1, fn);
     b = ml_contiguous_arg(L, 2, fn);
     big = big_is_a ? a : b;
     if ((a->dtype == ML_I32 || a->dtype == ML_I64) && op == ML_DIV)
@@ -126,7 +133,7 @@ static int unary(lua_State *L, ml_unop op, int inplace)
 {
     const char *fn = UNOP_NAMES[op];
     lua_settop(L, 1);
-    ml_tensor *t = ml_contiguous_arg(L, 1, fn);
+    ml_tensor *t = inplace ? ml_checkcontig(L, 1, fn, -1) : ml_contiguous_arg(L, 1, fn);
     int is_int = t->dtype == ML_I32 || t->dtype == ML_I64;
     if (!(t->dtype == ML_F32 || t->dtype == ML_F64 || (is_int && (op == ML_NEG || op == ML_ABS))))
         ml_error(L, fn, "not defined for dtype %s", ml_dtype_names[t->dtype]);
@@ -378,10 +385,15 @@ static int l_tensor_scatter_add_(lua_State *L)
         ml_error(L, fn, "source dtype %s differs from %s", ml_dtype_names[src->dtype],
                  ml_dtype_names[t->dtype]);
     check_index_shape(L, fn, t, idx, d);
-    check_index_shape(L, fn, idx, src, d);
-    if (src->shape[d] != idx->shape[d])
-        ml_error(L, fn, "source and index differ in dim %d (%lld and %lld)", d + 1,
-                 (long long)src->shape[d], (long long)idx->shape[d]);
+    int same = src->ndim == idx->ndim;
+    for (int i = 0; same && i < idx->ndim; i++)
+        same = src->shape[i] == idx->shape[i];
+    if (!same) {
+        char ss[128], si[128];
+        ml_format_shape(src, ss, sizeof ss);
+        ml_format_shape(idx, si, sizeof si);
+        ml_error(L, fn, "source shape %s differs from index shape %s", ss, si);
+    }
     check_index(L, fn, 3, idx, t->shape[d]);
     if (t->dtype != ML_F32 && t->dtype != ML_F64 && t->dtype != ML_I32 && t->dtype != ML_I64)
         ml_error(L, fn, "not defined for dtype %s", ml_dtype_names[t->dtype]);
@@ -480,6 +492,8 @@ static int l_tensor_matmul(lua_State *L)
             ok = c->shape[i] == oshape[i];
         if (!ok)
             ml_error(L, fn, "option 'out' has the wrong shape");
+        if (c->st == a->st || c->st == b->st)
+            ml_error(L, fn, "option 'out' shares storage with an input");
         lua_getfield(L, 3, "alpha");
         g.alpha = luaL_optnumber(L, -1, 1.0);
         lua_getfield(L, 3, "beta");
@@ -500,10 +514,12 @@ static int l_tensor_matmul(lua_State *L)
     if (g.ldb < 1) g.ldb = 1;
     if (m == 0 || n == 0)
         return 1;
-    if (k == 0) {   /* BLAS is not asked about empty sums: C = beta*C */
+    if (k == 0) {   /* BLAS is not asked about empty sums: C = beta*C, C not read when beta = 0 */
         ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-        ml_check_status(L, fn, backend_of(L, fn, c)->binary_scalar(ML_MUL, c->dtype, ml_data(c), ml_data(c),
-                                                                    g.beta, 0, ml_numel(c), &ctx));
+        const ml_backend *be = backend_of(L, fn, c);
+        ml_check_status(L, fn, g.beta == 0 ? be->fill(c->dtype, ml_data(c), 0, ml_numel(c), &ctx)
+                                           : be->binary_scalar(ML_MUL, c->dtype, ml_data(c), ml_data(c),
+                                                               g.beta, 0, ml_numel(c), &ctx));
         return 1;
     }
     if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || g.lda > INT32_MAX || g.ldb > INT32_MAX)

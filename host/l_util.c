@@ -91,7 +91,7 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
     return t;
 }
 
-static void push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
 {
     char buf[2048];
     size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
@@ -135,7 +135,7 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
             lua_pushfstring(L, "%s: allocating %s (%s) on %s would exceed the %s budget of %s\n",
                             fn, want, cat, ml_device_names[dev],
                             s == ML_ALLOC_OVER_TOTAL ? "total" : cat, limit);
-        push_ledger_report(L, h, dev);
+        ml_push_ledger_report(L, h, dev);
         lua_concat(L, 3);
         lua_error(L);
     }
@@ -144,14 +144,29 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     t->ndim = ndim;
     memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
     ml_set_contiguous_strides(t);
+    /* The collector sees a small userdata, not the bytes behind it: tell it
+     * (in KiB) so garbage tensors are collected at the pace they are made,
+     * as Torch7's heap tracking did. */
+    if (nbytes >= ((size_t)64 << 10))
+        lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
     return t;
+}
+
+/* One Ctrl-C is one error: consume the flag and the main thread's hook, so
+ * a script that catches "interrupted" computes again. */
+static void consume_interrupt(lua_State *L)
+{
+    *ml_host_of(L)->interrupt = 0;
+    lua_rawgeti(L, LUA_REGISTRYINDEX, LUA_RIDX_MAINTHREAD);
+    lua_sethook(lua_tothread(L, -1), NULL, 0, 0);
+    lua_pop(L, 1);
 }
 
 void ml_check_status(lua_State *L, const char *fn, ml_status s)
 {
     switch (s) {
     case ML_OK:             return;
-    case ML_EINTERRUPTED:   ml_error(L, fn, "interrupted");
+    case ML_EINTERRUPTED:   consume_interrupt(L); ml_error(L, fn, "interrupted");
     case ML_ENAN:           ml_error(L, fn, "NaN in the input");
     case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
     case ML_EDEVICE:        ml_error(L, fn, "the device reported an error");

@@ -39,6 +39,9 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
  * that contains the ledger table. */
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
                         int ndim, const int64_t *shape);
+/* Push the device's account book as text (with the untracked remainder on
+ * CPU), for errors that report a refused allocation. */
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);

@@ -7,5 +7,8 @@
 const luaL_Reg ml_libs[] = {
     {"moelua.tensor", luaopen_moelua_tensor},
     {"moelua.mem", luaopen_moelua_mem},
+    {"moelua.pool", luaopen_moelua_pool},
+    {"moelua.io", luaopen_moelua_io},
+    {"moelua.bench", luaopen_moelua_bench},
     {NULL, NULL}
 };

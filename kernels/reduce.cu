@@ -1,5 +1,5 @@
 /*
- * kernels/reduce.cu - CUDA sum / mean / max over a dim or everything, and
+ * kernels/reduce.cu - CUDA sum / mean / max / min over a dim or everything, and
  * cumsum, in the CPU's summation order (kernels/reduce.h), so results are
  * bit-identical to kernels/reduce.c, not merely close:
  *   - over a dim: one thread per output, sequential in f64 along the dim
@@ -27,12 +27,12 @@ __device__ __forceinline__ double at(ml_dtype dt, const void *p, int64_t i)
     return dt == ML_F32 ? (double)((const float *)p)[i] : ((const double *)p)[i];
 }
 
-/* Running max with NaN winning and the first position kept on ties. */
-__device__ __forceinline__ void max_step(double v, int64_t j, double *best, int64_t *bi)
+/* Running max (or min) with NaN winning and the first position kept on ties. */
+__device__ __forceinline__ void ext_step(ml_redop op, double v, int64_t j, double *best, int64_t *bi)
 {
     if (*best != *best)
         return;
-    if (v > *best || v != v) {
+    if ((op == ML_RMAX ? v > *best : v < *best) || v != v) {
         *best = v;
         *bi = j;
     }
@@ -48,10 +48,10 @@ __global__ void reduce_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *idx,
         int64_t base = o * r * inner + i;
         double acc;
         int64_t bi = 0;
-        if (op == ML_RMAX) {
-            acc = r ? at(dt, in, base) : -INFINITY;
+        if (op == ML_RMAX || op == ML_RMIN) {
+            acc = r ? at(dt, in, base) : NAN;
             for (int64_t j = 1; j < r; j++)
-                max_step(at(dt, in, base + j * inner), j, &acc, &bi);
+                ext_step(op, at(dt, in, base + j * inner), j, &acc, &bi);
         } else {
             acc = 0;
             for (int64_t j = 0; j < r; j++)
@@ -97,11 +97,11 @@ all_super_kernel(ml_redop op, ml_dtype dt, const void *in, int64_t n, int64_t fi
     int64_t s = sbase + (int64_t)threadIdx.x * ML_REDUCE_BLOCK;
     if (s < n) {
         int64_t e = s + ML_REDUCE_BLOCK < n ? s + ML_REDUCE_BLOCK : n;
-        if (op == ML_RMAX) {
+        if (op == ML_RMAX || op == ML_RMIN) {
             double best = at(dt, in, s);
             int64_t bi = s;
             for (int64_t i = s + 1; i < e; i++)
-                max_step(at(dt, in, i), i, &best, &bi);
+                ext_step(op, at(dt, in, i), i, &best, &bi);
             part[threadIdx.x] = best;
             pidx[threadIdx.x] = bi;
         } else {
@@ -116,11 +116,11 @@ all_super_kernel(ml_redop op, ml_dtype dt, const void *in, int64_t n, int64_t fi
         int64_t left = n - sbase, nblocks = (left + ML_REDUCE_BLOCK - 1) / ML_REDUCE_BLOCK;
         if (nblocks > SUPER)
             nblocks = SUPER;
-        if (op == ML_RMAX) {
+        if (op == ML_RMAX || op == ML_RMIN) {
             double best = part[0];
             int64_t bi = pidx[0];
             for (int64_t b = 1; b < nblocks; b++)
-                max_step(part[b], pidx[b], &best, &bi);
+                ext_step(op, part[b], pidx[b], &best, &bi);
             super_part[blockIdx.x] = best;
             super_idx[blockIdx.x] = bi;
         } else {
@@ -133,15 +133,19 @@ all_super_kernel(ml_redop op, ml_dtype dt, const void *in, int64_t n, int64_t fi
 }
 
 /* One thread folds this pass's super partials into the running result in
- * order; the last pass writes out (and idx). */
-__global__ void all_fold_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *idx, int64_t nsup,
-                                int first_pass, int last_pass, int64_t n)
+ * order, starting like the CPU (sum 0; max/min from element 0, position
+ * 0); the last pass writes out (and idx). ext_step keeps the first NaN or
+ * else the first extremum, so folding per super block and then across
+ * super blocks selects what the CPU's flat fold selects. */
+__global__ void all_fold_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
+                                int64_t nsup, int first_pass, int last_pass, int64_t n)
 {
-    double acc = first_pass ? (op == ML_RMAX ? -INFINITY : 0.0) : run_acc;
+    int ext = op == ML_RMAX || op == ML_RMIN;
+    double acc = !first_pass ? run_acc : !ext ? 0.0 : n ? at(dt, in, 0) : NAN;
     int64_t bi = first_pass ? 0 : run_idx;
     for (int64_t s = 0; s < nsup; s++) {
-        if (op == ML_RMAX)
-            max_step(super_part[s], super_idx[s], &acc, &bi);
+        if (ext)
+            ext_step(op, super_part[s], super_idx[s], &acc, &bi);
         else
             acc += super_part[s];
     }
@@ -164,8 +168,8 @@ extern "C" ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int
     cudaStream_t st = ml_cuda_stream(ctx);
     int64_t super_elems = (int64_t)SUPER * ML_REDUCE_BLOCK;
     int64_t nsuper = n > 0 ? (n + super_elems - 1) / super_elems : 0;
-    if (nsuper == 0) {   /* empty: sum 0, mean NaN, max -inf at 0, as on the CPU */
-        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, 0, 1, 1, 0);
+    if (nsuper == 0) {   /* empty: sum 0, mean / max / min NaN at 0, as on the CPU */
+        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, in, 0, 1, 1, 0);
         return ml_cuda_launched();
     }
     for (int64_t first = 0; first < nsuper; first += SCRATCH) {
@@ -176,7 +180,7 @@ extern "C" ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int
         ml_status s = ml_cuda_launched();
         if (s != ML_OK)
             return s;
-        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, count, first == 0,
+        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, in, count, first == 0,
                                          first + count == nsuper, n);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;

@@ -9,5 +9,7 @@ local moelua = {}
 for k, v in pairs(tensor) do moelua[k] = v end
 
 moelua.mem = require "moelua.mem"
+moelua.pool = require "moelua.pool"
+moelua.bench = require "moelua.bench"
 
 return moelua

@@ -1,0 +1,61 @@
+-- recipes/bench/matmul.lua: what a matmul from Lua costs over a raw
+-- cblas_sgemm call on the same buffers, in one process, interleaved.
+--   moelua recipes/bench/matmul.lua [--sizes 64,256,2048] [--reps 15]
+-- One JSON object per size: median seconds per call of
+--   raw        cblas_sgemm timed in C (no Lua)
+--   lua_out    moelua.matmul(a, b, {out = c})   (argument checks, no allocation)
+--   lua_alloc  moelua.matmul(a, b)              (a new result through the ledger each call)
+-- and the ratios lua/raw. Targets (issue: host): 64^3 lua <= 2x raw; 2048^3 raw/lua >= 0.95.
+local moelua = require "moelua"
+local bench = moelua.bench
+
+local opts = {sizes = "64,256,2048", reps = 15}
+local i = 1
+while arg[i] do
+  local k = arg[i]:match("^%-%-(.+)$")
+  if not k or opts[k] == nil or not arg[i + 1] then
+    error("usage: matmul.lua [--sizes a,b,...] [--reps n] (bad argument '" .. tostring(arg[i]) .. "')")
+  end
+  opts[k] = arg[i + 1]
+  i = i + 2
+end
+
+local function median(t)
+  table.sort(t)
+  local n = #t
+  return n % 2 == 1 and t[(n + 1) // 2] or (t[n // 2] + t[n // 2 + 1]) / 2
+end
+
+-- Calls per timed sample: enough for ~20 ms of work, so the clock resolution is noise.
+local function calls_for(n)
+  local flops = 2 * n * n * n
+  return math.max(1, math.floor(2e-2 * 5e10 / flops))
+end
+
+for size in tostring(opts.sizes):gmatch("%d+") do
+  local n = tonumber(size)
+  moelua.manual_seed(n)
+  local a, b = moelua.randn({n, n}), moelua.randn({n, n})
+  local c = moelua.zeros({n, n})
+  local calls = calls_for(n)
+  local out_opts = {out = c}
+  local raw, lua_out, lua_alloc = {}, {}, {}
+  bench.raw_sgemm(c, a, b, calls)   -- warm-up: OpenBLAS buffers, page faults
+  moelua.matmul(a, b, out_opts)
+  for _ = 1, tonumber(opts.reps) do
+    raw[#raw + 1] = bench.raw_sgemm(c, a, b, calls)
+    local t0 = bench.now()
+    for _ = 1, calls do moelua.matmul(a, b, out_opts) end
+    lua_out[#lua_out + 1] = (bench.now() - t0) / calls
+    t0 = bench.now()
+    for _ = 1, calls do moelua.matmul(a, b) end
+    lua_alloc[#lua_alloc + 1] = (bench.now() - t0) / calls
+  end
+  local r, o, al = median(raw), median(lua_out), median(lua_alloc)
+  print(string.format(
+    '{"bench":"matmul","m":%d,"n":%d,"k":%d,"threads":%d,"calls":%d,"reps":%d,' ..
+    '"raw_s":%.4e,"lua_out_s":%.4e,"lua_alloc_s":%.4e,"out_over_raw":%.3f,"alloc_over_raw":%.3f,' ..
+    '"raw_gflops":%.1f,"lua_out_gflops":%.1f}',
+    n, n, n, moelua.threads(), calls, tonumber(opts.reps), r, o, al, o / r, al / r,
+    2 * n ^ 3 / r / 1e9, 2 * n ^ 3 / o / 1e9))
+end
