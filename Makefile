@@ -90,7 +90,7 @@ run: deps
 # C unit tests: each tests/c/test_*.c links against the host objects.
 TEST_SRC := $(wildcard tests/c/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
-LIB_OBJ  := $(filter-out $(BUILD)/host/main.o,$(OBJ))
+LIB_OBJ  := $(filter-out $(BUILD)/host/main.o $(BUILD)/host/repl.o,$(OBJ))
 .PHONY: build/tests
 build/tests: $(TEST_BIN)
 $(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)

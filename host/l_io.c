@@ -54,6 +54,7 @@ static ml_tensor *check_entry(lua_State *L, const char *fn, const char *name)
     return t;
 }
 
+/* Pairs of strings, compared by their first (the key). */
 static int cmp_key(const void *a, const void *b)
 {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
@@ -93,16 +94,7 @@ static const char **check_metadata(lua_State *L, int idx, const char *fn, size_t
         i++;
         lua_pop(L, 1);
     }
-    /* Sort pairs by key: a deterministic header. */
-    for (size_t a = 1; a < *n; a++) {
-        for (size_t b = a; b > 0 && cmp_key(&kv[2 * b - 2], &kv[2 * b]) > 0; b--) {
-            const char *k = kv[2 * b], *v = kv[2 * b + 1];
-            kv[2 * b] = kv[2 * b - 2];
-            kv[2 * b + 1] = kv[2 * b - 1];
-            kv[2 * b - 2] = k;
-            kv[2 * b - 1] = v;
-        }
-    }
+    qsort(kv, *n, 2 * sizeof *kv, cmp_key);   /* pairs by key: a deterministic header */
     return kv;
 }
 

@@ -485,7 +485,12 @@ static int l_tensor_matmul(lua_State *L)
     const int64_t *oshape = nd == 3 ? shape : shape + 1;
     ml_tensor *c;
     if (!lua_isnil(L, 3) && lua_getfield(L, 3, "out") != LUA_TNIL) {
-        c = ml_checkcontig(L, -1, fn, a->dtype);
+        c = ml_testtensor(L, -1);
+        if (!c || !c->st || c->dtype != a->dtype || !ml_is_contiguous(c))
+            ml_error(L, fn, "option 'out': expected a contiguous %s tensor, got %s", ml_dtype_names[a->dtype],
+                     !c ? luaL_typename(L, -1) : !c->st ? "a freed tensor"
+                     : c->dtype != a->dtype ? ml_dtype_names[c->dtype] : "a non-contiguous view");
+        c = ml_checktensor(L, -1, fn);   /* refuses a stale pool view */
         check_same_device(L, fn, a, c);
         int ok = c->ndim == nd;
         for (int i = 0; ok && i < nd; i++)

@@ -12,4 +12,7 @@ moelua.mem = require "moelua.mem"
 moelua.pool = require "moelua.pool"
 moelua.bench = require "moelua.bench"
 
+local io = require "moelua.io"
+moelua.save, moelua.load = io.save, io.load
+
 return moelua
