@@ -9,8 +9,12 @@
  *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
+ *   mem.empty_cache()             CUDA: release the caching allocator's free blocks
  */
 #include "l_util.h"
+#ifdef ML_WITH_CUDA
+#include "backend_cuda.h"
+#endif
 
 #include <string.h>
 
@@ -80,6 +84,27 @@ static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
         set_int(L, "rss", (lua_Integer)rss);
         set_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
     }
+#ifdef ML_WITH_CUDA
+    size_t free_b, total_b;
+    if (d == ML_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0) {
+        /* device bytes in use that the caching allocator did not reserve:
+         * the CUDA context, cuBLAS workspaces, other processes */
+        size_t used = total_b - free_b;
+        set_int(L, "untracked", (lua_Integer)(used > lg->reserved ? used - lg->reserved : 0));
+        ml_cuda_alloc_stats a;
+        ml_cuda_alloc_get_stats(&a);
+        lua_createtable(L, 0, 8);
+        set_int(L, "reserved", (lua_Integer)a.reserved);
+        set_int(L, "allocated", (lua_Integer)a.allocated);
+        set_int(L, "cached", (lua_Integer)a.cached);
+        set_int(L, "requested", (lua_Integer)a.requested);
+        set_int(L, "mallocs", (lua_Integer)a.nmalloc);
+        set_int(L, "hits", (lua_Integer)a.nhits);
+        set_int(L, "flushes", (lua_Integer)a.nflush);
+        set_int(L, "failures", (lua_Integer)a.nfail);
+        lua_setfield(L, -2, "allocator");
+    }
+#endif
 }
 
 static int l_mem_stats(lua_State *L)
@@ -224,7 +249,19 @@ static int l_mem_timeline(lua_State *L)
     return 2;
 }
 
+/* mem.empty_cache(): return the CUDA allocator's cached blocks to the device. */
+static int l_mem_empty_cache(lua_State *L)
+{
+#ifdef ML_WITH_CUDA
+    ml_cuda_empty_cache(&ml_host_of(L)->ledger[ML_CUDA]);
+#else
+    (void)L;
+#endif
+    return 0;
+}
+
 static const luaL_Reg mem_functions[] = {
+    {"empty_cache", l_mem_empty_cache},
     {"report", l_mem_report},
     {"stats", l_mem_stats},
     {"reset_peak", l_mem_reset_peak},

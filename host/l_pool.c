@@ -25,6 +25,7 @@
 #include "l_util.h"
 #include "pool.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,24 +51,23 @@ static ml_pool *check_pool(lua_State *L, int idx, const char *fn)
 }
 
 /* Raise for a pool status other than OK and FULL: a refused or failed
- * request for `nbytes` of new pool memory, with the ledger when a budget
- * refused it. `what` says what the bytes were for. */
+ * request for new pool memory, with the ledger when a budget refused it.
+ * `what` says what the bytes were for ("allocating a pool of 4.00 KiB"). */
 static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
-                        ml_pool_status ps, ml_alloc_status as, const char *what, size_t nbytes)
+                        ml_pool_status ps, ml_alloc_status as, const char *what)
 {
-    char want[32], limit[32];
+    char limit[32];
     const ml_ledger *lg = &h->ledger[dev];
-    ml_format_bytes(nbytes, want, sizeof want);
     if (as == ML_ALLOC_NODEVICE)
         ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
                  h->backend[dev] ? "no device present" : "built without it: make CUDA=1");
     if (ps == ML_POOL_NOMEM || as == ML_ALLOC_NOMEM)
-        ml_error(L, fn, "out of memory %s (%s, pool) on %s", what, want, ml_device_names[dev]);
+        ml_error(L, fn, "out of memory %s on %s", what, ml_device_names[dev]);
     int total = as == ML_ALLOC_OVER_TOTAL;
     ml_format_bytes(total ? lg->budget_total : lg->budget[ML_CAT_POOL], limit, sizeof limit);
     luaL_where(L, 1);
-    lua_pushfstring(L, "%s: %s (%s, pool) on %s would exceed the %s budget of %s\n", fn, what,
-                    want, ml_device_names[dev], total ? "total" : "pool", limit);
+    lua_pushfstring(L, "%s: %s on %s would exceed the %s budget of %s\n", fn, what,
+                    ml_device_names[dev], total ? "total" : "pool", limit);
     ml_push_ledger_report(L, h, dev);
     lua_concat(L, 3);
     lua_error(L);
@@ -114,8 +114,12 @@ static int l_pool_new(lua_State *L)
         lua_gc(L, LUA_GCCOLLECT);
         ps = ml_pool_new(h, dev, (size_t)bytes, grow, &u->p, &as);
     }
-    if (ps != ML_POOL_OK)
-        raise_alloc(L, fn, h, dev, ps, as, "allocating a pool of", (size_t)bytes);
+    if (ps != ML_POOL_OK) {
+        char what[64], want[32];
+        ml_format_bytes((size_t)bytes, want, sizeof want);
+        snprintf(what, sizeof what, "allocating a pool of %s", want);
+        raise_alloc(L, fn, h, dev, ps, as, what);
+    }
     return 1;
 }
 
@@ -146,15 +150,17 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
         if (closed)
             ml_error(L, fn, "the pool was closed by a finalizer");
     }
-    if (ps == ML_POOL_FULL) {
-        char need[32], avail[32], cap[32];
-        ml_format_bytes((nbytes + 63) & ~(size_t)63, need, sizeof need);
-        ml_format_bytes(free_before, avail, sizeof avail);
-        ml_format_bytes(p->capacity, cap, sizeof cap);
+    char need[32], avail[32], cap[32];
+    ml_format_bytes((nbytes + 63) & ~(size_t)63, need, sizeof need);
+    ml_format_bytes(free_before, avail, sizeof avail);
+    ml_format_bytes(p->capacity, cap, sizeof cap);
+    if (ps == ML_POOL_FULL)
         ml_error(L, "moelua.pool", "pool full: need %s, %s free of %s (grow=false)", need, avail, cap);
+    if (ps != ML_POOL_OK) {
+        char what[160];
+        snprintf(what, sizeof what, "growing the pool (need %s, %s free of %s)", need, avail, cap);
+        raise_alloc(L, fn, p->host, p->device, ps, as, what);
     }
-    if (ps != ML_POOL_OK)
-        raise_alloc(L, fn, p->host, p->device, ps, as, "growing the pool for", nbytes);
     return data;
 }
 

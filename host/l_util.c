@@ -4,6 +4,9 @@
  */
 #include "l_util.h"
 #include "pool.h"
+#ifdef ML_WITH_CUDA
+#include "backend_cuda.h"
+#endif
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -100,6 +103,17 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
     lua_pushstring(L, buf);
 }
 
+static const char *unavailable_reason(const ml_host *h, ml_device dev)
+{
+    if (!h->backend[dev])
+        return "built without it: make CUDA=1";
+#ifdef ML_WITH_CUDA
+    if (dev == ML_CUDA && ml_cuda_unavailable_reason()[0])
+        return ml_cuda_unavailable_reason();
+#endif
+    return "no device present";
+}
+
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
                         int ndim, const int64_t *shape)
 {
@@ -112,6 +126,10 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     ml_storage *st = NULL;
     ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
     if (s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) {
+#ifdef ML_WITH_CUDA
+        if (dev == ML_CUDA)
+            ml_cuda_empty_cache(&h->ledger[ML_CUDA]);
+#endif
         lua_gc(L, LUA_GCCOLLECT);
         s = ml_storage_new(h, dev, nbytes, &st);
     }
@@ -121,8 +139,7 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
         const ml_ledger *lg = &h->ledger[dev];
         const char *cat = ml_category_names[h->category];
         if (s == ML_ALLOC_NODEVICE)
-            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
-                     h->backend[dev] ? "no device present" : "built without it: make CUDA=1");
+            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], unavailable_reason(h, dev));
         if (s == ML_ALLOC_OVER_TOTAL)
             ml_format_bytes(lg->budget_total, limit, sizeof limit);
         else
@@ -169,7 +186,11 @@ void ml_check_status(lua_State *L, const char *fn, ml_status s)
     case ML_EINTERRUPTED:   consume_interrupt(L); ml_error(L, fn, "interrupted");
     case ML_ENAN:           ml_error(L, fn, "NaN in the input");
     case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
+#ifdef ML_WITH_CUDA
+    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error: %s", ml_cuda_last_error());
+#else
     case ML_EDEVICE:        ml_error(L, fn, "the device reported an error");
+#endif
     }
     ml_error(L, fn, "unknown status %d", (int)s);
 }

@@ -3,10 +3,8 @@
  * f32 and f64 have typed loops; integer dtypes go through the generic
  * double path (exact for i32, and for i64 up to 2^53).
  */
-#include "elementwise.h"
+#include "elementwise_ops.h"
 #include "parallel.h"
-
-#include <math.h>
 
 #define TILE 16384
 
@@ -46,40 +44,6 @@ ml_status ml_arange_cpu(ml_dtype dt, void *out, double start, double step, int64
 
 /* ---- binary ----------------------------------------------------------- */
 
-static inline double binop(ml_binop op, double x, double y)
-{
-    switch (op) {
-    case ML_ADD: return x + y;
-    case ML_SUB: return x - y;
-    case ML_MUL: return x * y;
-    case ML_DIV: return x / y;
-    case ML_MAX: return (x > y || isnan(x)) ? x : y;
-    case ML_MIN: return (x < y || isnan(x)) ? x : y;
-    default:     return 0;
-    }
-}
-
-static inline float binop_f32(ml_binop op, float x, float y)
-{
-    switch (op) {
-    case ML_ADD: return x + y;
-    case ML_SUB: return x - y;
-    case ML_MUL: return x * y;
-    case ML_DIV: return x / y;
-    case ML_MAX: return (x > y || isnan(x)) ? x : y;
-    case ML_MIN: return (x < y || isnan(x)) ? x : y;
-    default:     return 0;
-    }
-}
-
-/* Integer division by zero is refused by the binding; here it would trap. */
-static inline double binop_int(ml_binop op, double x, double y)
-{
-    if (op == ML_DIV)
-        return y != 0 ? trunc(x / y) : 0;
-    return binop(op, x, y);
-}
-
 typedef struct {
     ml_binop op; ml_dtype dt; void *out; const void *a, *b;
     int64_t na, nb; double s; int reverse;
@@ -93,7 +57,7 @@ static void binary_tile(void *p, int64_t lo, int64_t hi)
         const float *a = g->a, *b = g->b;
         float *o = g->out;
         for (int64_t i = lo; i < hi; i++) {
-            o[i] = binop_f32(g->op, a[ia], b[ib]);
+            o[i] = ml_binop_f32(g->op, a[ia], b[ib]);
             if (++ia == g->na) ia = 0;
             if (++ib == g->nb) ib = 0;
         }
@@ -101,14 +65,14 @@ static void binary_tile(void *p, int64_t lo, int64_t hi)
         const double *a = g->a, *b = g->b;
         double *o = g->out;
         for (int64_t i = lo; i < hi; i++) {
-            o[i] = binop(g->op, a[ia], b[ib]);
+            o[i] = ml_binop_f64(g->op, a[ia], b[ib]);
             if (++ia == g->na) ia = 0;
             if (++ib == g->nb) ib = 0;
         }
     } else {
         for (int64_t i = lo; i < hi; i++) {
             double x = ml_load(g->dt, g->a, (size_t)ia), y = ml_load(g->dt, g->b, (size_t)ib);
-            ml_store(g->dt, g->out, (size_t)i, binop_int(g->op, x, y));
+            ml_store(g->dt, g->out, (size_t)i, ml_binop_int(g->op, x, y));
             if (++ia == g->na) ia = 0;
             if (++ib == g->nb) ib = 0;
         }
@@ -136,19 +100,19 @@ static void scalar_tile(void *p, int64_t lo, int64_t hi)
         const float *a = g->a;
         float *o = g->out, s = (float)g->s;
         if (g->reverse)
-            for (int64_t i = lo; i < hi; i++) o[i] = binop_f32(g->op, s, a[i]);
+            for (int64_t i = lo; i < hi; i++) o[i] = ml_binop_f32(g->op, s, a[i]);
         else
-            for (int64_t i = lo; i < hi; i++) o[i] = binop_f32(g->op, a[i], s);
+            for (int64_t i = lo; i < hi; i++) o[i] = ml_binop_f32(g->op, a[i], s);
     } else if (g->dt == ML_F64) {
         const double *a = g->a;
         double *o = g->out;
         for (int64_t i = lo; i < hi; i++)
-            o[i] = g->reverse ? binop(g->op, g->s, a[i]) : binop(g->op, a[i], g->s);
+            o[i] = g->reverse ? ml_binop_f64(g->op, g->s, a[i]) : ml_binop_f64(g->op, a[i], g->s);
     } else {
         for (int64_t i = lo; i < hi; i++) {
             double x = ml_load(g->dt, g->a, (size_t)i);
             ml_store(g->dt, g->out, (size_t)i,
-                     g->reverse ? binop_int(g->op, g->s, x) : binop_int(g->op, x, g->s));
+                     g->reverse ? ml_binop_int(g->op, g->s, x) : ml_binop_int(g->op, x, g->s));
         }
     }
 }
@@ -164,38 +128,6 @@ ml_status ml_binary_scalar_cpu(ml_binop op, ml_dtype dt, void *out, const void *
 
 /* ---- unary ------------------------------------------------------------ */
 
-static inline float unop_f32(ml_unop op, float x)
-{
-    switch (op) {
-    case ML_EXP:     return expf(x);
-    case ML_LOG:     return logf(x);
-    case ML_SQRT:    return sqrtf(x);
-    case ML_RSQRT:   return 1.0f / sqrtf(x);
-    case ML_SILU:    return x / (1.0f + expf(-x));
-    case ML_SIGMOID: return 1.0f / (1.0f + expf(-x));
-    case ML_TANH:    return tanhf(x);
-    case ML_NEG:     return -x;
-    case ML_ABS:     return fabsf(x);
-    default:         return 0;
-    }
-}
-
-static inline double unop_f64(ml_unop op, double x)
-{
-    switch (op) {
-    case ML_EXP:     return exp(x);
-    case ML_LOG:     return log(x);
-    case ML_SQRT:    return sqrt(x);
-    case ML_RSQRT:   return 1.0 / sqrt(x);
-    case ML_SILU:    return x / (1.0 + exp(-x));
-    case ML_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case ML_TANH:    return tanh(x);
-    case ML_NEG:     return -x;
-    case ML_ABS:     return fabs(x);
-    default:         return 0;
-    }
-}
-
 typedef struct { ml_unop op; ml_dtype dt; void *out; const void *a; } un_arg;
 
 static void unary_tile(void *p, int64_t lo, int64_t hi)
@@ -204,11 +136,11 @@ static void unary_tile(void *p, int64_t lo, int64_t hi)
     if (g->dt == ML_F32) {
         const float *a = g->a;
         float *o = g->out;
-        for (int64_t i = lo; i < hi; i++) o[i] = unop_f32(g->op, a[i]);
+        for (int64_t i = lo; i < hi; i++) o[i] = ml_unop_f32(g->op, a[i]);
     } else if (g->dt == ML_F64) {
         const double *a = g->a;
         double *o = g->out;
-        for (int64_t i = lo; i < hi; i++) o[i] = unop_f64(g->op, a[i]);
+        for (int64_t i = lo; i < hi; i++) o[i] = ml_unop_f64(g->op, a[i]);
     } else if (g->dt == ML_I32) {
         const int32_t *a = g->a;
         int32_t *o = g->out;

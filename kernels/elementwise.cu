@@ -9,7 +9,7 @@
 #include "cuda_common.cuh"
 
 extern "C" {
-#include "elementwise.h"
+#include "elementwise_ops.h"
 }
 
 /* ---- fill / arange ------------------------------------------------------ */
@@ -67,42 +67,18 @@ extern "C" ml_status ml_arange_cuda(ml_dtype dt, void *out, double start, double
 
 /* ---- binary ------------------------------------------------------------- */
 
-/* x != x is isnan for float and double alike. */
-template <typename F>
-__device__ __forceinline__ F binop_float(ml_binop op, F x, F y)
-{
-    switch (op) {
-    case ML_ADD: return x + y;
-    case ML_SUB: return x - y;
-    case ML_MUL: return x * y;
-    case ML_DIV: return x / y;
-    case ML_MAX: return (x > y || x != x) ? x : y;
-    case ML_MIN: return (x < y || x != x) ? x : y;
-    default:     return 0;
-    }
-}
-
-/* Integers go through double like the CPU's generic path; division
- * truncates and a zero divisor gives 0 (the binding refuses it first). */
-__device__ __forceinline__ double binop_int(ml_binop op, double x, double y)
-{
-    if (op == ML_DIV)
-        return y != 0 ? trunc(x / y) : 0;
-    return binop_float<double>(op, x, y);
-}
-
 template <typename T> struct binop_of;
 template <> struct binop_of<float> {
-    static __device__ __forceinline__ float apply(ml_binop op, float x, float y) { return binop_float<float>(op, x, y); }
+    static __device__ __forceinline__ float apply(ml_binop op, float x, float y) { return ml_binop_f32(op, x, y); }
 };
 template <> struct binop_of<double> {
-    static __device__ __forceinline__ double apply(ml_binop op, double x, double y) { return binop_float<double>(op, x, y); }
+    static __device__ __forceinline__ double apply(ml_binop op, double x, double y) { return ml_binop_f64(op, x, y); }
 };
 template <> struct binop_of<int32_t> {
     static __device__ __forceinline__ int32_t apply(ml_binop op, int32_t x, int32_t y)
     {
         int32_t r;
-        ml_store(ML_I32, &r, 0, binop_int(op, (double)x, (double)y));
+        ml_store(ML_I32, &r, 0, ml_binop_int(op, (double)x, (double)y));
         return r;
     }
 };
@@ -110,7 +86,7 @@ template <> struct binop_of<int64_t> {
     static __device__ __forceinline__ int64_t apply(ml_binop op, int64_t x, int64_t y)
     {
         int64_t r;
-        ml_store(ML_I64, &r, 0, binop_int(op, (double)x, (double)y));
+        ml_store(ML_I64, &r, 0, ml_binop_int(op, (double)x, (double)y));
         return r;
     }
 };
@@ -140,7 +116,7 @@ __global__ void scalar_int_kernel(ml_binop op, T *out, const T *a, double s, int
         double x = (double)a[i];
         T r;
         ml_store(sizeof(T) == 4 ? ML_I32 : ML_I64, &r, 0,
-                 reverse ? binop_int(op, s, x) : binop_int(op, x, s));
+                 reverse ? ml_binop_int(op, s, x) : ml_binop_int(op, x, s));
         out[i] = r;
     }
 }
@@ -208,46 +184,14 @@ extern "C" ml_status ml_binary_scalar_cuda(ml_binop op, ml_dtype dt, void *out, 
 
 /* ---- unary -------------------------------------------------------------- */
 
-__device__ __forceinline__ float unop_f32(ml_unop op, float x)
-{
-    switch (op) {
-    case ML_EXP:     return expf(x);
-    case ML_LOG:     return logf(x);
-    case ML_SQRT:    return sqrtf(x);
-    case ML_RSQRT:   return 1.0f / sqrtf(x);
-    case ML_SILU:    return x / (1.0f + expf(-x));
-    case ML_SIGMOID: return 1.0f / (1.0f + expf(-x));
-    case ML_TANH:    return tanhf(x);
-    case ML_NEG:     return -x;
-    case ML_ABS:     return fabsf(x);
-    default:         return 0;
-    }
-}
-
-__device__ __forceinline__ double unop_f64(ml_unop op, double x)
-{
-    switch (op) {
-    case ML_EXP:     return exp(x);
-    case ML_LOG:     return log(x);
-    case ML_SQRT:    return sqrt(x);
-    case ML_RSQRT:   return 1.0 / sqrt(x);
-    case ML_SILU:    return x / (1.0 + exp(-x));
-    case ML_SIGMOID: return 1.0 / (1.0 + exp(-x));
-    case ML_TANH:    return tanh(x);
-    case ML_NEG:     return -x;
-    case ML_ABS:     return fabs(x);
-    default:         return 0;
-    }
-}
-
 __global__ void unary_f32_kernel(ml_unop op, float *out, const float *a, int64_t n)
 {
-    ML_CUDA_FOR(i, n) out[i] = unop_f32(op, a[i]);
+    ML_CUDA_FOR(i, n) out[i] = ml_unop_f32(op, a[i]);
 }
 
 __global__ void unary_f64_kernel(ml_unop op, double *out, const double *a, int64_t n)
 {
-    ML_CUDA_FOR(i, n) out[i] = unop_f64(op, a[i]);
+    ML_CUDA_FOR(i, n) out[i] = ml_unop_f64(op, a[i]);
 }
 
 /* Two's complement wrap-around for -INT_MIN, as on the CPU. */
