@@ -60,7 +60,7 @@ static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
     const ml_ledger *lg = &h->ledger[dev];
     if (as == ML_ALLOC_NODEVICE)
         ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
-                 h->backend[dev] ? "no device present" : "built without it: make CUDA=1");
+                 ml_unavailable_reason(h, dev));
     if (ps == ML_POOL_NOMEM || as == ML_ALLOC_NOMEM)
         ml_error(L, fn, "out of memory %s on %s", what, ml_device_names[dev]);
     int total = as == ML_ALLOC_OVER_TOTAL;
@@ -73,9 +73,11 @@ static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
     lua_error(L);
 }
 
-static int is_budget_refusal(ml_pool_status ps, ml_alloc_status as)
+/* A refusal that freeing memory might fix: a budget, or the device allocator. */
+static int worth_retrying(ml_pool_status ps, ml_alloc_status as)
 {
-    return ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL || as == ML_ALLOC_OVER_CATEGORY);
+    return (ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL || as == ML_ALLOC_OVER_CATEGORY)) ||
+           as == ML_ALLOC_NOMEM;
 }
 
 /* opts.grow: a boolean, false when absent. */
@@ -110,8 +112,8 @@ static int l_pool_new(lua_State *L)
     luaL_setmetatable(L, ML_POOL_MT);
     ml_alloc_status as;
     ml_pool_status ps = ml_pool_new(h, dev, (size_t)bytes, grow, &u->p, &as);
-    if (is_budget_refusal(ps, as)) {
-        lua_gc(L, LUA_GCCOLLECT);
+    if (worth_retrying(ps, as)) {
+        ml_reclaim(L, h, dev);
         ps = ml_pool_new(h, dev, (size_t)bytes, grow, &u->p, &as);
     }
     if (ps != ML_POOL_OK) {
@@ -130,8 +132,8 @@ static size_t top_free(const ml_pool *p)
     return b->size - b->used;
 }
 
-/* One slot of nbytes in u's pool: collect garbage once and retry when the
- * ledger refuses to grow; raise on anything else. */
+/* One slot of nbytes in u's pool: reclaim memory once and retry when
+ * growing is refused; raise on anything else. */
 static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
                         size_t *slot, uint64_t *id)
 {
@@ -140,9 +142,9 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
     ml_alloc_status as;
     size_t free_before = top_free(p);
     ml_pool_status ps = ml_pool_alloc(p, nbytes, &data, slot, id, &as);
-    if (is_budget_refusal(ps, as)) {
+    if (worth_retrying(ps, as)) {
         ml_pool_retain(p);             /* a finalizer might close the pool meanwhile */
-        lua_gc(L, LUA_GCCOLLECT);
+        ml_reclaim(L, p->host, p->device);
         int closed = u->p == NULL;
         if (!closed)
             ps = ml_pool_alloc(p, nbytes, &data, slot, id, &as);

@@ -190,7 +190,7 @@ static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int wan
     const ml_backend *be = backend_of(L, fn, t);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     int64_t n = ml_numel(t);
-    if ((op == ML_RMAX || op == ML_RMIN) && n == 0)
+    if ((op == ML_RMAX || op == ML_RMIN) && n == 0 && lua_isnil(L, 2))
         ml_error(L, fn, "reduction of an empty tensor has no identity");
     int64_t shape[ML_MAXDIM];
     int nd = 0, d = -1;

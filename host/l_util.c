@@ -103,7 +103,7 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
     lua_pushstring(L, buf);
 }
 
-static const char *unavailable_reason(const ml_host *h, ml_device dev)
+const char *ml_unavailable_reason(const ml_host *h, ml_device dev)
 {
     if (!h->backend[dev])
         return "built without it: make CUDA=1";
@@ -112,6 +112,17 @@ static const char *unavailable_reason(const ml_host *h, ml_device dev)
         return ml_cuda_unavailable_reason();
 #endif
     return "no device present";
+}
+
+void ml_reclaim(lua_State *L, ml_host *h, ml_device dev)
+{
+#ifdef ML_WITH_CUDA
+    if (dev == ML_CUDA)
+        ml_cuda_empty_cache(&h->ledger[ML_CUDA]);
+#else
+    (void)h; (void)dev;
+#endif
+    lua_gc(L, LUA_GCCOLLECT);
 }
 
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
@@ -126,11 +137,7 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     ml_storage *st = NULL;
     ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
     if (s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) {
-#ifdef ML_WITH_CUDA
-        if (dev == ML_CUDA)
-            ml_cuda_empty_cache(&h->ledger[ML_CUDA]);
-#endif
-        lua_gc(L, LUA_GCCOLLECT);
+        ml_reclaim(L, h, dev);
         s = ml_storage_new(h, dev, nbytes, &st);
     }
     if (s != ML_ALLOC_OK) {
@@ -139,7 +146,7 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
         const ml_ledger *lg = &h->ledger[dev];
         const char *cat = ml_category_names[h->category];
         if (s == ML_ALLOC_NODEVICE)
-            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], unavailable_reason(h, dev));
+            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], ml_unavailable_reason(h, dev));
         if (s == ML_ALLOC_OVER_TOTAL)
             ml_format_bytes(lg->budget_total, limit, sizeof limit);
         else
@@ -221,40 +228,35 @@ int ml_dtype_from_name(const char *s) { return find_name(s, ml_dtype_names, ML_N
 int ml_device_from_name(const char *s) { return find_name(s, ml_device_names, ML_NDEVICES); }
 int ml_category_from_name(const char *s) { return find_name(s, ml_category_names, ML_NCAT); }
 
-ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def)
+/* opts[key] as an index into names[n]; def when the key is absent. */
+static int opt_name(lua_State *L, int idx, const char *fn, const char *key,
+                    const char *const *names, int n, int def, const char *choices)
 {
     if (idx == 0 || lua_isnoneornil(L, idx))
         return def;
-    lua_getfield(L, idx, "dtype");
+    lua_getfield(L, idx, key);
     if (lua_isnil(L, -1)) {
         lua_pop(L, 1);
         return def;
     }
-    const char *s = lua_tostring(L, -1);
-    int dt = s ? ml_dtype_from_name(s) : -1;
-    if (dt < 0)
-        ml_error(L, fn, "option 'dtype': unknown dtype '%s' (f32, f64, bf16, f16, i32, i64, u8)",
-                 s ? s : luaL_typename(L, -1));
+    const char *s = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+    int v = s ? find_name(s, names, n) : -1;
+    if (v < 0)
+        ml_error(L, fn, "option '%s': unknown %s '%s' (%s)", key, key, s ? s : luaL_typename(L, -1),
+                 choices);
     lua_pop(L, 1);
-    return (ml_dtype)dt;
+    return v;
+}
+
+ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def)
+{
+    return (ml_dtype)opt_name(L, idx, fn, "dtype", ml_dtype_names, ML_NDTYPES, def,
+                              "f32, f64, bf16, f16, i32, i64, u8");
 }
 
 ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def)
 {
-    if (idx == 0 || lua_isnoneornil(L, idx))
-        return def;
-    lua_getfield(L, idx, "device");
-    if (lua_isnil(L, -1)) {
-        lua_pop(L, 1);
-        return def;
-    }
-    const char *s = lua_tostring(L, -1);
-    int dev = s ? ml_device_from_name(s) : -1;
-    if (dev < 0)
-        ml_error(L, fn, "option 'device': unknown device '%s' (cpu, cuda)",
-                 s ? s : luaL_typename(L, -1));
-    lua_pop(L, 1);
-    return (ml_device)dev;
+    return (ml_device)opt_name(L, idx, fn, "device", ml_device_names, ML_NDEVICES, def, "cpu, cuda");
 }
 
 void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed)

@@ -42,6 +42,11 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
 /* Push the device's account book as text (with the untracked remainder on
  * CPU), for errors that report a refused allocation. */
 void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
+/* Before retrying a refused allocation: return the device allocator's
+ * cached blocks (CUDA) and collect garbage once. May run finalizers. */
+void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
+/* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
+const char *ml_unavailable_reason(const ml_host *h, ml_device dev);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);

@@ -26,6 +26,8 @@ static void index_select_tile(void *p, int64_t lo, int64_t hi)
 ml_status ml_index_select_cpu(ml_dtype dt, void *out, const void *in, const int64_t *idx,
                               int64_t outer, int64_t n, int64_t inner, int64_t m, const ml_kctx *ctx)
 {
+    if (inner == 0)   /* nothing to copy, and an empty tensor may have no buffer */
+        return ML_OK;
     ix_arg g = {dt, out, in, idx, n, inner, m, ml_dtype_size(dt)};
     return ml_parallel_tiles(outer * m, 64, inner, ctx, index_select_tile, &g);
 }
@@ -76,7 +78,8 @@ ml_status ml_scatter_add_cpu(ml_dtype dt, void *out, const void *src, const int6
 
 ml_status ml_bincount_cpu(int64_t *counts, const int64_t *idx, int64_t n, int64_t nbins, const ml_kctx *ctx)
 {
-    memset(counts, 0, (size_t)nbins * sizeof *counts);
+    if (nbins > 0)   /* an empty output may have no buffer at all */
+        memset(counts, 0, (size_t)nbins * sizeof *counts);
     for (int64_t i = 0; i < n; i++) {
         if ((i & 0xfffff) == 0 && ml_kctx_interrupted(ctx))
             return ML_EINTERRUPTED;
