@@ -222,12 +222,17 @@ static int l_mem_timeline(lua_State *L)
         ml_check_opts(L, 1, fn, opts);
         lua_getfield(L, 1, "device");
         ml_device d = opt_device(L, -1, fn);
-        lua_getfield(L, 1, "cap");
-        lua_Integer cap = luaL_optinteger(L, -1, 100000);
-        lua_getfield(L, 1, "interval");
-        lua_Number interval = luaL_optnumber(L, -1, 0);
-        if (cap < 0 || cap > 100000000 || interval < 0)
-            ml_error(L, fn, "cap must be in 0..1e8 and interval >= 0");
+        lua_Integer cap = 100000;
+        lua_Number interval = 0;
+        int isnum = 1;
+        if (lua_getfield(L, 1, "cap") != LUA_TNIL)
+            cap = lua_tointegerx(L, -1, &isnum);
+        if (!isnum || cap < 0 || cap > 100000000)
+            ml_error(L, fn, "option 'cap' must be an integer in 0..1e8");
+        if (lua_getfield(L, 1, "interval") != LUA_TNIL)
+            interval = lua_tonumberx(L, -1, &isnum);
+        if (!isnum || !(interval >= 0))
+            ml_error(L, fn, "option 'interval' must be a number of seconds >= 0");
         if (ml_ledger_timeline(&h->ledger[d], (size_t)cap, interval) != 0)
             ml_error(L, fn, "out of memory for %lld samples", (long long)cap);
         return 0;

@@ -754,7 +754,8 @@ static int l_tensor_release(lua_State *L)
 /* ---- printing --------------------------------------------------------------- */
 
 /* Metadata, up to 6 values and min/mean/max. Only those few numbers leave
- * a device: the statistics are reduced where the tensor lives. */
+ * a device: the statistics are reduced where the tensor lives. The text is
+ * built in a C buffer, since the temporaries below use the Lua stack. */
 static int l_tensor_tostring(lua_State *L)
 {
     static const char fn[] = "Tensor:__tostring";
@@ -769,13 +770,10 @@ static int l_tensor_tostring(lua_State *L)
         lua_pushliteral(L, "tensor(stale pool view)");
         return 1;
     }
-    char shape[160], num[64];
+    char shape[160], text[512];
     ml_format_shape(t, shape, sizeof shape);
-    luaL_Buffer b;
-    luaL_buffinit(L, &b);
-    lua_pushfstring(L, "tensor(%s, %s, %s", shape, ml_dtype_names[t->dtype],
-                    ml_device_names[t->st->device]);
-    luaL_addvalue(&b);
+    size_t at = (size_t)snprintf(text, sizeof text, "tensor(%s, %s, %s", shape,
+                                 ml_dtype_names[t->dtype], ml_device_names[t->st->device]);
     int64_t n = ml_numel(t);
     if (n > 0) {
         lua_settop(L, 1);
@@ -787,13 +785,13 @@ static int l_tensor_tostring(lua_State *L)
         head.stride[0] = 1;
         ml_tensor *vals = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &shown);
         ml_run_copy(L, fn, vals, &head);
-        luaL_addstring(&b, ", {");
-        for (int64_t i = 0; i < shown; i++) {
-            snprintf(num, sizeof num, "%s%.6g", i ? ", " : "", ((double *)vals->st->data)[i]);
-            luaL_addstring(&b, num);
-        }
-        luaL_addstring(&b, n > shown ? ", ...}" : "}");
-        if (t->dtype == ML_F32 || t->dtype == ML_F64) {
+        at += (size_t)snprintf(text + at, sizeof text - at, ", {");
+        for (int64_t i = 0; i < shown && at < sizeof text; i++)
+            at += (size_t)snprintf(text + at, sizeof text - at, "%s%.6g", i ? ", " : "",
+                                   ((double *)vals->st->data)[i]);
+        if (at < sizeof text)
+            at += (size_t)snprintf(text + at, sizeof text - at, n > shown ? ", ...}" : "}");
+        if ((t->dtype == ML_F32 || t->dtype == ML_F64) && at < sizeof text) {
             const ml_backend *be = ml_backend_of(L, fn, c->st->device);
             ml_kctx ctx = ml_kctx_of(ml_host_of(L));
             int64_t three = 3;
@@ -806,13 +804,13 @@ static int l_tensor_tostring(lua_State *L)
             ml_tensor *hs = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &three);
             ml_run_copy(L, fn, hs, st);
             const double *v = hs->st->data;
-            snprintf(num, sizeof num, ", min %.6g mean %.6g max %.6g", v[0], v[1], v[2]);
-            luaL_addstring(&b, num);
+            at += (size_t)snprintf(text + at, sizeof text - at, ", min %.6g mean %.6g max %.6g",
+                                   v[0], v[1], v[2]);
         }
-        lua_settop(L, 1);
     }
-    luaL_addstring(&b, ")");
-    luaL_pushresult(&b);
+    if (at < sizeof text)
+        snprintf(text + at, sizeof text - at, ")");
+    lua_pushstring(L, text);
     return 1;
 }
 

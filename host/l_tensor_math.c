@@ -66,6 +66,8 @@ static int binary(lua_State *L, ml_binop op, int inplace)
             ml_error(L, fn, "argument #%d: expected a tensor or a number, got %s", si,
                      luaL_typename(L, si));
         double s = lua_tonumber(L, si);
+        if ((t->dtype == ML_I32 || t->dtype == ML_I64) && s != floor(s))
+            ml_error(L, fn, "a fractional number (%g) with an integer tensor: convert the tensor with :to()", s);
         if (op == ML_DIV && (t->dtype == ML_I32 || t->dtype == ML_I64) && !ta)
             ml_error(L, fn, "integer division of a number by a tensor is not supported");
         if (op == ML_DIV && s == 0 && (t->dtype == ML_I32 || t->dtype == ML_I64))
@@ -446,6 +448,17 @@ static int blas_layout(const ml_tensor *t, int *trans, int64_t *ld)
     return 0;
 }
 
+/* Do the element ranges two views may touch intersect? (Same storage only.) */
+static int overlaps(const ml_tensor *x, const ml_tensor *y)
+{
+    if (x->st != y->st || ml_numel(x) == 0 || ml_numel(y) == 0)
+        return 0;
+    int64_t xe = x->offset, ye = y->offset;
+    for (int i = 0; i < x->ndim; i++) xe += (x->shape[i] - 1) * x->stride[i];
+    for (int i = 0; i < y->ndim; i++) ye += (y->shape[i] - 1) * y->stride[i];
+    return x->offset <= ye && y->offset <= xe;
+}
+
 static const char *const MATMUL_OPTS[] = {"out", "alpha", "beta", NULL};
 
 /* moelua.matmul(a, b [, {out=, alpha=, beta=}]): [m,k]x[k,n], [B,m,k]x[B,k,n]
@@ -497,8 +510,8 @@ static int l_tensor_matmul(lua_State *L)
             ok = c->shape[i] == oshape[i];
         if (!ok)
             ml_error(L, fn, "option 'out' has the wrong shape");
-        if (c->st == a->st || c->st == b->st)
-            ml_error(L, fn, "option 'out' shares storage with an input");
+        if (overlaps(c, a) || overlaps(c, b))
+            ml_error(L, fn, "option 'out' overlaps an input");
         lua_getfield(L, 3, "alpha");
         g.alpha = luaL_optnumber(L, -1, 1.0);
         lua_getfield(L, 3, "beta");

@@ -40,7 +40,10 @@ void ml_ledger_free(ml_ledger *lg)
 
 ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n)
 {
-    if (lg->budget_total && (n > lg->budget_total || lg->total > lg->budget_total - n))
+    /* A caching allocator's budget bounds what it holds (DESIGN.md): a
+     * refusal makes the caller release the cache and try again. */
+    size_t held = lg->caching && lg->reserved > lg->total ? lg->reserved : lg->total;
+    if (lg->budget_total && (n > lg->budget_total || held > lg->budget_total - n))
         return ML_LEDGER_OVER_TOTAL;
     if (lg->budget[cat] && (n > lg->budget[cat] || lg->cur[cat] > lg->budget[cat] - n))
         return ML_LEDGER_OVER_CATEGORY;

@@ -52,7 +52,8 @@ typedef enum { ML_LEDGER_OK = 0, ML_LEDGER_OVER_TOTAL, ML_LEDGER_OVER_CATEGORY }
 void ml_ledger_init(ml_ledger *lg, const char *device);
 void ml_ledger_free(ml_ledger *lg);
 
-/* Would `n` more bytes of category `cat` fit the budgets? Counts nothing. */
+/* Would `n` more bytes of category `cat` fit the budgets? Counts nothing.
+ * The total budget bounds max(total, reserved) on a caching ledger. */
 ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n);
 /* Account n bytes (the caller has already checked and allocated). */
 void ml_ledger_charge(ml_ledger *lg, ml_category cat, size_t n);

@@ -50,6 +50,9 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
                            ml_pool **out, ml_alloc_status *astatus)
 {
     *out = NULL;
+    *astatus = ML_ALLOC_OK;
+    if (bytes > SIZE_MAX - POOL_ALIGN)
+        return ML_POOL_NOMEM;
     ml_pool *p = calloc(1, sizeof *p);
     if (!p)
         return ML_POOL_NOMEM;
@@ -70,8 +73,10 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
 ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slot, uint64_t *id,
                              ml_alloc_status *astatus)
 {
-    size_t need = align_up(nbytes);
     *astatus = ML_ALLOC_OK;
+    if (nbytes > SIZE_MAX - POOL_ALIGN)
+        return ML_POOL_NOMEM;
+    size_t need = align_up(nbytes);
     ml_pool_block *b = &p->blocks[p->nblocks - 1];
     if (b->size - b->used < need) {
         p->noverflow++;

@@ -3,7 +3,8 @@
  * leading dims, scalar ops and unary ops. One signature, two backends.
  *
  * All buffers are contiguous and of one dtype. Outputs are overwritten (=);
- * out may alias a (in-place variants).
+ * out may alias a (in-place variants). Integer dtypes compute through f64:
+ * i64 is exact up to 2^53, and results saturate at the dtype's range.
  */
 #ifndef ML_KERNELS_ELEMENTWISE_H
 #define ML_KERNELS_ELEMENTWISE_H

@@ -324,6 +324,26 @@ describe("matmul: bad input", function()
     raises("number expected, got table", m.matmul, a, b, {out = m.zeros(2, 4), beta = {}})
     raises("number expected, got boolean", m.matmul, a, b, {alpha = true})
   end)
+
+  it("out may share a buffer with an input only where they do not overlap", function()
+    local flat = m.zeros(2 * 3 + 3 * 4 + 2 * 4)           -- one flat unit: a, b and c side by side
+    local a, b = flat:view_at(0, {2, 3}), flat:view_at(6, {3, 4})
+    local c = flat:view_at(18, {2, 4})
+    a:fill_(1); b:fill_(2)
+    m.matmul(a, b, {out = c})
+    assert.are.same({{6, 6, 6, 6}, {6, 6, 6, 6}}, c:totable())
+    raises(fn .. "option 'out' overlaps an input", m.matmul, a, b, {out = flat:view_at(4, {2, 4})})
+  end)
+end)
+
+describe("scalars with integer tensors", function()
+  it("refuses a fractional number instead of truncating it", function()
+    raises("moelua.add: a fractional number (0.5) with an integer tensor", function()
+      return i64({1, 2}) + 0.5
+    end)
+    raises("moelua.mul: a fractional number (2.5)", m.mul, m.tensor({1}, {dtype = "i32"}), 2.5)
+    assert.are.same({3, 4}, (i64({1, 2}) + 2.0):totable())
+  end)
 end)
 
 -- CUDA tensors cannot be created without a device; these run where one exists.
