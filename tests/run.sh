@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/run.sh - every suite of moelua: C unit tests (tests/c, TAP) and
 # busted specs run inside the host (tests/spec). Prints the time per suite
-# and ends with one line "N passed, N failed" (CI reads it); exits non-zero
+# and ends with one line "N passed, N failed, N skipped" (CI reads it); exits non-zero
 # when anything failed or a suite crashed.
 #   MOELUA      the host binary (default ./moelua)
 #   TEST_BUILD  where the C test binaries are (default build/cpu)
@@ -11,26 +11,27 @@ cd "$(dirname "$0")/.."
 MOELUA=${MOELUA:-./moelua}
 TEST_BUILD=${TEST_BUILD:-build/cpu}
 SUITES=${SUITES:-}
-passed=0 failed=0 crashed=0
+passed=0 failed=0 skipped=0 crashed=0
 log=$(mktemp -d)
 trap 'rm -rf "$log"' EXIT
 
 run_suite() {  # name, command...
     local name=$1; shift
     [ -n "$SUITES" ] && [[ "$name" != *$SUITES* ]] && return
-    local out="$log/$(echo "$name" | tr '/' '_').out" t0 t1 ok bad rc
+    local out="$log/$(echo "$name" | tr '/' '_').out" t0 t1 ok bad skip rc
     t0=$(date +%s.%N)
     "$@" >"$out" 2>&1
     rc=$?
     t1=$(date +%s.%N)
-    ok=$(grep -cE '^ok [0-9]+' "$out")
+    skip=$(grep -cE '^ok [0-9]+ .*# SKIP' "$out")
+    ok=$(( $(grep -cE '^ok [0-9]+' "$out") - skip ))
     bad=$(grep -cE '^not ok [0-9]+' "$out")
     if [ "$rc" -ne 0 ] && [ "$bad" -eq 0 ]; then
         bad=1   # a crash or a load error counts as a failure
         crashed=$((crashed + 1))
     fi
-    passed=$((passed + ok)); failed=$((failed + bad))
-    printf '%-34s %4d passed %4d failed %7.2fs\n' "$name" "$ok" "$bad" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')"
+    passed=$((passed + ok)); failed=$((failed + bad)); skipped=$((skipped + skip))
+    printf '%-34s %4d passed %4d failed %4d skipped %7.2fs\n' "$name" "$ok" "$bad" "$skip" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')"
     if [ "$bad" -ne 0 ]; then
         grep -E -A12 '^not ok' "$out" | head -60
         [ "$rc" -ne 0 ] && tail -20 "$out"
@@ -44,5 +45,5 @@ done
 for spec in tests/spec/*_spec.lua; do
     run_suite "spec/$(basename "$spec" .lua)" "$MOELUA" /usr/bin/busted --output=TAP "$spec"
 done
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

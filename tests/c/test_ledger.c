@@ -18,23 +18,8 @@
 #include <unistd.h>
 
 #include "ledger.h"
+#include "tap.h"
 
-static int ntests, nfailed;
-
-static void ok(int cond, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void ok(int cond, const char *fmt, ...)
-{
-    va_list ap;
-    ntests++;
-    if (!cond)
-        nfailed++;
-    printf("%s %d - ", cond ? "ok" : "not ok", ntests);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-}
 
 static int all_zero(const size_t *v)
 {
@@ -280,6 +265,5 @@ int main(void)
     test_timeline();
     test_format();
     test_underflow_aborts();
-    printf("1..%d\n", ntests);
-    return nfailed ? 1 : 0;
+    return tap_done();
 }

@@ -17,23 +17,8 @@
 
 #include "backend.h"
 #include "pool.h"
+#include "tap.h"
 
-static int ntests, nfailed;
-
-static void ok(int cond, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void ok(int cond, const char *fmt, ...)
-{
-    va_list ap;
-    ntests++;
-    if (!cond)
-        nfailed++;
-    printf("%s %d - ", cond ? "ok" : "not ok", ntests);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-}
 
 /* As host_init in host/main.c, without Lua, threads or CUDA. */
 static void host_init(ml_host *h)
@@ -308,6 +293,5 @@ int main(void)
     test_ledger_refuses();
     test_no_device();
     test_release_refs();
-    printf("1..%d\n", ntests);
-    return nfailed ? 1 : 0;
+    return tap_done();
 }

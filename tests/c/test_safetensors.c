@@ -16,23 +16,8 @@
 #include <unistd.h>
 
 #include "safetensors.h"
+#include "tap.h"
 
-static int ntests, nfailed;
-
-static void ok(int cond, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void ok(int cond, const char *fmt, ...)
-{
-    va_list ap;
-    ntests++;
-    if (!cond)
-        nfailed++;
-    printf("%s %d - ", cond ? "ok" : "not ok", ntests);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-}
 
 /* A file: 8-byte length of json, json, then ndata bytes 0, 1, 2, ... */
 static unsigned char *mkfile(const char *json, size_t ndata, size_t *len)
@@ -462,6 +447,5 @@ int main(void)
     test_schema();
     test_roundtrip();
     test_mutations();
-    printf("1..%d\n", ntests);
-    return nfailed != 0;
+    return tap_done();
 }
