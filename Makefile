@@ -98,10 +98,14 @@ $(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)
 	$(CC) $(CFLAGS) -Ihost -o $@ $< $(LIB_OBJ) $(LDLIBS)
 
 # ASan + UBSan over the whole suite (slower; not part of CI, see README).
+# UBSan only prints unless told to halt, and run.sh keeps no passing log,
+# so halt_on_error makes undefined behaviour fail its suite. Child
+# processes the specs start inherit these settings.
 sanitize: deps
 	$(MAKE) SANITIZE=1 all
 	$(MAKE) SANITIZE=1 build/tests
-	ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions=tests/lsan.supp \
+	ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions=tests/lsan.supp:print_suppressions=0 \
+	  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  MOELUA=./build/asan/moelua TEST_BUILD=build/asan tests/run.sh
 
 gpu-bundle:

@@ -6,7 +6,18 @@
  *   moelua [options] [script [args]]
  *     -e stat   run the string `stat`      -l mod   require `mod` into global mod
  *     -i        REPL after the script      -v       print the version
+ *     -E        ignore LUA_INIT/LUA_PATH   -W       turn warnings on
  *     -         run stdin                  --       stop handling options
+ * LUA_INIT_5_4 (or LUA_INIT) runs first, as in lua.c; no script and no
+ * option: a REPL when stdin is a terminal, else stdin is the script.
+ *
+ * Ctrl-C: while a chunk runs (ml_docall), SIGINT sets `interrupted` and
+ * arms a Lua hook, like lua.c. The flag is consumed exactly once: by a
+ * kernel, which stops between tiles and returns ML_EINTERRUPTED so that the
+ * binding clears the flag and raises "interrupted" after its parallel region
+ * (host/l_util.c), or else by the hook at the next Lua instruction. The
+ * handler resets itself to SIG_DFL, so a second Ctrl-C before either kills a
+ * stuck process. Not here: Ctrl-C at the REPL prompt (host/repl.c).
  *
  * Shutdown order (STYLE.md): close the Lua state (finalizers return every
  * tensor to the ledger), then check that every ledger is empty.
@@ -25,6 +36,9 @@
 #include "libs.h"
 #include "l_util.h"
 #include "repl.h"
+#ifdef ML_WITH_CUDA
+#include "backend_cuda.h"
+#endif
 
 #define MOELUA_VERSION "moelua 0.1 (" LUA_RELEASE ")"
 
@@ -40,6 +54,8 @@ static void lstop(lua_State *L, lua_Debug *ar)
 {
     (void)ar;
     lua_sethook(L, NULL, 0, 0);
+    if (!interrupted)
+        return;  /* a kernel saw it first and its binding raised already */
     interrupted = 0;
     luaL_error(L, "interrupted!");
 }
@@ -89,9 +105,13 @@ int ml_docall(lua_State *L, int narg, int nres)
     lua_insert(L, base);
     interrupted = 0;
     global_L = L;
-    signal(SIGINT, on_sigint);
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old);
     int status = lua_pcall(L, narg, nres, base);
-    signal(SIGINT, SIG_DFL);
+    sigaction(SIGINT, &old, NULL);
     lua_sethook(L, NULL, 0, 0);
     interrupted = 0;
     lua_remove(L, base);
@@ -159,11 +179,16 @@ static int handle_script(lua_State *L, char **argv)
 #define has_i     2
 #define has_v     4
 #define has_e     8
+#define has_E     16
 
-/* Scan options like lua.c: returns flags, *first = index of the script. */
+/* Scan options like lua.c: returns flags; *first = index of the script,
+ * argc when there is none, or of the bad option on has_error. */
 static int collectargs(char **argv, int *first)
 {
     int args = 0, i;
+    *first = 0;
+    if (argv[0] == NULL)
+        return 0;  /* no program name, no arguments */
     for (i = 1; argv[i] != NULL; i++) {
         *first = i;
         if (argv[i][0] != '-')
@@ -176,6 +201,15 @@ static int collectargs(char **argv, int *first)
             return args;
         case '\0':
             return args;
+        case 'E':
+            if (argv[i][2] != '\0')
+                return has_error;
+            args |= has_E;
+            break;
+        case 'W':
+            if (argv[i][2] != '\0')
+                return has_error;
+            break;
         case 'i':
             if (argv[i][2] != '\0')
                 return has_error;
@@ -204,11 +238,33 @@ static int collectargs(char **argv, int *first)
     return args;
 }
 
+static void print_usage(const char *badoption)
+{
+    if (badoption[0] == '-' && (badoption[1] == 'e' || badoption[1] == 'l'))
+        fprintf(stderr, "%s: '%s' needs argument\n", progname, badoption);
+    else
+        fprintf(stderr, "%s: unrecognized option '%s'\n", progname, badoption);
+    fprintf(stderr, "usage: %s [options] [script [args]]\n"
+            "Available options are:\n"
+            "  -e stat  execute string 'stat'\n"
+            "  -i       enter interactive mode after executing 'script'\n"
+            "  -l mod   require library 'mod' into global 'mod'\n"
+            "  -l g=mod require library 'mod' into global 'g'\n"
+            "  -v       show version information\n"
+            "  -E       ignore environment variables\n"
+            "  -W       turn warnings on\n"
+            "  --       stop handling options\n"
+            "  -        execute stdin and stop handling options\n", progname);
+    fflush(stderr);
+}
+
 static int runargs(lua_State *L, char **argv, int n)
 {
     for (int i = 1; i < n; i++) {
         int option = argv[i][1];
-        if (option == 'e' || option == 'l') {
+        if (option == 'W') {
+            lua_warning(L, "@on", 0);
+        } else if (option == 'e' || option == 'l') {
             char *extra = argv[i] + 2;
             if (*extra == '\0')
                 extra = argv[++i];
@@ -223,9 +279,9 @@ static int runargs(lua_State *L, char **argv, int n)
 static void createargtable(lua_State *L, char **argv, int argc, int script)
 {
     if (script == argc)
-        script = 0;
+        script = 0;  /* no script: the program name is arg[0] */
     int narg = argc - (script + 1);
-    lua_createtable(L, narg, script + 1);
+    lua_createtable(L, narg > 0 ? narg : 0, script + 1);
     for (int i = 0; i < argc; i++) {
         lua_pushstring(L, argv[i]);
         lua_rawseti(L, -2, i - script);
@@ -259,6 +315,28 @@ static void set_lua_path(lua_State *L)
     lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, lua_tostring(L, -1));
     lua_setfield(L, -3, "path");
     lua_pop(L, 2);
+}
+
+/* LUA_INIT_5_4 or LUA_INIT: "@file" runs a file, anything else is a chunk. */
+static int handle_luainit(lua_State *L)
+{
+    const char *name = "=LUA_INIT_5_4";
+    const char *init = getenv(name + 1);
+    if (init == NULL) {
+        name = "=LUA_INIT";
+        init = getenv(name + 1);
+    }
+    if (init == NULL)
+        return LUA_OK;
+    if (init[0] == '@')
+        return dochunk(L, luaL_loadfile(L, init + 1));
+    return dostring(L, init, name);
+}
+
+static void print_version(void)
+{
+    printf("%s\n", MOELUA_VERSION);
+    fflush(stdout);
 }
 
 static void preload(lua_State *L)
@@ -314,6 +392,9 @@ static int host_close(lua_State *L)
     int clean = check_ledgers(&host);
     for (int d = 0; d < ML_NDEVICES; d++)
         ml_ledger_free(&host.ledger[d]);
+#ifdef ML_WITH_CUDA
+    ml_cuda_shutdown();   /* last: the ledger check needed the device's bytes returned */
+#endif
     return clean;
 }
 
@@ -334,18 +415,19 @@ static int pmain(lua_State *L)
 {
     int argc = (int)lua_tointeger(L, 1);
     char **argv = (char **)lua_touserdata(L, 2);
-    int script = 0;
+    int script;
     int args = collectargs(argv, &script);
+    int has_script = script > 0 && script < argc;
     luaL_checkversion(L);
     if (args == has_error) {
-        fprintf(stderr, "usage: %s [options] [script [args]]\n"
-                "  -e stat  execute string 'stat'\n"
-                "  -i       enter interactive mode after the script\n"
-                "  -l mod   require library 'mod' into global 'mod'\n"
-                "  -v       show version information\n"
-                "  --       stop handling options\n"
-                "  -        execute stdin and stop handling options\n", progname);
+        print_usage(argv[script]);
         return 0;
+    }
+    if (args & has_v)
+        print_version();
+    if (args & has_E) {  /* the standard libraries then ignore LUA_PATH, LUA_CPATH */
+        lua_pushboolean(L, 1);
+        lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
     }
     luaL_openlibs(L);
     lua_getglobal(L, "os");
@@ -354,21 +436,22 @@ static int pmain(lua_State *L)
     lua_pop(L, 1);
     set_lua_path(L);
     preload(L);
-    createargtable(L, argv, argc, script);
-    if (args & has_v)
-        printf("%s\n", MOELUA_VERSION);
-    if (!runargs(L, argv, script))
+    createargtable(L, argv, argc, has_script ? script : argc);
+    if (!(args & has_E) && handle_luainit(L) != LUA_OK)
         return 0;
-    if (script > 0 && argv[script] && handle_script(L, argv + script) != LUA_OK)
+    if (!runargs(L, argv, has_script ? script : argc))
+        return 0;
+    if (has_script && handle_script(L, argv + script) != LUA_OK)
         return 0;
     if (args & has_i) {
         ml_repl(L);
-    } else if (script == 0 && !(args & (has_e | has_v))) {
+    } else if (!has_script && !(args & (has_e | has_v))) {
         if (isatty(0)) {
-            printf("%s\n", MOELUA_VERSION);
+            print_version();
             ml_repl(L);
         } else {
-            dochunk(L, luaL_loadfile(L, NULL));
+            if (dochunk(L, luaL_loadfile(L, NULL)) != LUA_OK)
+                return 0;
         }
     }
     lua_pushboolean(L, 1);
@@ -377,7 +460,7 @@ static int pmain(lua_State *L)
 
 int main(int argc, char **argv)
 {
-    if (argv[0] && argv[0][0])
+    if (argc > 0 && argv[0] && argv[0][0])
         progname = argv[0];
     host_init(&host);
     lua_State *L = luaL_newstate();

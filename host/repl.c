@@ -1,13 +1,28 @@
 /*
  * host/repl.c - the REPL: GNU readline for editing and history (saved in
- * ~/.moelua_history), multi-line input (a chunk that ends in <eof> waits for
- * more lines), expression results printed with tostring (a tensor prints
- * its metadata and a few values), errors with a traceback. Ctrl-C while a
- * computation runs interrupts it and returns to the prompt (host/main.c).
+ * ~/.moelua_history at exit, os.exit included), multi-line input (a chunk
+ * that ends in <eof> waits for more lines), expression results printed with
+ * tostring (a tensor prints its metadata and a few values), errors with a
+ * traceback. The loop is lua.c's doREPL: `=expr` prints expr, _PROMPT and
+ * _PROMPT2 replace the prompts.
+ *
+ * Ctrl-C while a computation runs interrupts it and returns to the prompt
+ * (ml_docall, host/main.c). Ctrl-C at the prompt discards the line being
+ * typed (and a pending multi-line chunk) and prompts again; Ctrl-D on an
+ * empty line ends the REPL. For that, readline runs through its callback
+ * interface with rl_catch_signals off: readline's own SIGINT handler would
+ * re-raise the signal under SIG_DFL and kill the process. The wait for a
+ * key is a ppoll that is the only place SIGINT is unblocked, so a Ctrl-C is
+ * never lost between the check and the wait.
+ *
+ * Not here: the interrupt machinery itself (host/main.c, kernels/parallel.c).
  */
 #include "repl.h"
 
+#include <errno.h>
 #include <lauxlib.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,37 +36,159 @@
 #define EOFMARK "<eof>"
 #define HISTORY_LINES 1000
 
+/* pushline: 0 (end of input), 1 (a line) or LINE_INTERRUPTED; loadline:
+ * a lua_load status, LINE_INTERRUPTED or LINE_EOF. */
+#define LINE_INTERRUPTED (-1)
+#define LINE_EOF         (-2)
+
 static char history_path[4096];
+static int interactive;  /* stdin is a terminal: readline, prompts, history */
 
-static void history_open(void)
-{
-    const char *home = getenv("HOME");
-    if (!home || !isatty(0))
-        return;
-    snprintf(history_path, sizeof history_path, "%s/.moelua_history", home);
-    read_history(history_path);
-}
-
-static void history_close(void)
+static void history_save(void)
 {
     if (!history_path[0])
         return;
     write_history(history_path);
     history_truncate_file(history_path, HISTORY_LINES);
+    history_path[0] = '\0';  /* once, whether from atexit or ml_repl */
 }
 
-/* One line on the stack (without its newline); 0 at end of input. */
+static void history_open(void)
+{
+    static int registered;
+    const char *home = getenv("HOME");
+    if (!home || !interactive)
+        return;
+    snprintf(history_path, sizeof history_path, "%s/.moelua_history", home);
+    /* A multi-line chunk is one entry; a "#<time>" line before each entry
+     * lets the file keep it whole (without a comment character, readline
+     * writes no timestamps). */
+    history_comment_char = '#';
+    history_write_timestamps = 1;
+    history_multiline_entries = 1;
+    stifle_history(HISTORY_LINES);
+    read_history(history_path);
+    if (!registered)  /* os.exit() ends the process without returning here */
+        registered = atexit(history_save) == 0;
+}
+
+static void saveline(const char *line)
+{
+    if (interactive && line[0] != '\0')
+        add_history(line);
+}
+
+/* ---- reading one line from the terminal -------------------------------- */
+
+static volatile sig_atomic_t prompt_sigint;
+static char *rl_result;
+static int rl_have_result;
+
+static void on_prompt_sigint(int sig)
+{
+    (void)sig;
+    prompt_sigint = 1;
+}
+
+static void on_rl_line(char *line)
+{
+    rl_result = line;  /* NULL: end of input */
+    rl_have_result = 1;
+    rl_callback_handler_remove();  /* no new prompt until we ask for one */
+}
+
+/* Discard the line being edited after a Ctrl-C and leave the terminal as
+ * readline found it. */
+static void rl_abandon_line(void)
+{
+    rl_free_line_state();
+    rl_callback_sigcleanup();
+    rl_replace_line("", 0);
+    rl_point = rl_end = rl_mark = 0;
+    rl_echo_signal_char(SIGINT);
+    rl_callback_handler_remove();
+    fputc('\n', rl_outstream);
+    fflush(rl_outstream);
+}
+
+/* Returns 1 with *out (malloc'd), 0 at end of input, LINE_INTERRUPTED. */
+static int read_tty_line(const char *prompt, char **out)
+{
+    sigset_t block, orig, waitmask;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigprocmask(SIG_BLOCK, &block, &orig);
+    waitmask = orig;
+    sigdelset(&waitmask, SIGINT);
+    struct sigaction sa, old;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_prompt_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old);
+
+    prompt_sigint = 0;
+    rl_result = NULL;
+    rl_have_result = 0;
+    int status = 1;
+    rl_callback_handler_install(prompt, on_rl_line);
+    while (!rl_have_result) {
+        struct pollfd p = {.fd = fileno(rl_instream), .events = POLLIN};
+        int r = ppoll(&p, 1, NULL, &waitmask);
+        if (prompt_sigint) {
+            rl_abandon_line();
+            status = LINE_INTERRUPTED;
+            break;
+        }
+        if (r < 0 && errno == EINTR) {
+            rl_check_signals();  /* SIGWINCH: readline resizes and redraws */
+            continue;
+        }
+        if (r < 0 || (p.revents & POLLNVAL)) {
+            rl_callback_handler_remove();
+            status = 0;
+            break;
+        }
+        rl_callback_read_char();  /* POLLIN, or POLLHUP: readline reads EOF */
+    }
+    /* Unblock first: a Ctrl-C that came during rl_callback_read_char then
+     * reaches our handler and is dropped instead of killing the process. */
+    sigprocmask(SIG_SETMASK, &orig, NULL);
+    sigaction(SIGINT, &old, NULL);
+    if (status == 1) {
+        *out = rl_result;
+        status = rl_result != NULL;
+    }
+    return status;
+}
+
+/* ---- lua.c's REPL --------------------------------------------------------- */
+
+/* The prompt, pushed: _PROMPT / _PROMPT2 when it is a string or a number,
+ * as lua.c does (no __tostring: this runs unprotected). */
+static const char *get_prompt(lua_State *L, int firstline)
+{
+    lua_getglobal(L, firstline ? "_PROMPT" : "_PROMPT2");
+    const char *p = lua_tostring(L, -1);
+    if (p)
+        return p;
+    lua_pop(L, 1);
+    return lua_pushstring(L, firstline ? PROMPT : PROMPT2);
+}
+
+/* One line on the stack (without its newline): 1; 0 at end of input;
+ * LINE_INTERRUPTED after Ctrl-C at the prompt (nothing pushed). */
 static int pushline(lua_State *L, int firstline)
 {
-    char *line;
-    if (isatty(0)) {
-        line = readline(firstline ? PROMPT : PROMPT2);
-        if (!line)
-            return 0;
+    char *line = NULL;
+    if (interactive) {
+        const char *prompt = get_prompt(L, firstline);
+        int r = read_tty_line(prompt, &line);
+        lua_pop(L, 1);  /* the prompt */
+        if (r != 1)
+            return r;
     } else {
-        /* Piped input: no editing, no echo of prompts to keep output clean. */
+        /* Piped input: no editing and no prompts, so the output is clean. */
         size_t cap = 0;
-        line = NULL;
         ssize_t n = getline(&line, &cap, stdin);
         if (n < 0) {
             free(line);
@@ -60,21 +197,22 @@ static int pushline(lua_State *L, int firstline)
         if (n > 0 && line[n - 1] == '\n')
             line[n - 1] = '\0';
     }
-    lua_pushstring(L, line);
+    if (firstline && line[0] == '=')  /* lua.c: "=expr" prints expr */
+        lua_pushfstring(L, "return %s", line + 1);
+    else
+        lua_pushstring(L, line);
     free(line);
     return 1;
 }
 
+/* A syntax error at <eof>: the chunk may go on. The message stays. */
 static int incomplete(lua_State *L, int status)
 {
     if (status == LUA_ERRSYNTAX) {
         size_t lmsg;
         const char *msg = lua_tolstring(L, -1, &lmsg);
         size_t lmark = sizeof(EOFMARK) - 1;
-        if (lmsg >= lmark && strcmp(msg + lmsg - lmark, EOFMARK) == 0) {
-            lua_pop(L, 1);
-            return 1;
-        }
+        return lmsg >= lmark && strcmp(msg + lmsg - lmark, EOFMARK) == 0;
     }
     return 0;
 }
@@ -87,36 +225,52 @@ static int addreturn(lua_State *L)
     int status = luaL_loadbuffer(L, retline, strlen(retline), "=stdin");
     if (status == LUA_OK) {
         lua_remove(L, -2);
-        if (line[0] != '\0' && isatty(0))
-            add_history(line);
+        saveline(line);
     } else {
         lua_pop(L, 2);
     }
     return status;
 }
 
+/* The chunk is at index 1; read continuation lines until it compiles or
+ * fails for another reason than <eof>. Leaves the function or the error
+ * message on top; LINE_INTERRUPTED drops everything but index 1. */
 static int multiline(lua_State *L)
 {
     for (;;) {
         size_t len;
-        const char *line = lua_tolstring(L, 1, &len);
-        int status = luaL_loadbuffer(L, line, len, "=stdin");
-        if (!incomplete(L, status) || !pushline(L, 0)) {
-            if (isatty(0))
-                add_history(line);
+        const char *chunk = lua_tolstring(L, 1, &len);
+        int status = luaL_loadbuffer(L, chunk, len, "=stdin");
+        if (!incomplete(L, status)) {
+            saveline(chunk);
             return status;
         }
+        int r = pushline(L, 0);
+        if (r == 0) {  /* end of input inside a chunk: report the <eof> error */
+            saveline(chunk);
+            return status;
+        }
+        if (r == LINE_INTERRUPTED) {
+            lua_settop(L, 1);
+            return LINE_INTERRUPTED;
+        }
+        lua_remove(L, -2);  /* the <eof> message */
         lua_pushliteral(L, "\n");
         lua_insert(L, -2);
         lua_concat(L, 3);
     }
 }
 
+/* The next chunk compiled on the stack top: LUA_OK, a load error (message
+ * on top), LINE_INTERRUPTED (stack empty) or LINE_EOF. */
 static int loadline(lua_State *L)
 {
     lua_settop(L, 0);
-    if (!pushline(L, 1))
-        return -1;
+    int r = pushline(L, 1);
+    if (r == 0)
+        return LINE_EOF;
+    if (r == LINE_INTERRUPTED)
+        return LINE_INTERRUPTED;
     int status = addreturn(L);
     if (status != LUA_OK)
         status = multiline(L);
@@ -132,15 +286,31 @@ static void print_results(lua_State *L)
     luaL_checkstack(L, LUA_MINSTACK, "too many results to print");
     lua_getglobal(L, "print");
     lua_insert(L, 1);
-    if (lua_pcall(L, n, 0, 0) != LUA_OK)
-        ml_report(L, LUA_ERRRUN);
+    /* through ml_docall: printing a large value can be interrupted too */
+    int status = ml_docall(L, n, 0);
+    if (status != LUA_OK) {
+        lua_pushfstring(L, "error calling 'print' (%s)", lua_tostring(L, -1));
+        lua_remove(L, -2);
+        ml_report(L, status);
+    }
 }
 
 void ml_repl(lua_State *L)
 {
     int status;
+    interactive = isatty(0);
+    if (interactive) {
+        rl_readline_name = "moelua";
+        rl_catch_signals = 0;  /* SIGINT at the prompt is read_tty_line's */
+        /* readline's SIGWINCH handler stays installed while a line is read,
+         * not only inside rl_callback_read_char, so a resize during the
+         * wait is seen */
+        rl_persistent_signal_handlers = 1;
+    }
     history_open();
-    while ((status = loadline(L)) != -1) {
+    while ((status = loadline(L)) != LINE_EOF) {
+        if (status == LINE_INTERRUPTED)
+            continue;
         if (status == LUA_OK)
             status = ml_docall(L, 0, LUA_MULTRET);
         if (status == LUA_OK)
@@ -150,8 +320,8 @@ void ml_repl(lua_State *L)
         fflush(stdout);
     }
     lua_settop(L, 0);
-    if (isatty(0))
+    if (interactive)
         fputc('\n', stdout);
     fflush(stdout);
-    history_close();
+    history_save();
 }

@@ -1,0 +1,221 @@
+-- The moelua command line, driven as a child process: lua.c's options (-v,
+-- -e, -l, -E, -W, -, --), the arg table, exit statuses, stdin as a script,
+-- the module path from any directory, tracebacks and the usage message.
+-- The child is the binary running this spec (so `make sanitize` checks the
+-- ASan build), read from /proc/<pid>/exe.
+
+local function host_path()
+    local pid = assert(io.open("/proc/self/stat")):read("n")
+    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
+    local exe = p:read("l"):gsub(" %(deleted%)$", "")
+    p:close()
+    return exe
+end
+
+local HOST = host_path()
+
+local function q(s)  -- one shell word
+    return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+local function slurp(path)
+    local f = io.open(path, "rb")
+    if not f then return nil end
+    local s = f:read("a")
+    f:close()
+    return s
+end
+
+local function spit(path, s)
+    local f = assert(io.open(path, "wb"))
+    f:write(s)
+    f:close()
+end
+
+local tmpdir
+local function tmpfile(name, contents)
+    local path = tmpdir .. "/" .. name
+    spit(path, contents)
+    return path
+end
+
+-- Runs `HOST <args>` (args: a list of words, quoted here) with optional
+-- stdin text, a directory and environment assignments; returns the exit
+-- code, stdout and stderr. A 60 s timeout keeps a hang from blocking the suite.
+local function run(args, opts)
+    opts = opts or {}
+    local words = {}
+    for _, a in ipairs(args) do words[#words + 1] = q(a) end
+    local errf = tmpdir .. "/stderr"
+    local stdin = "/dev/null"
+    if opts.stdin then stdin = tmpfile("stdin", opts.stdin) end
+    local cmd = string.format("%s%s timeout -k 5 60 %s %s <%s 2>%s",
+                              opts.cd and ("cd " .. q(opts.cd) .. " && ") or "",
+                              opts.env or "", q(HOST), table.concat(words, " "), q(stdin), q(errf))
+    local p = assert(io.popen(cmd, "r"))
+    local out = p:read("a")
+    local _, how, code = p:close()
+    assert(how == "exit", "child ended by " .. tostring(how) .. " " .. tostring(code))
+    return code, out, slurp(errf) or ""
+end
+
+describe("moelua command line", function()
+    setup(function()
+        tmpdir = os.tmpname()
+        os.remove(tmpdir)
+        assert(os.execute("mkdir -p " .. q(tmpdir)))
+    end)
+    teardown(function()
+        os.execute("rm -rf " .. q(tmpdir))
+    end)
+
+    it("-v prints the version and exits 0", function()
+        local code, out, err = run({"-v"})
+        assert.are.equal(0, code)
+        assert.matches("^moelua %d+%.%d+ %(Lua 5%.4%.%d+%)\n$", out)
+        assert.are.equal("", err)
+    end)
+
+    it("-e runs each statement in order, in one state", function()
+        local code, out = run({"-e", "x = 20", "-e", "print(x + 22)", "-ex = nil print(x)"})
+        assert.are.equal(0, code)
+        assert.are.equal("42\nnil\n", out)
+    end)
+
+    it("-l requires a module into a global, and -l g=mod names the global", function()
+        local code, out, err = run({"-l", "moelua", "-lt=moelua.tensor",
+                                    "-e", "print(moelua.zeros({2, 3}):numel(), t.ones({4}):numel())"})
+        assert.are.equal(0, code, err)
+        assert.are.equal("6\t4\n", out)
+        code, _, err = run({"-l", "no.such.module"})
+        assert.are.equal(1, code)
+        assert.matches("module 'no.such.module' not found", err)
+    end)
+
+    it("builds arg like lua: script at 0, options at negative indices, args as ...", function()
+        local script = tmpfile("args.lua", [[
+            local t = {}
+            for i = -3, #arg do t[#t + 1] = i .. "=" .. tostring(arg[i]) end
+            print(table.concat(t, " "))
+            print(select("#", ...), ...)
+        ]])
+        local code, out, err = run({"-e", "y=1", script, "a", "b c"})
+        assert.are.equal(0, code, err)
+        assert.are.equal(string.format("-3=%s -2=-e -1=y=1 0=%s 1=a 2=b c\n2\ta\tb c\n", HOST, script), out)
+        -- no script: as in lua.c, the program is arg[0] and the options follow it
+        code, out = run({"-e", "print(arg[0], arg[-1], arg[1], #arg)"})
+        assert.are.equal(0, code)
+        assert.are.equal(HOST .. "\tnil\t-e\t2\n", out)
+        -- `--` ends the options: what follows is the script, even if it starts with '-'
+        code, _, err = run({"--", "-e"})
+        assert.are.equal(1, code)
+        assert.matches("cannot open %-e", err)
+    end)
+
+    it("exits with the script's status", function()
+        assert.are.equal(0, (run({"-e", "local x = 1"})))
+        assert.are.equal(3, (run({"-e", "os.exit(3)"})))
+        assert.are.equal(0, (run({"-e", "os.exit(true)"})))
+        assert.are.equal(1, (run({"-e", "os.exit(false)"})))
+        assert.are.equal(7, (run({"-e", "os.exit(7, true)"})))
+        -- close = true runs the finalizers, so a live tensor is no leak
+        local code, _, err = run({"-l", "moelua", "-e", "x = moelua.ones({1000}) os.exit(0, true)"})
+        assert.are.equal(0, code, err)
+        assert.are.equal("", err)
+        local script = tmpfile("fail.lua", "error('bad thing')\n")
+        code, _, err = run({script})
+        assert.are.equal(1, code)
+        assert.matches("bad thing", err)
+        code, _, err = run({tmpdir .. "/missing.lua"})
+        assert.are.equal(1, code)
+        assert.matches("cannot open", err)
+        code, _, err = run({tmpfile("syntax.lua", "x = = 1\n")})
+        assert.are.equal(1, code)
+        assert.matches("unexpected symbol near '='", err)
+    end)
+
+    it("prints a runtime error with a traceback through the script's functions", function()
+        local script = tmpfile("deep.lua", "local function inner() error('deep trouble') end\n" ..
+                                           "local function outer() inner() end\n" ..
+                                           "outer()\n")
+        local code, out, err = run({script})
+        assert.are.equal(1, code)
+        assert.are.equal("", out)
+        assert.matches(":1: deep trouble\nstack traceback:\n", err)
+        assert.matches("in upvalue 'inner'", err)
+        assert.matches("in local 'outer'", err)
+        assert.matches("in main chunk", err)
+        -- a non-string error object is described, not lost
+        code, _, err = run({"-e", "error({})"})
+        assert.are.equal(1, code)
+        assert.matches("%(error object is a table value%)", err)
+    end)
+
+    it("runs stdin as a script with - (args follow) and when stdin is not a terminal", function()
+        local code, out, err = run({"-", "x", "y"}, {stdin = "print(arg[0], ...)\n"})
+        assert.are.equal(0, code, err)
+        assert.are.equal("-\tx\ty\n", out)
+        code, out = run({}, {stdin = "print('piped', 6 * 7)\n"})
+        assert.are.equal(0, code)
+        assert.are.equal("piped\t42\n", out)
+        code, _, err = run({"-"}, {stdin = "error('from stdin')\n"})
+        assert.are.equal(1, code)
+        assert.matches("stdin:1: from stdin", err)
+        -- unlike lua.c, a failing stdin script is a failure without '-' too
+        code = run({}, {stdin = "error('from stdin')\n"})
+        assert.are.equal(1, code)
+    end)
+
+    it("-i after a script reads more statements (piped: no prompts, results printed)", function()
+        local code, out, err = run({"-e", "z = 5", "-i"}, {stdin = "z * 2\nfunction f(a)\nreturn a + z\nend\n=f(1)\n"})
+        assert.are.equal(0, code, err)
+        assert.matches("^moelua [^\n]*\n10\n6\n$", out)
+    end)
+
+    it("finds require 'moelua' from another directory", function()
+        local code, out, err = run({"-e", "print(require('moelua').zeros({2, 3}):numel())"}, {cd = "/tmp"})
+        assert.are.equal(0, code, err)
+        assert.are.equal("6\n", out)
+    end)
+
+    it("runs LUA_INIT first, and -E ignores it", function()
+        local code, out = run({"-e", "print(init_ran)"}, {env = "LUA_INIT='init_ran = 1' "})
+        assert.are.equal(0, code)
+        assert.are.equal("1\n", out)
+        code, out = run({"-E", "-e", "print(init_ran)"}, {env = "LUA_INIT='init_ran = 1' "})
+        assert.are.equal(0, code)
+        assert.are.equal("nil\n", out)
+        code, out = run({"-e", "print(init_ran)"}, {env = "LUA_INIT_5_4='init_ran = 54' LUA_INIT='init_ran = 1' "})
+        assert.are.equal("54\n", out)
+        code, _, err = run({"-e", "print(1)"}, {env = "LUA_INIT='error(\"init failed\")' "})
+        assert.are.equal(1, code)
+        assert.matches("init failed", err)
+    end)
+
+    it("-W turns warnings on", function()
+        local _, _, err = run({"-e", "warn('quiet')"})
+        assert.are.equal("", err)
+        local code
+        code, _, err = run({"-W", "-e", "warn('loud')"})
+        assert.are.equal(0, code)
+        assert.matches("Lua warning: loud", err)
+    end)
+
+    it("prints the usage on a bad option and exits 1", function()
+        local code, out, err = run({"-x"})
+        assert.are.equal(1, code)
+        assert.are.equal("", out)
+        assert.matches("unrecognized option '%-x'", err)
+        assert.matches("usage: .- %[options%] %[script %[args%]%]", err)
+        assert.matches("%-e stat", err)
+        code, _, err = run({"-e"})
+        assert.are.equal(1, code)
+        assert.matches("'%-e' needs argument", err)
+        code, _, err = run({"-vx"})
+        assert.are.equal(1, code)
+        assert.matches("unrecognized option '%-vx'", err)
+        code, _, err = run({"--x"})
+        assert.are.equal(1, code)
+        assert.matches("usage:", err)
+    end)
+end)

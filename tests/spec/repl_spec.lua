@@ -1,0 +1,214 @@
+-- The REPL (`moelua -i`) through a real terminal: util-linux `script` runs
+-- the host on a pty, reads keystrokes from a FIFO and copies the screen
+-- into a typescript file (flushed per write), which the spec polls with a
+-- deadline. \3 is Ctrl-C (the pty turns it into SIGINT), \4 is Ctrl-D, \16
+-- is Ctrl-P (previous history line). The host is the binary running this
+-- spec (/proc/<pid>/exe). HOME is a temp dir, so the history is the spec's.
+
+local system = require "system"
+
+local function host_path()
+    local pid = assert(io.open("/proc/self/stat")):read("n")
+    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
+    local exe = p:read("l"):gsub(" %(deleted%)$", "")
+    p:close()
+    return exe
+end
+
+local HOST = host_path()
+local TIMEOUT = 20  -- seconds for any one expected output
+
+local function q(s)
+    return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+local function slurp(path)
+    local f = io.open(path, "rb")
+    if not f then return nil end
+    local s = f:read("a")
+    f:close()
+    return s
+end
+
+local tmpdir, home
+local nsessions = 0
+
+local Session = {}
+Session.__index = Session
+
+local function start()
+    nsessions = nsessions + 1
+    local base = string.format("%s/s%d", tmpdir, nsessions)
+    local s = setmetatable({fifo = base .. ".in", ts = base .. ".ts", st = base .. ".status", pos = 0},
+                           Session)
+    assert(os.execute("mkfifo " .. q(s.fifo)))
+    local cmd = string.format(
+        "(HOME=%s TERM=dumb INPUTRC=/dev/null timeout -k 2 60 script -qfec %s %s <%s >/dev/null 2>&1;" ..
+        " echo $? >%s) >/dev/null 2>&1 &",
+        q(home), q("exec " .. q(HOST) .. " -i"), q(s.ts), q(s.fifo), q(s.st))
+    assert(os.execute(cmd))
+    s.keys = assert(io.open(s.fifo, "r+"))  -- read-write: never blocks, never EOF early
+    s.keys:setvbuf("no")
+    return s
+end
+
+function Session:send(keys)
+    self.keys:write(keys)
+end
+
+-- Waits until `pattern` (a Lua pattern) appears in the screen output after
+-- what earlier expects consumed; consumes up to the end of the match.
+function Session:expect(pattern, plain)
+    local deadline = system.gettime() + TIMEOUT
+    while true do
+        local out = slurp(self.ts) or ""
+        local a, b = out:find(pattern, self.pos + 1, plain)
+        if a then
+            local seen = out:sub(self.pos + 1, b)
+            self.pos = b
+            return seen
+        end
+        if system.gettime() > deadline then
+            error(string.format("no %q within %d s; the screen after the last match:\n%s",
+                                pattern, TIMEOUT, out:sub(self.pos + 1)), 2)
+        end
+        system.sleep(0.01)
+    end
+end
+
+function Session:prompt()
+    return self:expect("\n> ", true)
+end
+
+-- Types a line and waits for the prompt that follows its output; returns
+-- the output (the echoed line included).
+function Session:line(text)
+    self:send(text .. "\n")
+    return self:prompt()
+end
+
+-- Ctrl-D, then the exit status of the host.
+function Session:finish()
+    self:send("\4")
+    local deadline = system.gettime() + TIMEOUT
+    local status
+    repeat
+        status = slurp(self.st)
+        if not status or status == "" then
+            status = nil
+            system.sleep(0.01)
+        end
+    until status or system.gettime() > deadline
+    self.keys:close()
+    assert(status, "the REPL did not exit after Ctrl-D")
+    return tonumber(status), slurp(self.ts)
+end
+
+describe("the REPL on a terminal", function()
+    setup(function()
+        assert(os.execute("command -v script >/dev/null && command -v timeout >/dev/null"),
+               "the REPL spec needs util-linux `script` and coreutils `timeout`")
+        tmpdir = os.tmpname()
+        os.remove(tmpdir)
+        home = tmpdir .. "/home"
+        assert(os.execute("mkdir -p " .. q(home)))
+    end)
+    teardown(function()
+        os.execute("rm -rf " .. q(tmpdir))
+    end)
+
+    it("prints results, reads multi-line chunks, shows errors with a traceback and goes on", function()
+        local s = start()
+        s:expect("moelua 0%.%d+ %(Lua 5%.4[^\n]*\n> ")
+        assert.matches("\n2\r\n", s:line("1 + 1"))
+        assert.matches("\n1\ttwo\tnil\r\n", s:line("1, 'two', nil"))
+        s:line("m = require 'moelua'")
+        local shown = s:line("m.ones({2, 3}) * 2")
+        assert.truthy(shown:find("tensor([2,3], f32, cpu", 1, true), shown)
+        assert.truthy(shown:find("min 2 mean 2 max 2", 1, true), shown)
+        -- a chunk that ends in <eof> waits for more lines at the >> prompt
+        s:send("function f(x)\n")
+        s:expect("\n>> ", true)
+        s:send("return x * 2\n")
+        s:expect("\n>> ", true)
+        s:line("end")
+        assert.matches("\n42\r\n", s:line("f(21)"))
+        assert.matches("\n8\r\n", s:line("=f(4)"))  -- lua.c's '=' prefix
+        -- errors: message, traceback, and the next line still runs
+        s:line("function g() error('boom') end")
+        local err = s:line("g()")
+        assert.matches("stdin:1: boom\r\nstack traceback:\r\n", err)
+        assert.matches("in function 'g'", err)
+        assert.matches("unexpected symbol near '='", s:line("x = = 1"))
+        assert.matches("\n5\r\n", s:line("2 + 3"))
+        local status = s:finish()
+        assert.are.equal(0, status)  -- also: the ledger was empty at exit
+    end)
+
+    it("Ctrl-C at the prompt discards the line being typed and prompts again", function()
+        local s = start()
+        s:prompt()
+        s:send("12")
+        s:expect("12", true)  -- echoed: readline has the keys
+        s:send("\3")
+        s:prompt()
+        assert.matches("\n7\r\n", s:line("3 + 4"))  -- not 123 + 4
+        s:send("\3")  -- at an empty prompt
+        s:prompt()
+        assert.matches("\n1042\r\n", s:line("6 * 7 + 1000"))
+        s:send("function h()\n")  -- in a continuation: the whole chunk goes
+        s:expect("\n>> ", true)
+        s:send("\3")
+        s:prompt()
+        assert.matches("\nnil\r\n", s:line("h"))
+        assert.are.equal(0, (s:finish()))
+    end)
+
+    it("Ctrl-C interrupts a running computation, in a kernel or in Lua, and the REPL computes again", function()
+        local s = start()
+        s:prompt()
+        s:line("m = require 'moelua'")
+        s:line("a = m.rand({50, 16, 2048}, {dtype = 'f64'}) b = m.rand({2048, 2048}, {dtype = 'f64'})")
+        -- ~100 f64 GEMMs of ~0.1 s each: seconds of work, nearly all in the kernel
+        s:send("io.write('gemm' .. 'ing\\n') for i = 1, 100 do c = m.matmul(a, b) end\n")
+        s:expect("\ngemming\r\n", true)
+        system.sleep(0.1)  -- past io.write, into the loop (it runs for seconds)
+        s:send("\3")
+        local out = s:prompt()
+        assert.matches("moelua%.matmul: interrupted\r\nstack traceback:", out)
+        assert.matches("\n8%.0\r\n", s:line("m.ones({4}):add(1):sum():item()"))
+        assert.matches("\n18%.0\r\n", s:line("m.matmul(m.ones({3, 2}), m.ones({2, 3})):sum():item()"))
+        -- Lua code: the hook raises
+        s:send("io.write('spin' .. 'ning\\n') while true do end\n")
+        s:expect("\nspinning\r\n", true)
+        s:send("\3")
+        assert.matches("interrupted!\r\nstack traceback:", s:prompt())
+        assert.matches("\n6\r\n", s:line("2 * 3"))
+        s:line("a, b, c = nil")
+        assert.are.equal(0, (s:finish()))
+    end)
+
+    it("saves the history in ~/.moelua_history for the next session", function()
+        os.remove(home .. "/.moelua_history")
+        local s = start()
+        s:prompt()
+        s:send("function twice(x)\n")
+        s:expect("\n>> ", true)
+        s:line("return 2 * x end")
+        s:line("'hist' .. 'ory'")
+        assert.are.equal(0, (s:finish()))
+        local saved = slurp(home .. "/.moelua_history")
+        assert.truthy(saved, "no history file")
+        assert.truthy(saved:find("'hist' .. 'ory'", 1, true), saved)
+        assert.truthy(saved:find("function twice(x)\nreturn 2 * x end", 1, true), saved)
+        -- a new session recalls the last line (Ctrl-P), then the multi-line
+        -- chunk before it as one entry
+        s = start()
+        s:prompt()
+        assert.matches("\nhistory\r\n", s:line("\16"))
+        s:send("\16\16\16\n")  -- up past the line just run, to the chunk
+        s:prompt()
+        assert.matches("\n14\r\n", s:line("twice(7)"))
+        assert.are.equal(0, (s:finish()))
+    end)
+end)
