@@ -767,7 +767,7 @@ void ml_st_close(ml_st_file *f)
 static int set_label(ml_st_file *f, const char *label, char *err, size_t errlen)
 {
     if (!(f->label = strdup(label)))
-        return fail(err, errlen, "%s: out of memory", label);
+        return fail(err, errlen, "out of memory copying the file name");
     return 0;
 }
 
