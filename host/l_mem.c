@@ -2,7 +2,7 @@
  * host/l_mem.c - the Lua library `moelua.mem`: the memory ledger's account
  * book, budgets, peaks, the timeline, and the category of allocations.
  *
- *   mem.report([device])          the account book as text (also printed)
+ *   mem.report([device])          the account book as text: print(mem.report())
  *   mem.stats()                   {cpu = {...}, cuda = {...}} as tables
  *   mem.reset_peak([device])
  *   mem.budget{total=, params=, ..., device=}   sizes in bytes; 0 removes

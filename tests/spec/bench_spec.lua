@@ -1,0 +1,38 @@
+-- moelua.bench: the clock and the raw sgemm baseline that benchmarks divide by.
+local m = require "moelua"
+local bench = m.bench
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+
+describe("moelua.bench", function()
+  it("now() is a monotonic clock in seconds", function()
+    local t0 = bench.now()
+    local t1 = bench.now()
+    assert.is_true(t1 >= t0)
+    assert.is_true(t1 - t0 < 1)
+  end)
+
+  it("raw_sgemm computes c = a b (the baseline does the same work as matmul)", function()
+    local a, b = m.randn({5, 7}, {seed = 1}), m.randn({7, 3}, {seed = 2})
+    local c = m.zeros({5, 3})
+    local per_call = bench.raw_sgemm(c, a, b, 3)
+    assert.is_true(per_call > 0)
+    local ref = m.matmul(a:to("f64"), b:to("f64"))
+    local err = c:to("f64"):sub(ref)
+    local rel = math.sqrt(err:mul(err):sum():item() / ref:mul(ref):sum():item())
+    assert.is_true(rel < 1e-6, "normwise error " .. rel)
+  end)
+
+  it("refuses bad input with the function's name", function()
+    local a, b, c = m.zeros({2, 3}), m.zeros({3, 4}), m.zeros({2, 4})
+    assert.matches("moelua.bench.raw_sgemm: argument #4: calls must be >= 1", errmsg(bench.raw_sgemm, c, a, b, 0))
+    assert.matches("expected c %[m,n%], a %[m,k%], b %[k,n%]", errmsg(bench.raw_sgemm, m.zeros({4, 2}), a, b, 1))
+    assert.matches("expected dtype f32, got f64", errmsg(bench.raw_sgemm, c, a:to("f64"), b, 1))
+    assert.matches("expected a contiguous tensor", errmsg(bench.raw_sgemm, c, m.zeros({3, 2}):t(), b, 1))
+    assert.matches("expected a tensor, got number", errmsg(bench.raw_sgemm, 1, a, b, 1))
+  end)
+end)
