@@ -29,8 +29,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ML_POOL_MT "moelua.Pool"
-
 /* The userdata: the pool's Lua reference, NULL once closed. */
 typedef struct {
     ml_pool *p;
@@ -47,6 +45,16 @@ static ml_pool *check_pool(lua_State *L, int idx, const char *fn)
     l_pool *u = check_pool_ud(L, idx);
     if (!u->p)
         ml_error(L, fn, "the pool is closed");
+    return u->p;
+}
+
+ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what)
+{
+    l_pool *u = luaL_testudata(L, idx, ML_POOL_MT);
+    if (!u)
+        ml_error(L, fn, "%s must be a moelua.pool, got %s", what, luaL_typename(L, idx));
+    if (!u->p)
+        ml_error(L, fn, "%s: the pool is closed", what);
     return u->p;
 }
 

@@ -14,6 +14,7 @@
 #include "tensor.h"
 
 #define ML_TENSOR_MT "moelua.Tensor"
+#define ML_POOL_MT "moelua.Pool"
 
 ml_host *ml_host_of(lua_State *L);
 void ml_host_register(lua_State *L, ml_host *h);
@@ -47,6 +48,11 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
 /* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
 const char *ml_unavailable_reason(const ml_host *h, ml_device dev);
+
+/* The open pool of the moelua.Pool at idx (host/l_pool.c), for bindings
+ * that take scratch from a pool through host/pool.h directly; an error
+ * naming fn and `what` when it is not a pool or is closed. */
+struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);

@@ -10,5 +10,7 @@ const luaL_Reg ml_libs[] = {
     {"moelua.pool", luaopen_moelua_pool},
     {"moelua.io", luaopen_moelua_io},
     {"moelua.bench", luaopen_moelua_bench},
+    {"moelua.router", luaopen_moelua_router},
+    {"moelua.experts", luaopen_moelua_experts},
     {NULL, NULL}
 };

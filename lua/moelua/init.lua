@@ -11,6 +11,8 @@ for k, v in pairs(tensor) do moelua[k] = v end
 moelua.mem = require "moelua.mem"
 moelua.pool = require "moelua.pool"
 moelua.bench = require "moelua.bench"
+moelua.router = require "moelua.router"
+moelua.experts = require "moelua.experts"
 
 local io = require "moelua.io"
 moelua.save, moelua.load = io.save, io.load

@@ -1,0 +1,55 @@
+/*
+ * kernels/dispatch.h - token dispatch for MoE layers: a stable counting sort
+ * of the T·k routing assignments by expert, with an optional per-expert
+ * capacity (DESIGN.md, One training step: "counting sort by expert").
+ *
+ * An assignment is a = t·k + j: slot j of token t, routed to expert
+ * idx[a] (idx is the router's [T, k] int64 output, row-major). The sort is
+ * stable: within an expert, assignments keep their (t, j) order, so the
+ * result depends only on idx and never on thread count or chunking.
+ *
+ * Capacity (cap >= 0, policy "drop"): expert e keeps its first cap
+ * assignments in (t, j) order; the rest are dropped and counted. cap < 0 is
+ * dropless (every assignment kept). The caller computes cap, e.g.
+ * ceil(cf·T·k/E).
+ *
+ * CPU only for now; the CUDA twin (same arguments, ml_dispatch_cuda) comes
+ * with the CUDA MoE work.
+ *
+ * Not here: routing (kernels/router.*), the expert computation
+ * (kernels/experts.*), allocation: every output is passed in.
+ */
+#ifndef ML_KERNELS_DISPATCH_H
+#define ML_KERNELS_DISPATCH_H
+
+#include "core.h"
+
+/* Sort the n = T·k assignments of idx by expert. All outputs are
+ * overwritten (=):
+ *   offsets  [E+1]  kept assignments of expert e are order[offsets[e] ..
+ *                   offsets[e+1]); offsets[0] = 0, offsets[E] = kept total
+ *   order    [n]    assignment ids a: kept ones grouped by expert (stable),
+ *                   then the dropped ones in (t, j) order
+ *   counts   [E]    kept assignments per expert
+ *   dropped  [n]    1 where assignment a was dropped, else 0
+ *   ndropped [1]    number of dropped assignments
+ * Input: idx [n] expert ids, each in [0, E) (check with
+ * ml_dispatch_find_bad_cpu first: an id outside that range is undefined
+ * behaviour here). Sequential O(n + E); cap < 0: dropless. */
+ml_status ml_dispatch_cpu(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
+                          int64_t *ndropped, const int64_t *idx, int64_t n, int64_t E,
+                          int64_t cap, const ml_kctx *ctx);
+
+/* The first position a of idx [n] whose id is outside [0, E), or -1. */
+int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E);
+
+/* Checks that a plan (offsets [E+1], order [n]) is one ml_dispatch could
+ * have produced for idx [n]: offsets start at 0, never decrease and end at
+ * most at n; every kept position p < offsets[E] holds an assignment id in
+ * [0, n) routed (by idx) to the expert whose range holds p. Returns -1 when
+ * consistent; otherwise the first bad offset index e (as -2 - e) or the
+ * first bad position p (as p >= 0). Kernels that read a plan rely on it. */
+int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
+                                   const int64_t *idx, int64_t n, int64_t E);
+
+#endif

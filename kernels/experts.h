@@ -1,0 +1,102 @@
+/*
+ * kernels/experts.h - SwiGLU experts over a dispatch plan, forward and
+ * backward, in fixed-size row tiles (DESIGN.md: Pools, Parameters: flat
+ * units, One training step).
+ *
+ * Expert e computes y = w2(silu(w1 x) * w3 x) with its weights stored as
+ *   gate_up[e] [2F, D]   rows 0..F-1 are w1, rows F..2F-1 are w3
+ *   down[e]    [D, F]    w2
+ * (Linear weights are [out, in]; one expert is two contiguous slices.)
+ *
+ * The plan comes from kernels/dispatch.h: the kept assignments of expert e
+ * are order[offsets[e] .. offsets[e+1]), a = t·k + j, token t = a / k. The
+ * kernels walk experts in index order and each expert's range in tiles of R
+ * rows (the last one shorter); a "position" p is an index into order. Per
+ * tile (r <= R rows, positions p0 .. p0+r):
+ *   xt  [r, D]  = x rows of the tile's tokens (gathered again in backward)
+ *   h   [r, 2F] = xt · gate_up[e]ᵀ             one GEMM (g = h[:, :F], u = h[:, F:])
+ *   act [r, F]  = silu(g) * u
+ *   out [r, D]  = act · down[e]ᵀ                one GEMM
+ *   y[t] += w[a] · out[row of a]
+ * Scratch is tile-sized (see the *_scratch functions), so no buffer size
+ * depends on how tokens were routed; experts with no rows run nothing.
+ *
+ * Determinism: y is zeroed, then every tile adds its rows in tile order
+ * (experts ascending, positions ascending), each row in turn; threads split
+ * only output columns of a GEMM or rows/columns of elementwise work, never a
+ * sum. So a token's sum is over its experts in ascending expert index, fixed
+ * by the plan alone, and dgate_up[e] / ddown[e] add their tiles in order.
+ * The GEMMs are single-threaded OpenBLAS calls on column blocks that depend
+ * on the thread count: results are bitwise repeatable for a fixed thread
+ * count, not across thread counts (DESIGN.md, Tensors). The kernels set
+ * OpenBLAS to one thread while they run and restore its count after.
+ *
+ * Saving (the memory-time tradeoff): the caller passes h_saved [S, 2F] for
+ * the first S dispatch positions. A tile with p0 + r <= S keeps its h there
+ * in forward and backward reads it back; every other tile (at most one
+ * straddling S, and all after it) recomputes h from a fresh gather of x
+ * with the same GEMM shape, so the recomputed h is bitwise the saved one
+ * and gradients do not depend on S. S = T·k saves everything ("save"),
+ * S = 0 nothing ("recompute"); the binding maps partial_recompute = f to
+ * S = floor((1 - f)·T·k), a buffer size fixed by T and k.
+ *
+ * Routing-weight gradient without saved outputs: for a row with act a and
+ * weight w, dw = <dy_t, W2·a> = <W2ᵀ·dy_t, a>, and W2ᵀ·dy_t is the
+ * unscaled hidden gradient the down-projection backward computes anyway.
+ *
+ * Kernels never allocate and never raise; the interrupt flag is polled
+ * between tiles. dtypes: f32, f64 (x, w, weights, outputs and scratch all
+ * in one dtype). CPU only for now; the CUDA twin (same arguments, _cuda)
+ * comes later.
+ */
+#ifndef ML_KERNELS_EXPERTS_H
+#define ML_KERNELS_EXPERTS_H
+
+#include "core.h"
+
+typedef struct {
+    int64_t T, k;       /* tokens and slots per token: n = T·k assignments */
+    int64_t D, F, E;    /* model dim, expert hidden dim, experts */
+    int64_t tile;       /* R, rows per tile, >= 1 */
+    int64_t nsaved;     /* S, dispatch positions whose h is kept, 0 .. T·k */
+} ml_experts_cfg;
+
+/* Scratch elements (of the kernel's dtype) each direction needs:
+ * forward R·(D + 3F), backward R·(2D + 4F). */
+int64_t ml_experts_forward_scratch(const ml_experts_cfg *c);
+int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
+
+/* Forward.
+ *   y        [T, D]     out (=): every token's sum over its kept assignments;
+ *                       0 for a token whose assignments were all dropped
+ *   h_saved  [S, 2F]    out (=): h of positions in tiles lying below S
+ *                       (NULL allowed when S = 0)
+ *   scratch  [forward_scratch]
+ *   x        [T, D]
+ *   w        [T, k]     combine weights
+ *   order    [T·k], offsets [E+1]: a plan (ml_dispatch_check_plan_cpu)
+ *   gate_up  [E, 2F, D]
+ *   down     [E, D, F] */
+ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scratch,
+                                 const void *x, const void *w, const int64_t *order,
+                                 const int64_t *offsets, const void *gate_up, const void *down,
+                                 const ml_experts_cfg *c, const ml_kctx *ctx);
+
+/* Backward, with dy [T, D] the gradient of y.
+ *   dx        [T, D]     accumulates (+=)
+ *   dgate_up  [E, 2F, D] accumulates (+=), tile by tile in order; untouched
+ *                        experts are not written at all
+ *   ddown     [E, D, F]  accumulates (+=), likewise
+ *   dw        [T, k]     out (=): 0 for dropped assignments
+ *   touched   [E]        out (=): 1 where expert e had rows (got a gradient)
+ *   scratch   [backward_scratch]
+ *   h_saved   [S, 2F]    what forward saved with the same cfg (NULL when S = 0)
+ *   dy [T, D], x, w, order, offsets, gate_up, down: as in forward */
+ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+                                  uint8_t *touched, void *scratch, const void *h_saved,
+                                  const void *dy, const void *x, const void *w,
+                                  const int64_t *order, const int64_t *offsets,
+                                  const void *gate_up, const void *down,
+                                  const ml_experts_cfg *c, const ml_kctx *ctx);
+
+#endif

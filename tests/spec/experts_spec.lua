@@ -1,0 +1,465 @@
+-- tests/spec/experts_spec.lua - moelua.experts (host/l_experts.c,
+-- kernels/dispatch.c, kernels/experts.c): dispatch against a Lua reference,
+-- forward against a dense f64 reference computed in plain Lua (every expert
+-- on every token, masked by the routing), finite-difference gradients, the
+-- save policies, untouched experts, zero ledger allocations with a pool, and
+-- bad input.
+--
+-- Tolerances are normwise relative errors ||x - ref|| / ||ref||:
+--   forward vs the dense reference: f64 1e-6 (observed ~1e-15), f32 1e-5
+--   (sgemm over k <= 2F products in f32)
+--   finite differences, f64, central, step 1e-6: 1e-6
+-- Dispatch, save vs recompute vs partial, run-to-run and untouched-expert
+-- sentinels are compared exactly (one binary, one thread count).
+local m = require "moelua"
+local ex = m.experts
+
+-- ---- helpers ---------------------------------------------------------------
+
+local function flatten(v, out)
+  out = out or {}
+  if type(v) ~= "table" then
+    out[#out + 1] = v
+  else
+    for i = 1, #v do flatten(v[i], out) end
+  end
+  return out
+end
+local function vals(t) return flatten(t:totable()) end
+
+local function relerr(x, ref)
+  assert.are.equal(#ref, #x, "element count")
+  local num, den = 0, 0
+  for i = 1, #ref do
+    num = num + (x[i] - ref[i]) ^ 2
+    den = den + ref[i] ^ 2
+  end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+local function assert_close(x, ref, tol, what)
+  local e = relerr(x, ref)
+  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
+end
+
+local seed = 7000
+local function randn(shape, dtype, std)
+  seed = seed + 1
+  return m.randn(shape, {dtype = dtype or "f64", seed = seed, std = std})
+end
+local function rand(shape, dtype, lo, hi)
+  seed = seed + 1
+  return m.rand(shape, {dtype = dtype or "f64", seed = seed, lo = lo, hi = hi})
+end
+
+-- idx [T, k] with k distinct experts per token (a deterministic shuffle of a
+-- uniform draw); `skip` = an expert that never appears
+local function routing(T, k, E, skip)
+  local u = vals(rand({T, E}))
+  local ids = {}
+  for t = 1, T do
+    local cand = {}
+    for e = 0, E - 1 do
+      if e ~= skip then cand[#cand + 1] = {e, u[(t - 1) * E + e + 1]} end
+    end
+    table.sort(cand, function(a, b) return a[2] < b[2] end)
+    for j = 1, k do ids[#ids + 1] = cand[j][1] end
+  end
+  return m.tensor(ids, {dtype = "i64"}):reshape({T, k}), ids
+end
+
+-- the dispatch reference: plain Lua, the definition in kernels/dispatch.h
+local function dispatch_ref(ids, T, k, E, cap)
+  local count, kept, drop = {}, {}, {}
+  for e = 0, E - 1 do count[e] = 0; kept[e] = {} end
+  local dropped_list = {}
+  for a = 0, T * k - 1 do
+    local e = ids[a + 1]
+    count[e] = count[e] + 1
+    if cap and #kept[e] >= cap then
+      drop[a + 1] = 1
+      dropped_list[#dropped_list + 1] = a
+    else
+      drop[a + 1] = 0
+      kept[e][#kept[e] + 1] = a
+    end
+  end
+  local offsets, order, counts = {0}, {}, {}
+  for e = 0, E - 1 do
+    for _, a in ipairs(kept[e]) do order[#order + 1] = a end
+    offsets[#offsets + 1] = offsets[#offsets] + #kept[e]
+    counts[#counts + 1] = #kept[e]
+  end
+  for _, a in ipairs(dropped_list) do order[#order + 1] = a end
+  return {offsets = offsets, order = order, counts = counts, dropped = drop,
+          ndropped = #dropped_list}
+end
+
+local function silu(v) return v / (1 + math.exp(-v)) end
+
+-- dense reference: every expert on every token, then y_t = sum_j [kept] w_tj out_{e_tj}(x_t)
+local function dense_ref(x, gate_up, down, ids, w, dropped, T, k, D, F, E)
+  local X, GU, DN, W = vals(x), vals(gate_up), vals(down), vals(w)
+  local out = {}   -- out[e][t] = {D values}
+  for e = 0, E - 1 do
+    out[e] = {}
+    for t = 0, T - 1 do
+      local h = {}
+      for r = 0, 2 * F - 1 do
+        local s = 0
+        for d = 0, D - 1 do s = s + X[t * D + d + 1] * GU[(e * 2 * F + r) * D + d + 1] end
+        h[r] = s
+      end
+      local act = {}
+      for f = 0, F - 1 do act[f] = silu(h[f]) * h[F + f] end
+      local o = {}
+      for d = 0, D - 1 do
+        local s = 0
+        for f = 0, F - 1 do s = s + act[f] * DN[(e * D + d) * F + f + 1] end
+        o[d] = s
+      end
+      out[e][t] = o
+    end
+  end
+  local y = {}
+  for t = 0, T - 1 do
+    for d = 0, D - 1 do
+      local s = 0
+      for j = 0, k - 1 do
+        local a = t * k + j
+        if not dropped or dropped[a + 1] == 0 then
+          s = s + W[a + 1] * out[ids[a + 1]][t][d]
+        end
+      end
+      y[t * D + d + 1] = s
+    end
+  end
+  return y
+end
+
+-- a small problem: weights at a scale where silu is well inside its curve
+local function problem(T, k, D, F, E, dt, skip)
+  local idx, ids = routing(T, k, E, skip)
+  return {
+    T = T, k = k, D = D, F = F, E = E, ids = ids, idx = idx,
+    x = randn({T, D}, dt),
+    gate_up = randn({E, 2 * F, D}, dt, 1 / math.sqrt(D)),
+    down = randn({E, D, F}, dt, 1 / math.sqrt(F)),
+    w = rand({T, k}, dt, 0.2, 1),
+  }
+end
+
+-- ---- dispatch ----------------------------------------------------------------
+
+describe("experts.dispatch", function()
+  it("is a stable counting sort by expert (dropless)", function()
+    local T, k, E = 37, 3, 5
+    local idx, ids = routing(T, k, E)
+    local p = ex.dispatch(idx, E)
+    local r = dispatch_ref(ids, T, k, E)
+    assert.are.same(r.offsets, vals(p.offsets))
+    assert.are.same(r.order, vals(p.order))
+    assert.are.same(r.counts, vals(p.counts))
+    assert.are.same(r.dropped, vals(p.dropped))
+    assert.are.equal(0, p.ndropped)
+    assert.are.equal(-1, p.capacity)
+    assert.are.same({T, k}, p.dropped:shape())
+  end)
+
+  it("handles repeated experts in a row and empty experts", function()
+    local ids = {2, 2, 0, 2, 2, 0, 0, 0}
+    local p = ex.dispatch(m.tensor(ids, {dtype = "i64"}):reshape({4, 2}), 4)
+    assert.are.same({0, 4, 4, 8, 8}, vals(p.offsets))
+    assert.are.same({2, 5, 6, 7, 0, 1, 3, 4}, vals(p.order))
+    assert.are.same({4, 0, 4, 0}, vals(p.counts))
+  end)
+
+  it("drops over capacity in (t, j) order and counts the drops", function()
+    local T, k, E = 50, 2, 4
+    local idx, ids = routing(T, k, E)
+    for _, cap in ipairs({0, 7, 25, 1000}) do
+      local p = ex.dispatch(idx, E, {capacity = cap, policy = "drop"})
+      local r = dispatch_ref(ids, T, k, E, cap)
+      assert.are.same(r.offsets, vals(p.offsets), "cap " .. cap)
+      assert.are.same(r.order, vals(p.order), "cap " .. cap)
+      assert.are.same(r.counts, vals(p.counts), "cap " .. cap)
+      assert.are.same(r.dropped, vals(p.dropped), "cap " .. cap)
+      assert.are.equal(r.ndropped, p.ndropped, "cap " .. cap)
+      assert.are.equal(cap, p.capacity)
+    end
+    assert.are.equal(T * k, ex.dispatch(idx, E, {capacity = 0, policy = "drop"}).ndropped)
+  end)
+
+  it("is the same on every call (deterministic)", function()
+    local idx = routing(300, 2, 8)
+    local a, b = ex.dispatch(idx, 8, {capacity = 60, policy = "drop"}),
+                 ex.dispatch(idx, 8, {capacity = 60, policy = "drop"})
+    assert.are.same(vals(a.order), vals(b.order))
+  end)
+end)
+
+-- ---- forward ------------------------------------------------------------------
+
+describe("experts.forward", function()
+  it("dropless equals the dense reference (f64 <= 1e-6, f32 <= 1e-5) for tiles that do not divide the counts", function()
+    local P = problem(23, 2, 8, 6, 4, "f64")
+    local plan = ex.dispatch(P.idx, P.E)
+    local ref = dense_ref(P.x, P.gate_up, P.down, P.ids, P.w, nil, P.T, P.k, P.D, P.F, P.E)
+    for _, tile in ipairs({1, 3, 5, 16, 256}) do
+      local y = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = tile})
+      assert_close(vals(y), ref, 1e-6, "f64 tile " .. tile)
+      local y32 = ex.forward(P.x:to("f32"), P.gate_up:to("f32"), P.down:to("f32"), P.idx,
+                             P.w:to("f32"), plan, {tile = tile})
+      assert.are.equal("f32", y32:dtype())
+      assert_close(vals(y32), ref, 1e-5, "f32 tile " .. tile)
+    end
+  end)
+
+  it("with drop, dropped assignments contribute nothing", function()
+    local P = problem(30, 2, 6, 5, 3, "f64")
+    local plan = ex.dispatch(P.idx, P.E, {capacity = 12, policy = "drop"})
+    assert(plan.ndropped > 0, "the capacity must drop something here")
+    local drop = vals(plan.dropped)
+    local ref = dense_ref(P.x, P.gate_up, P.down, P.ids, P.w, drop, P.T, P.k, P.D, P.F, P.E)
+    local y = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 4})
+    assert_close(vals(y), ref, 1e-6, "drop")
+    -- every assignment dropped: y is exactly 0
+    local none = ex.dispatch(P.idx, P.E, {capacity = 0, policy = "drop"})
+    local y0 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, none)
+    for _, v in ipairs(vals(y0)) do assert.are.equal(0, v) end
+  end)
+
+  it("saves h [floor((1-f)·T·k), 2F] by policy and is bitwise the same whatever it saves", function()
+    local P = problem(40, 2, 8, 6, 4, "f32")
+    local plan = ex.dispatch(P.idx, P.E)
+    local y1, s1 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 7})
+    local y2, s2 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 7, save = "recompute"})
+    local y3, s3 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 7, partial_recompute = 0.3})
+    assert.are.same({80, 12}, s1.h:shape())
+    assert.is_nil(s2.h)
+    assert.are.equal(0, s2.nsaved)
+    assert.are.same({56, 12}, s3.h:shape())
+    assert.are.equal(7, s1.tile)
+    assert.are.same(vals(y1), vals(y2))
+    assert.are.same(vals(y1), vals(y3))
+  end)
+end)
+
+-- ---- backward -----------------------------------------------------------------
+
+-- loss = sum(y ⊙ R); central differences of every element of tensor t
+local function fd_grad(t, loss)
+  local flat = t:reshape({t:numel()})
+  local g, h = {}, 1e-6
+  for i = 1, t:numel() do
+    local cell = flat:narrow(1, i, 1)
+    local v = cell:item()
+    cell:fill_(v + h)
+    local lp = loss()
+    cell:fill_(v - h)
+    local lm = loss()
+    cell:fill_(v)
+    g[i] = (lp - lm) / (2 * h)
+  end
+  return g
+end
+
+describe("experts.backward", function()
+  it("matches finite differences in f64 for x, gate_up, down and w (rel err <= 1e-6)", function()
+    for _, case in ipairs({{policy = nil}, {capacity = 5, policy = "drop"}}) do
+      local P = problem(9, 2, 5, 4, 3, "f64")
+      local plan = ex.dispatch(P.idx, P.E, case.policy and case or nil)
+      local R = randn({P.T, P.D})
+      local Rv = vals(R)
+      local opts = {tile = 2, partial_recompute = 0.5}
+      local function loss()
+        local y = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, opts)
+        local s = 0
+        for i, v in ipairs(vals(y)) do s = s + v * Rv[i] end
+        return s
+      end
+      local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, opts)
+      local dx, dgu, ddn, dw, touched = ex.backward(R, P.x, P.gate_up, P.down, P.idx, P.w, plan,
+                                                    saved, opts)
+      local what = case.policy or "dropless"
+      assert_close(vals(dx), fd_grad(P.x, loss), 1e-6, what .. " dx")
+      assert_close(vals(dgu), fd_grad(P.gate_up, loss), 1e-6, what .. " dgate_up")
+      assert_close(vals(ddn), fd_grad(P.down, loss), 1e-6, what .. " ddown")
+      assert_close(vals(dw), fd_grad(P.w, loss), 1e-6, what .. " dw")
+      if case.policy then
+        assert(plan.ndropped > 0)
+        local drop = vals(plan.dropped)
+        local dwv = vals(dw)
+        for a = 1, #drop do
+          if drop[a] == 1 then assert.are.equal(0, dwv[a], "dw of a dropped slot") end
+        end
+      end
+      assert.are.same({1, 1, 1}, vals(touched))
+    end
+  end)
+
+  it("gives bitwise identical gradients for save, recompute and partial recompute", function()
+    local P = problem(64, 2, 16, 24, 4, "f32")
+    local plan = ex.dispatch(P.idx, P.E)
+    local dy = randn({P.T, P.D}, "f32")
+    local results = {}
+    for _, o in ipairs({{save = "save"}, {save = "recompute"}, {partial_recompute = 0.37},
+                        {partial_recompute = 0.999}}) do
+      o.tile = 5
+      local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, o)
+      local g = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved, o)}
+      for i = 1, 4 do g[i] = vals(g[i]) end
+      results[#results + 1] = g
+    end
+    for r = 2, #results do
+      for i = 1, 4 do assert.are.same(results[1][i], results[r][i], "result " .. i) end
+    end
+  end)
+
+  it("accumulates dx, dgate_up and ddown into grads, overwrites dw, and writes nothing for an expert with no tokens", function()
+    local P = problem(20, 2, 6, 5, 4, "f64", 2)   -- expert 2 gets no tokens
+    local plan = ex.dispatch(P.idx, P.E)
+    assert.are.equal(0, vals(plan.counts)[3])
+    local dy = randn({P.T, P.D})
+    local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 3})
+    local fresh = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved, {tile = 3})}
+    local S = 7.5
+    local grads = {dx = m.full({P.T, P.D}, S, {dtype = "f64"}),
+                   dgate_up = m.full({P.E, 2 * P.F, P.D}, S, {dtype = "f64"}),
+                   ddown = m.full({P.E, P.D, P.F}, S, {dtype = "f64"}),
+                   dw = m.full({P.T, P.k}, S, {dtype = "f64"}),
+                   touched = m.full({P.E}, 9, {dtype = "u8"})}
+    local dx, dgu, ddn, dw, touched = ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan,
+                                                  saved, nil, grads)
+    assert.are.equal(grads.dx, dx)
+    assert.are.equal(grads.dgate_up, dgu)
+    assert.are.same({1, 1, 0, 1}, vals(touched))
+    -- the untouched expert keeps its sentinel bit for bit
+    for _, v in ipairs(vals(dgu:select(1, 3))) do assert.are.equal(S, v) end
+    for _, v in ipairs(vals(ddn:select(1, 3))) do assert.are.equal(S, v) end
+    -- the fresh run left it zero
+    for _, v in ipairs(vals(fresh[2]:select(1, 3))) do assert.are.equal(0, v) end
+    -- the others accumulated (+=): sentinel + fresh gradient
+    local function plus(t) local r = vals(t); for i = 1, #r do r[i] = r[i] + S end; return r end
+    assert_close(vals(dx), plus(fresh[1]), 1e-14, "dx +=")
+    assert_close(vals(dgu), plus(fresh[2]), 1e-14, "dgate_up +=")
+    assert_close(vals(ddn), plus(fresh[3]), 1e-14, "ddown +=")
+    assert.are.same(vals(fresh[4]), vals(dw))   -- dw is overwritten
+  end)
+
+  it("is bitwise repeatable run to run", function()
+    local P = problem(50, 2, 12, 10, 4, "f32")
+    local plan = ex.dispatch(P.idx, P.E)
+    local dy = randn({P.T, P.D}, "f32")
+    local function run()
+      local y, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 6})
+      local g = {y, ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved)}
+      for i = 1, 5 do g[i] = vals(g[i]) end
+      return g
+    end
+    local a, b = run(), run()
+    for i = 1, 5 do assert.are.same(a[i], b[i]) end
+  end)
+
+  it("makes no ledger allocation after warm-up when a pool is given", function()
+    local P = problem(64, 2, 16, 24, 4, "f32")
+    local pool <close> = m.pool.new(4 << 20, {grow = false})
+    local grads = {dgate_up = m.zeros({P.E, 2 * P.F, P.D}), ddown = m.zeros({P.E, P.D, P.F})}
+    local dy = randn({P.T, P.D}, "f32")
+    local opts = {tile = 16, pool = pool, partial_recompute = 0.5}
+    local function step()
+      local mark = pool:mark()
+      local plan = ex.dispatch(P.idx, P.E, opts)
+      local y, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, opts)
+      local dx, _, _, dw, touched = ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan,
+                                                saved, opts, grads)
+      local r = {vals(y), vals(dx), vals(dw), vals(touched)}
+      pool:rewind(mark)
+      return r
+    end
+    local first = step()
+    local a0 = m.mem.stats().cpu.allocs
+    local second = step()
+    local a1 = m.mem.stats().cpu.allocs
+    assert.are.same(a0, a1)
+    assert.are.same(first, second)
+    assert.are.equal(0, pool:stats().slots)
+    assert.are.equal(0, pool:stats().overflows)
+  end)
+end)
+
+-- ---- bad input ------------------------------------------------------------------
+
+describe("experts bad input", function()
+  local P = problem(6, 2, 4, 3, 3, "f32")
+  local plan = ex.dispatch(P.idx, P.E)
+
+  local function err(pat, f, ...)
+    local ok, msg = pcall(f, ...)
+    assert.is_false(ok)
+    assert(tostring(msg):find(pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(msg))
+  end
+
+  it("names unknown options and wrong types", function()
+    err("unknown option 'tiles'", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {tiles = 4})
+    err("option 'tile' must be an integer >= 1", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 0})
+    err("option 'tile' must be an integer >= 1", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = "x"})
+    err("option 'save' must be", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {save = "all"})
+    err("option 'partial_recompute' must be in [0, 1]", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {partial_recompute = 1.5})
+    err("exclude each other", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {save = "save", partial_recompute = 0.5})
+    err("option 'pool' must be a moelua.pool", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, plan, {pool = {}})
+    err("option 'policy' must be", ex.dispatch, P.idx, 3, {policy = "spill"})
+    err("needs option 'capacity'", ex.dispatch, P.idx, 3, {policy = "drop"})
+    err("option 'capacity' needs policy", ex.dispatch, P.idx, 3, {capacity = 4})
+    err("option 'capacity' must be an integer >= 0", ex.dispatch, P.idx, 3, {capacity = -1, policy = "drop"})
+  end)
+
+  it("refuses bad expert ids and bad E", function()
+    local bad = m.tensor({0, 1, 2, 3}, {dtype = "i64"}):reshape({2, 2})
+    err("expert id 3 at token 1, slot 1 (0-based) is outside [0, 3)", ex.dispatch, bad, 3)
+    err("argument #2 (E)", ex.dispatch, P.idx, 0)
+    err("expected dtype i64, got f32", ex.dispatch, P.x, 3)
+  end)
+
+  it("names both shapes when they do not match", function()
+    local gu = m.zeros({3, 6, 5})
+    err("gate_up [3,6,5] does not match x [T, D] [6,4]", ex.forward, P.x, gu, P.down, P.idx, P.w, plan)
+    err("down [3,3,4] does not match gate_up [E, 2F, D] [3,6,4]", ex.forward, P.x, P.gate_up,
+        m.zeros({3, 3, 4}), P.idx, P.w, plan)
+    err("w [6,3] does not match idx [6,2]", ex.forward, P.x, P.gate_up, P.down, P.idx, m.zeros({6, 3}), plan)
+    err("dtype f64 does not match x's f32", ex.forward, P.x, P.gate_up:to("f64"), P.down, P.idx, P.w, plan)
+    err("argument #1 (x): expected 2 dims, got [24]", ex.forward, P.x:reshape({24}), P.gate_up, P.down, P.idx, P.w, plan)
+  end)
+
+  it("refuses a plan that does not belong to idx", function()
+    local other = ex.dispatch(routing(6, 2, 3), 3)
+    local same = true
+    for i, v in ipairs(vals(other.order)) do same = same and v == vals(plan.order)[i] end
+    if not same then
+      err("does not match idx", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, other)
+    end
+    err("plan.offsets: expected shape [4], got [5]", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w,
+        ex.dispatch(P.idx, 4))
+    err("argument #6 (plan)", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, 5)
+  end)
+
+  it("checks backward's saved table and grads", function()
+    local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 4})
+    local dy = m.zeros({6, 4})
+    err("option 'tile' = 8 differs from the forward's tile 4", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, {tile = 8})
+    err("unknown key 'dX'", ex.backward, dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved, nil, {dX = dy})
+    err("grads.dgate_up: expected shape [3,6,4], got [3,4,6]", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dgate_up = m.zeros({3, 4, 6})})
+    err("grads.dx: expected dtype f32, got f64", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dx = m.zeros({6, 4}, {dtype = "f64"})})
+    err("argument #8 (saved)", ex.backward, dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, {})
+    err("expected dy [T, D]", ex.backward, m.zeros({5, 4}), P.x, P.gate_up, P.down, P.idx, P.w, plan, saved)
+    local pool <close> = m.pool.new(1 << 20)
+    local mark = pool:mark()
+    local _, s2 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {pool = pool})
+    pool:rewind(mark)
+    err("saved.h: stale pool view", ex.backward, dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, s2)
+  end)
+end)
