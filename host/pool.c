@@ -77,8 +77,13 @@ ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slo
     if (nbytes > SIZE_MAX - POOL_ALIGN)
         return ML_POOL_NOMEM;
     size_t need = align_up(nbytes);
-    ml_pool_block *b = &p->blocks[p->nblocks - 1];
-    if (b->size - b->used < need) {
+    /* The stack fills blocks in order; blocks after the top slot's block
+     * are empty, so after a rewind they are reused before the pool grows,
+     * and a warmed-up step allocates nothing new. */
+    size_t bi = p->nslots ? p->slots[p->nslots - 1].block : 0;
+    while (bi < p->nblocks && p->blocks[bi].size - p->blocks[bi].used < need)
+        bi++;
+    if (bi == p->nblocks) {
         p->noverflow++;
         if (!p->grow)
             return ML_POOL_FULL;
@@ -87,8 +92,8 @@ ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slo
         ml_pool_status s = add_block(p, add, astatus);
         if (s != ML_POOL_OK)
             return s;
-        b = &p->blocks[p->nblocks - 1];
     }
+    ml_pool_block *b = &p->blocks[bi];
     if (p->nslots == p->cap_slots) {
         size_t cap = p->cap_slots ? 2 * p->cap_slots : 64;
         ml_pool_slot *ns = realloc(p->slots, cap * sizeof *ns);
@@ -98,7 +103,7 @@ ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slo
         p->cap_slots = cap;
     }
     ml_pool_slot *s = &p->slots[p->nslots];
-    s->block = p->nblocks - 1;
+    s->block = bi;
     s->offset = b->used;
     s->nbytes = need;
     s->id = ++p->next_id;

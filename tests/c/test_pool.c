@@ -185,6 +185,12 @@ static void test_grow(void)
     alloc_result c = alloc(p, 64);
     ok(c.s == ML_POOL_OK && p->capacity == cap && p->noverflow == 2 && p->nblocks == 3,
        "grow: after a rewind the blocks are reused, nothing more is charged");
+    ml_pool_rewind(p, 0);
+    alloc_result r1 = alloc(p, 200), r2 = alloc(p, 100), r3 = alloc(p, 5000);
+    ok(r1.s == ML_POOL_OK && r2.s == ML_POOL_OK && r3.s == ML_POOL_OK && p->nblocks == 3 &&
+       p->noverflow == 2 && lg->nalloc[ML_CAT_POOL] == 3 && r2.data == p->blocks[1].data &&
+       r3.data == p->blocks[2].data,
+       "grow: a warmed-up pool replays the same step in its later blocks without growing");
     ml_pool_release(p);
     ok(lg->total == 0 && lg->nfree[ML_CAT_POOL] == 3, "release: every block returns to the ledger");
     host_free(&h);
