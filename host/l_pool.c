@@ -133,10 +133,10 @@ static int l_pool_new(lua_State *L)
     return 1;
 }
 
-/* Free bytes in the block new slots are carved from. */
+/* Free bytes in the block the next slot is carved from. */
 static size_t top_free(const ml_pool *p)
 {
-    const ml_pool_block *b = &p->blocks[p->nblocks - 1];
+    const ml_pool_block *b = &p->blocks[p->nslots ? p->slots[p->nslots - 1].block : 0];
     return b->size - b->used;
 }
 
@@ -174,22 +174,12 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
     return data;
 }
 
-/* p:tensor(shape, {dtype=}) -> a view in a new slot of the pool */
-static int l_pool_tensor(lua_State *L)
+ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
+                              const int64_t *shape)
 {
-    static const char fn[] = "Pool:tensor";
-    static const char *const opts[] = {"dtype", NULL};
-    ml_pool *p = check_pool(L, 1, fn);
-    l_pool *u = check_pool_ud(L, 1);
-    int64_t shape[ML_MAXDIM];
-    int next;
-    int ndim = ml_checkshape(L, 2, fn, shape, &next);
-    int optidx = lua_istable(L, next) ? next : 0;
-    if (!optidx && !lua_isnoneornil(L, next))
-        ml_error(L, fn, "argument #%d: expected an options table, got %s", next,
-                 luaL_typename(L, next));
-    ml_check_opts(L, optidx, fn, opts);
-    ml_dtype dt = ml_opt_dtype(L, optidx, fn, ML_F32);
+    pool_idx = lua_absindex(L, pool_idx);
+    ml_pool *p = ml_checkpool(L, pool_idx, fn, "the pool");
+    l_pool *u = check_pool_ud(L, pool_idx);
     int64_t n = ml_shape_numel(ndim, shape);
     if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
         ml_error(L, fn, "shape has a negative size or too many elements");
@@ -219,6 +209,24 @@ static int l_pool_tensor(lua_State *L)
     t->ndim = ndim;
     memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
     ml_set_contiguous_strides(t);
+    return t;
+}
+
+/* p:tensor(shape, {dtype=}) -> a view in a new slot of the pool */
+static int l_pool_tensor(lua_State *L)
+{
+    static const char fn[] = "Pool:tensor";
+    static const char *const opts[] = {"dtype", NULL};
+    check_pool(L, 1, fn);
+    int64_t shape[ML_MAXDIM];
+    int next;
+    int ndim = ml_checkshape(L, 2, fn, shape, &next);
+    int optidx = lua_istable(L, next) ? next : 0;
+    if (!optidx && !lua_isnoneornil(L, next))
+        ml_error(L, fn, "argument #%d: expected an options table, got %s", next,
+                 luaL_typename(L, next));
+    ml_check_opts(L, optidx, fn, opts);
+    ml_pool_pushtensor(L, fn, 1, ml_opt_dtype(L, optidx, fn, ML_F32), ndim, shape);
     return 1;
 }
 

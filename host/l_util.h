@@ -53,6 +53,11 @@ const char *ml_unavailable_reason(const ml_host *h, ml_device dev);
  * that take scratch from a pool through host/pool.h directly; an error
  * naming fn and `what` when it is not a pool or is closed. */
 struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
+/* Push a new contiguous tensor that is a view into the pool at pool_idx
+ * (category `pool`); growth refused by the ledger is an error with the
+ * ledger table, as for ml_newtensor. */
+ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
+                              const int64_t *shape);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
