@@ -137,7 +137,10 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
     if (lua_getfield(L, idx, "pool") != LUA_TNIL) {
         if (!luaL_testudata(L, -1, ML_POOL_MT))
             ml_error(L, fn, "option 'pool' must be a moelua.pool, got %s", luaL_typename(L, -1));
-        o->pool = lua_gettop(L);   /* keep it on the stack (the table holds it anyway) */
+        o->pool = lua_gettop(L);
+        if (ml_checkpool(L, o->pool, fn, "option 'pool'")->device != ML_CPU)
+            ml_error(L, fn, "option 'pool': a %s pool; these kernels run on the cpu",
+                     ml_device_names[ml_checkpool(L, o->pool, fn, "option 'pool'")->device]);   /* keep it on the stack (the table holds it anyway) */
     } else {
         lua_pop(L, 1);
     }
@@ -152,42 +155,17 @@ static ml_tensor *new_buf(lua_State *L, const char *fn, int pool, ml_dtype dt, i
 {
     if (!pool)
         return ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
-    lua_getfield(L, pool, "tensor");
-    lua_pushvalue(L, pool);
-    lua_createtable(L, ndim, 0);
-    for (int i = 0; i < ndim; i++) {
-        lua_pushinteger(L, (lua_Integer)shape[i]);
-        lua_rawseti(L, -2, i + 1);
-    }
-    lua_createtable(L, 0, 1);
-    lua_pushstring(L, ml_dtype_names[dt]);
-    lua_setfield(L, -2, "dtype");
-    lua_call(L, 3, 1);
-    ml_tensor *t = ml_testtensor(L, -1);
-    if (!t || !t->st)
-        ml_error(L, fn, "option 'pool': Pool:tensor did not return a tensor");
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "option 'pool': a %s pool; these kernels run on the cpu",
-                 ml_device_names[t->st->device]);
-    return t;
+    return ml_pool_pushtensor(L, fn, pool, dt, ndim, shape);
 }
 
 static lua_Integer pool_mark(lua_State *L, int pool)
 {
-    lua_getfield(L, pool, "mark");
-    lua_pushvalue(L, pool);
-    lua_call(L, 1, 1);
-    lua_Integer m = lua_tointeger(L, -1);
-    lua_pop(L, 1);
-    return m;
+    return (lua_Integer)ml_pool_mark(ml_checkpool(L, pool, "moelua.experts", "option 'pool'"));
 }
 
 static void pool_rewind(lua_State *L, int pool, lua_Integer mark)
 {
-    lua_getfield(L, pool, "rewind");
-    lua_pushvalue(L, pool);
-    lua_pushinteger(L, mark);
-    lua_call(L, 2, 0);
+    ml_pool_rewind(ml_checkpool(L, pool, "moelua.experts", "option 'pool'"), (size_t)mark);
 }
 
 /* Scratch for one kernel call: a pool frame (mark, then one slot) or a

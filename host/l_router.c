@@ -44,6 +44,7 @@ typedef struct {
     ml_router_cfg cfg;
     const ml_tensor *bias;    /* NULL: none */
     ml_pool *pool;            /* NULL: none; its userdata stays on the stack */
+    int pool_idx;             /* stack index of that userdata */
 } router_opts;
 
 /* ---- option readers: the value of opts[key] is on the stack top ---------- */
@@ -195,6 +196,7 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, router_o
         if (p->device != ML_CPU)
             ml_error(L, fn, "option 'pool' is on %s; the router runs on cpu", ml_device_names[p->device]);
         o->pool = p;   /* the userdata stays on the stack */
+        o->pool_idx = lua_gettop(L);
     } else {
         lua_pop(L, 1);
     }
@@ -234,9 +236,20 @@ static void check_x_wg(lua_State *L, const char *fn, int ix, int iw, ml_tensor *
         ml_error(L, fn, "wg is %s: at least one expert expected", sw);
 }
 
-static ml_tensor *new_zeros(lua_State *L, const char *fn, ml_dtype dt, int ndim, const int64_t *shape)
+/* An output: a view into opts.pool when one is given (so a warmed-up
+ * layer allocates nothing from the ledger), else a ledger tensor. */
+static ml_tensor *new_out(lua_State *L, const char *fn, const router_opts *o, ml_dtype dt, int ndim,
+                          const int64_t *shape)
 {
-    ml_tensor *t = ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
+    if (o->pool)
+        return ml_pool_pushtensor(L, fn, o->pool_idx, dt, ndim, shape);
+    return ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
+}
+
+static ml_tensor *new_zeros(lua_State *L, const char *fn, const router_opts *o, ml_dtype dt, int ndim,
+                            const int64_t *shape)
+{
+    ml_tensor *t = new_out(L, fn, o, dt, ndim, shape);
     if (ml_nbytes(t))
         memset(ml_data(t), 0, ml_nbytes(t));
     return t;
@@ -313,12 +326,12 @@ static int l_router_forward(lua_State *L)
         ml_error(L, fn, "noise is keyed by a 32-bit token index: at most 2^32 tokens per call");
 
     int64_t sk[2] = {T, k}, se[1] = {E};
-    ml_tensor *idx = ml_newtensor(L, fn, ML_CPU, ML_I64, 2, sk);
+    ml_tensor *idx = new_out(L, fn, &o, ML_I64, 2, sk);
     int iidx = lua_gettop(L);
-    ml_tensor *w = ml_newtensor(L, fn, ML_CPU, x->dtype, 2, sk);
-    ml_tensor *counts = new_zeros(L, fn, ML_I64, 1, se);
+    ml_tensor *w = new_out(L, fn, &o, x->dtype, 2, sk);
+    ml_tensor *counts = new_zeros(L, fn, &o, ML_I64, 1, se);
     int icounts = lua_gettop(L);
-    ml_tensor *psum = new_zeros(L, fn, ML_F64, 1, se);
+    ml_tensor *psum = new_zeros(L, fn, &o, ML_F64, 1, se);
     scratch s;
     void *buf = scratch_acquire(L, fn, o.pool, ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
 
@@ -436,11 +449,11 @@ static int l_router_backward(lua_State *L)
     int64_t sxd[2] = {T, D}, swd[2] = {E, D};
     ml_tensor *dx = grad_matrix(L, gi, fn, "dx", x->dtype, T, D);
     if (!dx)
-        dx = new_zeros(L, fn, x->dtype, 2, sxd);
+        dx = new_zeros(L, fn, &o, x->dtype, 2, sxd);
     int idx_dx = lua_gettop(L);
     ml_tensor *dwg = grad_matrix(L, gi, fn, "dwg", x->dtype, E, D);
     if (!dwg)
-        dwg = new_zeros(L, fn, x->dtype, 2, swd);
+        dwg = new_zeros(L, fn, &o, x->dtype, 2, swd);
     int idx_dwg = lua_gettop(L);
     if (dx->st == x->st || dwg->st == wg->st || dx->st == dwg->st)
         ml_error(L, fn, "grads.dx and grads.dwg must not share storage with x, wg or each other");
