@@ -5,7 +5,8 @@
  *
  *   router.forward(x, wg, opts)  -> idx [T,k] i64, w [T,k], stats
  *       stats = {counts = i64 [E], psum = f64 [E], z = sum_t lse_t^2,
- *                entropy = sum_t H(p'_t), tokens = T}
+ *                entropy = sum_t H(p'_t), tokens = T, cp = sum_e C_e P_e,
+ *                max_count = max_e C_e}
  *   router.backward(dw, x, wg, idx, opts [, grads]) -> dx, dwg
  *       grads = {aux = f64 [E] (dL/dp'_te), z = dL/dzsum, dx =, dwg =}; dx
  *       and dwg accumulate (+=) into the given tensors, or into new zeroed ones
@@ -344,9 +345,23 @@ static int l_router_forward(lua_State *L)
     scratch_release(&s);
     check_router_status(L, fn, st);
 
+    /* sum_e C_e P_e (the aux loss is E times this over N^2) and max_e C_e
+     * (the largest expert share), so the layer needs no tensor math for them */
+    const int64_t *cv = ml_data(counts);
+    const double *pv = ml_data(psum);
+    double cp = 0;
+    int64_t cmax = 0;
+    for (int64_t e = 0; e < E; e++) {
+        cp += (double)cv[e] * pv[e];
+        cmax = cv[e] > cmax ? cv[e] : cmax;
+    }
     lua_pushvalue(L, iidx);
     lua_pushvalue(L, iidx + 1);
-    lua_createtable(L, 0, 5);
+    lua_createtable(L, 0, 7);
+    lua_pushnumber(L, cp);
+    lua_setfield(L, -2, "cp");
+    lua_pushinteger(L, cmax);
+    lua_setfield(L, -2, "max_count");
     lua_pushvalue(L, icounts);
     lua_setfield(L, -2, "counts");
     lua_pushvalue(L, icounts + 1);

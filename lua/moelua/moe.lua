@@ -1,0 +1,239 @@
+-- moelua.moe: the MoE layer as a Torch7-style class. Every number is
+-- computed in C (moelua.router, moelua.experts); this module only wires the
+-- router, dispatch, experts and combine together, owns the layer's memory,
+-- and forms the losses' coefficients.
+--
+--   local moe = require "moelua.moe"
+--   local layer = moe.new{dim = 512, ffn = 1408, experts = 8, topk = 2}
+--   local y, stats = layer:forward(x, step)     -- x [T, dim]
+--   local dx = layer:backward(dy)                -- grads land in layer.grads
+--
+-- Memory (DESIGN.md, Parameters and Pools): the parameters are one flat
+-- buffer under `params` (wg [E, D], gate_up [E, 2F, D], down [E, D, F] are
+-- views into it), the gradients one flat buffer under `grads`, and every
+-- transient of a step (router outputs, the dispatch plan, saved
+-- pre-activations, y, dx, scratch) is a view into the layer's own stack pool.
+-- The pool is reset at the start of each forward: y and dx are valid until
+-- the next forward. After the first step the pool has grown to what a step
+-- needs, and a step makes no ledger allocation.
+--
+-- Aux loss (DESIGN.md, Numerics): by default Hugging Face's
+-- load_balancing_loss_func, aux = E * sum_e (C_e/N) (P_e/N), with N the
+-- tokens of all MoE layers of the micro-batch, C_e the top-k assignments
+-- (counted before capacity drops) and P_e the summed routing probabilities.
+-- It equals k under uniform routing; Megatron's form divides by k. The model
+-- forms it from every layer's (C_e, P_e): moe.aux_loss(layers) returns the
+-- loss and each layer's coefficient for backward. aux_scope = "layer"
+-- averages the per-layer losses instead. The router z-loss (ST-MoE) is the
+-- mean over (layer, token) of logsumexp(raw logits)^2.
+local tensor = require "moelua.tensor"
+local router = require "moelua.router"
+local experts = require "moelua.experts"
+local pool = require "moelua.pool"
+local mem = require "moelua.mem"
+
+local moe = {}
+
+local Layer = {}
+Layer.__index = Layer
+
+-- option = {type, default (nil: required)}
+local OPTIONS = {
+  dim = {"integer"}, ffn = {"integer"}, experts = {"integer"}, topk = {"integer", 2},
+  -- router
+  chunk = {"integer", 2048}, mode = {"string", "softmax_topk"}, renorm = {"boolean", true},
+  temperature = {"number", 1.0}, eps = {"number", 0.0}, noise = {"number", 0.0},
+  gumbel = {"boolean", false}, seed = {"integer", 0}, layer = {"integer", 0},
+  bias_rate = {"number", 0.0},
+  -- dispatch and experts
+  capacity_factor = {"number", 0.0}, policy = {"string", "dropless"}, tile = {"integer", 256},
+  save = {"string", "save"}, partial_recompute = {"number", -1.0},
+  -- losses
+  aux_weight = {"number", 0.0}, z_weight = {"number", 0.0}, aux_scope = {"string", "model"},
+  -- parameters
+  dtype = {"string", "f32"}, init_std = {"number", 0.02}, init_seed = {"integer", 0},
+}
+
+local function check_options(opts)
+  if type(opts) ~= "table" then
+    error("moelua.moe.new: options must be a table, got " .. type(opts), 3)
+  end
+  local o = {}
+  for k, v in pairs(opts) do
+    local spec = OPTIONS[k]
+    if not spec then
+      local names = {}
+      for name in pairs(OPTIONS) do names[#names + 1] = name end
+      table.sort(names)
+      error(string.format("moelua.moe.new: unknown option '%s' (expected one of: %s)",
+                          tostring(k), table.concat(names, ", ")), 3)
+    end
+    local ok = spec[1] == "integer" and math.type(v) == "integer" or type(v) == spec[1]
+    if not ok then
+      error(string.format("moelua.moe.new: option '%s' must be %s %s, got %s", k,
+                          spec[1] == "integer" and "an" or "a", spec[1], type(v)), 3)
+    end
+    o[k] = v
+  end
+  for k, spec in pairs(OPTIONS) do
+    if o[k] == nil then
+      if spec[2] == nil then error("moelua.moe.new: option '" .. k .. "' is required", 3) end
+      o[k] = spec[2]
+    end
+  end
+  local function need(cond, msg) if not cond then error("moelua.moe.new: " .. msg, 3) end end
+  need(o.dim >= 1 and o.ffn >= 1 and o.experts >= 1, "dim, ffn and experts must be >= 1")
+  need(o.topk >= 1 and o.topk <= o.experts,
+       string.format("option 'topk' = %d must be in 1..experts (%d)", o.topk, o.experts))
+  need(o.policy == "dropless" or o.policy == "drop", "option 'policy' must be \"dropless\" or \"drop\"")
+  need((o.policy == "drop") == (o.capacity_factor > 0),
+       "policy \"drop\" needs capacity_factor > 0, and capacity_factor needs policy \"drop\"")
+  need(o.aux_scope == "model" or o.aux_scope == "layer", "option 'aux_scope' must be \"model\" or \"layer\"")
+  need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\"")
+  need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
+       "bias_rate, aux_weight and z_weight must be >= 0")
+  return o
+end
+
+-- Views of a flat buffer in the Parameters layout of DESIGN.md.
+local function unit_views(flat, E, D, F)
+  local n_wg, n_gu = E * D, E * 2 * F * D
+  return {
+    wg = flat:view_at(0, {E, D}),
+    gate_up = flat:view_at(n_wg, {E, 2 * F, D}),
+    down = flat:view_at(n_wg + n_gu, {E, D, F}),
+  }
+end
+
+function moe.new(opts)
+  local o = check_options(opts)
+  local E, D, F = o.experts, o.dim, o.ffn
+  local n = E * D + E * 2 * F * D + E * D * F
+  local self = setmetatable({opts = o}, Layer)
+  self.flat = mem.scope("params", tensor.randn, {n}, {dtype = o.dtype, std = o.init_std,
+                                                       seed = o.init_seed, offset = 0})
+  self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype})
+  self.params = unit_views(self.flat, E, D, F)
+  self.grads = unit_views(self.grad_flat, E, D, F)
+  if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
+    self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype})
+  end
+  self.pool = pool.new(1 << 20, {grow = true})
+  self.router_opts = {k = o.topk, chunk = o.chunk, mode = o.mode, renorm = o.renorm,
+                      temperature = o.temperature, eps = o.eps, noise = o.noise, gumbel = o.gumbel,
+                      seed = o.seed, layer = o.layer, step = 0, bias = self.bias, pool = self.pool}
+  self.expert_opts = {tile = o.tile, policy = o.policy, pool = self.pool}
+  if o.partial_recompute >= 0 then
+    self.expert_opts.partial_recompute = o.partial_recompute
+  else
+    self.expert_opts.save = o.save
+  end
+  return self
+end
+
+function Layer:zero_grad()
+  self.grad_flat:zero_()
+end
+
+-- y, stats = layer:forward(x [, step]): step keys the gate noise.
+function Layer:forward(x, step)
+  local o = self.opts
+  local T = x:size(1)
+  self.pool:reset()                         -- the previous step's transients end here
+  self.router_opts.step = step or 0
+  local idx, w, rs = router.forward(x, self.params.wg, self.router_opts)
+  local eo = self.expert_opts
+  eo.capacity = o.policy == "drop" and math.ceil(o.capacity_factor * T * o.topk / o.experts) or nil
+  local plan = experts.dispatch(idx, o.experts, eo)
+  local y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
+  self.ctx = {x = x, idx = idx, w = w, plan = plan, saved = saved, rstats = rs}
+  local Tn = math.max(T, 1)
+  local mean_prob = self.pool:tensor({o.experts}, {dtype = "f64"}):copy_(rs.psum):div_(Tn)
+  local stats = {
+    tokens = T,
+    counts = rs.counts,                     -- C_e, before capacity drops (i64 [E])
+    psum = rs.psum,                         -- P_e (f64 [E])
+    kept = plan.counts,                     -- assignments each expert ran
+    dropped = plan.ndropped,
+    mean_prob = mean_prob,                  -- mean router probability per expert
+    entropy = rs.entropy / Tn,              -- mean router entropy (nats)
+    max_share = rs.max_count / (Tn * o.topk),
+    aux = o.experts * rs.cp / (Tn * Tn),    -- this layer's HF aux loss (unweighted)
+    z = rs.z / Tn,                          -- this layer's z-loss (unweighted)
+  }
+  self.stats = stats
+  return y, stats
+end
+
+-- The aux and z coefficients of one layer as its own model (N = T), in
+-- the layer's pool: dL/dp'_te = aux_weight * E * C_e / N^2, dL/dzsum = z_weight / N.
+local function own_coefficients(self)
+  local o, s = self.opts, self.stats
+  local T = math.max(s.tokens, 1)
+  local aux = self.pool:tensor({o.experts}, {dtype = "f64"}):copy_(s.counts)
+  aux:mul_(o.aux_weight * o.experts / (T * T))
+  return aux, o.z_weight / T
+end
+
+-- dx = layer:backward(dy [, coef]): coef = {aux = f64 [E], z = number} from
+-- moe.aux_loss when the layer is part of a model; without it the layer's own
+-- aux_weight and z_weight apply with N = its tokens. Gradients accumulate
+-- into layer.grads (call zero_grad between steps).
+function Layer:backward(dy, coef)
+  local c = assert(self.ctx, "moelua.moe: backward without a forward")
+  local p, g = self.params, self.grads
+  local dx, _, _, dw, touched = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,
+                                                 self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+  local aux, z
+  if coef then
+    aux, z = coef.aux, coef.z
+  elseif self.opts.aux_weight > 0 or self.opts.z_weight > 0 then
+    aux, z = own_coefficients(self)
+  end
+  router.backward(dw, c.x, p.wg, c.idx, self.router_opts, {aux = aux, z = z, dx = dx, dwg = g.wg})
+  self.touched = touched
+  return dx
+end
+
+-- After the optimizer step: the aux-loss-free bias moves toward balance.
+function Layer:update_bias()
+  if self.bias then
+    router.update_bias(self.bias, self.stats.counts, self.opts.bias_rate)
+  end
+end
+
+-- loss, coefs = moe.aux_loss(layers, aux_weight, z_weight [, scope]): the
+-- model's load-balancing and z losses from every layer's last forward, and
+-- each layer's coefficients for backward (coefs[i] = {aux =, z =}).
+function moe.aux_loss(layers, aux_weight, z_weight, scope)
+  scope = scope or "model"
+  local L = #layers
+  assert(L > 0, "moelua.moe.aux_loss: no layers")
+  local E = layers[1].opts.experts
+  local N = 0
+  for _, l in ipairs(layers) do N = N + l.stats.tokens end
+  local coefs, aux, z = {}, 0, 0
+  if scope == "layer" then
+    for i, l in ipairs(layers) do
+      local T = l.stats.tokens
+      aux = aux + l.stats.aux / L
+      coefs[i] = {aux = l.stats.counts:to("f64"):mul(aux_weight * E / (L * T * T))}
+    end
+  else
+    local C, P = tensor.zeros({E}, {dtype = "f64"}), tensor.zeros({E}, {dtype = "f64"})
+    for _, l in ipairs(layers) do
+      C:add_(l.stats.counts:to("f64"))
+      P:add_(l.stats.psum)
+    end
+    aux = E * C:mul(P):sum():item() / (N * N)
+    local g = C:mul(aux_weight * E / (N * N))
+    for i = 1, L do coefs[i] = {aux = g} end
+  end
+  for i, l in ipairs(layers) do
+    z = z + l.stats.z * l.stats.tokens / N
+    coefs[i].z = z_weight / N
+  end
+  return aux_weight * aux + z_weight * z, coefs, {aux = aux, z = z}
+end
+
+return moe

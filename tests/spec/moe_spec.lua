@@ -1,0 +1,174 @@
+-- The MoE layer (lua/moelua/moe.lua): router + dispatch + experts + combine
+-- composed, against a dense f64 reference; gradients by finite differences
+-- in f64; aux and z losses; memory behaviour; options.
+local m = require "moelua"
+local moe = require "moelua.moe"
+
+local function errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+
+local function normwise(a, b)      -- ||a - b|| / ||b||
+  local d = a:to("f64"):sub(b:to("f64"))
+  local bb = b:to("f64")
+  return math.sqrt(d:mul(d):sum():item() / math.max(bb:mul(bb):sum():item(), 1e-300))
+end
+
+-- y = sum_e W_te * down_e(silu(w1_e x) * w3_e x), W [T, E] dense routing weights
+local function dense_reference(layer, x)
+  local o, p = layer.opts, layer.params
+  local E, F = o.experts, o.ffn
+  local x64 = x:to("f64")
+  local y = m.zeros({x:size(1), o.dim}, {dtype = "f64"})
+  local W = m.zeros({x:size(1), E}, {dtype = "f64"})
+  local ctx = layer.ctx
+  local w = ctx.w:to("f64")
+  W:scatter_add_(2, ctx.idx, w)
+  for e = 1, E do
+    local gu = p.gate_up:select(1, e):to("f64")          -- [2F, D]
+    local h = m.matmul(x64, gu:t())                      -- [T, 2F]
+    local act = h:narrow(2, 1, F):silu():mul(h:narrow(2, F + 1, F))
+    local out = m.matmul(act, p.down:select(1, e):to("f64"):t())   -- [T, D]
+    local wcol = W:narrow(2, e, 1):contiguous():reshape(-1)
+    -- scale row t by W[t, e]: broadcast a [T, 1] column via transpose trick
+    y:add_(out:t():mul(wcol):t())
+  end
+  return y
+end
+
+describe("moe layer", function()
+  local opts = {dim = 12, ffn = 20, experts = 4, topk = 2, dtype = "f64", init_std = 0.5, init_seed = 3}
+
+  it("forward equals a dense reference (every expert on every token, masked by the routing)", function()
+    local layer = moe.new(opts)
+    local x = m.randn({40, 12}, {dtype = "f64", seed = 1})
+    local y = layer:forward(x, 0)
+    assert.is_true(normwise(y, dense_reference(layer, x)) < 1e-12)
+    local l32 = moe.new{dim = 12, ffn = 20, experts = 4, topk = 2, init_std = 0.5, init_seed = 3}
+    local x32 = x:to("f32")
+    local y32 = l32:forward(x32, 0)
+    assert.is_true(normwise(y32, dense_reference(l32, x32)) < 1e-5)
+  end)
+
+  it("has gradients that match finite differences (f64, aux and z on)", function()
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.aux_weight, o.z_weight = 0.3, 0.05
+    local layer = moe.new(o)
+    local x = m.randn({24, 12}, {dtype = "f64", seed = 5})
+    local c = m.randn({24, 12}, {dtype = "f64", seed = 6})
+    local function loss()
+      local y, st = layer:forward(x, 0)
+      return y:mul(c):sum():item() + o.aux_weight * st.aux + o.z_weight * st.z, layer.ctx.idx:totable()
+    end
+    local _, idx0 = loss()
+    layer:zero_grad()
+    local dx = layer:backward(c):clone()
+    local function check(t, g, name)
+      local n = t:numel()
+      local flat, gflat = t:view(n), g:contiguous():view(n)
+      local step = 1e-6
+      for _, i in ipairs({1, n // 3, n // 2, n}) do
+        local e = flat:narrow(1, i, 1)
+        local v = e:item()
+        e:fill_(v + step); local lp, ip = loss()
+        e:fill_(v - step); local lm, im = loss()
+        e:fill_(v)
+        assert.are.same(idx0, ip, name .. ": the perturbation changed the routing")
+        assert.are.same(idx0, im, name .. ": the perturbation changed the routing")
+        local fd, an = (lp - lm) / (2 * step), gflat:narrow(1, i, 1):item()
+        assert.is_true(math.abs(fd - an) <= 1e-6 * math.max(1, math.abs(fd)),
+                       string.format("%s[%d]: finite difference %.10g, backward %.10g", name, i, fd, an))
+      end
+    end
+    check(x, dx, "x")
+    check(layer.params.wg, layer.grads.wg, "wg")
+    check(layer.params.gate_up, layer.grads.gate_up, "gate_up")
+    check(layer.params.down, layer.grads.down, "down")
+  end)
+
+  it("gives bitwise the same output for any router chunk size", function()
+    local x = m.randn({37, 12}, {seed = 9})
+    local a = moe.new{dim = 12, ffn = 20, experts = 4, topk = 2, chunk = 7, init_seed = 1}
+    local b = moe.new{dim = 12, ffn = 20, experts = 4, topk = 2, chunk = 64, init_seed = 1}
+    local ya, yb = a:forward(x, 0):clone(), b:forward(x, 0):clone()
+    assert.are.same(ya:totable(), yb:totable())
+  end)
+
+  it("makes no ledger allocation in a warmed-up step", function()
+    local layer = moe.new{dim = 16, ffn = 24, experts = 4, topk = 2, aux_weight = 0.01, z_weight = 1e-3}
+    local x, dy = m.randn({64, 16}), m.randn({64, 16})
+    layer:forward(x, 0); layer:backward(dy)              -- warm-up: the pool grows
+    collectgarbage(); collectgarbage()
+    local before = m.mem.stats().cpu.allocs
+    for step = 1, 3 do
+      layer:zero_grad()
+      layer:forward(x, step)
+      layer:backward(dy)
+    end
+    local after = m.mem.stats().cpu.allocs
+    for cat, n in pairs(after) do assert.are.equal(before[cat], n, "allocations under " .. cat) end
+  end)
+
+  it("reports routing statistics", function()
+    local layer = moe.new{dim = 8, ffn = 8, experts = 4, topk = 2}
+    local _, st = layer:forward(m.randn({100, 8}), 0)
+    local counts = st.counts:totable()
+    local total = 0
+    for _, c in ipairs(counts) do total = total + c end
+    assert.are.equal(200, total)
+    assert.are.equal(0, st.dropped)
+    assert.is_true(math.abs(st.mean_prob:sum():item() - 1) < 1e-6)
+    assert.is_true(st.entropy > 0 and st.entropy <= math.log(4) + 1e-9)
+    assert.is_true(st.max_share >= 0.25 and st.max_share <= 0.5)
+  end)
+
+  it("has aux = k under uniform routing (Hugging Face's convention)", function()
+    local layer = moe.new{dim = 8, ffn = 8, experts = 4, topk = 2, init_std = 0}
+    local _, st = layer:forward(m.randn({30, 8}), 0)
+    assert.is_true(math.abs(st.aux - 2) < 1e-12, "aux " .. st.aux)
+    assert.is_true(math.abs(st.z - math.log(4) ^ 2) < 1e-6)
+    local loss, coefs, parts = moe.aux_loss({layer, layer}, 0.1, 0)
+    assert.is_true(math.abs(parts.aux - 2) < 1e-12)
+    assert.is_true(math.abs(loss - 0.2) < 1e-12)
+    assert.are.equal(2, #coefs)
+    local _, _, lparts = moe.aux_loss({layer}, 0.1, 0, "layer")
+    assert.is_true(math.abs(lparts.aux - 2) < 1e-12)
+  end)
+
+  it("drops over-capacity assignments under policy drop", function()
+    local layer = moe.new{dim = 8, ffn = 8, experts = 4, topk = 2, policy = "drop",
+                          capacity_factor = 0.5, init_std = 0}
+    local _, st = layer:forward(m.randn({40, 8}), 0)
+    -- uniform logits: experts 1 and 2 get all 40 assignments each; capacity ceil(0.5*40*2/4) = 10
+    assert.are.same({10, 10, 0, 0}, st.kept:totable())
+    assert.are.equal(60, st.dropped)
+  end)
+
+  it("moves the aux-loss-free bias toward balance", function()
+    local layer = moe.new{dim = 8, ffn = 8, experts = 4, topk = 1, bias_rate = 0.01, init_std = 0}
+    layer:forward(m.randn({16, 8}), 0)         -- ties: every token picks expert 1
+    layer:update_bias()
+    local b = layer.bias:totable()
+    assert.is_true(b[1] < 0 and b[2] > 0 and b[3] > 0 and b[4] > 0)
+    layer:forward(m.randn({16, 8}), 1)
+    assert.are.equal(0, layer.stats.counts:totable()[1], "the bias moved selection off expert 1")
+  end)
+
+  it("refuses bad options with their names", function()
+    assert.matches("unknown option 'experst'", errmsg(moe.new, {dim = 4, ffn = 4, experst = 2}))
+    assert.matches("option 'dim' is required", errmsg(moe.new, {ffn = 4, experts = 2}))
+    assert.matches("option 'topk' must be an integer, got string",
+                   errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, topk = "2"}))
+    assert.matches("option 'topk' = 3 must be in 1..experts %(2%)",
+                   errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, topk = 3}))
+    assert.matches("policy \"drop\" needs capacity_factor > 0",
+                   errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, policy = "drop"}))
+    assert.matches("option 'aux_scope' must be", errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, aux_scope = "x"}))
+    assert.matches("options must be a table", errmsg(moe.new, 3))
+    local layer = moe.new{dim = 4, ffn = 4, experts = 2, topk = 1}
+    assert.matches("backward without a forward", errmsg(layer.backward, layer, m.zeros({2, 4})))
+  end)
+end)
