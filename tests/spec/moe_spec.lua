@@ -52,42 +52,56 @@ describe("moe layer", function()
     assert.is_true(normwise(y32, dense_reference(l32, x32)) < 1e-5)
   end)
 
-  it("has gradients that match finite differences (f64, aux and z on)", function()
-    local o = {}
-    for k, v in pairs(opts) do o[k] = v end
-    o.aux_weight, o.z_weight = 0.3, 0.05
-    local layer = moe.new(o)
-    local x = m.randn({24, 12}, {dtype = "f64", seed = 5})
-    local c = m.randn({24, 12}, {dtype = "f64", seed = 6})
-    local function loss()
-      local y, st = layer:forward(x, 0)
-      return y:mul(c):sum():item() + o.aux_weight * st.aux + o.z_weight * st.z, layer.ctx.idx:totable()
-    end
-    local _, idx0 = loss()
-    layer:zero_grad()
-    local dx = layer:backward(c):clone()
-    local function check(t, g, name)
-      local n = t:numel()
-      local flat, gflat = t:view(n), g:contiguous():view(n)
-      local step = 1e-6
-      for _, i in ipairs({1, n // 3, n // 2, n}) do
-        local e = flat:narrow(1, i, 1)
-        local v = e:item()
-        e:fill_(v + step); local lp, ip = loss()
-        e:fill_(v - step); local lm, im = loss()
-        e:fill_(v)
-        assert.are.same(idx0, ip, name .. ": the perturbation changed the routing")
-        assert.are.same(idx0, im, name .. ": the perturbation changed the routing")
-        local fd, an = (lp - lm) / (2 * step), gflat:narrow(1, i, 1):item()
-        assert.is_true(math.abs(fd - an) <= 1e-6 * math.max(1, math.abs(fd)),
-                       string.format("%s[%d]: finite difference %.10g, backward %.10g", name, i, fd, an))
+  -- every scoring mode, with aux and z on, and with dropping on
+  local GRAD_CASES = {
+    {name = "softmax_topk, renorm"},
+    {name = "softmax_topk, no renorm", renorm = false},
+    {name = "topk_softmax", mode = "topk_softmax"},
+    {name = "temperature and eps", temperature = 0.7, eps = 0.1},
+    {name = "capacity drops", policy = "drop", capacity_factor = 0.75},
+    {name = "layer-scope aux", aux_scope = "layer"},
+  }
+  for _, case in ipairs(GRAD_CASES) do
+    it("has gradients that match finite differences (f64, aux and z on): " .. case.name, function()
+      local o = {}
+      for k, v in pairs(opts) do o[k] = v end
+      for k, v in pairs(case) do if k ~= "name" then o[k] = v end end
+      o.aux_weight, o.z_weight = 0.3, 0.05
+      local layer = moe.new(o)
+      local x = m.randn({24, 12}, {dtype = "f64", seed = 5})
+      local c = m.randn({24, 12}, {dtype = "f64", seed = 6})
+      local function loss()
+        local y, st = layer:forward(x, 0)
+        return y:mul(c):sum():item() + o.aux_weight * st.aux + o.z_weight * st.z,
+               layer.ctx.idx:totable(), st.dropped
       end
-    end
-    check(x, dx, "x")
-    check(layer.params.wg, layer.grads.wg, "wg")
-    check(layer.params.gate_up, layer.grads.gate_up, "gate_up")
-    check(layer.params.down, layer.grads.down, "down")
-  end)
+      local _, idx0, dropped0 = loss()
+      if case.policy == "drop" then assert.is_true(dropped0 > 0, "the case must drop assignments") end
+      layer:zero_grad()
+      local dx = layer:backward(c):clone()
+      local function check(t, g, name)
+        local n = t:numel()
+        local flat, gflat = t:view(n), g:contiguous():view(n)
+        local step = 1e-6
+        for _, i in ipairs({1, n // 3, n // 2, n}) do
+          local e = flat:narrow(1, i, 1)
+          local v = e:item()
+          e:fill_(v + step); local lp, ip = loss()
+          e:fill_(v - step); local lm, im = loss()
+          e:fill_(v)
+          assert.are.same(idx0, ip, name .. ": the perturbation changed the routing")
+          assert.are.same(idx0, im, name .. ": the perturbation changed the routing")
+          local fd, an = (lp - lm) / (2 * step), gflat:narrow(1, i, 1):item()
+          assert.is_true(math.abs(fd - an) <= 1e-6 * math.max(1, math.abs(fd)),
+                         string.format("%s[%d]: finite difference %.10g, backward %.10g", name, i, fd, an))
+        end
+      end
+      check(x, dx, "x")
+      check(layer.params.wg, layer.grads.wg, "wg")
+      check(layer.params.gate_up, layer.grads.gate_up, "gate_up")
+      check(layer.params.down, layer.grads.down, "down")
+    end)
+  end
 
   it("gives bitwise the same output for any router chunk size", function()
     local x = m.randn({37, 12}, {seed = 9})

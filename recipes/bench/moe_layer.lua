@@ -1,0 +1,146 @@
+-- recipes/bench/moe_layer.lua: forward + backward of one MoE layer (f32, CPU).
+--   moelua recipes/bench/moe_layer.lua --tokens 32768            one config
+--   moelua recipes/bench/moe_layer.lua --suite issue             the issue's configs
+--   moelua recipes/bench/moe_layer.lua --router-memory 1         router memory vs T (E = 64)
+-- Options: --tokens --dim --ffn --experts --topk --chunk --tile --save
+-- (save | recompute | a partial_recompute fraction) --reps.
+-- One JSON object per config: the config, fwd_ms and bwd_ms (medians over
+-- reps after one warm-up step), gemm_gflops (expert GEMM FLOPs / time),
+-- floor_pct (time the expert GEMMs would take at this run's raw sgemm rate /
+-- measured time), peak bytes (ledger total and per category, and the
+-- process's peak RSS). The PyTorch baselines are moe_layer_torch.py beside it.
+local moelua = require "moelua"
+local moe = require "moelua.moe"
+local bench, mem = moelua.bench, moelua.mem
+
+local opts = {tokens = 4096, dim = 512, ffn = 1408, experts = 8, topk = 2, chunk = 2048,
+              tile = 256, save = "save", reps = 3, suite = "", ["router-memory"] = 0}
+local i = 1
+while arg[i] do
+  local k = arg[i]:match("^%-%-(.+)$")
+  if not k or opts[k] == nil or arg[i + 1] == nil then
+    error("usage: moe_layer.lua [--tokens n] [--dim n] [--ffn n] [--experts n] [--topk n] " ..
+          "[--chunk n] [--tile n] [--save save|recompute|<fraction>] [--reps n] [--suite issue] " ..
+          "[--router-memory 1] (bad argument '" .. tostring(arg[i]) .. "')")
+  end
+  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
+  i = i + 2
+end
+
+local function median(t)
+  local s = {}
+  for j, v in ipairs(t) do s[j] = v end
+  table.sort(s)
+  local n = #s
+  return n % 2 == 1 and s[(n + 1) // 2] or (s[n // 2] + s[n // 2 + 1]) / 2
+end
+
+local function peak_rss()
+  for line in io.lines("/proc/self/status") do
+    local kb = line:match("^VmHWM:%s+(%d+)")
+    if kb then return tonumber(kb) * 1024 end
+  end
+end
+
+-- Raw sgemm rate on the experts' main shape (a 2048-row block of tokens
+-- through the gate_up projection), measured in this run.
+local function sgemm_gflops(D, F)
+  local a, b, c = moelua.randn({2048, D}), moelua.randn({D, 2 * F}), moelua.zeros({2048, 2 * F})
+  bench.raw_sgemm(c, a, b, 1)
+  local t = {}
+  for r = 1, 5 do t[r] = bench.raw_sgemm(c, a, b, 1) end
+  return 2 * 2048 * D * 2 * F / median(t) / 1e9
+end
+
+local function json(t, order)
+  local parts = {}
+  for _, k in ipairs(order) do
+    local v = t[k]
+    if type(v) == "table" then
+      local inner = {}
+      for _, c in ipairs({"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}) do
+        inner[#inner + 1] = string.format('"%s":%d', c, v[c])
+      end
+      v = "{" .. table.concat(inner, ",") .. "}"
+    elseif type(v) == "string" then
+      v = '"' .. v .. '"'
+    elseif math.type(v) == "float" then
+      v = string.format("%.4g", v)
+    end
+    parts[#parts + 1] = string.format('"%s":%s', k, tostring(v))
+  end
+  return "{" .. table.concat(parts, ",") .. "}"
+end
+
+local function run(c)
+  local layer_opts = {dim = c.dim, ffn = c.ffn, experts = c.experts, topk = c.topk, chunk = c.chunk,
+                      tile = c.tile, init_std = 0.02, aux_weight = 0.01, z_weight = 1e-3}
+  if tonumber(c.save) then layer_opts.partial_recompute = tonumber(c.save) else layer_opts.save = c.save end
+  local layer = moe.new(layer_opts)
+  local x = moelua.randn({c.tokens, c.dim}, {seed = 1})
+  local dy = moelua.randn({c.tokens, c.dim}, {seed = 2})
+  local rate = sgemm_gflops(c.dim, c.ffn)
+  layer:forward(x, 0)                           -- warm-up: the pool grows once
+  layer:backward(dy)
+  collectgarbage()
+  mem.reset_peak()
+  local fwd, bwd = {}, {}
+  for r = 1, c.reps do
+    layer:zero_grad()
+    local t0 = bench.now()
+    layer:forward(x, r)
+    local t1 = bench.now()
+    layer:backward(dy)
+    local t2 = bench.now()
+    fwd[r], bwd[r] = t1 - t0, t2 - t1
+  end
+  local st = mem.stats().cpu
+  -- expert GEMMs: forward 2*T*k*3*D*F, backward twice that (recompute adds one gate_up GEMM)
+  local flops = 6 * c.tokens * c.topk * 3 * c.dim * c.ffn
+  local f, b = median(fwd), median(bwd)
+  return {
+    bench = "moe_layer", impl = "moelua", tokens = c.tokens, dim = c.dim, ffn = c.ffn,
+    experts = c.experts, topk = c.topk, chunk = c.chunk, tile = c.tile, recompute = tostring(c.save),
+    threads = moelua.threads(), reps = c.reps, fwd_ms = 1e3 * f, bwd_ms = 1e3 * b,
+    gemm_gflops = flops / (f + b) / 1e9, sgemm_gflops = rate,
+    floor_pct = 100 * (flops / (rate * 1e9)) / (f + b),
+    peak_bytes = st.total_peak, peak_by_category = st.peak, peak_rss_bytes = peak_rss(),
+  }
+end
+
+local ORDER = {"bench", "impl", "tokens", "dim", "ffn", "experts", "topk", "chunk", "tile", "recompute",
+               "threads", "reps", "fwd_ms", "bwd_ms", "gemm_gflops", "sgemm_gflops", "floor_pct",
+               "peak_bytes", "peak_by_category", "peak_rss_bytes"}
+
+local function config(over)
+  local c = {}
+  for k, v in pairs(opts) do c[k] = v end
+  for k, v in pairs(over or {}) do c[k] = v end
+  return c
+end
+
+if opts["router-memory"] ~= 0 then
+  -- Router memory beyond its O(T*k) outputs does not grow with T: the
+  -- ledger peak of one forward minus the outputs' bytes, at E = 64.
+  local router = moelua.router
+  for _, T in ipairs({4096, 131072}) do
+    local D, E, k = 256, 64, 8
+    local x, wg = moelua.randn({T, D}), moelua.randn({E, D}, {std = 0.02})
+    collectgarbage()
+    mem.reset_peak()
+    local before = mem.stats().cpu.total
+    local idx, w, s = router.forward(x, wg, {k = k, chunk = opts.chunk})
+    local peak = mem.stats().cpu.total_peak - before
+    local outputs = idx:numel() * 8 + w:numel() * 4 + 2 * E * 8
+    print(string.format('{"bench":"router_memory","tokens":%d,"dim":%d,"experts":%d,"topk":%d,"chunk":%d,' ..
+                        '"peak_bytes":%d,"output_bytes":%d,"beyond_outputs_bytes":%d,"dense_logits_bytes":%d}',
+                        T, D, E, k, opts.chunk, peak, outputs, peak - outputs, T * E * 4))
+    local _ = s
+  end
+elseif opts.suite == "issue" then
+  for _, T in ipairs({4096, 16384, 32768}) do print(json(run(config{tokens = T}), ORDER)) end
+  print(json(run(config{tokens = 16384, dim = 256, ffn = 512, experts = 64, topk = 8}), ORDER))
+  for _, s in ipairs({"save", 0.5, "recompute"}) do print(json(run(config{tokens = 32768, save = s}), ORDER)) end
+else
+  print(json(run(config()), ORDER))
+end
