@@ -1,12 +1,8 @@
 -- moelua.bench: the clock and the raw sgemm baseline that benchmarks divide by.
 local m = require "moelua"
 local bench = m.bench
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
+local support = require "tests.support"
+local errmsg = support.errmsg
 
 describe("moelua.bench", function()
   it("now() is a monotonic clock in seconds", function()
@@ -22,8 +18,7 @@ describe("moelua.bench", function()
     local per_call = bench.raw_sgemm(c, a, b, 3)
     assert.is_true(per_call > 0)
     local ref = m.matmul(a:to("f64"), b:to("f64"))
-    local err = c:to("f64"):sub(ref)
-    local rel = math.sqrt(err:mul(err):sum():item() / ref:mul(ref):sum():item())
+    local rel = support.relerr(support.values(c), support.values(ref))
     assert.is_true(rel < 1e-6, "normwise error " .. rel)
   end)
 

@@ -4,33 +4,9 @@
 -- The child is the binary running this spec (so `make sanitize` checks the
 -- ASan build), read from /proc/<pid>/exe.
 
-local function host_path()
-    local pid = assert(io.open("/proc/self/stat")):read("n")
-    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
-    local exe = p:read("l"):gsub(" %(deleted%)$", "")
-    p:close()
-    return exe
-end
-
-local HOST = host_path()
-
-local function q(s)  -- one shell word
-    return "'" .. s:gsub("'", "'\\''") .. "'"
-end
-
-local function slurp(path)
-    local f = io.open(path, "rb")
-    if not f then return nil end
-    local s = f:read("a")
-    f:close()
-    return s
-end
-
-local function spit(path, s)
-    local f = assert(io.open(path, "wb"))
-    f:write(s)
-    f:close()
-end
+local support = require "tests.support"
+local HOST = support.host_path()
+local q, slurp, spit = support.shell_quote, support.read_file, support.write_file
 
 local tmpdir
 local function tmpfile(name, contents)
@@ -44,30 +20,19 @@ end
 -- code, stdout and stderr. A 60 s timeout keeps a hang from blocking the suite.
 local function run(args, opts)
     opts = opts or {}
-    local words = {}
-    for _, a in ipairs(args) do words[#words + 1] = q(a) end
     local errf = tmpdir .. "/stderr"
     local stdin = "/dev/null"
     if opts.stdin then stdin = tmpfile("stdin", opts.stdin) end
-    local cmd = string.format("%s%s timeout -k 5 60 %s %s <%s 2>%s",
+    local cmd = string.format("%s%s %s <%s 2>%s",
                               opts.cd and ("cd " .. q(opts.cd) .. " && ") or "",
-                              opts.env or "", q(HOST), table.concat(words, " "), q(stdin), q(errf))
-    local p = assert(io.popen(cmd, "r"))
-    local out = p:read("a")
-    local _, how, code = p:close()
-    assert(how == "exit", "child ended by " .. tostring(how) .. " " .. tostring(code))
+                              opts.env or "", support.host_command(args), q(stdin), q(errf))
+    local code, out = support.finish_child(assert(io.popen(cmd, "r")))
     return code, out, slurp(errf) or ""
 end
 
 describe("moelua command line", function()
-    setup(function()
-        tmpdir = os.tmpname()
-        os.remove(tmpdir)
-        assert(os.execute("mkdir -p " .. q(tmpdir)))
-    end)
-    teardown(function()
-        os.execute("rm -rf " .. q(tmpdir))
-    end)
+    setup(function() tmpdir = support.make_tmpdir() end)
+    teardown(function() support.remove_dir(tmpdir) end)
 
     it("-v prints the version and exits 0", function()
         local code, out, err = run({"-v"})

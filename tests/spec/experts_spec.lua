@@ -13,45 +13,13 @@
 -- sentinels are compared exactly (one binary, one thread count).
 local m = require "moelua"
 local ex = m.experts
+local support = require "tests.support"
 
 -- ---- helpers ---------------------------------------------------------------
 
-local function flatten(v, out)
-  out = out or {}
-  if type(v) ~= "table" then
-    out[#out + 1] = v
-  else
-    for i = 1, #v do flatten(v[i], out) end
-  end
-  return out
-end
-local function vals(t) return flatten(t:totable()) end
-
-local function relerr(x, ref)
-  assert.are.equal(#ref, #x, "element count")
-  local num, den = 0, 0
-  for i = 1, #ref do
-    num = num + (x[i] - ref[i]) ^ 2
-    den = den + ref[i] ^ 2
-  end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function assert_close(x, ref, tol, what)
-  local e = relerr(x, ref)
-  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
-end
-
-local seed = 7000
-local function randn(shape, dtype, std)
-  seed = seed + 1
-  return m.randn(shape, {dtype = dtype or "f64", seed = seed, std = std})
-end
-local function rand(shape, dtype, lo, hi)
-  seed = seed + 1
-  return m.rand(shape, {dtype = dtype or "f64", seed = seed, lo = lo, hi = hi})
-end
+local vals, assert_close = support.values, support.assert_close
+local gen = support.generator(7000, "f64")
+local randn, rand = gen.randn, gen.rand
 
 -- idx [T, k] with k distinct experts per token (a deterministic shuffle of a
 -- uniform draw); `skip` = an expert that never appears

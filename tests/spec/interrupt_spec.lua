@@ -5,20 +5,7 @@
 -- caught with pcall, the same host computes again and ends with an empty
 -- ledger (the exit status checks it). The REPL side is repl_spec.lua.
 
-local function host_path()
-    local pid = assert(io.open("/proc/self/stat")):read("n")
-    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
-    local exe = p:read("l"):gsub(" %(deleted%)$", "")
-    p:close()
-    return exe
-end
-
-local HOST = host_path()
-local system = require "system"
-
-local function q(s)
-    return "'" .. s:gsub("'", "'\\''") .. "'"
-end
+local support = require "tests.support"
 
 -- Every child starts with this: unbuffered output, its pid on line 1, and
 -- ready() to say that the long computation starts now.
@@ -37,42 +24,16 @@ local function gemm_loop()
 end
 ]]
 
-local tmpdir
-
--- Runs the child script, sends SIGINT once it is ready, and returns the
--- exit code and everything it printed (stdout and stderr).
+-- Runs PRELUDE and body in a child, sends SIGINT once it is ready, and
+-- returns the exit code and everything it printed (stdout and stderr).
+-- After "ready" the child is microseconds from its loop, but may still be
+-- inside io.write, where the hook and not a kernel would see the signal.
+-- The loop runs for seconds; 0.1 s puts the signal well inside it.
 local function interrupt_child(body)
-    local path = tmpdir .. "/child.lua"
-    local f = assert(io.open(path, "w"))
-    f:write(PRELUDE, body)
-    f:close()
-    local p = assert(io.popen(string.format("timeout -k 5 60 %s %s 2>&1", q(HOST), q(path)), "r"))
-    local pid = p:read("n")
-    assert(pid, "the child printed no pid")
-    p:read("l")
-    local line = p:read("l")
-    assert.are.equal("ready", line)
-    -- The child is now microseconds from its loop, but may still be inside
-    -- io.write, where the hook and not a kernel would see the signal. The
-    -- loop runs for seconds; 0.1 s puts the signal well inside it.
-    system.sleep(0.1)
-    assert(os.execute("kill -INT " .. math.tointeger(pid)))
-    local out = p:read("a")
-    local _, how, code = p:close()
-    assert.are.equal("exit", how)
-    return code, out
+    return support.interrupt_child(PRELUDE .. body, 0.1)
 end
 
 describe("Ctrl-C (SIGINT) without a terminal", function()
-    setup(function()
-        tmpdir = os.tmpname()
-        os.remove(tmpdir)
-        assert(os.execute("mkdir -p " .. q(tmpdir)))
-    end)
-    teardown(function()
-        os.execute("rm -rf " .. q(tmpdir))
-    end)
-
     it("stops a kernel between tiles and fails the script with status 1", function()
         local code, out = interrupt_child([[
             gemm_loop()

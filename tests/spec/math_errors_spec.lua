@@ -2,14 +2,7 @@
 -- host/l_tensor_math.c raises a Lua error whose message names the function
 -- and says what was wrong. Values are in math_spec.lua.
 local m = require "moelua"
-
--- f raises an error containing `fragment` (plain text, not a pattern)
-local function raises(fragment, f, ...)
-  local ok, err = pcall(f, ...)
-  assert(not ok, "expected an error containing: " .. fragment)
-  err = tostring(err)
-  assert(err:find(fragment, 1, true), string.format("error %q does not contain %q", err, fragment))
-end
+local raises = require("tests.support").raises
 
 local function i64(t) return m.tensor(t, {dtype = "i64"}) end
 local function freed(...)

@@ -11,6 +11,7 @@
 -- "bit-identical" are compared exactly.
 -- Bad input is in math_errors_spec.lua.
 local m = require "moelua"
+local support = require "tests.support"
 
 local THREADS0 = m.threads()   -- the determinism specs must leave this as they found it
 local TOL = {f32 = 1e-6, f64 = 1e-12}
@@ -20,18 +21,7 @@ local INTS = {"i32", "i64"}
 
 -- ---- helpers ---------------------------------------------------------------
 
-local function flatten(v, out)
-  out = out or {}
-  if type(v) ~= "table" then
-    out[#out + 1] = v
-  else
-    for i = 1, #v do flatten(v[i], out) end
-  end
-  return out
-end
-
--- the values of t in row-major order, as Lua numbers
-local function vals(t) return flatten(t:totable()) end
+local vals, relerr, assert_close = support.values, support.relerr, support.assert_close
 
 local function numel(shape)
   local n = 1
@@ -39,37 +29,12 @@ local function numel(shape)
   return n
 end
 
--- normwise relative error; against a zero reference, the absolute norm
-local function relerr(x, ref)
-  assert.are.equal(#ref, #x, "element count")
-  local num, den = 0, 0
-  for i = 1, #ref do
-    num = num + (x[i] - ref[i]) ^ 2
-    den = den + ref[i] ^ 2
-  end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function assert_close(t, ref, tol, what)
-  local x = vals(t)
-  local e = relerr(x, ref)
-  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
-end
-
 local function assert_exact(t, ref, what)
   assert.are.same(ref, vals(t), what)
 end
 
-local seed = 1000
-local function randn(shape, dtype)
-  seed = seed + 1
-  return m.randn(shape, {dtype = dtype, seed = seed})
-end
-local function rand(shape, dtype, lo, hi)
-  seed = seed + 1
-  return m.rand(shape, {dtype = dtype, seed = seed, lo = lo, hi = hi})
-end
+local gen = support.generator(1000)
+local randn, rand = gen.randn, gen.rand
 
 -- an integer-valued tensor of dtype dt with values in [lo, hi]
 local function randint(shape, dt, lo, hi)

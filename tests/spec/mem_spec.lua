@@ -5,16 +5,8 @@
 -- <close> spec, freed tensors, and bad input to every function.
 local m = require "moelua"
 local mem = m.mem
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-
-local function has(msg, part)
-  assert.is_truthy(msg:find(part, 1, true), "expected '" .. part .. "' in: " .. msg)
-end
+local support = require "tests.support"
+local errmsg, has = support.errmsg, support.has
 
 local function cpu() return mem.stats().cpu end
 

@@ -3,18 +3,11 @@
 -- in f64; aux and z losses; memory behaviour; options.
 local m = require "moelua"
 local moe = require "moelua.moe"
+local support = require "tests.support"
+local errmsg = support.errmsg
 
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-
-local function normwise(a, b)      -- ||a - b|| / ||b||
-  local d = a:to("f64"):sub(b:to("f64"))
-  local bb = b:to("f64")
-  return math.sqrt(d:mul(d):sum():item() / math.max(bb:mul(bb):sum():item(), 1e-300))
-end
+-- ||a - b|| / ||b|| of two CPU tensors
+local function normwise(a, b) return support.relerr(support.values(a), support.values(b)) end
 
 -- y = sum_e W_te * down_e(silu(w1_e x) * w3_e x), W [T, E] dense routing weights
 local function dense_reference(layer, x)

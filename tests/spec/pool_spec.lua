@@ -5,16 +5,8 @@
 -- to every function with the message it must give.
 local m = require "moelua"
 local pool, mem = m.pool, m.mem
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-
-local function has(msg, part)
-  assert.is_truthy(msg:find(part, 1, true), "expected '" .. part .. "' in: " .. msg)
-end
+local support = require "tests.support"
+local errmsg, has = support.errmsg, support.has
 
 local function pool_bytes(dev)
   return mem.stats()[dev or "cpu"].current.pool

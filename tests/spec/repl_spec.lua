@@ -6,29 +6,11 @@
 -- spec (/proc/<pid>/exe). HOME is a temp dir, so the history is the spec's.
 
 local system = require "system"
+local support = require "tests.support"
 
-local function host_path()
-    local pid = assert(io.open("/proc/self/stat")):read("n")
-    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
-    local exe = p:read("l"):gsub(" %(deleted%)$", "")
-    p:close()
-    return exe
-end
-
-local HOST = host_path()
+local HOST = support.host_path()
 local TIMEOUT = 20  -- seconds for any one expected output
-
-local function q(s)
-    return "'" .. s:gsub("'", "'\\''") .. "'"
-end
-
-local function slurp(path)
-    local f = io.open(path, "rb")
-    if not f then return nil end
-    local s = f:read("a")
-    f:close()
-    return s
-end
+local q, slurp = support.shell_quote, support.read_file
 
 local tmpdir, home
 local nsessions = 0
@@ -108,14 +90,11 @@ describe("the REPL on a terminal", function()
     setup(function()
         assert(os.execute("command -v script >/dev/null && command -v timeout >/dev/null"),
                "the REPL spec needs util-linux `script` and coreutils `timeout`")
-        tmpdir = os.tmpname()
-        os.remove(tmpdir)
+        tmpdir = support.make_tmpdir()
         home = tmpdir .. "/home"
         assert(os.execute("mkdir -p " .. q(home)))
     end)
-    teardown(function()
-        os.execute("rm -rf " .. q(tmpdir))
-    end)
+    teardown(function() support.remove_dir(tmpdir) end)
 
     it("prints results, reads multi-line chunks, shows errors with a traceback and goes on", function()
         local s = start()

@@ -13,55 +13,16 @@
 -- Indices, counts and everything labelled "bitwise" are compared exactly.
 local m = require "moelua"
 local router, mem = m.router, m.mem
+local support = require "tests.support"
 
 local THREADS0 = m.threads()
 local TOL = {f32 = 1e-6, f64 = 1e-12}
 
 -- ---- helpers ---------------------------------------------------------------
 
-local function flatten(v, out)
-  out = out or {}
-  if type(v) ~= "table" then
-    out[#out + 1] = v
-  else
-    for i = 1, #v do flatten(v[i], out) end
-  end
-  return out
-end
-
-local function vals(t) return flatten(t:totable()) end
-
-local function relerr(x, ref)
-  assert.are.equal(#ref, #x, "element count")
-  local num, den = 0, 0
-  for i = 1, #ref do
-    num = num + (x[i] - ref[i]) ^ 2
-    den = den + ref[i] ^ 2
-  end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function assert_close(x, ref, tol, what)
-  local e = relerr(x, ref)
-  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
-end
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
-
-local function has(msg, part)
-  assert.is_truthy(msg:find(part, 1, true), "expected '" .. part .. "' in: " .. msg)
-end
-
-local seed = 4242
-local function randn(shape, dtype, std)
-  seed = seed + 1
-  return m.randn(shape, {dtype = dtype or "f32", seed = seed, std = std})
-end
+local vals, assert_close = support.values, support.assert_close
+local errmsg, has = support.errmsg, support.has
+local randn = support.generator(4242, "f32").randn
 
 -- ---- the reference ---------------------------------------------------------
 
@@ -676,18 +637,8 @@ end)
 
 describe("router interrupt", function()
   -- as tests/spec/interrupt_spec.lua: a child host gets SIGINT mid-kernel
-  local function host_path()
-    local pid = assert(io.open("/proc/self/stat")):read("n")
-    local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
-    local exe = p:read("l"):gsub(" %(deleted%)$", "")
-    p:close()
-    return exe
-  end
-
   it("stops between tiles, gives the pool scratch back, and routes again", function()
-    local path = os.tmpname()
-    local f = assert(io.open(path, "w"))
-    f:write([[
+    local code, out = support.interrupt_child([[
       io.stdout:setvbuf("no")
       local m = require "moelua"
       print(io.open("/proc/self/stat"):read("n"))
@@ -712,18 +663,7 @@ describe("router interrupt", function()
       p:reset()
       local idx = m.router.forward(x:narrow(1, 1, 64), wg, {k = 2, pool = p})
       print("again", idx:size(1))
-    ]])
-    f:close()
-    local p = assert(io.popen(string.format("timeout -k 5 60 '%s' '%s' 2>&1", host_path(), path), "r"))
-    local pid = p:read("n")
-    p:read("l")
-    assert.are.equal("ready", p:read("l"))
-    require("system").sleep(0.3)
-    assert(os.execute("kill -INT " .. math.tointeger(pid)))
-    local out = p:read("a")
-    local _, how, code = p:close()
-    os.remove(path)
-    assert.are.equal("exit", how)
+    ]], 0.3)
     assert.are.equal(0, code, out)      -- 0 also means: the ledger was empty at exit
     assert.matches("caught\tfalse\t[^\n]*moelua%.router%.%a+: interrupted\n", out)
     assert.matches("pool holds outputs only\ttrue\n", out)

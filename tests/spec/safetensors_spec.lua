@@ -7,6 +7,8 @@ local T = require "moelua.tensor"
 local mem = require "moelua.mem"
 local io_ = require "moelua.io"
 local lfs = require "lfs"
+local support = require "tests.support"
+local errmsg, has = support.errmsg, support.has
 
 local base = os.tmpname()
 os.remove(base)
@@ -16,28 +18,12 @@ local function tmp()
   return string.format("%s_%d.safetensors", base, nfile)
 end
 
-local function slurp(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local function spit(path, bytes)
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-end
+local function slurp(path) return assert(support.read_file(path)) end
+local spit = support.write_file
 
 -- A file: the 8-byte little-endian header length, the header, the data.
 local function raw(header, data)
   return string.pack("<I8", #header) .. header .. (data or "")
-end
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
 end
 
 local function cpu_total()
@@ -316,36 +302,32 @@ describe("moelua.load refuses malformed files", function()
                          name, dtype, shape, b, e)
   end
 
-  local function has(fragment, err)
-    assert(err:find(fragment, 1, true), "expected '" .. fragment .. "' in: " .. err)
-  end
-
   it("a file that does not exist or is not a file", function()
-    has(": cannot open: No such file or directory", errmsg(io_.load, base .. "_nope"))
-    has("not a regular file", errmsg(io_.load, "/tmp"))
-    has("moelua.load: argument #1 (path): expected a string, got table", errmsg(io_.load, {}))
+    has(errmsg(io_.load, base .. "_nope"), ": cannot open: No such file or directory")
+    has(errmsg(io_.load, "/tmp"), "not a regular file")
+    has(errmsg(io_.load, {}), "moelua.load: argument #1 (path): expected a string, got table")
   end)
 
   it("a truncated or impossible header length", function()
-    has("file is 0 bytes, too short for the 8-byte header length", load_err(""))
-    has("file is 5 bytes, too short for the 8-byte header length", load_err("\2\0\0\0\0"))
-    has("header length 1099511627776 exceeds the limit of 100000000 bytes",
-        load_err(string.pack("<I8", 1 << 40) .. "{}"))
-    has("header length 18446744073709551615 exceeds the limit",
-        load_err(string.pack("<i8", -1) .. "{}"))
-    has("header length 100 runs past the end of the file (12 bytes)",
-        load_err(string.pack("<I8", 100) .. "{}  "))
-    has("the header is empty", load_err(string.pack("<I8", 0)))
+    has(load_err(""), "file is 0 bytes, too short for the 8-byte header length")
+    has(load_err("\2\0\0\0\0"), "file is 5 bytes, too short for the 8-byte header length")
+    has(load_err(string.pack("<I8", 1 << 40) .. "{}"),
+        "header length 1099511627776 exceeds the limit of 100000000 bytes")
+    has(load_err(string.pack("<i8", -1) .. "{}"),
+        "header length 18446744073709551615 exceeds the limit")
+    has(load_err(string.pack("<I8", 100) .. "{}  "),
+        "header length 100 runs past the end of the file (12 bytes)")
+    has(load_err(string.pack("<I8", 0)), "the header is empty")
   end)
 
   it("a header cut short", function()
     local h = "{" .. entry("w", "F32", "2", 0, 8) .. "}"
-    has("bad JSON in the header at byte 17: unterminated string",
-        load_err(string.pack("<I8", 17) .. h:sub(1, 17)))
-    has("bad JSON in the header at byte 20: expected a string key, got the end of the header",
-        load_err(string.pack("<I8", 20) .. h:sub(1, 20)))
-    has("expected ',' or '}', got the end of the header",
-        load_err(string.pack("<I8", #h - 1) .. h:sub(1, -2) .. string.rep("\0", 8)))
+    has(load_err(string.pack("<I8", 17) .. h:sub(1, 17)),
+        "bad JSON in the header at byte 17: unterminated string")
+    has(load_err(string.pack("<I8", 20) .. h:sub(1, 20)),
+        "bad JSON in the header at byte 20: expected a string key, got the end of the header")
+    has(load_err(string.pack("<I8", #h - 1) .. h:sub(1, -2) .. string.rep("\0", 8)),
+        "expected ',' or '}', got the end of the header")
   end)
 
   it("bad JSON", function()
@@ -384,76 +366,76 @@ describe("moelua.load refuses malformed files", function()
        "tensor 'a': duplicate key 'shape'"},
     }
     for _, c in ipairs(cases) do
-      has(c[2], load_err(raw(c[1], "\0\0\0\0")))
+      has(load_err(raw(c[1], "\0\0\0\0")), c[2])
     end
   end)
 
   it("dtypes it does not support, by name", function()
-    has("tensor 'mask': dtype BOOL is not supported (F32, F64, BF16, F16, I32, I64, U8)",
-        load_err(raw("{" .. entry("mask", "BOOL", "4", 0, 4) .. "}", "\1\0\1\0")))
-    has("tensor 'q': dtype F8_E5M2 is not supported",
-        load_err(raw("{" .. entry("q", "F8_E5M2", "1", 0, 1) .. "}", "\1")))
-    has("tensor 'c': dtype C64 is not supported",
-        load_err(raw("{" .. entry("c", "C64", "1", 0, 8) .. "}", string.rep("\0", 8))))
+    has(load_err(raw("{" .. entry("mask", "BOOL", "4", 0, 4) .. "}", "\1\0\1\0")),
+        "tensor 'mask': dtype BOOL is not supported (F32, F64, BF16, F16, I32, I64, U8)")
+    has(load_err(raw("{" .. entry("q", "F8_E5M2", "1", 0, 1) .. "}", "\1")),
+        "tensor 'q': dtype F8_E5M2 is not supported")
+    has(load_err(raw("{" .. entry("c", "C64", "1", 0, 8) .. "}", string.rep("\0", 8))),
+        "tensor 'c': dtype C64 is not supported")
   end)
 
   it("offsets that do not tile the data section", function()
     local d = string.rep("\0", 24)
-    has("tensor 'w': data_offsets [0,10] do not match shape [2,3] of F32 (24 bytes)",
-        load_err(raw("{" .. entry("w", "F32", "2,3", 0, 10) .. "}", d:sub(1, 10))))
-    has("tensor 'b': data_offsets [8,24] overlap tensor 'a' [0,16]",
-        load_err(raw("{" .. entry("a", "F64", "2", 0, 16) .. "," .. entry("b", "F64", "2", 8, 24) .. "}", d)))
-    has("tensor 'b': data_offsets [12,20] leave a gap of 4 bytes after tensor 'a'",
-        load_err(raw("{" .. entry("a", "F32", "2", 0, 8) .. "," .. entry("b", "F64", "1", 12, 20) .. "}",
-                     d:sub(1, 20))))
-    has("tensor 'a': data_offsets [4,12] leave a gap of 4 bytes after the start of the data section",
-        load_err(raw("{" .. entry("a", "F32", "2", 4, 12) .. "}", d:sub(1, 12))))
-    has("tensor 'a': data_offsets [16,32] run past the end of the data section (24 bytes)",
-        load_err(raw("{" .. entry("a", "F32", "4", 16, 32) .. "}", d)))
-    has("tensor 'a': data_offsets [18446744073709551608,18446744073709551615] run past the end",
-        load_err(raw("{" .. entry("a", "U8", "7", "18446744073709551608", "18446744073709551615") .. "}", d)))
-    has("tensor 'a': data_offsets [8,0] end before they begin",
-        load_err(raw("{" .. entry("a", "U8", "8", 8, 0) .. "}", d)))
-    has("data_offsets must be [begin, end], got 1 integers",
-        load_err(raw('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0]}}', "\0")))
+    has(load_err(raw("{" .. entry("w", "F32", "2,3", 0, 10) .. "}", d:sub(1, 10))),
+        "tensor 'w': data_offsets [0,10] do not match shape [2,3] of F32 (24 bytes)")
+    has(load_err(raw("{" .. entry("a", "F64", "2", 0, 16) .. "," .. entry("b", "F64", "2", 8, 24) .. "}", d)),
+        "tensor 'b': data_offsets [8,24] overlap tensor 'a' [0,16]")
+    has(load_err(raw("{" .. entry("a", "F32", "2", 0, 8) .. "," .. entry("b", "F64", "1", 12, 20) .. "}",
+                     d:sub(1, 20))),
+        "tensor 'b': data_offsets [12,20] leave a gap of 4 bytes after tensor 'a'")
+    has(load_err(raw("{" .. entry("a", "F32", "2", 4, 12) .. "}", d:sub(1, 12))),
+        "tensor 'a': data_offsets [4,12] leave a gap of 4 bytes after the start of the data section")
+    has(load_err(raw("{" .. entry("a", "F32", "4", 16, 32) .. "}", d)),
+        "tensor 'a': data_offsets [16,32] run past the end of the data section (24 bytes)")
+    has(load_err(raw("{" .. entry("a", "U8", "7", "18446744073709551608", "18446744073709551615") .. "}", d)),
+        "tensor 'a': data_offsets [18446744073709551608,18446744073709551615] run past the end")
+    has(load_err(raw("{" .. entry("a", "U8", "8", 8, 0) .. "}", d)),
+        "tensor 'a': data_offsets [8,0] end before they begin")
+    has(load_err(raw('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0]}}', "\0")),
+        "data_offsets must be [begin, end], got 1 integers")
   end)
 
   it("shapes whose size overflows", function()
-    has("tensor 'w': shape [4611686018427387904,4] has too many elements",
-        load_err(raw("{" .. entry("w", "F32", "4611686018427387904,4", 0, 0) .. "}")))
-    has("tensor 'w': shape [4611686018427387904] has too many elements",
-        load_err(raw("{" .. entry("w", "F32", "4611686018427387904", 0, 0) .. "}")))
-    has("tensor 'w': shape [4294967296,4294967296] has too many elements",
-        load_err(raw("{" .. entry("w", "U8", "4294967296,4294967296", 0, 0) .. "}")))
-    has("tensor 'w': shape has more than 8 dims",
-        load_err(raw("{" .. entry("w", "U8", "1,1,1,1,1,1,1,1,1", 0, 1) .. "}", "\0")))
+    has(load_err(raw("{" .. entry("w", "F32", "4611686018427387904,4", 0, 0) .. "}")),
+        "tensor 'w': shape [4611686018427387904,4] has too many elements")
+    has(load_err(raw("{" .. entry("w", "F32", "4611686018427387904", 0, 0) .. "}")),
+        "tensor 'w': shape [4611686018427387904] has too many elements")
+    has(load_err(raw("{" .. entry("w", "U8", "4294967296,4294967296", 0, 0) .. "}")),
+        "tensor 'w': shape [4294967296,4294967296] has too many elements")
+    has(load_err(raw("{" .. entry("w", "U8", "1,1,1,1,1,1,1,1,1", 0, 1) .. "}", "\0")),
+        "tensor 'w': shape has more than 8 dims")
   end)
 
   it("duplicate keys", function()
-    has("duplicate tensor name 'w'",
-        load_err(raw("{" .. entry("w", "U8", "1", 0, 1) .. "," .. entry("w", "U8", "1", 1, 2) .. "}", "\0\0")))
-    has("duplicate metadata key 'format'",
-        load_err(raw('{"__metadata__":{"format":"pt","format":"np"}}')))
-    has("duplicate key '__metadata__'",
-        load_err(raw('{"__metadata__":{},"__metadata__":{}}')))
+    has(load_err(raw("{" .. entry("w", "U8", "1", 0, 1) .. "," .. entry("w", "U8", "1", 1, 2) .. "}", "\0\0")),
+        "duplicate tensor name 'w'")
+    has(load_err(raw('{"__metadata__":{"format":"pt","format":"np"}}')),
+        "duplicate metadata key 'format'")
+    has(load_err(raw('{"__metadata__":{},"__metadata__":{}}')),
+        "duplicate key '__metadata__'")
   end)
 
   it("metadata that is not an object of strings", function()
-    has("metadata 'step' must be a string, got a number",
-        load_err(raw('{"__metadata__":{"format":"pt","step":12}}')))
-    has("metadata 'x' must be a string, got null", load_err(raw('{"__metadata__":{"x":null}}')))
-    has("metadata 'x' must be a string, got an object",
-        load_err(raw('{"__metadata__":{"x":{"y":"z"}}}')))
-    has("'__metadata__' must be an object of strings, got an array",
-        load_err(raw('{"__metadata__":["format","pt"]}')))
+    has(load_err(raw('{"__metadata__":{"format":"pt","step":12}}')),
+        "metadata 'step' must be a string, got a number")
+    has(load_err(raw('{"__metadata__":{"x":null}}')), "metadata 'x' must be a string, got null")
+    has(load_err(raw('{"__metadata__":{"x":{"y":"z"}}}')),
+        "metadata 'x' must be a string, got an object")
+    has(load_err(raw('{"__metadata__":["format","pt"]}')),
+        "'__metadata__' must be an object of strings, got an array")
   end)
 
   it("trailing bytes after the data", function()
-    has("the tensors cover 4 bytes of the 7-byte data section (3 trailing bytes)",
-        load_err(raw("{" .. entry("w", "F32", "", 0, 4) .. "}", "\0\0\0\0abc")))
+    has(load_err(raw("{" .. entry("w", "F32", "", 0, 4) .. "}", "\0\0\0\0abc")),
+        "the tensors cover 4 bytes of the 7-byte data section (3 trailing bytes)")
     local good = tmp()
     io_.save(good, {x = T.zeros({2, 2})})
-    has("(1 trailing bytes)", load_err(slurp(good) .. "\0"))
+    has(load_err(slurp(good) .. "\0"), "(1 trailing bytes)")
     os.remove(good)
   end)
 

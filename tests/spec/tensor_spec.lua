@@ -1,12 +1,8 @@
 -- Tensor core: creation, dtypes and conversions, views, copies, printing,
 -- the Philox generator, and bad input to every binding of host/l_tensor.c.
 local m = require "moelua"
-
-local function errmsg(f, ...)
-  local ok, err = pcall(f, ...)
-  assert.is_false(ok, "expected an error")
-  return tostring(err)
-end
+local support = require "tests.support"
+local errmsg = support.errmsg
 
 local function same_bits(a, b)
   assert.are.equal(#a, #b)

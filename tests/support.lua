@@ -1,0 +1,194 @@
+-- tests/support.lua - helpers shared by the busted specs (tests/spec/*):
+-- error capture and message checks, tensors as flat Lua tables, the
+-- normwise relative error, seeded random tensors, files and temporary
+-- directories, and the host run as a child process under a timeout.
+--
+-- Not for helpers that one spec alone needs: those stay local to that spec.
+-- Loaded with `local support = require "tests.support"` (the specs run from
+-- the repository root, and package.path holds ./?.lua). Defines no globals.
+local assert = require "luassert"   -- the same assert busted gives the specs
+
+local support = {}
+
+-- ---- errors ----------------------------------------------------------------
+
+-- Calls f(...), asserts that it raised an error, and returns the error as a
+-- string.
+function support.errmsg(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok, "expected an error")
+  return tostring(err)
+end
+
+-- Asserts that msg contains part (plain text, not a pattern).
+function support.has(msg, part)
+  assert.is_truthy(msg:find(part, 1, true), "expected '" .. part .. "' in: " .. msg)
+end
+
+-- Asserts that f(...) raises an error whose message contains part (plain
+-- text, not a pattern).
+function support.raises(part, f, ...)
+  local ok, err = pcall(f, ...)
+  assert(not ok, "expected an error containing: " .. part)
+  err = tostring(err)
+  assert(err:find(part, 1, true), string.format("error %q does not contain %q", err, part))
+end
+
+-- ---- tensors as Lua tables -------------------------------------------------
+
+-- Appends the numbers of a nested table (or a single number) to out, depth
+-- first, and returns out (a new table when out is nil).
+function support.flatten(v, out)
+  out = out or {}
+  if type(v) ~= "table" then
+    out[#out + 1] = v
+  else
+    for i = 1, #v do support.flatten(v[i], out) end
+  end
+  return out
+end
+
+-- The values of a CPU tensor in row-major order, as a flat table of Lua
+-- numbers (a 0-dim tensor gives one value).
+function support.values(t)
+  return support.flatten(t:totable())
+end
+
+-- ---- normwise relative error -----------------------------------------------
+
+-- ||x - ref|| / ||ref|| over two flat tables of the same length (asserted);
+-- against a zero reference, the absolute norm ||x - ref||.
+function support.relerr(x, ref)
+  assert.are.equal(#ref, #x, "element count")
+  local num, den = 0, 0
+  for i = 1, #ref do
+    num = num + (x[i] - ref[i]) ^ 2
+    den = den + ref[i] ^ 2
+  end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+-- Asserts relerr(x, ref) <= tol. x is a flat table or a CPU tensor (its
+-- values); what names the comparison in the failure message.
+function support.assert_close(x, ref, tol, what)
+  if type(x) ~= "table" then x = support.values(x) end
+  local e = support.relerr(x, ref)
+  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
+end
+
+-- ---- seeded random tensors -------------------------------------------------
+
+-- A source of reproducible random tensors: every draw takes the next seed
+-- after `seed`, so a spec gets the same tensors on every run, whatever
+-- order its draws come in. dtype is the default for draws that give none
+-- (nil: moelua's default).
+--   gen.randn(shape, dtype, std)   normal, mean 0 (std: moelua's default 1)
+--   gen.rand(shape, dtype, lo, hi) uniform on [lo, hi) (default [0, 1))
+function support.generator(seed, dtype)
+  local m = require "moelua"
+  local gen = {}
+  function gen.randn(shape, dt, std)
+    seed = seed + 1
+    return m.randn(shape, {dtype = dt or dtype, seed = seed, std = std})
+  end
+  function gen.rand(shape, dt, lo, hi)
+    seed = seed + 1
+    return m.rand(shape, {dtype = dt or dtype, seed = seed, lo = lo, hi = hi})
+  end
+  return gen
+end
+
+-- ---- files and directories -------------------------------------------------
+
+-- The contents of a file, or nil and io.open's message when it cannot be
+-- opened (so assert(support.read_file(p)) names the file).
+function support.read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then return nil, err end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- Writes s to a file, replacing what was there.
+function support.write_file(path, s)
+  local f = assert(io.open(path, "wb"))
+  f:write(s)
+  f:close()
+end
+
+-- s as one word for /bin/sh, in single quotes.
+function support.shell_quote(s)
+  return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+-- Makes a new empty directory under the system's temporary directory and
+-- returns its path; remove_dir removes it and everything in it.
+function support.make_tmpdir()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p " .. support.shell_quote(dir)))
+  return dir
+end
+
+function support.remove_dir(dir)
+  os.execute("rm -rf " .. support.shell_quote(dir))
+end
+
+-- ---- the host as a child process -------------------------------------------
+
+-- The path of the binary running this spec (./moelua, or the ASan build
+-- under `make sanitize`), read from /proc/<pid>/exe: children run the same
+-- host as the spec.
+local host
+function support.host_path()
+  if host then return host end
+  local pid = assert(io.open("/proc/self/stat")):read("n")
+  local p = assert(io.popen("readlink /proc/" .. pid .. "/exe"))
+  host = p:read("l"):gsub(" %(deleted%)$", "")
+  p:close()
+  return host
+end
+
+-- The shell command that runs the host with `args` (a list of words, quoted
+-- here) under `timeout`: TERM after 60 s, KILL 5 s later, so a hang fails
+-- its spec instead of blocking the suite. Redirections are the caller's.
+function support.host_command(args)
+  local words = {support.shell_quote(support.host_path())}
+  for _, a in ipairs(args) do words[#words + 1] = support.shell_quote(a) end
+  return "timeout -k 5 60 " .. table.concat(words, " ")
+end
+
+-- Reads the rest of a child's output from the io.popen handle p, closes it,
+-- asserts that the child exited (rather than died by a signal), and returns
+-- the exit code and the output.
+function support.finish_child(p)
+  local out = p:read("a")
+  local _, how, code = p:close()
+  assert(how == "exit", "child ended by " .. tostring(how) .. " " .. tostring(code))
+  return code, out
+end
+
+-- Runs `script` in a child host and sends it SIGINT (as Ctrl-C would) once
+-- it is busy; returns the exit code and everything it printed (stdout and
+-- stderr). The script must print its pid on the first line
+-- (io.open("/proc/self/stat"):read("n")) and then "ready" on a line of its
+-- own when the work to interrupt starts, with stdout unbuffered; the signal
+-- follows `delay` seconds after "ready".
+function support.interrupt_child(script, delay)
+  local path = os.tmpname()
+  support.write_file(path, script)
+  local p = assert(io.popen(support.host_command({path}) .. " 2>&1", "r"))
+  local pid = p:read("n")
+  assert(pid, "the child printed no pid")
+  p:read("l")
+  assert.are.equal("ready", p:read("l"))
+  require("system").sleep(delay)
+  assert(os.execute("kill -INT " .. math.tointeger(pid)))
+  local code, out = support.finish_child(p)
+  os.remove(path)
+  return code, out
+end
+
+return support
