@@ -13,17 +13,21 @@
 
 #include "ledger.h"
 #include "../kernels/copy.h"
+#include "../kernels/dispatch.h"
 #include "../kernels/elementwise.h"
+#include "../kernels/experts.h"
 #include "../kernels/index.h"
 #include "../kernels/matmul.h"
 #include "../kernels/philox.h"
 #include "../kernels/reduce.h"
+#include "../kernels/router.h"
 #include "../kernels/softmax.h"
 #include "../kernels/topk.h"
 
 typedef enum {
     ML_OP_FILL, ML_OP_ARANGE, ML_OP_BINARY, ML_OP_UNARY, ML_OP_COPY, ML_OP_REDUCE,
     ML_OP_CUMSUM, ML_OP_SOFTMAX, ML_OP_TOPK, ML_OP_INDEX, ML_OP_MATMUL, ML_OP_RANDOM,
+    ML_OP_ROUTER, ML_OP_DISPATCH, ML_OP_EXPERTS,
     ML_NOPS
 } ml_op;
 
@@ -68,6 +72,31 @@ typedef struct ml_backend {
                         const ml_kctx *);
     ml_status (*rand)(ml_dtype, void *, int64_t, uint64_t, uint64_t, double, double, const ml_kctx *);
     ml_status (*randn)(ml_dtype, void *, int64_t, uint64_t, uint64_t, double, double, const ml_kctx *);
+
+    /* The MoE layer (kernels/router.h, dispatch.h, experts.h). Host scalars
+     * (zsum, entropy, ndropped) stay host pointers on every backend; the
+     * validators return a position, -1, or ML_DISPATCH_EDEVICE. */
+    ml_status (*router_forward)(ml_dtype, int64_t *, void *, int64_t *, double *, double *, double *,
+                                const void *, const void *, ml_dtype, const void *,
+                                int64_t, int64_t, int64_t, const ml_router_cfg *, void *,
+                                const ml_kctx *);
+    ml_status (*router_backward)(ml_dtype, void *, void *, const int64_t *, const void *,
+                                 const double *, double, const void *, const void *,
+                                 int64_t, int64_t, int64_t, const ml_router_cfg *, void *,
+                                 const ml_kctx *);
+    ml_status (*router_update_bias)(ml_dtype, void *, const int64_t *, int64_t, double,
+                                    const ml_kctx *);
+    ml_status (*dispatch)(int64_t *, int64_t *, int64_t *, uint8_t *, int64_t *, const int64_t *,
+                          int64_t, int64_t, int64_t, const ml_kctx *);
+    int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t);
+    int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t);
+    ml_status (*experts_forward)(ml_dtype, void *, void *, void *, const void *, const void *,
+                                 const int64_t *, const int64_t *, const void *, const void *,
+                                 const ml_experts_cfg *, const ml_kctx *);
+    ml_status (*experts_backward)(ml_dtype, void *, void *, void *, void *, uint8_t *, void *,
+                                  const void *, const void *, const void *, const void *,
+                                  const int64_t *, const int64_t *, const void *, const void *,
+                                  const ml_experts_cfg *, const ml_kctx *);
 } ml_backend;
 
 extern const ml_backend ml_backend_cpu;

@@ -65,4 +65,12 @@ const ml_backend ml_backend_cpu = {
     .matmul = ml_matmul_cpu,
     .rand = ml_rand_cpu,
     .randn = ml_randn_cpu,
+    .router_forward = ml_router_forward_cpu,
+    .router_backward = ml_router_backward_cpu,
+    .router_update_bias = ml_router_update_bias_cpu,
+    .dispatch = ml_dispatch_cpu,
+    .dispatch_find_bad = ml_dispatch_find_bad_cpu,
+    .dispatch_check_plan = ml_dispatch_check_plan_cpu,
+    .experts_forward = ml_experts_forward_cpu,
+    .experts_backward = ml_experts_backward_cpu,
 };

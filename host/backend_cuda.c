@@ -67,7 +67,10 @@ static int cuda_supports(ml_op op, ml_dtype dt)
     case ML_OP_UNARY:
         return num;         /* integers: neg and abs only (the kernel says) */
     case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_MATMUL:
+    case ML_OP_ROUTER: case ML_OP_EXPERTS:
         return flt;
+    case ML_OP_DISPATCH:
+        return dt == ML_I64;
     case ML_OP_RANDOM:
         return flt || dt == ML_BF16 || dt == ML_F16;
     default:
@@ -432,4 +435,12 @@ const ml_backend ml_backend_cuda = {
     .matmul = ml_matmul_cuda,
     .rand = ml_rand_cuda,
     .randn = ml_randn_cuda,
+    .router_forward = ml_router_forward_cuda,
+    .router_backward = ml_router_backward_cuda,
+    .router_update_bias = ml_router_update_bias_cuda,
+    .dispatch = ml_dispatch_cuda,
+    .dispatch_find_bad = ml_dispatch_find_bad_cuda,
+    .dispatch_check_plan = ml_dispatch_check_plan_cuda,
+    .experts_forward = ml_experts_forward_cuda,
+    .experts_backward = ml_experts_backward_cuda,
 };

@@ -33,7 +33,11 @@
  *                         warmed-up forward+backward makes no ledger allocation
  * backward takes tile and S from `saved`; an opts.tile that differs is an error.
  *
- * Not here: routing, the layer object, CUDA (cpu tensors only for now).
+ * Devices: every tensor (idx, x, weights, w, the plan, saved, grads) and the
+ * pool on one device, cpu or cuda; the kernels are reached through the
+ * backend table (ml_backend_of) and new tensors are allocated on that device.
+ *
+ * Not here: routing, the layer object.
  */
 #include "libs.h"
 #include "l_util.h"
@@ -52,6 +56,7 @@ static const char *const OPTS[] = {"tile", "save", "partial_recompute", "capacit
 typedef struct {
     int64_t tile;
     int has_tile;
+    ml_device dev;          /* the operands' device */
     double recompute;       /* fraction of positions recomputed: 0 save, 1 recompute */
     int64_t capacity;       /* -1: none given */
     int drop;
@@ -60,9 +65,10 @@ typedef struct {
 
 /* ---- options ----------------------------------------------------------------- */
 
-static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
+static void parse_opts(lua_State *L, int idx, const char *fn, ml_device dev, ex_opts *o)
 {
     memset(o, 0, sizeof *o);
+    o->dev = dev;
     o->tile = 256;
     o->capacity = -1;
     if (lua_isnoneornil(L, idx))
@@ -137,10 +143,11 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
     if (lua_getfield(L, idx, "pool") != LUA_TNIL) {
         if (!luaL_testudata(L, -1, ML_POOL_MT))
             ml_error(L, fn, "option 'pool' must be a moelua.pool, got %s", luaL_typename(L, -1));
-        o->pool = lua_gettop(L);
-        if (ml_checkpool(L, o->pool, fn, "option 'pool'")->device != ML_CPU)
-            ml_error(L, fn, "option 'pool': a %s pool; these kernels run on the cpu",
-                     ml_device_names[ml_checkpool(L, o->pool, fn, "option 'pool'")->device]);   /* keep it on the stack (the table holds it anyway) */
+        o->pool = lua_gettop(L);   /* keep it on the stack (the table holds it anyway) */
+        ml_device pd = ml_checkpool(L, o->pool, fn, "option 'pool'")->device;
+        if (pd != dev)
+            ml_error(L, fn, "option 'pool': a %s pool but the tensors are on %s (one device "
+                     "expected)", ml_device_names[pd], ml_device_names[dev]);
     } else {
         lua_pop(L, 1);
     }
@@ -148,13 +155,13 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
 
 /* ---- buffers: from the pool or the ledger ------------------------------------ */
 
-/* Push a new contiguous tensor: a view in a new slot of the pool at stack
- * index pool (contents undefined) or, without one, a ledger tensor. */
-static ml_tensor *new_buf(lua_State *L, const char *fn, int pool, ml_dtype dt, int ndim,
-                          const int64_t *shape)
+/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
+ * stack index pool (contents undefined) or, without one, a ledger tensor. */
+static ml_tensor *new_buf(lua_State *L, const char *fn, ml_device dev, int pool, ml_dtype dt,
+                          int ndim, const int64_t *shape)
 {
     if (!pool)
-        return ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
+        return ml_newtensor(L, fn, dev, dt, ndim, shape);
     return ml_pool_pushtensor(L, fn, pool, dt, ndim, shape);
 }
 
@@ -175,12 +182,12 @@ typedef struct {
     ml_tensor *t;
 } scratch;
 
-static void *scratch_begin(lua_State *L, const char *fn, int pool, ml_dtype dt, int64_t n,
-                           scratch *s)
+static void *scratch_begin(lua_State *L, const char *fn, ml_device dev, int pool, ml_dtype dt,
+                           int64_t n, scratch *s)
 {
     s->mark = pool ? pool_mark(L, pool) : 0;
     int64_t shape[1] = {n > 0 ? n : 1};
-    s->t = new_buf(L, fn, pool, dt, 1, shape);
+    s->t = new_buf(L, fn, dev, pool, dt, 1, shape);
     return ml_data(s->t);
 }
 
@@ -197,13 +204,15 @@ static void scratch_end(lua_State *L, int pool, scratch *s)
 
 /* ---- argument checks ------------------------------------------------------------- */
 
+/* dev < 0: any device (the first operand sets it for the others). */
 static ml_tensor *check_arg(lua_State *L, int idx, const char *fn, const char *name, int dt,
-                            int ndim)
+                            int ndim, int dev)
 {
     ml_tensor *t = ml_checkcontig(L, idx, fn, dt);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "argument #%d (%s): a %s tensor; only cpu is implemented", idx, name,
-                 ml_device_names[t->st->device]);
+    if (dev >= 0 && t->st->device != (ml_device)dev)
+        ml_error(L, fn, "argument #%d (%s): a %s tensor but the other operands are on %s (one "
+                 "device expected)", idx, name, ml_device_names[t->st->device],
+                 ml_device_names[dev]);
     if (t->ndim != ndim) {
         char s[96];
         ml_format_shape(t, s, sizeof s);
@@ -229,11 +238,12 @@ static void shape_mismatch(lua_State *L, const char *fn, const char *what, const
     ml_error(L, fn, "%s: %s %s does not match %s %s", what, an, sa, bn, sb);
 }
 
-/* The tensor plan[key] (or saved[key], grads[key]): contiguous, cpu, dtype
- * dt, with the given shape. Left on the stack. NULL when absent and optional. */
+/* The tensor plan[key] (or saved[key], grads[key]): contiguous, on dev,
+ * dtype dt, with the given shape. Left on the stack. NULL when absent and
+ * optional. */
 static ml_tensor *field_tensor(lua_State *L, int tbl, const char *tname, const char *key,
-                               const char *fn, ml_dtype dt, int ndim, const int64_t *shape,
-                               int optional)
+                               const char *fn, ml_device dev, ml_dtype dt, int ndim,
+                               const int64_t *shape, int optional)
 {
     int ty = lua_getfield(L, tbl, key);
     if (ty == LUA_TNIL && optional) {
@@ -247,9 +257,9 @@ static ml_tensor *field_tensor(lua_State *L, int tbl, const char *tname, const c
         ml_error(L, fn, "%s.%s: the tensor was freed", tname, key);
     if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
         ml_error(L, fn, "%s.%s: stale pool view (its frame was rewound)", tname, key);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "%s.%s: a %s tensor; only cpu is implemented", tname, key,
-                 ml_device_names[t->st->device]);
+    if (t->st->device != dev)
+        ml_error(L, fn, "%s.%s: a %s tensor but the other operands are on %s (one device "
+                 "expected)", tname, key, ml_device_names[t->st->device], ml_device_names[dev]);
     if (t->dtype != dt)
         ml_error(L, fn, "%s.%s: expected dtype %s, got %s", tname, key, ml_dtype_names[dt],
                  ml_dtype_names[t->dtype]);
@@ -277,19 +287,23 @@ typedef struct {
     ml_tensor *x, *gate_up, *down, *idx, *w;
     const int64_t *offsets, *order;
     ml_dtype dt;
+    ml_device dev;
+    const ml_backend *be;
     int64_t T, k, D, F, E;
 } ex_args;
 
 /* x, gate_up, down, idx, w at stack indices base..base+4, plan at base+5. */
 static void check_common(lua_State *L, const char *fn, int base, ex_args *a)
 {
-    a->x = check_arg(L, base, fn, "x", -1, 2);
+    a->x = check_arg(L, base, fn, "x", -1, 2, -1);
     check_float(L, base, fn, "x", a->x);
     a->dt = a->x->dtype;
-    a->gate_up = check_arg(L, base + 1, fn, "gate_up", -1, 3);
-    a->down = check_arg(L, base + 2, fn, "down", -1, 3);
-    a->idx = check_arg(L, base + 3, fn, "idx", ML_I64, 2);
-    a->w = check_arg(L, base + 4, fn, "w", -1, 2);
+    a->dev = a->x->st->device;
+    a->be = ml_backend_of(L, fn, a->dev);
+    a->gate_up = check_arg(L, base + 1, fn, "gate_up", -1, 3, a->dev);
+    a->down = check_arg(L, base + 2, fn, "down", -1, 3, a->dev);
+    a->idx = check_arg(L, base + 3, fn, "idx", ML_I64, 2, a->dev);
+    a->w = check_arg(L, base + 4, fn, "w", -1, 2, a->dev);
     const char *names[] = {"gate_up", "down", "w"};
     ml_tensor *ts[] = {a->gate_up, a->down, a->w};
     for (int i = 0; i < 3; i++)
@@ -321,12 +335,14 @@ static void check_common(lua_State *L, const char *fn, int base, ex_args *a)
         ml_error(L, fn, "argument #%d (plan): expected the table experts.dispatch returned, got %s",
                  pl, luaL_typename(L, pl));
     int64_t n = a->T * a->k, e1 = a->E + 1;
-    ml_tensor *off = field_tensor(L, pl, "plan", "offsets", fn, ML_I64, 1, &e1, 0);
-    ml_tensor *ord = field_tensor(L, pl, "plan", "order", fn, ML_I64, 1, &n, 0);
+    ml_tensor *off = field_tensor(L, pl, "plan", "offsets", fn, a->dev, ML_I64, 1, &e1, 0);
+    ml_tensor *ord = field_tensor(L, pl, "plan", "order", fn, a->dev, ML_I64, 1, &n, 0);
     lua_pop(L, 2);   /* the plan table keeps them alive */
     a->offsets = ml_data(off);
     a->order = ml_data(ord);
-    int64_t bad = ml_dispatch_check_plan_cpu(a->offsets, a->order, ml_data(a->idx), n, a->E);
+    int64_t bad = a->be->dispatch_check_plan(a->offsets, a->order, ml_data(a->idx), n, a->E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        ml_check_status(L, fn, ML_EDEVICE);
     if (bad <= -2)
         ml_error(L, fn, "argument #%d (plan): offsets are not a plan for %lld assignments "
                  "(offsets[%lld] is out of order or range)", pl, (long long)n, (long long)(-2 - bad));
@@ -353,36 +369,44 @@ static void set_int(lua_State *L, const char *k, int64_t v)
 static int l_experts_dispatch(lua_State *L)
 {
     static const char fn[] = "moelua.experts.dispatch";
-    ml_tensor *idx = check_arg(L, 1, fn, "idx", ML_I64, 2);
+    ml_tensor *idx = check_arg(L, 1, fn, "idx", ML_I64, 2, -1);
+    ml_device dev = idx->st->device;
+    const ml_backend *be = ml_backend_of(L, fn, dev);
     int isint;
     lua_Integer E = lua_tointegerx(L, 2, &isint);
     if (!isint || E < 1)
         ml_error(L, fn, "argument #2 (E): expected an integer number of experts >= 1, got %s",
                  luaL_tolstring(L, 2, NULL));
     ex_opts o;
-    parse_opts(L, 3, fn, &o);
+    parse_opts(L, 3, fn, dev, &o);
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
-    int64_t bad = ml_dispatch_find_bad_cpu(ml_data(idx), n, E);
-    if (bad >= 0)
+    int64_t bad = be->dispatch_find_bad(ml_data(idx), n, E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        ml_check_status(L, fn, ML_EDEVICE);
+    if (bad >= 0) {
+        int64_t v;
+        ml_check_status(L, fn, be->memcpy(&v, 1, (const int64_t *)ml_data(idx) + bad,
+                                          dev == ML_CPU, sizeof v));
         ml_error(L, fn, "argument #1 (idx): expert id %lld at token %lld, slot %lld (0-based) is "
-                 "outside [0, %lld)", (long long)((int64_t *)ml_data(idx))[bad],
-                 (long long)(bad / k), (long long)(bad % k), (long long)E);
+                 "outside [0, %lld)", (long long)v, (long long)(bad / k), (long long)(bad % k),
+                 (long long)E);
+    }
 
     lua_createtable(L, 0, 10);
     int res = lua_gettop(L);
     int64_t e1 = E + 1, shp[2] = {T, k};
-    ml_tensor *off = new_buf(L, fn, o.pool, ML_I64, 1, &e1);
+    ml_tensor *off = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &e1);
     lua_setfield(L, res, "offsets");
-    ml_tensor *ord = new_buf(L, fn, o.pool, ML_I64, 1, &n);
+    ml_tensor *ord = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &n);
     lua_setfield(L, res, "order");
     int64_t ee = E;
-    ml_tensor *cnt = new_buf(L, fn, o.pool, ML_I64, 1, &ee);
+    ml_tensor *cnt = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &ee);
     lua_setfield(L, res, "counts");
-    ml_tensor *drp = new_buf(L, fn, o.pool, ML_U8, 2, shp);
+    ml_tensor *drp = new_buf(L, fn, o.dev, o.pool, ML_U8, 2, shp);
     lua_setfield(L, res, "dropped");
     int64_t nd = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = ml_dispatch_cpu(ml_data(off), ml_data(ord), ml_data(cnt), ml_data(drp), &nd,
+    ml_status s = be->dispatch(ml_data(off), ml_data(ord), ml_data(cnt), ml_data(drp), &nd,
                                   ml_data(idx), n, E, o.drop ? o.capacity : -1, &ctx);
     ml_check_status(L, fn, s);
     set_int(L, "ndropped", nd);
@@ -401,11 +425,11 @@ static int l_experts_forward(lua_State *L)
     ex_args a;
     check_common(L, fn, 1, &a);
     ex_opts o;
-    parse_opts(L, 7, fn, &o);
+    parse_opts(L, 7, fn, a.dev, &o);
     ml_experts_cfg c = {a.T, a.k, a.D, a.F, a.E, o.tile, nsaved_of(&a, o.recompute)};
 
     int64_t yshape[2] = {a.T, a.D}, hshape[2] = {c.nsaved, 2 * a.F};
-    ml_tensor *y = new_buf(L, fn, o.pool, a.dt, 2, yshape);
+    ml_tensor *y = new_buf(L, fn, o.dev, o.pool, a.dt, 2, yshape);
     int yi = lua_gettop(L);
     lua_createtable(L, 0, 4);
     int si = lua_gettop(L);
@@ -415,13 +439,13 @@ static int l_experts_forward(lua_State *L)
     lua_setfield(L, si, "partial_recompute");
     void *h = NULL;
     if (c.nsaved > 0) {
-        h = ml_data(new_buf(L, fn, o.pool, a.dt, 2, hshape));
+        h = ml_data(new_buf(L, fn, o.dev, o.pool, a.dt, 2, hshape));
         lua_setfield(L, si, "h");
     }
     scratch sc;
-    void *buf = scratch_begin(L, fn, o.pool, a.dt, ml_experts_forward_scratch(&c), &sc);
+    void *buf = scratch_begin(L, fn, o.dev, o.pool, a.dt, ml_experts_forward_scratch(&c), &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = ml_experts_forward_cpu(a.dt, ml_data(y), h, buf, ml_data(a.x), ml_data(a.w),
+    ml_status s = a.be->experts_forward(a.dt, ml_data(y), h, buf, ml_data(a.x), ml_data(a.w),
                                          a.order, a.offsets, ml_data(a.gate_up), ml_data(a.down),
                                          &c, &ctx);
     scratch_end(L, o.pool, &sc);
@@ -440,14 +464,14 @@ static int l_experts_backward(lua_State *L)
     static const char fn[] = "moelua.experts.backward";
     ex_args a;
     check_common(L, fn, 2, &a);
-    ml_tensor *dy = check_arg(L, 1, fn, "dy", -1, 2);
+    ml_tensor *dy = check_arg(L, 1, fn, "dy", -1, 2, a.dev);
     if (dy->dtype != a.dt)
         ml_error(L, fn, "argument #1 (dy): dtype %s does not match x's %s",
                  ml_dtype_names[dy->dtype], ml_dtype_names[a.dt]);
     if (dy->shape[0] != a.T || dy->shape[1] != a.D)
         shape_mismatch(L, fn, "expected dy [T, D]", dy, "dy", a.x, "x");
     ex_opts o;
-    parse_opts(L, 9, fn, &o);
+    parse_opts(L, 9, fn, a.dev, &o);
 
     /* saved: tile and S from forward */
     if (!lua_istable(L, 8))
@@ -470,7 +494,7 @@ static int l_experts_backward(lua_State *L)
     int64_t hshape[2] = {nsaved, 2 * a.F};
     const void *h = NULL;
     if (nsaved > 0) {
-        ml_tensor *ht = field_tensor(L, 8, "saved", "h", fn, a.dt, 2, hshape, 0);
+        ml_tensor *ht = field_tensor(L, 8, "saved", "h", fn, a.dev, a.dt, 2, hshape, 0);
         h = ml_data(ht);
         lua_pop(L, 1);
     }
@@ -500,20 +524,25 @@ static int l_experts_backward(lua_State *L)
     void *out[5];
     int first = lua_gettop(L) + 1;
     for (int i = 0; i < 5; i++) {
-        ml_tensor *t = has_grads ? field_tensor(L, gi, "grads", GRADS[i], fn, dts[i], ndims[i],
-                                                shapes[i], 1)
+        ml_tensor *t = has_grads ? field_tensor(L, gi, "grads", GRADS[i], fn, a.dev, dts[i],
+                                                ndims[i], shapes[i], 1)
                                  : NULL;
         if (!t) {
-            t = new_buf(L, fn, o.pool, dts[i], ndims[i], shapes[i]);
-            if (zero[i])
-                memset(ml_data(t), 0, ml_nbytes(t));
+            t = new_buf(L, fn, o.dev, o.pool, dts[i], ndims[i], shapes[i]);
+            int64_t ne = 1;
+            for (int j = 0; j < ndims[i]; j++)
+                ne *= shapes[i][j];
+            ml_kctx zctx = ml_kctx_of(ml_host_of(L));
+            zctx.interrupt = NULL;   /* short; Ctrl-C is seen by the kernel that follows */
+            if (zero[i] && ne)
+                ml_check_status(L, fn, a.be->fill(dts[i], ml_data(t), 0.0, ne, &zctx));
         }
         out[i] = ml_data(t);
     }
     scratch sc;
-    void *buf = scratch_begin(L, fn, o.pool, a.dt, ml_experts_backward_scratch(&c), &sc);
+    void *buf = scratch_begin(L, fn, o.dev, o.pool, a.dt, ml_experts_backward_scratch(&c), &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = ml_experts_backward_cpu(a.dt, out[0], out[1], out[2], out[3], out[4], buf, h,
+    ml_status s = a.be->experts_backward(a.dt, out[0], out[1], out[2], out[3], out[4], buf, h,
                                           ml_data(dy), ml_data(a.x), ml_data(a.w), a.order,
                                           a.offsets, ml_data(a.gate_up), ml_data(a.down), &c, &ctx);
     scratch_end(L, o.pool, &sc);

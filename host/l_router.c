@@ -25,8 +25,13 @@
  * the recompute sees the same scores; bias is accepted and unused (the saved
  * idx is never re-selected).
  *
+ * Devices: every tensor (x, wg, dw, idx, bias, grads) and the pool on one
+ * device, cpu or cuda; the kernels are reached through the backend table
+ * (ml_backend_of), and outputs and scratch are allocated on that device.
+ * On cuda the stats' cp and max_count read counts and psum back (E values).
+ *
  * Not here: the aux loss (the model forms it from every layer's counts and
- * psum), capacity and dispatch. CPU tensors only until kernels/router.cu.
+ * psum), capacity and dispatch.
  */
 #include "libs.h"
 #include "l_tensor.h"
@@ -43,6 +48,8 @@ static const char *const GRAD_OPTS[] = {"aux", "z", "dx", "dwg", NULL};
 
 typedef struct {
     ml_router_cfg cfg;
+    ml_device dev;            /* x's device: every operand lives there */
+    const ml_backend *be;
     const ml_tensor *bias;    /* NULL: none */
     ml_pool *pool;            /* NULL: none; its userdata stays on the stack */
     int pool_idx;             /* stack index of that userdata */
@@ -118,14 +125,35 @@ static ml_tensor *opt_tensor(lua_State *L, const char *fn, const char *key)
 
 static void shape_str(const ml_tensor *t, char *buf, size_t n) { ml_format_shape(t, buf, n); }
 
-/* A contiguous CPU tensor of one dimension E and a float dtype. */
+/* `what` must be on dev (the device of x, or of bias for update_bias). */
+static void check_device(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
+                         ml_device dev)
+{
+    if (t->st->device != dev)
+        ml_error(L, fn, "%s is on %s but the other operands are on %s (one device expected)", what,
+                 ml_device_names[t->st->device], ml_device_names[dev]);
+}
+
+/* Elements [e0, e0 + n) of the contiguous tensor t into the host buffer buf
+ * (a copy back from the device; a plain copy on the cpu). */
+static void read_back(lua_State *L, const char *fn, const ml_backend *be, const ml_tensor *t,
+                      int64_t e0, int64_t n, void *buf)
+{
+    size_t es = ml_dtype_size(t->dtype);
+    ml_check_status(L, fn, be->memcpy(buf, 1, (const char *)ml_data(t) + (size_t)e0 * es,
+                                      t->st->device == ML_CPU, (size_t)n * es));
+}
+
+/* Host-side reads go through this many elements at a time. */
+#define READ_BLOCK 256
+
+/* A contiguous tensor on dev of one dimension E and a float dtype. */
 static void check_vector(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
-                         int64_t E, int f64_only)
+                         int64_t E, int f64_only, ml_device dev)
 {
     char s[64];
     shape_str(t, s, sizeof s);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "%s is on %s; the router runs on cpu", what, ml_device_names[t->st->device]);
+    check_device(L, fn, what, t, dev);
     if (f64_only ? t->dtype != ML_F64 : t->dtype != ML_F32 && t->dtype != ML_F64)
         ml_error(L, fn, "%s must be %s, got %s", what, f64_only ? "f64" : "f32 or f64",
                  ml_dtype_names[t->dtype]);
@@ -135,15 +163,18 @@ static void check_vector(lua_State *L, const char *fn, const char *what, const m
         ml_error(L, fn, "%s must be contiguous", what);
 }
 
-/* opts at idx (a table, required: k has no default). E from wg. A pool, if
- * given, is left on the stack and its index stored. */
-static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, router_opts *o)
+/* opts at idx (a table, required: k has no default). E from wg, dev from x.
+ * A pool, if given, is left on the stack and its index stored. */
+static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_device dev,
+                      router_opts *o)
 {
     if (!lua_istable(L, idx))
         ml_error(L, fn, "argument #%d: expected an options table with k, got %s", idx,
                  luaL_typename(L, idx));
     ml_check_opts(L, idx, fn, OPTS);
     memset(o, 0, sizeof *o);
+    o->dev = dev;
+    o->be = ml_backend_of(L, fn, dev);
     ml_router_cfg *c = &o->cfg;
     if (!field(L, idx, "k"))
         ml_error(L, fn, "option 'k' (experts per token) is required");
@@ -182,11 +213,17 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, router_o
     c->layer = (uint64_t)opt_int(L, idx, fn, "layer", 0, 0, 0x7fffffffLL);
     if (field(L, idx, "bias")) {
         o->bias = opt_tensor(L, fn, "bias");
-        check_vector(L, fn, "option 'bias'", o->bias, E, 0);
+        check_vector(L, fn, "option 'bias'", o->bias, E, 0, dev);
         const ml_tensor *b = o->bias;
-        for (int64_t e = 0; e < E; e++)
-            if (!isfinite(ml_load(b->dtype, ml_data(b), (size_t)e)))
-                ml_error(L, fn, "option 'bias' has a non-finite value at expert %lld", (long long)e);
+        double buf[READ_BLOCK];
+        for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
+            int64_t nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
+            read_back(L, fn, o->be, b, e0, nb, buf);
+            for (int64_t e = 0; e < nb; e++)
+                if (!isfinite(ml_load(b->dtype, buf, (size_t)e)))
+                    ml_error(L, fn, "option 'bias' has a non-finite value at expert %lld",
+                             (long long)(e0 + e));
+        }
     }
     lua_pop(L, 1);
     if (field(L, idx, "pool")) {
@@ -194,8 +231,9 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, router_o
          * the pool's Lua methods: a Lua call after the kernel could run the
          * Ctrl-C hook and raise before the slot was rewound. */
         ml_pool *p = ml_checkpool(L, -1, fn, "option 'pool'");
-        if (p->device != ML_CPU)
-            ml_error(L, fn, "option 'pool' is on %s; the router runs on cpu", ml_device_names[p->device]);
+        if (p->device != dev)
+            ml_error(L, fn, "option 'pool' is on %s but the other operands are on %s (one device "
+                     "expected)", ml_device_names[p->device], ml_device_names[dev]);
         o->pool = p;   /* the userdata stays on the stack */
         o->pool_idx = lua_gettop(L);
     } else {
@@ -205,12 +243,9 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, router_o
 
 /* ---- tensors ---------------------------------------------------------------- */
 
-static ml_tensor *check_cpu_float(lua_State *L, int idx, const char *fn, const char *name)
+static ml_tensor *check_float(lua_State *L, int idx, const char *fn, const char *name)
 {
     ml_tensor *t = ml_contiguous_arg(L, idx, fn);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "argument #%d (%s) is on %s; the router runs on cpu", idx, name,
-                 ml_device_names[t->st->device]);
     if (t->dtype != ML_F32 && t->dtype != ML_F64)
         ml_error(L, fn, "argument #%d (%s) must be f32 or f64, got %s", idx, name,
                  ml_dtype_names[t->dtype]);
@@ -222,8 +257,11 @@ static ml_tensor *check_cpu_float(lua_State *L, int idx, const char *fn, const c
 /* x [T, D] and wg [E, D] of one dtype. */
 static void check_x_wg(lua_State *L, const char *fn, int ix, int iw, ml_tensor **x, ml_tensor **wg)
 {
-    *x = check_cpu_float(L, ix, fn, "x");
-    *wg = check_cpu_float(L, iw, fn, "wg");
+    *x = check_float(L, ix, fn, "x");
+    *wg = check_float(L, iw, fn, "wg");
+    if ((*wg)->st->device != (*x)->st->device)
+        ml_error(L, fn, "x is on %s but wg is on %s (one device expected)",
+                 ml_device_names[(*x)->st->device], ml_device_names[(*wg)->st->device]);
     char sx[64], sw[64];
     shape_str(*x, sx, sizeof sx);
     shape_str(*wg, sw, sizeof sw);
@@ -244,15 +282,20 @@ static ml_tensor *new_out(lua_State *L, const char *fn, const router_opts *o, ml
 {
     if (o->pool)
         return ml_pool_pushtensor(L, fn, o->pool_idx, dt, ndim, shape);
-    return ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
+    return ml_newtensor(L, fn, o->dev, dt, ndim, shape);
 }
 
 static ml_tensor *new_zeros(lua_State *L, const char *fn, const router_opts *o, ml_dtype dt, int ndim,
                             const int64_t *shape)
 {
     ml_tensor *t = new_out(L, fn, o, dt, ndim, shape);
-    if (ml_nbytes(t))
-        memset(ml_data(t), 0, ml_nbytes(t));
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= shape[i];
+    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+    ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    if (n)
+        ml_check_status(L, fn, o->be->fill(dt, ml_data(t), 0.0, n, &ctx));
     return t;
 }
 
@@ -264,13 +307,14 @@ typedef struct {
     size_t mark;              /* with a pool: its depth before the slot */
 } scratch;
 
-static void *scratch_acquire(lua_State *L, const char *fn, ml_pool *pool, size_t nbytes, scratch *s)
+static void *scratch_acquire(lua_State *L, const char *fn, ml_device dev, ml_pool *pool,
+                             size_t nbytes, scratch *s)
 {
     s->pool = pool;
     s->t = NULL;
     if (!pool) {
         int64_t n = (int64_t)((nbytes + 7) / 8);
-        s->t = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &n);
+        s->t = ml_newtensor(L, fn, dev, ML_F64, 1, &n);
         return ml_data(s->t);
     }
     void *data = NULL;
@@ -321,7 +365,7 @@ static int l_router_forward(lua_State *L)
     check_x_wg(L, fn, 1, 2, &x, &wg);
     int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0];
     router_opts o;
-    read_opts(L, 3, fn, E, &o);
+    read_opts(L, 3, fn, E, x->st->device, &o);
     int64_t k = o.cfg.k;
     if ((o.cfg.noise > 0 || o.cfg.gumbel) && T > (int64_t)0xffffffffLL)
         ml_error(L, fn, "noise is keyed by a 32-bit token index: at most 2^32 tokens per call");
@@ -334,11 +378,12 @@ static int l_router_forward(lua_State *L)
     int icounts = lua_gettop(L);
     ml_tensor *psum = new_zeros(L, fn, &o, ML_F64, 1, se);
     scratch s;
-    void *buf = scratch_acquire(L, fn, o.pool, ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
+    void *buf = scratch_acquire(L, fn, o.dev, o.pool,
+                                ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
 
     double zsum = 0, entropy = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status st = ml_router_forward_cpu(x->dtype, ml_data(idx), ml_data(w), ml_data(counts),
+    ml_status st = o.be->router_forward(x->dtype, ml_data(idx), ml_data(w), ml_data(counts),
                                          ml_data(psum), &zsum, &entropy, ml_data(x), ml_data(wg),
                                          o.bias ? o.bias->dtype : ML_F64,
                                          o.bias ? ml_data(o.bias) : NULL, T, D, E, &o.cfg, buf, &ctx);
@@ -347,13 +392,17 @@ static int l_router_forward(lua_State *L)
 
     /* sum_e C_e P_e (the aux loss is E times this over N^2) and max_e C_e
      * (the largest expert share), so the layer needs no tensor math for them */
-    const int64_t *cv = ml_data(counts);
-    const double *pv = ml_data(psum);
     double cp = 0;
     int64_t cmax = 0;
-    for (int64_t e = 0; e < E; e++) {
-        cp += (double)cv[e] * pv[e];
-        cmax = cv[e] > cmax ? cv[e] : cmax;
+    for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
+        int64_t cv[READ_BLOCK], nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
+        double pv[READ_BLOCK];
+        read_back(L, fn, o.be, counts, e0, nb, cv);
+        read_back(L, fn, o.be, psum, e0, nb, pv);
+        for (int64_t e = 0; e < nb; e++) {
+            cp += (double)cv[e] * pv[e];
+            cmax = cv[e] > cmax ? cv[e] : cmax;
+        }
     }
     lua_pushvalue(L, iidx);
     lua_pushvalue(L, iidx + 1);
@@ -375,9 +424,9 @@ static int l_router_forward(lua_State *L)
     return 3;
 }
 
-/* grads.<key>: a contiguous CPU tensor of dtype dt and shape [a, b], or nil. */
+/* grads.<key>: a contiguous tensor on dev of dtype dt and shape [a, b], or nil. */
 static ml_tensor *grad_matrix(lua_State *L, int gi, const char *fn, const char *key, ml_dtype dt,
-                              int64_t a, int64_t b)
+                              int64_t a, int64_t b, ml_device dev)
 {
     if (!gi || !field(L, gi, key)) {
         lua_pop(L, gi ? 1 : 0);
@@ -386,8 +435,9 @@ static ml_tensor *grad_matrix(lua_State *L, int gi, const char *fn, const char *
     ml_tensor *t = opt_tensor(L, fn, key);
     char s[64];
     shape_str(t, s, sizeof s);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "grads.%s is on %s; the router runs on cpu", key, ml_device_names[t->st->device]);
+    if (t->st->device != dev)
+        ml_error(L, fn, "grads.%s is on %s but x is on %s (one device expected)", key,
+                 ml_device_names[t->st->device], ml_device_names[dev]);
     if (t->dtype != dt)
         ml_error(L, fn, "grads.%s is %s but x is %s", key, ml_dtype_names[t->dtype], ml_dtype_names[dt]);
     if (t->ndim != 2 || t->shape[0] != a || t->shape[1] != b)
@@ -406,15 +456,14 @@ static int l_router_backward(lua_State *L)
     check_x_wg(L, fn, 2, 3, &x, &wg);
     int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0];
     router_opts o;
-    read_opts(L, 5, fn, E, &o);
+    read_opts(L, 5, fn, E, x->st->device, &o);
     int64_t k = o.cfg.k;
     char sx[64], s[64];
     shape_str(x, sx, sizeof sx);
 
     ml_tensor *dw = ml_contiguous_arg(L, 1, fn);
     shape_str(dw, s, sizeof s);
-    if (dw->st->device != ML_CPU)
-        ml_error(L, fn, "argument #1 (dw) is on %s; the router runs on cpu", ml_device_names[dw->st->device]);
+    check_device(L, fn, "argument #1 (dw)", dw, o.dev);
     if (dw->dtype != x->dtype)
         ml_error(L, fn, "dw is %s but x is %s (same dtype expected)", ml_dtype_names[dw->dtype],
                  ml_dtype_names[x->dtype]);
@@ -423,18 +472,22 @@ static int l_router_backward(lua_State *L)
                  (long long)k, (long long)T, (long long)k);
     ml_tensor *idx = ml_contiguous_arg(L, 4, fn);
     shape_str(idx, s, sizeof s);
-    if (idx->st->device != ML_CPU)
-        ml_error(L, fn, "argument #4 (idx) is on %s; the router runs on cpu", ml_device_names[idx->st->device]);
+    check_device(L, fn, "argument #4 (idx)", idx, o.dev);
     if (idx->dtype != ML_I64)
         ml_error(L, fn, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
     if (idx->ndim != 2 || idx->shape[0] != T || idx->shape[1] != k)
         ml_error(L, fn, "idx is %s but x is %s and k = %lld: idx must be [%lld,%lld]", s, sx,
                  (long long)k, (long long)T, (long long)k);
     const int64_t *ip = ml_data(idx);
-    for (int64_t i = 0; i < T * k; i++)
-        if (ip[i] < 0 || ip[i] >= E)
-            ml_error(L, fn, "idx: expert %lld at position %lld is outside [0, %lld) (ids are 0-based)",
-                     (long long)ip[i], (long long)i, (long long)E);
+    int64_t bad = o.be->dispatch_find_bad(ip, T * k, E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        ml_check_status(L, fn, ML_EDEVICE);
+    if (bad >= 0) {
+        int64_t v;
+        read_back(L, fn, o.be, idx, bad, 1, &v);
+        ml_error(L, fn, "idx: expert %lld at position %lld is outside [0, %lld) (ids are 0-based)",
+                 (long long)v, (long long)bad, (long long)E);
+    }
 
     int gi = 0;
     if (!lua_isnil(L, 6)) {
@@ -446,7 +499,7 @@ static int l_router_backward(lua_State *L)
     const double *aux = NULL;
     if (gi && field(L, gi, "aux")) {
         ml_tensor *a = opt_tensor(L, fn, "aux");
-        check_vector(L, fn, "grads.aux", a, E, 1);
+        check_vector(L, fn, "grads.aux", a, E, 1, o.dev);
         aux = ml_data(a);
     } else {
         lua_pop(L, gi ? 1 : 0);
@@ -462,11 +515,11 @@ static int l_router_backward(lua_State *L)
     lua_pop(L, gi ? 1 : 0);
 
     int64_t sxd[2] = {T, D}, swd[2] = {E, D};
-    ml_tensor *dx = grad_matrix(L, gi, fn, "dx", x->dtype, T, D);
+    ml_tensor *dx = grad_matrix(L, gi, fn, "dx", x->dtype, T, D, o.dev);
     if (!dx)
         dx = new_zeros(L, fn, &o, x->dtype, 2, sxd);
     int idx_dx = lua_gettop(L);
-    ml_tensor *dwg = grad_matrix(L, gi, fn, "dwg", x->dtype, E, D);
+    ml_tensor *dwg = grad_matrix(L, gi, fn, "dwg", x->dtype, E, D, o.dev);
     if (!dwg)
         dwg = new_zeros(L, fn, &o, x->dtype, 2, swd);
     int idx_dwg = lua_gettop(L);
@@ -474,9 +527,10 @@ static int l_router_backward(lua_State *L)
         ml_error(L, fn, "grads.dx and grads.dwg must not share storage with x, wg or each other");
 
     scratch sc;
-    void *buf = scratch_acquire(L, fn, o.pool, ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 1), &sc);
+    void *buf = scratch_acquire(L, fn, o.dev, o.pool,
+                                ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 1), &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status st = ml_router_backward_cpu(x->dtype, ml_data(dx), ml_data(dwg), ip, ml_data(dw), aux, gz,
+    ml_status st = o.be->router_backward(x->dtype, ml_data(dx), ml_data(dwg), ip, ml_data(dw), aux, gz,
                                           ml_data(x), ml_data(wg), T, D, E, &o.cfg, buf, &ctx);
     scratch_release(&sc);
     check_router_status(L, fn, st);
@@ -495,12 +549,13 @@ static int l_router_update_bias(lua_State *L)
     if (b->ndim != 1)
         ml_error(L, fn, "argument #1 (bias) must be 1-dim [E], got %d dims", b->ndim);
     int64_t E = b->shape[0];
-    check_vector(L, fn, "argument #1 (bias)", b, E, 0);
+    ml_device dev = b->st->device;
+    const ml_backend *be = ml_backend_of(L, fn, dev);
+    check_vector(L, fn, "argument #1 (bias)", b, E, 0, dev);
     char sb[64], sc[64];
     shape_str(b, sb, sizeof sb);
     shape_str(c, sc, sizeof sc);
-    if (c->st->device != ML_CPU)
-        ml_error(L, fn, "argument #2 (counts) is on %s; the router runs on cpu", ml_device_names[c->st->device]);
+    check_device(L, fn, "argument #2 (counts)", c, dev);
     if (c->dtype != ML_I64)
         ml_error(L, fn, "argument #2 (counts) must be i64, got %s", ml_dtype_names[c->dtype]);
     if (c->ndim != 1 || c->shape[0] != E)
@@ -513,7 +568,7 @@ static int l_router_update_bias(lua_State *L)
     if (!isfinite(gamma) || gamma < 0)
         ml_error(L, fn, "argument #3 (gamma) must be finite and >= 0, got %g", gamma);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ml_router_update_bias_cpu(b->dtype, ml_data(b), ml_data(c), E, gamma, &ctx));
+    ml_check_status(L, fn, be->router_update_bias(b->dtype, ml_data(b), ml_data(c), E, gamma, &ctx));
     lua_settop(L, 1);
     return 1;
 }

@@ -13,8 +13,11 @@
  * dropless (every assignment kept). The caller computes cap, e.g.
  * ceil(cf·T·k/E).
  *
- * CPU only for now; the CUDA twin (same arguments, ml_dispatch_cuda) comes
- * with the CUDA MoE work.
+ * CPU: dispatch.c; CUDA: dispatch.cu (same arguments, suffix _cuda, every
+ * array on the device, bitwise the CPU's results; ndropped is a host
+ * scalar on both backends, so the CUDA sort synchronises its stream). The
+ * CUDA find_bad / check_plan return ML_DISPATCH_EDEVICE when the device
+ * reported an error (ml_cuda_error_string says which).
  *
  * Not here: routing (kernels/router.*), the expert computation
  * (kernels/experts.*), allocation: every output is passed in.
@@ -51,5 +54,16 @@ int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E);
  * first bad position p (as p >= 0). Kernels that read a plan rely on it. */
 int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
                                    const int64_t *idx, int64_t n, int64_t E);
+
+/* What the CUDA find_bad / check_plan return on a device error. */
+#define ML_DISPATCH_EDEVICE INT64_MIN
+
+/* The CUDA twins (dispatch.cu; `make CUDA=1` builds only). */
+ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
+                           int64_t *ndropped, const int64_t *idx, int64_t n, int64_t E,
+                           int64_t cap, const ml_kctx *ctx);
+int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E);
+int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
+                                    const int64_t *idx, int64_t n, int64_t E);
 
 #endif

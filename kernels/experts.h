@@ -46,8 +46,9 @@
  *
  * Kernels never allocate and never raise; the interrupt flag is polled
  * between tiles. dtypes: f32, f64 (x, w, weights, outputs and scratch all
- * in one dtype). CPU only for now; the CUDA twin (same arguments, _cuda)
- * comes later.
+ * in one dtype). CPU: experts.c; CUDA: experts.cu (same arguments, suffix
+ * _cuda, every pointer on the device; GEMMs through cuBLAS, the combine in
+ * the same row order as here, so results agree with the CPU normwise).
  */
 #ifndef ML_KERNELS_EXPERTS_H
 #define ML_KERNELS_EXPERTS_H
@@ -98,5 +99,17 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *d
                                   const int64_t *order, const int64_t *offsets,
                                   const void *gate_up, const void *down,
                                   const ml_experts_cfg *c, const ml_kctx *ctx);
+
+/* The CUDA twins (experts.cu; `make CUDA=1` builds only). */
+ml_status ml_experts_forward_cuda(ml_dtype dt, void *y, void *h_saved, void *scratch,
+                                  const void *x, const void *w, const int64_t *order,
+                                  const int64_t *offsets, const void *gate_up, const void *down,
+                                  const ml_experts_cfg *c, const ml_kctx *ctx);
+ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+                                   uint8_t *touched, void *scratch, const void *h_saved,
+                                   const void *dy, const void *x, const void *w,
+                                   const int64_t *order, const int64_t *offsets,
+                                   const void *gate_up, const void *down,
+                                   const ml_experts_cfg *c, const ml_kctx *ctx);
 
 #endif

@@ -7,8 +7,12 @@
  * Not here: capacity and dropping (dispatch decides; the router counts
  * assignments before any drop), the aux loss itself (the model forms it from
  * every layer's C_e and P_e), allocation (the caller passes the scratch),
- * Lua. Only the CPU variants exist so far; the CUDA twins (router.cu) will
- * take the same arguments with the name suffix _cuda.
+ * Lua. The CPU variants are router.c, the CUDA twins router.cu (same
+ * arguments, suffix _cuda; every pointer on the device except zsum and
+ * entropy, which are host scalars on both backends, so the CUDA forward
+ * synchronises its stream). CUDA computes the same sums in the same order
+ * (logits and selection bitwise); its f64 exp/log/cos may differ from
+ * glibc's by an ulp or two, so p, w and the sums agree to ~1e-12 relative.
  *
  * Shapes: x [T, D] and wg [E, D] (the Hugging Face Linear layout), both of
  * dtype dt (ML_F32 for training, ML_F64 for reference paths and gradient
@@ -123,5 +127,19 @@ ml_status ml_router_backward_cpu(ml_dtype dt, void *dx, void *dwg, const int64_t
  * (f32/f64), updated in place; counts [E] int64. */
 ml_status ml_router_update_bias_cpu(ml_dtype dt, void *bias, const int64_t *counts, int64_t E,
                                     double gamma, const ml_kctx *ctx);
+
+/* The CUDA twins (router.cu; `make CUDA=1` builds only). */
+ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, int64_t *counts,
+                                 double *psum, double *zsum, double *entropy,
+                                 const void *x, const void *wg, ml_dtype bias_dt, const void *bias,
+                                 int64_t T, int64_t D, int64_t E, const ml_router_cfg *cfg,
+                                 void *scratch, const ml_kctx *ctx);
+ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, const int64_t *idx,
+                                  const void *dw, const double *aux, double gz,
+                                  const void *x, const void *wg,
+                                  int64_t T, int64_t D, int64_t E, const ml_router_cfg *cfg,
+                                  void *scratch, const ml_kctx *ctx);
+ml_status ml_router_update_bias_cuda(ml_dtype dt, void *bias, const int64_t *counts, int64_t E,
+                                     double gamma, const ml_kctx *ctx);
 
 #endif

@@ -17,6 +17,11 @@
 -- the next forward. After the first step the pool has grown to what a step
 -- needs, and a step makes no ledger allocation.
 --
+-- Device: `device = "cuda"` puts the flat buffers, the bias and the pool on
+-- the GPU (x and dy must be there too); the router, dispatch and experts
+-- then run their CUDA kernels. Parameters are drawn on the CPU and copied,
+-- so a layer starts from the same weights on every device.
+--
 -- Aux loss (DESIGN.md, Numerics): by default Hugging Face's
 -- load_balancing_loss_func, aux = E * sum_e (C_e/N) (P_e/N), with N the
 -- tokens of all MoE layers of the micro-batch, C_e the top-k assignments
@@ -52,6 +57,7 @@ local OPTIONS = {
   aux_weight = {"number", 0.0}, z_weight = {"number", 0.0}, aux_scope = {"string", "model"},
   -- parameters
   dtype = {"string", "f32"}, init_std = {"number", 0.02}, init_seed = {"integer", 0},
+  device = {"string", "cpu"},
 }
 
 local function check_options(opts)
@@ -90,6 +96,7 @@ local function check_options(opts)
        "policy \"drop\" needs capacity_factor > 0, and capacity_factor needs policy \"drop\"")
   need(o.aux_scope == "model" or o.aux_scope == "layer", "option 'aux_scope' must be \"model\" or \"layer\"")
   need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\"")
+  need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\"")
   need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
        "bias_rate, aux_weight and z_weight must be >= 0")
   return o
@@ -110,15 +117,21 @@ function moe.new(opts)
   local E, D, F = o.experts, o.dim, o.ffn
   local n = E * D + E * 2 * F * D + E * D * F
   local self = setmetatable({opts = o}, Layer)
-  self.flat = mem.scope("params", tensor.randn, {n}, {dtype = o.dtype, std = o.init_std,
-                                                       seed = o.init_seed, offset = 0})
-  self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype})
+  local draw = {dtype = o.dtype, std = o.init_std, seed = o.init_seed, offset = 0}
+  if o.device == "cpu" then
+    self.flat = mem.scope("params", tensor.randn, {n}, draw)
+  else   -- drawn on the cpu (normals differ by an ulp across devices), then copied
+    local init = tensor.randn({n}, draw)
+    self.flat = mem.scope("params", init.to, init, o.device)
+    init:free()
+  end
+  self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype, device = o.device})
   self.params = unit_views(self.flat, E, D, F)
   self.grads = unit_views(self.grad_flat, E, D, F)
   if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
-    self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype})
+    self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype, device = o.device})
   end
-  self.pool = pool.new(1 << 20, {grow = true})
+  self.pool = pool.new(1 << 20, {grow = true, device = o.device})
   self.router_opts = {k = o.topk, chunk = o.chunk, mode = o.mode, renorm = o.renorm,
                       temperature = o.temperature, eps = o.eps, noise = o.noise, gumbel = o.gumbel,
                       seed = o.seed, layer = o.layer, step = 0, bias = self.bias, pool = self.pool}
@@ -220,7 +233,8 @@ function moe.aux_loss(layers, aux_weight, z_weight, scope)
       coefs[i] = {aux = l.stats.counts:to("f64"):mul(aux_weight * E / (L * T * T))}
     end
   else
-    local C, P = tensor.zeros({E}, {dtype = "f64"}), tensor.zeros({E}, {dtype = "f64"})
+    local on = {dtype = "f64", device = layers[1].opts.device}
+    local C, P = tensor.zeros({E}, on), tensor.zeros({E}, on)
     for _, l in ipairs(layers) do
       C:add_(l.stats.counts:to("f64"))
       P:add_(l.stats.psum)

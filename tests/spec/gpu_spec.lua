@@ -9,6 +9,9 @@
 -- sums in a fixed tree instead of sequentially (32 eps), cuBLAS orders the
 -- k-sum its own way (4 k eps), normals use CUDA's f64 log/cos (64 eps f64).
 --
+-- The MoE layer (router, dispatch, experts, moelua.moe) has its own
+-- tolerances, stated where its specs begin.
+--
 -- Without a CUDA device the whole file is one pending test. With
 -- MOELUA_GPU_SPEC_DEVICE=cpu it runs CPU against CPU (checks the spec
 -- itself on a machine without a GPU; allocator specs are skipped).
@@ -357,6 +360,284 @@ describe("GPU parity: matmul", function()
       m.matmul(a, b, {out = c, alpha = 0.5, beta = 2})
       m.matmul(ga, gb, {out = gc, alpha = 0.5, beta = 2})
       assert_close(c, gc, tol, "mm accumulate " .. dt)
+    end
+  end)
+end)
+
+-- ---- the MoE layer: router, dispatch, experts, moelua.moe ------------------
+--
+-- Router: logits use the CPU's 8 interleaved f64 partial sums and tree on
+-- both backends, selection and per-expert counts are integers, and every
+-- sum across tokens runs in token order: idx, counts and the plan are
+-- bitwise. p, w, psum, entropy, z, dx and dwg go through f64 exp/log (and
+-- cos/sqrt for the noise), where CUDA is within 2 ulp of glibc: 1e-12
+-- relative in f64 (a few ulp, compounded through softmax, renormalisation
+-- and the backward's sums, with room to spare), and 4 eps in f32 (a
+-- few-ulp f64 difference moves an f32 rounding by at most one ulp).
+-- Experts: cuBLAS against OpenBLAS, two chained GEMMs of depths D and 2F
+-- plus CUDA's expf: 16 (D + 2F) eps, normwise.
+local ROUTER_TOL = {f32 = 4 * EPS.f32, f64 = 1e-12}
+
+local function rel_scalar(a, b, tol, what)
+  local err = math.abs(a - b) / math.max(math.abs(a), 1e-300)
+  assert(err <= tol, string.format("%s: %.17g vs %.17g (rel %.3e > %.3e)", what, a, b, err, tol))
+end
+
+local function errmsg(f, ...)
+  local ok, e = pcall(f, ...)
+  assert(not ok, "expected an error")
+  return (tostring(e):gsub("^[^:]*:%d+: ", ""))
+end
+
+local router, experts, moe = m.router, m.experts, require "moelua.moe"
+
+local ROUTER_CASES = {
+  {k = 2, chunk = 64},
+  {k = 3, chunk = 1000, mode = "topk_softmax", temperature = 0.7},
+  {k = 2, chunk = 33, renorm = false, eps = 0.1, noise = 0.8, seed = 11, step = 5, layer = 2},
+  {k = 1, chunk = 50, gumbel = true, seed = 4, step = 9, temperature = 1.5},
+}
+
+local function router_problem(dt, T, D, E, seed)
+  local o = {dtype = dt, seed = seed, offset = 0}
+  local x = m.randn({T, D}, o)
+  o.offset = 100000
+  local wg = m.randn({E, D}, o)
+  return x, wg
+end
+
+local function dev_opts(opts, extra)
+  local c = {}
+  for k, v in pairs(opts) do c[k] = v end
+  for k, v in pairs(extra or {}) do c[k] = v end
+  return c
+end
+
+describe("GPU parity: router", function()
+  it("forward: idx and counts bitwise, w and sums within the stated tolerance", function()
+    for _, dt in ipairs({"f32", "f64"}) do
+      local T, D, E = 301, 37, 8
+      local x, wg = router_problem(dt, T, D, E, 21)
+      local gx, gwg = dev(x), dev(wg)
+      local bias = m.randn({E}, {dtype = dt, seed = 5, offset = 0, std = 0.01})
+      for ci, c in ipairs(ROUTER_CASES) do
+        for _, with_bias in ipairs({false, true}) do
+          local what = string.format("%s case %d%s", dt, ci, with_bias and " +bias" or "")
+          local o = dev_opts(c, {bias = with_bias and bias or nil})
+          local go = dev_opts(c, {bias = with_bias and dev(bias) or nil})
+          local idx, w, s = router.forward(x, wg, o)
+          local gidx, gw, gs = router.forward(gx, gwg, go)
+          assert.are.equal(DEV, gidx:device())
+          assert_same(idx, gidx, "idx " .. what)
+          assert_same(s.counts, gs.counts, "counts " .. what)
+          assert_close(w, gw, ROUTER_TOL[dt], "w " .. what)
+          assert_close(s.psum, gs.psum, 1e-12, "psum " .. what)
+          rel_scalar(s.z, gs.z, 1e-12, "z " .. what)
+          rel_scalar(s.entropy, gs.entropy, 1e-12, "entropy " .. what)
+          rel_scalar(s.cp, gs.cp, 1e-12, "cp " .. what)
+          assert.are.equal(s.max_count, gs.max_count)
+          assert.are.equal(s.tokens, gs.tokens)
+        end
+      end
+    end
+  end)
+
+  it("forward on the device is bitwise invariant to the chunk size", function()
+    local x, wg = router_problem("f32", 257, 40, 16, 3)
+    local gx, gwg = dev(x), dev(wg)
+    local opts = {k = 2, noise = 0.5, seed = 8, step = 1}
+    local i1, w1, s1 = router.forward(gx, gwg, dev_opts(opts, {chunk = 7}))
+    local i2, w2, s2 = router.forward(gx, gwg, dev_opts(opts, {chunk = 1000}))
+    assert_same(i1, i2, "idx")
+    assert_same(w1, w2, "w")
+    assert_same(s1.psum, s2.psum, "psum")
+    assert.are.equal(s1.z, s2.z)
+    assert.are.equal(s1.entropy, s2.entropy)
+  end)
+
+  it("backward: dx and dwg within the stated tolerance, accumulating into grads", function()
+    for _, dt in ipairs({"f32", "f64"}) do
+      local T, D, E = 203, 29, 8
+      local x, wg = router_problem(dt, T, D, E, 41)
+      local gx, gwg = dev(x), dev(wg)
+      for ci, c in ipairs(ROUTER_CASES) do
+        local what = string.format("%s case %d", dt, ci)
+        local idx = router.forward(x, wg, c)
+        local dw = m.randn({T, c.k}, {dtype = dt, seed = 77, offset = 0})
+        local aux = m.randn({E}, {dtype = "f64", seed = 78, offset = 0})
+        local dx0 = m.randn({T, D}, {dtype = dt, seed = 79, offset = 0})
+        local dx, dwg = router.backward(dw, x, wg, idx, c, {aux = aux, z = 0.3, dx = dx0:clone()})
+        local gdx, gdwg = router.backward(dev(dw), gx, gwg, dev(idx), c,
+                                          {aux = dev(aux), z = 0.3, dx = dev(dx0)})
+        assert.are.equal(DEV, gdx:device())
+        assert_close(dx, gdx, ROUTER_TOL[dt], "dx " .. what)
+        assert_close(dwg, gdwg, ROUTER_TOL[dt], "dwg " .. what)
+      end
+    end
+  end)
+
+  it("update_bias is bitwise equal", function()
+    local b = m.randn({6}, {dtype = "f32", seed = 2, offset = 0})
+    local counts = m.tensor({5, 0, 9, 3, 3, 4}, {dtype = "i64"})
+    local gb = dev(b)
+    router.update_bias(b, counts, 0.01)
+    router.update_bias(gb, dev(counts), 0.01)
+    assert_same(b, gb, "bias")
+  end)
+
+  it("refuses bad idx and mixed devices with the CPU's messages", function()
+    local x, wg = router_problem("f32", 10, 8, 4, 1)
+    local idx = m.tensor({{0, 1}, {2, 3}, {1, 0}, {3, 2}, {0, 2}, {1, 3}, {2, 0}, {3, 1}, {0, 3}, {1, 2}},
+                         {dtype = "i64"})
+    local bad = idx:clone()
+    bad:narrow(1, 6, 1):fill_(7)
+    local dw = m.ones({10, 2})
+    local c = {k = 2}
+    assert.are.equal(errmsg(router.backward, dw, x, wg, bad, c),
+                     errmsg(router.backward, dev(dw), dev(x), dev(wg), dev(bad), c))
+    if DEV ~= "cpu" then
+      local e = errmsg(router.forward, dev(x), wg, c)
+      assert.truthy(e:find("one device expected", 1, true), e)
+      e = errmsg(router.backward, dw, dev(x), dev(wg), dev(idx), c)
+      assert.truthy(e:find("argument #1 (dw) is on cpu", 1, true), e)
+    end
+  end)
+end)
+
+describe("GPU parity: dispatch", function()
+  local function same_plan(p, g, what)
+    for _, key in ipairs({"offsets", "order", "counts", "dropped"}) do
+      assert.are.equal(DEV, g[key]:device())
+      assert_same(p[key], g[key], key .. " " .. what)
+    end
+    for _, key in ipairs({"ndropped", "E", "T", "k", "capacity"}) do
+      assert.are.equal(p[key], g[key], key .. " " .. what)
+    end
+  end
+
+  it("is bitwise the CPU's counting sort, dropless and with capacity", function()
+    local cases = {
+      {T = 1000, k = 2, E = 8},
+      {T = 5003, k = 4, E = 37},
+      {T = 333, k = 2, E = 64, skew = true},     -- most assignments on two experts
+      {T = 20000, k = 1, E = 7000},              -- cursors beyond shared memory
+      {T = 1, k = 1, E = 3},
+    }
+    for ci, c in ipairs(cases) do
+      local u = m.rand({c.T, c.k}, {dtype = "f64", seed = 50 + ci, offset = 0})
+      local idx
+      if c.skew then
+        idx = u:mul(u):mul(u):mul(c.E):to("i64")
+      else
+        idx = u:mul(c.E):to("i64")
+      end
+      local gidx = dev(idx)
+      same_plan(experts.dispatch(idx, c.E), experts.dispatch(gidx, c.E), "case " .. ci .. " dropless")
+      local cap = math.max(1, (c.T * c.k) // (2 * c.E))
+      local o = {policy = "drop", capacity = cap}
+      same_plan(experts.dispatch(idx, c.E, o), experts.dispatch(gidx, c.E, o), "case " .. ci .. " drop")
+      o.capacity = 0
+      same_plan(experts.dispatch(idx, c.E, o), experts.dispatch(gidx, c.E, o), "case " .. ci .. " cap 0")
+    end
+  end)
+
+  it("refuses bad ids and foreign plans with the CPU's messages", function()
+    local idx = m.tensor({{0, 1}, {2, 1}, {1, 0}}, {dtype = "i64"})
+    local bad = m.tensor({{0, 1}, {2, 5}, {1, 0}}, {dtype = "i64"})
+    assert.are.equal(errmsg(experts.dispatch, bad, 3), errmsg(experts.dispatch, dev(bad), 3))
+    local other = m.tensor({{1, 0}, {2, 1}, {1, 0}}, {dtype = "i64"})
+    local plan, gplan = experts.dispatch(other, 3), experts.dispatch(dev(other), 3)
+    local x, gu, dn = m.randn({3, 4}), m.randn({3, 6, 4}), m.randn({3, 4, 3})
+    local w = m.ones({3, 2})
+    assert.are.equal(errmsg(experts.forward, x, gu, dn, idx, w, plan),
+                     errmsg(experts.forward, dev(x), dev(gu), dev(dn), dev(idx), dev(w), gplan))
+  end)
+end)
+
+describe("GPU parity: experts", function()
+  local function problem(dt, T, k, D, F, E, seed)
+    local o = {dtype = dt, seed = seed, offset = 0}
+    local x = m.randn({T, D}, o)
+    o.offset = 1e6
+    local gu = m.randn({E, 2 * F, D}, o):mul(0.3)
+    o.offset = 2e6
+    local dn = m.randn({E, D, F}, o):mul(0.3)
+    o.offset = 3e6
+    local dy = m.randn({T, D}, o)
+    local wg = m.randn({E, D}, {dtype = dt, seed = seed + 1, offset = 0})
+    local idx, w = router.forward(x, wg, {k = k})
+    return x, gu, dn, dy, idx, w
+  end
+
+  it("forward and backward agree normwise (cuBLAS vs OpenBLAS), every save policy", function()
+    local T, k, D, F, E = 211, 2, 24, 20, 5
+    for _, dt in ipairs({"f32", "f64"}) do
+      local tol = 16 * (D + 2 * F) * EPS[dt]
+      local x, gu, dn, dy, idx, w = problem(dt, T, k, D, F, E, 9)
+      local gx, ggu, gdn, gdy, gidx, gw = dev(x), dev(gu), dev(dn), dev(dy), dev(idx), dev(w)
+      local opts = {
+        {tile = 32, save = "save"},
+        {tile = 32, save = "recompute"},
+        {tile = 17, partial_recompute = 0.5},
+        {tile = 64, policy = "drop", capacity = 70},
+      }
+      for oi, o in ipairs(opts) do
+        local what = string.format("%s opts %d", dt, oi)
+        local plan, gplan = experts.dispatch(idx, E, o), experts.dispatch(gidx, E, o)
+        local y, saved = experts.forward(x, gu, dn, idx, w, plan, o)
+        local gy, gsaved = experts.forward(gx, ggu, gdn, gidx, gw, gplan, o)
+        assert.are.equal(DEV, gy:device())
+        assert.are.equal(saved.nsaved, gsaved.nsaved)
+        assert_close(y, gy, tol, "y " .. what)
+        if oi == 1 then   -- dropless save: every row of h is written (else only whole tiles below S)
+          assert_close(saved.h, gsaved.h, tol, "h " .. what)
+        end
+        local dgu0 = m.randn({E, 2 * F, D}, {dtype = dt, seed = 99, offset = 0})
+        local r = {experts.backward(dy, x, gu, dn, idx, w, plan, saved, o, {dgate_up = dgu0:clone()})}
+        local g = {experts.backward(gdy, gx, ggu, gdn, gidx, gw, gplan, gsaved, o, {dgate_up = dev(dgu0)})}
+        for i, name in ipairs({"dx", "dgate_up", "ddown", "dw"}) do
+          assert_close(r[i], g[i], tol, name .. " " .. what)
+        end
+        assert_same(r[5], g[5], "touched " .. what)
+      end
+    end
+  end)
+end)
+
+describe("GPU parity: moelua.moe layer", function()
+  it("forward, backward and the aux loss agree with the CPU layer", function()
+    local cfg = {dim = 32, ffn = 24, experts = 6, topk = 2, chunk = 50, tile = 16,
+                 aux_weight = 0.01, z_weight = 1e-3, noise = 0.3, seed = 3, bias_rate = 0.001}
+    local cpu = moe.new(cfg)
+    local gcfg = dev_opts(cfg, {device = DEV})
+    local gpu = moe.new(gcfg)
+    assert.are.equal(DEV, gpu.flat:device())
+    assert.are.equal(DEV, gpu.pool:stats().device)
+    assert_same(cpu.flat, gpu.flat, "parameters start equal")
+    gpu.flat:copy_(dev(cpu.flat))
+    local tol = 16 * (cfg.dim + 2 * cfg.ffn) * EPS.f32
+    for step = 1, 2 do
+      local x = m.randn({120, cfg.dim}, {seed = 70 + step, offset = 0})
+      local dy = m.randn({120, cfg.dim}, {seed = 80 + step, offset = 0})
+      local y, s = cpu:forward(x, step)
+      local gy, gs = gpu:forward(dev(x), step)
+      assert_same(cpu.ctx.idx, gpu.ctx.idx, "idx step " .. step)
+      assert_same(s.counts, gs.counts, "counts step " .. step)
+      assert_same(s.kept, gs.kept, "kept step " .. step)
+      assert_close(y, gy, tol, "y step " .. step)
+      for _, key in ipairs({"entropy", "aux", "z", "max_share"}) do
+        rel_scalar(s[key], gs[key], 1e-12, key .. " step " .. step)
+      end
+      local loss, coefs = moe.aux_loss({cpu}, 0.01, 1e-3)
+      local gloss, gcoefs = moe.aux_loss({gpu}, 0.01, 1e-3)
+      rel_scalar(loss, gloss, 1e-12, "aux_loss step " .. step)
+      local dx = cpu:backward(dy, coefs[1])
+      local gdx = gpu:backward(dev(dy), gcoefs[1])
+      assert_close(dx, gdx, tol, "dx step " .. step)
+      assert_close(cpu.grad_flat, gpu.grad_flat, tol, "grads step " .. step)
+      cpu:update_bias()
+      gpu:update_bias()
+      assert_same(cpu.bias, gpu.bias, "bias step " .. step)
     end
   end)
 end)

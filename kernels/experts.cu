@@ -1,0 +1,297 @@
+/*
+ * kernels/experts.cu - the tiled SwiGLU experts of kernels/experts.h on
+ * CUDA: the CPU's tile walk (experts ascending, positions ascending, tiles
+ * of R rows) with each step a kernel or a cuBLAS GEMM (ml_matmul_cuda, the
+ * dlopen'ed cuBLAS of kernels/matmul.cu) on the context's stream.
+ *
+ * Per tile, forward: gather -> GEMM h -> silu·mul -> GEMM out -> add into y.
+ * Backward: gather x and dy -> h (saved or recomputed) -> GEMM dact_u =
+ * dyt·down[e] -> one warp per row (act, dw = <dact_u, act> in f64 lanes
+ * combined by a fixed xor tree, dh) -> scale dyt by w -> GEMMs ddown +=
+ * doutᵀ·act, dgate_up += dhᵀ·xt, dxt = dh·gate_up[e] -> add into dx.
+ *
+ * Determinism: the combine adds a tile's rows into y (dx) one row after
+ * another, one thread per column, so a token's sum is over its experts in
+ * ascending expert index, as on the CPU; no float atomics. cuBLAS orders
+ * its k-sums its own way (deterministic for a fixed GPU and shapes), so
+ * results equal the CPU's within a normwise tolerance, not bitwise.
+ *
+ * The tile walk needs the plan's offsets on the host: they are read back in
+ * blocks of 256 experts into a stack buffer (one synchronising copy per
+ * block). The interrupt flag is polled between tiles.
+ */
+#include "cuda_common.cuh"
+
+extern "C" {
+#include "experts.h"
+#include "matmul.h"
+}
+
+#include <math.h>
+
+#define OFF_BLOCK 256
+
+/* ---- kernels ------------------------------------------------------------------- */
+
+/* dst [r, D] <- rows pos[i] / k of src [T, D] */
+template <typename F>
+__global__ void gather_kernel(F *dst, const F *src, const int64_t *pos, int64_t r, int64_t D,
+                              int64_t k)
+{
+    ML_CUDA_FOR(i, r * D) {
+        int64_t row = i / D, c = i % D;
+        dst[i] = src[(pos[row] / k) * D + c];
+    }
+}
+
+/* dst [r, D] *= w[pos[i]] per row (dout = w · dy) */
+template <typename F>
+__global__ void scale_kernel(F *dst, const F *w, const int64_t *pos, int64_t r, int64_t D)
+{
+    ML_CUDA_FOR(i, r * D)
+        dst[i] *= w[pos[i / D]];
+}
+
+__device__ inline float ml_expm(float x) { return expf(x); }
+__device__ inline double ml_expm(double x) { return exp(x); }
+
+/* act [r, F] = silu(h[:, :F]) * h[:, F:] */
+template <typename F>
+__global__ void swiglu_fwd_kernel(F *act, const F *h, int64_t r, int64_t Fd)
+{
+    ML_CUDA_FOR(i, r * Fd) {
+        int64_t row = i / Fd, f = i % Fd;
+        F x = h[row * 2 * Fd + f];
+        act[i] = x / ((F)1 + ml_expm(-x)) * h[row * 2 * Fd + Fd + f];
+    }
+}
+
+/* One warp per row: act, dw[a] = <dact_u, act> (f64 lane sums over f = lane,
+ * lane+32, ..., then xor 16, 8, 4, 2, 1), and dh = [dg, du] with dact =
+ * w·dact_u (dh may be h: each element is read before it is written). */
+template <typename F>
+__global__ void swiglu_bwd_kernel(F *act, F *dh, F *dw, const F *h, const F *dact_u, const F *w,
+                                  const int64_t *pos, int64_t r, int64_t Fd)
+{
+    int lane = threadIdx.x & 31;
+    int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) / 32;
+    for (int64_t row = warp; row < r; row += nwarps) {
+        int64_t a = pos[row];
+        F wa = w[a];
+        const F *hr = h + row * 2 * Fd, *du = dact_u + row * Fd;
+        F *ar = act + row * Fd, *dr = dh + row * 2 * Fd;
+        double dot = 0;
+        for (int64_t f = lane; f < Fd; f += 32) {
+            F x = hr[f], u = hr[Fd + f];
+            F ex = ml_expm(-x);
+            F s = (F)1 / ((F)1 + ex);
+            F silu = x / ((F)1 + ex);
+            F av = silu * u;
+            ar[f] = av;
+            dot += (double)du[f] * (double)av;
+            F d = wa * du[f];
+            dr[f] = d * u * (s * ((F)1 + x * ((F)1 - s)));
+            dr[Fd + f] = d * silu;
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (lane == 0)
+            dw[a] = (F)dot;
+    }
+}
+
+/* acc[pos[i] / k, c] += (scaled ? w[pos[i]] : 1) · rows[i, c]: one thread
+ * per column, rows in order (a token twice in a tile adds in row order). */
+template <typename F>
+__global__ void add_rows_kernel(F *acc, const F *rows, const F *w, const int64_t *pos, int64_t r,
+                                int64_t D, int64_t k, int scaled)
+{
+    ML_CUDA_FOR(c, D) {
+        for (int64_t i = 0; i < r; i++) {
+            int64_t a = pos[i], t = a / k;
+            if (scaled)
+                acc[t * D + c] += w[a] * rows[i * D + c];
+            else
+                acc[t * D + c] += rows[i * D + c];
+        }
+    }
+}
+
+__global__ void touched_kernel(uint8_t *touched, const int64_t *offsets, int64_t E)
+{
+    ML_CUDA_FOR(e, E)
+        touched[e] = offsets[e + 1] > offsets[e];
+}
+
+/* ---- launchers -------------------------------------------------------------------- */
+
+static unsigned blocks_of(int64_t n) { return ml_cuda_blocks(n, ML_CUDA_THREADS); }
+
+/* C [m, n] = op(A) · op(B) + beta·C, row-major, through cuBLAS. */
+static ml_status gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_t m, int64_t n,
+                      int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc, double beta,
+                      const ml_kctx *ctx)
+{
+    ml_gemm_shape s = {1, m, n, k, ta, tb, lda, ldb, ldc, m * k, k * n, m * n, 1.0, beta};
+    return ml_matmul_cuda(dt, c, a, b, &s, ctx);
+}
+
+template <typename F>
+static ml_status gather(F *dst, const void *src, const int64_t *pos, int64_t r, int64_t D,
+                        int64_t k, cudaStream_t st)
+{
+    gather_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dst, (const F *)src, pos, r, D, k);
+    return ml_cuda_launched();
+}
+
+template <typename F>
+static ml_status add_rows(void *acc, const F *rows, const void *w, const int64_t *pos, int64_t r,
+                          int64_t D, int64_t k, int scaled, cudaStream_t st)
+{
+    add_rows_kernel<F><<<blocks_of(D), ML_CUDA_THREADS, 0, st>>>((F *)acc, rows, (const F *)w, pos,
+                                                                  r, D, k, scaled);
+    return ml_cuda_launched();
+}
+
+/* offsets[e0 .. e0+nb] (nb + 1 values) to the host. */
+static ml_status host_offsets(int64_t *dst, const int64_t *offsets, int64_t e0, int64_t nb,
+                              cudaStream_t st)
+{
+    ml_status s = ml_cuda_status(cudaMemcpyAsync(dst, offsets + e0, (size_t)(nb + 1) * sizeof(int64_t),
+                                                 cudaMemcpyDeviceToHost, st));
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaStreamSynchronize(st));
+    return s;
+}
+
+#define TRY(expr) do { ml_status s_ = (expr); if (s_ != ML_OK) return s_; } while (0)
+
+/* ---- forward -------------------------------------------------------------------------- */
+
+template <typename F>
+static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, const void *x,
+                         const void *w, const int64_t *order, const int64_t *offsets,
+                         const void *gate_up, const void *down, const ml_experts_cfg *c,
+                         const ml_kctx *ctx)
+{
+    cudaStream_t st = ml_cuda_stream(ctx);
+    int64_t D = c->D, Fd = c->F, R = c->tile;
+    F *xt = (F *)scratch;                 /* [R, D], then out [R, D] */
+    F *hbuf = xt + R * D;                 /* [R, 2F] */
+    F *act = hbuf + R * 2 * Fd;           /* [R, F] */
+    TRY(ml_cuda_status(cudaMemsetAsync(y, 0, (size_t)(c->T * D) * sizeof(F), st)));
+    int64_t off[OFF_BLOCK + 1];
+    for (int64_t eb = 0; eb < c->E; eb += OFF_BLOCK) {
+        int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
+        TRY(host_offsets(off, offsets, eb, nb, st));
+        for (int64_t e = eb; e < eb + nb; e++) {
+            const F *gu = (const F *)gate_up + e * 2 * Fd * D;
+            const F *dn = (const F *)down + e * D * Fd;
+            int64_t p1 = off[e - eb + 1];
+            for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {
+                if (ml_kctx_interrupted(ctx))
+                    return ML_EINTERRUPTED;
+                int64_t r = p1 - p0 < R ? p1 - p0 : R;
+                F *h = p0 + r <= c->nsaved ? (F *)h_saved + p0 * 2 * Fd : hbuf;
+                const int64_t *pos = order + p0;
+                TRY(gather<F>(xt, x, pos, r, D, c->k, st));
+                TRY(gemm(dt, h, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
+                swiglu_fwd_kernel<F><<<blocks_of(r * Fd), ML_CUDA_THREADS, 0, st>>>(act, h, r, Fd);
+                TRY(ml_cuda_launched());
+                TRY(gemm(dt, xt, act, dn, r, D, Fd, 0, 1, Fd, Fd, D, 0.0, ctx));
+                TRY(add_rows<F>(y, xt, w, pos, r, D, c->k, 1, st));
+            }
+        }
+    }
+    return ML_OK;
+}
+
+extern "C" ml_status ml_experts_forward_cuda(ml_dtype dt, void *y, void *h_saved, void *scratch,
+                                             const void *x, const void *w, const int64_t *order,
+                                             const int64_t *offsets, const void *gate_up,
+                                             const void *down, const ml_experts_cfg *c,
+                                             const ml_kctx *ctx)
+{
+    if (dt == ML_F32)
+        return forward<float>(dt, y, h_saved, scratch, x, w, order, offsets, gate_up, down, c, ctx);
+    if (dt == ML_F64)
+        return forward<double>(dt, y, h_saved, scratch, x, w, order, offsets, gate_up, down, c, ctx);
+    return ML_EUNSUPPORTED;
+}
+
+/* ---- backward ------------------------------------------------------------------------- */
+
+template <typename F>
+static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+                          uint8_t *touched, void *scratch, const void *h_saved, const void *dy,
+                          const void *x, const void *w, const int64_t *order,
+                          const int64_t *offsets, const void *gate_up, const void *down,
+                          const ml_experts_cfg *c, const ml_kctx *ctx)
+{
+    cudaStream_t st = ml_cuda_stream(ctx);
+    int64_t D = c->D, Fd = c->F, R = c->tile;
+    F *xt = (F *)scratch;                 /* [R, D] x rows */
+    F *dyt = xt + R * D;                  /* [R, D] dy rows, then w·dy, then dxt */
+    F *hbuf = dyt + R * D;                /* [R, 2F] h (recomputed), then dh */
+    F *act = hbuf + R * 2 * Fd;           /* [R, F] */
+    F *dact = act + R * Fd;               /* [R, F] unscaled: dyt · down[e] */
+    TRY(ml_cuda_status(cudaMemsetAsync(dw, 0, (size_t)(c->T * c->k) * sizeof(F), st)));
+    touched_kernel<<<blocks_of(c->E), ML_CUDA_THREADS, 0, st>>>(touched, offsets, c->E);
+    TRY(ml_cuda_launched());
+    int64_t off[OFF_BLOCK + 1];
+    for (int64_t eb = 0; eb < c->E; eb += OFF_BLOCK) {
+        int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
+        TRY(host_offsets(off, offsets, eb, nb, st));
+        for (int64_t e = eb; e < eb + nb; e++) {
+            const F *gu = (const F *)gate_up + e * 2 * Fd * D;
+            const F *dn = (const F *)down + e * D * Fd;
+            F *dgu = (F *)dgate_up + e * 2 * Fd * D;
+            F *ddn = (F *)ddown + e * D * Fd;
+            int64_t p1 = off[e - eb + 1];
+            for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {
+                if (ml_kctx_interrupted(ctx))
+                    return ML_EINTERRUPTED;
+                int64_t r = p1 - p0 < R ? p1 - p0 : R;
+                const F *h = p0 + r <= c->nsaved ? (const F *)h_saved + p0 * 2 * Fd : hbuf;
+                const int64_t *pos = order + p0;
+                TRY(gather<F>(xt, x, pos, r, D, c->k, st));
+                TRY(gather<F>(dyt, dy, pos, r, D, c->k, st));
+                if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
+                    TRY(gemm(dt, hbuf, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
+                /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
+                TRY(gemm(dt, dact, dyt, dn, r, Fd, D, 0, 0, D, Fd, Fd, 0.0, ctx));
+                swiglu_bwd_kernel<F><<<ml_cuda_blocks(r * 32, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+                    act, hbuf, (F *)dw, h, dact, (const F *)w, pos, r, Fd);
+                TRY(ml_cuda_launched());
+                scale_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dyt, (const F *)w, pos, r, D);
+                TRY(ml_cuda_launched());
+                /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
+                TRY(gemm(dt, ddn, dyt, act, D, Fd, r, 1, 0, D, Fd, Fd, 1.0, ctx));
+                /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
+                TRY(gemm(dt, dgu, hbuf, xt, 2 * Fd, D, r, 1, 0, 2 * Fd, D, D, 1.0, ctx));
+                /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D], into dyt (dout is consumed) */
+                TRY(gemm(dt, dyt, hbuf, gu, r, D, 2 * Fd, 0, 0, 2 * Fd, D, D, 0.0, ctx));
+                TRY(add_rows<F>(dx, dyt, w, pos, r, D, c->k, 0, st));
+            }
+        }
+    }
+    return ML_OK;
+}
+
+extern "C" ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, void *dgate_up, void *ddown,
+                                              void *dw, uint8_t *touched, void *scratch,
+                                              const void *h_saved, const void *dy, const void *x,
+                                              const void *w, const int64_t *order,
+                                              const int64_t *offsets, const void *gate_up,
+                                              const void *down, const ml_experts_cfg *c,
+                                              const ml_kctx *ctx)
+{
+    if (dt == ML_F32)
+        return backward<float>(dt, dx, dgate_up, ddown, dw, touched, scratch, h_saved, dy, x, w,
+                               order, offsets, gate_up, down, c, ctx);
+    if (dt == ML_F64)
+        return backward<double>(dt, dx, dgate_up, ddown, dw, touched, scratch, h_saved, dy, x, w,
+                                order, offsets, gate_up, down, c, ctx);
+    return ML_EUNSUPPORTED;
+}
