@@ -12,5 +12,7 @@ const luaL_Reg ml_libs[] = {
     {"moelua.bench", luaopen_moelua_bench},
     {"moelua.router", luaopen_moelua_router},
     {"moelua.experts", luaopen_moelua_experts},
+    {"moelua.ops", luaopen_moelua_ops},
+    {"moelua.optim_c", luaopen_moelua_optim_c},
     {NULL, NULL}
 };

@@ -13,6 +13,8 @@ moelua.pool = require "moelua.pool"
 moelua.bench = require "moelua.bench"
 moelua.router = require "moelua.router"
 moelua.experts = require "moelua.experts"
+moelua.optim = require "moelua.optim"
+moelua.ops = require "moelua.ops"
 
 local io = require "moelua.io"
 moelua.save, moelua.load = io.save, io.load

@@ -1,0 +1,53 @@
+/*
+ * kernels/crossentropy.h - the LM head fused with cross-entropy, computed in
+ * chunks so the [S, V] logits never exist at once (issue 4, Model).
+ *
+ * For hidden states h [S, D], head weight W [V, D] (Hugging Face Linear
+ * layout) and targets [S] int64 in [0, V):
+ *     logits[s, v] = h[s] . W[v]          (BLAS, rounded to dt)
+ *     lse[s]       = logsumexp_v logits[s, v]   (f64, online over chunks)
+ *     loss         = (1/S) sum_s (lse[s] - logits[s, targets[s]])   (f64,
+ *                    added in row order)
+ * Rows go `rows` at a time and the vocabulary `vchunk` columns at a time;
+ * only a [rows, vchunk] dt block of logits (the caller's scratch) is alive.
+ * The backward recomputes each block and forms G = (softmax - onehot) *
+ * dloss / S in it, then dh += G W_c and dW_c += G^T h by BLAS.
+ *
+ * Numerics: the logits come from BLAS (sgemm/dgemm), whose summation order
+ * depends on the OpenBLAS thread count and the block shape, so neither the
+ * loss nor the gradients are promised bitwise across thread counts or chunk
+ * sizes; they agree to a normwise tolerance (the specs state it). Everything
+ * after the logits is f64.
+ *
+ * Not here: allocation, Lua, range checks of targets (the binding does).
+ * CPU only so far (CUDA twins: suffix _cuda).
+ */
+#ifndef ML_KERNELS_CROSSENTROPY_H
+#define ML_KERNELS_CROSSENTROPY_H
+
+#include "core.h"
+
+#define ML_CE_MAX_ROWS 1024
+
+/* Elements of dt the scratch needs: rows * vchunk (each clamped to S, V). */
+int64_t ml_ce_scratch_elems(int64_t S, int64_t V, int64_t rows, int64_t vchunk);
+
+/* Forward.
+ *   loss    (f64)      =   mean over the S rows
+ *   lse     [S] f64    =   saved for the backward
+ *   h [S, D] dt, W [V, D] dt, targets [S] int64; 1 <= rows <= ML_CE_MAX_ROWS,
+ *   vchunk >= 1; scratch of ml_ce_scratch_elems(...) dt elements. */
+ml_status ml_ce_forward_cpu(ml_dtype dt, double *loss, double *lse, const void *h, const void *W,
+                            const int64_t *targets, int64_t S, int64_t V, int64_t D, int64_t rows,
+                            int64_t vchunk, void *scratch, const ml_kctx *ctx);
+
+/* Backward of loss scaled by dloss.
+ *   dh [S, D] dt   =   dloss/S * (softmax - onehot) W
+ *   dW [V, D] dt   +=  dloss/S * (softmax - onehot)^T h
+ *   lse [S] f64 from the forward (same h, W). */
+ml_status ml_ce_backward_cpu(ml_dtype dt, void *dh, void *dW, double dloss, const void *h,
+                             const void *W, const int64_t *targets, const double *lse, int64_t S,
+                             int64_t V, int64_t D, int64_t rows, int64_t vchunk, void *scratch,
+                             const ml_kctx *ctx);
+
+#endif

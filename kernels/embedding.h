@@ -1,0 +1,27 @@
+/*
+ * kernels/embedding.h - token embedding lookup and its gradient.
+ *
+ * dt is ML_F32 or ML_F64. ids are int64 in [0, V) (the binding checks).
+ * The backward is deterministic without atomics: each tile owns a range of
+ * vocabulary rows and scans the tokens in order, so dW[v] receives its
+ * tokens' gradients in token order whatever the thread count (bitwise).
+ *
+ * Not here: allocation, Lua, range checks. CPU only so far; the CUDA twins
+ * will take the same arguments with the suffix _cuda.
+ */
+#ifndef ML_KERNELS_EMBEDDING_H
+#define ML_KERNELS_EMBEDDING_H
+
+#include "core.h"
+
+/* out [T, D] dt  =   W[ids[t]]
+ * ids [T] int64, W [V, D] dt */
+ml_status ml_embedding_forward_cpu(ml_dtype dt, void *out, const int64_t *ids, const void *W,
+                                   int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
+
+/* dW [V, D] dt  +=  sum over t with ids[t] == v of dout[t], in token order
+ * dout [T, D] dt, ids [T] int64 */
+ml_status ml_embedding_backward_cpu(ml_dtype dt, void *dW, const void *dout, const int64_t *ids,
+                                    int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
+
+#endif

@@ -1,0 +1,333 @@
+/*
+ * kernels/optim.c - AdamW, lazy AdamW, SGD, squared norms and scaling on
+ * flat CPU buffers (kernels/optim.h). Each update is written twice, for
+ * float and double, so every operation rounds in the buffers' dtype as
+ * PyTorch's CPU kernels do.
+ *
+ * The interrupt flag is deliberately cleared from the context handed to
+ * ml_parallel_tiles: an optimizer step is never stopped midway.
+ */
+#include "optim.h"
+#include "parallel.h"
+
+#include <math.h>
+
+#define TILE 4096
+
+/* The caller's threads without its interrupt flag (DESIGN.md: the
+ * optimizer step cannot be interrupted). */
+static ml_kctx uninterruptible(const ml_kctx *ctx)
+{
+    ml_kctx c = {1, NULL, NULL};
+    if (ctx) {
+        c = *ctx;
+        c.interrupt = NULL;
+    }
+    return c;
+}
+
+/* ---- AdamW ---------------------------------------------------------------- */
+
+/* Per-step scalars, computed in double as PyTorch computes them in Python. */
+typedef struct {
+    double decay, w, b2, c2, bc2_sqrt, eps, neg_step;
+    int low;              /* lerp branch: |w| < 0.5 */
+} adam_coef;
+
+static adam_coef adam_coef_of(const ml_adamw_hp *hp, int64_t t)
+{
+    adam_coef c;
+    c.decay = 1.0 - hp->lr * hp->weight_decay;
+    c.w = 1.0 - hp->beta1;
+    c.b2 = hp->beta2;
+    c.c2 = 1.0 - hp->beta2;
+    double bc1 = 1.0 - pow(hp->beta1, (double)t);
+    double bc2 = 1.0 - pow(hp->beta2, (double)t);
+    c.bc2_sqrt = sqrt(bc2);
+    c.eps = hp->eps;
+    c.neg_step = -(hp->lr / bc1);
+    c.low = fabs(c.w) < 0.5;
+    return c;
+}
+
+static void adam_f32(float *p, float *m, float *v, const float *g, int64_t lo, int64_t hi,
+                     const adam_coef *c)
+{
+    const float decay = (float)c->decay, w = (float)c->w, w1 = 1.0f - w, b2 = (float)c->b2;
+    const float c2 = (float)c->c2, bs = (float)c->bc2_sqrt, eps = (float)c->eps;
+    const float ns = (float)c->neg_step;
+    for (int64_t i = lo; i < hi; i++) {
+        float pi = p[i] * decay, gi = g[i], mi = m[i];
+        mi = c->low ? mi + w * (gi - mi) : gi - (gi - mi) * w1;
+        float vi = v[i] * b2;
+        vi = vi + c2 * gi * gi;
+        float den = sqrtf(vi) / bs + eps;
+        p[i] = pi + ns * mi / den;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+static void adam_f64(double *p, double *m, double *v, const double *g, int64_t lo, int64_t hi,
+                     const adam_coef *c)
+{
+    const double decay = c->decay, w = c->w, w1 = 1.0 - w, b2 = c->b2;
+    const double c2 = c->c2, bs = c->bc2_sqrt, eps = c->eps, ns = c->neg_step;
+    for (int64_t i = lo; i < hi; i++) {
+        double pi = p[i] * decay, gi = g[i], mi = m[i];
+        mi = c->low ? mi + w * (gi - mi) : gi - (gi - mi) * w1;
+        double vi = v[i] * b2;
+        vi = vi + c2 * gi * gi;
+        double den = sqrt(vi) / bs + eps;
+        p[i] = pi + ns * mi / den;
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+static void adam_range(ml_dtype dt, void *p, void *m, void *v, const void *g, int64_t lo,
+                       int64_t hi, const adam_coef *c)
+{
+    if (dt == ML_F32)
+        adam_f32(p, m, v, g, lo, hi, c);
+    else
+        adam_f64(p, m, v, g, lo, hi, c);
+}
+
+typedef struct {
+    ml_dtype dt;
+    void *p, *m, *v;
+    const void *g;
+    const ml_adamw_hp *hp;
+    adam_coef c;            /* dense */
+    const int64_t *steps;   /* lazy: per-slice counts before this step */
+    const uint8_t *active;
+    int64_t slice;
+} adam_arg;
+
+static void adam_tile(void *arg, int64_t lo, int64_t hi)
+{
+    const adam_arg *a = arg;
+    adam_range(a->dt, a->p, a->m, a->v, a->g, lo, hi, &a->c);
+}
+
+ml_status ml_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, const void *g, int64_t n,
+                       const ml_adamw_hp *hp, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    adam_arg a = {dt, p, m, v, g, hp, adam_coef_of(hp, hp->step), NULL, NULL, 0};
+    ml_kctx c = uninterruptible(ctx);
+    return ml_parallel_tiles(n, TILE, 8, &c, adam_tile, &a);
+}
+
+/* A tile may span several slices: each part uses its slice's own count. */
+static void lazy_tile(void *arg, int64_t lo, int64_t hi)
+{
+    const adam_arg *a = arg;
+    while (lo < hi) {
+        int64_t e = lo / a->slice;
+        int64_t end = (e + 1) * a->slice < hi ? (e + 1) * a->slice : hi;
+        if (a->active[e]) {
+            adam_coef c = adam_coef_of(a->hp, a->steps[e] + 1);
+            adam_range(a->dt, a->p, a->m, a->v, a->g, lo, end, &c);
+        }
+        lo = end;
+    }
+}
+
+ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, int64_t *steps,
+                            const void *g, const uint8_t *active, int64_t n, int64_t E,
+                            const ml_adamw_hp *hp, int64_t *nactive, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    if (E < 1 || n % E != 0)
+        return ML_EUNSUPPORTED;
+    adam_arg a = {.dt = dt, .p = p, .m = m, .v = v, .g = g, .hp = hp, .steps = steps,
+                  .active = active, .slice = n / E};
+    ml_kctx c = uninterruptible(ctx);
+    ml_status s = a.slice > 0 ? ml_parallel_tiles(n, TILE, 8, &c, lazy_tile, &a) : ML_OK;
+    int64_t k = 0;
+    for (int64_t e = 0; e < E; e++) {
+        if (active[e]) {
+            steps[e]++;
+            k++;
+        }
+    }
+    if (nactive)
+        *nactive = k;
+    return s;
+}
+
+/* ---- SGD ------------------------------------------------------------------ */
+
+typedef struct {
+    ml_dtype dt;
+    void *p, *buf;
+    const void *g;
+    const ml_sgd_hp *hp;
+} sgd_arg;
+
+static void sgd_tile(void *arg, int64_t lo, int64_t hi)
+{
+    const sgd_arg *a = arg;
+    const ml_sgd_hp *h = a->hp;
+    int wd = h->weight_decay != 0, first = h->first, nest = h->nesterov;
+    if (a->dt == ML_F32) {
+        float *p = a->p, *b = a->buf;
+        const float *g = a->g;
+        const float lam = (float)h->weight_decay, mom = (float)h->momentum;
+        const float damp1 = (float)(1.0 - h->dampening), nlr = (float)-h->lr;
+        for (int64_t i = lo; i < hi; i++) {
+            float d = g[i];
+            if (wd)
+                d = d + lam * p[i];
+            if (b) {
+                float bi = first ? d : b[i] * mom + damp1 * d;
+                b[i] = bi;
+                d = nest ? d + mom * bi : bi;
+            }
+            p[i] = p[i] + nlr * d;
+        }
+    } else {
+        double *p = a->p, *b = a->buf;
+        const double *g = a->g;
+        const double lam = h->weight_decay, mom = h->momentum;
+        const double damp1 = 1.0 - h->dampening, nlr = -h->lr;
+        for (int64_t i = lo; i < hi; i++) {
+            double d = g[i];
+            if (wd)
+                d = d + lam * p[i];
+            if (b) {
+                double bi = first ? d : b[i] * mom + damp1 * d;
+                b[i] = bi;
+                d = nest ? d + mom * bi : bi;
+            }
+            p[i] = p[i] + nlr * d;
+        }
+    }
+}
+
+ml_status ml_sgd_cpu(ml_dtype dt, void *p, void *buf, const void *g, int64_t n,
+                     const ml_sgd_hp *hp, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    sgd_arg a = {dt, p, hp->momentum != 0 ? buf : NULL, g, hp};
+    ml_kctx c = uninterruptible(ctx);
+    return ml_parallel_tiles(n, TILE, 4, &c, sgd_tile, &a);
+}
+
+/* ---- norms and scaling ---------------------------------------------------- */
+
+/* Block partials per chunk of SUPER blocks live on the stack; boundaries
+ * depend on n alone. */
+#define SUPER 1024
+
+typedef struct {
+    ml_dtype dt;
+    const void *x;
+    int64_t base, end;
+    double *part;
+} sq_arg;
+
+static void sq_tile(void *arg, int64_t lo, int64_t hi)
+{
+    const sq_arg *a = arg;
+    for (int64_t b = lo; b < hi; b++) {
+        int64_t s = a->base + b * ML_OPTIM_BLOCK;
+        int64_t e = s + ML_OPTIM_BLOCK < a->end ? s + ML_OPTIM_BLOCK : a->end;
+        double acc = 0;
+        if (a->dt == ML_F32) {
+            const float *x = a->x;
+            for (int64_t i = s; i < e; i++)
+                acc += (double)x[i] * (double)x[i];
+        } else {
+            const double *x = a->x;
+            for (int64_t i = s; i < e; i++)
+                acc += x[i] * x[i];
+        }
+        a->part[b] = acc;
+    }
+}
+
+ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    ml_kctx c = uninterruptible(ctx);
+    double part[SUPER], acc = 0;
+    const int64_t chunk = (int64_t)SUPER * ML_OPTIM_BLOCK;
+    for (int64_t base = 0; base < n; base += chunk) {
+        int64_t len = n - base < chunk ? n - base : chunk;
+        int64_t nb = (len + ML_OPTIM_BLOCK - 1) / ML_OPTIM_BLOCK;
+        sq_arg a = {dt, x, base, base + len, part};
+        ml_status s = ml_parallel_tiles(nb, 1, ML_OPTIM_BLOCK, &c, sq_tile, &a);
+        if (s != ML_OK)
+            return s;
+        for (int64_t b = 0; b < nb; b++)
+            acc += part[b];
+    }
+    *out = acc;
+    return ML_OK;
+}
+
+ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,
+                             const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    if (E < 1 || n % E != 0)
+        return ML_EUNSUPPORTED;
+    int64_t S = n / E;
+    size_t es = ml_dtype_size(dt);
+    for (int64_t e = 0; e < E; e++) {
+        double ss;
+        ml_status s = ml_sumsq_cpu(dt, &ss, (const char *)x + (size_t)(e * S) * es, S, ctx);
+        if (s != ML_OK)
+            return s;
+        norms[e] = sqrt(ss);
+    }
+    return ML_OK;
+}
+
+typedef struct {
+    ml_dtype dt;
+    void *x;
+    const double *f;
+    int64_t slice;
+} scale_arg;
+
+static void scale_tile(void *arg, int64_t lo, int64_t hi)
+{
+    const scale_arg *a = arg;
+    while (lo < hi) {
+        int64_t e = lo / a->slice;
+        int64_t end = (e + 1) * a->slice < hi ? (e + 1) * a->slice : hi;
+        if (a->dt == ML_F32) {
+            float *x = a->x, f = (float)a->f[e];
+            for (int64_t i = lo; i < end; i++)
+                x[i] = x[i] * f;
+        } else {
+            double *x = a->x, f = a->f[e];
+            for (int64_t i = lo; i < end; i++)
+                x[i] = x[i] * f;
+        }
+        lo = end;
+    }
+}
+
+ml_status ml_scale_slices_cpu(ml_dtype dt, void *x, const double *factors, int64_t n,
+                              int64_t E, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    if (E < 1 || n % E != 0)
+        return ML_EUNSUPPORTED;
+    if (n == 0)
+        return ML_OK;
+    scale_arg a = {dt, x, factors, n / E};
+    ml_kctx c = uninterruptible(ctx);
+    return ml_parallel_tiles(n, TILE, 1, &c, scale_tile, &a);
+}

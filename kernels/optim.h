@@ -1,0 +1,80 @@
+/*
+ * kernels/optim.h - optimizer updates and gradient norms on flat buffers
+ * (DESIGN.md, Parameters: flat units): AdamW, SGD with momentum, lazy
+ * (sparse-aware) AdamW over the E equal slices of an expert unit, the
+ * global L2 norm of a set of buffers, per-slice norms and in-place scaling.
+ *
+ * Every function here updates in place (=, never +=): p, m, v, buf and x
+ * are overwritten with their new values; g is read only. f32 and f64; all
+ * buffers of one call share the dtype. Elementwise updates are
+ * bit-identical for every thread count (disjoint tiles); norms sum squares
+ * in f64 per fixed block of ML_OPTIM_BLOCK elements and add the block
+ * partials in block order, so they are bit-identical too.
+ *
+ * Not interruptible: the optimizer step cannot be interrupted (DESIGN.md,
+ * Layers). These functions never poll ctx->interrupt; a Ctrl-C during a
+ * step is seen by the next interruptible kernel, so parameters and states
+ * are never left half-updated. No allocation; CPU only for now.
+ *
+ * Not here: parameter groups, lazy state allocation, clipping policy
+ * (lua/moelua/optim.lua), argument checks (host/l_optim.c).
+ */
+#ifndef ML_KERNELS_OPTIM_H
+#define ML_KERNELS_OPTIM_H
+
+#include "core.h"
+
+#define ML_OPTIM_BLOCK 4096
+
+/* AdamW hyperparameters; step is the 1-based step the bias correction
+ * uses (ignored by the lazy variant, which reads per-expert counts). */
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay;
+    int64_t step;
+} ml_adamw_hp;
+
+typedef struct {
+    double lr, momentum, dampening, weight_decay;
+    int nesterov;
+    int first;            /* 1: the momentum buffer is initialised to d_p */
+} ml_sgd_hp;
+
+/* torch.optim.AdamW (amsgrad off, maximize off), per element, in the
+ * buffers' dtype with PyTorch's operation order:
+ *   p = p * (1 - lr wd)
+ *   m = m + (1 - b1) (g - m)                  (lerp, = b1 m + (1 - b1) g)
+ *   v = v b2 + (1 - b2) g g
+ *   p = p + (-lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+ * p, m, v, g: [n]. */
+ml_status ml_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, const void *g, int64_t n,
+                       const ml_adamw_hp *hp, const ml_kctx *ctx);
+
+/* Lazy AdamW over E equal slices of [n] (n % E == 0): slice e is updated
+ * only when active[e] != 0, with bias correction from its own count
+ * t = steps[e] + 1; afterwards steps[e] = t for the active slices. An
+ * inactive slice is neither updated nor decayed and its count does not
+ * advance. active: [E] u8, steps: [E] i64 (in/out). *nactive (may be NULL)
+ * receives the number of active slices. */
+ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, int64_t *steps,
+                            const void *g, const uint8_t *active, int64_t n, int64_t E,
+                            const ml_adamw_hp *hp, int64_t *nactive, const ml_kctx *ctx);
+
+/* torch.optim.SGD: d = g + wd p; buf = first ? d : momentum buf + (1 -
+ * dampening) d; d = nesterov ? d + momentum buf : buf; p = p - lr d.
+ * buf may be NULL when momentum == 0 (then d = g + wd p). */
+ml_status ml_sgd_cpu(ml_dtype dt, void *p, void *buf, const void *g, int64_t n,
+                     const ml_sgd_hp *hp, const ml_kctx *ctx);
+
+/* *out = sum of x[i]^2 over [n], in f64 (blocks in order, see above). */
+ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx);
+
+/* norms[e] = L2 norm of slice e of [n] viewed as [E, n/E]; f64 out [E]. */
+ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,
+                             const ml_kctx *ctx);
+
+/* x[i] *= factors[i / (n/E)] (E = 1: one factor for the whole buffer);
+ * the factor is rounded to the dtype once. */
+ml_status ml_scale_slices_cpu(ml_dtype dt, void *x, const double *factors, int64_t n,
+                              int64_t E, const ml_kctx *ctx);
+
+#endif

@@ -1,0 +1,34 @@
+/*
+ * kernels/rmsnorm.h - RMSNorm over the last dim (DESIGN.md, Numerics:
+ * RMSNorm in fp32): y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
+ *
+ * dt is ML_F32 (training) or ML_F64 (reference paths, gradient checks); one
+ * implementation over the dtype. Every row is computed in f64 and rounded
+ * once to dt. Rows run in parallel fixed tiles; dw is summed per column in
+ * row order in f64 by the thread that owns the column, so every output is
+ * bitwise identical for every thread count.
+ *
+ * Not here: allocation, Lua. Only the CPU variants exist so far; the CUDA
+ * twins will take the same arguments with the suffix _cuda.
+ */
+#ifndef ML_KERNELS_RMSNORM_H
+#define ML_KERNELS_RMSNORM_H
+
+#include "core.h"
+
+/* Forward.
+ *   y    [N, D] dt    =   x * rstd * w
+ *   rstd [N] f64      =   saved for the backward
+ *   x    [N, D] dt, w [D] dt, eps >= 0 */
+ml_status ml_rmsnorm_forward_cpu(ml_dtype dt, void *y, double *rstd, const void *x, const void *w,
+                                 int64_t N, int64_t D, double eps, const ml_kctx *ctx);
+
+/* Backward.
+ *   dx   [N, D] dt    =   rstd * (g - x * rstd^2 * mean(g * x)),  g = dy * w
+ *   dw   [D] dt       +=  sum_n dy[n] * x[n] * rstd[n] (f64, row order)
+ *   dy   [N, D] dt, x [N, D] dt, w [D] dt, rstd [N] f64 (from the forward) */
+ml_status ml_rmsnorm_backward_cpu(ml_dtype dt, void *dx, void *dw, const void *dy, const void *x,
+                                  const void *w, const double *rstd, int64_t N, int64_t D,
+                                  const ml_kctx *ctx);
+
+#endif

@@ -1,0 +1,29 @@
+/*
+ * kernels/rope.h - rotary position embedding, rotate-half convention
+ * (DESIGN.md, Numerics): pairs (i, i + hd/2), i < hd/2, of each head of
+ * token s at position p = offset + s are rotated by the angle
+ *     a_i = p * inv_freq_i,   inv_freq_i = theta^(-2i/hd)
+ * computed in f64; cos a_i and sin a_i are rounded once to dt, and
+ *     y[i]        = x[i] c - x[i + hd/2] s
+ *     y[i + hd/2] = x[i + hd/2] c + x[i] s
+ * is evaluated in f64 and rounded to dt. The backward is the inverse
+ * rotation (the transpose). x may be q [S, H, hd] or k [S, KV, hd]: heads is
+ * the middle dim. y may alias x (in place). Output is bitwise identical for
+ * every thread count.
+ *
+ * Not here: allocation, Lua. CPU only so far (CUDA twins: suffix _cuda).
+ */
+#ifndef ML_KERNELS_ROPE_H
+#define ML_KERNELS_ROPE_H
+
+#include "core.h"
+
+/* y [S, heads, hd] dt  =  rotate(x [S, heads, hd] dt); hd even. */
+ml_status ml_rope_forward_cpu(ml_dtype dt, void *y, const void *x, int64_t S, int64_t heads,
+                              int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
+
+/* dx [S, heads, hd] dt  =  rotate^-1(dy [S, heads, hd] dt) */
+ml_status ml_rope_backward_cpu(ml_dtype dt, void *dx, const void *dy, int64_t S, int64_t heads,
+                               int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
+
+#endif

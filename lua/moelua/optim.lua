@@ -1,0 +1,403 @@
+-- moelua.optim: optimizers over flat parameter units (DESIGN.md, Parameters:
+-- flat units) as Torch7 / PyTorch-style classes. Every number is computed in
+-- C (moelua.optim_c, kernels/optim.c); this module keeps parameter groups,
+-- allocates states lazily under the ledger category "optim", and makes one C
+-- call per step (moelua.optim_c.step_all updates every group).
+--
+--   local optim = require "moelua.optim"
+--   local opt = optim.AdamW({
+--     {params = unit.flat, grads = unit.grad_flat},                    -- dense
+--     {params = norms.flat, grads = norms.grad_flat, weight_decay = 0},
+--     {params = router.flat, grads = router.grad_flat, lr_mult = 0.1},
+--     {params = experts.flat, grads = experts.grad_flat, experts = 8}, -- lazy Adam
+--     {params = attn.flat, grads = attn.grad_flat, frozen = true},
+--   }, {lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1})
+--   local norm = optim.clip_grad_norm(opt, 1.0)
+--   opt:step(lr, {[4] = active_mask})     -- active_mask: u8 [8], nonzero = got tokens
+--   opt:zero_grad()
+--
+-- Groups: params and grads are flat contiguous cpu tensors (f32 or f64) of
+-- one dtype and size. lr_mult scales the step's lr; weight_decay overrides
+-- the optimizer's (which groups get none, e.g. norms and embeddings, is the
+-- recipe's choice); a frozen group is never touched and gets no state.
+--
+-- AdamW is torch.optim.AdamW (decoupled weight decay, bias correction, fp32
+-- states exp_avg / exp_avg_sq); SGD is torch.optim.SGD (momentum, dampening,
+-- nesterov, L2 weight decay added to the gradient).
+--
+-- Sparse mode (opt-in, AdamW only; it is not AdamW): a group with
+-- `experts = E` is E equal slices (one expert each) updated by lazy Adam.
+-- step() then needs active_masks[i], a u8 tensor [E] for that group (the
+-- all-reduced "received tokens" mask): an inactive expert is neither updated
+-- nor decayed and its step count does not advance; bias correction uses
+-- the expert's own count (state.steps, i64 [E], saved by state_dict).
+-- Dense AdamW, by contrast, still moves an expert whose gradient is zero.
+-- Gradient contract: the caller zeroes gradients after every step
+-- (opt:zero_grad()); expert backward skips experts without tokens, so an
+-- untouched expert's gradient slice is zero, never a stale value from an
+-- earlier step. The mask, not the gradient, decides what is updated: a
+-- stale gradient of an inactive expert is never applied.
+-- State allocation: states are one flat buffer per unit (so one expert is a
+-- slice of them), allocated the first time any expert of the unit is
+-- active. A unit whose experts never receive tokens costs no optimizer
+-- memory; once one expert is active the whole unit's states exist. The
+-- ledger's "optim" category shows exactly what was allocated, and
+-- opt.skipped_expert_steps counts the expert-steps skipped.
+--
+-- A warmed-up step() makes no ledger allocation. The step cannot be
+-- interrupted (DESIGN.md, Layers): the kernels ignore Ctrl-C and every group
+-- is updated by one C call, so Ctrl-C takes effect after the whole step.
+--
+-- Clipping: optim.clip_expert_norms(grads_flat, E, bounds) clips each
+-- expert's gradient slice to its bound (computed by the recipe, e.g. from
+-- its load); optim.clip_grad_norm(groups, max_norm) clips the global norm.
+-- Order: per-expert first, then global.
+local tensor = require "moelua.tensor"
+local mem = require "moelua.mem"
+local C = require "moelua.optim_c"
+
+local optim = {}
+
+local GROUP_KEYS = {params = true, grads = true, lr_mult = true, weight_decay = true,
+                    frozen = true, experts = true, name = true}
+
+local function fail(fn, fmt, ...)
+  error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 3)
+end
+
+local function check_number(fn, what, v, lo, hi)
+  if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) then
+    error(string.format("moelua.optim.%s: %s must be a number in [%g, %s, got %s", fn, what,
+                        lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), 4)
+  end
+  return v
+end
+
+local function check_groups(fn, groups, allow_experts)
+  if type(groups) ~= "table" or #groups == 0 then
+    fail(fn, "groups must be a non-empty list of tables, got %s", type(groups))
+  end
+  local out = {}
+  for i, g in ipairs(groups) do
+    if type(g) ~= "table" then fail(fn, "group %d must be a table, got %s", i, type(g)) end
+    for k in pairs(g) do
+      if not GROUP_KEYS[k] then
+        fail(fn, "group %d: unknown key '%s' (expected one of: experts, frozen, grads, " ..
+             "lr_mult, name, params, weight_decay)", i, tostring(k))
+      end
+    end
+    local p, gr = g.params, g.grads
+    if not tensor.is_tensor(p) then fail(fn, "group %d: 'params' must be a tensor, got %s", i, type(p)) end
+    if not tensor.is_tensor(gr) then fail(fn, "group %d: 'grads' must be a tensor, got %s", i, type(gr)) end
+    if p:device() ~= "cpu" or gr:device() ~= "cpu" then
+      fail(fn, "group %d: params and grads must be cpu tensors", i)
+    end
+    if not p:is_contiguous() or not gr:is_contiguous() then
+      fail(fn, "group %d: params and grads must be contiguous (flat units)", i)
+    end
+    if p:dtype() ~= gr:dtype() or (p:dtype() ~= "f32" and p:dtype() ~= "f64") then
+      fail(fn, "group %d: params (%s) and grads (%s) must share dtype f32 or f64", i,
+           p:dtype(), gr:dtype())
+    end
+    if p:numel() ~= gr:numel() then
+      fail(fn, "group %d: params has %d elements, grads %d", i, p:numel(), gr:numel())
+    end
+    local lr_mult = g.lr_mult == nil and 1 or g.lr_mult
+    if type(lr_mult) ~= "number" or not (lr_mult >= 0) then
+      fail(fn, "group %d: 'lr_mult' must be a number >= 0, got %s", i, tostring(g.lr_mult))
+    end
+    if g.weight_decay ~= nil and (type(g.weight_decay) ~= "number" or not (g.weight_decay >= 0)) then
+      fail(fn, "group %d: 'weight_decay' must be a number >= 0, got %s", i, tostring(g.weight_decay))
+    end
+    if g.frozen ~= nil and type(g.frozen) ~= "boolean" then
+      fail(fn, "group %d: 'frozen' must be a boolean, got %s", i, type(g.frozen))
+    end
+    local E = g.experts
+    if E ~= nil then
+      if not allow_experts then
+        fail(fn, "group %d: 'experts' (sparse mode) is lazy Adam; use optim.AdamW", i)
+      end
+      if math.type(E) ~= "integer" or E < 1 or p:numel() % E ~= 0 then
+        fail(fn, "group %d: 'experts' must be an integer >= 1 dividing %d elements, got %s", i,
+             p:numel(), tostring(E))
+      end
+    end
+    out[i] = {params = p, grads = gr, lr_mult = lr_mult, weight_decay = g.weight_decay,
+              frozen = g.frozen or false, experts = E, name = g.name}
+  end
+  return out
+end
+
+local function check_opts(fn, opts, spec)
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
+  local o = {}
+  for k, v in pairs(opts) do
+    local s = spec[k]
+    if not s then
+      local names = {}
+      for name in pairs(spec) do names[#names + 1] = name end
+      table.sort(names)
+      fail(fn, "unknown option '%s' (expected one of: %s)", tostring(k), table.concat(names, ", "))
+    end
+    if type(v) ~= s[1] then fail(fn, "option '%s' must be a %s, got %s", k, s[1], type(v)) end
+    o[k] = v
+  end
+  for k, s in pairs(spec) do
+    if o[k] == nil then o[k] = s[2] end
+  end
+  return o
+end
+
+local function zeros_optim(n, dtype)
+  return mem.scope("optim", tensor.zeros, {n}, {dtype = dtype})
+end
+
+local function step_lr(fn, self, lr)
+  if lr == nil then return self.opts.lr end
+  return check_number(fn, "lr", lr, 0)
+end
+
+-- ---- shared methods -----------------------------------------------------------
+
+local Base = {}
+Base.__index = Base
+
+function Base:zero_grad()
+  for _, g in ipairs(self.groups) do g.grads:zero_() end
+end
+
+local STATE_TENSORS = {"exp_avg", "exp_avg_sq", "steps", "momentum_buffer"}
+
+-- Tables of tensors (the live states, not copies) and counts, for checkpoints:
+-- {kind =, t =, skipped_expert_steps =, groups = {[i] = {step =, exp_avg =,
+-- exp_avg_sq =, steps = i64 [E], momentum_buffer =}}}; absent states are nil.
+function Base:state_dict()
+  local sd = {kind = self.kind, t = self.t, skipped_expert_steps = self.skipped_expert_steps,
+              groups = {}}
+  for i, st in ipairs(self.state) do
+    local gs = {step = st.step}
+    for _, k in ipairs(STATE_TENSORS) do gs[k] = st[k] end
+    sd.groups[i] = gs
+  end
+  return sd
+end
+
+-- Copies sd's states into this optimizer's (allocating them under "optim"
+-- where needed); states absent from sd are freed. sd is checked whole before
+-- anything changes.
+function Base:load_state_dict(sd)
+  local fn = self.kind .. ":load_state_dict"
+  if type(sd) ~= "table" or type(sd.groups) ~= "table" then
+    fail(fn, "expected a table from state_dict(), got %s", type(sd))
+  end
+  if sd.kind ~= self.kind then
+    fail(fn, "state of a %s optimizer, this is %s", tostring(sd.kind), self.kind)
+  end
+  if #sd.groups ~= #self.groups then
+    fail(fn, "state has %d groups, optimizer has %d", #sd.groups, #self.groups)
+  end
+  for i, gs in ipairs(sd.groups) do     -- check everything before changing anything
+    local g = self.groups[i]
+    if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
+      fail(fn, "group %d: 'step' must be an integer", i)
+    end
+    for _, k in ipairs(STATE_TENSORS) do
+      local src = gs[k]
+      if src ~= nil then
+        if not tensor.is_tensor(src) then fail(fn, "group %d: '%s' must be a tensor", i, k) end
+        local n = k == "steps" and g.experts or g.params:numel()
+        if not n then fail(fn, "group %d: '%s' given for a dense group", i, k) end
+        local dt = k == "steps" and "i64" or g.params:dtype()
+        if src:numel() ~= n or src:dtype() ~= dt then
+          fail(fn, "group %d: '%s' must be %s with %d elements, got %s with %d", i, k, dt, n,
+               src:dtype(), src:numel())
+        end
+      end
+    end
+  end
+  for i, gs in ipairs(sd.groups) do
+    local g, st = self.groups[i], self.state[i]
+    for _, k in ipairs(STATE_TENSORS) do
+      local src = gs[k]
+      if src ~= nil then
+        local n = src:numel()
+        if st[k] == nil then st[k] = zeros_optim(n, k == "steps" and "i64" or g.params:dtype()) end
+        if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
+      elseif st[k] ~= nil then
+        st[k]:free()
+        st[k] = nil
+      end
+    end
+    st.step = gs.step
+  end
+  self.t = math.tointeger(sd.t) or 0
+  self.skipped_expert_steps = math.tointeger(sd.skipped_expert_steps) or 0
+end
+
+-- ---- AdamW ----------------------------------------------------------------------
+
+local AdamW = setmetatable({}, Base)
+AdamW.__index = AdamW
+
+local ADAMW_OPTS = {lr = {"number", 1e-3}, beta1 = {"number", 0.9}, beta2 = {"number", 0.999},
+                    eps = {"number", 1e-8}, weight_decay = {"number", 1e-2}}
+
+function optim.AdamW(groups, opts)
+  local o = check_opts("AdamW", opts, ADAMW_OPTS)
+  check_number("AdamW", "option 'lr'", o.lr, 0)
+  check_number("AdamW", "option 'beta1'", o.beta1, 0, 1)
+  check_number("AdamW", "option 'beta2'", o.beta2, 0, 1)
+  check_number("AdamW", "option 'eps'", o.eps, 0)
+  check_number("AdamW", "option 'weight_decay'", o.weight_decay, 0)
+  local self = setmetatable({kind = "AdamW", opts = o, groups = check_groups("AdamW", groups, true),
+                             state = {}, t = 0, skipped_expert_steps = 0}, AdamW)
+  for i, g in ipairs(self.groups) do
+    -- the state is also the job moelua.optim_c.step_all reads (and whose
+    -- step count it advances); hp is reused every step (no table per step)
+    self.state[i] = {op = g.experts and "lazy_adamw" or "adamw", params = g.params,
+                     grads = g.grads, experts = g.experts, step = 0,
+                     hp = {lr = 0, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
+                           weight_decay = g.weight_decay or o.weight_decay}}
+  end
+  self.jobs = {}
+  return self
+end
+
+-- opt:step([lr [, active_masks]]): lr defaults to opts.lr; active_masks[i]
+-- is the u8 [E] mask of sparse group i (required for those groups). Lua only
+-- checks masks and allocates states; the update of every group is one C call
+-- (moelua.optim_c.step_all), so Ctrl-C cannot cut a step between groups.
+function AdamW:step(lr, active_masks)
+  lr = step_lr("AdamW:step", self, lr)
+  if active_masks ~= nil and type(active_masks) ~= "table" then
+    fail("AdamW:step", "active_masks must be a table {[group] = u8 tensor}, got %s",
+         type(active_masks))
+  end
+  local jobs, n, idle = self.jobs, 0, 0
+  for i, g in ipairs(self.groups) do
+    if not g.frozen then
+      local st = self.state[i]
+      st.hp.lr = lr * g.lr_mult
+      local run = true
+      if g.experts then
+        local mask = active_masks and active_masks[i]
+        if not tensor.is_tensor(mask) then
+          fail("AdamW:step", "group %d has experts = %d and needs active_masks[%d] (u8 [%d]), got %s",
+               i, g.experts, i, g.experts, type(mask))
+        end
+        st.active = mask
+        if not st.exp_avg and C.active_count(mask) > 0 then   -- first activity of the unit
+          local n_, dt = g.params:numel(), g.params:dtype()
+          st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt), zeros_optim(n_, dt)
+          st.steps = zeros_optim(g.experts, "i64")
+        end
+        if not st.exp_avg then
+          run, idle = false, idle + g.experts                  -- no state yet: all idle
+        end
+      elseif not st.exp_avg then
+        local n_, dt = g.params:numel(), g.params:dtype()
+        st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt), zeros_optim(n_, dt)
+      end
+      if run then
+        n = n + 1
+        jobs[n] = st
+      end
+    end
+  end
+  for k = n + 1, #jobs do jobs[k] = nil end
+  C.step_all(jobs, self, idle)      -- advances the counts, self.t, self.skipped_expert_steps
+end
+
+-- ---- SGD ------------------------------------------------------------------------
+
+local SGD = setmetatable({}, Base)
+SGD.__index = SGD
+
+local SGD_OPTS = {lr = {"number", 1e-3}, momentum = {"number", 0}, dampening = {"number", 0},
+                  weight_decay = {"number", 0}, nesterov = {"boolean", false}}
+
+function optim.SGD(groups, opts)
+  local o = check_opts("SGD", opts, SGD_OPTS)
+  check_number("SGD", "option 'lr'", o.lr, 0)
+  check_number("SGD", "option 'momentum'", o.momentum, 0)
+  check_number("SGD", "option 'dampening'", o.dampening, 0)
+  check_number("SGD", "option 'weight_decay'", o.weight_decay, 0)
+  if o.nesterov and (o.momentum <= 0 or o.dampening ~= 0) then
+    fail("SGD", "nesterov needs momentum > 0 and dampening = 0")
+  end
+  local self = setmetatable({kind = "SGD", opts = o, groups = check_groups("SGD", groups, false),
+                             state = {}, t = 0, skipped_expert_steps = 0}, SGD)
+  for i, g in ipairs(self.groups) do
+    self.state[i] = {op = "sgd", params = g.params, grads = g.grads, step = 0,
+                     hp = {lr = 0, momentum = o.momentum, dampening = o.dampening,
+                           nesterov = o.nesterov, weight_decay = g.weight_decay or o.weight_decay}}
+  end
+  self.jobs = {}
+  return self
+end
+
+function SGD:step(lr)
+  lr = step_lr("SGD:step", self, lr)
+  local jobs, n = self.jobs, 0
+  for i, g in ipairs(self.groups) do
+    if not g.frozen then
+      local st = self.state[i]
+      st.hp.lr = lr * g.lr_mult
+      if st.hp.momentum ~= 0 and not st.momentum_buffer then
+        st.momentum_buffer = zeros_optim(g.params:numel(), g.params:dtype())
+        st.step = 0     -- a new buffer is initialised from the gradient
+      end
+      n = n + 1
+      jobs[n] = st
+    end
+  end
+  for k = n + 1, #jobs do jobs[k] = nil end
+  C.step_all(jobs, self)
+end
+
+-- ---- clipping -------------------------------------------------------------------
+
+-- total = optim.clip_grad_norm(groups_or_optimizer, max_norm): the global L2
+-- norm of every non-frozen group's gradients (f64, fixed order, thread-count
+-- invariant); when it exceeds max_norm, all are scaled by
+-- max_norm / (total + 1e-6) (torch.nn.utils.clip_grad_norm_). A non-finite
+-- total is returned without scaling: the caller skips the step.
+function optim.clip_grad_norm(groups, max_norm)
+  if type(groups) == "table" and groups.groups then groups = groups.groups end
+  if type(groups) ~= "table" then
+    fail("clip_grad_norm", "expected a list of groups or an optimizer, got %s", type(groups))
+  end
+  check_number("clip_grad_norm", "max_norm", max_norm, 0)
+  local list = {}
+  for i, g in ipairs(groups) do
+    if type(g) ~= "table" or not tensor.is_tensor(g.grads) then
+      fail("clip_grad_norm", "group %d has no 'grads' tensor", i)
+    end
+    if not g.frozen then list[#list + 1] = g.grads end
+  end
+  local total = C.grad_norm(list)
+  if total == total and total < math.huge then
+    local coef = max_norm / (total + 1e-6)
+    if coef < 1 then
+      for _, t in ipairs(list) do C.scale_(t, coef) end
+    end
+  end
+  return total
+end
+
+-- norms = optim.clip_expert_norms(grads_flat, E, bounds [, out]): grads_flat
+-- is E equal expert slices; slice e is scaled by min(1, bounds[e] /
+-- (norm_e + 1e-6)). bounds: a Lua table or a tensor of E numbers. Returns
+-- the per-expert norms before clipping (f64 [E], or `out`). Call it before
+-- clip_grad_norm (per-expert first, then global).
+function optim.clip_expert_norms(grads_flat, E, bounds, out)
+  return C.clip_slices_(grads_flat, E, bounds, out)
+end
+
+-- Per-expert gradient norms without clipping (f64 [E]).
+function optim.expert_norms(grads_flat, E, out)
+  return C.slice_norms(grads_flat, E, out)
+end
+
+return optim

@@ -1,0 +1,659 @@
+-- tests/spec/optim_spec.lua - the optimizers (kernels/optim.c,
+-- host/l_optim.c, lua/moelua/optim.lua) against float64 references written
+-- in plain Lua on tables: AdamW (torch.optim.AdamW), SGD (torch.optim.SGD),
+-- lazy Adam over expert slices, gradient norms and clipping; bitwise
+-- thread-count invariance; state_dict round trips; the ledger; bad input.
+--
+-- Tolerances are normwise relative errors ||x - ref|| / ||ref||:
+--   f64 1e-12; f32 1e-5 (each op rounds to f32; five steps of AdamW's
+--   division by sqrt(v) keep the error a few ulp of the update per step).
+-- Everything labelled "bitwise" is compared exactly.
+local m = require "moelua"
+local optim = require "moelua.optim"
+local C = require "moelua.optim_c"
+local support = require "tests.support"
+
+local THREADS0 = m.threads()
+local TOL = {f32 = 1e-5, f64 = 1e-12}
+
+-- ---- helpers ---------------------------------------------------------------
+
+local function vals(t)
+  local out = {}
+  local function flat(v)
+    if type(v) ~= "table" then out[#out + 1] = v else for i = 1, #v do flat(v[i]) end end
+  end
+  flat(t:totable())
+  return out
+end
+
+local function relerr(x, ref)
+  assert.are.equal(#ref, #x, "element count")
+  local num, den = 0, 0
+  for i = 1, #ref do
+    num = num + (x[i] - ref[i]) ^ 2
+    den = den + ref[i] ^ 2
+  end
+  if den == 0 then return math.sqrt(num) end
+  return math.sqrt(num / den)
+end
+
+local function assert_close(t, ref, tol, what)
+  local e = relerr(vals(t), ref)
+  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
+end
+
+-- bitwise equality of two float tensors (no NaN in these specs)
+local function same_bits(a, b)
+  return a:numel() == b:numel() and (a - b):abs():max():item() == 0
+end
+
+local seed = 5000
+local function randn(n, dtype, std)
+  seed = seed + 1
+  return m.randn({n}, {dtype = dtype, seed = seed, std = std})
+end
+
+local function copy_vals(v) local o = {} for i = 1, #v do o[i] = v[i] end return o end
+
+-- torch.optim.AdamW in f64 on tables (p, m, v updated in place)
+local function ref_adamw(p, g, mm, vv, o, t)
+  local bc1, bc2 = 1 - o.beta1 ^ t, 1 - o.beta2 ^ t
+  for i = 1, #p do
+    p[i] = p[i] * (1 - o.lr * o.weight_decay)
+    mm[i] = o.beta1 * mm[i] + (1 - o.beta1) * g[i]
+    vv[i] = o.beta2 * vv[i] + (1 - o.beta2) * g[i] * g[i]
+    p[i] = p[i] - o.lr * (mm[i] / bc1) / (math.sqrt(vv[i] / bc2) + o.eps)
+  end
+end
+
+-- torch.optim.SGD in f64 on tables; buf nil on the first step
+local function ref_sgd(p, g, buf, o)
+  local first = buf[1] == nil
+  for i = 1, #p do
+    local d = g[i] + o.weight_decay * p[i]
+    if o.momentum ~= 0 then
+      buf[i] = first and d or o.momentum * buf[i] + (1 - o.dampening) * d
+      d = o.nesterov and d + o.momentum * buf[i] or buf[i]
+    end
+    p[i] = p[i] - o.lr * d
+  end
+end
+
+local function with_threads(n, f)
+  m.threads(n)
+  local ok, err = pcall(f)
+  m.threads(THREADS0)
+  if not ok then error(err, 0) end
+end
+
+local function allocs()
+  local a, n = m.mem.stats().cpu.allocs, 0
+  for _, c in pairs(a) do n = n + c end
+  return n
+end
+
+-- ---- AdamW and SGD against references ---------------------------------------
+
+describe("AdamW", function()
+  for _, dt in ipairs({"f32", "f64"}) do
+    for _, b1 in ipairs({0.9, 0.3}) do   -- both branches of PyTorch's lerp
+      it(dt .. " matches torch.optim.AdamW over several steps (beta1 " .. b1 .. ")", function()
+        local n, o = 37, {lr = 0.05, beta1 = b1, beta2 = 0.99, eps = 1e-8, weight_decay = 0.1}
+        local p, g = randn(n, dt), m.zeros({n}, {dtype = dt})
+        local rp, rm, rv = vals(p), {}, {}
+        for i = 1, n do rm[i], rv[i] = 0, 0 end
+        local opt = optim.AdamW({{params = p, grads = g}}, o)
+        for t = 1, 6 do
+          g:copy_(randn(n, dt, t))            -- gradients of growing scale
+          ref_adamw(rp, vals(g), rm, rv, o, t)
+          opt:step()
+        end
+        local st = opt.state[1]
+        assert.are.equal(6, st.step)
+        assert_close(p, rp, TOL[dt], "params")
+        assert_close(st.exp_avg, rm, TOL[dt], "exp_avg")
+        assert_close(st.exp_avg_sq, rv, TOL[dt], "exp_avg_sq")
+      end)
+    end
+  end
+
+  it("applies bias correction from step 1 (first update is lr * sign(g) without decay)", function()
+    local p, g = m.zeros({5}, {dtype = "f64"}), m.tensor({1, -2, 3, -4, 5}, {dtype = "f64"})
+    C.adamw_step(p, g, m.zeros({5}, {dtype = "f64"}), m.zeros({5}, {dtype = "f64"}),
+                 {lr = 0.1, eps = 0, weight_decay = 0, step = 1})
+    assert_close(p, {-0.1, 0.1, -0.1, 0.1, -0.1}, 1e-15, "first step")
+  end)
+
+  it("decays weights decoupled from the gradient (zero gradient: p *= 1 - lr wd)", function()
+    local p, g = m.full({4}, 2.0, {dtype = "f64"}), m.zeros({4}, {dtype = "f64"})
+    local opt = optim.AdamW({{params = p, grads = g}}, {lr = 0.1, weight_decay = 0.5})
+    opt:step()
+    assert_close(p, {1.9, 1.9, 1.9, 1.9}, 1e-15, "decayed")
+  end)
+end)
+
+describe("SGD", function()
+  local cases = {
+    {momentum = 0, dampening = 0, weight_decay = 0, nesterov = false},
+    {momentum = 0.9, dampening = 0, weight_decay = 0.01, nesterov = false},
+    {momentum = 0.9, dampening = 0.2, weight_decay = 0, nesterov = false},
+    {momentum = 0.8, dampening = 0, weight_decay = 0.05, nesterov = true},
+  }
+  for _, dt in ipairs({"f32", "f64"}) do
+    for ci, c in ipairs(cases) do
+      it(string.format("%s matches torch.optim.SGD (case %d)", dt, ci), function()
+        local n = 29
+        local o = {lr = 0.1, momentum = c.momentum, dampening = c.dampening,
+                   weight_decay = c.weight_decay, nesterov = c.nesterov}
+        local p, g = randn(n, dt), m.zeros({n}, {dtype = dt})
+        local rp, buf = vals(p), {}
+        local opt = optim.SGD({{params = p, grads = g}}, o)
+        for _ = 1, 5 do
+          g:copy_(randn(n, dt))
+          ref_sgd(rp, vals(g), buf, o)
+          opt:step()
+        end
+        assert_close(p, rp, TOL[dt], "params")
+        if c.momentum ~= 0 then
+          assert_close(opt.state[1].momentum_buffer, buf, TOL[dt], "momentum_buffer")
+        else
+          assert.is_nil(opt.state[1].momentum_buffer)
+        end
+      end)
+    end
+  end
+end)
+
+-- ---- determinism --------------------------------------------------------------
+
+describe("thread-count invariance", function()
+  it("AdamW, lazy AdamW and SGD (f32) are bitwise equal over 1, 2 and 4 threads", function()
+    local n, E = 300000, 6
+    local p0, g = randn(n, "f32"), randn(n, "f32")
+    local mask = m.tensor({1, 0, 1, 1, 0, 1}, {dtype = "u8"})
+    local results = {}
+    for _, nt in ipairs({1, 2, 4}) do
+      with_threads(nt, function()
+        local pa, pl, ps = p0:clone(), p0:clone(), p0:clone()
+        local oa = optim.AdamW({{params = pa, grads = g}}, {lr = 0.01})
+        local ol = optim.AdamW({{params = pl, grads = g, experts = E}}, {lr = 0.01})
+        local os_ = optim.SGD({{params = ps, grads = g}}, {lr = 0.01, momentum = 0.9})
+        for _ = 1, 3 do oa:step(); ol:step(nil, {mask}); os_:step() end
+        results[nt] = {pa, pl, ps, oa.state[1].exp_avg_sq}
+      end)
+    end
+    for _, nt in ipairs({2, 4}) do
+      for k = 1, 4 do
+        assert.is_true(same_bits(results[1][k], results[nt][k]),
+                       string.format("result %d differs at %d threads", k, nt))
+      end
+    end
+    assert.is_false(same_bits(results[1][1], p0))   -- it did move
+  end)
+
+  it("grad_norm and slice norms are bitwise equal over 1, 2 and 4 threads", function()
+    local a, b = randn(1000003, "f32"), randn(70000, "f64")
+    local r = {}
+    for _, nt in ipairs({1, 2, 4}) do
+      with_threads(nt, function()
+        r[nt] = {C.grad_norm({a, b}), C.slice_norms(b, 7)}
+      end)
+    end
+    for _, nt in ipairs({2, 4}) do
+      assert.are.equal(r[1][1], r[nt][1])
+      assert.is_true(same_bits(r[1][2], r[nt][2]))
+    end
+  end)
+end)
+
+-- ---- lazy Adam ------------------------------------------------------------------
+
+describe("lazy AdamW (sparse experts)", function()
+  local E, S = 4, 8
+  local o = {lr = 0.05, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, weight_decay = 0.1}
+
+  it("updates only active experts, each with its own step count", function()
+    local n = E * S
+    local p, g = randn(n, "f64"), m.zeros({n}, {dtype = "f64"})
+    local rp, rm, rv, cnt = vals(p), {}, {}, {}
+    for i = 1, n do rm[i], rv[i] = 0, 0 end
+    for e = 1, E do cnt[e] = 0 end
+    local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
+    local masks = {{1, 1, 0, 1}, {0, 1, 1, 0}, {1, 0, 0, 0}, {0, 1, 1, 1}, {0, 0, 0, 0}}
+    for _, mk in ipairs(masks) do
+      g:copy_(randn(n, "f64"))
+      local gv = vals(g)
+      for e = 1, E do
+        if mk[e] == 1 then
+          cnt[e] = cnt[e] + 1
+          local sp, sm, sv, sg = {}, {}, {}, {}
+          for j = 1, S do
+            local i = (e - 1) * S + j
+            sp[j], sm[j], sv[j], sg[j] = rp[i], rm[i], rv[i], gv[i]
+          end
+          ref_adamw(sp, sg, sm, sv, o, cnt[e])
+          for j = 1, S do
+            local i = (e - 1) * S + j
+            rp[i], rm[i], rv[i] = sp[j], sm[j], sv[j]
+          end
+        end
+      end
+      opt:step(nil, {m.tensor(mk, {dtype = "u8"})})
+      opt:zero_grad()
+    end
+    assert_close(p, rp, 1e-12, "params")
+    assert_close(opt.state[1].exp_avg, rm, 1e-12, "exp_avg")
+    assert.are.same(cnt, opt.state[1].steps:totable())
+    assert.are.equal(20 - 9, opt.skipped_expert_steps)   -- 9 expert-steps ran
+  end)
+
+  it("leaves an expert active in step s and idle in s+1 untouched (not updated, not decayed, count kept)", function()
+    local n = E * S
+    local p, g = randn(n, "f32"), randn(n, "f32")
+    local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
+    opt:step(nil, {m.tensor({1, 1, 1, 1}, {dtype = "u8"})})     -- step s: expert 3 active
+    opt:zero_grad()
+    assert.are.equal(0, g:abs():max():item())                    -- no stale gradient left
+    local st = opt.state[1]
+    local e3 = function(t) return t:narrow(1, 2 * S + 1, S):clone() end
+    local p3, m3, v3 = e3(p), e3(st.exp_avg), e3(st.exp_avg_sq)
+    g:copy_(randn(n, "f32"))                                     -- even a stale value is ignored
+    opt:step(nil, {m.tensor({1, 0, 0, 1}, {dtype = "u8"})})     -- step s+1: expert 3 idle
+    assert.is_true(same_bits(p3, e3(p)), "params moved")
+    assert.is_true(same_bits(m3, e3(st.exp_avg)), "exp_avg moved")
+    assert.is_true(same_bits(v3, e3(st.exp_avg_sq)), "exp_avg_sq moved")
+    assert.are.same({2, 1, 1, 2}, st.steps:totable())
+    -- dense AdamW, by contrast, moves a parameter whose gradient is zero
+    local q, z = randn(8, "f32"), m.zeros({8})
+    local q0 = q:clone()
+    local dense = optim.AdamW({{params = q, grads = z}}, o)
+    dense:step()
+    assert.is_false(same_bits(q0, q))
+  end)
+
+  it("bias-corrects an expert's first update with its own count", function()
+    local n = E * S
+    local p, g = randn(n, "f32"), randn(n, "f32")
+    local p1 = p:narrow(1, S + 1, S):clone()
+    local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
+    for _ = 1, 3 do opt:step(nil, {m.tensor({1, 0, 1, 1}, {dtype = "u8"})}) end
+    opt:step(nil, {m.tensor({0, 1, 0, 0}, {dtype = "u8"})})     -- expert 2's first step at t = 4
+    -- equals a fresh AdamW step 1 on that slice, bitwise
+    local hp = {lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
+                weight_decay = o.weight_decay, step = 1}
+    C.adamw_step(p1, g:narrow(1, S + 1, S):clone(), m.zeros({S}), m.zeros({S}), hp)
+    assert.is_true(same_bits(p1, p:narrow(1, S + 1, S):clone()))
+    assert.are.same({3, 1, 3, 3}, opt.state[1].steps:totable())
+  end)
+
+  it("allocates the unit's states under 'optim' at the first activity of any expert", function()
+    local n = E * S
+    local p, g = randn(n, "f32"), randn(n, "f32")
+    local p0 = p:clone()
+    local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
+    local before = m.mem.stats().cpu.current.optim
+    opt:step(nil, {m.zeros({E}, {dtype = "u8"})})
+    assert.is_nil(opt.state[1].exp_avg)
+    assert.are.equal(before, m.mem.stats().cpu.current.optim)
+    assert.is_true(same_bits(p0, p))
+    assert.are.equal(E, opt.skipped_expert_steps)
+    opt:step(nil, {m.tensor({0, 0, 1, 0}, {dtype = "u8"})})
+    assert.are.equal("optim", opt.state[1].exp_avg:category())
+    assert.are.equal("optim", opt.state[1].steps:category())
+    assert.are.equal(before + 2 * n * 4 + E * 8, m.mem.stats().cpu.current.optim)
+  end)
+end)
+
+-- ---- norms and clipping --------------------------------------------------------
+
+describe("gradient norms and clipping", function()
+  local function sumsq(v) local s = 0 for i = 1, #v do s = s + v[i] * v[i] end return s end
+
+  it("grad_norm matches the reference over mixed f32/f64 buffers", function()
+    local a, b, c = randn(5000, "f32"), randn(123, "f64"), randn(9000, "f32")
+    local ref = math.sqrt(sumsq(vals(a)) + sumsq(vals(b)) + sumsq(vals(c)))
+    assert(math.abs(C.grad_norm({a, b, c}) - ref) <= 1e-12 * ref)
+    assert.are.equal(0, C.grad_norm({}))
+  end)
+
+  it("slice_norms matches per-expert references", function()
+    local t = randn(60, "f32")
+    local v, ref = vals(t), {}
+    for e = 1, 5 do
+      local s = 0
+      for j = 1, 12 do s = s + v[(e - 1) * 12 + j] ^ 2 end
+      ref[e] = math.sqrt(s)
+    end
+    local r = C.slice_norms(t, 5)
+    assert.are.equal("f64", r:dtype())
+    assert_close(r, ref, 1e-13, "slice norms")
+    local out = m.zeros({5}, {dtype = "f64"})
+    assert.are.equal(out, optim.expert_norms(t, 5, out))
+    assert_close(out, ref, 1e-13, "into out")
+  end)
+
+  it("clip_grad_norm scales all non-frozen groups to max_norm and returns the total", function()
+    local g1, g2, g3 = randn(100, "f32"), randn(50, "f64"), randn(10, "f32")
+    local g3c = g3:clone()
+    local total0 = math.sqrt(sumsq(vals(g1)) + sumsq(vals(g2)))
+    local groups = {{params = m.zeros({100}), grads = g1}, {params = m.zeros({50}, {dtype = "f64"}), grads = g2},
+                    {params = m.zeros({10}), grads = g3, frozen = true}}
+    local total = optim.clip_grad_norm(groups, 1.0)
+    assert(math.abs(total - total0) <= 1e-12 * total0)
+    local after = math.sqrt(sumsq(vals(g1)) + sumsq(vals(g2)))
+    assert(math.abs(after - 1.0) < 1e-5, "norm after clipping " .. after)
+    assert.is_true(same_bits(g3c, g3), "frozen group's gradient changed")
+    -- under the bound: untouched
+    local g1c = g1:clone()
+    optim.clip_grad_norm(groups, 10.0)
+    assert.is_true(same_bits(g1c, g1))
+  end)
+
+  it("clips each expert to its bound and leaves the others bitwise untouched", function()
+    local g = randn(40, "f32")           -- E = 4 slices of 10; norms ~ 3
+    local v0 = vals(g)
+    local pre = {}
+    for e = 1, 4 do
+      local s = 0
+      for j = 1, 10 do s = s + v0[(e - 1) * 10 + j] ^ 2 end
+      pre[e] = math.sqrt(s)
+    end
+    local bounds = {1.0, 100, 0.5, 100}
+    local norms = optim.clip_expert_norms(g, 4, bounds)
+    assert_close(norms, pre, 1e-13, "returned norms")
+    local post = C.slice_norms(g, 4):totable()
+    assert(math.abs(post[1] - 1.0) < 1e-5 and math.abs(post[3] - 0.5) < 1e-5)
+    local v1 = vals(g)
+    for j = 11, 20 do assert.are.equal(v0[j], v1[j]) end
+    for j = 31, 40 do assert.are.equal(v0[j], v1[j]) end
+    -- bounds as a tensor
+    local h = randn(40, "f64")
+    optim.clip_expert_norms(h, 4, m.full({4}, 0.25, {dtype = "f64"}))
+    for _, x in ipairs(C.slice_norms(h, 4):totable()) do assert(math.abs(x - 0.25) < 1e-6) end
+  end)
+
+  it("clips per expert first, then globally, as the reference does", function()
+    local g = randn(60, "f64")
+    local v = vals(g)
+    local bounds = {0.5, 2.0, 1.0}
+    for e = 1, 3 do                                   -- reference: per expert
+      local s = 0
+      for j = 1, 20 do s = s + v[(e - 1) * 20 + j] ^ 2 end
+      local c = bounds[e] / (math.sqrt(s) + 1e-6)
+      if c < 1 then for j = 1, 20 do v[(e - 1) * 20 + j] = v[(e - 1) * 20 + j] * c end end
+    end
+    local tot = math.sqrt(sumsq(v))                   -- then global
+    local c = 1.5 / (tot + 1e-6)
+    if c < 1 then for i = 1, #v do v[i] = v[i] * c end end
+    optim.clip_expert_norms(g, 3, bounds)
+    local total = optim.clip_grad_norm({{params = m.zeros({60}, {dtype = "f64"}), grads = g}}, 1.5)
+    assert(math.abs(total - tot) <= 1e-12 * tot)
+    assert_close(g, v, 1e-12, "clipped gradients")
+  end)
+
+  it("returns a non-finite total without scaling", function()
+    local g = m.tensor({1, 0 / 0, 3})
+    local total = optim.clip_grad_norm({{params = m.zeros({3}), grads = g}}, 1.0)
+    assert.is_true(total ~= total)
+    assert.are.equal(3, g:totable()[3])
+  end)
+end)
+
+-- ---- groups, states, ledger ------------------------------------------------------
+
+describe("parameter groups and state", function()
+  it("never touches a frozen group and gives it no state", function()
+    local p, g = randn(16, "f32"), randn(16, "f32")
+    local p0 = p:clone()
+    local q, h = randn(16, "f32"), randn(16, "f32")
+    local opt = optim.AdamW({{params = p, grads = g, frozen = true}, {params = q, grads = h}}, {lr = 0.1})
+    opt:step(); opt:step()
+    assert.is_true(same_bits(p0, p))
+    assert.is_nil(opt.state[1].exp_avg)
+    assert.are.equal(0, opt.state[1].step)
+    local s = optim.SGD({{params = p, grads = g, frozen = true}}, {lr = 0.1, momentum = 0.9})
+    s:step()
+    assert.is_true(same_bits(p0, p))
+    assert.is_nil(s.state[1].momentum_buffer)
+  end)
+
+  it("scales a group's lr by lr_mult and uses its own weight_decay", function()
+    local p0, g = randn(16, "f32"), randn(16, "f32")
+    local a, b = p0:clone(), p0:clone()
+    local oa = optim.AdamW({{params = a, grads = g, lr_mult = 0.25, weight_decay = 0}}, {lr = 0.1})
+    local ob = optim.AdamW({{params = b, grads = g}}, {lr = 0.025, weight_decay = 0})
+    for _ = 1, 3 do oa:step(); ob:step() end
+    assert.is_true(same_bits(a, b))
+    oa:step(0.4); ob:step(0.1)             -- the lr argument is scaled too
+    assert.is_true(same_bits(a, b))
+  end)
+
+  it("round-trips state_dict into a fresh optimizer (dense, sparse and SGD)", function()
+    local E = 3
+    for _, kind in ipairs({"AdamW", "SGD"}) do
+      local gd, ge = randn(12, "f32"), randn(12, "f32")
+      local pd, pe = randn(12, "f32"), randn(12, "f32")
+      local A = kind == "AdamW"
+          and optim.AdamW({{params = pd, grads = gd}, {params = pe, grads = ge, experts = E}}, {lr = 0.01})
+          or optim.SGD({{params = pd, grads = gd}}, {lr = 0.01, momentum = 0.9})
+      local masks = {m.tensor({1, 0, 1}, {dtype = "u8"})}
+      for _ = 1, 3 do A:step(nil, {nil, masks[1]}) end
+      local sd = A:state_dict()
+      local pd2, pe2 = pd:clone(), pe:clone()
+      local B = kind == "AdamW"
+          and optim.AdamW({{params = pd2, grads = gd}, {params = pe2, grads = ge, experts = E}}, {lr = 0.01})
+          or optim.SGD({{params = pd2, grads = gd}}, {lr = 0.01, momentum = 0.9})
+      B:load_state_dict(sd)
+      assert.are.equal(3, B.t)
+      if kind == "AdamW" then
+        assert.are.same({3, 0, 3}, B.state[2].steps:totable())
+        assert.are.equal("optim", B.state[1].exp_avg:category())
+      end
+      local mask2 = m.tensor({1, 1, 0}, {dtype = "u8"})
+      A:step(nil, {nil, mask2}); B:step(nil, {nil, mask2})
+      assert.is_true(same_bits(pd, pd2), kind .. " dense params")
+      if kind == "AdamW" then assert.is_true(same_bits(pe, pe2), "expert params") end
+    end
+  end)
+
+  it("refuses a state_dict of another kind or shape", function()
+    local p, g = randn(8, "f32"), randn(8, "f32")
+    local a = optim.AdamW({{params = p, grads = g}})
+    local s = optim.SGD({{params = p, grads = g}}, {momentum = 0.9})
+    s:step()
+    assert.has_error(function() a:load_state_dict(s:state_dict()) end,
+                     "moelua.optim.AdamW:load_state_dict: state of a SGD optimizer, this is AdamW")
+    a:step()
+    local sd = a:state_dict()
+    local b = optim.AdamW({{params = randn(4, "f32"), grads = randn(4, "f32")}})
+    assert.has_error(function() b:load_state_dict(sd) end,
+                     "moelua.optim.AdamW:load_state_dict: group 1: 'exp_avg' must be f32 with 4 elements, got f32 with 8")
+  end)
+
+  it("allocates states under the ledger category 'optim', lazily", function()
+    local p, g = randn(100, "f32"), randn(100, "f32")
+    local before = m.mem.stats().cpu.current.optim
+    local opt = optim.AdamW({{params = p, grads = g}})
+    assert.are.equal(before, m.mem.stats().cpu.current.optim)
+    opt:step()
+    assert.are.equal(before + 2 * 100 * 4, m.mem.stats().cpu.current.optim)
+    assert.are.equal("optim", opt.state[1].exp_avg_sq:category())
+  end)
+
+  it("makes no ledger allocation in a warmed-up step (with clipping)", function()
+    local p, g = randn(5000, "f32"), randn(5000, "f32")
+    local q, h = randn(400, "f32"), randn(400, "f32")
+    local mask = m.tensor({1, 0, 1, 1}, {dtype = "u8"})
+    local norms = m.zeros({4}, {dtype = "f64"})
+    local opt = optim.AdamW({{params = p, grads = g}, {params = q, grads = h, experts = 4}})
+    local sgd = optim.SGD({{params = m.zeros({300}), grads = m.ones({300})}}, {momentum = 0.9})
+    opt:step(1e-3, {nil, mask}); sgd:step()          -- warm-up: states appear
+    collectgarbage(); collectgarbage()
+    local before = allocs()
+    for _ = 1, 3 do
+      optim.clip_expert_norms(h, 4, {1, 1, 1, 1}, norms)
+      optim.clip_grad_norm(opt, 1.0)
+      opt:step(1e-3, {nil, mask})
+      sgd:step()
+    end
+    opt:zero_grad()
+    assert.are.equal(before, allocs())
+  end)
+end)
+
+-- ---- interrupt ---------------------------------------------------------------------
+
+describe("Ctrl-C during steps", function()
+  it("never stops an optimizer step midway, inside a group or between groups", function()
+    -- p and g are constant, so after any whole number of steps every element
+    -- of a group is equal (a step cut between tiles would leave two values),
+    -- and the three groups are equal (a step cut between groups would not).
+    local code, out = support.interrupt_child([[
+      io.stdout:setvbuf("no")
+      local m = require "moelua"
+      local optim = require "moelua.optim"
+      print(io.open("/proc/self/stat"):read("n"))
+      local n = 1 << 21
+      local p, g = m.full({n}, 1.0), m.full({n}, 0.5)
+      local p2, p3 = p:clone(), p:clone()
+      local opt = optim.AdamW({{params = p, grads = g}, {params = p2, grads = g},
+                               {params = p3, grads = g}}, {lr = 1e-3})
+      io.write("ready\n")
+      local ok, err = pcall(function() for _ = 1, 2000 do opt:step() end end)
+      print("caught", ok, err)
+      print("steps", opt.t, opt.state[1].step, opt.state[3].step,
+            "spread", p:max():item() - p:min():item(), p3:max():item() - p3:min():item(),
+            "groups", p:max():item() - p2:max():item(), p:max():item() - p3:max():item())
+    ]], 0.1)
+    assert.are.equal(0, code, out)
+    assert.matches("caught\tfalse", out)
+    assert.not_matches("adamw_step: interrupted", out)
+    assert.matches("spread\t0%.0\t0%.0\tgroups\t0%.0\t0%.0", out)
+    local t, s1, s3 = out:match("steps\t(%d+)\t(%d+)\t(%d+)")
+    assert.is_true(t ~= nil and t == s1 and t == s3, out)
+  end)
+end)
+
+-- ---- bad input ---------------------------------------------------------------------
+
+describe("optimizer bad input", function()
+  local f32, f64 = m.zeros({8}), m.zeros({8}, {dtype = "f64"})
+  local function e(fn, msg) assert.has_error(fn, msg) end
+  local hp = {lr = 0.1, step = 1}
+
+  it("adamw_step checks tensors and options", function()
+    e(function() C.adamw_step(f32, f64, f32, f32, hp) end,
+      "moelua.optim_c.adamw_step: argument #2 (grads): dtype f64 differs from params's f32")
+    e(function() C.adamw_step(f32, m.zeros({9}), f32, f32, hp) end,
+      "moelua.optim_c.adamw_step: argument #2 (grads): 9 elements, params has 8")
+    e(function() C.adamw_step(f32, f32, m.zeros({4, 2}):t(), f32, hp) end,
+      "moelua.optim_c.adamw_step: argument #3 (exp_avg): expected a contiguous tensor")
+    e(function() C.adamw_step(m.zeros({8}, {dtype = "i32"}), f32, f32, f32, hp) end,
+      "moelua.optim_c.adamw_step: argument #1 (params): expected dtype f32 or f64, got i32")
+    e(function() C.adamw_step(f32, f32, f32, "v", hp) end,
+      "moelua.optim_c.adamw_step: argument #4 (exp_avg_sq): expected a tensor, got string")
+    e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1}) end,
+      "moelua.optim_c.adamw_step: option 'step' is required (the 1-based step number)")
+    e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 0}) end,
+      "moelua.optim_c.adamw_step: option 'step' must be an integer >= 1, got 0")
+    e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 1, beta1 = 1}) end,
+      "moelua.optim_c.adamw_step: option 'beta1' must be in [0, 1), got 1")
+    e(function() C.adamw_step(f32, f32, f32, f32, {step = 1}) end,
+      "moelua.optim_c.adamw_step: option 'lr' is required")
+    e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 1, betas = {}}) end,
+      "moelua.optim_c.adamw_step: unknown option 'betas' (expected one of: lr, beta1, beta2, eps, weight_decay, step)")
+    e(function() C.adamw_step(f32, f32, f32, f32) end,
+      "moelua.optim_c.adamw_step: argument #5 (opts): expected a table, got no value")
+  end)
+
+  it("lazy_adamw_step checks masks, counts and E", function()
+    local a, s = m.zeros({4}, {dtype = "u8"}), m.zeros({4}, {dtype = "i64"})
+    local o = {lr = 0.1}
+    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 3, o) end,
+      "moelua.optim_c.lazy_adamw_step: argument #7 (E): 3 experts do not divide 8 elements")
+    e(function() C.lazy_adamw_step(f32, f32, f32, f32, m.zeros({4}), s, 4, o) end,
+      "moelua.optim_c.lazy_adamw_step: argument #5 (active): expected dtype u8, got f32")
+    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, m.zeros({2}, {dtype = "i64"}), 4, o) end,
+      "moelua.optim_c.lazy_adamw_step: argument #6 (steps): expected 4 elements, got 2")
+    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 4, {lr = 0.1, step = 2}) end,
+      "moelua.optim_c.lazy_adamw_step: unknown option 'step' (expected one of: lr, beta1, beta2, eps, weight_decay)")
+    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 0, o) end,
+      "moelua.optim_c.lazy_adamw_step: argument #7 (E): expected an integer >= 1, got 0")
+  end)
+
+  it("sgd_step checks the momentum buffer and nesterov", function()
+    e(function() C.sgd_step(f32, f32, nil, {lr = 0.1, momentum = 0.9, step = 1}) end,
+      "moelua.optim_c.sgd_step: argument #3 (momentum_buffer): momentum 0.9 needs a buffer, got nil")
+    e(function() C.sgd_step(f32, f32, f32, {lr = 0.1, nesterov = true, step = 1}) end,
+      "moelua.optim_c.sgd_step: nesterov needs momentum > 0 and dampening = 0 (got momentum 0, dampening 0)")
+    e(function() C.sgd_step(f32, f32, f64, {lr = 0.1, momentum = 0.5, step = 1}) end,
+      "moelua.optim_c.sgd_step: argument #3 (momentum_buffer): dtype f64 differs from params's f32")
+  end)
+
+  it("norm and clip functions check their arguments", function()
+    e(function() C.grad_norm({f32, "x"}) end,
+      "moelua.optim_c.grad_norm: argument #1 (tensor 2): expected a tensor, got string")
+    e(function() C.grad_norm(f32) end,
+      "moelua.optim_c.grad_norm: argument #1: expected a table of tensors, got userdata")
+    e(function() C.slice_norms(f32, 3) end,
+      "moelua.optim_c.slice_norms: argument #2 (E): 3 experts do not divide 8 elements")
+    e(function() C.slice_norms(f32, 4, m.zeros({4})) end,
+      "moelua.optim_c.slice_norms: argument #3 (out): expected dtype f64, got f32")
+    e(function() C.scale_(f32, math.huge) end,
+      "moelua.optim_c.scale_: argument #2 (factor): expected a finite number, got inf")
+    e(function() optim.clip_expert_norms(f32, 4, {1, 2, 3}) end,
+      "moelua.optim_c.clip_slices_: argument #3 (bounds): expected 4 bounds, got 3")
+    e(function() optim.clip_expert_norms(f32, 2, {1, -1}) end,
+      "moelua.optim_c.clip_slices_: argument #3 (bounds): bound 2 must be a finite number >= 0, got -1")
+    e(function() optim.clip_grad_norm({{params = f32}}, 1) end,
+      "moelua.optim.clip_grad_norm: group 1 has no 'grads' tensor")
+  end)
+
+  it("step_all checks every job before it updates any", function()
+    local p, g = randn(8, "f32"), randn(8, "f32")
+    local p0 = p:clone()
+    local good = {op = "adamw", params = p, grads = g, exp_avg = m.zeros({8}),
+                  exp_avg_sq = m.zeros({8}), step = 0, hp = {lr = 0.1}}
+    local bad = {op = "sgd", params = m.zeros({8}), grads = m.zeros({8}, {dtype = "f64"}),
+                 step = 0, hp = {lr = 0.1}}
+    local counters = {t = 0, skipped_expert_steps = 0}
+    e(function() C.step_all({good, bad}, counters) end,
+      "moelua.optim_c.step_all: job 2 (sgd): argument #2 (grads): dtype f64 differs from params's f32")
+    assert.is_true(same_bits(p0, p))
+    assert.are.equal(0, good.step)
+    assert.are.equal(0, counters.t)
+    e(function() C.step_all({{op = "adam"}}, counters) end,
+      "moelua.optim_c.step_all: job 1: field 'op' must be \"adamw\", \"lazy_adamw\" or \"sgd\", got adam")
+    C.step_all({good}, counters, 0)
+    e(function() C.step_all({{op = "adamw", params = p, grads = g, exp_avg = good.exp_avg,
+      exp_avg_sq = good.exp_avg_sq, step = -1, hp = {lr = 0.1}}}, counters) end,
+      "moelua.optim_c.step_all: job 1 (adamw): field 'step' must be an integer >= 0 (completed steps), got -1")
+    assert.are.equal(1, good.step)     -- the first call ran
+    assert.are.equal(1, counters.t)
+  end)
+
+  it("the classes check groups, options and masks", function()
+    e(function() optim.AdamW({}) end,
+      "moelua.optim.AdamW: groups must be a non-empty list of tables, got table")
+    e(function() optim.AdamW({{params = f32, grads = f64}}) end,
+      "moelua.optim.AdamW: group 1: params (f32) and grads (f64) must share dtype f32 or f64")
+    e(function() optim.AdamW({{params = f32, grads = f32, lr = 1}}) end,
+      "moelua.optim.AdamW: group 1: unknown key 'lr' (expected one of: experts, frozen, grads, lr_mult, name, params, weight_decay)")
+    e(function() optim.AdamW({{params = f32, grads = f32, experts = 3}}) end,
+      "moelua.optim.AdamW: group 1: 'experts' must be an integer >= 1 dividing 8 elements, got 3")
+    e(function() optim.AdamW({{params = f32, grads = f32}}, {betas = {0.9, 0.99}}) end,
+      "moelua.optim.AdamW: unknown option 'betas' (expected one of: beta1, beta2, eps, lr, weight_decay)")
+    e(function() optim.AdamW({{params = f32, grads = f32}}, {beta2 = 1.5}) end,
+      "moelua.optim.AdamW: option 'beta2' must be a number in [0, 1), got 1.5")
+    e(function() optim.SGD({{params = f32, grads = f32, experts = 2}}) end,
+      "moelua.optim.SGD: group 1: 'experts' (sparse mode) is lazy Adam; use optim.AdamW")
+    e(function() optim.SGD({{params = f32, grads = f32}}, {nesterov = true}) end,
+      "moelua.optim.SGD: nesterov needs momentum > 0 and dampening = 0")
+    local opt = optim.AdamW({{params = m.zeros({8}), grads = m.zeros({8}), experts = 2}})
+    e(function() opt:step() end,
+      "moelua.optim.AdamW:step: group 1 has experts = 2 and needs active_masks[1] (u8 [2]), got nil")
+    e(function() opt:step(-1) end,
+      "moelua.optim.AdamW:step: lr must be a number in [0, inf), got -1")
+  end)
+end)
