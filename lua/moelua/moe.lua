@@ -112,22 +112,52 @@ local function unit_views(flat, E, D, F)
   }
 end
 
-function moe.new(opts)
+-- The layer's parameters as given views ({wg, gate_up, down} of params and
+-- of grads, checked against the options), so a model can place them in its
+-- own flat units (DESIGN.md: the router in the block's dense unit, gate_up
+-- and down in its experts unit).
+local function check_views(views, what, o)
+  local want = {wg = {o.experts, o.dim}, gate_up = {o.experts, 2 * o.ffn, o.dim},
+                down = {o.experts, o.dim, o.ffn}}
+  for name, shape in pairs(want) do
+    local t = views[name]
+    if not tensor.is_tensor(t) then
+      error(string.format("moelua.moe.new: %s.%s must be a tensor, got %s", what, name, type(t)), 4)
+    end
+    local got = t:shape()
+    if table.concat(got, ",") ~= table.concat(shape, ",") or t:dtype() ~= o.dtype or t:device() ~= o.device then
+      error(string.format("moelua.moe.new: %s.%s is [%s] %s %s, expected [%s] %s %s", what, name,
+                          table.concat(got, ","), t:dtype(), t:device(), table.concat(shape, ","),
+                          o.dtype, o.device), 4)
+    end
+  end
+  return views
+end
+
+-- layer = moe.new(opts [, units]): units = {params = {wg =, gate_up =, down =},
+-- grads = {...}} are views the caller owns (and initialises); without
+-- units the layer allocates one flat buffer of each and draws the weights.
+function moe.new(opts, units)
   local o = check_options(opts)
   local E, D, F = o.experts, o.dim, o.ffn
-  local n = E * D + E * 2 * F * D + E * D * F
   local self = setmetatable({opts = o}, Layer)
-  local draw = {dtype = o.dtype, std = o.init_std, seed = o.init_seed, offset = 0}
-  if o.device == "cpu" then
-    self.flat = mem.scope("params", tensor.randn, {n}, draw)
-  else   -- drawn on the cpu (normals differ by an ulp across devices), then copied
-    local init = tensor.randn({n}, draw)
-    self.flat = mem.scope("params", init.to, init, o.device)
-    init:free()
+  if units then
+    self.params = check_views(units.params or {}, "units.params", o)
+    self.grads = check_views(units.grads or {}, "units.grads", o)
+  else
+    local n = E * D + E * 2 * F * D + E * D * F
+    local draw = {dtype = o.dtype, std = o.init_std, seed = o.init_seed, offset = 0}
+    if o.device == "cpu" then
+      self.flat = mem.scope("params", tensor.randn, {n}, draw)
+    else   -- drawn on the cpu (normals differ by an ulp across devices), then copied
+      local init = tensor.randn({n}, draw)
+      self.flat = mem.scope("params", init.to, init, o.device)
+      init:free()
+    end
+    self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype, device = o.device})
+    self.params = unit_views(self.flat, E, D, F)
+    self.grads = unit_views(self.grad_flat, E, D, F)
   end
-  self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype, device = o.device})
-  self.params = unit_views(self.flat, E, D, F)
-  self.grads = unit_views(self.grad_flat, E, D, F)
   if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
     self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype, device = o.device})
   end
@@ -145,7 +175,7 @@ function moe.new(opts)
 end
 
 function Layer:zero_grad()
-  self.grad_flat:zero_()
+  for _, g in pairs(self.grads) do g:zero_() end
 end
 
 -- y, stats = layer:forward(x [, step]): step keys the gate noise.

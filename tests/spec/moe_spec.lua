@@ -179,3 +179,23 @@ describe("moe layer", function()
     assert.matches("backward without a forward", errmsg(layer.backward, layer, m.zeros({2, 4})))
   end)
 end)
+
+describe("moe layer on given units", function()
+  local support = require "tests.support"
+  it("computes with views the caller owns, and checks them", function()
+    local o = {dim = 8, ffn = 6, experts = 3, topk = 2, init_seed = 4}
+    local own = moe.new(o)
+    local p = {wg = own.params.wg:clone(), gate_up = own.params.gate_up:clone(), down = own.params.down:clone()}
+    local g = {wg = m.zeros({3, 8}), gate_up = m.zeros({3, 12, 8}), down = m.zeros({3, 8, 6})}
+    local layer = moe.new(o, {params = p, grads = g})
+    local x, dy = m.randn({10, 8}, {seed = 2}), m.randn({10, 8}, {seed = 3})
+    assert.are.same(own:forward(x, 0):totable(), layer:forward(x, 0):totable())
+    own:zero_grad(); own:backward(dy); layer:backward(dy)
+    assert.are.same(own.grads.down:totable(), g.down:totable())
+    assert.matches("units.params.wg is %[3,7%] f32 cpu, expected %[3,8%] f32 cpu",
+                   support.errmsg(moe.new, o, {params = {wg = m.zeros({3, 7}), gate_up = p.gate_up, down = p.down},
+                                              grads = g}))
+    assert.matches("units.grads.down must be a tensor, got nil",
+                   support.errmsg(moe.new, o, {params = p, grads = {wg = g.wg, gate_up = g.gate_up}}))
+  end)
+end)
