@@ -1,0 +1,44 @@
+-- moelua.sched: schedules are pure functions of the step.
+local sched = require "moelua.sched"
+local support = require "tests.support"
+local errmsg = support.errmsg
+
+local function near(a, b) assert.is_true(math.abs(a - b) <= 1e-12 * math.max(1, math.abs(b)), a .. " vs " .. b) end
+
+describe("schedules", function()
+  it("warm up linearly, then decay by cosine or linearly to min", function()
+    local lr = sched.warmup_cosine{peak = 1.0, warmup = 10, total = 110, min = 0.1}
+    near(lr(0), 0.1)
+    near(lr(9), 1.0)
+    near(lr(10), 1.0)
+    near(lr(60), 0.55)
+    near(lr(110), 0.1)
+    near(lr(500), 0.1)
+    local lin = sched.warmup_linear{peak = 2.0, warmup = 0, total = 100}
+    near(lin(0), 2.0)
+    near(lin(50), 1.0)
+    near(lin(100), 0)
+  end)
+
+  it("anneal exponentially in steps and piecewise linearly", function()
+    local tau = sched.exponential{start = 1.0, factor = 0.99, every = 1000}
+    near(tau(999), 1.0)
+    near(tau(1000), 0.99)
+    near(tau(2500), 0.99 ^ 2)
+    local two = sched.piecewise_linear{{0, 2.0}, {50, 1.0}, {100, 0.5}}
+    near(two(0), 2.0)
+    near(two(25), 1.5)
+    near(two(75), 0.75)
+    near(two(1000), 0.5)
+    near(sched.constant(0.3)(12345), 0.3)
+  end)
+
+  it("refuses bad options by name", function()
+    assert.matches("option 'peak' must be a number", errmsg(sched.warmup_cosine, {warmup = 1, total = 2}))
+    assert.matches("unknown option 'totl'", errmsg(sched.warmup_linear, {peak = 1, warmup = 1, total = 2, totl = 3}))
+    assert.matches("need 0 <= warmup < total", errmsg(sched.warmup_cosine, {peak = 1, warmup = 5, total = 5}))
+    assert.matches("option 'every' must be >= 1", errmsg(sched.exponential, {start = 1, factor = 0.5, every = 0}))
+    assert.matches("knot steps must increase", errmsg(sched.piecewise_linear, {{0, 1}, {0, 2}}))
+    assert.matches("expected a number", errmsg(sched.constant, "x"))
+  end)
+end)
