@@ -13,7 +13,7 @@ CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp \
            -ffp-contract=off -I$(LUA_INC) -MMD -MP
 # Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
 # term, system) resolve lua_* against the host.
-LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lm -ldl -fopenmp
+LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp
 
 HOST_SRC    := $(filter-out host/backend_cuda.c,$(wildcard host/*.c))
 KERNEL_SRC  := $(wildcard kernels/*.c)
@@ -45,7 +45,7 @@ endif
 OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 
 DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libreadline-dev \
-            mpich libmpich-dev pkg-config
+            mpich libmpich-dev pkg-config libssl-dev lua-dkjson
 BENCH_PKGS := python3 python3-torch python3-numpy
 
 .PHONY: all deps bench-deps test run sanitize gpu-bundle bench clean

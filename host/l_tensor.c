@@ -410,6 +410,23 @@ static int l_tensor_is_contiguous(lua_State *L)
     return 1;
 }
 
+/* t:storage_offset(): the view's first element, counted from the start of
+ * its storage (0-based), so a view's place in a flat unit can be found. */
+static int l_tensor_storage_offset(lua_State *L)
+{
+    lua_pushinteger(L, ml_checktensor(L, 1, "Tensor:storage_offset")->offset);
+    return 1;
+}
+
+/* a:same_storage(b): are a and b views of one storage? */
+static int l_tensor_same_storage(lua_State *L)
+{
+    ml_tensor *a = ml_checktensor(L, 1, "Tensor:same_storage");
+    ml_tensor *b = ml_checktensor(L, 2, "Tensor:same_storage");
+    lua_pushboolean(L, a->st == b->st);
+    return 1;
+}
+
 static int l_tensor_is_tensor(lua_State *L)
 {
     lua_pushboolean(L, ml_testtensor(L, 1) != NULL);
@@ -842,6 +859,8 @@ static const luaL_Reg tensor_methods[] = {
     {"device", l_tensor_device},
     {"category", l_tensor_category},
     {"is_contiguous", l_tensor_is_contiguous},
+    {"storage_offset", l_tensor_storage_offset},
+    {"same_storage", l_tensor_same_storage},
     {"narrow", l_tensor_narrow},
     {"select", l_tensor_select},
     {"view", l_tensor_view},

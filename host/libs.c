@@ -9,6 +9,7 @@ const luaL_Reg ml_libs[] = {
     {"moelua.mem", luaopen_moelua_mem},
     {"moelua.pool", luaopen_moelua_pool},
     {"moelua.io", luaopen_moelua_io},
+    {"moelua.fs", luaopen_moelua_fs},
     {"moelua.bench", luaopen_moelua_bench},
     {"moelua.router", luaopen_moelua_router},
     {"moelua.experts", luaopen_moelua_experts},

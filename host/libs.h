@@ -12,6 +12,7 @@ int luaopen_moelua_tensor(lua_State *L);
 int luaopen_moelua_mem(lua_State *L);
 int luaopen_moelua_pool(lua_State *L);
 int luaopen_moelua_io(lua_State *L);
+int luaopen_moelua_fs(lua_State *L);
 int luaopen_moelua_bench(lua_State *L);
 int luaopen_moelua_router(lua_State *L);
 int luaopen_moelua_experts(lua_State *L);

@@ -102,6 +102,12 @@ local function check_options(opts)
   return o
 end
 
+-- moe.check_options(opts): validates moe.new's options (the same errors)
+-- without allocating anything, so a model can fail before its allocations.
+function moe.check_options(opts)
+  return check_options(opts)
+end
+
 -- Views of a flat buffer in the Parameters layout of DESIGN.md.
 local function unit_views(flat, E, D, F)
   local n_wg, n_gu = E * D, E * 2 * F * D
@@ -137,6 +143,9 @@ end
 -- layer = moe.new(opts [, units]): units = {params = {wg =, gate_up =, down =},
 -- grads = {...}} are views the caller owns (and initialises); without
 -- units the layer allocates one flat buffer of each and draws the weights.
+-- units.pool (optional) is a stack pool the caller owns (a model's): the
+-- layer then never resets it; the caller marks and rewinds around forward
+-- and backward (LIFO), and outputs live until the caller rewinds.
 function moe.new(opts, units)
   local o = check_options(opts)
   local E, D, F = o.experts, o.dim, o.ffn
@@ -161,7 +170,11 @@ function moe.new(opts, units)
   if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
     self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype, device = o.device})
   end
-  self.pool = pool.new(1 << 20, {grow = true, device = o.device})
+  if units and units.pool ~= nil then
+    self.pool, self.shared_pool = units.pool, true
+  else
+    self.pool = pool.new(1 << 20, {grow = true, device = o.device})
+  end
   self.router_opts = {k = o.topk, chunk = o.chunk, mode = o.mode, renorm = o.renorm,
                       temperature = o.temperature, eps = o.eps, noise = o.noise, gumbel = o.gumbel,
                       seed = o.seed, layer = o.layer, step = 0, bias = self.bias, pool = self.pool}
@@ -182,7 +195,9 @@ end
 function Layer:forward(x, step)
   local o = self.opts
   local T = x:size(1)
-  self.pool:reset()                         -- the previous step's transients end here
+  if not self.shared_pool then
+    self.pool:reset()                       -- the previous step's transients end here
+  end
   self.router_opts.step = step or 0
   local idx, w, rs = router.forward(x, self.params.wg, self.router_opts)
   local eo = self.expert_opts

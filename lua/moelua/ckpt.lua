@@ -1,0 +1,487 @@
+-- moelua.ckpt - checkpoint directories (DESIGN.md, Files and formats).
+--
+--   local dir = ckpt.save(root, step, {model = {{name =, tensor =}, ...}, config = {...},
+--                         optim = {[name] = {exp_avg =, exp_avg_sq =}} or nil,
+--                         optim_steps = {[name] = i64 [E]} or nil,
+--                         trainer = {...}}, {keep = K})        -- -> root/step-000123
+--   local c = ckpt.load(root_or_dir)   -- {model = {name -> tensor}, names =, config =,
+--                                      --  optim =, optim_steps =, trainer =, dir =}
+--   ckpt.latest(root), ckpt.last_good(root), ckpt.mark_good(root, dir), ckpt.list(root)
+--
+-- A save writes root/step-NNNNNN.tmp/ (model.safetensors with metadata
+-- {"format": "pt"}, config.json, optim/{exp_avg,exp_avg_sq,steps}.safetensors,
+-- trainer.json, then MANIFEST.sha256 of every file, in sha256sum's format),
+-- fsyncs each file and directory, renames it to step-NNNNNN/, fsyncs root,
+-- then replaces root/latest (a one-line file naming the directory) by
+-- write-temp + fsync + rename. keep = K then removes the oldest step-*
+-- directories beyond K, never the ones `latest` or `last_good` name. A failed
+-- save removes its temp directory and says that the previous checkpoint is
+-- intact; leftover *.tmp directories of a crashed save are ignored by load
+-- and removed by the next save.
+--
+-- JSON goes through dkjson. Integers round-trip exactly (dkjson writes them
+-- with %d and reads them back as Lua integers, the full int64 range); floats
+-- are written with 17 significant digits (dkjson's own %.14g would lose bits)
+-- and always with a '.' or exponent, so they come back as floats.
+--
+-- Load verifies MANIFEST.sha256 (required for a moelua checkpoint, one with
+-- trainer.json; checked when present otherwise), accepts a sharded model
+-- (model.safetensors.index.json with a weight_map) and converts BF16/F16
+-- tensors to f32. Everything read is untrusted: a missing, corrupted or
+-- truncated file is an error naming it.
+--
+-- Not here: what to save (the trainer builds the tables), Mixtral name and
+-- shape checks against a config (the model loader does those), sharding
+-- optimizer states over ranks.
+local fs = require "moelua.fs"
+local mio = require "moelua.io"
+local json = require "dkjson"
+
+local ckpt = {}
+
+local function fail(fn, fmt, ...)
+  error(string.format("moelua.ckpt.%s: " .. fmt, fn, ...), 3)
+end
+
+local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b end
+
+local function exists(p) return fs.stat(p) ~= nil end
+
+local function read_all(path)
+  local f, err = io.open(path, "rb")
+  if not f then return nil, err end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- ---- JSON ------------------------------------------------------------------
+
+local FLOAT = {__tojson = function(self) return self[1] end}
+
+-- A copy of v that dkjson encodes exactly, with every key checked; path names
+-- the value in errors.
+local function jsonable(v, path, fn, seen)
+  local t = type(v)
+  if t == "string" or t == "boolean" then return v end
+  if math.type(v) == "integer" then return v end
+  if math.type(v) == "float" then
+    if v ~= v or v == math.huge or v == -math.huge then
+      fail(fn, "%s: %s is not representable in JSON", path, tostring(v))
+    end
+    local s = string.format("%.17g", v)
+    if not s:find("[.eEn]") then s = s .. ".0" end
+    return setmetatable({s}, FLOAT)
+  end
+  if t ~= "table" then fail(fn, "%s: a %s cannot be saved in JSON", path, t) end
+  if seen[v] then fail(fn, "%s: a table that contains itself", path) end
+  seen[v] = true
+  local n, nkeys, out = #v, 0, {}
+  for k in pairs(v) do
+    nkeys = nkeys + 1
+    if math.type(k) == "integer" then
+      if k < 1 or k > n then fail(fn, "%s: key %d: a table is either a list 1..n or has string keys", path, k) end
+    elseif type(k) ~= "string" then
+      fail(fn, "%s: key %s: keys must be strings (or list indices)", path, tostring(k))
+    elseif n > 0 then
+      fail(fn, "%s: mixes list entries and the key '%s'", path, k)
+    end
+  end
+  for k, x in pairs(v) do out[k] = jsonable(x, path .. "." .. tostring(k), fn, seen) end
+  seen[v] = nil
+  if nkeys == 0 then setmetatable(out, {__jsontype = "object"}) end
+  return out
+end
+
+local function all_keys(v, keys)
+  if type(v) == "table" and getmetatable(v) ~= FLOAT then
+    for k, x in pairs(v) do
+      if type(k) == "string" then keys[k] = true end
+      all_keys(x, keys)
+    end
+  end
+  return keys
+end
+
+local function encode(v, what, fn)
+  local x = jsonable(v, what, fn, {})
+  local order = {}
+  for k in pairs(all_keys(x, {})) do order[#order + 1] = k end
+  table.sort(order)
+  return json.encode(x, {indent = true, keyorder = order}) .. "\n"
+end
+
+local function decode(s, path, fn)
+  local v, _, err = json.decode(s, 1, nil)
+  if err or v == nil then fail(fn, "'%s': not valid JSON (%s)", path, tostring(err)) end
+  return v
+end
+
+-- ---- writing ----------------------------------------------------------------
+
+local function write_file(path, s)
+  local f, err = io.open(path, "wb")
+  if not f then error(string.format("cannot create '%s': %s", path, err), 0) end
+  local ok, werr = f:write(s)
+  local cok, cerr = f:close()
+  if not ok or not cok then
+    error(string.format("writing '%s': %s", path, tostring(werr or cerr)), 0)
+  end
+end
+
+-- Replace the pointer file root/name by a temp file and a rename.
+local function write_pointer(root, name, target)
+  local tmp = join(root, "." .. name .. ".tmp")
+  write_file(tmp, target .. "\n")
+  fs.fsync(tmp)
+  fs.rename(tmp, join(root, name))
+  fs.fsync(root)
+end
+
+local function read_pointer(root, name)
+  local s = read_all(join(root, name))
+  if not s then return nil end
+  local target = s:match("^(step%-%d+)\n?$")
+  if not target then
+    error(string.format("moelua.ckpt: '%s' does not name a step directory", join(root, name)), 0)
+  end
+  return join(root, target)
+end
+
+local function check_tensor(fn, what, t)
+  if not (type(t) == "userdata" and require("moelua.tensor").is_tensor(t)) then
+    fail(fn, "%s: expected a tensor, got %s", what, type(t))
+  end
+  return t:device() == "cpu" and t or t:to("cpu")
+end
+
+-- Validate the state table; returns the safetensors tables to write.
+local function tables_of(state)
+  local fn = "save"
+  if type(state) ~= "table" then fail(fn, "argument #3: expected a state table, got %s", type(state)) end
+  for k in pairs(state) do
+    if not ({model = 1, config = 1, optim = 1, optim_steps = 1, trainer = 1})[k] then
+      fail(fn, "argument #3: unknown field '%s'", tostring(k))
+    end
+  end
+  if type(state.model) ~= "table" or #state.model == 0 then
+    fail(fn, "model: expected a non-empty list of {name =, tensor =}")
+  end
+  local model, names = {}, {}
+  for i, e in ipairs(state.model) do
+    if type(e) ~= "table" or type(e.name) ~= "string" or e.name == "" then
+      fail(fn, "model[%d]: expected {name = string, tensor = tensor}", i)
+    end
+    if model[e.name] then fail(fn, "model[%d]: duplicate name '%s'", i, e.name) end
+    model[e.name] = check_tensor(fn, "model['" .. e.name .. "']", e.tensor)
+    names[#names + 1] = e.name
+  end
+  local exp_avg, exp_avg_sq, steps
+  if state.optim ~= nil then
+    if type(state.optim) ~= "table" then fail(fn, "optim: expected a table, got %s", type(state.optim)) end
+    exp_avg, exp_avg_sq = {}, {}
+    for name, s in pairs(state.optim) do
+      if not model[name] then fail(fn, "optim['%s']: no model tensor has that name", tostring(name)) end
+      if type(s) ~= "table" then fail(fn, "optim['%s']: expected {exp_avg =, exp_avg_sq =}", name) end
+      exp_avg[name] = check_tensor(fn, "optim['" .. name .. "'].exp_avg", s.exp_avg)
+      exp_avg_sq[name] = check_tensor(fn, "optim['" .. name .. "'].exp_avg_sq", s.exp_avg_sq)
+    end
+  end
+  if state.optim_steps ~= nil then
+    if type(state.optim_steps) ~= "table" then
+      fail(fn, "optim_steps: expected a table, got %s", type(state.optim_steps))
+    end
+    steps = {}
+    for name, t in pairs(state.optim_steps) do
+      if not model[name] then fail(fn, "optim_steps['%s']: no model tensor has that name", tostring(name)) end
+      steps[name] = check_tensor(fn, "optim_steps['" .. name .. "']", t)
+    end
+  end
+  return model, names, exp_avg, exp_avg_sq, steps
+end
+
+local function nbytes(tensors)
+  local n = 0
+  for _, t in pairs(tensors or {}) do
+    local sz = ({f64 = 8, i64 = 8, f32 = 4, i32 = 4, bf16 = 2, f16 = 2, u8 = 1})[t:dtype()]
+    n = n + t:numel() * sz + 256
+  end
+  return n
+end
+
+-- Files under dir, relative, sorted (dirs walked).
+local function files_under(dir, prefix, out)
+  out = out or {}
+  for _, name in ipairs(fs.listdir(dir)) do
+    local p, rel = join(dir, name), prefix and prefix .. "/" .. name or name
+    local st = fs.stat(p)
+    if st and st.type == "dir" then files_under(p, rel, out) else out[#out + 1] = rel end
+  end
+  table.sort(out)
+  return out
+end
+
+local function step_dirs(root)
+  local out = {}
+  local ok, names = pcall(fs.listdir, root)
+  if not ok then return out end
+  for _, name in ipairs(names) do
+    local n = name:match("^step%-(%d+)$")
+    if n then
+      local st = fs.stat(join(root, name))
+      if st and st.type == "dir" then out[#out + 1] = {step = math.tointeger(tonumber(n)), dir = join(root, name)} end
+    end
+  end
+  table.sort(out, function(a, b) return a.step < b.step end)
+  return out
+end
+
+-- ckpt.list(root) -> {{step =, dir =}, ...} oldest first (temp dirs excluded)
+function ckpt.list(root)
+  if type(root) ~= "string" then fail("list", "argument #1 (root): expected a string, got %s", type(root)) end
+  return step_dirs(root)
+end
+
+function ckpt.latest(root)
+  if type(root) ~= "string" then fail("latest", "argument #1 (root): expected a string, got %s", type(root)) end
+  return read_pointer(root, "latest")
+end
+
+function ckpt.last_good(root)
+  if type(root) ~= "string" then fail("last_good", "argument #1 (root): expected a string, got %s", type(root)) end
+  return read_pointer(root, "last_good")
+end
+
+-- ckpt.mark_good(root, dir): root/last_good names dir (kept by keep-K).
+function ckpt.mark_good(root, dir)
+  if type(root) ~= "string" then fail("mark_good", "argument #1 (root): expected a string, got %s", type(root)) end
+  if type(dir) ~= "string" then fail("mark_good", "argument #2 (dir): expected a string, got %s", type(dir)) end
+  local name = dir:match("(step%-%d+)/?$")
+  if not name or not exists(join(join(root, name), "MANIFEST.sha256")) then
+    fail("mark_good", "'%s' is not a checkpoint under '%s'", dir, root)
+  end
+  write_pointer(root, "last_good", name)
+end
+
+-- The write phase, in dir (the temp directory). fail_at: a test hook naming
+-- a stage at which to raise as if the disk had failed.
+local function write_all(dir, model, config, exp_avg, exp_avg_sq, steps, trainer, fail_at)
+  local function stage(name)
+    if fail_at == name then error("injected failure at stage '" .. name .. "'", 0) end
+  end
+  fs.mkdir_p(dir)
+  mio.save(join(dir, "model.safetensors"), model, {format = "pt"})
+  stage("model")
+  write_file(join(dir, "config.json"), config)
+  if exp_avg or steps then
+    fs.mkdir_p(join(dir, "optim"))
+    if exp_avg then
+      mio.save(join(dir, "optim/exp_avg.safetensors"), exp_avg, {format = "pt"})
+      mio.save(join(dir, "optim/exp_avg_sq.safetensors"), exp_avg_sq, {format = "pt"})
+    end
+    if steps then mio.save(join(dir, "optim/steps.safetensors"), steps, {format = "pt"}) end
+  end
+  stage("optim")
+  write_file(join(dir, "trainer.json"), trainer)
+  stage("trainer")
+  local lines = {}
+  for _, rel in ipairs(files_under(dir)) do
+    lines[#lines + 1] = fs.sha256(join(dir, rel)) .. "  " .. rel
+    fs.fsync(join(dir, rel))
+  end
+  write_file(join(dir, "MANIFEST.sha256"), table.concat(lines, "\n") .. "\n")
+  fs.fsync(join(dir, "MANIFEST.sha256"))
+  if exists(join(dir, "optim")) then fs.fsync(join(dir, "optim")) end
+  fs.fsync(dir)
+  stage("manifest")
+end
+
+-- ckpt.save(root, step, state [, opts]) -> the checkpoint directory
+-- opts: keep = K (>= 1; nil keeps all), min_free = bytes that must remain
+-- free after the save (default 0), fail_at = a stage (tests).
+function ckpt.save(root, step, state, opts)
+  local fn = "save"
+  if type(root) ~= "string" or root == "" then fail(fn, "argument #1 (root): expected a path, got %s", type(root)) end
+  if math.type(step) ~= "integer" or step < 0 then
+    fail(fn, "argument #2 (step): expected a non-negative integer, got %s", tostring(step))
+  end
+  opts = opts or {}
+  if type(opts) ~= "table" then fail(fn, "argument #4: expected an options table, got %s", type(opts)) end
+  for k in pairs(opts) do
+    if not ({keep = 1, min_free = 1, fail_at = 1})[k] then fail(fn, "argument #4: unknown option '%s'", tostring(k)) end
+  end
+  if opts.keep ~= nil and (math.type(opts.keep) ~= "integer" or opts.keep < 1) then
+    fail(fn, "keep: expected a positive integer, got %s", tostring(opts.keep))
+  end
+  local min_free = opts.min_free or 0
+  if math.type(min_free) ~= "integer" or min_free < 0 then
+    fail(fn, "min_free: expected a non-negative integer, got %s", tostring(min_free))
+  end
+  local model, _, exp_avg, exp_avg_sq, steps = tables_of(state)
+  local config = encode(state.config or {}, "config", fn)
+  local trainer = encode(state.trainer or {}, "trainer", fn)
+
+  fs.mkdir_p(root)
+  for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
+    if name:match("^step%-%d+%.tmp$") then fs.remove_tree(join(root, name)) end
+  end
+  local name = string.format("step-%06d", step)
+  local final, tmp = join(root, name), join(root, name .. ".tmp")
+  local prev = read_pointer(root, "latest")
+  local intact = prev and ("the previous checkpoint " .. prev .. " is intact") or "no previous checkpoint"
+
+  local need = nbytes(model) + nbytes(exp_avg) + nbytes(exp_avg_sq) + nbytes(steps) + #config +
+               #trainer + 65536
+  local free = fs.free_bytes(root)
+  if free - need < min_free then
+    fail(fn, "not enough disk space in '%s' for step %d: %d bytes free, about %d needed " ..
+         "(+ min_free %d); nothing written, %s", root, step, free, need, min_free, intact)
+  end
+
+  local ok, err = pcall(write_all, tmp, model, config, exp_avg, exp_avg_sq, steps, trainer, opts.fail_at)
+  if ok and exists(final) then     -- re-saving a step (after a rollback): replace it
+    ok, err = pcall(function()
+      local old = join(root, name .. ".replaced.tmp")
+      fs.rename(final, old)
+      fs.rename(tmp, final)
+      fs.fsync(root)
+      fs.remove_tree(old)
+    end)
+  elseif ok then
+    ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
+  end
+  if not ok then
+    pcall(fs.remove_tree, tmp)
+    fail(fn, "saving step %d failed: %s; removed '%s', %s", step, tostring(err), tmp, intact)
+  end
+  write_pointer(root, "latest", name)
+
+  if opts.keep then
+    local protect = {[final] = true}
+    for _, p in ipairs({"latest", "last_good"}) do
+      local okp, d = pcall(read_pointer, root, p)
+      if okp and d then protect[d] = true end
+    end
+    local dirs = step_dirs(root)
+    for i = 1, #dirs - opts.keep do
+      if not protect[dirs[i].dir] then fs.remove_tree(dirs[i].dir) end
+    end
+  end
+  return final
+end
+
+-- ---- loading ----------------------------------------------------------------
+
+local function verify_manifest(dir, required)
+  local path = join(dir, "MANIFEST.sha256")
+  local s = read_all(path)
+  if not s then
+    if required then fail("load", "'%s' is missing: the checkpoint is incomplete", path) end
+    return
+  end
+  local n = 0
+  for line in s:gmatch("([^\n]*)\n?") do
+    if line ~= "" then
+      n = n + 1
+      local sum, rel = line:match("^(%x+)  (.+)$")
+      if not sum or #sum ~= 64 or rel:find("^/") or rel:find("%.%.") then
+        fail("load", "'%s': line %d is malformed", path, n)
+      end
+      local p = join(dir, rel)
+      if not exists(p) then fail("load", "'%s' is listed in MANIFEST.sha256 but missing", p) end
+      if fs.sha256(p) ~= sum:lower() then
+        fail("load", "'%s' is corrupted or truncated: its SHA-256 does not match MANIFEST.sha256", p)
+      end
+    end
+  end
+  if n == 0 then fail("load", "'%s' is empty", path) end
+end
+
+local function load_st(path)
+  local ok, t = pcall(mio.load, path)
+  if not ok then fail("load", "%s", tostring(t)) end
+  return t
+end
+
+local function to_f32(t)
+  local d = t:dtype()
+  if d == "bf16" or d == "f16" then return t:to("f32") end
+  return t
+end
+
+local function safe_name(rel, what)
+  if type(rel) ~= "string" or rel == "" or rel:find("^/") or rel:find("%.%.") then
+    fail("load", "%s: '%s' is not a file name inside the checkpoint", what, tostring(rel))
+  end
+  return rel
+end
+
+local function load_model(dir)
+  local single = join(dir, "model.safetensors")
+  local index = join(dir, "model.safetensors.index.json")
+  local model = {}
+  if exists(single) then
+    for k, t in pairs(load_st(single)) do model[k] = to_f32(t) end
+  elseif exists(index) then
+    local idx = decode(assert(read_all(index)), index, "load")
+    if type(idx) ~= "table" or type(idx.weight_map) ~= "table" then
+      fail("load", "'%s': no weight_map object", index)
+    end
+    local shards = {}
+    for name, file in pairs(idx.weight_map) do
+      if type(name) ~= "string" then fail("load", "'%s': weight_map keys must be strings", index) end
+      safe_name(file, index .. ": weight_map['" .. name .. "']")
+      shards[file] = shards[file] or {}
+      shards[file][#shards[file] + 1] = name
+    end
+    for file, names in pairs(shards) do
+      local p = join(dir, file)
+      if not exists(p) then fail("load", "'%s': shard '%s' is missing", index, p) end
+      local ts = load_st(p)
+      for _, name in ipairs(names) do
+        if not ts[name] then fail("load", "'%s': tensor '%s' is not in shard '%s'", index, name, p) end
+        model[name] = to_f32(ts[name])
+      end
+    end
+  else
+    fail("load", "'%s' has neither model.safetensors nor model.safetensors.index.json", dir)
+  end
+  return model
+end
+
+-- ckpt.load(root_or_dir)
+function ckpt.load(path)
+  if type(path) ~= "string" then fail("load", "argument #1: expected a path, got %s", type(path)) end
+  local st = fs.stat(path)
+  if not st or st.type ~= "dir" then fail("load", "'%s' is not a directory", path) end
+  local dir = path
+  if exists(join(path, "latest")) then
+    local ok, d = pcall(read_pointer, path, "latest")
+    if not ok then fail("load", "%s", d) end
+    dir = d
+    if not exists(dir) then fail("load", "'%s' names '%s', which does not exist", join(path, "latest"), dir) end
+  end
+  verify_manifest(dir, exists(join(dir, "trainer.json")))
+  local c = {dir = dir, model = load_model(dir)}
+  c.names = {}
+  for k in pairs(c.model) do c.names[#c.names + 1] = k end
+  table.sort(c.names)
+  local cfg = read_all(join(dir, "config.json"))
+  c.config = cfg and decode(cfg, join(dir, "config.json"), "load") or nil
+  local tr = read_all(join(dir, "trainer.json"))
+  c.trainer = tr and decode(tr, join(dir, "trainer.json"), "load") or nil
+  local ea = join(dir, "optim/exp_avg.safetensors")
+  if exists(ea) then
+    local a, b = load_st(ea), load_st(join(dir, "optim/exp_avg_sq.safetensors"))
+    c.optim = {}
+    for name, t in pairs(a) do
+      if not b[name] then fail("load", "optim: exp_avg_sq has no '%s'", name) end
+      c.optim[name] = {exp_avg = t, exp_avg_sq = b[name]}
+    end
+  end
+  local sp = join(dir, "optim/steps.safetensors")
+  if exists(sp) then c.optim_steps = load_st(sp) end
+  return c
+end
+
+return ckpt

@@ -1,0 +1,75 @@
+-- moelua.nn.Attention: causal grouped-query self-attention with RoPE, HF
+-- MixtralAttention semantics: q = x Wq^T, k = x Wk^T, v = x Wv^T (Linear
+-- weights [out, in], no bias), rotate-half RoPE on q and k with angles in
+-- f64 (theta configurable), query head h reads kv head floor(h / (H/KV)),
+-- tiled flash attention (moelua.ops: online softmax, lse saved, never a
+-- T x T matrix), out = o Wo^T.
+--
+--   local att = Attention.new{dim =, heads =, kv_heads =, head_dim =, theta =,
+--                             params = {q =, k =, v =, o =}, grads = {...}, pool = p}
+--   local y, ctx = att:forward(x)        -- x [S, D] -> y [S, D] (a pool view)
+--   local dx = att:backward(dy, ctx)     -- weight grads accumulate (+=)
+--   att:release(ctx)                     -- frees ctx's non-pool tensors
+--
+-- Projections and outputs are views into the caller's stack pool (the
+-- caller marks and rewinds, LIFO); rope/attention outputs come from
+-- moelua.ops as tensors and are freed by release(). Weights are views
+-- into the model's flat dense unit: q [H*hd, D], k, v [KV*hd, D], o [D, H*hd].
+local tensor = require "moelua.tensor"
+local ops = require "moelua.ops"
+
+local Attention = {}
+Attention.__index = Attention
+
+function Attention.new(o)
+  local self = setmetatable({}, Attention)
+  self.D, self.H, self.KV = o.dim, o.heads, o.kv_heads
+  self.hd = o.head_dim or o.dim // o.heads
+  self.rope = {theta = o.theta or 1e6}
+  self.params, self.grads, self.pool = o.params, o.grads, o.pool
+  return self
+end
+
+local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool [S, out]
+  local y = pool:tensor({x:size(1), w:size(1)}, {dtype = x:dtype()})
+  return tensor.matmul(x, w:t(), {out = y})
+end
+
+function Attention:forward(x)
+  local S, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
+  local q = linear(self.pool, x, p.q)                              -- [S, H*hd]
+  local k = linear(self.pool, x, p.k)                              -- [S, KV*hd]
+  local v = linear(self.pool, x, p.v):view({S, KV, hd})
+  local qr = ops.rope_forward(q:view({S, H, hd}), self.rope)
+  local kr = ops.rope_forward(k:view({S, KV, hd}), self.rope)
+  local o, lse = ops.attention_forward(qr, kr, v)                  -- [S, H, hd], [H, S] f64
+  local y = linear(self.pool, o:view({S, H * hd}), p.o)            -- [S, D]
+  return y, {x = x, qr = qr, kr = kr, v = v, o = o, lse = lse}
+end
+
+function Attention:backward(dy, c)
+  local S, H, KV, hd, p, g = dy:size(1), self.H, self.KV, self.hd, self.params, self.grads
+  local dt = {dtype = dy:dtype()}
+  local o2 = c.o:view({S, H * hd})
+  local dout = tensor.matmul(dy, p.o, {out = self.pool:tensor({S, H * hd}, dt)})
+  tensor.matmul(dy:t(), o2, {out = g.o, beta = 1})                -- dWo += dy^T o
+  local dqr, dkr, dv = ops.attention_backward(dout:view({S, H, hd}), c.qr, c.kr, c.v, c.o, c.lse)
+  local dq = ops.rope_backward(dqr, self.rope)
+  local dk = ops.rope_backward(dkr, self.rope)
+  dqr:free(); dkr:free()
+  local dq2, dk2, dv2 = dq:view({S, H * hd}), dk:view({S, KV * hd}), dv:view({S, KV * hd})
+  tensor.matmul(dq2:t(), c.x, {out = g.q, beta = 1})
+  tensor.matmul(dk2:t(), c.x, {out = g.k, beta = 1})
+  tensor.matmul(dv2:t(), c.x, {out = g.v, beta = 1})
+  local dx = tensor.matmul(dq2, p.q, {out = self.pool:tensor({S, self.D}, dt)})
+  tensor.matmul(dk2, p.k, {out = dx, beta = 1})
+  tensor.matmul(dv2, p.v, {out = dx, beta = 1})
+  dq:free(); dk:free(); dv:free()
+  return dx
+end
+
+function Attention:release(c)
+  c.qr:free(); c.kr:free(); c.o:free(); c.lse:free()
+end
+
+return Attention

@@ -1,0 +1,536 @@
+-- moelua.nn.Transformer: a Mixtral-style decoder (HF MixtralForCausalLM
+-- semantics) assembled from the nn modules.
+--
+--   h0 = embed(tokens[1..S])
+--   for each layer: h1 = h + o_proj(attn(rope(q), rope(k), v)) of rmsnorm1(h)
+--                   h2 = h1 + block_sparse_moe(rmsnorm2(h1))
+--   loss = mean CE of lm_head(rmsnorm_f(hL)) against tokens[2..S+1]
+--
+--   local model = nn.Transformer.new{vocab = 256, dim = 64, layers = 2, heads = 4, ...}
+--   local loss, stats = model:forward(tokens, step)      -- tokens i64 [S+1]
+--   model:backward{aux_weight = 0.01, z_weight = 1e-3}    -- grads accumulate
+--
+-- Parameters (DESIGN.md, Parameters: flat units): model.units lists
+-- {name, kind, params, grads}: "embed" [V*D]; per layer i (0-based)
+-- "layers.i.dense" = q, k, v, o projections | input and post-attention norms
+-- | router wg, and "layers.i.experts" = gate_up [E, 2F, D] | down [E, D, F];
+-- "final" = lm_head [V, D] | norm [D]. Module weights are views.
+--
+-- Memory: every matmul output and the residual stream live in the model's
+-- stack pool (ledger "pool"); moelua.ops outputs (norm, rope, attention,
+-- CE) are tensors under "acts", freed explicitly. Forward pushes one frame
+-- per layer: [h1, h2 | attention saved | moe saved]; activation checkpointing
+-- per layer ("none", "attention", "moe", "full") rewinds the part it does not
+-- keep right after computing it, and backward recomputes it (same inputs,
+-- same kernels, same routing keys: the gradients are bitwise those of
+-- "none" at a fixed thread count). Backward walks the layers in reverse and
+-- rewinds each frame (LIFO); the residual gradient is one [S, D] buffer.
+local tensor = require "moelua.tensor"
+local mem = require "moelua.mem"
+local pool = require "moelua.pool"
+local moe = require "moelua.moe"
+local Embedding = require "moelua.nn.embedding"
+local RMSNorm = require "moelua.nn.rmsnorm"
+local Attention = require "moelua.nn.attention"
+local MoEBlock = require "moelua.nn.moe_block"
+local LMHead = require "moelua.nn.lm_head"
+
+local Transformer = {}
+Transformer.__index = Transformer
+
+local FN = "moelua.nn.Transformer.new"
+
+-- option = {type, default (nil: required)}
+local OPTIONS = {
+  vocab = {"integer"}, dim = {"integer"}, layers = {"integer"}, heads = {"integer"},
+  kv_heads = {"integer", false}, head_dim = {"integer", false}, ffn = {"integer"},
+  experts = {"integer"}, topk = {"integer", 2}, rope_theta = {"number", 1e6},
+  norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
+  dtype = {"string", "f32"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
+  aux_weight = {"number", 0.02}, max_position = {"integer", 131072},
+  ce_rows = {"integer", 256}, ce_chunk = {"integer", 4096},
+}
+-- moe sub-options the model passes through (the rest are the model's own)
+local MOE_KEYS = {chunk = true, mode = true, renorm = true, temperature = true, eps = true,
+                  noise = true, gumbel = true, capacity_factor = true, policy = true, save = true,
+                  tile = true, bias_rate = true, partial_recompute = true}
+local CHECKPOINT = {none = {false, false}, attention = {true, false}, moe = {false, true},
+                    full = {true, true}}
+
+local function fail(fmt, ...) error(FN .. ": " .. string.format(fmt, ...), 4) end
+
+local function check_options(opts)
+  if type(opts) ~= "table" then fail("options must be a table, got %s", type(opts)) end
+  local o = {}
+  for k, v in pairs(opts) do
+    local spec = OPTIONS[k]
+    if not spec then
+      local names = {}
+      for name in pairs(OPTIONS) do names[#names + 1] = name end
+      table.sort(names)
+      fail("unknown option '%s' (expected one of: %s)", tostring(k), table.concat(names, ", "))
+    end
+    local ok
+    if spec[1] == "integer" then ok = math.type(v) == "integer"
+    elseif spec[1] == "string|table" then ok = type(v) == "string" or type(v) == "table"
+    else ok = type(v) == spec[1] end
+    if not ok then fail("option '%s' must be %s, got %s", k, spec[1], type(v)) end
+    o[k] = v
+  end
+  for k, spec in pairs(OPTIONS) do
+    if o[k] == nil then
+      if spec[2] == nil then fail("option '%s' is required", k) end
+      o[k] = spec[2] or nil
+    end
+  end
+  local function need(cond, fmt, ...) if not cond then fail(fmt, ...) end end
+  for _, k in ipairs{"vocab", "dim", "layers", "heads", "ffn", "experts", "max_position",
+                     "ce_rows", "ce_chunk"} do
+    need(o[k] >= 1, "option '%s' must be >= 1, got %d", k, o[k])
+  end
+  o.kv_heads = o.kv_heads or o.heads
+  need(o.kv_heads >= 1 and o.heads % o.kv_heads == 0,
+       "option 'kv_heads' = %d must divide heads = %d", o.kv_heads, o.heads)
+  if not o.head_dim then
+    need(o.dim % o.heads == 0, "option 'heads' = %d must divide dim = %d (or give head_dim)",
+         o.heads, o.dim)
+    o.head_dim = o.dim // o.heads
+  end
+  need(o.head_dim >= 2 and o.head_dim % 2 == 0 and o.head_dim <= 256,
+       "option 'head_dim' = %d must be even and in [2, 256]", o.head_dim)
+  need(o.topk >= 1 and o.topk <= o.experts, "option 'topk' = %d must be in 1..experts (%d)",
+       o.topk, o.experts)
+  need(o.rope_theta > 1, "option 'rope_theta' must be > 1, got %g", o.rope_theta)
+  need(o.norm_eps >= 0, "option 'norm_eps' must be >= 0, got %g", o.norm_eps)
+  need(o.init_std > 0, "option 'init_std' must be > 0, got %g", o.init_std)
+  need(o.aux_weight >= 0, "option 'aux_weight' must be >= 0, got %g", o.aux_weight)
+  need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\", got %q",
+       o.dtype)
+  -- checkpoint: one mode or one per layer
+  local per = {}
+  if type(o.checkpoint) == "string" then
+    for i = 1, o.layers do per[i] = o.checkpoint end
+  else
+    need(#o.checkpoint == o.layers, "option 'checkpoint' has %d entries, expected one per layer (%d)",
+         #o.checkpoint, o.layers)
+    for i = 1, o.layers do per[i] = o.checkpoint[i] end
+  end
+  for i, c in ipairs(per) do
+    need(CHECKPOINT[c], "option 'checkpoint' (layer %d) must be \"none\", \"attention\", \"moe\" " ..
+         "or \"full\", got %s", i - 1, tostring(c))
+  end
+  o.checkpoint_per_layer = per
+  -- moe sub-options, checked by moelua.moe without allocating
+  local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype}
+  for k, v in pairs(o.moe or {}) do
+    need(MOE_KEYS[k], "unknown option 'moe.%s'", tostring(k))
+    mo[k] = v
+  end
+  local ok, err = pcall(moe.check_options, mo)
+  if not ok then fail("option 'moe': %s", tostring(err)) end
+  o.moe_opts = mo
+  return o
+end
+
+-- Flat unit sizes and the offsets of the views (DESIGN.md, Parameters).
+local function dense_layout(o)
+  local D, H, KV, hd, E = o.dim, o.heads, o.kv_heads, o.head_dim, o.experts
+  local lay, n = {}, 0
+  local function add(name, shape)
+    local c = 1
+    for _, s in ipairs(shape) do c = c * s end
+    lay[#lay + 1] = {name = name, off = n, shape = shape, n = c}
+    lay[name] = lay[#lay]
+    n = n + c
+  end
+  add("q", {H * hd, D}); add("k", {KV * hd, D}); add("v", {KV * hd, D}); add("o", {D, H * hd})
+  add("input_layernorm", {D}); add("post_attention_layernorm", {D})
+  add("wg", {E, D})
+  return lay, n
+end
+
+local function views(flat, lay)
+  local v = {}
+  for _, e in ipairs(lay) do v[e.name] = flat:view_at(e.off, e.shape) end
+  return v
+end
+
+function Transformer.new(opts)
+  local o = check_options(opts)       -- every check before any allocation
+  local self = setmetatable({opts = o}, Transformer)
+  local D, V, E, F, dt = o.dim, o.vocab, o.experts, o.ffn, o.dtype
+  local draw_offset = 0
+  local function unit(name, kind, n, ones)   -- ones: {offset, count} ranges set to 1 (norms)
+    local params = mem.scope("params", tensor.randn, {n},
+                             {dtype = dt, std = o.init_std, seed = o.seed, offset = draw_offset})
+    draw_offset = draw_offset + (n + 3) // 4
+    for _, r in ipairs(ones or {}) do params:view_at(r[1], {r[2]}):fill_(1) end
+    local grads = mem.scope("grads", tensor.zeros, {n}, {dtype = dt})
+    local u = {name = name, kind = kind, params = params, grads = grads}
+    self.units[#self.units + 1] = u
+    return u
+  end
+  self.units = {}
+  self.pool = pool.new(1 << 20, {grow = true})
+  -- embedding
+  local ue = unit("embed", "embed", V * D)
+  self.embed = Embedding.new{weight = ue.params:view({V, D}), grad = ue.grads:view({V, D})}
+  -- blocks
+  local lay, ndense = dense_layout(o)
+  self.dense_layout = lay
+  self.blocks = {}
+  for i = 1, o.layers do
+    local ud = unit("layers." .. (i - 1) .. ".dense", "dense", ndense,
+                    {{lay.input_layernorm.off, D}, {lay.post_attention_layernorm.off, D}})
+    local ux = unit("layers." .. (i - 1) .. ".experts", "experts", E * 2 * F * D + E * D * F)
+    local p, g = views(ud.params, lay), views(ud.grads, lay)
+    local function xviews(flat)
+      return {gate_up = flat:view_at(0, {E, 2 * F, D}), down = flat:view_at(E * 2 * F * D, {E, D, F})}
+    end
+    local xp, xg = xviews(ux.params), xviews(ux.grads)
+    local mo = {}
+    for k, v in pairs(o.moe_opts) do mo[k] = v end
+    mo.seed, mo.layer = o.seed, i - 1
+    local ck = CHECKPOINT[o.checkpoint_per_layer[i]]
+    self.blocks[i] = {
+      dense = ud, experts = ux, params = p, xparams = xp,
+      ck_attn = ck[1], ck_moe = ck[2],
+      norm1 = RMSNorm.new{weight = p.input_layernorm, grad = g.input_layernorm, eps = o.norm_eps},
+      norm2 = RMSNorm.new{weight = p.post_attention_layernorm, grad = g.post_attention_layernorm,
+                          eps = o.norm_eps},
+      attn = Attention.new{dim = D, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
+                           theta = o.rope_theta, pool = self.pool,
+                           params = {q = p.q, k = p.k, v = p.v, o = p.o},
+                           grads = {q = g.q, k = g.k, v = g.v, o = g.o}},
+      moe = MoEBlock.new(mo, {params = {wg = p.wg, gate_up = xp.gate_up, down = xp.down},
+                              grads = {wg = g.wg, gate_up = xg.gate_up, down = xg.down},
+                              pool = self.pool}),
+    }
+  end
+  -- final norm + head
+  local uf = unit("final", "final", V * D + D, {{V * D, D}})
+  self.final_params = {lm_head = uf.params:view_at(0, {V, D}), norm = uf.params:view_at(V * D, {D})}
+  self.head = LMHead.new{weight = self.final_params.lm_head, grad = uf.grads:view_at(0, {V, D}),
+                         rows = o.ce_rows, chunk = o.ce_chunk}
+  self.norm = RMSNorm.new{weight = self.final_params.norm, grad = uf.grads:view_at(V * D, {D}),
+                          eps = o.norm_eps}
+  self.layer_stats = {}
+  return self
+end
+
+function Transformer:moe_layers()
+  local ls = {}
+  for i, b in ipairs(self.blocks) do ls[i] = b.moe.layer end
+  return ls
+end
+
+-- ---- forward ---------------------------------------------------------------
+
+-- The attention half of block b: out = x + attn(norm1(x)); returns its ctx.
+local function attn_part(b, x, out)
+  local a, r1 = b.norm1:forward(x)
+  local y, actx = b.attn:forward(a)
+  out:copy_(x):add_(y)
+  return {a = a, r1 = r1, actx = actx}
+end
+
+local function attn_release(b, c)
+  b.attn:release(c.actx); c.a:free(); c.r1:free()
+end
+
+-- The MoE half: out = h1 + moe(norm2(h1)).
+local function moe_part(b, h1, out, step)
+  local m, r2 = b.norm2:forward(h1)
+  local y, stats = b.moe:forward(m, step)
+  out:copy_(h1):add_(y)
+  return {m = m, r2 = r2}, stats
+end
+
+-- The layer's stats with model-owned copies of the per-expert tensors, so
+-- they outlive the pool frames (and checkpoint rewinds).
+function Transformer:_keep_stats(i, stats)
+  local keep = self.layer_stats[i]
+  if not keep then
+    keep = {}
+    for _, k in ipairs{"counts", "psum", "kept", "mean_prob"} do
+      keep[k] = mem.scope("acts", tensor.zeros, {stats[k]:numel()}, {dtype = stats[k]:dtype()})
+    end
+    self.layer_stats[i] = keep
+  end
+  local s = {}
+  for k, v in pairs(stats) do s[k] = v end
+  for _, k in ipairs{"counts", "psum", "kept", "mean_prob"} do s[k] = keep[k]:copy_(stats[k]) end
+  self.blocks[i].moe.layer.stats = s
+  return s
+end
+
+-- Frees what the last forward saved (when no backward consumed it).
+function Transformer:_release()
+  local st = self.state
+  if not st then self.pool:reset(); return end
+  for i = #st.frames, 1, -1 do
+    local f, b = st.frames[i], self.blocks[i]
+    if f.moe then f.moe.m:free(); f.moe.r2:free() end
+    if f.attn then attn_release(b, f.attn) end
+  end
+  st.hf:free(); st.rf:free(); st.lse:free()
+  self.state = nil
+  self.pool:reset()
+end
+
+-- loss, stats = model:forward(tokens [, step]): tokens i64 [S+1]; loss is the
+-- mean CE over the S predictions (f64). stats = {ce, aux, z, tokens = S,
+-- layers = {per-layer moe stats}}; aux and z unweighted (HF aux over all layers).
+function Transformer:forward(tokens, step)
+  if not tensor.is_tensor(tokens) or tokens:dim() ~= 1 or tokens:dtype() ~= "i64" or tokens:numel() < 2 then
+    error("moelua.nn.Transformer:forward: tokens must be an i64 tensor [S+1] with S >= 1", 2)
+  end
+  self:_release()
+  step = step or 0
+  return mem.scope("acts", function()
+    local S, D, dt = tokens:numel() - 1, self.opts.dim, {dtype = self.opts.dtype}
+    local ids, targets = tokens:narrow(1, 1, S), tokens:narrow(1, 2, S)
+    local st = {ids = ids, targets = targets, frames = {}, step = step, S = S}
+    local e = self.embed:forward(ids)
+    local h = self.pool:tensor({S, D}, dt):copy_(e)
+    e:free()
+    st.h0 = h
+    local lstats = {}
+    for i, b in ipairs(self.blocks) do
+      local f = {mark = self.pool:mark(), x = h}
+      f.h1 = self.pool:tensor({S, D}, dt)
+      f.h2 = self.pool:tensor({S, D}, dt)
+      f.amark = self.pool:mark()
+      local ac = attn_part(b, h, f.h1)
+      if b.ck_attn then attn_release(b, ac); self.pool:rewind(f.amark) else f.attn = ac end
+      f.mmark = self.pool:mark()
+      local mc, s = moe_part(b, f.h1, f.h2, step)
+      lstats[i] = self:_keep_stats(i, s)
+      if b.ck_moe then mc.m:free(); mc.r2:free(); self.pool:rewind(f.mmark) else f.moe = mc end
+      st.frames[i] = f
+      h = f.h2
+    end
+    st.hL = h
+    st.hf, st.rf = self.norm:forward(h)
+    local ce, lse = self.head:forward(st.hf, targets)
+    st.lse = lse
+    self.state = st
+    local _, _, parts = moe.aux_loss(self:moe_layers(), 0, 0)
+    return ce, {ce = ce, aux = parts.aux, z = parts.z, tokens = S, layers = lstats}
+  end)
+end
+
+-- ---- backward --------------------------------------------------------------
+
+-- model:backward{aux_weight =, z_weight = [, ce_weight = 1]}: gradients of
+-- ce_weight * ce + aux_weight * aux + z_weight * z accumulate into every
+-- unit's grads (ce_weight = 0 isolates the router losses, for checks).
+function Transformer:backward(w)
+  w = w or {}
+  for k, v in pairs(w) do
+    if (k ~= "aux_weight" and k ~= "z_weight" and k ~= "ce_weight") or type(v) ~= "number"
+       or v < 0 then
+      error(string.format("moelua.nn.Transformer:backward: option '%s' must be aux_weight, " ..
+                          "z_weight or ce_weight, a number >= 0", tostring(k)), 2)
+    end
+  end
+  local st = assert(self.state, "moelua.nn.Transformer:backward: no forward to differentiate")
+  mem.scope("acts", function()
+    local S, D, dt = st.S, self.opts.dim, {dtype = self.opts.dtype}
+    local layers = self:moe_layers()
+    local _, coefs = moe.aux_loss(layers, w.aux_weight or 0, w.z_weight or 0)
+    local dhf = self.head:backward(st.hf, st.targets, st.lse, w.ce_weight or 1.0)
+    local dx = self.norm:backward(dhf, st.hL, st.rf)
+    dhf:free(); st.hf:free(); st.rf:free(); st.lse:free()
+    if not (self.dh and self.dh:size(1) == S) then
+      if self.dh then self.dh:free() end
+      self.dh = tensor.empty({S, D}, dt)
+    end
+    local dh = self.dh:copy_(dx)
+    dx:free()
+    for i = #self.blocks, 1, -1 do
+      local b, f = self.blocks[i], st.frames[i]
+      -- moe half: dh is dL/dh2; dh1 = dh + norm2'(moe'(dh))
+      local mc = f.moe
+      if not mc then
+        local kept = b.moe.layer.stats
+        mc = moe_part(b, f.h1, self.pool:tensor({S, D}, dt), st.step)
+        b.moe.layer.stats = kept
+      end
+      local dm = b.moe:backward(dh, coefs[i])
+      dx = b.norm2:backward(dm, f.h1, mc.r2)
+      dh:add_(dx)
+      dx:free(); mc.m:free(); mc.r2:free()
+      self.pool:rewind(f.mmark)
+      -- attention half
+      local ac = f.attn
+      if not ac then ac = attn_part(b, f.x, self.pool:tensor({S, D}, dt)) end
+      local da = b.attn:backward(dh, ac.actx)
+      dx = b.norm1:backward(da, f.x, ac.r1)
+      dh:add_(dx)
+      dx:free(); attn_release(b, ac)
+      self.pool:rewind(f.mark)
+    end
+    self.embed:backward(dh, st.ids)
+  end)
+  self.state = nil
+  self.pool:reset()
+end
+
+function Transformer:zero_grad()
+  for _, u in ipairs(self.units) do u.grads:zero_() end
+end
+
+-- ---- settings, parameters, config -------------------------------------------
+
+local ROUTER_KEYS = {temperature = "number", noise = "number", eps = "number", capacity_factor = "number"}
+
+-- model:set_router{temperature =, noise =, eps =, capacity_factor =}: the
+-- per-step router settings (a recipe hook's), applied to every layer.
+function Transformer:set_router(s)
+  for k, v in pairs(s) do
+    if ROUTER_KEYS[k] ~= type(v) then
+      error(string.format("moelua.nn.Transformer:set_router: option '%s' must be one of " ..
+                          "temperature, noise, eps, capacity_factor (a number), got %s = %s",
+                          tostring(k), tostring(k), tostring(v)), 2)
+    end
+  end
+  local function need(c, msg) if not c then error("moelua.nn.Transformer:set_router: " .. msg, 2) end end
+  need(not s.temperature or s.temperature > 0, "option 'temperature' must be > 0")
+  need(not s.noise or s.noise >= 0, "option 'noise' must be >= 0")
+  need(not s.eps or (s.eps >= 0 and s.eps < 1), "option 'eps' must be in [0, 1)")
+  if s.capacity_factor then
+    need(s.capacity_factor >= 0, "option 'capacity_factor' must be >= 0")
+    need((self.opts.moe_opts.policy == "drop") == (s.capacity_factor > 0),
+         "option 'capacity_factor' must be > 0 exactly when moe.policy is \"drop\"")
+  end
+  for _, l in ipairs(self:moe_layers()) do
+    for _, k in ipairs{"temperature", "noise", "eps"} do
+      if s[k] then l.router_opts[k] = s[k]; l.opts[k] = s[k] end
+    end
+    if s.capacity_factor then l.opts.capacity_factor = s.capacity_factor end
+  end
+end
+
+-- mask = model:active_experts(i) (or model.active_experts(i)): u8 [E], 1 for
+-- the experts of layer i (1-based) that ran tokens in the last forward.
+function Transformer.active_experts(a, b)
+  local self, i = a, b
+  if getmetatable(a) ~= Transformer then
+    error("moelua.nn.Transformer: call model:active_experts(i)", 2)
+  end
+  local s = self.layer_stats[i]
+  if not s then error("moelua.nn.Transformer:active_experts: no forward for layer " .. tostring(i), 2) end
+  local mask = tensor.zeros({self.opts.experts}, {dtype = "u8"})
+  local one = s.kept:minimum(1)
+  mask:copy_(one)
+  one:free()
+  return mask
+end
+
+local FREEZE_KEYS = {router = true, experts = true, attention = true}
+
+-- groups = model:param_groups{weight_decay =, router_lr_mult =, freeze = {router
+-- =, experts =, attention =}, sparse =}: groups in moelua.optim's format.
+-- Norms and embeddings get weight_decay = 0; the router gets lr_mult; with
+-- sparse = true, expert groups (gate_up, down of each layer) carry experts = E
+-- for lazy Adam (then pass model:active_masks(groups) to AdamW:step).
+function Transformer:param_groups(o)
+  o = o or {}
+  local fn = "moelua.nn.Transformer:param_groups"
+  for k, v in pairs(o) do
+    local ok = (k == "weight_decay" or k == "router_lr_mult") and type(v) == "number" and v >= 0
+      or k == "freeze" and type(v) == "table" or k == "sparse" and type(v) == "boolean"
+    if not ok then error(string.format("%s: bad option '%s' (%s)", fn, tostring(k), tostring(v)), 2) end
+  end
+  local fr = o.freeze or {}
+  for k, v in pairs(fr) do
+    if not FREEZE_KEYS[k] or type(v) ~= "boolean" then
+      error(string.format("%s: bad option 'freeze.%s' (router, experts, attention: booleans)", fn,
+                          tostring(k)), 2)
+    end
+  end
+  local groups, lay, E = {}, self.dense_layout, self.opts.experts
+  local function add(name, u, off, n, extra)
+    local g = {name = name, params = u.params:view_at(off, {n}), grads = u.grads:view_at(off, {n})}
+    for k, v in pairs(extra) do g[k] = v end
+    groups[#groups + 1] = g
+  end
+  local wd = o.weight_decay
+  local u1 = self.units[1]
+  add("embed", u1, 0, u1.params:numel(), {weight_decay = 0})
+  for i, b in ipairs(self.blocks) do
+    local p = "layers." .. (i - 1) .. "."
+    local na = lay.input_layernorm.off
+    add(p .. "attention", b.dense, 0, na, {weight_decay = wd, frozen = fr.attention or false})
+    add(p .. "norms", b.dense, na, 2 * self.opts.dim, {weight_decay = 0})
+    add(p .. "router", b.dense, lay.wg.off, lay.wg.n,
+        {weight_decay = wd, lr_mult = o.router_lr_mult, frozen = fr.router or false})
+    local ngu = b.xparams.gate_up:numel()
+    local xe = {weight_decay = wd, frozen = fr.experts or false, experts = o.sparse and E or nil}
+    add(p .. "experts.gate_up", b.experts, 0, ngu, xe)
+    add(p .. "experts.down", b.experts, ngu, b.xparams.down:numel(), xe)
+  end
+  local uf = self.units[#self.units]
+  local V, D = self.opts.vocab, self.opts.dim
+  add("lm_head", uf, 0, V * D, {weight_decay = wd})
+  add("norm", uf, V * D, D, {weight_decay = 0})
+  return groups
+end
+
+-- masks = model:active_masks(groups): {[gi] = u8 [E]} for the groups of
+-- param_groups{sparse = true} that carry experts (AdamW:step's argument).
+function Transformer:active_masks(groups)
+  local masks, cache = {}, {}
+  for gi, g in ipairs(groups) do
+    local i = g.experts and tonumber(g.name:match("^layers%.(%d+)%.experts"))
+    if i then
+      cache[i] = cache[i] or self:active_experts(i + 1)
+      masks[gi] = cache[i]
+    end
+  end
+  return masks
+end
+
+-- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}.
+function Transformer:named_parameters()
+  local out = {}
+  local function add(n, t) out[#out + 1] = {name = n, tensor = t} end
+  local F = self.opts.ffn
+  add("model.embed_tokens.weight", self.embed.weight)
+  for i, b in ipairs(self.blocks) do
+    local p, pre = b.params, "model.layers." .. (i - 1) .. "."
+    add(pre .. "input_layernorm.weight", p.input_layernorm)
+    for _, k in ipairs{"q", "k", "v", "o"} do add(pre .. "self_attn." .. k .. "_proj.weight", p[k]) end
+    add(pre .. "post_attention_layernorm.weight", p.post_attention_layernorm)
+    add(pre .. "block_sparse_moe.gate.weight", p.wg)
+    for e = 1, self.opts.experts do
+      local ep = pre .. "block_sparse_moe.experts." .. (e - 1) .. "."
+      local gu = b.xparams.gate_up:select(1, e)
+      add(ep .. "w1.weight", gu:narrow(1, 1, F))
+      add(ep .. "w2.weight", b.xparams.down:select(1, e))
+      add(ep .. "w3.weight", gu:narrow(1, F + 1, F))
+    end
+  end
+  add("model.norm.weight", self.final_params.norm)
+  add("lm_head.weight", self.final_params.lm_head)
+  return out
+end
+
+-- model:config(): a MixtralConfig table (config.json's keys).
+function Transformer:config()
+  local o = self.opts
+  return {
+    model_type = "mixtral", architectures = {"MixtralForCausalLM"},
+    vocab_size = o.vocab, hidden_size = o.dim, intermediate_size = o.ffn,
+    num_hidden_layers = o.layers, num_attention_heads = o.heads,
+    num_key_value_heads = o.kv_heads, head_dim = o.head_dim,
+    num_local_experts = o.experts, num_experts_per_tok = o.topk,
+    rope_theta = o.rope_theta, rms_norm_eps = o.norm_eps, tie_word_embeddings = false,
+    router_aux_loss_coef = o.aux_weight, max_position_embeddings = o.max_position,
+    initializer_range = o.init_std, hidden_act = "silu",
+    torch_dtype = o.dtype == "f64" and "float64" or "float32",
+  }
+end
+
+return Transformer

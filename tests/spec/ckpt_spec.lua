@@ -1,0 +1,178 @@
+-- moelua.ckpt (lua/moelua/ckpt.lua): round trips (bitwise tensors, config,
+-- trainer with int64 extremes and exact floats), the atomic write protocol
+-- (a leftover .tmp of a crashed save is ignored and cleaned; an injected
+-- failure leaves `latest` loadable and says so), keep-K with `latest` and
+-- `last_good` protected, MANIFEST.sha256 catching corrupted and truncated
+-- files, sharded and BF16/F16 Hugging Face checkpoints, bad inputs.
+local T = require "moelua.tensor"
+local mio = require "moelua.io"
+local fs = require "moelua.fs"
+local ckpt = require "moelua.ckpt"
+local support = require "tests.support"
+local errmsg, has = support.errmsg, support.has
+
+local root
+
+local function state(step, seed)
+  local w1 = T.randn({4, 3}, {seed = seed, offset = 0})
+  local w2 = T.randn({2, 5}, {seed = seed + 1, offset = 0})
+  return {
+    model = {{name = "model.layers.0.block_sparse_moe.experts.0.w1.weight", tensor = w1},
+             {name = "model.embed_tokens.weight", tensor = w2}},
+    config = {model_type = "mixtral", architectures = {"MixtralForCausalLM"}, head_dim = 8,
+              tie_word_embeddings = false, rope_theta = 1e6},
+    optim = {["model.embed_tokens.weight"] = {exp_avg = w2 * 0.5, exp_avg_sq = w2 * w2}},
+    optim_steps = {["model.layers.0.block_sparse_moe.experts.0.w1.weight"] =
+                   T.tensor({3, 0, 7, 1}, {dtype = "i64"})},
+    trainer = {step = step, rng = {seed = math.maxinteger, offset = (1 << 62) + 1, neg = math.mininteger},
+               data = {cursor = step + 1, fingerprint = "abc"}, ema = 0.1 + 0.2, one = 1.0,
+               state = {lr = 3e-4, history = {1.5, 2.25}}},
+  }
+end
+
+describe("moelua.ckpt", function()
+  before_each(function() root = support.make_tmpdir() .. "/run" end)
+  after_each(function() support.remove_dir(root:match("^(.*)/run$")) end)
+
+  it("round-trips tensors bitwise, config and trainer exactly", function()
+    local st = state(123, 1)
+    local dir = ckpt.save(root, 123, st)
+    assert.equal(root .. "/step-000123", dir)
+    assert.equal(dir, ckpt.latest(root))
+    local c = ckpt.load(root)
+    assert.equal(dir, c.dir)
+    for _, e in ipairs(st.model) do assert.same(e.tensor:totable(), c.model[e.name]:totable()) end
+    local o = c.optim["model.embed_tokens.weight"]
+    assert.same(st.optim["model.embed_tokens.weight"].exp_avg_sq:totable(), o.exp_avg_sq:totable())
+    assert.same({3, 0, 7, 1}, c.optim_steps["model.layers.0.block_sparse_moe.experts.0.w1.weight"]:totable())
+    assert.equal("mixtral", c.config.model_type)
+    assert.is_false(c.config.tie_word_embeddings)
+    assert.equal(math.maxinteger, c.trainer.rng.seed)
+    assert.equal(math.mininteger, c.trainer.rng.neg)
+    assert.equal((1 << 62) + 1, c.trainer.rng.offset)
+    assert.equal("integer", math.type(c.trainer.step))
+    assert.equal(0.1 + 0.2, c.trainer.ema)
+    assert.equal("float", math.type(c.trainer.one))
+    assert.same({1.5, 2.25}, c.trainer.state.history)
+    -- the model file is plain safetensors with {"format": "pt"}
+    local _, meta = mio.load(dir .. "/model.safetensors")
+    assert.same({format = "pt"}, meta)
+    -- the manifest is sha256sum's format
+    local p = io.popen("cd " .. support.shell_quote(dir) .. " && sha256sum -c --quiet MANIFEST.sha256 && echo OK")
+    assert.equal("OK\n", p:read("a"))
+    p:close()
+  end)
+
+  it("ignores and cleans a leftover temp dir of a crashed save", function()
+    ckpt.save(root, 1, state(1, 1))
+    -- a crash between writing step-000002.tmp and its rename
+    fs.mkdir_p(root .. "/step-000002.tmp")
+    support.write_file(root .. "/step-000002.tmp/model.safetensors", "partial")
+    assert.equal(root .. "/step-000001", ckpt.load(root).dir)
+    assert.equal(1, #ckpt.list(root))
+    ckpt.save(root, 3, state(3, 1))
+    assert.is_nil(fs.stat(root .. "/step-000002.tmp"))
+    assert.equal(root .. "/step-000003", ckpt.load(root).dir)
+  end)
+
+  it("a failed save removes its temp dir, keeps the previous checkpoint and says so", function()
+    ckpt.save(root, 1, state(1, 1))
+    for _, stage in ipairs({"model", "optim", "trainer", "manifest"}) do
+      local msg = errmsg(ckpt.save, root, 2, state(2, 1), {fail_at = stage})
+      has(msg, "moelua.ckpt.save: saving step 2 failed: injected failure at stage '" .. stage .. "'")
+      has(msg, "removed '" .. root .. "/step-000002.tmp'")
+      has(msg, "the previous checkpoint " .. root .. "/step-000001 is intact")
+      assert.is_nil(fs.stat(root .. "/step-000002.tmp"))
+      assert.is_nil(fs.stat(root .. "/step-000002"))
+      assert.equal(root .. "/step-000001", ckpt.load(root).dir)
+    end
+    local msg = errmsg(ckpt.save, root, 2, state(2, 1), {min_free = math.maxinteger // 2})
+    has(msg, "not enough disk space")
+    has(msg, "nothing written, the previous checkpoint " .. root .. "/step-000001 is intact")
+  end)
+
+  it("keep-K never removes what latest or last_good names", function()
+    ckpt.save(root, 1, state(1, 1))
+    ckpt.mark_good(root, root .. "/step-000001")
+    for s = 2, 5 do ckpt.save(root, s, state(s, 1), {keep = 2}) end
+    local steps = {}
+    for _, e in ipairs(ckpt.list(root)) do steps[#steps + 1] = e.step end
+    assert.same({1, 4, 5}, steps)
+    assert.equal(root .. "/step-000001", ckpt.last_good(root))
+    -- re-saving an existing step replaces it
+    local st9 = state(4, 9)
+    st9.model[1].tensor:fill_(0.5)
+    ckpt.save(root, 4, st9, {keep = 2})
+    assert.same(st9.model[1].tensor:totable(), ckpt.load(root).model[st9.model[1].name]:totable())
+    has(errmsg(ckpt.mark_good, root, root .. "/step-000009"), "is not a checkpoint under")
+  end)
+
+  it("corrupted, truncated or missing files are clear errors naming the file", function()
+    local dir = ckpt.save(root, 1, state(1, 1))
+    local f = dir .. "/model.safetensors"
+    local good = support.read_file(f)
+    support.write_file(f, good:sub(1, #good - 1) .. string.char((good:byte(#good) + 1) % 256))
+    has(errmsg(ckpt.load, root), "'" .. f .. "' is corrupted or truncated")
+    support.write_file(f, good:sub(1, #good - 4))
+    has(errmsg(ckpt.load, dir), "'" .. f .. "' is corrupted or truncated")
+    support.write_file(f, good)
+    os.remove(dir .. "/trainer.json")
+    has(errmsg(ckpt.load, dir), "trainer.json' is listed in MANIFEST.sha256 but missing")
+    os.remove(dir .. "/MANIFEST.sha256")
+    support.write_file(dir .. "/trainer.json", "{}")
+    has(errmsg(ckpt.load, dir), "MANIFEST.sha256' is missing: the checkpoint is incomplete")
+    support.write_file(dir .. "/MANIFEST.sha256", "nonsense\n")
+    has(errmsg(ckpt.load, dir), "MANIFEST.sha256': line 1 is malformed")
+    support.write_file(root .. "/latest", "../../etc\n")
+    has(errmsg(ckpt.load, root), "does not name a step directory")
+  end)
+
+  it("loads sharded and BF16/F16 Hugging Face checkpoints as f32", function()
+    local dir = root .. "/hf"
+    fs.mkdir_p(dir)
+    local a = T.tensor({{1.5, -2}, {0.25, 3}})
+    local b = T.tensor({7, -0.5, 1024})
+    mio.save(dir .. "/model-00001-of-00002.safetensors", {["a.weight"] = a:to("bf16")})
+    mio.save(dir .. "/model-00002-of-00002.safetensors", {["b.weight"] = b:to("f16"), extra = b})
+    support.write_file(dir .. "/model.safetensors.index.json", [[
+{"metadata": {"total_size": 14}, "weight_map": {
+  "a.weight": "model-00001-of-00002.safetensors",
+  "b.weight": "model-00002-of-00002.safetensors"}}]])
+    support.write_file(dir .. "/config.json", '{"model_type": "mixtral", "num_local_experts": 8}')
+    local c = ckpt.load(dir)
+    assert.equal("f32", c.model["a.weight"]:dtype())
+    assert.same(a:totable(), c.model["a.weight"]:totable())
+    assert.same(b:totable(), c.model["b.weight"]:totable())
+    assert.is_nil(c.model.extra)
+    assert.same({"a.weight", "b.weight"}, c.names)
+    assert.equal(8, c.config.num_local_experts)
+    support.write_file(dir .. "/model.safetensors.index.json",
+                       '{"weight_map": {"a.weight": "../../x.safetensors"}}')
+    has(errmsg(ckpt.load, dir), "is not a file name inside the checkpoint")
+    support.write_file(dir .. "/model.safetensors.index.json",
+                       '{"weight_map": {"c.weight": "model-00001-of-00002.safetensors"}}')
+    has(errmsg(ckpt.load, dir), "tensor 'c.weight' is not in shard")
+    support.write_file(dir .. "/model.safetensors.index.json", '{"weight_map": ')
+    has(errmsg(ckpt.load, dir), "not valid JSON")
+  end)
+
+  it("rejects bad inputs with messages", function()
+    local st = state(1, 1)
+    has(errmsg(ckpt.save, 1, 1, st), "moelua.ckpt.save: argument #1 (root)")
+    has(errmsg(ckpt.save, root, -1, st), "argument #2 (step): expected a non-negative integer")
+    has(errmsg(ckpt.save, root, 1, {model = {}}), "model: expected a non-empty list")
+    has(errmsg(ckpt.save, root, 1, {model = {{name = "a", tensor = 3}}}), "model['a']: expected a tensor")
+    has(errmsg(ckpt.save, root, 1, {model = {st.model[1], st.model[1]}}), "duplicate name")
+    has(errmsg(ckpt.save, root, 1, {model = st.model, optim = {x = {}}}), "optim['x']: no model tensor")
+    has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {f = print}}), "trainer.f: a function cannot be saved")
+    has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {x = 0 / 0}}), "trainer.x: " )
+    has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {[1] = 1, a = 2}}), "mixes list entries")
+    has(errmsg(ckpt.save, root, 1, {model = st.model, bogus = 1}), "unknown field 'bogus'")
+    has(errmsg(ckpt.save, root, 1, st, {keep = 0}), "keep: expected a positive integer")
+    has(errmsg(ckpt.save, root, 1, st, {kep = 1}), "unknown option 'kep'")
+    has(errmsg(ckpt.load, root .. "/none"), "moelua.ckpt.load: '" .. root .. "/none' is not a directory")
+    fs.mkdir_p(root .. "/empty")
+    has(errmsg(ckpt.load, root .. "/empty"), "has neither model.safetensors nor")
+    assert.is_nil(ckpt.latest(root .. "/empty"))
+  end)
+end)

@@ -1,0 +1,309 @@
+-- The model (lua/moelua/nn): each module's gradient by finite differences in
+-- f64, the whole tiny model's gradient (every unit, each loss term with
+-- weight 1), checkpoint modes giving bitwise-equal gradients,
+-- named_parameters as views, config keys, param_groups, overfitting a
+-- repeated sequence with plain SGD, and bad options failing before any
+-- allocation.
+local m = require "moelua"
+local nn = require "moelua.nn"
+local mem = require "moelua.mem"
+local optim = require "moelua.optim"
+local support = require "tests.support"
+
+local gen = support.generator(700, "f64")
+
+local function get(t, i) return t:view({t:numel()}):view_at(i, {1}):item() end
+local function set(t, i, v) t:view({t:numel()}):view_at(i, {1}):fill_(v) end
+
+-- Central differences of f() at n coordinates of t (spread over it) against
+-- the analytic gradient g; asserts the normwise relative error <= tol.
+local function fd_check(what, f, t, g, n, tol, h)
+  h, n = h or 1e-5, math.min(n or 8, t:numel())
+  local num, ana = {}, {}
+  local N = t:numel()
+  for j = 1, n do
+    local i = ((j - 1) * 7919 + 13) % N
+    local v = get(t, i)
+    set(t, i, v + h); local fp = f()
+    set(t, i, v - h); local fm = f()
+    set(t, i, v)
+    num[j], ana[j] = (fp - fm) / (2 * h), get(g, i)
+  end
+  support.assert_close(num, ana, tol or 1e-6, what)
+end
+
+local function dot(a, b) return a:mul(b):sum():item() end
+
+local TINY = {vocab = 24, dim = 16, layers = 2, heads = 4, kv_heads = 2, ffn = 12, experts = 4,
+              topk = 2, init_std = 0.3, seed = 5, dtype = "f64"}
+local function tiny(extra)
+  local o = {}
+  for k, v in pairs(TINY) do o[k] = v end
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return nn.Transformer.new(o)
+end
+local TOKENS = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4}
+local function tokens() return m.tensor(TOKENS):to("i64") end
+
+describe("nn modules (f64 finite differences)", function()
+  it("RMSNorm: dx and dw", function()
+    local x, w, dw = gen.randn({5, 8}), gen.randn({8}), m.zeros({8}, {dtype = "f64"})
+    local R = gen.randn({5, 8})
+    local n = nn.RMSNorm.new{weight = w, grad = dw, eps = 1e-5}
+    local f = function() return dot(n:forward(x), R) end
+    local y, r = n:forward(x)
+    local dx = n:backward(R, x, r)
+    fd_check("rmsnorm dx", f, x, dx, 12)
+    fd_check("rmsnorm dw", f, w, dw, 8)
+  end)
+
+  it("Embedding: dW", function()
+    local W, dW = gen.randn({10, 6}), m.zeros({10, 6}, {dtype = "f64"})
+    local ids = m.tensor({1, 3, 3, 9, 0}):to("i64")
+    local R = gen.randn({5, 6})
+    local e = nn.Embedding.new{weight = W, grad = dW}
+    e:backward(R, ids)
+    fd_check("embedding dW", function() return dot(e:forward(ids), R) end, W, dW, 20)
+  end)
+
+  it("LMHead: dh and dW (chunked CE)", function()
+    local h, W, dW = gen.randn({6, 8}), gen.randn({11, 8}), m.zeros({11, 8}, {dtype = "f64"})
+    local tg = m.tensor({1, 10, 0, 4, 4, 7}):to("i64")
+    local head = nn.LMHead.new{weight = W, grad = dW, rows = 4, chunk = 5}
+    local _, lse = head:forward(h, tg)
+    local dh = head:backward(h, tg, lse)
+    local f = function() return (head:forward(h, tg)) end
+    fd_check("lm_head dh", f, h, dh, 16)
+    fd_check("lm_head dW", f, W, dW, 20)
+  end)
+
+  it("Attention (GQA, RoPE): dx and every projection", function()
+    local S, D, H, KV, hd = 7, 8, 4, 2, 4
+    local p = {q = gen.randn({H * hd, D}, nil, 0.5), k = gen.randn({KV * hd, D}, nil, 0.5),
+               v = gen.randn({KV * hd, D}, nil, 0.5), o = gen.randn({D, H * hd}, nil, 0.5)}
+    local g = {}
+    for k, t in pairs(p) do g[k] = m.zeros(t:shape(), {dtype = "f64"}) end
+    local pool = m.pool.new(1 << 16, {grow = true})
+    local att = nn.Attention.new{dim = D, heads = H, kv_heads = KV, head_dim = hd, theta = 100,
+                                 params = p, grads = g, pool = pool}
+    local x, R = gen.randn({S, D}), gen.randn({S, D})
+    local f = function()
+      local mk = pool:mark()
+      local y, c = att:forward(x)
+      local v = dot(y, R)
+      att:release(c); pool:rewind(mk)
+      return v
+    end
+    local y, c = att:forward(x)
+    local dx = att:backward(R, c):clone()
+    att:release(c); pool:reset()
+    fd_check("attention dx", f, x, dx, 16)
+    for _, k in ipairs{"q", "k", "v", "o"} do fd_check("attention d" .. k, f, p[k], g[k], 12) end
+  end)
+
+  it("MoEBlock on views: dx and the router, gate_up, down views", function()
+    local D, F, E = 8, 6, 4
+    local function mk(shape) return gen.randn(shape, nil, 0.5) end
+    local p = {wg = mk({E, D}), gate_up = mk({E, 2 * F, D}), down = mk({E, D, F})}
+    local g = {}
+    for k, t in pairs(p) do g[k] = m.zeros(t:shape(), {dtype = "f64"}) end
+    local pool = m.pool.new(1 << 16, {grow = true})
+    local b = nn.MoEBlock.new({dim = D, ffn = F, experts = E, topk = 2, dtype = "f64"},
+                              {params = p, grads = g, pool = pool})
+    local x, R = gen.randn({9, D}), gen.randn({9, D})
+    local f = function()
+      pool:reset()
+      return dot(b:forward(x, 0), R)
+    end
+    f()
+    local dx = b:backward(R):clone()
+    fd_check("moe dx", f, x, dx, 16)
+    for _, k in ipairs{"wg", "gate_up", "down"} do fd_check("moe d" .. k, f, p[k], g[k], 16) end
+  end)
+end)
+
+describe("nn.Transformer", function()
+  it("gradient of every unit for ce, aux and z separately (f64 finite differences)", function()
+    local model = tiny()
+    local toks = tokens()
+    local _, s0 = model:forward(toks, 0)
+    local counts0 = {}
+    for i, l in ipairs(s0.layers) do counts0[i] = support.values(l.counts) end
+    for _, term in ipairs{"ce", "aux", "z"} do
+      local w = {aux_weight = term == "aux" and 1 or 0, z_weight = term == "z" and 1 or 0,
+                 ce_weight = term == "ce" and 1 or 0}
+      local f = function()
+        local _, s = model:forward(toks, 0)
+        for i, l in ipairs(s.layers) do    -- routing must not flip under the perturbation
+          assert.are.same(counts0[i], support.values(l.counts))
+        end
+        return s[term]
+      end
+      model:zero_grad()
+      model:forward(toks, 0)
+      model:backward(w)
+      for _, u in ipairs(model.units) do
+        local g = u.grads:clone()
+        if term == "ce" or u.kind ~= "final" then   -- aux and z do not reach the head
+          fd_check(term .. " " .. u.name, f, u.params, g, 10, 1e-6)
+        else
+          assert.are.equal(0, g:abs():max():item())
+        end
+      end
+    end
+  end)
+
+  it("checkpoint modes give bitwise-identical gradients (f32, gate noise on)", function()
+    local grads, losses
+    for _, ck in ipairs{"none", "attention", "moe", "full", {"full", "none"}} do
+      local model = tiny{dtype = "f32", checkpoint = ck, moe = {noise = 0.3}}
+      local loss = model:forward(tokens(), 3)
+      model:backward{aux_weight = 0.1, z_weight = 0.01}
+      if not grads then
+        grads, losses = {}, loss
+        for i, u in ipairs(model.units) do grads[i] = u.grads:clone() end
+      else
+        assert.are.equal(losses, loss)
+        for i, u in ipairs(model.units) do
+          assert.are.equal(0, u.grads:sub(grads[i]):abs():max():item(), u.name)
+        end
+      end
+    end
+  end)
+
+  it("named_parameters are HF-named views that partition the units", function()
+    local model = tiny{dtype = "f32"}
+    local np = model:named_parameters()
+    assert.are.equal(1 + 2 * (6 + 1 + 3 * 4) + 2, #np)
+    assert.are.equal("model.embed_tokens.weight", np[1].name)
+    assert.are.equal("lm_head.weight", np[#np].name)
+    local byname = {}
+    for _, e in ipairs(np) do byname[e.name] = e.tensor end
+    for _, u in ipairs(model.units) do u.params:zero_() end
+    for _, e in ipairs(np) do e.tensor:add_(1) end
+    for _, u in ipairs(model.units) do            -- each element in exactly one named view
+      assert.are.equal(1, u.params:min():item(), u.name)
+      assert.are.equal(1, u.params:max():item(), u.name)
+    end
+    -- write through a name, read through the unit: w3 of expert 2, layer 1 = gate_up[2] rows F..2F-1
+    local F, D = TINY.ffn, TINY.dim
+    byname["model.layers.1.block_sparse_moe.experts.2.w3.weight"]:fill_(7)
+    assert.are.same({F, D}, byname["model.layers.1.block_sparse_moe.experts.2.w3.weight"]:shape())
+    local ux = model.units[5]
+    assert.are.equal("layers.1.experts", ux.name)
+    assert.are.equal(7 * F * D, ux.params:view_at((2 * 2 * F + F) * D, {F * D}):sum():item())
+    byname["model.layers.0.self_attn.k_proj.weight"]:fill_(3)
+    assert.are.same({2 * 4, D}, byname["model.layers.0.self_attn.k_proj.weight"]:shape())
+    assert.are.equal(3, model.units[2].params:view_at(4 * 4 * D, {1}):item())
+    byname["model.norm.weight"]:fill_(5)
+    assert.are.equal(5 * D, model.units[6].params:view_at(TINY.vocab * D, {D}):sum():item())
+  end)
+
+  it("config has MixtralConfig keys", function()
+    local c = tiny{dtype = "f32"}:config()
+    assert.are.equal("mixtral", c.model_type)
+    assert.are.same({"MixtralForCausalLM"}, c.architectures)
+    local want = {vocab_size = 24, hidden_size = 16, intermediate_size = 12, num_hidden_layers = 2,
+                  num_attention_heads = 4, num_key_value_heads = 2, head_dim = 4,
+                  num_local_experts = 4, num_experts_per_tok = 2, rms_norm_eps = 1e-5,
+                  tie_word_embeddings = false, torch_dtype = "float32"}
+    for k, v in pairs(want) do assert.are.equal(v, c[k], k) end
+    for _, k in ipairs{"rope_theta", "router_aux_loss_coef", "max_position_embeddings"} do
+      assert.is_number(c[k], k)
+    end
+  end)
+
+  it("param_groups: no decay on norms and embeddings, router lr, freezing, expert slices", function()
+    local model = tiny{dtype = "f32"}
+    local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 0.5, sparse = true,
+                                      freeze = {attention = true}}
+    local by = {}
+    local n = 0
+    for _, g in ipairs(groups) do by[g.name] = g; n = n + g.params:numel() end
+    local total = 0
+    for _, u in ipairs(model.units) do total = total + u.params:numel() end
+    assert.are.equal(total, n)
+    assert.are.equal(0, by.embed.weight_decay)
+    assert.are.equal(0, by["layers.0.norms"].weight_decay)
+    assert.are.equal(0, by.norm.weight_decay)
+    assert.are.equal(0.1, by.lm_head.weight_decay)
+    assert.are.equal(0.5, by["layers.1.router"].lr_mult)
+    assert.is_true(by["layers.0.attention"].frozen)
+    assert.are.equal(4, by["layers.1.experts.gate_up"].experts)
+    assert.are.equal(4, by["layers.1.experts.down"].experts)
+    model:forward(tokens(), 0)
+    model:backward{}
+    local opt = optim.AdamW(groups, {lr = 1e-3})
+    local before = model.units[2].params:clone()
+    opt:step(1e-3, model:active_masks(groups))
+    local qn = 4 * 4 * 16 * 2 + 2 * 4 * 16 * 2   -- attention q,k,v,o of layer 0 unchanged (frozen)
+    assert.are.equal(0, model.units[2].params:view_at(0, {qn}):sub(before:view_at(0, {qn})):abs():max():item())
+    assert.is_true(model.units[2].params:sub(before):abs():max():item() > 0)
+    -- dense groups work with SGD
+    optim.SGD(model:param_groups{}, {lr = 0.1}):step(0.1)
+    assert.are.same({4}, model:active_experts(1):shape())
+  end)
+
+  it("a tiny model overfits a repeated sequence with plain SGD", function()
+    local model = tiny{dtype = "f32", vocab = 16, init_std = 0.1, seed = 1}
+    local seq = {}
+    for i = 1, 33 do seq[i] = (i * 5) % 16 end
+    local toks = m.tensor(seq):to("i64")
+    local first, loss
+    for step = 1, 40 do
+      model:zero_grad()
+      loss = model:forward(toks, step)
+      first = first or loss
+      model:backward{aux_weight = 0.01}
+      for _, u in ipairs(model.units) do u.params:sub_(u.grads:mul(0.5)) end
+    end
+    assert(first > 2.5, "initial loss " .. first)
+    assert(loss < 0.5, string.format("loss %.3f after 40 steps (from %.3f)", loss, first))
+  end)
+
+  it("set_router changes the routing settings of every layer", function()
+    local model = tiny{dtype = "f32"}
+    model:set_router{temperature = 2, noise = 0.5, eps = 0.1}
+    for _, b in ipairs(model.blocks) do
+      assert.are.equal(2, b.moe.layer.router_opts.temperature)
+      assert.are.equal(0.5, b.moe.layer.router_opts.noise)
+    end
+    support.raises("'capacity_factor'", model.set_router, model, {capacity_factor = 1.25})
+    support.raises("'temp'", model.set_router, model, {temp = 1})
+  end)
+
+  it("steps leave the ledger where it was and the warmed-up pool does not grow", function()
+    local model = tiny{dtype = "f32", checkpoint = {"attention", "moe"}}
+    local toks = tokens()
+    local function step(i)
+      model:zero_grad(); model:forward(toks, i); model:backward{aux_weight = 0.01, z_weight = 0.001}
+      collectgarbage(); collectgarbage()
+      return mem.stats().cpu
+    end
+    step(1)
+    local a = step(2)
+    local b = step(3)
+    assert.are.equal(a.allocs.pool, b.allocs.pool)
+    for k, v in pairs(a.current) do assert.are.equal(v, b.current[k], k) end
+    assert.are.equal(0, model.pool:stats().used)
+  end)
+
+  it("bad options fail with the option's name before any allocation", function()
+    collectgarbage()
+    local before = mem.stats().cpu.allocs
+    local cases = {
+      {{dim = 15}, "'heads'"}, {{kv_heads = 3}, "'kv_heads'"}, {{dtype = "bf16"}, "'dtype'"},
+      {{checkpoint = "some"}, "'checkpoint'"}, {{checkpoint = {"none"}}, "'checkpoint'"},
+      {{moe = {polcy = "drop"}}, "'moe.polcy'"}, {{moe = {policy = "drop"}}, "capacity_factor"},
+      {{topk = 9}, "'topk'"}, {{layers = "2"}, "'layers'"}, {{vocabulary = 3}, "'vocabulary'"},
+      {{ffn = 0}, "'ffn'"},
+    }
+    for _, c in ipairs(cases) do
+      local msg = support.errmsg(tiny, c[1])
+      support.has(msg, "moelua.nn.Transformer.new")
+      support.has(msg, c[2])
+    end
+    local after = mem.stats().cpu.allocs
+    for k, v in pairs(before) do assert.are.equal(v, after[k], k) end
+  end)
+end)
