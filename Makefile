@@ -85,7 +85,7 @@ test: deps
 
 run: deps
 	$(MAKE) all
-	./moelua recipes/demo.lua
+	./moelua recipes/longctx.lua
 
 # C unit tests: each tests/c/test_*.c links against the host objects.
 TEST_SRC := $(wildcard tests/c/test_*.c)

@@ -477,7 +477,18 @@ static int l_fs_glob(lua_State *L)
     return 1;
 }
 
+/* fs.isatty(fd): is the descriptor a terminal? (progress bars vs plain lines) */
+static int l_fs_isatty(lua_State *L)
+{
+    lua_Integer fd = luaL_checkinteger(L, 1);
+    if (fd < 0 || fd > 1024)
+        ml_error(L, "moelua.fs.isatty", "argument #1: descriptor %lld out of range", (long long)fd);
+    lua_pushboolean(L, isatty((int)fd));
+    return 1;
+}
+
 static const luaL_Reg fs_functions[] = {
+    {"isatty", l_fs_isatty},
     {"read", l_fs_read},
     {"stat", l_fs_stat},
     {"fsync", l_fs_fsync},

@@ -163,8 +163,8 @@ size_t ml_ledger_format(const ml_ledger *lg, size_t untracked, int has_untracked
     if (len)
         buf[0] = '\0';
     at = put(buf, len, at, "memory ledger (%s)\n", lg->device);
-    at = put(buf, len, at, "  %-8s %12s %12s %12s %12s %8s\n",
-             "category", "current", "peak", "at peak", "budget", "allocs");
+    at = put(buf, len, at, "  %-8s %12s %12s %12s %6s %12s %8s\n",
+             "category", "current", "peak", "at peak", "share", "budget", "allocs");
     for (int i = 0; i < ML_NCAT; i++) {
         ml_format_bytes(lg->cur[i], a, sizeof a);
         ml_format_bytes(lg->peak[i], b, sizeof b);
@@ -173,8 +173,9 @@ size_t ml_ledger_format(const ml_ledger *lg, size_t untracked, int has_untracked
             ml_format_bytes(lg->budget[i], d, sizeof d);
         else
             snprintf(d, sizeof d, "-");
-        at = put(buf, len, at, "  %-8s %12s %12s %12s %12s %8llu\n", ml_category_names[i],
-                 a, b, c, d, (unsigned long long)lg->nalloc[i]);
+        double share = lg->total_peak ? 100.0 * (double)lg->at_peak[i] / (double)lg->total_peak : 0.0;
+        at = put(buf, len, at, "  %-8s %12s %12s %12s %5.1f%% %12s %8llu\n", ml_category_names[i],
+                 a, b, c, share, d, (unsigned long long)lg->nalloc[i]);
     }
     ml_format_bytes(lg->total, a, sizeof a);
     ml_format_bytes(lg->total_peak, b, sizeof b);
@@ -183,7 +184,7 @@ size_t ml_ledger_format(const ml_ledger *lg, size_t untracked, int has_untracked
         ml_format_bytes(lg->budget_total, d, sizeof d);
     else
         snprintf(d, sizeof d, "-");
-    at = put(buf, len, at, "  %-8s %12s %12s %12s %12s\n", "total", a, b, c, d);
+    at = put(buf, len, at, "  %-8s %12s %12s %12s %6s %12s\n", "total", a, b, c, "100%", d);
     if (lg->reserved != lg->total || lg->reserved_peak != lg->total_peak) {
         ml_format_bytes(lg->reserved, a, sizeof a);
         ml_format_bytes(lg->reserved_peak, b, sizeof b);

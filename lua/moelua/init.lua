@@ -15,6 +15,7 @@ moelua.router = require "moelua.router"
 moelua.experts = require "moelua.experts"
 moelua.optim = require "moelua.optim"
 moelua.ops = require "moelua.ops"
+moelua.fs = require "moelua.fs"
 
 local io = require "moelua.io"
 moelua.save, moelua.load = io.save, io.load

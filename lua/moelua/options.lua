@@ -1,0 +1,88 @@
+-- moelua.options: a recipe's command-line options. A recipe declares each
+-- option once (default and help), and `options.parse(arg, spec)` returns the
+-- values with their types checked, before anything is allocated:
+--
+--   local opts = options.parse(arg, {
+--     {"seq-len", 8192, "tokens per sequence"},
+--     {"steps", 200, "optimizer steps"},
+--     {"resume", "", "checkpoint directory to continue from"},
+--   })
+--   print(opts.seq_len)
+--
+-- `--name value` or `--name=value`; a boolean option is `--name` alone or
+-- `--name=false`. `--help` prints every option with its default and exits.
+-- An unknown option, a missing value or a wrong type is an error naming the
+-- option. Dashes in names become underscores in the result.
+local options = {}
+
+local function key(name) return (name:gsub("-", "_")) end
+
+local function convert(name, default, text)
+  local t = type(default)
+  if t == "number" then
+    local v = tonumber(text)
+    if v == nil then error(string.format("option --%s expects a number, got '%s'", name, text), 0) end
+    if math.type(default) == "integer" then
+      if math.type(v) ~= "integer" and v ~= math.floor(v) then
+        error(string.format("option --%s expects an integer, got '%s'", name, text), 0)
+      end
+      v = math.tointeger(v)
+    end
+    return v
+  elseif t == "boolean" then
+    if text == "true" or text == "1" then return true end
+    if text == "false" or text == "0" then return false end
+    error(string.format("option --%s expects true or false, got '%s'", name, text), 0)
+  end
+  return text
+end
+
+function options.help(spec, out)
+  out = out or io.stdout
+  out:write("options:\n")
+  for _, o in ipairs(spec) do
+    out:write(string.format("  --%-22s %-12s %s\n", o[1], tostring(o[2]), o[3] or ""))
+  end
+end
+
+-- values = options.parse(argv, spec [, usage]): spec is a list of {name, default, help}.
+function options.parse(argv, spec, usage)
+  local byname, values = {}, {}
+  for _, o in ipairs(spec) do
+    byname[o[1]] = o
+    values[key(o[1])] = o[2]
+  end
+  local i = 1
+  while argv[i] do
+    local a = argv[i]
+    if a == "--help" or a == "-h" then
+      if usage then io.stdout:write(usage, "\n") end
+      options.help(spec)
+      os.exit(0)
+    end
+    local name, inline = a:match("^%-%-([%w%-_]+)=(.*)$")
+    if not name then name = a:match("^%-%-([%w%-_]+)$") end
+    if not name then error(string.format("unexpected argument '%s' (options are --name value)", a), 0) end
+    local o = byname[name] or byname[name:gsub("_", "-")]
+    if not o then
+      local names = {}
+      for _, s in ipairs(spec) do names[#names + 1] = "--" .. s[1] end
+      error(string.format("unknown option --%s (known: %s)", name, table.concat(names, " ")), 0)
+    end
+    local text = inline
+    if text == nil then
+      if type(o[2]) == "boolean" and (argv[i + 1] == nil or argv[i + 1]:match("^%-%-")) then
+        text = "true"
+      else
+        i = i + 1
+        text = argv[i]
+        if text == nil then error(string.format("option --%s needs a value", name), 0) end
+      end
+    end
+    values[key(o[1])] = convert(o[1], o[2], text)
+    i = i + 1
+  end
+  return values
+end
+
+return options

@@ -1,0 +1,384 @@
+-- moelua.train: the training loop a recipe hands its pieces to. Every number
+-- is computed in C by the model, the optimizer and the kernels; this module
+-- orders the work of a step, watches for trouble, logs, and checkpoints.
+--
+--   local result = train.run{
+--     model = model, data = ds, optimizer = opt, groups = groups, seq_len = S, steps = 200, accum = 1,
+--     lr = sched.warmup_cosine{...}, clip = 1.0,
+--     hook = function(step, state, ctl) ctl.temperature = ... end,  -- per step
+--     state = {},                    -- the recipe's own state: saved in checkpoints
+--     run_dir = "runs/x", ckpt_every = 50, keep = 3,
+--     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 0.35, collapse_steps = 20},
+--     on_rollback = function(state, event) ... end,
+--     val_every = 50, val_batches = 4,
+--   }
+--
+-- One step: the hook sets this step's router and loss settings (ctl) ->
+-- `accum` micro-batches of forward + backward (gradients accumulate, then
+-- are scaled by 1/accum) -> global gradient norm (clipped when `clip`) ->
+-- a non-finite loss or norm skips the step (counted) -> the optimizer
+-- step, with each experts group's active mask (lazy Adam) -> metrics.
+-- Loss spikes: a loss above its EMA by `spike_sigma` EMA standard
+-- deviations after `window` steps. Router collapse: the largest expert
+-- share above `collapse_share` for `collapse_steps` steps in a row. Either,
+-- or `max_skipped` skipped steps in a row, rolls back to the last good
+-- checkpoint, moves the data past the offending batches (the data offset is
+-- part of trainer state), logs an event and calls `on_rollback`.
+--
+-- metrics.jsonl in run_dir: one JSON object per step (loss, ce, aux, z, lr,
+-- temperature, noise, eps, tokens/s, ledger peaks by category, per-layer
+-- expert loads, skipped steps, phase times) and events as their own lines.
+-- Ctrl-C (or a kernel "interrupted" error) abandons the current step,
+-- saves a checkpoint of the last completed step and raises.
+local tensor = require "moelua.tensor"
+local mem = require "moelua.mem"
+local bench = require "moelua.bench"
+local optim = require "moelua.optim"
+local optim_c = require "moelua.optim_c"
+local fs = require "moelua.fs"
+local ckpt = require "moelua.ckpt"
+local json = require "dkjson"
+
+local train = {}
+
+local DEFAULT_ROLLBACK = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 1.01,
+                          collapse_steps = 20}
+
+local function now() return bench.now() end
+
+-- Gradient flats of every unit, scaled in place (accumulation -> mean).
+local function scale_grads(model, s)
+  if s == 1 then return end
+  for _, u in ipairs(model.units) do optim_c.scale_(u.grads, s) end
+end
+
+local function ledger_peaks()
+  local st = mem.stats().cpu
+  local peaks = {total = st.total_peak}
+  for k, v in pairs(st.peak) do peaks[k] = v end
+  return peaks
+end
+
+local function expert_loads(stats)
+  local loads = {}
+  for i, l in ipairs(stats.layers or {}) do
+    loads[i] = {counts = l.counts:totable(), max_share = l.max_share, entropy = l.entropy,
+                dropped = l.dropped}
+  end
+  return loads
+end
+
+local function max_share(stats)
+  local m = 0
+  for _, l in ipairs(stats.layers or {}) do m = math.max(m, l.max_share) end
+  return m
+end
+
+-- Which optimizer group holds view t, and where (elements from the group's start).
+local function locate(t, groups)
+  for gi, g in ipairs(groups) do
+    if t:same_storage(g.params) then
+      local off = t:storage_offset() - g.params:storage_offset()
+      if off >= 0 and off + t:numel() <= g.params:numel() then return gi, off end
+    end
+  end
+end
+
+-- AdamW's flat per-group states keyed by the parameters' Hugging Face names
+-- (DESIGN.md: optim/*.safetensors keyed by the model's names): exp_avg and
+-- exp_avg_sq as views of each parameter's slice, and for lazy-Adam groups
+-- the step count of the parameter's expert as an i64 [1].
+local function optim_by_name(self)
+  local sd = self.optimizer:state_dict()
+  local named, steps = {}, {}
+  for _, p in ipairs(self.model:named_parameters()) do
+    local gi, off = locate(p.tensor, self.groups)
+    local gs, g = gi and sd.groups[gi], gi and self.groups[gi]
+    if gs and gs.exp_avg then
+      named[p.name] = {exp_avg = gs.exp_avg:view_at(off, p.tensor:shape()),
+                       exp_avg_sq = gs.exp_avg_sq:view_at(off, p.tensor:shape())}
+    end
+    if gs and gs.steps then
+      local e = off // (g.params:numel() // g.experts)
+      steps[p.name] = gs.steps:narrow(1, e + 1, 1)
+    end
+  end
+  local meta = {t = sd.t, skipped_expert_steps = sd.skipped_expert_steps, group_steps = {}}
+  for gi, gs in ipairs(sd.groups) do meta.group_steps[gi] = gs.step end
+  return named, next(steps) and steps or nil, meta
+end
+
+-- The inverse: rebuild the per-group state_dict from a checkpoint's named states.
+local function load_optim(self, c, meta)
+  local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
+              groups = {}}
+  for gi = 1, #self.groups do sd.groups[gi] = {step = meta.group_steps[gi]} end
+  for _, p in ipairs(self.model:named_parameters()) do
+    local gi, off = locate(p.tensor, self.groups)
+    local g, gs = self.groups[gi], sd.groups[gi]
+    local o = c.optim and c.optim[p.name]
+    if o then
+      for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
+        gs[k] = gs[k] or tensor.zeros({g.params:numel()}, {dtype = g.params:dtype()})
+        gs[k]:view_at(off, p.tensor:shape()):copy_(o[k])
+      end
+    end
+    local st = c.optim_steps and c.optim_steps[p.name]
+    if st and g.experts then
+      gs.steps = gs.steps or tensor.zeros({g.experts}, {dtype = "i64"})
+      gs.steps:narrow(1, off // (g.params:numel() // g.experts) + 1, 1):copy_(st)
+    end
+  end
+  self.optimizer:load_state_dict(sd)
+end
+
+-- The trainer's state in checkpoints: everything a resumed run needs to
+-- take the same next step.
+local function trainer_state(self, step, optim_meta)
+  return {
+    step = step, data_offset = self.data_offset, skipped = self.skipped,
+    rng = tensor.rng_state(), data = self.data:state(), recipe_state = self.state,
+    ema = self.ema, threads = tensor.threads(), machine = self.machine, optim = optim_meta,
+    provenance = self.provenance,
+  }
+end
+
+local function machine_fingerprint()
+  local cpu = "unknown"
+  local f = io.open("/proc/cpuinfo")
+  if f then
+    for line in f:lines() do
+      local m = line:match("^model name%s*:%s*(.+)$")
+      if m then cpu = m break end
+    end
+    f:close()
+  end
+  return cpu
+end
+
+local Trainer = {}
+Trainer.__index = Trainer
+
+function Trainer:log(obj)
+  if not self.metrics then return end
+  self.metrics:write(json.encode(obj), "\n")
+  self.metrics:flush()
+end
+
+function Trainer:save(step, tag)
+  if not self.run_dir then return nil end
+  local t0 = now()
+  local named, steps, meta = optim_by_name(self)
+  local dir = ckpt.save(self.run_dir .. "/ckpt", step, {
+    model = self.model:named_parameters(), config = self.model:config(),
+    optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta),
+  }, {keep = self.keep})
+  self:log({event = "checkpoint", step = step, dir = dir, reason = tag, seconds = now() - t0})
+  return dir
+end
+
+function Trainer:restore(dir)
+  local c = ckpt.load(dir)
+  for _, p in ipairs(self.model:named_parameters()) do
+    local t = c.model[p.name]
+    if not t then error("moelua.train: checkpoint " .. c.dir .. " lacks " .. p.name, 0) end
+    p.tensor:copy_(t)
+  end
+  local tr = c.trainer
+  load_optim(self, c, tr.optim)
+  tensor.rng_state(tr.rng)
+  self.data:set_state(tr.data)
+  self.data_offset, self.skipped, self.ema = tr.data_offset or 0, tr.skipped or 0, tr.ema
+  for k in pairs(self.state) do self.state[k] = nil end
+  for k, v in pairs(tr.recipe_state or {}) do self.state[k] = v end
+  if tr.threads ~= tensor.threads() then
+    io.stderr:write(string.format("moelua.train: warning: checkpoint was written with %d threads, running %d: " ..
+                                  "results will not be bit-identical\n", tr.threads, tensor.threads()))
+  end
+  if tr.machine and tr.machine ~= self.machine then
+    io.stderr:write("moelua.train: warning: checkpoint was written on another machine (" .. tr.machine .. ")\n")
+  end
+  return tr.step
+end
+
+function Trainer:validate()
+  local n = math.min(self.val_batches, self.data:n_validation())
+  if n == 0 then return nil end
+  local sum = 0
+  for i = 1, n do
+    local loss = self.model:forward(self.data:validation(i), 0)
+    sum = sum + loss
+  end
+  return sum / n
+end
+
+-- One optimizer step; returns the metrics table (skipped = true when skipped).
+function Trainer:step(step)
+  local ctl = {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
+               z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
+  if self.hook then self.hook(step, self.state, ctl) end
+  self.model:set_router{temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
+                        capacity_factor = ctl.capacity_factor}
+  local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
+  self.model:zero_grad()
+  local loss, ce, aux, z, last = 0, 0, 0, 0, nil
+  for micro = 1, self.accum do
+    local t0 = now()
+    local tokens = self.data:batch((step + self.data_offset) * self.accum + micro - 1)
+    local t1 = now()
+    local l, st = self.model:forward(tokens, step)
+    local t2 = now()
+    self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
+    local t3 = now()
+    t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
+    ce, aux, z = ce + st.ce / self.accum, aux + st.aux / self.accum, z + st.z / self.accum
+    loss = loss + (l + ctl.aux_weight * st.aux + ctl.z_weight * st.z) / self.accum
+    last = st
+  end
+  local t4 = now()
+  scale_grads(self.model, 1 / self.accum)
+  local norm = optim.clip_grad_norm(self.optimizer, self.clip or math.huge)
+  local lr = self.lr(step) * ctl.lr_scale
+  local m = {step = step, loss = loss, ce = ce, aux = aux, z = z, lr = lr, grad_norm = norm,
+             temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
+             max_share = max_share(last), loads = expert_loads(last)}
+  if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
+    self.skipped, self.skipped_run = self.skipped + 1, self.skipped_run + 1
+    m.skipped = true
+    self.model:zero_grad()
+  else
+    self.skipped_run = 0
+    self.optimizer:step(lr, self.model:active_masks(self.groups))
+  end
+  t.optim = now() - t4
+  m.phases, m.skipped_total = t, self.skipped
+  local seconds = t.data + t.fwd + t.bwd + t.optim
+  m.tokens_per_s = self.tokens_per_step / seconds
+  m.ledger_peak = ledger_peaks()
+  return m
+end
+
+-- Is this step's loss a spike against the running mean and variance?
+function Trainer:spike(loss)
+  local e = self.ema
+  if not e then
+    self.ema = {mean = loss, var = 0, n = 1}
+    return false
+  end
+  local r = self.rollback
+  local spike = e.n >= r.window and loss > e.mean + r.spike_sigma * math.sqrt(e.var)
+  if not spike then
+    local a = 2 / (r.window + 1)
+    local d = loss - e.mean
+    e.mean = e.mean + a * d
+    e.var = (1 - a) * (e.var + a * d * d)
+    e.n = e.n + 1
+  end
+  return spike
+end
+
+function Trainer:progress(m, step, last_step, t_start)
+  local elapsed = now() - t_start
+  local done = step - self.first_step + 1
+  local eta = elapsed / done * (last_step - step)
+  local peak = m.ledger_peak.total / 2^20
+  local line = string.format("step %d/%d  loss %.4f  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %.1f MiB%s",
+                             step + 1, last_step + 1, m.loss, m.aux, m.lr, m.tokens_per_s, eta, peak,
+                             m.skipped and "  (skipped)" or "")
+  if self.tty then
+    io.stdout:write("\r", line, "\27[K")
+  elseif (step + 1) % self.log_every == 0 or step == last_step then
+    io.stdout:write(line, "\n")
+  end
+  io.stdout:flush()
+end
+
+function train.run(cfg)
+  local self = setmetatable({
+    model = assert(cfg.model, "moelua.train.run: model is required"),
+    data = assert(cfg.data, "moelua.train.run: data is required"),
+    optimizer = assert(cfg.optimizer, "moelua.train.run: optimizer is required"),
+    groups = assert(cfg.groups, "moelua.train.run: groups (the optimizer's param groups) are required"),
+    provenance = cfg.provenance,
+    steps = cfg.steps or 100, accum = cfg.accum or 1, clip = cfg.clip,
+    lr = cfg.lr or function() return 1e-3 end, hook = cfg.hook, state = cfg.state or {},
+    run_dir = cfg.run_dir, keep = cfg.keep or 3, ckpt_every = cfg.ckpt_every or 0,
+    aux_weight = cfg.aux_weight or 0.01, z_weight = cfg.z_weight or 0.0,
+    val_every = cfg.val_every or 0, val_batches = cfg.val_batches or 4, log_every = cfg.log_every or 10,
+    on_rollback = cfg.on_rollback, data_offset = 0, skipped = 0, skipped_run = 0, collapse_run = 0,
+    machine = machine_fingerprint(), tty = cfg.tty,
+  }, Trainer)
+  self.rollback = {}
+  for k, v in pairs(DEFAULT_ROLLBACK) do self.rollback[k] = (cfg.rollback or {})[k] or v end
+  self.tokens_per_step = cfg.seq_len * self.accum
+  if self.run_dir and self.optimizer.kind ~= "AdamW" then
+    error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
+  end
+  if self.run_dir then
+    fs.mkdir_p(self.run_dir)
+    self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", cfg.resume and "a" or "w"))
+  end
+  local first = 0
+  if cfg.resume and cfg.resume ~= "" then
+    first = self:restore(cfg.resume) + 1
+    self:log({event = "resume", step = first, from = cfg.resume})
+  end
+  self.first_step = first
+  local last_good = nil
+  local t_start, last_step = now(), self.steps - 1
+  local step = first
+  local result = {skipped = 0, rollbacks = 0, losses = {}}
+  while step <= last_step do
+    local ok, m = pcall(self.step, self, step)
+    if not ok then
+      local msg = tostring(m)
+      if msg:find("interrupted") then
+        if self.tty then io.stdout:write("\n") end
+        local dir = step > first and self:save(step - 1, "interrupt") or nil
+        self:log({event = "interrupted", step = step, checkpoint = dir})
+        error(string.format("moelua.train: interrupted at step %d%s", step,
+                            dir and ("; saved " .. dir) or ""), 0)
+      end
+      error(m, 0)
+    end
+    result.losses[step] = m.loss
+    self:log(m)
+    self:progress(m, step, last_step, t_start)
+    local share_bad = m.max_share > self.rollback.collapse_share
+    self.collapse_run = share_bad and self.collapse_run + 1 or 0
+    local why = (not m.skipped and self:spike(m.loss)) and "loss spike"
+             or (self.skipped_run >= self.rollback.max_skipped and "skipped steps")
+             or (self.collapse_run >= self.rollback.collapse_steps and "router collapse") or nil
+    if why and last_good then
+      local offending = step
+      local back = self:restore(last_good)
+      self.data_offset = self.data_offset + (offending - back)   -- past the offending batches
+      self.skipped_run, self.collapse_run = 0, 0
+      result.rollbacks = result.rollbacks + 1
+      local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
+                     data_offset = self.data_offset}
+      self:log(event)
+      if self.on_rollback then self.on_rollback(self.state, event) end
+      step = back + 1
+    else
+      if self.val_every > 0 and (step + 1) % self.val_every == 0 then
+        local v = self:validate()
+        if v then self:log({event = "validation", step = step, loss = v}) end
+      end
+      if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
+        last_good = self:save(step, "every")
+        if not why then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
+      end
+      step = step + 1
+    end
+  end
+  if self.tty then io.stdout:write("\n") end
+  result.skipped = self.skipped
+  result.first_step, result.first_loss = first, result.losses[first]
+  result.final_loss = result.losses[last_step]
+  result.checkpoint = self.run_dir and self:save(last_step, "final") or nil
+  if self.metrics then self.metrics:close() end
+  return result
+end
+
+return train

@@ -1,0 +1,106 @@
+-- recipes/longctx.lua: train a small Mixtral-style MoE language model at long
+-- context on real text (the C headers under /usr/include, read as bytes),
+-- on the CPU, within a memory budget. Everything a researcher tunes is here:
+-- edit this file and run it again, no rebuild.
+--
+--   ./moelua recipes/longctx.lua                       # defaults below
+--   ./moelua recipes/longctx.lua --seq-len 32768 --steps 50
+--   ./moelua recipes/longctx.lua --resume runs/longctx/ckpt
+--   ./moelua recipes/longctx.lua --help
+local moelua = require "moelua"
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local sched = require "moelua.sched"
+local data = require "moelua.data"
+local train = require "moelua.train"
+local options = require "moelua.options"
+local mem = moelua.mem
+
+local opts = options.parse(arg, {
+  -- the model
+  {"dim", 64, "model width D"},
+  {"layers", 2, "transformer blocks"},
+  {"heads", 4, "attention heads"},
+  {"kv-heads", 2, "key/value heads (grouped-query attention)"},
+  {"ffn", 128, "expert hidden width F"},
+  {"experts", 4, "experts per MoE layer"},
+  {"topk", 2, "experts per token"},
+  {"checkpoint", "moe", "activation checkpointing per layer: none, attention, moe, full"},
+  {"save", "recompute", "expert pre-activations: save or recompute"},
+  -- the data
+  {"data", "/usr/include/**/*.h", "corpus: a glob of text files, read as bytes"},
+  {"seq-len", 8192, "tokens per sequence"},
+  {"accum", 1, "micro-batches per optimizer step"},
+  -- the optimizer and schedules
+  {"steps", 20, "optimizer steps"},
+  {"lr", 3e-3, "peak learning rate"},
+  {"warmup", 4, "warmup steps"},
+  {"clip", 1.0, "global gradient-norm clip"},
+  {"aux-weight", 0.02, "load-balancing (HF aux) loss weight"},
+  {"z-weight", 1e-3, "router z-loss weight"},
+  {"temperature", 1.0, "router temperature at step 0 (x0.99 every 1000 steps)"},
+  {"noise", 0.1, "gate noise at step 0, decayed with the temperature"},
+  {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01"},
+  -- the run
+  {"seed", 0, "seed of the model, the data order and the gate noise"},
+  {"threads", 2, "CPU threads"},
+  {"budget-gib", 0, "memory budget in GiB (0: 90% of available)"},
+  {"run-dir", "runs/longctx", "metrics.jsonl and checkpoints go here"},
+  {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)"},
+  {"keep", 2, "checkpoints to keep"},
+  {"resume", "", "continue from a checkpoint (a directory or the ckpt root)"},
+}, "usage: moelua recipes/longctx.lua [options]")
+
+moelua.threads(opts.threads)
+moelua.manual_seed(opts.seed)
+if opts.budget_gib > 0 then mem.budget{total = math.floor(opts.budget_gib * 2^30)} end
+
+local model = nn.Transformer.new{
+  vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
+  ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
+  checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
+  moe = {save = opts.save},
+}
+local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
+local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
+local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
+
+-- Per-step settings. Temperature and eps preserve the order of the router
+-- scores, so on their own they never change which experts are chosen: they
+-- reshape the combine weights and the aux loss's probabilities. The gate
+-- noise is what explores, so it anneals together with the temperature.
+local temperature = sched.exponential{start = opts.temperature, factor = 0.99, every = 1000}
+local noise = sched.exponential{start = opts.noise, factor = 0.99, every = 1000}
+local eps = sched.piecewise_linear{{0, opts.eps}, {opts.steps, math.min(opts.eps, 0.01)}}
+local function hook(step, state, ctl)
+  ctl.temperature, ctl.noise, ctl.eps = temperature(step), noise(step), eps(step)
+  ctl.aux_weight, ctl.z_weight = opts.aux_weight, opts.z_weight
+  ctl.lr_scale = state.lr_scale or 1.0
+end
+
+-- After a rollback (loss spike, skipped steps or router collapse), train
+-- more gently from the restored checkpoint.
+local function on_rollback(state, event)
+  state.lr_scale = (state.lr_scale or 1.0) * 0.5
+  print(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
+end
+
+print(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
+                    opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
+local result = train.run{
+  model = model, data = ds, optimizer = opt, groups = groups, seq_len = opts.seq_len,
+  steps = opts.steps, accum = opts.accum, clip = opts.clip,
+  lr = sched.warmup_cosine{peak = opts.lr, warmup = opts.warmup, total = math.max(opts.steps, opts.warmup + 1),
+                           min = opts.lr / 10},
+  hook = hook, state = {}, on_rollback = on_rollback,
+  run_dir = opts.run_dir, ckpt_every = opts.ckpt_every, keep = opts.keep, resume = opts.resume,
+  val_every = opts.ckpt_every, val_batches = 2, tty = moelua.fs.isatty(1),
+  provenance = {recipe = arg[0], options = opts},
+  rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_share = 0.9, collapse_steps = 10},
+}
+
+print(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
+                    result.first_loss, result.final_loss, result.first_step, opts.steps - 1,
+                    result.skipped, result.rollbacks))
+print(mem.report())
+print("checkpoint: " .. tostring(result.checkpoint))

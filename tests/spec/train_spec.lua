@@ -1,0 +1,167 @@
+-- The training loop (lua/moelua/train.lua) and the recipes: the loss falls,
+-- a resumed run repeats an uninterrupted one bit for bit, bad steps are
+-- skipped, rollbacks restore and move on, Ctrl-C saves, options are checked.
+local m = require "moelua"
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local sched = require "moelua.sched"
+local data = require "moelua.data"
+local train = require "moelua.train"
+local ckpt = require "moelua.ckpt"
+local json = require "dkjson"
+local support = require "tests.support"
+
+local SEQ = 64
+
+-- A fresh tiny model, corpus and optimizer (the same every call).
+local function pieces()
+  m.manual_seed(0)
+  local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 1, heads = 2, kv_heads = 1, ffn = 24,
+                                   experts = 4, topk = 2, seed = 0, checkpoint = "moe"}
+  local ds = data.open{glob = "/usr/include/std*.h", seq_len = SEQ, seed = 0, holdout = 0.01}
+  local groups = model:param_groups{weight_decay = 0.1}
+  local opt = optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95})
+  return model, ds, groups, opt
+end
+
+local function run(over)
+  local model, ds, groups, opt = pieces()
+  local cfg = {model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ, steps = 6,
+               lr = sched.warmup_cosine{peak = 3e-3, warmup = 2, total = 6}, clip = 1.0,
+               aux_weight = 0.01, z_weight = 1e-3}
+  for k, v in pairs(over or {}) do cfg[k] = v end
+  return train.run(cfg), model
+end
+
+local function events(dir, kind)
+  local out = {}
+  for line in io.lines(dir .. "/metrics.jsonl") do
+    local obj = json.decode(line)
+    if obj.event == kind or (kind == nil and obj.event == nil) then out[#out + 1] = obj end
+  end
+  return out
+end
+
+describe("train.run", function()
+  local dir
+  before_each(function() dir = support.make_tmpdir() end)
+  after_each(function() support.remove_dir(dir) end)
+
+  it("lowers the loss of a tiny model and logs every step", function()
+    local r = run{steps = 12, lr = sched.constant(5e-3), run_dir = dir}
+    assert.is_true(r.final_loss < r.first_loss - 0.3,
+                   string.format("loss %.4f -> %.4f", r.first_loss, r.final_loss))
+    local steps = events(dir)
+    assert.are.equal(12, #steps)
+    for _, k in ipairs({"loss", "ce", "aux", "z", "lr", "temperature", "tokens_per_s", "ledger_peak",
+                        "loads", "phases", "grad_norm"}) do
+      assert.is_not_nil(steps[1][k], "metrics lack " .. k)
+    end
+    assert.are.equal(4, #steps[1].loads[1].counts)
+    assert.is_true(steps[1].ledger_peak.params > 0)
+    assert.are.equal(1, #events(dir, "checkpoint"))         -- the final one
+  end)
+
+  it("resumes bit-exactly from a checkpoint", function()
+    local a = run{run_dir = dir .. "/a", ckpt_every = 3, keep = 5}
+    local b = run{run_dir = dir .. "/b", resume = dir .. "/a/ckpt/step-000002"}
+    assert.are.equal(3, b.first_step)
+    for step = 3, 5 do
+      assert.are.equal(string.format("%a", a.losses[step]), string.format("%a", b.losses[step]),
+                       "step " .. step)
+    end
+  end)
+
+  it("skips a step with a non-finite loss and counts it", function()
+    local r = run{hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}
+    assert.are.equal(1, r.skipped)
+    assert.is_true(r.final_loss == r.final_loss)
+  end)
+
+  it("rolls back on router collapse, moves the data on and calls the recipe", function()
+    local calls = 0
+    local r = run{steps = 5, run_dir = dir, ckpt_every = 1, keep = 5,
+                  rollback = {collapse_share = 0.0, collapse_steps = 2},
+                  on_rollback = function(state, event)
+                    calls = calls + 1
+                    state.rollbacks = (state.rollbacks or 0) + 1
+                    assert.are.equal("router collapse", event.reason)
+                  end}
+    assert.is_true(r.rollbacks >= 1)
+    assert.are.equal(r.rollbacks, calls)
+    local ev = events(dir, "rollback")
+    assert.are.equal(r.rollbacks, #ev)
+    assert.is_true(ev[1].data_offset > 0)
+  end)
+
+  it("refuses a run without its pieces", function()
+    local model, ds, groups, opt = pieces()
+    assert.matches("groups", support.errmsg(train.run, {model = model, data = ds, optimizer = opt}))
+    local sgd = optim.SGD(groups, {lr = 0.1})
+    assert.matches("checkpoints carry AdamW states",
+                   support.errmsg(train.run, {model = model, data = ds, optimizer = sgd, groups = groups,
+                                              seq_len = SEQ, run_dir = dir}))
+  end)
+end)
+
+describe("recipes", function()
+  it("tiny trains, checkpoints and reports the ledger", function()
+    local dir = support.make_tmpdir()
+    local p = assert(io.popen(support.host_command({"recipes/tiny.lua", "--steps", "4", "--seq-len", "64",
+                                                   "--run-dir", dir, "--ckpt-every", "2"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are.equal(0, code, out)
+    assert.matches("loss [%d.]+ %-> [%d.]+ over steps 0..3", out)
+    assert.matches("memory ledger %(cpu%)", out)
+    assert.matches("optim", out)
+    assert.is_not_nil(ckpt.latest(dir .. "/ckpt"))
+    support.remove_dir(dir)
+  end)
+
+  it("name a bad option before allocating anything", function()
+    local p = assert(io.popen(support.host_command({"recipes/tiny.lua", "--sq-len", "64"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are_not.equal(0, code)
+    assert.matches("unknown option %-%-sq%-len", out)
+    p = assert(io.popen(support.host_command({"recipes/tiny.lua", "--steps", "many"}) .. " 2>&1"))
+    code, out = support.finish_child(p)
+    assert.are_not.equal(0, code)
+    assert.matches("option %-%-steps expects a number, got 'many'", out)
+  end)
+
+  it("list every option with --help", function()
+    local p = assert(io.popen(support.host_command({"recipes/longctx.lua", "--help"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are.equal(0, code)
+    for _, o in ipairs({"--seq-len", "--experts", "--resume", "--budget-gib", "--checkpoint"}) do
+      assert.is_truthy(out:find(o, 1, true), o)
+    end
+  end)
+
+  it("save a checkpoint and exit non-zero on Ctrl-C", function()
+    local dir = support.make_tmpdir()
+    local code, out = support.interrupt_child(string.format([[
+      io.stdout:setvbuf("no")
+      print(io.open("/proc/self/stat"):read("n"))
+      arg = {[0] = "recipes/tiny.lua", "--steps", "100000", "--seq-len", "512", "--run-dir", %q,
+             "--ckpt-every", "0"}
+      local train = require "moelua.train"
+      local run, say = train.run, print
+      print = function() end                 -- the recipe's banner would come before "ready"
+      train.run = function(cfg)
+        local hook = cfg.hook
+        cfg.log_every = 1e9
+        cfg.hook = function(step, state, ctl)
+          if step == 2 then say("ready"); print = say end
+          return hook(step, state, ctl)
+        end
+        return run(cfg)
+      end
+      dofile("recipes/tiny.lua")
+    ]], dir), 0.5)
+    assert.are_not.equal(0, code)
+    assert.matches("interrupted at step %d+; saved ", out)
+    assert.is_not_nil(ckpt.latest(dir .. "/ckpt"))
+    support.remove_dir(dir)
+  end)
+end)
