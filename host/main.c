@@ -17,7 +17,9 @@
  * binding clears the flag and raises "interrupted" after its parallel region
  * (host/l_util.c), or else by the hook at the next Lua instruction. The
  * handler resets itself to SIG_DFL, so a second Ctrl-C before either kills a
- * stuck process. Not here: Ctrl-C at the REPL prompt (host/repl.c).
+ * stuck process. SIGTERM is handled the same way, so a training job asked
+ * to stop finishes or abandons its step and checkpoints (moelua.train).
+ * Not here: Ctrl-C at the REPL prompt (host/repl.c).
  *
  * Shutdown order (STYLE.md): close the Lua state (finalizers return every
  * tensor to the ledger), then check that every ledger is empty.
@@ -105,13 +107,15 @@ int ml_docall(lua_State *L, int narg, int nres)
     lua_insert(L, base);
     interrupted = 0;
     global_L = L;
-    struct sigaction sa, old;
+    struct sigaction sa, old_int, old_term;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_sigint;
     sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
     int status = lua_pcall(L, narg, nres, base);
-    sigaction(SIGINT, &old, NULL);
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
     lua_sethook(L, NULL, 0, 0);
     interrupted = 0;
     lua_remove(L, base);

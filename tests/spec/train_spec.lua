@@ -138,6 +138,31 @@ describe("recipes", function()
     end
   end)
 
+  it("stop a job on SIGTERM as on Ctrl-C", function()
+    local path = os.tmpname()
+    support.write_file(path, [[
+      io.stdout:setvbuf("no")
+      local m = require "moelua"
+      print(io.open("/proc/self/stat"):read("n"))
+      local a = m.randn({512, 512})
+      local ok, err = pcall(function()
+        print("ready")
+        for _ = 1, 100000 do m.matmul(a, a) end
+      end)
+      print("caught", ok, err)
+      os.exit(3)
+    ]])
+    local p = assert(io.popen(support.host_command({path}) .. " 2>&1", "r"))
+    local pid = p:read("n")
+    p:read("l")
+    assert.are.equal("ready", p:read("l"))
+    assert(os.execute("kill -TERM " .. math.tointeger(pid)))
+    local code, out = support.finish_child(p)
+    os.remove(path)
+    assert.are.equal(3, code, out)
+    assert.matches("caught\tfalse\t[^\n]*interrupted", out)
+  end)
+
   it("save a checkpoint and exit non-zero on Ctrl-C", function()
     local dir = support.make_tmpdir()
     local code, out = support.interrupt_child(string.format([[
