@@ -9,7 +9,7 @@ LUA_A   := /usr/lib/x86_64-linux-gnu/liblua5.4.a
 # No -ffast-math anywhere; no FMA contraction, so our own kernels' summation
 # order is the one the source says (DESIGN.md, Numerics).
 CFLAGS  ?= -O2 -g
-CFLAGS  += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp \
+override CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -fopenmp \
            -ffp-contract=off -I$(LUA_INC) -MMD -MP
 # Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
 # term, system) resolve lua_* against the host.
@@ -23,7 +23,7 @@ SRC         := $(HOST_SRC) $(KERNEL_SRC)
 ifeq ($(CUDA),1)
 BUILD   := build/cuda
 TARGET  := build/cuda/moelua
-CFLAGS  += -DML_WITH_CUDA -I/usr/local/cuda/include
+override CFLAGS += -DML_WITH_CUDA -I/usr/local/cuda/include
 SRC     += host/backend_cuda.c
 NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
@@ -35,7 +35,7 @@ LDLIBS  += -L/usr/local/cuda/lib64 -lcudart_static -lrt -lpthread -ldl -lstdc++
 else ifeq ($(SANITIZE),1)
 BUILD   := build/asan
 TARGET  := build/asan/moelua
-CFLAGS  += -fsanitize=address,undefined -fno-omit-frame-pointer
+override CFLAGS += -fsanitize=address,undefined -fno-omit-frame-pointer
 LDLIBS  += -fsanitize=address,undefined
 else
 BUILD   := build/cpu
@@ -81,11 +81,11 @@ bench-deps: deps
 test: deps
 	$(MAKE) all
 	$(MAKE) build/tests
-	MOELUA=./$(TARGET) tests/run.sh
+	MOELUA=./$(TARGET) TEST_BUILD=$(BUILD) tests/run.sh
 
 run: deps
 	$(MAKE) all
-	./moelua recipes/longctx.lua
+	./$(TARGET) recipes/longctx.lua
 
 # C unit tests: each tests/c/test_*.c links against the host objects.
 TEST_SRC := $(wildcard tests/c/test_*.c)
@@ -97,7 +97,7 @@ $(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Ihost -o $@ $< $(LIB_OBJ) $(LDLIBS)
 
-# ASan + UBSan over the whole suite (slower; not part of CI, see README).
+# ASan + UBSan over the whole suite (CI runs it too).
 # UBSan only prints unless told to halt, and run.sh keeps no passing log,
 # so halt_on_error makes undefined behaviour fail its suite. Child
 # processes the specs start inherit these settings.

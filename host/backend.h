@@ -39,6 +39,9 @@ typedef struct ml_backend {
     /* Raw device memory; the ledger is charged by the caller. The CUDA
      * backend caches freed blocks and reports its reserved bytes. */
     void *(*alloc)(size_t nbytes, ml_ledger *lg);
+    /* Bytes the device reserves for a block of nbytes (a caching allocator
+     * rounds up); NULL: nbytes. Budgets are checked against this. */
+    size_t (*reserve_bytes)(size_t nbytes);
     void (*free)(void *p, size_t nbytes, ml_ledger *lg);
     /* Byte copy where one side may be on the host (dst_host / src_host). */
     ml_status (*memcpy)(void *dst, int dst_host, const void *src, int src_host, size_t n);

@@ -414,6 +414,7 @@ const ml_backend ml_backend_cuda = {
     .available = cuda_available,
     .supports = cuda_supports,
     .alloc = cuda_alloc,
+    .reserve_bytes = round_size,
     .free = cuda_free,
     .memcpy = cuda_memcpy,
     .synchronize = cuda_synchronize,

@@ -231,7 +231,8 @@ static const char *const RAND_OPTS[] = {"dtype", "device", "lo", "hi", "mean", "
                                         "offset", NULL};
 
 /* A draw uses the host generator (advancing its counter) unless opts give
- * {seed=, offset=}, which address the stream directly and advance nothing. */
+ * a seed and/or an offset (seed defaults to the host's, offset to 0), which
+ * address a stream directly and advance nothing. */
 static int draw(lua_State *L, const char *fn, int normal)
 {
     int opt;
@@ -239,29 +240,36 @@ static int draw(lua_State *L, const char *fn, int normal)
     if (t->dtype != ML_F32 && t->dtype != ML_F64 && t->dtype != ML_BF16 && t->dtype != ML_F16)
         ml_error(L, fn, "random draws need a float dtype, got %s", ml_dtype_names[t->dtype]);
     ml_host *h = ml_host_of(L);
-    double a = normal ? 0 : 0, b = 1;
+    double a = 0, b = 1;
     uint64_t seed = h->seed, offset = h->rng_offset;
-    int explicit_offset = 0;
+    int addressed = 0;   /* {seed=} and/or {offset=}: a fixed place in a stream */
     if (opt) {
         const char *ka = normal ? "mean" : "lo", *kb = normal ? "std" : "hi";
         if (lua_getfield(L, opt, ka) != LUA_TNIL) a = luaL_checknumber(L, -1);
         if (lua_getfield(L, opt, kb) != LUA_TNIL) b = luaL_checknumber(L, -1);
-        if (lua_getfield(L, opt, "seed") != LUA_TNIL) seed = (uint64_t)luaL_checkinteger(L, -1);
+        if (lua_getfield(L, opt, "seed") != LUA_TNIL) {
+            seed = (uint64_t)luaL_checkinteger(L, -1);
+            offset = 0;
+            addressed = 1;
+        }
         if (lua_getfield(L, opt, "offset") != LUA_TNIL) {
             lua_Integer o = luaL_checkinteger(L, -1);
             if (o < 0)
                 ml_error(L, fn, "option 'offset' must be >= 0");
             offset = (uint64_t)o;
-            explicit_offset = 1;
+            addressed = 1;
         }
         lua_pop(L, 4);
     }
+    if (normal ? !(b >= 0) : !(a <= b))
+        ml_error(L, fn, normal ? "option 'std' must be >= 0, got %g" : "option 'lo' (%g) must not exceed 'hi'",
+                 normal ? b : a);
     int64_t n = ml_numel(t);
     ml_kctx ctx = ml_kctx_of(h);
     const ml_backend *be = h->backend[t->st->device];
     ml_check_status(L, fn, (normal ? be->randn : be->rand)(t->dtype, ml_data(t), n, seed, offset,
                                                             a, b, &ctx));
-    if (!explicit_offset)
+    if (!addressed)
         h->rng_offset += (uint64_t)(n + 3) / 4;
     return 1;
 }
@@ -657,6 +665,11 @@ static int l_tensor_copy_(lua_State *L)
     static const char fn[] = "Tensor:copy_";
     ml_tensor *dst = ml_checktensor(L, 1, fn), *src = ml_checktensor(L, 2, fn);
     check_same_shape(L, fn, dst, src);
+    if (dst->st == src->st) {   /* views of one buffer may overlap: go through a copy */
+        ml_tensor *tmp = ml_newtensor(L, fn, src->st->device, src->dtype, src->ndim, src->shape);
+        ml_run_copy(L, fn, tmp, src);
+        src = tmp;
+    }
     ml_run_copy(L, fn, dst, src);
     lua_settop(L, 1);
     return 1;
@@ -709,13 +722,12 @@ static ml_tensor *host_copy(lua_State *L, int idx, const char *fn)
 
 static void push_element(lua_State *L, const ml_tensor *t, size_t i)
 {
-    double v = ml_load(t->dtype, ml_data(t), i);
     if (t->dtype == ML_I64)
         lua_pushinteger(L, ((const int64_t *)ml_data(t))[i]);
     else if (t->dtype == ML_I32 || t->dtype == ML_U8)
-        lua_pushinteger(L, (lua_Integer)v);
+        lua_pushinteger(L, (lua_Integer)ml_load(t->dtype, ml_data(t), i));
     else
-        lua_pushnumber(L, v);
+        lua_pushnumber(L, ml_load(t->dtype, ml_data(t), i));
 }
 
 static void totable_rec(lua_State *L, const ml_tensor *t, int level, size_t *pos)
@@ -733,9 +745,21 @@ static void totable_rec(lua_State *L, const ml_tensor *t, int level, size_t *pos
 static int l_tensor_totable(lua_State *L)
 {
     static const char fn[] = "Tensor:totable";
-    ml_tensor *t = host_copy(L, 1, fn);
-    if (ml_numel(t) > (1 << 26))
-        ml_error(L, fn, "%lld elements is too many for a Lua table", (long long)ml_numel(t));
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    /* Lua tables made: one per index of every leading dim (shape [2^40, 0]
+     * has no elements but would make 2^40 tables) plus the elements. */
+    int64_t tables = 0, lead = 1, limit = (int64_t)1 << 26;
+    for (int d = 0; d < t->ndim && tables <= limit; d++) {
+        if (t->shape[d] > INT32_MAX)
+            ml_error(L, fn, "dim %d has %lld entries, too many for a Lua table", d + 1,
+                     (long long)t->shape[d]);
+        tables += lead;
+        lead = lead > limit / (t->shape[d] ? t->shape[d] : 1) ? limit + 1 : lead * t->shape[d];
+    }
+    if (tables > limit || ml_numel(t) > limit)
+        ml_error(L, fn, "shape is too large for Lua tables (at most %lld tables and elements)",
+                 (long long)limit);
+    t = host_copy(L, 1, fn);
     size_t pos = 0;
     if (t->ndim == 0)
         push_element(L, t, 0);
@@ -770,8 +794,9 @@ static int l_tensor_release(lua_State *L)
 
 /* ---- printing --------------------------------------------------------------- */
 
-/* Metadata, up to 6 values and min/mean/max. Only those few numbers leave
- * a device: the statistics are reduced where the tensor lives. The text is
+/* Metadata, up to 6 leading values and, for contiguous float tensors,
+ * min/mean/max. Only those few numbers leave a device (the statistics are
+ * reduced where the tensor lives) and nothing is copied whole. The text is
  * built in a C buffer, since the temporaries below use the Lua stack. */
 static int l_tensor_tostring(lua_State *L)
 {
@@ -794,12 +819,15 @@ static int l_tensor_tostring(lua_State *L)
     int64_t n = ml_numel(t);
     if (n > 0) {
         lua_settop(L, 1);
-        ml_tensor *c = ml_contiguous_arg(L, 1, fn);
-        ml_tensor head = *c;               /* the first few elements as a 1-D view */
-        int64_t shown = n < 6 ? n : 6;
+        /* up to 6 leading values, never a copy of the whole: in storage order
+         * when contiguous, else from the first row (strided) */
+        int contig = ml_is_contiguous(t);
+        ml_tensor head = *t;
+        int64_t run = contig ? n : t->ndim ? t->shape[t->ndim - 1] : 1;
+        int64_t shown = run < 6 ? run : 6;
         head.ndim = 1;
         head.shape[0] = shown;
-        head.stride[0] = 1;
+        head.stride[0] = contig || !t->ndim ? 1 : t->stride[t->ndim - 1];
         ml_tensor *vals = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &shown);
         ml_run_copy(L, fn, vals, &head);
         at += (size_t)snprintf(text + at, sizeof text - at, ", {");
@@ -808,16 +836,17 @@ static int l_tensor_tostring(lua_State *L)
                                    ((double *)vals->st->data)[i]);
         if (at < sizeof text)
             at += (size_t)snprintf(text + at, sizeof text - at, n > shown ? ", ...}" : "}");
-        if ((t->dtype == ML_F32 || t->dtype == ML_F64) && at < sizeof text) {
-            const ml_backend *be = ml_backend_of(L, fn, c->st->device);
+        /* statistics where they cost no copy: contiguous float tensors */
+        if ((t->dtype == ML_F32 || t->dtype == ML_F64) && contig && at < sizeof text) {
+            const ml_backend *be = ml_backend_of(L, fn, t->st->device);
             ml_kctx ctx = ml_kctx_of(ml_host_of(L));
             int64_t three = 3;
-            ml_tensor *st = ml_newtensor(L, fn, c->st->device, c->dtype, 1, &three);
-            size_t esz = ml_dtype_size(c->dtype);
+            ml_tensor *st = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &three);
+            size_t esz = ml_dtype_size(t->dtype);
             static const ml_redop ops[3] = {ML_RMIN, ML_RMEAN, ML_RMAX};
             for (int i = 0; i < 3; i++)
-                ml_check_status(L, fn, be->reduce_all(ops[i], c->dtype, (char *)ml_data(st) + i * esz,
-                                                      NULL, ml_data(c), n, &ctx));
+                ml_check_status(L, fn, be->reduce_all(ops[i], t->dtype, (char *)ml_data(st) + i * esz,
+                                                      NULL, ml_data(t), n, &ctx));
             ml_tensor *hs = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &three);
             ml_run_copy(L, fn, hs, st);
             const double *v = hs->st->data;

@@ -2,9 +2,9 @@
  * host/ledger.h - the memory ledger: one per device, through which every
  * tensor byte is accounted, tagged with a category.
  *
- * The ledger counts; it does not allocate. host/alloc.c asks the ledger for
- * permission (ml_ledger_charge), allocates, and gives the bytes back with
- * ml_ledger_credit. Budgets are checked before anything is allocated, so a
+ * The ledger counts; it does not allocate. host/tensor.c (ml_storage_new)
+ * and host/pool.c ask it for permission (ml_ledger_check), allocate, charge
+ * (ml_ledger_charge) and give the bytes back with ml_ledger_credit. Budgets are checked before anything is allocated, so a
  * refused request leaves every existing tensor intact.
  */
 #ifndef ML_LEDGER_H

@@ -26,7 +26,7 @@ static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astat
         *astatus = ML_ALLOC_NODEVICE;
         return ML_POOL_LEDGER;
     }
-    switch (ml_ledger_check(lg, ML_CAT_POOL, bytes)) {
+    switch (ml_ledger_check(lg, ML_CAT_POOL, be->reserve_bytes ? be->reserve_bytes(bytes) : bytes)) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
     case ML_LEDGER_OK:            break;

@@ -29,6 +29,9 @@ run_suite() {  # name, command...
     if [ "$rc" -ne 0 ] && [ "$bad" -eq 0 ]; then
         bad=1   # a crash or a load error counts as a failure
         crashed=$((crashed + 1))
+    elif [ "$ok" -eq 0 ] && [ "$bad" -eq 0 ] && [ "$skip" -eq 0 ]; then
+        bad=1   # a suite that ran no test is a broken suite, not a pass
+        echo "not ok - $name ran no test" >> "$out"
     fi
     passed=$((passed + ok)); failed=$((failed + bad)); skipped=$((skipped + skip))
     printf '%-34s %4d passed %4d failed %4d skipped %7.2fs\n' "$name" "$ok" "$bad" "$skip" "$(awk -v a="$t0" -v b="$t1" 'BEGIN{print b-a}')"

@@ -5,7 +5,8 @@
 --                         optim_steps = {[name] = i64 [E]} or nil,
 --                         trainer = {...}}, {keep = K})        -- -> root/step-000123
 --   local c = ckpt.load(root_or_dir)   -- {model = {name -> tensor}, names =, config =,
---                                      --  optim =, optim_steps =, trainer =, dir =}
+--                                      --  optim =, optim_steps =, trainer =, dir =,
+--                                      --  dtypes = {name -> dtype on disk}}
 --   ckpt.latest(root), ckpt.last_good(root), ckpt.mark_good(root, dir), ckpt.list(root)
 --
 -- A save writes root/step-NNNNNN.tmp/ (model.safetensors with metadata
@@ -323,7 +324,9 @@ function ckpt.save(root, step, state, opts)
 
   fs.mkdir_p(root)
   for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
-    if name:match("^step%-%d+%.tmp$") then fs.remove_tree(join(root, name)) end
+    if name:match("^step%-%d+%.tmp$") or name:match("^step%-%d+%.replaced%.tmp$") then
+      fs.remove_tree(join(root, name))
+    end
   end
   local name = string.format("step-%06d", step)
   local final, tmp = join(root, name), join(root, name .. ".tmp")
@@ -340,13 +343,16 @@ function ckpt.save(root, step, state, opts)
 
   local ok, err = pcall(write_all, tmp, model, config, exp_avg, exp_avg_sq, steps, trainer, opts.fail_at)
   if ok and exists(final) then     -- re-saving a step (after a rollback): replace it
-    ok, err = pcall(function()
-      local old = join(root, name .. ".replaced.tmp")
-      fs.rename(final, old)
-      fs.rename(tmp, final)
-      fs.fsync(root)
-      fs.remove_tree(old)
-    end)
+    local old = join(root, name .. ".replaced.tmp")
+    ok, err = pcall(fs.rename, final, old)
+    if ok then
+      ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
+      if ok then
+        fs.remove_tree(old)
+      else
+        pcall(fs.rename, old, final)   -- put the previous version back before reporting
+      end
+    end
   elseif ok then
     ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
   end
@@ -362,9 +368,14 @@ function ckpt.save(root, step, state, opts)
       local okp, d = pcall(read_pointer, root, p)
       if okp and d then protect[d] = true end
     end
-    local dirs = step_dirs(root)
-    for i = 1, #dirs - opts.keep do
-      if not protect[dirs[i].dir] then fs.remove_tree(dirs[i].dir) end
+    -- Steps after this one belong to a run that was rolled back past: they
+    -- go first; then the oldest beyond `keep`.
+    local dirs, kept = step_dirs(root), {}
+    for _, d in ipairs(dirs) do
+      if d.step > step and not protect[d.dir] then fs.remove_tree(d.dir) else kept[#kept + 1] = d end
+    end
+    for i = 1, #kept - opts.keep do
+      if not protect[kept[i].dir] then fs.remove_tree(kept[i].dir) end
     end
   end
   return final
@@ -419,9 +430,9 @@ end
 local function load_model(dir)
   local single = join(dir, "model.safetensors")
   local index = join(dir, "model.safetensors.index.json")
-  local model = {}
+  local model, dtypes = {}, {}
   if exists(single) then
-    for k, t in pairs(load_st(single)) do model[k] = to_f32(t) end
+    for k, t in pairs(load_st(single)) do dtypes[k] = t:dtype(); model[k] = to_f32(t) end
   elseif exists(index) then
     local idx = decode(assert(read_all(index)), index, "load")
     if type(idx) ~= "table" or type(idx.weight_map) ~= "table" then
@@ -440,13 +451,14 @@ local function load_model(dir)
       local ts = load_st(p)
       for _, name in ipairs(names) do
         if not ts[name] then fail("load", "'%s': tensor '%s' is not in shard '%s'", index, name, p) end
+        dtypes[name] = ts[name]:dtype()
         model[name] = to_f32(ts[name])
       end
     end
   else
     fail("load", "'%s' has neither model.safetensors nor model.safetensors.index.json", dir)
   end
-  return model
+  return model, dtypes
 end
 
 -- ckpt.load(root_or_dir)
@@ -462,7 +474,8 @@ function ckpt.load(path)
     if not exists(dir) then fail("load", "'%s' names '%s', which does not exist", join(path, "latest"), dir) end
   end
   verify_manifest(dir, exists(join(dir, "trainer.json")))
-  local c = {dir = dir, model = load_model(dir)}
+  local c = {dir = dir}
+  c.model, c.dtypes = load_model(dir)
   c.names = {}
   for k in pairs(c.model) do c.names[#c.names + 1] = k end
   table.sort(c.names)

@@ -104,6 +104,10 @@ describe("moelua.ckpt", function()
     st9.model[1].tensor:fill_(0.5)
     ckpt.save(root, 4, st9, {keep = 2})
     assert.same(st9.model[1].tensor:totable(), ckpt.load(root).model[st9.model[1].name]:totable())
+    -- a rollback to step 4: step 5 belonged to the abandoned run and goes first
+    steps = {}
+    for _, e in ipairs(ckpt.list(root)) do steps[#steps + 1] = e.step end
+    assert.same({1, 4}, steps)
     has(errmsg(ckpt.mark_good, root, root .. "/step-000009"), "is not a checkpoint under")
   end)
 

@@ -152,6 +152,10 @@ describe("printing", function()
     local s = tostring(m.arange(10, {dtype = "f64"}):view(2, 5))
     assert.matches("^tensor%(%[2,5%], f64, cpu, {0, 1, 2, 3, 4, 5, %.%.%.}, min 0 mean 4%.5 max 9%)$", s)
     assert.are.equal("tensor([0], f32, cpu)", tostring(m.zeros({0})))
+    -- a view prints its first row, copies nothing whole and skips the statistics
+    local before = m.mem.stats().cpu.allocs.other
+    assert.are.equal("tensor([5,2], f64, cpu, {0, 5, ...})", tostring(m.arange(10, {dtype = "f64"}):view(2, 5):t()))
+    assert.is_true(m.mem.stats().cpu.allocs.other - before <= 2)
     local t = m.zeros({2})
     t:free()
     assert.are.equal("tensor(freed)", tostring(t))
