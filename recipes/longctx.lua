@@ -6,6 +6,7 @@
 --   ./moelua recipes/longctx.lua                       # defaults below
 --   ./moelua recipes/longctx.lua --seq-len 32768 --steps 50
 --   ./moelua recipes/longctx.lua --resume runs/longctx/ckpt
+--   ./moelua recipes/longctx.lua --init-from path/to/mixtral-ckpt   # fine-tune its weights
 --   ./moelua recipes/longctx.lua --help
 local moelua = require "moelua"
 local nn = require "moelua.nn"
@@ -49,6 +50,8 @@ local opts = options.parse(arg, {
   {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)"},
   {"keep", 2, "checkpoints to keep"},
   {"resume", "", "continue from a checkpoint (a directory or the ckpt root)"},
+  {"init-from", "", "start from a Mixtral-format checkpoint's weights (model.safetensors or a " ..
+                    "sharded index; F32/BF16/F16; shapes must match the model options)"},
 }, "usage: moelua recipes/longctx.lua [options]")
 
 moelua.threads(opts.threads)
@@ -94,6 +97,7 @@ local result = train.run{
                            min = opts.lr / 10},
   hook = hook, state = {}, on_rollback = on_rollback,
   run_dir = opts.run_dir, ckpt_every = opts.ckpt_every, keep = opts.keep, resume = opts.resume,
+  init_from = opts.init_from,
   val_every = opts.ckpt_every, val_batches = 2, tty = moelua.fs.isatty(1),
   provenance = {recipe = arg[0], options = opts},
   rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_share = 0.9, collapse_steps = 10},

@@ -31,11 +31,16 @@
 -- loss and each layer's coefficient for backward. aux_scope = "layer"
 -- averages the per-layer losses instead. The router z-loss (ST-MoE) is the
 -- mean over (layer, token) of logsumexp(raw logits)^2.
+--
+-- Profile: when layer.profile is a table (a model's), forward and backward
+-- add their seconds to its router, dispatch and experts fields and the
+-- expert GEMMs' FLOPs to experts_flop (one bench.now() per phase).
 local tensor = require "moelua.tensor"
 local router = require "moelua.router"
 local experts = require "moelua.experts"
 local pool = require "moelua.pool"
 local mem = require "moelua.mem"
+local now = require("moelua.bench").now
 
 local moe = {}
 
@@ -199,11 +204,20 @@ function Layer:forward(x, step)
     self.pool:reset()                       -- the previous step's transients end here
   end
   self.router_opts.step = step or 0
+  local pf = self.profile
+  local t0 = pf and now()
   local idx, w, rs = router.forward(x, self.params.wg, self.router_opts)
+  local t1 = pf and now()
   local eo = self.expert_opts
   eo.capacity = o.policy == "drop" and math.ceil(o.capacity_factor * T * o.topk / o.experts) or nil
   local plan = experts.dispatch(idx, o.experts, eo)
+  local t2 = pf and now()
   local y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
+  if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per kept assignment
+    local t3 = now()
+    pf.router, pf.dispatch, pf.experts = pf.router + (t1 - t0), pf.dispatch + (t2 - t1), pf.experts + (t3 - t2)
+    pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * (T * o.topk - plan.ndropped)
+  end
   self.ctx = {x = x, idx = idx, w = w, plan = plan, saved = saved, rstats = rs}
   local Tn = math.max(T, 1)
   local mean_prob = self.pool:tensor({o.experts}, {dtype = "f64"}):copy_(rs.psum):div_(Tn)
@@ -240,8 +254,11 @@ end
 function Layer:backward(dy, coef)
   local c = assert(self.ctx, "moelua.moe: backward without a forward")
   local p, g = self.params, self.grads
+  local pf = self.profile
+  local t0 = pf and now()
   local dx, _, _, dw, touched = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,
                                                  self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+  local t1 = pf and now()
   local aux, z
   if coef then
     aux, z = coef.aux, coef.z
@@ -249,6 +266,11 @@ function Layer:backward(dy, coef)
     aux, z = own_coefficients(self)
   end
   router.backward(dw, c.x, p.wg, c.idx, self.router_opts, {aux = aux, z = z, dx = dx, dwg = g.wg})
+  if pf then   -- expert backward: dgate_up, ddown and dx GEMMs, 2x the forward's (recompute not counted)
+    pf.experts, pf.router = pf.experts + (t1 - t0), pf.router + (now() - t1)
+    pf.experts_flop = pf.experts_flop + 12 * self.opts.dim * self.opts.ffn *
+                      (c.x:size(1) * self.opts.topk - c.plan.ndropped)
+  end
   self.touched = touched
   return dx
 end

@@ -11,6 +11,7 @@
 --     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 0.35, collapse_steps = 20},
 --     on_rollback = function(state, event) ... end,
 --     val_every = 50, val_batches = 4,
+--     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
 --   }
 --
 -- One step: the hook sets this step's router and loss settings (ctl) ->
@@ -28,6 +29,16 @@
 -- metrics.jsonl in run_dir: one JSON object per step (loss, ce, aux, z, lr,
 -- temperature, noise, eps, tokens/s, ledger peaks by category, per-layer
 -- expert loads, skipped steps, phase times) and events as their own lines.
+-- phases (seconds): data, fwd, bwd, optim (the step's wall time is their
+-- sum, `step_seconds`), checkpoint (saves after this step; validation not
+-- included), and inside fwd + bwd the model's profile: attention, router,
+-- dispatch, experts, ce; `gflops` = {attention, experts, ce} (model FLOPs
+-- per second of that phase).
+--
+-- init_from (when not resuming): the weights of a Mixtral-format checkpoint
+-- (model.safetensors or a sharded index, F32/BF16/F16), every tensor's
+-- name, shape and dtype checked against the model before anything changes
+-- (model:load_named, which resume uses too); the optimizer starts fresh.
 -- Ctrl-C (or a kernel "interrupted" error) abandons the current step,
 -- saves a checkpoint of the last completed step and raises.
 local tensor = require "moelua.tensor"
@@ -177,13 +188,26 @@ function Trainer:save(step, tag)
   return dir
 end
 
+-- The model's weights from checkpoint c (ckpt.load's table), all checked first.
+local function load_weights(model, c)
+  model:load_named(c.model, {dtypes = c.dtypes, config = c.config, source = c.dir})
+end
+
+-- train.init_from(model, dir): load a Mixtral-format checkpoint's weights
+-- into model (what train.run's init_from does); returns the checkpoint dir.
+function train.init_from(model, dir)
+  local c = ckpt.load(dir)
+  load_weights(model, c)
+  return c.dir
+end
+
 function Trainer:restore(dir)
   local c = ckpt.load(dir)
-  for _, p in ipairs(self.model:named_parameters()) do
-    local t = c.model[p.name]
-    if not t then error("moelua.train: checkpoint " .. c.dir .. " lacks " .. p.name, 0) end
-    p.tensor:copy_(t)
+  if not c.trainer then
+    error("moelua.train: " .. c.dir .. " has no trainer.json: not a moelua training checkpoint " ..
+          "(use init_from / --init-from to start from its weights)", 0)
   end
+  load_weights(self.model, c)
   local tr = c.trainer
   load_optim(self, c, tr.optim)
   tensor.rng_state(tr.rng)
@@ -236,6 +260,8 @@ function Trainer:step(step)
     last = st
   end
   local t4 = now()
+  -- the model's phase timers, read before a skipped step's zero_grad resets them
+  local prof = self.model.profile_summary and self.model:profile_summary()
   scale_grads(self.model, 1 / self.accum)
   local norm = optim.clip_grad_norm(self.optimizer, self.clip or math.huge)
   local lr = self.lr(step) * ctl.lr_scale
@@ -251,8 +277,14 @@ function Trainer:step(step)
     self.optimizer:step(lr, self.model:active_masks(self.groups))
   end
   t.optim = now() - t4
+  if prof then
+    for k, v in pairs(prof.seconds) do t[k] = v end
+    m.gflops = prof.gflops
+  end
+  t.checkpoint = 0
   m.phases, m.skipped_total = t, self.skipped
   local seconds = t.data + t.fwd + t.bwd + t.optim
+  m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks()
   return m
@@ -314,12 +346,18 @@ function train.run(cfg)
   if self.run_dir and self.optimizer.kind ~= "AdamW" then
     error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
   end
+  local resuming = cfg.resume and cfg.resume ~= ""
+  local init_dir   -- loaded (and checked) before the run directory is touched
+  if cfg.init_from and cfg.init_from ~= "" and not resuming then
+    init_dir = train.init_from(self.model, cfg.init_from)
+  end
   if self.run_dir then
     fs.mkdir_p(self.run_dir)
     self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", cfg.resume and "a" or "w"))
   end
+  if init_dir then self:log({event = "init_from", from = init_dir}) end
   local first = 0
-  if cfg.resume and cfg.resume ~= "" then
+  if resuming then
     first = self:restore(cfg.resume) + 1
     self:log({event = "resume", step = first, from = cfg.resume})
   end
@@ -342,14 +380,14 @@ function train.run(cfg)
       error(m, 0)
     end
     result.losses[step] = m.loss
-    self:log(m)
-    self:progress(m, step, last_step, t_start)
     local share_bad = m.max_share > self.rollback.collapse_share
     self.collapse_run = share_bad and self.collapse_run + 1 or 0
     local why = (not m.skipped and self:spike(m.loss)) and "loss spike"
              or (self.skipped_run >= self.rollback.max_skipped and "skipped steps")
              or (self.collapse_run >= self.rollback.collapse_steps and "router collapse") or nil
     if why and last_good then
+      self:log(m)
+      self:progress(m, step, last_step, t_start)
       local offending = step
       local back = self:restore(last_good)
       self.data_offset = self.data_offset + (offending - back)   -- past the offending batches
@@ -366,9 +404,13 @@ function train.run(cfg)
         if v then self:log({event = "validation", step = step, loss = v}) end
       end
       if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
+        local t0 = now()
         last_good = self:save(step, "every")
         if not why then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
+        m.phases.checkpoint = now() - t0
       end
+      self:log(m)
+      self:progress(m, step, last_step, t_start)
       step = step + 1
     end
   end

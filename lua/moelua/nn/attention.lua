@@ -15,8 +15,11 @@
 -- caller marks and rewinds, LIFO); rope/attention outputs come from
 -- moelua.ops as tensors and are freed by release(). Weights are views
 -- into the model's flat dense unit: q [H*hd, D], k, v [KV*hd, D], o [D, H*hd].
+-- profile (optional): a table whose `attention` (seconds) and
+-- `attention_flop` (matmul FLOPs) each call adds to (the model's profile).
 local tensor = require "moelua.tensor"
 local ops = require "moelua.ops"
+local now = require("moelua.bench").now
 
 local Attention = {}
 Attention.__index = Attention
@@ -26,8 +29,24 @@ function Attention.new(o)
   self.D, self.H, self.KV = o.dim, o.heads, o.kv_heads
   self.hd = o.head_dim or o.dim // o.heads
   self.rope = {theta = o.theta or 1e6}
-  self.params, self.grads, self.pool = o.params, o.grads, o.pool
+  self.params, self.grads, self.pool, self.profile = o.params, o.grads, o.pool, o.profile
   return self
+end
+
+-- Forward matmul FLOPs for S tokens: the four projections and causal
+-- Q K^T and P V (S (S + 1) / 2 scores per head).
+local function forward_flops(self, S)
+  local proj = 2 * S * self.D * (2 * self.H * self.hd + 2 * self.KV * self.hd)
+  local core = 2 * self.H * self.hd * S * (S + 1)
+  return proj, core
+end
+
+local function account(self, t0, flops)
+  local pf = self.profile
+  if pf then
+    pf.attention = pf.attention + (now() - t0)
+    pf.attention_flop = pf.attention_flop + flops
+  end
 end
 
 local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool [S, out]
@@ -36,6 +55,7 @@ local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool
 end
 
 function Attention:forward(x)
+  local t0 = self.profile and now()
   local S, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
   local q = linear(self.pool, x, p.q)                              -- [S, H*hd]
   local k = linear(self.pool, x, p.k)                              -- [S, KV*hd]
@@ -44,10 +64,15 @@ function Attention:forward(x)
   local kr = ops.rope_forward(k:view({S, KV, hd}), self.rope)
   local o, lse = ops.attention_forward(qr, kr, v)                  -- [S, H, hd], [H, S] f64
   local y = linear(self.pool, o:view({S, H * hd}), p.o)            -- [S, D]
+  if t0 then
+    local proj, core = forward_flops(self, S)
+    account(self, t0, proj + core)
+  end
   return y, {x = x, qr = qr, kr = kr, v = v, o = o, lse = lse}
 end
 
 function Attention:backward(dy, c)
+  local t0 = self.profile and now()
   local S, H, KV, hd, p, g = dy:size(1), self.H, self.KV, self.hd, self.params, self.grads
   local dt = {dtype = dy:dtype()}
   local o2 = c.o:view({S, H * hd})
@@ -65,6 +90,10 @@ function Attention:backward(dy, c)
   tensor.matmul(dk2, p.k, {out = dx, beta = 1})
   tensor.matmul(dv2, p.v, {out = dx, beta = 1})
   dq:free(); dk:free(); dv:free()
+  if t0 then   -- projections: 2x forward; flash backward: 5 matmuls (Q K^T recomputed) vs 2
+    local proj, core = forward_flops(self, S)
+    account(self, t0, 2 * proj + 2.5 * core)
+  end
   return dx
 end
 

@@ -172,6 +172,8 @@ function Transformer.new(opts)
   end
   self.units = {}
   self.pool = pool.new(1 << 20, {grow = true})
+  self.profile = {}
+  self:reset_profile()
   -- embedding
   local ue = unit("embed", "embed", V * D)
   self.embed = Embedding.new{weight = ue.params:view({V, D}), grad = ue.grads:view({V, D})}
@@ -193,26 +195,28 @@ function Transformer.new(opts)
     mo.seed, mo.layer = o.seed, i - 1
     local ck = CHECKPOINT[o.checkpoint_per_layer[i]]
     self.blocks[i] = {
-      dense = ud, experts = ux, params = p, xparams = xp,
+      dense = ud, experts = ux, params = p, xparams = xp, grads = g, xgrads = xg,
       ck_attn = ck[1], ck_moe = ck[2],
       norm1 = RMSNorm.new{weight = p.input_layernorm, grad = g.input_layernorm, eps = o.norm_eps},
       norm2 = RMSNorm.new{weight = p.post_attention_layernorm, grad = g.post_attention_layernorm,
                           eps = o.norm_eps},
       attn = Attention.new{dim = D, heads = o.heads, kv_heads = o.kv_heads, head_dim = o.head_dim,
-                           theta = o.rope_theta, pool = self.pool,
+                           theta = o.rope_theta, pool = self.pool, profile = self.profile,
                            params = {q = p.q, k = p.k, v = p.v, o = p.o},
                            grads = {q = g.q, k = g.k, v = g.v, o = g.o}},
       moe = MoEBlock.new(mo, {params = {wg = p.wg, gate_up = xp.gate_up, down = xp.down},
                               grads = {wg = g.wg, gate_up = xg.gate_up, down = xg.down},
                               pool = self.pool}),
     }
+    self.blocks[i].moe.layer.profile = self.profile
   end
   -- final norm + head
   local uf = unit("final", "final", V * D + D, {{V * D, D}})
   self.final_params = {lm_head = uf.params:view_at(0, {V, D}), norm = uf.params:view_at(V * D, {D})}
-  self.head = LMHead.new{weight = self.final_params.lm_head, grad = uf.grads:view_at(0, {V, D}),
-                         rows = o.ce_rows, chunk = o.ce_chunk}
-  self.norm = RMSNorm.new{weight = self.final_params.norm, grad = uf.grads:view_at(V * D, {D}),
+  self.final_grads = {lm_head = uf.grads:view_at(0, {V, D}), norm = uf.grads:view_at(V * D, {D})}
+  self.head = LMHead.new{weight = self.final_params.lm_head, grad = self.final_grads.lm_head,
+                         rows = o.ce_rows, chunk = o.ce_chunk, profile = self.profile}
+  self.norm = RMSNorm.new{weight = self.final_params.norm, grad = self.final_grads.norm,
                           eps = o.norm_eps}
   self.layer_stats = {}
   return self
@@ -377,9 +381,38 @@ function Transformer:backward(w)
   self.pool:reset()
 end
 
+-- model:zero_grad(): gradients to 0 and a new profile (one step's worth).
 function Transformer:zero_grad()
   for _, u in ipairs(self.units) do u.grads:zero_() end
+  self:reset_profile()
 end
+
+-- ---- per-phase profile ---------------------------------------------------------
+-- model.profile accumulates, from the last reset (zero_grad or
+-- reset_profile), the seconds spent in attention (projections, RoPE, flash
+-- attention, forward and backward), router, dispatch, experts (grouped
+-- SwiGLU and combine) and ce (LM head + chunked cross-entropy), recomputes
+-- included, and the model FLOPs of attention, experts and ce in *_flop
+-- (matmul FLOPs: a recompute's forward counts again; the experts' own
+-- pre-activation recompute does not). One bench.now() pair per module call.
+local PROFILE_KEYS = {"attention", "router", "dispatch", "experts", "ce",
+                      "attention_flop", "experts_flop", "ce_flop"}
+
+function Transformer:reset_profile()
+  for _, k in ipairs(PROFILE_KEYS) do self.profile[k] = 0 end
+end
+
+-- model:profile_summary() -> {seconds = {attention =, ...}, gflops = {attention =, experts =, ce =}}
+function Transformer:profile_summary()
+  local p = self.profile
+  local out = {seconds = {}, gflops = {}}
+  for _, k in ipairs{"attention", "router", "dispatch", "experts", "ce"} do out.seconds[k] = p[k] end
+  for _, k in ipairs{"attention", "experts", "ce"} do
+    out.gflops[k] = p[k] > 0 and p[k .. "_flop"] / p[k] / 1e9 or 0
+  end
+  return out
+end
+
 
 -- ---- settings, parameters, config -------------------------------------------
 
@@ -492,29 +525,108 @@ function Transformer:active_masks(groups)
   return masks
 end
 
--- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}.
-function Transformer:named_parameters()
+-- The model's tensors under Hugging Face Mixtral names, from the params
+-- (which = "params") or the gradients ("grads") of the flat units.
+local function named(self, which)
   local out = {}
   local function add(n, t) out[#out + 1] = {name = n, tensor = t} end
-  local F = self.opts.ffn
-  add("model.embed_tokens.weight", self.embed.weight)
+  local F, grads = self.opts.ffn, which == "grads"
+  add("model.embed_tokens.weight", grads and self.embed.grad or self.embed.weight)
   for i, b in ipairs(self.blocks) do
-    local p, pre = b.params, "model.layers." .. (i - 1) .. "."
+    local p, xp = grads and b.grads or b.params, grads and b.xgrads or b.xparams
+    local pre = "model.layers." .. (i - 1) .. "."
     add(pre .. "input_layernorm.weight", p.input_layernorm)
     for _, k in ipairs{"q", "k", "v", "o"} do add(pre .. "self_attn." .. k .. "_proj.weight", p[k]) end
     add(pre .. "post_attention_layernorm.weight", p.post_attention_layernorm)
     add(pre .. "block_sparse_moe.gate.weight", p.wg)
     for e = 1, self.opts.experts do
       local ep = pre .. "block_sparse_moe.experts." .. (e - 1) .. "."
-      local gu = b.xparams.gate_up:select(1, e)
+      local gu = xp.gate_up:select(1, e)
       add(ep .. "w1.weight", gu:narrow(1, 1, F))
-      add(ep .. "w2.weight", b.xparams.down:select(1, e))
+      add(ep .. "w2.weight", xp.down:select(1, e))
       add(ep .. "w3.weight", gu:narrow(1, F + 1, F))
     end
   end
-  add("model.norm.weight", self.final_params.norm)
-  add("lm_head.weight", self.final_params.lm_head)
+  local f = grads and self.final_grads or self.final_params
+  add("model.norm.weight", f.norm)
+  add("lm_head.weight", f.lm_head)
   return out
+end
+
+-- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}.
+function Transformer:named_parameters() return named(self, "params") end
+
+-- model:named_gradients(): the same names, with views of the gradients.
+function Transformer:named_gradients() return named(self, "grads") end
+
+local LOAD_DTYPES = {f32 = true, bf16 = true, f16 = true, f64 = true}
+-- config.json keys that fix the parameters' shapes and routing, and the option each is
+local CONFIG_KEYS = {
+  {"vocab_size", "vocab"}, {"hidden_size", "dim"}, {"intermediate_size", "ffn"},
+  {"num_hidden_layers", "layers"}, {"num_attention_heads", "heads"},
+  {"num_key_value_heads", "kv_heads"}, {"head_dim", "head_dim"},
+  {"num_local_experts", "experts"}, {"num_experts_per_tok", "topk"},
+}
+
+local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
+
+-- model:load_named(tensors [, opts]): copy a checkpoint's tensors
+-- {HF name -> tensor} into the parameters. Everything is checked before
+-- anything is copied: opts.config (a MixtralConfig table, when given)
+-- against the model's shape keys; every parameter present, no other
+-- tensor, equal shapes, floating dtypes (F32, BF16, F16, F64; opts.dtypes
+-- maps a name to its on-disk dtype when the loader converted it).
+-- opts.source names the checkpoint in errors. One error lists every
+-- mismatch (the first 8). Used by --init-from and by resume.
+function Transformer:load_named(tensors, opts)
+  local fn = "moelua.nn.Transformer:load_named"
+  opts = opts or {}
+  if type(tensors) ~= "table" then error(fn .. ": argument #1: expected a table {name -> tensor}", 2) end
+  local src = opts.source and (" (" .. opts.source .. ")") or ""
+  local problems = {}
+  local function bad(fmt, ...) problems[#problems + 1] = string.format(fmt, ...) end
+  if opts.config then
+    local mine = self:config()
+    for _, kv in ipairs(CONFIG_KEYS) do
+      local v = opts.config[kv[1]]
+      if v ~= nil and v ~= mine[kv[1]] then
+        bad("config.json has %s = %s, the model has %s", kv[1], tostring(v), tostring(mine[kv[1]]))
+      end
+    end
+  end
+  local params, want = self:named_parameters(), {}
+  for _, p in ipairs(params) do
+    want[p.name] = true
+    local t = tensors[p.name]
+    if t == nil then
+      bad("missing tensor '%s' (shape %s)", p.name, shape_str(p.tensor:shape()))
+    elseif not tensor.is_tensor(t) then
+      bad("'%s' is a %s, not a tensor", p.name, type(t))
+    else
+      local dt = opts.dtypes and opts.dtypes[p.name] or t:dtype()
+      if not LOAD_DTYPES[dt] then
+        bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
+      end
+      local got, exp = t:shape(), p.tensor:shape()
+      if shape_str(got) ~= shape_str(exp) then
+        bad("'%s' has shape %s, the model expects %s", p.name, shape_str(got), shape_str(exp))
+      end
+    end
+  end
+  local extra = {}
+  for name in pairs(tensors) do
+    if not want[name] then extra[#extra + 1] = tostring(name) end
+  end
+  table.sort(extra)
+  for _, name in ipairs(extra) do bad("unexpected tensor '%s' (the model has no such parameter)", name) end
+  if #problems > 0 then
+    local shown = {}
+    for i = 1, math.min(#problems, 8) do shown[i] = problems[i] end
+    local more = #problems > 8 and string.format("; and %d more", #problems - 8) or ""
+    error(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
+                        table.concat(shown, "; "), more), 2)
+  end
+  for _, p in ipairs(params) do p.tensor:copy_(tensors[p.name]) end
 end
 
 -- model:config(): a MixtralConfig table (config.json's keys).
@@ -531,6 +643,52 @@ function Transformer:config()
     initializer_range = o.init_std, hidden_act = "silu",
     torch_dtype = o.dtype == "f64" and "float64" or "float32",
   }
+end
+
+-- opts = Transformer.options_from_config(cfg): nn.Transformer options from a
+-- MixtralConfig table (config.json), every key checked; the inverse of
+-- model:config(). Transformer.from_config(cfg [, extra]) builds the model
+-- (extra: options such as checkpoint, moe, ce_rows).
+function Transformer.options_from_config(cfg)
+  local fn = "moelua.nn.Transformer.from_config"
+  if type(cfg) ~= "table" then error(fn .. ": expected a config table, got " .. type(cfg), 2) end
+  local function need(c, fmt, ...) if not c then error(fn .. ": config.json: " .. string.format(fmt, ...), 3) end end
+  local function int(key, optional)
+    local v = cfg[key]
+    if v == nil and optional then return nil end
+    need(math.type(v) == "integer" and v >= 1, "'%s' must be a positive integer, got %s", key, tostring(v))
+    return v
+  end
+  local function num(key, default)
+    local v = cfg[key]
+    if v == nil then return default end
+    need(type(v) == "number", "'%s' must be a number, got %s", key, tostring(v))
+    return v + 0.0
+  end
+  need(cfg.model_type == nil or cfg.model_type == "mixtral", "model_type is '%s', expected 'mixtral'",
+       tostring(cfg.model_type))
+  need(not cfg.tie_word_embeddings, "tie_word_embeddings = true is not supported (moelua has a separate lm_head)")
+  need(cfg.hidden_act == nil or cfg.hidden_act == "silu", "hidden_act '%s' is not supported (silu only)",
+       tostring(cfg.hidden_act))
+  local o = {
+    vocab = int("vocab_size"), dim = int("hidden_size"), ffn = int("intermediate_size"),
+    layers = int("num_hidden_layers"), heads = int("num_attention_heads"),
+    kv_heads = int("num_key_value_heads", true), head_dim = int("head_dim", true),
+    experts = int("num_local_experts"), topk = int("num_experts_per_tok"),
+    max_position = int("max_position_embeddings", true),
+    rope_theta = num("rope_theta", 1e6), norm_eps = num("rms_norm_eps", 1e-5),
+    aux_weight = num("router_aux_loss_coef", 0.02), init_std = num("initializer_range", 0.02),
+  }
+  local sw = cfg.sliding_window
+  need(sw == nil or (type(sw) == "number" and sw >= (o.max_position or 131072)),
+       "sliding_window = %s is not supported (full causal attention only)", tostring(sw))
+  return o
+end
+
+function Transformer.from_config(cfg, extra)
+  local o = Transformer.options_from_config(cfg)
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return Transformer.new(o)
 end
 
 return Transformer
