@@ -48,8 +48,6 @@
 #include <math.h>
 #include <string.h>
 
-#define ML_POOL_MT "moelua.Pool"
-
 static const char *const OPTS[] = {"tile", "save", "partial_recompute", "capacity", "policy",
                                    "pool", NULL};
 
@@ -141,8 +139,6 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ml_device dev, ex_
                  has_policy ? " (policy is \"dropless\")" : "");
 
     if (lua_getfield(L, idx, "pool") != LUA_TNIL) {
-        if (!luaL_testudata(L, -1, ML_POOL_MT))
-            ml_error(L, fn, "option 'pool' must be a moelua.pool, got %s", luaL_typename(L, -1));
         o->pool = lua_gettop(L);   /* keep it on the stack (the table holds it anyway) */
         ml_device pd = ml_checkpool(L, o->pool, fn, "option 'pool'")->device;
         if (pd != dev)
@@ -163,43 +159,6 @@ static ml_tensor *new_buf(lua_State *L, const char *fn, ml_device dev, int pool,
     if (!pool)
         return ml_newtensor(L, fn, dev, dt, ndim, shape);
     return ml_pool_pushtensor(L, fn, pool, dt, ndim, shape);
-}
-
-static lua_Integer pool_mark(lua_State *L, int pool)
-{
-    return (lua_Integer)ml_pool_mark(ml_checkpool(L, pool, "moelua.experts", "option 'pool'"));
-}
-
-static void pool_rewind(lua_State *L, int pool, lua_Integer mark)
-{
-    ml_pool_rewind(ml_checkpool(L, pool, "moelua.experts", "option 'pool'"), (size_t)mark);
-}
-
-/* Scratch for one kernel call: a pool frame (mark, then one slot) or a
- * ledger tensor; scratch_end gives it back (before any status is raised). */
-typedef struct {
-    lua_Integer mark;
-    ml_tensor *t;
-} scratch;
-
-static void *scratch_begin(lua_State *L, const char *fn, ml_device dev, int pool, ml_dtype dt,
-                           int64_t n, scratch *s)
-{
-    s->mark = pool ? pool_mark(L, pool) : 0;
-    int64_t shape[1] = {n > 0 ? n : 1};
-    s->t = new_buf(L, fn, dev, pool, dt, 1, shape);
-    return ml_data(s->t);
-}
-
-static void scratch_end(lua_State *L, int pool, scratch *s)
-{
-    if (pool) {
-        pool_rewind(L, pool, s->mark);
-    } else if (s->t->st) {
-        ml_storage_release(s->t->st);   /* free now, not at the next GC */
-        s->t->st = NULL;
-    }
-    lua_pop(L, 1);
 }
 
 /* ---- argument checks ------------------------------------------------------------- */
@@ -351,6 +310,29 @@ static void check_common(lua_State *L, const char *fn, int base, ex_args *a)
                  "routing?)", pl, (long long)bad);
 }
 
+/* The tile the kernels run: refuse one whose scratch, tile·(2D + 4F)
+ * elements, cannot be counted in int64; clamp to max(T·k, 1) rows (a tile
+ * is never longer than the assignments). */
+static int64_t run_tile(lua_State *L, const char *fn, const ex_args *a, int64_t tile)
+{
+    int64_t row = 2 * a->D + 4 * a->F;   /* D, F come from allocated tensors: no overflow */
+    if (tile < 1 || tile > INT64_MAX / row)
+        ml_error(L, fn, "option 'tile' = %lld is out of range (the scratch of tile·(2D + 4F) "
+                 "elements must fit in int64: tile <= %lld)", (long long)tile,
+                 (long long)(INT64_MAX / row));
+    int64_t n = a->T * a->k;
+    return tile < n ? tile : n > 1 ? n : 1;
+}
+
+/* Scratch bytes from the kernels' element count; -1 (overflow) raises. */
+static size_t scratch_bytes(lua_State *L, const char *fn, int64_t ne, ml_dtype dt)
+{
+    size_t es = ml_dtype_size(dt);
+    if (ne < 0 || (uint64_t)ne > SIZE_MAX / es)
+        ml_error(L, fn, "option 'tile': the scratch size overflows int64");
+    return (size_t)ne * es;
+}
+
 static int64_t nsaved_of(const ex_args *a, double recompute)
 {
     int64_t n = a->T * a->k;
@@ -426,14 +408,15 @@ static int l_experts_forward(lua_State *L)
     check_common(L, fn, 1, &a);
     ex_opts o;
     parse_opts(L, 7, fn, a.dev, &o);
-    ml_experts_cfg c = {a.T, a.k, a.D, a.F, a.E, o.tile, nsaved_of(&a, o.recompute)};
+    ml_experts_cfg c = {a.T, a.k, a.D, a.F, a.E, run_tile(L, fn, &a, o.tile),
+                        nsaved_of(&a, o.recompute)};
 
     int64_t yshape[2] = {a.T, a.D}, hshape[2] = {c.nsaved, 2 * a.F};
     ml_tensor *y = new_buf(L, fn, o.dev, o.pool, a.dt, 2, yshape);
     int yi = lua_gettop(L);
     lua_createtable(L, 0, 4);
     int si = lua_gettop(L);
-    set_int(L, "tile", c.tile);
+    set_int(L, "tile", o.tile);   /* as asked; backward clamps it again */
     set_int(L, "nsaved", c.nsaved);
     lua_pushnumber(L, o.recompute);
     lua_setfield(L, si, "partial_recompute");
@@ -442,13 +425,15 @@ static int l_experts_forward(lua_State *L)
         h = ml_data(new_buf(L, fn, o.dev, o.pool, a.dt, 2, hshape));
         lua_setfield(L, si, "h");
     }
-    scratch sc;
-    void *buf = scratch_begin(L, fn, o.dev, o.pool, a.dt, ml_experts_forward_scratch(&c), &sc);
+    ml_pool_scratch sc;
+    size_t nb = scratch_bytes(L, fn, ml_experts_forward_scratch(&c), a.dt);
+    void *buf = ml_pool_scratch_acquire(L, fn, "the experts scratch", o.dev, o.pool, nb, &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s = a.be->experts_forward(a.dt, ml_data(y), h, buf, ml_data(a.x), ml_data(a.w),
                                          a.order, a.offsets, ml_data(a.gate_up), ml_data(a.down),
                                          &c, &ctx);
-    scratch_end(L, o.pool, &sc);
+    ml_pool_scratch_release(&sc);
+    lua_pop(L, 1);
     ml_check_status(L, fn, s);
     lua_pushvalue(L, yi);
     lua_pushvalue(L, si);
@@ -490,11 +475,12 @@ static int l_experts_backward(lua_State *L)
     if (o.has_tile && o.tile != tile)
         ml_error(L, fn, "option 'tile' = %lld differs from the forward's tile %lld (saved.tile)",
                  (long long)o.tile, (long long)tile);
-    ml_experts_cfg c = {a.T, a.k, a.D, a.F, a.E, tile, nsaved};
+    ml_experts_cfg c = {a.T, a.k, a.D, a.F, a.E, run_tile(L, fn, &a, tile), nsaved};
     int64_t hshape[2] = {nsaved, 2 * a.F};
     const void *h = NULL;
+    ml_tensor *ht = NULL;
     if (nsaved > 0) {
-        ml_tensor *ht = field_tensor(L, 8, "saved", "h", fn, a.dev, a.dt, 2, hshape, 0);
+        ht = field_tensor(L, 8, "saved", "h", fn, a.dev, a.dt, 2, hshape, 0);
         h = ml_data(ht);
         lua_pop(L, 1);
     }
@@ -522,11 +508,27 @@ static int l_experts_backward(lua_State *L)
     ml_dtype dts[5] = {a.dt, a.dt, a.dt, a.dt, ML_U8};
     int zero[5] = {1, 1, 1, 0, 0};
     void *out[5];
+    ml_tensor *gt[5];   /* the supplied grads, NULL where new */
     int first = lua_gettop(L) + 1;
     for (int i = 0; i < 5; i++) {
         ml_tensor *t = has_grads ? field_tensor(L, gi, "grads", GRADS[i], fn, a.dev, dts[i],
                                                 ndims[i], shapes[i], 1)
                                  : NULL;
+        if (t) {
+            /* an output the kernel zeroes or writes while it reads the inputs */
+            const ml_tensor *ins[] = {dy, a.x, a.gate_up, a.down, a.idx, a.w, ht};
+            const char *inn[] = {"argument #1 (dy)", "argument #2 (x)", "argument #3 (gate_up)",
+                                 "argument #4 (down)", "argument #5 (idx)", "argument #6 (w)",
+                                 "saved.h"};
+            for (int j = 0; j < 7; j++)
+                if (ins[j] && ml_overlaps(t, ins[j]))
+                    ml_error(L, fn, "grads.%s shares storage with %s (outputs must not alias "
+                             "inputs)", GRADS[i], inn[j]);
+            for (int j = 0; j < i; j++)
+                if (gt[j] && ml_overlaps(t, gt[j]))
+                    ml_error(L, fn, "grads.%s shares storage with grads.%s", GRADS[i], GRADS[j]);
+        }
+        gt[i] = t;
         if (!t) {
             t = new_buf(L, fn, o.dev, o.pool, dts[i], ndims[i], shapes[i]);
             int64_t ne = 1;
@@ -539,13 +541,15 @@ static int l_experts_backward(lua_State *L)
         }
         out[i] = ml_data(t);
     }
-    scratch sc;
-    void *buf = scratch_begin(L, fn, o.dev, o.pool, a.dt, ml_experts_backward_scratch(&c), &sc);
+    ml_pool_scratch sc;
+    size_t nb = scratch_bytes(L, fn, ml_experts_backward_scratch(&c), a.dt);
+    void *buf = ml_pool_scratch_acquire(L, fn, "the experts scratch", o.dev, o.pool, nb, &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s = a.be->experts_backward(a.dt, out[0], out[1], out[2], out[3], out[4], buf, h,
                                           ml_data(dy), ml_data(a.x), ml_data(a.w), a.order,
                                           a.offsets, ml_data(a.gate_up), ml_data(a.down), &c, &ctx);
-    scratch_end(L, o.pool, &sc);
+    ml_pool_scratch_release(&sc);
+    lua_pop(L, 1);
     ml_check_status(L, fn, s);
     return lua_gettop(L) - first + 1;   /* dx, dgate_up, ddown, dw, touched */
 }

@@ -121,30 +121,39 @@ static int l_io_save(lua_State *L)
     }
     const char **meta = check_metadata(L, 3, fn, &nmeta);        /* slot 4 */
     ml_st_tensor *ts = lua_newuserdatauv(L, n * sizeof *ts, 0);   /* slot 5 */
-    lua_newtable(L);                                              /* slot 6: contiguous copies */
+    lua_newtable(L);                                              /* slot 6: what ts points into */
 
+    /* A second pass: allocating the copies may run the collector and so a
+     * finalizer that changes the table; every name and tensor ts points to is
+     * anchored in slot 6, and a count that changed is an error. */
     size_t i = 0;
     lua_pushnil(L);
     while (lua_next(L, 2)) {
+        if (lua_type(L, -2) != LUA_TSTRING || i == n)
+            ml_error(L, fn, "argument #2: the table changed while saving (a finalizer?)");
         const char *name = lua_tostring(L, -2);
         ml_tensor *t = check_entry(L, fn, name);
+        lua_pushvalue(L, -2);
+        lua_rawseti(L, 6, 2 * (lua_Integer)i + 1);   /* the name */
         if (!ml_is_contiguous(t)) {
             ml_tensor *c = ml_newtensor(L, fn, ML_CPU, t->dtype, t->ndim, t->shape);
             ml_run_copy(L, fn, c, t);
-            lua_rawseti(L, 6, (lua_Integer)i + 1);   /* the copies table owns it */
+            lua_replace(L, -2);                       /* the copy replaces the value */
             t = c;
         }
+        lua_rawseti(L, 6, 2 * (lua_Integer)i + 2);   /* the tensor (or its copy) */
         ts[i].name = name;
         ts[i].dtype = t->dtype;
         ts[i].ndim = t->ndim;
         ts[i].shape = t->shape;
         ts[i].data = ml_numel(t) > 0 ? ml_data(t) : NULL;
         i++;
-        lua_pop(L, 1);
     }
+    if (i != n)
+        ml_error(L, fn, "argument #2: the table changed while saving (a finalizer?)");
 
     char err[1024];
-    if (ml_st_write(path, ts, n, meta, nmeta, err, sizeof err))
+    if (ml_st_write(path, ts, i, meta, nmeta, err, sizeof err))
         ml_error(L, fn, "%s", err);
     return 0;
 }

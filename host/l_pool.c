@@ -140,8 +140,28 @@ static size_t top_free(const ml_pool *p)
     return b->size - b->used;
 }
 
-/* One slot of nbytes in u's pool: reclaim memory once and retry when
- * growing is refused; raise on anything else. */
+/* One slot of nbytes in u's pool, reclaiming memory once and retrying when
+ * growing is refused; the status of the last try. Raises only when a
+ * finalizer closed the pool meanwhile. */
+static ml_pool_status alloc_retry(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
+                                  void **data, size_t *slot, uint64_t *id, ml_alloc_status *as)
+{
+    ml_pool *p = u->p;
+    ml_pool_status ps = ml_pool_alloc(p, nbytes, data, slot, id, as);
+    if (worth_retrying(ps, *as)) {
+        ml_pool_retain(p);             /* a finalizer might close the pool meanwhile */
+        ml_reclaim(L, p->host, p->device);
+        int closed = u->p == NULL;
+        if (!closed)
+            ps = ml_pool_alloc(p, nbytes, data, slot, id, as);
+        ml_pool_release(p);
+        if (closed)
+            ml_error(L, fn, "the pool was closed by a finalizer");
+    }
+    return ps;
+}
+
+/* One slot of nbytes in u's pool (alloc_retry); raise on failure. */
 static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
                         size_t *slot, uint64_t *id)
 {
@@ -149,17 +169,7 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
     void *data = NULL;
     ml_alloc_status as;
     size_t free_before = top_free(p);
-    ml_pool_status ps = ml_pool_alloc(p, nbytes, &data, slot, id, &as);
-    if (worth_retrying(ps, as)) {
-        ml_pool_retain(p);             /* a finalizer might close the pool meanwhile */
-        ml_reclaim(L, p->host, p->device);
-        int closed = u->p == NULL;
-        if (!closed)
-            ps = ml_pool_alloc(p, nbytes, &data, slot, id, &as);
-        ml_pool_release(p);
-        if (closed)
-            ml_error(L, fn, "the pool was closed by a finalizer");
-    }
+    ml_pool_status ps = alloc_retry(L, fn, u, nbytes, &data, slot, id, &as);
     char need[32], avail[32], cap[32];
     ml_format_bytes((nbytes + 63) & ~(size_t)63, need, sizeof need);
     ml_format_bytes(free_before, avail, sizeof avail);
@@ -172,6 +182,55 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
         raise_alloc(L, fn, p->host, p->device, ps, as, what);
     }
     return data;
+}
+
+void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
+                              int pool_idx, size_t nbytes, ml_pool_scratch *s)
+{
+    s->t = NULL;
+    s->pool = NULL;
+    s->mark = 0;
+    if (!pool_idx) {
+        int64_t n = (int64_t)((nbytes + 7) / 8);
+        s->t = ml_newtensor(L, fn, dev, ML_F64, 1, &n);
+        return ml_data(s->t);
+    }
+    pool_idx = lua_absindex(L, pool_idx);
+    ml_pool *p = ml_checkpool(L, pool_idx, fn, "option 'pool'");
+    void *data = NULL;
+    size_t slot;
+    uint64_t id;
+    ml_alloc_status as;
+    size_t mark = ml_pool_mark(p);
+    ml_pool_status ps = alloc_retry(L, fn, check_pool_ud(L, pool_idx), nbytes ? nbytes : 1,
+                                    &data, &slot, &id, &as);
+    if (ps != ML_POOL_OK) {
+        char need[32], cap[32], used[32];
+        ml_format_bytes(nbytes, need, sizeof need);
+        ml_format_bytes(p->capacity, cap, sizeof cap);
+        ml_format_bytes(p->used, used, sizeof used);
+        if (ps == ML_POOL_FULL)
+            ml_error(L, fn, "option 'pool': pool full: %s needs %s, %s of %s are in use "
+                     "(grow=false)", what, need, used, cap);
+        ml_error(L, fn, "option 'pool': growing the pool by %s for %s was refused (%s)", need,
+                 what, ps == ML_POOL_LEDGER ? "ledger budget" : "out of memory");
+    }
+    s->pool = p;
+    s->mark = mark;
+    lua_pushnil(L);   /* one value either way */
+    return data;
+}
+
+void ml_pool_scratch_release(ml_pool_scratch *s)
+{
+    if (s->pool)
+        ml_pool_rewind(s->pool, s->mark);
+    else if (s->t && s->t->st) {
+        ml_storage_release(s->t->st);   /* free now, not at the next GC */
+        s->t->st = NULL;
+    }
+    s->pool = NULL;
+    s->t = NULL;
 }
 
 ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,

@@ -15,8 +15,8 @@
  *
  * opts: k (required, 1..E), chunk (default 2048), mode ("softmax_topk" |
  * "topk_softmax"), renorm (default true), temperature (default 1), eps
- * (default 0), noise (default 0), gumbel (default false), seed, step, layer
- * (default 0), bias (f32/f64 [E]: selection only), pool (a moelua.pool that
+ * (default 0), noise (default 0), gumbel (default false), seed, step, layer,
+ * token_offset (default 0: the noise counter of x's first row, router.h), bias (f32/f64 [E]: selection only), pool (a moelua.pool that
  * lends the scratch; otherwise it is allocated under the current category
  * and freed before returning).
  *
@@ -42,8 +42,8 @@
 #include <string.h>
 
 static const char *const OPTS[] = {"k", "chunk", "mode", "renorm", "temperature", "eps",
-                                   "noise", "gumbel", "seed", "step", "layer", "bias", "pool",
-                                   NULL};
+                                   "noise", "gumbel", "seed", "step", "layer", "token_offset", "bias",
+                                   "pool", NULL};
 static const char *const GRAD_OPTS[] = {"aux", "z", "dx", "dwg", NULL};
 
 typedef struct {
@@ -123,8 +123,6 @@ static ml_tensor *opt_tensor(lua_State *L, const char *fn, const char *key)
     return t;
 }
 
-static void shape_str(const ml_tensor *t, char *buf, size_t n) { ml_format_shape(t, buf, n); }
-
 /* `what` must be on dev (the device of x, or of bias for update_bias). */
 static void check_device(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
                          ml_device dev)
@@ -152,7 +150,7 @@ static void check_vector(lua_State *L, const char *fn, const char *what, const m
                          int64_t E, int f64_only, ml_device dev)
 {
     char s[64];
-    shape_str(t, s, sizeof s);
+    ml_format_shape(t, s, sizeof s);
     check_device(L, fn, what, t, dev);
     if (f64_only ? t->dtype != ML_F64 : t->dtype != ML_F32 && t->dtype != ML_F64)
         ml_error(L, fn, "%s must be %s, got %s", what, f64_only ? "f64" : "f32 or f64",
@@ -211,6 +209,7 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_devic
     c->seed = (uint64_t)opt_int(L, idx, fn, "seed", 0, 0, INT64_MAX);
     c->step = (uint64_t)opt_int(L, idx, fn, "step", 0, 0, 0xffffffffLL);
     c->layer = (uint64_t)opt_int(L, idx, fn, "layer", 0, 0, 0x7fffffffLL);
+    c->token_offset = (uint64_t)opt_int(L, idx, fn, "token_offset", 0, 0, INT64_MAX);
     if (field(L, idx, "bias")) {
         o->bias = opt_tensor(L, fn, "bias");
         check_vector(L, fn, "option 'bias'", o->bias, E, 0, dev);
@@ -263,8 +262,8 @@ static void check_x_wg(lua_State *L, const char *fn, int ix, int iw, ml_tensor *
         ml_error(L, fn, "x is on %s but wg is on %s (one device expected)",
                  ml_device_names[(*x)->st->device], ml_device_names[(*wg)->st->device]);
     char sx[64], sw[64];
-    shape_str(*x, sx, sizeof sx);
-    shape_str(*wg, sw, sizeof sw);
+    ml_format_shape(*x, sx, sizeof sx);
+    ml_format_shape(*wg, sw, sizeof sw);
     if ((*x)->dtype != (*wg)->dtype)
         ml_error(L, fn, "x is %s but wg is %s (same dtype expected)", ml_dtype_names[(*x)->dtype],
                  ml_dtype_names[(*wg)->dtype]);
@@ -299,54 +298,6 @@ static ml_tensor *new_zeros(lua_State *L, const char *fn, const router_opts *o, 
     return t;
 }
 
-/* ---- scratch: a pool slot (rewound afterwards) or a ledger tensor (freed) -- */
-
-typedef struct {
-    ml_tensor *t;             /* without a pool: the tensor holding the scratch */
-    ml_pool *pool;
-    size_t mark;              /* with a pool: its depth before the slot */
-} scratch;
-
-static void *scratch_acquire(lua_State *L, const char *fn, ml_device dev, ml_pool *pool,
-                             size_t nbytes, scratch *s)
-{
-    s->pool = pool;
-    s->t = NULL;
-    if (!pool) {
-        int64_t n = (int64_t)((nbytes + 7) / 8);
-        s->t = ml_newtensor(L, fn, dev, ML_F64, 1, &n);
-        return ml_data(s->t);
-    }
-    void *data = NULL;
-    uint64_t id;
-    ml_alloc_status as;
-    s->mark = ml_pool_mark(pool);
-    ml_pool_status ps = ml_pool_alloc(pool, nbytes, &data, &s->mark, &id, &as);
-    if (ps != ML_POOL_OK) {
-        char need[32], cap[32], used[32];
-        ml_format_bytes(nbytes, need, sizeof need);
-        ml_format_bytes(pool->capacity, cap, sizeof cap);
-        ml_format_bytes(pool->used, used, sizeof used);
-        if (ps == ML_POOL_FULL)
-            ml_error(L, fn, "option 'pool': pool full: the router scratch needs %s, %s of %s are in use "
-                     "(grow=false)", need, used, cap);
-        ml_error(L, fn, "option 'pool': growing the pool by %s for the router scratch was refused (%s)",
-                 need, ps == ML_POOL_LEDGER ? "ledger budget" : "out of memory");
-    }
-    return data;
-}
-
-/* Give the scratch back. Never raises and never calls Lua. */
-static void scratch_release(scratch *s)
-{
-    if (s->pool)
-        ml_pool_rewind(s->pool, s->mark);
-    else if (s->t && s->t->st) {
-        ml_storage_release(s->t->st);
-        s->t->st = NULL;
-    }
-}
-
 static void check_router_status(lua_State *L, const char *fn, ml_status st)
 {
     if (st == ML_ENAN)
@@ -357,6 +308,15 @@ static void check_router_status(lua_State *L, const char *fn, ml_status st)
 /* ---- bindings ------------------------------------------------------------------ */
 
 /* router.forward(x, wg, opts) -> idx, w, stats */
+/* The noise counter c0 = token_offset + t must fit in 32 bits. */
+static void check_noise_range(lua_State *L, const char *fn, const ml_router_cfg *c, int64_t T)
+{
+    if ((c->noise > 0 || c->gumbel) &&
+        (T > 0xffffffffLL || c->token_offset > (uint64_t)(0xffffffffLL - T)))
+        ml_error(L, fn, "noise is keyed by a 32-bit token index: token_offset + T = %llu + %lld "
+                 "exceeds 2^32 - 1", (unsigned long long)c->token_offset, (long long)T);
+}
+
 static int l_router_forward(lua_State *L)
 {
     static const char fn[] = "moelua.router.forward";
@@ -367,8 +327,7 @@ static int l_router_forward(lua_State *L)
     router_opts o;
     read_opts(L, 3, fn, E, x->st->device, &o);
     int64_t k = o.cfg.k;
-    if ((o.cfg.noise > 0 || o.cfg.gumbel) && T > (int64_t)0xffffffffLL)
-        ml_error(L, fn, "noise is keyed by a 32-bit token index: at most 2^32 tokens per call");
+    check_noise_range(L, fn, &o.cfg, T);
 
     int64_t sk[2] = {T, k}, se[1] = {E};
     ml_tensor *idx = new_out(L, fn, &o, ML_I64, 2, sk);
@@ -377,9 +336,9 @@ static int l_router_forward(lua_State *L)
     ml_tensor *counts = new_zeros(L, fn, &o, ML_I64, 1, se);
     int icounts = lua_gettop(L);
     ml_tensor *psum = new_zeros(L, fn, &o, ML_F64, 1, se);
-    scratch s;
-    void *buf = scratch_acquire(L, fn, o.dev, o.pool,
-                                ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
+    ml_pool_scratch s;
+    void *buf = ml_pool_scratch_acquire(L, fn, "the router scratch", o.dev, o.pool_idx,
+                                        ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
 
     double zsum = 0, entropy = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
@@ -387,7 +346,7 @@ static int l_router_forward(lua_State *L)
                                          ml_data(psum), &zsum, &entropy, ml_data(x), ml_data(wg),
                                          o.bias ? o.bias->dtype : ML_F64,
                                          o.bias ? ml_data(o.bias) : NULL, T, D, E, &o.cfg, buf, &ctx);
-    scratch_release(&s);
+    ml_pool_scratch_release(&s);
     check_router_status(L, fn, st);
 
     /* sum_e C_e P_e (the aux loss is E times this over N^2) and max_e C_e
@@ -434,7 +393,7 @@ static ml_tensor *grad_matrix(lua_State *L, int gi, const char *fn, const char *
     }
     ml_tensor *t = opt_tensor(L, fn, key);
     char s[64];
-    shape_str(t, s, sizeof s);
+    ml_format_shape(t, s, sizeof s);
     if (t->st->device != dev)
         ml_error(L, fn, "grads.%s is on %s but x is on %s (one device expected)", key,
                  ml_device_names[t->st->device], ml_device_names[dev]);
@@ -458,11 +417,12 @@ static int l_router_backward(lua_State *L)
     router_opts o;
     read_opts(L, 5, fn, E, x->st->device, &o);
     int64_t k = o.cfg.k;
+    check_noise_range(L, fn, &o.cfg, T);
     char sx[64], s[64];
-    shape_str(x, sx, sizeof sx);
+    ml_format_shape(x, sx, sizeof sx);
 
     ml_tensor *dw = ml_contiguous_arg(L, 1, fn);
-    shape_str(dw, s, sizeof s);
+    ml_format_shape(dw, s, sizeof s);
     check_device(L, fn, "argument #1 (dw)", dw, o.dev);
     if (dw->dtype != x->dtype)
         ml_error(L, fn, "dw is %s but x is %s (same dtype expected)", ml_dtype_names[dw->dtype],
@@ -471,7 +431,7 @@ static int l_router_backward(lua_State *L)
         ml_error(L, fn, "dw is %s but x is %s and k = %lld: dw must be [%lld,%lld]", s, sx,
                  (long long)k, (long long)T, (long long)k);
     ml_tensor *idx = ml_contiguous_arg(L, 4, fn);
-    shape_str(idx, s, sizeof s);
+    ml_format_shape(idx, s, sizeof s);
     check_device(L, fn, "argument #4 (idx)", idx, o.dev);
     if (idx->dtype != ML_I64)
         ml_error(L, fn, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
@@ -526,13 +486,13 @@ static int l_router_backward(lua_State *L)
     if (dx->st == x->st || dwg->st == wg->st || dx->st == dwg->st)
         ml_error(L, fn, "grads.dx and grads.dwg must not share storage with x, wg or each other");
 
-    scratch sc;
-    void *buf = scratch_acquire(L, fn, o.dev, o.pool,
-                                ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 1), &sc);
+    ml_pool_scratch sc;
+    void *buf = ml_pool_scratch_acquire(L, fn, "the router scratch", o.dev, o.pool_idx,
+                                        ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 1), &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status st = o.be->router_backward(x->dtype, ml_data(dx), ml_data(dwg), ip, ml_data(dw), aux, gz,
                                           ml_data(x), ml_data(wg), T, D, E, &o.cfg, buf, &ctx);
-    scratch_release(&sc);
+    ml_pool_scratch_release(&sc);
     check_router_status(L, fn, st);
     lua_pushvalue(L, idx_dx);
     lua_pushvalue(L, idx_dwg);
@@ -553,8 +513,8 @@ static int l_router_update_bias(lua_State *L)
     const ml_backend *be = ml_backend_of(L, fn, dev);
     check_vector(L, fn, "argument #1 (bias)", b, E, 0, dev);
     char sb[64], sc[64];
-    shape_str(b, sb, sizeof sb);
-    shape_str(c, sc, sizeof sc);
+    ml_format_shape(b, sb, sizeof sb);
+    ml_format_shape(c, sc, sizeof sc);
     check_device(L, fn, "argument #2 (counts)", c, dev);
     if (c->dtype != ML_I64)
         ml_error(L, fn, "argument #2 (counts) must be i64, got %s", ml_dtype_names[c->dtype]);

@@ -448,17 +448,6 @@ static int blas_layout(const ml_tensor *t, int *trans, int64_t *ld)
     return 0;
 }
 
-/* Do the element ranges two views may touch intersect? (Same storage only.) */
-static int overlaps(const ml_tensor *x, const ml_tensor *y)
-{
-    if (x->st != y->st || ml_numel(x) == 0 || ml_numel(y) == 0)
-        return 0;
-    int64_t xe = x->offset, ye = y->offset;
-    for (int i = 0; i < x->ndim; i++) xe += (x->shape[i] - 1) * x->stride[i];
-    for (int i = 0; i < y->ndim; i++) ye += (y->shape[i] - 1) * y->stride[i];
-    return x->offset <= ye && y->offset <= xe;
-}
-
 static const char *const MATMUL_OPTS[] = {"out", "alpha", "beta", NULL};
 
 /* moelua.matmul(a, b [, {out=, alpha=, beta=}]): [m,k]x[k,n], [B,m,k]x[B,k,n]
@@ -510,7 +499,7 @@ static int l_tensor_matmul(lua_State *L)
             ok = c->shape[i] == oshape[i];
         if (!ok)
             ml_error(L, fn, "option 'out' has the wrong shape");
-        if (overlaps(c, a) || overlaps(c, b))
+        if (ml_overlaps(c, a) || ml_overlaps(c, b))
             ml_error(L, fn, "option 'out' overlaps an input");
         lua_getfield(L, 3, "alpha");
         g.alpha = luaL_optnumber(L, -1, 1.0);

@@ -30,6 +30,10 @@ ml_tensor *ml_testtensor(lua_State *L, int idx);
 /* Additionally: contiguous, and of dtype dt (dt < 0: any). */
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
 
+/* Do the element ranges two views may touch intersect? (Same storage only;
+ * bounds from offset and strides, so two interleaved views count as one.) */
+int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
+
 /* A new tensor userdata pushed in the freed (safe) state; the caller fills it. */
 ml_tensor *ml_pushtensor(lua_State *L);
 /* Push a view sharing src's storage with the given geometry. */
@@ -58,6 +62,22 @@ struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *
  * ledger table, as for ml_newtensor. */
 ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
                               const int64_t *shape);
+
+/* Scratch for one kernel call: a slot of the pool at pool_idx (0: none),
+ * with the reclaim-and-retry of pool growth, or else a ledger tensor (with
+ * the collect-and-retry of ml_newtensor). Pushes one value (the ledger
+ * tensor, or nil with a pool); `what` names the scratch in errors ("the
+ * router scratch"). release gives the memory back at once (rewinds the pool
+ * to its depth before the slot, or frees the tensor's storage); it never
+ * raises and never calls Lua, so it runs before a kernel status is raised. */
+typedef struct {
+    ml_tensor *t;           /* without a pool: the tensor holding the scratch */
+    struct ml_pool *pool;   /* with one: the pool, and its depth before the slot */
+    size_t mark;
+} ml_pool_scratch;
+void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
+                              int pool_idx, size_t nbytes, ml_pool_scratch *s);
+void ml_pool_scratch_release(ml_pool_scratch *s);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);

@@ -57,7 +57,8 @@ int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
             return -2 - (e + 1);
     for (int64_t e = 0; e < E; e++)
         for (int64_t p = offsets[e]; p < offsets[e + 1]; p++)
-            if (order[p] < 0 || order[p] >= n || idx[order[p]] != e)
-                return p;
+            if (order[p] < 0 || order[p] >= n || idx[order[p]] != e ||
+                (p > offsets[e] && order[p - 1] >= order[p]))
+                return p;   /* out of range, other expert, or not increasing (a duplicate) */
     return -1;
 }

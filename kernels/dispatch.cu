@@ -188,7 +188,8 @@ __global__ void check_positions_kernel(const int64_t *offsets, const int64_t *or
                 hi = mid;
         }
         int64_t a = order[p];
-        if (a < 0 || a >= n || idx[a] != lo)
+        /* strictly increasing within the expert's range: no assignment twice */
+        if (a < 0 || a >= n || idx[a] != lo || (p > offsets[lo] && order[p - 1] >= a))
             atomicMin(&dispatch_first, (unsigned long long)p);
     }
 }

@@ -49,7 +49,9 @@ int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E);
 /* Checks that a plan (offsets [E+1], order [n]) is one ml_dispatch could
  * have produced for idx [n]: offsets start at 0, never decrease and end at
  * most at n; every kept position p < offsets[E] holds an assignment id in
- * [0, n) routed (by idx) to the expert whose range holds p. Returns -1 when
+ * [0, n) routed (by idx) to the expert whose range holds p, strictly
+ * increasing within each expert's range (so no assignment appears twice:
+ * kernels write dw[a] from one thread per assignment). Returns -1 when
  * consistent; otherwise the first bad offset index e (as -2 - e) or the
  * first bad position p (as p >= 0). Kernels that read a plan rely on it. */
 int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,

@@ -20,14 +20,25 @@
 #include <math.h>
 #include <string.h>
 
+/* tile · (a·D + b·F), or -1 when a size is negative or the product overflows. */
+static int64_t scratch_elems(const ml_experts_cfg *c, int64_t a, int64_t b)
+{
+    int64_t ad, bf, row, n;
+    if (c->tile < 0 || c->D < 0 || c->F < 0 || __builtin_mul_overflow(a, c->D, &ad) ||
+        __builtin_mul_overflow(b, c->F, &bf) || __builtin_add_overflow(ad, bf, &row) ||
+        __builtin_mul_overflow(c->tile, row, &n))
+        return -1;
+    return n;
+}
+
 int64_t ml_experts_forward_scratch(const ml_experts_cfg *c)
 {
-    return c->tile * (c->D + 3 * c->F);
+    return scratch_elems(c, 1, 3);
 }
 
 int64_t ml_experts_backward_scratch(const ml_experts_cfg *c)
 {
-    return c->tile * (2 * c->D + 4 * c->F);
+    return scratch_elems(c, 2, 4);
 }
 
 /* ---- elementwise steps over one tile ------------------------------------ */

@@ -63,7 +63,8 @@ typedef struct {
 } ml_experts_cfg;
 
 /* Scratch elements (of the kernel's dtype) each direction needs:
- * forward R·(D + 3F), backward R·(2D + 4F). */
+ * forward R·(D + 3F), backward R·(2D + 4F); -1 when the count overflows
+ * int64 (the caller refuses the tile). */
 int64_t ml_experts_forward_scratch(const ml_experts_cfg *c);
 int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
 

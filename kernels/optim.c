@@ -9,6 +9,7 @@
  */
 #include "optim.h"
 #include "parallel.h"
+#include "reduce.h"
 
 #include <math.h>
 
@@ -221,56 +222,10 @@ ml_status ml_sgd_cpu(ml_dtype dt, void *p, void *buf, const void *g, int64_t n,
 
 /* ---- norms and scaling ---------------------------------------------------- */
 
-/* Block partials per chunk of SUPER blocks live on the stack; boundaries
- * depend on n alone. */
-#define SUPER 1024
-
-typedef struct {
-    ml_dtype dt;
-    const void *x;
-    int64_t base, end;
-    double *part;
-} sq_arg;
-
-static void sq_tile(void *arg, int64_t lo, int64_t hi)
-{
-    const sq_arg *a = arg;
-    for (int64_t b = lo; b < hi; b++) {
-        int64_t s = a->base + b * ML_OPTIM_BLOCK;
-        int64_t e = s + ML_OPTIM_BLOCK < a->end ? s + ML_OPTIM_BLOCK : a->end;
-        double acc = 0;
-        if (a->dt == ML_F32) {
-            const float *x = a->x;
-            for (int64_t i = s; i < e; i++)
-                acc += (double)x[i] * (double)x[i];
-        } else {
-            const double *x = a->x;
-            for (int64_t i = s; i < e; i++)
-                acc += x[i] * x[i];
-        }
-        a->part[b] = acc;
-    }
-}
-
 ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
-        return ML_EUNSUPPORTED;
     ml_kctx c = uninterruptible(ctx);
-    double part[SUPER], acc = 0;
-    const int64_t chunk = (int64_t)SUPER * ML_OPTIM_BLOCK;
-    for (int64_t base = 0; base < n; base += chunk) {
-        int64_t len = n - base < chunk ? n - base : chunk;
-        int64_t nb = (len + ML_OPTIM_BLOCK - 1) / ML_OPTIM_BLOCK;
-        sq_arg a = {dt, x, base, base + len, part};
-        ml_status s = ml_parallel_tiles(nb, 1, ML_OPTIM_BLOCK, &c, sq_tile, &a);
-        if (s != ML_OK)
-            return s;
-        for (int64_t b = 0; b < nb; b++)
-            acc += part[b];
-    }
-    *out = acc;
-    return ML_OK;
+    return ml_block_sum_cpu(dt, out, x, n, 1, &c);   /* reduce.c's fixed blocks */
 }
 
 ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,

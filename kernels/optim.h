@@ -24,7 +24,7 @@
 
 #include "core.h"
 
-#define ML_OPTIM_BLOCK 4096
+#define ML_OPTIM_BLOCK 4096   /* = ML_REDUCE_BLOCK: norms use ml_block_sum_cpu */
 
 /* AdamW hyperparameters; step is the 1-based step the bias correction
  * uses (ignored by the lazy variant, which reads per-expert counts). */

@@ -70,6 +70,7 @@ ml_status ml_reduce_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const
 
 typedef struct {
     ml_redop op; ml_dtype dt; const void *in; int64_t base, n;
+    int square;
     double *part; int64_t *pidx;
 } all_arg;
 
@@ -86,6 +87,13 @@ static void all_tile(void *p, int64_t lo, int64_t hi)
                 ext_step(g->op, at(g->dt, g->in, i), i, &best, &bi);
             g->part[b] = best;
             g->pidx[b] = bi;
+        } else if (g->square) {
+            double acc = 0;
+            for (int64_t i = s; i < e; i++) {
+                double v = at(g->dt, g->in, i);
+                acc += v * v;
+            }
+            g->part[b] = acc;
         } else {
             double acc = 0;
             for (int64_t i = s; i < e; i++)
@@ -95,11 +103,11 @@ static void all_tile(void *p, int64_t lo, int64_t hi)
     }
 }
 
-ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                            int64_t n, const ml_kctx *ctx)
+/* The block driver of every whole-tensor reduction: sum (of squares) into
+ * *acc, or max/min into *acc with its position in *best_i. */
+static ml_status all_blocks(ml_redop op, int square, ml_dtype dt, double *acc_out,
+                            int64_t *best_out, const void *in, int64_t n, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
-        return ML_EUNSUPPORTED;
     double part[SUPER];
     int64_t pidx[SUPER];
     int ext = op == ML_RMAX || op == ML_RMIN;
@@ -109,7 +117,7 @@ ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, c
     for (int64_t base = 0; base < n; base += super_elems) {
         int64_t len = n - base < super_elems ? n - base : super_elems;
         int64_t nblocks = (len + ML_REDUCE_BLOCK - 1) / ML_REDUCE_BLOCK;
-        all_arg g = {op, dt, in, base, base + len, part, pidx};
+        all_arg g = {op, dt, in, base, base + len, square, part, pidx};
         ml_status s = ml_parallel_tiles(nblocks, 1, ML_REDUCE_BLOCK, ctx, all_tile, &g);
         if (s != ML_OK)
             return s;
@@ -123,6 +131,30 @@ ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, c
         if (!ext)
             acc += sacc;
     }
+    *acc_out = acc;
+    *best_out = best_i;
+    return ML_OK;
+}
+
+ml_status ml_block_sum_cpu(ml_dtype dt, double *out, const void *x, int64_t n, int square,
+                           const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    int64_t unused;
+    return all_blocks(ML_RSUM, square, dt, out, &unused, x, n, ctx);
+}
+
+ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
+                            int64_t n, const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    double acc;
+    int64_t best_i;
+    ml_status s = all_blocks(op, 0, dt, &acc, &best_i, in, n, ctx);
+    if (s != ML_OK)
+        return s;
     if (op == ML_RMEAN)
         acc = n ? acc / (double)n : NAN;
     ml_store(dt, out, 0, acc);

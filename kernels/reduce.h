@@ -33,6 +33,13 @@ ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, c
 ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
                              int64_t n, const ml_kctx *ctx);
 
+/* *out = sum of x[i] (square: of x[i]^2) over n elements in f64, in the
+ * fixed blocks above: the deterministic total every whole-tensor sum and
+ * norm on the CPU uses (ml_reduce_all_cpu, ml_sumsq_cpu). Bit-identical
+ * for every thread count. f32, f64 (ML_EUNSUPPORTED otherwise). */
+ml_status ml_block_sum_cpu(ml_dtype dt, double *out, const void *x, int64_t n, int square,
+                           const ml_kctx *ctx);
+
 /* Inclusive prefix sum along the middle dim of [outer, r, inner], f64
  * accumulator. f32, f64, i32, i64. */
 ml_status ml_cumsum_cpu(ml_dtype dt, void *out, const void *in,

@@ -96,7 +96,7 @@ static void noise_block(const ml_router_cfg *cfg, int64_t t, int64_t group, uint
                         uint32_t out[4])
 {
     uint32_t key[2] = {(uint32_t)cfg->seed, (uint32_t)(cfg->seed >> 32)};
-    uint32_t ctr[4] = {(uint32_t)t, (uint32_t)cfg->step, ((uint32_t)group << 2) | word,
+    uint32_t ctr[4] = {(uint32_t)(cfg->token_offset + (uint64_t)t), (uint32_t)cfg->step, ((uint32_t)group << 2) | word,
                        0x80000000u | (uint32_t)cfg->layer};
     ml_philox4x32_10(ctr, key, out);
 }

@@ -47,15 +47,20 @@
  * Noise is a pure function of (seed, step, layer, token, expert), never
  * stored: chunking and the backward's recompute reproduce it. Philox-4x32-10
  * with key = (seed mod 2^32, seed >> 32) and counter
- *     c0 = t (the row of x, t < 2^32)     c1 = step (< 2^32)
+ *     c0 = token_offset + t (t the row of x; token_offset + T <= 2^32 - 1)
+ *     c1 = step (< 2^32)
  *     c2 = (e / 4) << 2 | w               c3 = 0x80000000 | layer (< 2^31)
  * and lane e % 4, where word w = 0 and 1 give u1, u2 of the normal and w = 2
  * the Gumbel uniform. The set top bit of c3 keeps these counters apart from
  * moelua.rand / randn (c3 = 0). With r = lane >> 8 (24 bits):
  *     z = sqrt(-2 ln u1) cos(2 pi u2),  u1 = (r_0 + 1) 2^-24, u2 = r_1 2^-24
  *     g = -ln(-ln u),                   u  = (r_2 + 0.5) 2^-24, in (0, 1)
- * (the normal is moelua.randn's formula). A NaN logit (or a NaN score from
- * an infinite logit) is ML_ENAN.
+ * (the normal is moelua.randn's formula). token_offset (default 0) is the
+ * position of x's first row in the step's token stream: a caller that routes
+ * a batch in pieces (micro-batches, sequence shards) passes each piece's
+ * first token, and the pieces draw exactly the noise one call on the whole
+ * batch would. A NaN logit (or a NaN score from an infinite logit) is
+ * ML_ENAN.
  *
  * Chunks: tokens are processed `chunk` at a time; only a [chunk, 4E + 2] f64
  * scratch is alive (never a [T, E] tensor). Within a chunk tokens run in
@@ -83,6 +88,7 @@ typedef struct {
     double noise;         /* sigma >= 0: gate noise after the temperature */
     int gumbel;           /* add Gumbel(0, 1) to the scores */
     uint64_t seed, step, layer;
+    uint64_t token_offset; /* noise counter of x's row 0: c0 = token_offset + t */
 } ml_router_cfg;
 
 /* Bytes of the scratch a call needs: chunk rows of 4E + 2 f64, plus (for
@@ -114,7 +120,9 @@ ml_status ml_router_forward_cpu(ml_dtype dt, int64_t *idx, void *w, int64_t *cou
  *   dwg [E, D] dt  +=  dL/dwg, summed per element in token order in the f64
  *                      accumulator at the end of the scratch, then added
  *   scratch of ml_router_scratch_bytes(T, D, E, chunk, 1) bytes, 8-aligned.
- * idx entries must be in [0, E) (the binding checks). */
+ * idx entries must be in [0, E) (the binding checks). On ML_ENAN (a NaN
+ * logit in some chunk) dx may already hold the += of the chunks before it
+ * (and dwg is not updated): the caller treats dx as spoiled. */
 ml_status ml_router_backward_cpu(ml_dtype dt, void *dx, void *dwg, const int64_t *idx,
                                  const void *dw, const double *aux, double gz,
                                  const void *x, const void *wg,

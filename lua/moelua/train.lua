@@ -250,7 +250,9 @@ function Trainer:step(step)
     local t0 = now()
     local tokens = self.data:batch((step + self.data_offset) * self.accum + micro - 1)
     local t1 = now()
-    local l, st = self.model:forward(tokens, step)
+    -- the gate noise is keyed by (seed, step, layer, token): give each
+    -- micro-batch its own key, or they would all draw the same noise
+    local l, st = self.model:forward(tokens, step * self.accum + micro - 1)
     local t2 = now()
     self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
     local t3 = now()

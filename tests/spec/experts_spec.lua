@@ -412,6 +412,59 @@ describe("experts bad input", function()
     err("argument #6 (plan)", ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, 5)
   end)
 
+  it("refuses a tile whose scratch overflows and clamps a long one to T·k", function()
+    err("option 'tile' = 576460752303423488 is out of range", ex.forward, P.x, P.gate_up, P.down,
+        P.idx, P.w, plan, {tile = 1 << 59})
+    local y1, s1 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 1 << 40})
+    local y2 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 12})
+    assert.are.same(vals(y2), vals(y1))
+    assert.are.equal(1 << 40, s1.tile)
+    local dy = m.ones({6, 4})
+    local g1 = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, s1)}
+    local _, s2 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 12})
+    local g2 = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, s2)}
+    for i = 1, 4 do assert.are.same(vals(g2[i]), vals(g1[i])) end
+    s1.tile = 1 << 59
+    err("option 'tile' = 576460752303423488 is out of range", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, s1)
+  end)
+
+  it("refuses a plan that lists an assignment twice or out of order within an expert", function()
+    local o = vals(plan.order)
+    local off = vals(plan.offsets)
+    local e = 0   -- an expert with >= 2 kept assignments
+    while off[e + 2] - off[e + 1] < 2 do e = e + 1 end
+    local p0 = off[e + 1] + 1   -- 1-based position of its first entry
+    local dup = {}
+    for i, v in ipairs(o) do dup[i] = v end
+    dup[p0 + 1] = dup[p0]
+    local bad = {offsets = plan.offsets, order = m.tensor(dup, {dtype = "i64"})}
+    err(("order[%d] does not match idx"):format(p0), ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, bad)
+    local swp = {}
+    for i, v in ipairs(o) do swp[i] = v end
+    swp[p0], swp[p0 + 1] = swp[p0 + 1], swp[p0]
+    bad.order = m.tensor(swp, {dtype = "i64"})
+    err(("order[%d] does not match idx"):format(p0), ex.forward, P.x, P.gate_up, P.down, P.idx, P.w, bad)
+  end)
+
+  it("refuses grads that share storage with an input or with each other", function()
+    local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan)
+    local dy = m.ones({6, 4})
+    err("grads.dw shares storage with argument #6 (w)", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dw = P.w})
+    err("grads.dx shares storage with argument #1 (dy)", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dx = dy})
+    err("grads.dx shares storage with argument #2 (x)", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dx = P.x})
+    err("grads.ddown shares storage with argument #4 (down)", ex.backward, dy, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {ddown = P.down})
+    local g = m.zeros({6, 4})
+    err("grads.dx shares storage with argument #1 (dy)", ex.backward, g, P.x, P.gate_up,
+        P.down, P.idx, P.w, plan, saved, nil, {dx = g})
+    local w0 = vals(P.w)
+    assert.are.same(w0, vals(P.w))
+  end)
+
   it("checks backward's saved table and grads", function()
     local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 4})
     local dy = m.zeros({6, 4})

@@ -310,6 +310,14 @@ end)
 describe("gradient norms and clipping", function()
   local function sumsq(v) local s = 0 for i = 1, #v do s = s + v[i] * v[i] end return s end
 
+  it("grad_norm sums squares in the same fixed blocks as sum (one routine), past 4M elements", function()
+    for _, dtype in ipairs({"f64", "f32"}) do
+      local x = m.randn({5000003}, {dtype = dtype}):to("f64")
+      local want = math.sqrt((x * x):sum():item())
+      assert.are.equal(want, C.grad_norm({x}), dtype)
+    end
+  end)
+
   it("grad_norm matches the reference over mixed f32/f64 buffers", function()
     local a, b, c = randn(5000, "f32"), randn(123, "f64"), randn(9000, "f32")
     local ref = math.sqrt(sumsq(vals(a)) + sumsq(vals(b)) + sumsq(vals(c)))

@@ -327,6 +327,44 @@ describe("router invariance", function()
     end)
   end
 
+  it("token_offset: two calls on halves with offsets 0 and S reproduce one call on the whole", function()
+    local T, S, D, E = 30, 13, 10, 5
+    local x, wg = randn({T, D}, "f64"), randn({E, D}, "f64")
+    local o = {k = 2, noise = 1.5, gumbel = true, seed = 21, step = 4, layer = 3}
+    local idx, w = router.forward(x, wg, o)
+    local x1, x2 = x:narrow(1, 1, S), x:narrow(1, S + 1, T - S)
+    local i1, w1 = router.forward(x1, wg, o)
+    local o2 = {k = 2, noise = 1.5, gumbel = true, seed = 21, step = 4, layer = 3, token_offset = S}
+    local i2, w2 = router.forward(x2, wg, o2)
+    local iv, wv = vals(i1), vals(w1)
+    for _, v in ipairs(vals(i2)) do iv[#iv + 1] = v end
+    for _, v in ipairs(vals(w2)) do wv[#wv + 1] = v end
+    assert.are.same(vals(idx), iv)
+    assert.are.same(vals(w), wv)
+    -- without the offset the second half draws the first half's noise
+    assert.are_not.same(vals(w2), vals(select(2, router.forward(x2, wg, o))))
+    -- the backward's recompute keys the noise the same way
+    local c = randn({T, 2}, "f64")
+    local dx = router.backward(c, x, wg, idx, o)
+    local d1 = router.backward(c:narrow(1, 1, S), x1, wg, i1, o)
+    local d2 = router.backward(c:narrow(1, S + 1, T - S), x2, wg, i2, o2)
+    local dv = vals(d1)
+    for _, v in ipairs(vals(d2)) do dv[#dv + 1] = v end
+    assert.are.same(vals(dx), dv)
+    -- c0 = token_offset + t must fit in 32 bits
+    local ok, err = pcall(router.forward, x2, wg,
+                          {k = 2, noise = 1, token_offset = 2 ^ 32 - 10})
+    assert.is_false(ok)
+    assert.matches("noise is keyed by a 32%-bit token index: token_offset %+ T = 4294967286 %+ 17",
+                   tostring(err))
+    ok, err = pcall(router.backward, c:narrow(1, S + 1, T - S), x2, wg, i2,
+                    {k = 2, noise = 1, token_offset = 2 ^ 32 - 10})
+    assert.is_false(ok)
+    assert.matches("moelua.router.backward: noise is keyed by a 32%-bit token index", tostring(err))
+    ok, err = pcall(router.forward, x2, wg, {k = 2, token_offset = -1})
+    assert.matches("option 'token_offset' must be >= 0, got %-1", tostring(err))
+  end)
+
   it("reproduces gate noise in the backward's recompute (chunk 1 vs chunk T)", function()
     local T, D, E = 30, 10, 5
     local x, wg = randn({T, D}, "f64"), randn({E, D}, "f64")
@@ -458,6 +496,34 @@ end)
 -- ---- memory --------------------------------------------------------------------
 
 describe("router memory", function()
+  it("collects garbage and retries when growing the pool for its scratch is refused", function()
+    local T, D, E = 256, 8, 4
+    local x, wg = randn({T, D}), randn({E, D})
+    local want = {router.forward(x, wg, {k = 2})}
+    for _, lib in ipairs({"router", "experts"}) do
+      local p = m.pool.new(1 << 16, {grow = true})
+      local idx, w = router.forward(x, wg, {k = 2, pool = p})   -- outputs in the first block
+      local gu, dn = randn({E, 64, D}), randn({E, D, 32})
+      local plan = m.experts.dispatch(idx, E)
+      collectgarbage()
+      collectgarbage()
+      collectgarbage("stop")
+      do local _ = m.zeros({1 << 20}) end              -- 4 MiB of garbage, not collected
+      local old = mem.budget({total = mem.stats().cpu.total + 1024})
+      local ok, err
+      if lib == "router" then
+        ok, err = pcall(router.forward, x, wg, {k = 2, pool = p, chunk = T})
+      else
+        ok, err = pcall(m.experts.forward, x, gu, dn, idx, w, plan, {pool = p, tile = T * 2, save = "recompute"})
+      end
+      mem.budget(old)
+      collectgarbage("restart")
+      assert.is_true(ok, lib .. ": " .. tostring(err))
+      if lib == "router" then assert.are.same(vals(want[1]), vals(err)) end
+      p:close()
+    end
+  end)
+
   it("keeps O(chunk E) scratch beyond its outputs, never O(T E)", function()
     local T, D, E, k, chunk = 4096, 32, 64, 2, 64
     local x, wg = randn({T, D}), randn({E, D})

@@ -274,6 +274,24 @@ describe("moelua.save refuses", function()
                    errmsg(io_.save, bad, {x = T.zeros({1})}))
   end)
 
+  it("a table a finalizer changes mid-save (the collect-and-retry of a copy), naming it", function()
+    local nc = T.arange(64, {dtype = "f64"}):reshape(8, 8):t()   -- each entry needs a copy
+    local tbl = {a = nc, b = nc:t():t(), c = nc:t():t()}
+    local big = T.zeros({1024}, {dtype = "f64"})
+    collectgarbage()
+    collectgarbage("stop")
+    setmetatable({}, {__gc = function()   -- garbage whose finalizer empties the table
+      for k in pairs(tbl) do tbl[k] = nil end
+      big:free()                            -- so the retried copy fits
+    end})
+    local old = mem.budget({total = mem.stats().cpu.total + 100})
+    local ok, err = pcall(io_.save, p, tbl)
+    mem.budget(old)
+    collectgarbage("restart")
+    assert.is_false(ok)
+    assert.matches("moelua.save: argument #2: the table changed while saving", tostring(err))
+  end)
+
   it("without leaking the copies it made before failing", function()
     local before = cpu_total()
     local nc = T.arange(64, {dtype = "f64"}):reshape(8, 8):t()
