@@ -149,18 +149,6 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ml_device dev, ex_
     }
 }
 
-/* ---- buffers: from the pool or the ledger ------------------------------------ */
-
-/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
- * stack index pool (contents undefined) or, without one, a ledger tensor. */
-static ml_tensor *new_buf(lua_State *L, const char *fn, ml_device dev, int pool, ml_dtype dt,
-                          int ndim, const int64_t *shape)
-{
-    if (!pool)
-        return ml_newtensor(L, fn, dev, dt, ndim, shape);
-    return ml_pool_pushtensor(L, fn, pool, dt, ndim, shape);
-}
-
 /* ---- argument checks ------------------------------------------------------------- */
 
 /* dev < 0: any device (the first operand sets it for the others). */
@@ -209,13 +197,10 @@ static ml_tensor *field_tensor(lua_State *L, int tbl, const char *tname, const c
         lua_pop(L, 1);
         return NULL;
     }
-    ml_tensor *t = ml_testtensor(L, -1);
-    if (!t)
-        ml_error(L, fn, "%s.%s: expected a tensor, got %s", tname, key, luaL_typename(L, -1));
-    if (!t->st)
-        ml_error(L, fn, "%s.%s: the tensor was freed", tname, key);
-    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        ml_error(L, fn, "%s.%s: stale pool view (its frame was rewound)", tname, key);
+    char what[64], shape_what[66];
+    snprintf(what, sizeof what, "%s.%s", tname, key);
+    snprintf(shape_what, sizeof shape_what, "%s:", what);   /* "grads.dx: expected shape ..." */
+    ml_tensor *t = ml_checktensor_named(L, -1, fn, what);
     if (t->st->device != dev)
         ml_error(L, fn, "%s.%s: a %s tensor but the other operands are on %s (one device "
                  "expected)", tname, key, ml_device_names[t->st->device], ml_device_names[dev]);
@@ -224,20 +209,7 @@ static ml_tensor *field_tensor(lua_State *L, int tbl, const char *tname, const c
                  ml_dtype_names[t->dtype]);
     if (!ml_is_contiguous(t))
         ml_error(L, fn, "%s.%s: expected a contiguous tensor", tname, key);
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++)
-        ok = t->shape[i] == shape[i];
-    if (!ok) {
-        char s[96], want[96];
-        ml_format_shape(t, s, sizeof s);
-        int n = snprintf(want, sizeof want, "[");
-        for (int i = 0; i < ndim && n < (int)sizeof want; i++)
-            n += snprintf(want + n, sizeof want - (size_t)n, i ? ",%lld" : "%lld",
-                          (long long)shape[i]);
-        if (n < (int)sizeof want)
-            snprintf(want + n, sizeof want - (size_t)n, "]");
-        ml_error(L, fn, "%s.%s: expected shape %s, got %s", tname, key, want, s);
-    }
+    ml_check_shape_eq(L, fn, shape_what, t, ndim, shape);
     return t;
 }
 
@@ -342,12 +314,6 @@ static int64_t nsaved_of(const ex_args *a, double recompute)
 
 /* ---- experts.dispatch ------------------------------------------------------------ */
 
-static void set_int(lua_State *L, const char *k, int64_t v)
-{
-    lua_pushinteger(L, (lua_Integer)v);
-    lua_setfield(L, -2, k);
-}
-
 static int l_experts_dispatch(lua_State *L)
 {
     static const char fn[] = "moelua.experts.dispatch";
@@ -377,25 +343,25 @@ static int l_experts_dispatch(lua_State *L)
     lua_createtable(L, 0, 10);
     int res = lua_gettop(L);
     int64_t e1 = E + 1, shp[2] = {T, k};
-    ml_tensor *off = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &e1);
+    ml_tensor *off = ml_newbuf(L, fn, o.dev, o.pool, ML_I64, 1, &e1);
     lua_setfield(L, res, "offsets");
-    ml_tensor *ord = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &n);
+    ml_tensor *ord = ml_newbuf(L, fn, o.dev, o.pool, ML_I64, 1, &n);
     lua_setfield(L, res, "order");
     int64_t ee = E;
-    ml_tensor *cnt = new_buf(L, fn, o.dev, o.pool, ML_I64, 1, &ee);
+    ml_tensor *cnt = ml_newbuf(L, fn, o.dev, o.pool, ML_I64, 1, &ee);
     lua_setfield(L, res, "counts");
-    ml_tensor *drp = new_buf(L, fn, o.dev, o.pool, ML_U8, 2, shp);
+    ml_tensor *drp = ml_newbuf(L, fn, o.dev, o.pool, ML_U8, 2, shp);
     lua_setfield(L, res, "dropped");
     int64_t nd = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s = be->dispatch(ml_data(off), ml_data(ord), ml_data(cnt), ml_data(drp), &nd,
                                   ml_data(idx), n, E, o.drop ? o.capacity : -1, &ctx);
     ml_check_status(L, fn, s);
-    set_int(L, "ndropped", nd);
-    set_int(L, "E", E);
-    set_int(L, "T", T);
-    set_int(L, "k", k);
-    set_int(L, "capacity", o.drop ? o.capacity : -1);
+    ml_setfield_int(L, "ndropped", nd);
+    ml_setfield_int(L, "E", E);
+    ml_setfield_int(L, "T", T);
+    ml_setfield_int(L, "k", k);
+    ml_setfield_int(L, "capacity", o.drop ? o.capacity : -1);
     return 1;
 }
 
@@ -412,17 +378,17 @@ static int l_experts_forward(lua_State *L)
                         nsaved_of(&a, o.recompute)};
 
     int64_t yshape[2] = {a.T, a.D}, hshape[2] = {c.nsaved, 2 * a.F};
-    ml_tensor *y = new_buf(L, fn, o.dev, o.pool, a.dt, 2, yshape);
+    ml_tensor *y = ml_newbuf(L, fn, o.dev, o.pool, a.dt, 2, yshape);
     int yi = lua_gettop(L);
     lua_createtable(L, 0, 4);
     int si = lua_gettop(L);
-    set_int(L, "tile", o.tile);   /* as asked; backward clamps it again */
-    set_int(L, "nsaved", c.nsaved);
+    ml_setfield_int(L, "tile", o.tile);   /* as asked; backward clamps it again */
+    ml_setfield_int(L, "nsaved", c.nsaved);
     lua_pushnumber(L, o.recompute);
     lua_setfield(L, si, "partial_recompute");
     void *h = NULL;
     if (c.nsaved > 0) {
-        h = ml_data(new_buf(L, fn, o.dev, o.pool, a.dt, 2, hshape));
+        h = ml_data(ml_newbuf(L, fn, o.dev, o.pool, a.dt, 2, hshape));
         lua_setfield(L, si, "h");
     }
     ml_pool_scratch sc;
@@ -529,16 +495,9 @@ static int l_experts_backward(lua_State *L)
                     ml_error(L, fn, "grads.%s shares storage with grads.%s", GRADS[i], GRADS[j]);
         }
         gt[i] = t;
-        if (!t) {
-            t = new_buf(L, fn, o.dev, o.pool, dts[i], ndims[i], shapes[i]);
-            int64_t ne = 1;
-            for (int j = 0; j < ndims[i]; j++)
-                ne *= shapes[i][j];
-            ml_kctx zctx = ml_kctx_of(ml_host_of(L));
-            zctx.interrupt = NULL;   /* short; Ctrl-C is seen by the kernel that follows */
-            if (zero[i] && ne)
-                ml_check_status(L, fn, a.be->fill(dts[i], ml_data(t), 0.0, ne, &zctx));
-        }
+        if (!t)
+            t = (zero[i] ? ml_newzeros : ml_newbuf)(L, fn, o.dev, o.pool, dts[i], ndims[i],
+                                                    shapes[i]);
         out[i] = ml_data(t);
     }
     ml_pool_scratch sc;

@@ -40,14 +40,9 @@ static const char *check_cstring(lua_State *L, int idx, const char *fn, const ch
 /* The tensor value at the stack top, named `name` in the table argument. */
 static ml_tensor *check_entry(lua_State *L, const char *fn, const char *name)
 {
-    ml_tensor *t = ml_testtensor(L, -1);
-    if (!t)
-        ml_error(L, fn, "argument #2: tensors['%s']: expected a tensor, got %s", name,
-                 luaL_typename(L, -1));
-    if (!t->st)
-        ml_error(L, fn, "argument #2: tensors['%s']: the tensor was freed", name);
-    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        ml_error(L, fn, "argument #2: tensors['%s']: stale pool view (its frame was rewound)", name);
+    char what[300];
+    snprintf(what, sizeof what, "argument #2: tensors['%s']", name);
+    ml_tensor *t = ml_checktensor_named(L, -1, fn, what);
     if (t->st->device != ML_CPU)
         ml_error(L, fn, "argument #2: tensors['%s']: is on %s; only cpu tensors can be saved "
                  "(copy it with :to(\"cpu\") first)", name, ml_device_names[t->st->device]);

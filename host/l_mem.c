@@ -47,12 +47,6 @@ static void push_categories(lua_State *L, const size_t *v)
     }
 }
 
-static void set_int(lua_State *L, const char *k, lua_Integer v)
-{
-    lua_pushinteger(L, v);
-    lua_setfield(L, -2, k);
-}
-
 static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
 {
     lua_createtable(L, 0, 16);
@@ -73,16 +67,16 @@ static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
     lua_setfield(L, -2, "allocs");
     push_categories(L, frees);
     lua_setfield(L, -2, "frees");
-    set_int(L, "total", (lua_Integer)lg->total);
-    set_int(L, "total_peak", (lua_Integer)lg->total_peak);
-    set_int(L, "reserved", (lua_Integer)lg->reserved);
-    set_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
-    set_int(L, "budget_total", (lua_Integer)lg->budget_total);
-    set_int(L, "refused", (lua_Integer)lg->nrefused);
+    ml_setfield_int(L, "total", (lua_Integer)lg->total);
+    ml_setfield_int(L, "total_peak", (lua_Integer)lg->total_peak);
+    ml_setfield_int(L, "reserved", (lua_Integer)lg->reserved);
+    ml_setfield_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
+    ml_setfield_int(L, "budget_total", (lua_Integer)lg->budget_total);
+    ml_setfield_int(L, "refused", (lua_Integer)lg->nrefused);
     if (d == ML_CPU) {
         size_t rss = ml_process_rss();
-        set_int(L, "rss", (lua_Integer)rss);
-        set_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
+        ml_setfield_int(L, "rss", (lua_Integer)rss);
+        ml_setfield_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
     }
 #ifdef ML_WITH_CUDA
     size_t free_b, total_b;
@@ -90,18 +84,18 @@ static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
         /* device bytes in use that the caching allocator did not reserve:
          * the CUDA context, cuBLAS workspaces, other processes */
         size_t used = total_b - free_b;
-        set_int(L, "untracked", (lua_Integer)(used > lg->reserved ? used - lg->reserved : 0));
+        ml_setfield_int(L, "untracked", (lua_Integer)(used > lg->reserved ? used - lg->reserved : 0));
         ml_cuda_alloc_stats a;
         ml_cuda_alloc_get_stats(&a);
         lua_createtable(L, 0, 8);
-        set_int(L, "reserved", (lua_Integer)a.reserved);
-        set_int(L, "allocated", (lua_Integer)a.allocated);
-        set_int(L, "cached", (lua_Integer)a.cached);
-        set_int(L, "requested", (lua_Integer)a.requested);
-        set_int(L, "mallocs", (lua_Integer)a.nmalloc);
-        set_int(L, "hits", (lua_Integer)a.nhits);
-        set_int(L, "flushes", (lua_Integer)a.nflush);
-        set_int(L, "failures", (lua_Integer)a.nfail);
+        ml_setfield_int(L, "reserved", (lua_Integer)a.reserved);
+        ml_setfield_int(L, "allocated", (lua_Integer)a.allocated);
+        ml_setfield_int(L, "cached", (lua_Integer)a.cached);
+        ml_setfield_int(L, "requested", (lua_Integer)a.requested);
+        ml_setfield_int(L, "mallocs", (lua_Integer)a.nmalloc);
+        ml_setfield_int(L, "hits", (lua_Integer)a.nhits);
+        ml_setfield_int(L, "flushes", (lua_Integer)a.nflush);
+        ml_setfield_int(L, "failures", (lua_Integer)a.nfail);
         lua_setfield(L, -2, "allocator");
     }
 #endif
@@ -162,9 +156,9 @@ static int l_mem_budget(lua_State *L)
         lua_pop(L, 1);
     }
     lua_createtable(L, 0, ML_NCAT + 1);
-    set_int(L, "total", (lua_Integer)lg->budget_total);
+    ml_setfield_int(L, "total", (lua_Integer)lg->budget_total);
     for (int c = 0; c < ML_NCAT; c++)
-        set_int(L, ml_category_names[c], (lua_Integer)lg->budget[c]);
+        ml_setfield_int(L, ml_category_names[c], (lua_Integer)lg->budget[c]);
     if (lua_getfield(L, 1, "total") != LUA_TNIL)
         lg->budget_total = check_bytes(L, -1, fn, "total");
     lua_pop(L, 1);
@@ -247,7 +241,7 @@ static int l_mem_timeline(lua_State *L)
         size_t total = 0;
         for (int c = 0; c < ML_NCAT; c++)
             total += s->bytes[c];
-        set_int(L, "total", (lua_Integer)total);
+        ml_setfield_int(L, "total", (lua_Integer)total);
         lua_rawseti(L, -2, (lua_Integer)i + 1);
     }
     lua_pushinteger(L, (lua_Integer)lg->ndropped);

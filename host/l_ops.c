@@ -40,11 +40,9 @@
 static ml_tensor *arg_tensor(lua_State *L, int idx, const char *fn, const char *name, int dt,
                              int ndim)
 {
-    ml_tensor *t = ml_testtensor(L, idx);
-    if (!t)
-        ml_error(L, fn, "argument #%d (%s): expected a tensor, got %s", idx, name,
-                 luaL_typename(L, idx));
-    t = ml_checktensor(L, idx, fn);
+    char what[64];
+    snprintf(what, sizeof what, "argument #%d (%s)", idx, name);
+    ml_tensor *t = ml_checktensor_named(L, idx, fn, what);
     if (t->st->device != ML_CPU)
         ml_error(L, fn, "argument #%d (%s) is on %s; moelua.ops runs on cpu", idx, name,
                  ml_device_names[t->st->device]);
@@ -58,26 +56,6 @@ static ml_tensor *arg_tensor(lua_State *L, int idx, const char *fn, const char *
     if (!ml_is_contiguous(t))
         ml_error(L, fn, "argument #%d (%s) must be contiguous (call :contiguous())", idx, name);
     return t;
-}
-
-/* t must be [dims...] (nd of them). */
-static void expect_shape(lua_State *L, const char *fn, const char *name, const ml_tensor *t, int nd,
-                         const int64_t *dims)
-{
-    int ok = t->ndim == nd;
-    for (int i = 0; ok && i < nd; i++)
-        ok = t->shape[i] == dims[i];
-    if (ok)
-        return;
-    char have[64], want[128];
-    ml_format_shape(t, have, sizeof have);
-    size_t n = 0;
-    n += (size_t)snprintf(want + n, sizeof want - n, "[");
-    for (int i = 0; i < nd && n < sizeof want; i++)
-        n += (size_t)snprintf(want + n, sizeof want - n, "%s%lld", i ? "," : "", (long long)dims[i]);
-    if (n < sizeof want)
-        snprintf(want + n, sizeof want - n, "]");
-    ml_error(L, fn, "%s is %s but must be %s", name, have, want);
 }
 
 static void same_dtype(lua_State *L, const char *fn, const char *name, const ml_tensor *t,
@@ -100,14 +78,6 @@ static void check_ids(lua_State *L, const char *fn, const char *name, const ml_t
                      (long long)p[i], (long long)hi);
 }
 
-static ml_tensor *new_zeros(lua_State *L, const char *fn, ml_dtype dt, int nd, const int64_t *shape)
-{
-    ml_tensor *t = ml_newtensor(L, fn, ML_CPU, dt, nd, shape);
-    if (ml_nbytes(t))
-        memset(ml_data(t), 0, ml_nbytes(t));
-    return t;
-}
-
 /* Free a scratch tensor now (never raises). */
 static void drop(ml_tensor *t)
 {
@@ -127,42 +97,6 @@ static int opts_table(lua_State *L, int idx, const char *fn, const char *const *
     return idx;
 }
 
-static double opt_number(lua_State *L, int oi, const char *fn, const char *key, double def)
-{
-    if (!oi || lua_getfield(L, oi, key) == LUA_TNIL) {
-        if (oi)
-            lua_pop(L, 1);
-        return def;
-    }
-    if (lua_type(L, -1) != LUA_TNUMBER)
-        ml_error(L, fn, "option '%s' must be a number, got %s", key, luaL_typename(L, -1));
-    double v = lua_tonumber(L, -1);
-    lua_pop(L, 1);
-    if (!isfinite(v))
-        ml_error(L, fn, "option '%s' must be finite, got %g", key, v);
-    return v;
-}
-
-static int64_t opt_integer(lua_State *L, int oi, const char *fn, const char *key, int64_t def,
-                           int64_t lo, int64_t hi)
-{
-    if (!oi || lua_getfield(L, oi, key) == LUA_TNIL) {
-        if (oi)
-            lua_pop(L, 1);
-        return def;
-    }
-    int isint = 0;
-    lua_Integer v = lua_tointegerx(L, -1, &isint);
-    if (!isint || lua_type(L, -1) != LUA_TNUMBER)
-        ml_error(L, fn, "option '%s' must be an integer, got %s", key,
-                 lua_type(L, -1) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, -1));
-    if (v < lo || v > hi)
-        ml_error(L, fn, "option '%s' must be in [%lld, %lld], got %lld", key, (long long)lo,
-                 (long long)hi, (long long)v);
-    lua_pop(L, 1);
-    return v;
-}
-
 static ml_kctx kctx(lua_State *L) { return ml_kctx_of(ml_host_of(L)); }
 
 /* ---- rmsnorm ------------------------------------------------------------------ */
@@ -175,7 +109,7 @@ static int l_ops_rmsnorm_forward(lua_State *L)
     ml_tensor *w = arg_tensor(L, 2, fn, "w", -1, 1);
     same_dtype(L, fn, "w", w, "x", x->dtype);
     int64_t D = x->shape[x->ndim - 1], N = D ? ml_numel(x) / D : 0;
-    expect_shape(L, fn, "w", w, 1, &D);
+    ml_check_shape_eq(L, fn, "w", w, 1, &D);
     double eps = 1e-6;
     if (!lua_isnoneornil(L, 3)) {
         if (lua_type(L, 3) != LUA_TNUMBER)
@@ -204,18 +138,18 @@ static int l_ops_rmsnorm_backward(lua_State *L)
     ml_tensor *r = arg_tensor(L, 4, fn, "rstd", ML_F64, 1);
     same_dtype(L, fn, "dy", dy, "x", x->dtype);
     same_dtype(L, fn, "w", w, "x", x->dtype);
-    expect_shape(L, fn, "dy", dy, x->ndim, x->shape);
+    ml_check_shape_eq(L, fn, "dy", dy, x->ndim, x->shape);
     int64_t D = x->shape[x->ndim - 1], N = D ? ml_numel(x) / D : 0;
-    expect_shape(L, fn, "w", w, 1, &D);
-    expect_shape(L, fn, "rstd", r, 1, &N);
+    ml_check_shape_eq(L, fn, "w", w, 1, &D);
+    ml_check_shape_eq(L, fn, "rstd", r, 1, &N);
     ml_tensor *dw;
     if (lua_isnoneornil(L, 5)) {
-        dw = new_zeros(L, fn, x->dtype, 1, &D);
+        dw = ml_newzeros(L, fn, ML_CPU, 0, x->dtype, 1, &D);
         lua_replace(L, 5);
     } else {
         dw = arg_tensor(L, 5, fn, "dw", -1, 1);
         same_dtype(L, fn, "dw", dw, "x", x->dtype);
-        expect_shape(L, fn, "dw", dw, 1, &D);
+        ml_check_shape_eq(L, fn, "dw", dw, 1, &D);
     }
     ml_tensor *dx = ml_newtensor(L, fn, ML_CPU, x->dtype, x->ndim, x->shape);
     ml_kctx c = kctx(L);
@@ -251,7 +185,7 @@ static int l_ops_embedding_backward(lua_State *L)
     ml_tensor *ids = arg_tensor(L, 2, fn, "ids", ML_I64, 1);
     int64_t T = ids->shape[0], D = dout->shape[1], V;
     int64_t sd[2] = {T, D};
-    expect_shape(L, fn, "dout", dout, 2, sd);
+    ml_check_shape_eq(L, fn, "dout", dout, 2, sd);
     ml_tensor *dW;
     if (lua_type(L, 3) == LUA_TNUMBER) {
         int isint = 0;
@@ -259,7 +193,7 @@ static int l_ops_embedding_backward(lua_State *L)
         if (!isint || V < 1)
             ml_error(L, fn, "argument #3 (V) must be a positive integer");
         int64_t sw[2] = {V, D};
-        dW = new_zeros(L, fn, dout->dtype, 2, sw);
+        dW = ml_newzeros(L, fn, ML_CPU, 0, dout->dtype, 2, sw);
         lua_replace(L, 3);
     } else {
         if (!ml_testtensor(L, 3))
@@ -269,7 +203,7 @@ static int l_ops_embedding_backward(lua_State *L)
         same_dtype(L, fn, "dW", dW, "dout", dout->dtype);
         V = dW->shape[0];
         int64_t sw[2] = {V, D};
-        expect_shape(L, fn, "dW", dW, 2, sw);
+        ml_check_shape_eq(L, fn, "dW", dW, 2, sw);
     }
     check_ids(L, fn, "ids", ids, V);
     ml_kctx c = kctx(L);
@@ -293,15 +227,15 @@ static void ce_args(lua_State *L, const char *fn, int a, ml_tensor **h, ml_tenso
     same_dtype(L, fn, "W", *W, "h", (*h)->dtype);
     int64_t S = (*h)->shape[0], D = (*h)->shape[1], V = (*W)->shape[0];
     int64_t sw[2] = {V, D};
-    expect_shape(L, fn, "W", *W, 2, sw);
-    expect_shape(L, fn, "targets", *tg, 1, &S);
+    ml_check_shape_eq(L, fn, "W", *W, 2, sw);
+    ml_check_shape_eq(L, fn, "targets", *tg, 1, &S);
     if (V < 1)
         ml_error(L, fn, "W is empty: at least one vocabulary row expected");
     if (D < 1)
         ml_error(L, fn, "h has no columns: the hidden size must be >= 1");
     check_ids(L, fn, "targets", *tg, V);
-    *rows = opt_integer(L, oi, fn, "rows", 256, 1, ML_CE_MAX_ROWS);
-    *chunk = opt_integer(L, oi, fn, "chunk", 4096, 1, INT64_MAX);
+    *rows = ml_opt_integer(L, oi, fn, "rows", 256, 1, ML_CE_MAX_ROWS);
+    *chunk = ml_opt_integer(L, oi, fn, "chunk", 4096, 1, INT64_MAX);
 }
 
 static int l_ops_cross_entropy_forward(lua_State *L)
@@ -348,17 +282,17 @@ static int l_ops_cross_entropy_backward(lua_State *L)
     ce_args(L, fn, 2, &h, &W, &tg, oi, &rows, &chunk);
     int64_t S = h->shape[0], D = h->shape[1], V = W->shape[0];
     ml_tensor *lse = arg_tensor(L, 5, fn, "lse", ML_F64, 1);
-    expect_shape(L, fn, "lse", lse, 1, &S);
+    ml_check_shape_eq(L, fn, "lse", lse, 1, &S);
     int64_t sw[2] = {V, D};
     ml_tensor *dW;
     if (oi && lua_getfield(L, oi, "dW") != LUA_TNIL) {
         dW = arg_tensor(L, lua_gettop(L), fn, "dW", -1, 2);
         same_dtype(L, fn, "option 'dW'", dW, "h", h->dtype);
-        expect_shape(L, fn, "option 'dW'", dW, 2, sw);
+        ml_check_shape_eq(L, fn, "option 'dW'", dW, 2, sw);
     } else {
         if (oi)
             lua_pop(L, 1);
-        dW = new_zeros(L, fn, h->dtype, 2, sw);
+        dW = ml_newzeros(L, fn, ML_CPU, 0, h->dtype, 2, sw);
     }
     int idw = lua_gettop(L);
     ml_tensor *dh = ml_newtensor(L, fn, ML_CPU, h->dtype, 2, h->shape);
@@ -384,10 +318,10 @@ static int rope_common(lua_State *L, const char *fn, const char *name, int inver
     lua_settop(L, 2);
     ml_tensor *x = arg_tensor(L, 1, fn, name, -1, 3);
     int oi = opts_table(L, 2, fn, ROPE_OPTS);
-    double theta = opt_number(L, oi, fn, "theta", 10000.0);
+    double theta = ml_opt_number(L, oi, fn, "theta", 10000.0);
     if (!(theta > 1))
         ml_error(L, fn, "option 'theta' must be > 1, got %g", theta);
-    int64_t offset = opt_integer(L, oi, fn, "offset", 0, 0, (int64_t)1 << 52);
+    int64_t offset = ml_opt_integer(L, oi, fn, "offset", 0, 0, (int64_t)1 << 52);
     int64_t S = x->shape[0], heads = x->shape[1], hd = x->shape[2];
     if (hd < 2 || hd % 2)
         ml_error(L, fn, "argument #1 (%s): head dim %lld must be even and >= 2", name, (long long)hd);
@@ -423,8 +357,8 @@ static void qkv_args(lua_State *L, const char *fn, int a, ml_tensor **q, ml_tens
     same_dtype(L, fn, "v", *v, "q", (*q)->dtype);
     int64_t S = (*q)->shape[0], H = (*q)->shape[1], hd = (*q)->shape[2], KV = (*k)->shape[1];
     int64_t sk[3] = {S, KV, hd};
-    expect_shape(L, fn, "k", *k, 3, sk);
-    expect_shape(L, fn, "v", *v, 3, sk);
+    ml_check_shape_eq(L, fn, "k", *k, 3, sk);
+    ml_check_shape_eq(L, fn, "v", *v, 3, sk);
     if (KV < 1 || H % KV)
         ml_error(L, fn, "q has %lld heads, not a multiple of k's %lld kv heads", (long long)H,
                  (long long)KV);
@@ -465,10 +399,10 @@ static int l_ops_attention_backward(lua_State *L)
     ml_tensor *lse = arg_tensor(L, 6, fn, "lse", ML_F64, 2);
     same_dtype(L, fn, "dout", dout, "q", q->dtype);
     same_dtype(L, fn, "out", out, "q", q->dtype);
-    expect_shape(L, fn, "dout", dout, 3, q->shape);
-    expect_shape(L, fn, "out", out, 3, q->shape);
+    ml_check_shape_eq(L, fn, "dout", dout, 3, q->shape);
+    ml_check_shape_eq(L, fn, "out", out, 3, q->shape);
     int64_t sl[2] = {H, S};
-    expect_shape(L, fn, "lse", lse, 2, sl);
+    ml_check_shape_eq(L, fn, "lse", lse, 2, sl);
     ml_tensor *dq = ml_newtensor(L, fn, ML_CPU, q->dtype, 3, q->shape);
     ml_tensor *dk = ml_newtensor(L, fn, ML_CPU, q->dtype, 3, k->shape);
     ml_tensor *dv = ml_newtensor(L, fn, ML_CPU, q->dtype, 3, v->shape);

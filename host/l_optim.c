@@ -61,11 +61,9 @@
 static ml_tensor *check_buf_as(lua_State *L, int idx, int argn, const char *fn,
                                const char *name, const ml_tensor *ref, const char *ref_name)
 {
-    ml_tensor *t = ml_testtensor(L, idx);
-    if (!t)
-        ml_error(L, fn, "argument #%d (%s): expected a tensor, got %s", argn, name,
-                 luaL_typename(L, idx));
-    t = ml_checktensor(L, idx, fn);
+    char what[64];
+    snprintf(what, sizeof what, "argument #%d (%s)", argn, name);
+    ml_tensor *t = ml_checktensor_named(L, idx, fn, what);
     if (t->st->device != ML_CPU)
         ml_error(L, fn, "argument #%d (%s): expected a cpu tensor, got a %s tensor", argn, name,
                  ml_device_names[t->st->device]);
@@ -93,11 +91,12 @@ static ml_tensor *check_buf(lua_State *L, int idx, const char *fn, const char *n
 static ml_tensor *check_small(lua_State *L, int idx, int argn, const char *fn, const char *name,
                               ml_dtype dt, int64_t n)
 {
-    ml_tensor *t = ml_testtensor(L, idx);
-    if (!t)
-        ml_error(L, fn, "argument #%d (%s): expected a %s tensor, got %s", argn, name,
-                 ml_dtype_names[dt], luaL_typename(L, idx));
-    t = ml_checktensor(L, idx, fn);
+    char what[64];
+    snprintf(what, sizeof what, "argument #%d (%s)", argn, name);
+    if (!ml_testtensor(L, idx))
+        ml_error(L, fn, "%s: expected a %s tensor, got %s", what, ml_dtype_names[dt],
+                 luaL_typename(L, idx));
+    ml_tensor *t = ml_checktensor_named(L, idx, fn, what);
     if (t->st->device != ML_CPU)
         ml_error(L, fn, "argument #%d (%s): expected a cpu tensor, got a %s tensor", argn, name,
                  ml_device_names[t->st->device]);
@@ -442,10 +441,8 @@ static int l_optim_step_all(lua_State *L)
 static int l_optim_active_count(lua_State *L)
 {
     const char *fn = "moelua.optim_c.active_count";
-    ml_tensor *t = ml_testtensor(L, 1);
-    if (!t)
-        ml_error(L, fn, "argument #1 (active): expected a u8 tensor, got %s", luaL_typename(L, 1));
-    t = check_small(L, 1, 1, fn, "active", ML_U8, ml_numel(ml_checktensor(L, 1, fn)));
+    ml_tensor *t = ml_testtensor(L, 1);   /* any element count: check_small checks the rest */
+    t = check_small(L, 1, 1, fn, "active", ML_U8, t ? ml_numel(t) : 0);
     const uint8_t *a = ml_data(t);
     lua_Integer k = 0;
     for (int64_t i = 0, n = ml_numel(t); i < n; i++)

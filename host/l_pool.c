@@ -316,24 +316,18 @@ static int l_pool_reset(lua_State *L)
     return 0;
 }
 
-static void set_int(lua_State *L, const char *k, size_t v)
-{
-    lua_pushinteger(L, (lua_Integer)v);
-    lua_setfield(L, -2, k);
-}
-
 static int l_pool_stats(lua_State *L)
 {
     ml_pool *p = check_pool(L, 1, "Pool:stats");
     lua_createtable(L, 0, 9);
-    set_int(L, "capacity", p->capacity);
-    set_int(L, "used", p->used);
-    set_int(L, "high_water", p->high_water);
+    ml_setfield_int(L, "capacity", (lua_Integer)p->capacity);
+    ml_setfield_int(L, "used", (lua_Integer)p->used);
+    ml_setfield_int(L, "high_water", (lua_Integer)p->high_water);
     lua_pushnumber(L, p->capacity ? (double)p->used / (double)p->capacity : 0.0);
     lua_setfield(L, -2, "utilisation");
-    set_int(L, "overflows", (size_t)p->noverflow);
-    set_int(L, "blocks", p->nblocks);
-    set_int(L, "slots", p->nslots);
+    ml_setfield_int(L, "overflows", (lua_Integer)p->noverflow);
+    ml_setfield_int(L, "blocks", (lua_Integer)p->nblocks);
+    ml_setfield_int(L, "slots", (lua_Integer)p->nslots);
     lua_pushboolean(L, p->grow);
     lua_setfield(L, -2, "grow");
     lua_pushstring(L, ml_device_names[p->device]);

@@ -55,72 +55,29 @@ typedef struct {
     int pool_idx;             /* stack index of that userdata */
 } router_opts;
 
-/* ---- option readers: the value of opts[key] is on the stack top ---------- */
-
+/* Push opts[key]; is it present? (Popped by the caller either way.) */
 static int field(lua_State *L, int idx, const char *key)
 {
     return lua_getfield(L, idx, key) != LUA_TNIL;
 }
 
-static int64_t opt_int(lua_State *L, int idx, const char *fn, const char *key, int64_t def,
-                       int64_t lo, int64_t hi)
+/* opts[key] as an integer in [0, hi] (hi < 2^63: the noise counters). */
+static uint64_t opt_counter(lua_State *L, int idx, const char *fn, const char *key, int64_t hi)
 {
-    if (!field(L, idx, key)) {
-        lua_pop(L, 1);
-        return def;
-    }
-    int isint = 0;
-    lua_Integer v = lua_tointegerx(L, -1, &isint);
-    if (!isint || lua_type(L, -1) != LUA_TNUMBER)
-        ml_error(L, fn, "option '%s' must be an integer, got %s", key,
-                 lua_type(L, -1) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, -1));
-    if (v < lo)
-        ml_error(L, fn, "option '%s' must be >= %lld, got %lld", key, (long long)lo, (long long)v);
+    int64_t v = ml_opt_integer(L, idx, fn, key, 0, 0, INT64_MAX);
     if (v > hi)
         ml_error(L, fn, "option '%s' must be <= %lld, got %lld", key, (long long)hi, (long long)v);
-    lua_pop(L, 1);
-    return v;
+    return (uint64_t)v;
 }
 
-static double opt_num(lua_State *L, int idx, const char *fn, const char *key, double def)
-{
-    if (!field(L, idx, key)) {
-        lua_pop(L, 1);
-        return def;
-    }
-    if (lua_type(L, -1) != LUA_TNUMBER)
-        ml_error(L, fn, "option '%s' must be a number, got %s", key, luaL_typename(L, -1));
-    double v = lua_tonumber(L, -1);
-    lua_pop(L, 1);
-    if (!isfinite(v))
-        ml_error(L, fn, "option '%s' must be finite, got %g", key, v);
-    return v;
-}
-
-static int opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def)
-{
-    if (!field(L, idx, key)) {
-        lua_pop(L, 1);
-        return def;
-    }
-    if (lua_type(L, -1) != LUA_TBOOLEAN)
-        ml_error(L, fn, "option '%s' must be a boolean, got %s", key, luaL_typename(L, -1));
-    int v = lua_toboolean(L, -1);
-    lua_pop(L, 1);
-    return v;
-}
-
-/* A live tensor on the stack top (freed and stale views refused). */
+/* A live tensor on the stack top, named "option 'key'" in errors. */
 static ml_tensor *opt_tensor(lua_State *L, const char *fn, const char *key)
 {
-    ml_tensor *t = ml_testtensor(L, -1);
-    if (!t)
-        ml_error(L, fn, "option '%s' must be a tensor, got %s", key, luaL_typename(L, -1));
-    if (!t->st)
-        ml_error(L, fn, "option '%s': the tensor was freed", key);
-    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        ml_error(L, fn, "option '%s': stale pool view (its frame was rewound)", key);
-    return t;
+    char what[64];
+    snprintf(what, sizeof what, "option '%s'", key);
+    if (!ml_testtensor(L, -1))
+        ml_error(L, fn, "%s must be a tensor, got %s", what, luaL_typename(L, -1));
+    return ml_checktensor_named(L, -1, fn, what);
 }
 
 /* `what` must be on dev (the device of x, or of bias for update_bias). */
@@ -177,11 +134,11 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_devic
     if (!field(L, idx, "k"))
         ml_error(L, fn, "option 'k' (experts per token) is required");
     lua_pop(L, 1);
-    c->k = opt_int(L, idx, fn, "k", 0, 1, INT64_MAX);
+    c->k = ml_opt_integer(L, idx, fn, "k", 0, 1, INT64_MAX);
     if (c->k > E)
         ml_error(L, fn, "k = %lld exceeds the number of experts (%lld)", (long long)c->k,
                  (long long)E);
-    c->chunk = opt_int(L, idx, fn, "chunk", 2048, 1, INT64_MAX);
+    c->chunk = ml_opt_integer(L, idx, fn, "chunk", 2048, 1, INT64_MAX);
     c->mode = ML_ROUTER_SOFTMAX_TOPK;
     if (field(L, idx, "mode")) {
         const char *m = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
@@ -195,21 +152,21 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_devic
             ml_error(L, fn, "option 'mode': unknown mode '%s' (softmax_topk, topk_softmax)", m);
     }
     lua_pop(L, 1);
-    c->renorm = opt_bool(L, idx, fn, "renorm", 1);
-    c->temperature = opt_num(L, idx, fn, "temperature", 1.0);
+    c->renorm = ml_opt_bool(L, idx, fn, "renorm", 1);
+    c->temperature = ml_opt_number(L, idx, fn, "temperature", 1.0);
     if (!(c->temperature > 0))
         ml_error(L, fn, "option 'temperature' must be > 0, got %g", c->temperature);
-    c->eps = opt_num(L, idx, fn, "eps", 0.0);
+    c->eps = ml_opt_number(L, idx, fn, "eps", 0.0);
     if (!(c->eps >= 0 && c->eps < 1))
         ml_error(L, fn, "option 'eps' must be in [0, 1), got %g", c->eps);
-    c->noise = opt_num(L, idx, fn, "noise", 0.0);
+    c->noise = ml_opt_number(L, idx, fn, "noise", 0.0);
     if (!(c->noise >= 0))
         ml_error(L, fn, "option 'noise' must be >= 0, got %g", c->noise);
-    c->gumbel = opt_bool(L, idx, fn, "gumbel", 0);
-    c->seed = (uint64_t)opt_int(L, idx, fn, "seed", 0, 0, INT64_MAX);
-    c->step = (uint64_t)opt_int(L, idx, fn, "step", 0, 0, 0xffffffffLL);
-    c->layer = (uint64_t)opt_int(L, idx, fn, "layer", 0, 0, 0x7fffffffLL);
-    c->token_offset = (uint64_t)opt_int(L, idx, fn, "token_offset", 0, 0, INT64_MAX);
+    c->gumbel = ml_opt_bool(L, idx, fn, "gumbel", 0);
+    c->seed = opt_counter(L, idx, fn, "seed", INT64_MAX);
+    c->step = opt_counter(L, idx, fn, "step", 0xffffffffLL);
+    c->layer = opt_counter(L, idx, fn, "layer", 0x7fffffffLL);
+    c->token_offset = opt_counter(L, idx, fn, "token_offset", INT64_MAX);
     if (field(L, idx, "bias")) {
         o->bias = opt_tensor(L, fn, "bias");
         check_vector(L, fn, "option 'bias'", o->bias, E, 0, dev);
@@ -274,30 +231,6 @@ static void check_x_wg(lua_State *L, const char *fn, int ix, int iw, ml_tensor *
         ml_error(L, fn, "wg is %s: at least one expert expected", sw);
 }
 
-/* An output: a view into opts.pool when one is given (so a warmed-up
- * layer allocates nothing from the ledger), else a ledger tensor. */
-static ml_tensor *new_out(lua_State *L, const char *fn, const router_opts *o, ml_dtype dt, int ndim,
-                          const int64_t *shape)
-{
-    if (o->pool)
-        return ml_pool_pushtensor(L, fn, o->pool_idx, dt, ndim, shape);
-    return ml_newtensor(L, fn, o->dev, dt, ndim, shape);
-}
-
-static ml_tensor *new_zeros(lua_State *L, const char *fn, const router_opts *o, ml_dtype dt, int ndim,
-                            const int64_t *shape)
-{
-    ml_tensor *t = new_out(L, fn, o, dt, ndim, shape);
-    int64_t n = 1;
-    for (int i = 0; i < ndim; i++)
-        n *= shape[i];
-    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
-    if (n)
-        ml_check_status(L, fn, o->be->fill(dt, ml_data(t), 0.0, n, &ctx));
-    return t;
-}
-
 static void check_router_status(lua_State *L, const char *fn, ml_status st)
 {
     if (st == ML_ENAN)
@@ -330,12 +263,12 @@ static int l_router_forward(lua_State *L)
     check_noise_range(L, fn, &o.cfg, T);
 
     int64_t sk[2] = {T, k}, se[1] = {E};
-    ml_tensor *idx = new_out(L, fn, &o, ML_I64, 2, sk);
+    ml_tensor *idx = ml_newbuf(L, fn, o.dev, o.pool_idx, ML_I64, 2, sk);
     int iidx = lua_gettop(L);
-    ml_tensor *w = new_out(L, fn, &o, x->dtype, 2, sk);
-    ml_tensor *counts = new_zeros(L, fn, &o, ML_I64, 1, se);
+    ml_tensor *w = ml_newbuf(L, fn, o.dev, o.pool_idx, x->dtype, 2, sk);
+    ml_tensor *counts = ml_newzeros(L, fn, o.dev, o.pool_idx, ML_I64, 1, se);
     int icounts = lua_gettop(L);
-    ml_tensor *psum = new_zeros(L, fn, &o, ML_F64, 1, se);
+    ml_tensor *psum = ml_newzeros(L, fn, o.dev, o.pool_idx, ML_F64, 1, se);
     ml_pool_scratch s;
     void *buf = ml_pool_scratch_acquire(L, fn, "the router scratch", o.dev, o.pool_idx,
                                         ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 0), &s);
@@ -392,15 +325,15 @@ static ml_tensor *grad_matrix(lua_State *L, int gi, const char *fn, const char *
         return NULL;
     }
     ml_tensor *t = opt_tensor(L, fn, key);
-    char s[64];
-    ml_format_shape(t, s, sizeof s);
     if (t->st->device != dev)
         ml_error(L, fn, "grads.%s is on %s but x is on %s (one device expected)", key,
                  ml_device_names[t->st->device], ml_device_names[dev]);
     if (t->dtype != dt)
         ml_error(L, fn, "grads.%s is %s but x is %s", key, ml_dtype_names[t->dtype], ml_dtype_names[dt]);
-    if (t->ndim != 2 || t->shape[0] != a || t->shape[1] != b)
-        ml_error(L, fn, "grads.%s is %s but must be [%lld,%lld]", key, s, (long long)a, (long long)b);
+    char what[64];
+    snprintf(what, sizeof what, "grads.%s", key);
+    const int64_t dims[2] = {a, b};
+    ml_check_shape_eq(L, fn, what, t, 2, dims);
     if (!ml_is_contiguous(t))
         ml_error(L, fn, "grads.%s must be contiguous", key);
     return t;   /* stays on the stack */
@@ -477,11 +410,11 @@ static int l_router_backward(lua_State *L)
     int64_t sxd[2] = {T, D}, swd[2] = {E, D};
     ml_tensor *dx = grad_matrix(L, gi, fn, "dx", x->dtype, T, D, o.dev);
     if (!dx)
-        dx = new_zeros(L, fn, &o, x->dtype, 2, sxd);
+        dx = ml_newzeros(L, fn, o.dev, o.pool_idx, x->dtype, 2, sxd);
     int idx_dx = lua_gettop(L);
     ml_tensor *dwg = grad_matrix(L, gi, fn, "dwg", x->dtype, E, D, o.dev);
     if (!dwg)
-        dwg = new_zeros(L, fn, &o, x->dtype, 2, swd);
+        dwg = ml_newzeros(L, fn, o.dev, o.pool_idx, x->dtype, 2, swd);
     int idx_dwg = lua_gettop(L);
     if (dx->st == x->st || dwg->st == wg->st || dx->st == dwg->st)
         ml_error(L, fn, "grads.dx and grads.dwg must not share storage with x, wg or each other");

@@ -8,6 +8,7 @@
 #include "backend_cuda.h"
 #endif
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -49,16 +50,50 @@ ml_tensor *ml_testtensor(lua_State *L, int idx)
     return luaL_testudata(L, idx, ML_TENSOR_MT);
 }
 
-ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
+ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what)
 {
     ml_tensor *t = ml_testtensor(L, idx);
     if (!t)
-        ml_error(L, fn, "argument #%d: expected a tensor, got %s", idx, luaL_typename(L, idx));
+        ml_error(L, fn, "%s: expected a tensor, got %s", what, luaL_typename(L, idx));
     if (!t->st)
-        ml_error(L, fn, "argument #%d: the tensor was freed", idx);
+        ml_error(L, fn, "%s: the tensor was freed", what);
     if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        ml_error(L, fn, "argument #%d: stale pool view (its frame was rewound)", idx);
+        ml_error(L, fn, "%s: stale pool view (its frame was rewound)", what);
     return t;
+}
+
+ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
+{
+    char what[32];
+    snprintf(what, sizeof what, "argument #%d", idx);
+    return ml_checktensor_named(L, idx, fn, what);
+}
+
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf, len, "[");
+    for (int i = 0; i < ndim && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
+    if (at < len)
+        snprintf(buf + at, len - at, "]");
+}
+
+void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
+                       int ndim, const int64_t *dims)
+{
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++)
+        ok = t->shape[i] == dims[i];
+    if (ok)
+        return;
+    char have[96], want[128];
+    ml_format_dims(t->ndim, t->shape, have, sizeof have);
+    ml_format_dims(ndim, dims, want, sizeof want);
+    size_t n = strlen(what);
+    if (n && what[n - 1] == ':')
+        ml_error(L, fn, "%s expected shape %s, got %s", what, want, have);
+    ml_error(L, fn, "%s is %s but must be %s", what, have, want);
 }
 
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt)
@@ -176,6 +211,33 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     return t;
 }
 
+ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                     int ndim, const int64_t *shape)
+{
+    if (pool_idx)
+        return ml_pool_pushtensor(L, fn, pool_idx, dt, ndim, shape);
+    return ml_newtensor(L, fn, dev, dt, ndim, shape);
+}
+
+ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                       int ndim, const int64_t *shape)
+{
+    const ml_backend *be = ml_backend_of(L, fn, dev);
+    ml_tensor *t = ml_newbuf(L, fn, dev, pool_idx, dt, ndim, shape);
+    int64_t n = ml_shape_numel(ndim, shape);
+    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+    ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    if (n > 0)
+        ml_check_status(L, fn, be->fill(dt, ml_data(t), 0.0, n, &ctx));
+    return t;
+}
+
+void ml_setfield_int(lua_State *L, const char *key, lua_Integer v)
+{
+    lua_pushinteger(L, v);
+    lua_setfield(L, -2, key);
+}
+
 /* One Ctrl-C is one error: consume the flag and the main thread's hook, so
  * a script that catches "interrupted" computes again. */
 static void consume_interrupt(lua_State *L)
@@ -284,6 +346,63 @@ void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *all
                      k ? k : luaL_typename(L, -2), lua_tostring(L, -1));
         }
     }
+}
+
+/* Push opts[key] of the table at idx; 0 (nothing pushed) when idx is 0 or
+ * none, or the key is absent. */
+static int opt_field(lua_State *L, int idx, const char *key)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return 0;
+    if (lua_getfield(L, idx, key) != LUA_TNIL)
+        return 1;
+    lua_pop(L, 1);
+    return 0;
+}
+
+int64_t ml_opt_integer(lua_State *L, int idx, const char *fn, const char *key, int64_t def,
+                       int64_t lo, int64_t hi)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, -1, &isint);
+    if (!isint || lua_type(L, -1) != LUA_TNUMBER)
+        ml_error(L, fn, "option '%s' must be an integer, got %s", key,
+                 lua_type(L, -1) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, -1));
+    if ((v < lo || v > hi) && lo != INT64_MIN && hi != INT64_MAX)
+        ml_error(L, fn, "option '%s' must be in [%lld, %lld], got %lld", key, (long long)lo,
+                 (long long)hi, (long long)v);
+    if (v < lo)
+        ml_error(L, fn, "option '%s' must be >= %lld, got %lld", key, (long long)lo, (long long)v);
+    if (v > hi)
+        ml_error(L, fn, "option '%s' must be <= %lld, got %lld", key, (long long)hi, (long long)v);
+    lua_pop(L, 1);
+    return v;
+}
+
+double ml_opt_number(lua_State *L, int idx, const char *fn, const char *key, double def)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    if (lua_type(L, -1) != LUA_TNUMBER)
+        ml_error(L, fn, "option '%s' must be a number, got %s", key, luaL_typename(L, -1));
+    double v = lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    if (!isfinite(v))
+        ml_error(L, fn, "option '%s' must be finite, got %g", key, v);
+    return v;
+}
+
+int ml_opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    if (lua_type(L, -1) != LUA_TBOOLEAN)
+        ml_error(L, fn, "option '%s' must be a boolean, got %s", key, luaL_typename(L, -1));
+    int v = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return v;
 }
 
 static int64_t check_size(lua_State *L, int idx, const char *fn, int dim)

@@ -26,6 +26,9 @@ int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
 /* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
  * rewound pool frame; otherwise an error naming fn and the argument. */
 ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn);
+/* The same checks for any value: `what` names it in errors ("option 'bias'",
+ * "grads.dx", "argument #2 (x)"): "fn: what: the tensor was freed". */
+ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what);
 ml_tensor *ml_testtensor(lua_State *L, int idx);
 /* Additionally: contiguous, and of dtype dt (dt < 0: any). */
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
@@ -33,6 +36,14 @@ ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
 /* Do the element ranges two views may touch intersect? (Same storage only;
  * bounds from offset and strides, so two interleaved views count as one.) */
 int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
+
+/* dims as "[2,3]" (ml_format_shape's form), truncated to len. */
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
+/* t must be [dims...] (ndim of them), else an error in one of two wordings:
+ * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
+ * "what: expected shape [4], got [5]". */
+void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
+                       int ndim, const int64_t *dims);
 
 /* A new tensor userdata pushed in the freed (safe) state; the caller fills it. */
 ml_tensor *ml_pushtensor(lua_State *L);
@@ -44,6 +55,15 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
  * that contains the ledger table. */
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
                         int ndim, const int64_t *shape);
+/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
+ * stack index pool_idx (0: none; contents undefined) or else a ledger
+ * tensor (ml_newtensor). ml_newzeros also fills it with zeros. */
+ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                     int ndim, const int64_t *shape);
+ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                       int ndim, const int64_t *shape);
+/* t[key] = v for the table on the stack top. */
+void ml_setfield_int(lua_State *L, const char *key, lua_Integer v);
 /* Push the device's account book as text (with the untracked remainder on
  * CPU), for errors that report a refused allocation. */
 void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
@@ -91,6 +111,14 @@ int ml_category_from_name(const char *s);
 /* opts.dtype / opts.device of the table at idx (0 or none: defaults). */
 ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def);
 ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def);
+/* opts[key] of the table at idx (0 or none: def; an absent key: def),
+ * checked: an integer in [lo, hi] (INT64_MIN / INT64_MAX: unbounded on that
+ * side, and the error names only the bound that applies), a finite number,
+ * a boolean. Errors read "option 'key' must be ...". */
+int64_t ml_opt_integer(lua_State *L, int idx, const char *fn, const char *key, int64_t def,
+                       int64_t lo, int64_t hi);
+double ml_opt_number(lua_State *L, int idx, const char *fn, const char *key, double def);
+int ml_opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def);
 /* Refuse keys of the options table at idx that are not in `allowed` (NULL-terminated). */
 void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed);
 
