@@ -75,6 +75,37 @@ describe("moelua.ckpt", function()
     assert.equal(root .. "/step-000003", ckpt.load(root).dir)
   end)
 
+  it("a process killed (SIGKILL) while saving leaves `latest` loadable", function()
+    -- a child saves 4 MiB checkpoints in a loop; it is killed at several
+    -- moments, and after each kill the newest complete checkpoint loads
+    local script = os.tmpname()
+    support.write_file(script, string.format([[
+      io.stdout:setvbuf("no")
+      local T, ckpt = require "moelua.tensor", require "moelua.ckpt"
+      print(io.open("/proc/self/stat"):read("n"))
+      local w = T.randn({1024, 1024}, {seed = 1})
+      for step = 1, 100000 do
+        ckpt.save(%q, step, {model = {{name = "model.embed_tokens.weight", tensor = w}},
+                             trainer = {step = step}}, {keep = 2})
+        if step == 1 then print("ready") end
+      end
+    ]], root))
+    for round, delay in ipairs({0.05, 0.13, 0.31}) do
+      local p = assert(io.popen(support.host_command({script}) .. " 2>&1", "r"))
+      local pid = p:read("n")
+      p:read("l")
+      assert.are.equal("ready", p:read("l"))
+      require("system").sleep(delay)
+      assert(os.execute("kill -KILL " .. math.tointeger(pid)))
+      p:read("a")
+      p:close()
+      local c = ckpt.load(root)                      -- verifies MANIFEST.sha256
+      assert.is_true(c.trainer.step >= 1, "round " .. round)
+      assert.are.equal(1024 * 1024, c.model["model.embed_tokens.weight"]:numel())
+    end
+    os.remove(script)
+  end)
+
   it("a failed save removes its temp dir, keeps the previous checkpoint and says so", function()
     ckpt.save(root, 1, state(1, 1))
     for _, stage in ipairs({"model", "optim", "trainer", "manifest"}) do
