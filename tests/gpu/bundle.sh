@@ -37,6 +37,7 @@ strip --strip-debug "$OUTDIR/moelua"
 
 cp -r lua "$OUTDIR/lua"
 cp -r tests/spec "$OUTDIR/tests/spec"
+cp tests/support.lua "$OUTDIR/tests/support.lua"
 for d in tests/data tests/fixtures recipes; do
     [ -d "$d" ] && cp -r "$d" "$OUTDIR/$d"
 done
