@@ -1,7 +1,7 @@
 /*
  * kernels/router.cu - the chunked router on CUDA (semantics, noise counters
- * and invariance rules in router.h; the CPU twin is router.c, whose scratch
- * row layout this file shares).
+ * and invariance rules in router.h; the per-token math and the scratch row
+ * layout are router_ops.h, shared with the CPU twin router.c).
  *
  * Each chunk of `chunk` tokens runs as a few kernels on the context's stream:
  *   logits     8 lanes per (token, expert): lane j adds the products of the
@@ -10,7 +10,7 @@
  *              ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)): bitwise the CPU's dot.
  *   token      one thread per token: lse, scores (the same Philox counters),
  *              softmax, p', entropy, top-k and weights (forward) or dL/dl
- *              (backward), the CPU's code line for line in f64.
+ *              (backward): router_ops.h, the CPU's code, in f64.
  *   forward    phase B: one thread per expert adds psum and counts over the
  *              chunk's tokens in token order; one thread adds zsum and entropy
  *              in token order (carried across chunks in __device__ memory).
@@ -34,7 +34,7 @@
 
 extern "C" {
 #include "router.h"
-#include "philox.h"
+#include "router_ops.h"
 }
 
 #include <math.h>
@@ -44,14 +44,6 @@ extern "C" {
 __device__ int router_nan;           /* a NaN was seen in this call */
 __device__ int router_stop;          /* ... in an earlier chunk: later chunks do nothing */
 __device__ double router_acc[2];     /* zsum, entropy carried across chunks */
-
-static inline __host__ __device__ int64_t row_width(int64_t E) { return 4 * E + 2; }
-
-static inline int64_t chunk_rows(int64_t T, int64_t chunk)
-{
-    int64_t c = chunk < T ? chunk : T;
-    return c < 1 ? 1 : c;
-}
 
 /* ---- logits: 8 lanes per dot ------------------------------------------------ */
 
@@ -85,129 +77,21 @@ __global__ void logits_kernel(ml_dtype dt, double *rows, const void *x, const vo
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         if (g < G && sub == 0) {
             int64_t r = g / E, e = g % E;
-            rows[r * row_width(E) + e] = dt == ML_F32 ? (double)(float)s : s;
+            rows[r * ml_router_row_width(E) + e] = dt == ML_F32 ? (double)(float)s : s;
         }
     }
 }
 
-/* ---- per-token math (router.c's functions, on the device) ------------------- */
+/* ---- per-token math (router_ops.h) ------------------------------------------ */
 
-__device__ void noise_block(const ml_router_cfg &cfg, int64_t t, int64_t group, uint32_t word,
-                            uint32_t out[4])
-{
-    uint32_t key[2] = {(uint32_t)cfg.seed, (uint32_t)(cfg.seed >> 32)};
-    uint32_t ctr[4] = {(uint32_t)(cfg.token_offset + (uint64_t)t), (uint32_t)cfg.step, ((uint32_t)group << 2) | word,
-                       0x80000000u | (uint32_t)cfg.layer};
-    ml_philox4x32_10(ctr, key, out);
-}
-
-__device__ void scores(const ml_router_cfg &cfg, int64_t t, int64_t E, const double *l, double *s)
-{
-    for (int64_t e = 0; e < E; e++)
-        s[e] = l[e] / cfg.temperature;
-    int noise = cfg.noise > 0;
-    if (!noise && !cfg.gumbel)
-        return;
-    for (int64_t g = 0; g * 4 < E; g++) {
-        uint32_t r0[4], r1[4], r2[4];
-        if (noise) {
-            noise_block(cfg, t, g, 0, r0);
-            noise_block(cfg, t, g, 1, r1);
-        }
-        if (cfg.gumbel)
-            noise_block(cfg, t, g, 2, r2);
-        for (int lane = 0; lane < 4 && g * 4 + lane < E; lane++) {
-            int64_t e = g * 4 + lane;
-            if (noise) {
-                double u1 = ((double)(r0[lane] >> 8) + 1.0) * (1.0 / 16777216.0);
-                double u2 = (double)(r1[lane] >> 8) * (1.0 / 16777216.0);
-                s[e] += cfg.noise * (sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-            }
-            if (cfg.gumbel) {
-                double u = ((double)(r2[lane] >> 8) + 0.5) * (1.0 / 16777216.0);
-                s[e] += -log(-log(u));
-            }
-        }
-    }
-}
-
-__device__ double logsumexp(const double *v, int64_t n)
-{
-    double m = v[0];
-    for (int64_t i = 1; i < n; i++)
-        m = v[i] > m ? v[i] : m;
-    double sum = 0;
-    for (int64_t i = 0; i < n; i++)
-        sum += exp(v[i] - m);
-    return m + log(sum);
-}
-
-__device__ void softmax(const double *s, double *p, int64_t n)
-{
-    double m = s[0];
-    for (int64_t i = 1; i < n; i++)
-        m = s[i] > m ? s[i] : m;
-    double sum = 0;
-    for (int64_t i = 0; i < n; i++) {
-        p[i] = exp(s[i] - m);
-        sum += p[i];
-    }
-    for (int64_t i = 0; i < n; i++)
-        p[i] /= sum;
-}
-
-/* lse, scores and p for token t from the logits already in its row; NaN
- * (and the flag) on a NaN logit or score. */
+/* router_ops.h's lse, scores and p for token t from the logits already in
+ * its row; NaN (and the flag) on a NaN logit or score. */
 __device__ double recompute(const ml_router_cfg &cfg, int64_t t, int64_t E, double *row)
 {
-    double *L = row, *S = row + E, *P = row + 2 * E;
-    int bad = 0;
-    for (int64_t e = 0; e < E; e++)
-        bad |= isnan(L[e]);
-    double lse = bad ? NAN : logsumexp(L, E);
-    if (!bad) {
-        scores(cfg, t, E, L, S);
-        softmax(S, P, E);
-        for (int64_t e = 0; e < E; e++)
-            bad |= isnan(P[e]);
-    }
-    if (bad) {
+    double lse = ml_router_probs(&cfg, t, E, row);
+    if (isnan(lse))
         router_nan = 1;   /* a plain store of a constant: no race on the outcome */
-        return NAN;
-    }
     return lse;
-}
-
-__device__ void select_topk(const double *key, int64_t E, int64_t k, int64_t *ix)
-{
-    int64_t n = 0;
-    for (int64_t e = 0; e < E; e++) {
-        double v = key[e];
-        if (n == k) {
-            if (!(v > key[ix[n - 1]]))
-                continue;
-            n--;
-        }
-        int64_t pos = n;
-        while (pos > 0 && v > key[ix[pos - 1]]) {
-            ix[pos] = ix[pos - 1];
-            pos--;
-        }
-        ix[pos] = e;
-        n++;
-    }
-}
-
-__device__ void subset_softmax(const double *S, const int64_t *ix, int64_t k, double *m, double *den)
-{
-    double mx = S[ix[0]];
-    for (int64_t j = 1; j < k; j++)
-        mx = S[ix[j]] > mx ? S[ix[j]] : mx;
-    double sum = 0;
-    for (int64_t j = 0; j < k; j++)
-        sum += exp(S[ix[j]] - mx);
-    *m = mx;
-    *den = sum;
 }
 
 /* ---- forward ------------------------------------------------------------------ */
@@ -219,43 +103,14 @@ __global__ void forward_token_kernel(ml_dtype dt, ml_router_cfg cfg, int64_t *id
     if (router_stop)
         return;
     int64_t k = cfg.k;
-    double om = 1.0 - cfg.eps, u = cfg.eps / (double)E;
     ML_CUDA_FOR(r, n) {
         int64_t t = c0 + r;
-        double *row = rows + r * row_width(E);
-        double *S = row + E, *P = row + 2 * E, *K = row + 3 * E;
+        double *row = rows + r * ml_router_row_width(E);
         double lse = recompute(cfg, t, E, row);
         if (isnan(lse))
             continue;
-        double H = 0;
-        for (int64_t e = 0; e < E; e++) {
-            P[e] = om * P[e] + u;
-            if (P[e] > 0)
-                H -= P[e] * log(P[e]);
-        }
-        row[4 * E] = lse * lse;
-        row[4 * E + 1] = H;
-
-        const double *base = cfg.mode == ML_ROUTER_SOFTMAX_TOPK ? P : S;
-        for (int64_t e = 0; e < E; e++)
-            K[e] = base[e] + (bias ? ml_load(bias_dt, bias, (size_t)e) : 0.0);
-        int64_t *ix = idx + t * k;
-        select_topk(K, E, k, ix);
-
-        size_t w0 = (size_t)(t * k);
-        if (cfg.mode == ML_ROUTER_SOFTMAX_TOPK) {
-            double Z = 0;
-            if (cfg.renorm)
-                for (int64_t j = 0; j < k; j++)
-                    Z += P[ix[j]];
-            for (int64_t j = 0; j < k; j++)
-                ml_store(dt, w, w0 + (size_t)j, cfg.renorm ? P[ix[j]] / Z : P[ix[j]]);
-        } else {
-            double m, den;
-            subset_softmax(S, ix, k, &m, &den);
-            for (int64_t j = 0; j < k; j++)
-                ml_store(dt, w, w0 + (size_t)j, exp(S[ix[j]] - m) / den);
-        }
+        ml_router_token_forward(dt, idx + t * k, w, (size_t)(t * k), row, lse, bias_dt, bias, E,
+                                &cfg);
     }
 }
 
@@ -265,7 +120,7 @@ __global__ void forward_sums_kernel(int64_t *counts, double *psum, const int64_t
 {
     if (router_nan)
         return;
-    int64_t rw = row_width(E);
+    int64_t rw = ml_router_row_width(E);
     ML_CUDA_FOR(e, E) {
         double p = psum[e];
         int64_t c = 0;
@@ -288,7 +143,7 @@ __global__ void forward_scalars_kernel(const double *rows, int64_t n, int64_t E)
         router_stop = 1;
         return;
     }
-    int64_t rw = row_width(E);
+    int64_t rw = ml_router_row_width(E);
     double z = router_acc[0], h = router_acc[1];
     for (int64_t r = 0; r < n; r++) {
         z += rows[r * rw + 4 * E];
@@ -338,7 +193,7 @@ extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, 
     if (T <= 0)
         return ML_OK;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int64_t chunk = chunk_rows(T, cfg->chunk), k = cfg->k;
+    int64_t chunk = ml_router_chunk_rows(T, cfg->chunk), k = cfg->k;
     double *rows = (double *)scratch;
     ml_status s;
     init_kernel<<<1, 1, 0, st>>>(*zsum, *entropy);
@@ -384,49 +239,14 @@ __global__ void backward_token_kernel(ml_dtype dt, ml_router_cfg cfg, const int6
     if (router_stop)
         return;
     int64_t k = cfg.k;
-    double om = 1.0 - cfg.eps, u = cfg.eps / (double)E, tau = cfg.temperature;
     ML_CUDA_FOR(r, n) {
         int64_t t = c0 + r;
-        double *row = rows + r * row_width(E);
-        double *L = row, *S = row + E, *P = row + 2 * E, *G = row + 3 * E;
+        double *row = rows + r * ml_router_row_width(E);
         double lse = recompute(cfg, t, E, row);
         row[4 * E] = isnan(lse) ? 1.0 : 0.0;
         if (isnan(lse))
             continue;
-        for (int64_t e = 0; e < E; e++) {
-            L[e] = 2.0 * gz * lse * exp(L[e] - lse);
-            G[e] = aux ? aux[e] : 0.0;
-        }
-        const int64_t *ix = sidx + t * k;
-        size_t w0 = (size_t)(t * k);
-        if (cfg.mode == ML_ROUTER_SOFTMAX_TOPK) {
-            if (cfg.renorm) {
-                double Z = 0, dotw = 0;
-                for (int64_t j = 0; j < k; j++)
-                    Z += om * P[ix[j]] + u;
-                for (int64_t j = 0; j < k; j++)
-                    dotw += ml_load(dt, dw, w0 + (size_t)j) * ((om * P[ix[j]] + u) / Z);
-                for (int64_t j = 0; j < k; j++)
-                    G[ix[j]] += (ml_load(dt, dw, w0 + (size_t)j) - dotw) / Z;
-            } else {
-                for (int64_t j = 0; j < k; j++)
-                    G[ix[j]] += ml_load(dt, dw, w0 + (size_t)j);
-            }
-        } else {
-            double m, den, dotw = 0;
-            subset_softmax(S, ix, k, &m, &den);
-            for (int64_t j = 0; j < k; j++)
-                dotw += ml_load(dt, dw, w0 + (size_t)j) * (exp(S[ix[j]] - m) / den);
-            for (int64_t j = 0; j < k; j++) {
-                double wj = exp(S[ix[j]] - m) / den;
-                L[ix[j]] += wj * (ml_load(dt, dw, w0 + (size_t)j) - dotw) / tau;
-            }
-        }
-        double gbar = 0;
-        for (int64_t e = 0; e < E; e++)
-            gbar += P[e] * (om * G[e]);
-        for (int64_t e = 0; e < E; e++)
-            L[e] += P[e] * (om * G[e] - gbar) / tau;
+        ml_router_token_backward(dt, row, sidx + t * k, dw, (size_t)(t * k), aux, gz, lse, E, &cfg);
     }
 }
 
@@ -436,7 +256,7 @@ __global__ void backward_dx_kernel(ml_dtype dt, void *dx, const void *wg, const 
 {
     if (router_stop)
         return;
-    int64_t rw = row_width(E);
+    int64_t rw = ml_router_row_width(E);
     ML_CUDA_FOR(i, n * D) {
         int64_t r = i / D, d = i % D;
         const double *dl = rows + r * rw;
@@ -470,7 +290,7 @@ __global__ void backward_dwg_kernel(ml_dtype dt, double *acc, const void *x, con
             router_stop = 1;
         return;
     }
-    int64_t rw = row_width(E);
+    int64_t rw = ml_router_row_width(E);
     ML_CUDA_FOR(i, E * D) {
         int64_t e = i / D, d = i % D;
         double a = acc[i];
@@ -513,9 +333,9 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
     if (T <= 0)
         return ML_OK;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int64_t chunk = chunk_rows(T, cfg->chunk);
+    int64_t chunk = ml_router_chunk_rows(T, cfg->chunk);
     double *rows = (double *)scratch;
-    double *acc = rows + (size_t)chunk * (size_t)row_width(E);
+    double *acc = rows + (size_t)chunk * (size_t)ml_router_row_width(E);
     ml_status s;
     init_kernel<<<1, 1, 0, st>>>(0.0, 0.0);
     if ((s = ml_cuda_launched()) != ML_OK)
@@ -556,15 +376,7 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
 __global__ void update_bias_kernel(ml_dtype dt, void *bias, const int64_t *counts, int64_t E,
                                    double gamma)
 {
-    double total = 0;
-    for (int64_t e = 0; e < E; e++)
-        total += (double)counts[e];
-    double mean = E > 0 ? total / (double)E : 0;
-    for (int64_t e = 0; e < E; e++) {
-        double diff = mean - (double)counts[e];
-        double sgn = diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0;
-        ml_store(dt, bias, (size_t)e, ml_load(dt, bias, (size_t)e) + gamma * sgn);
-    }
+    ml_router_bias_step(dt, bias, counts, E, gamma);
 }
 
 extern "C" ml_status ml_router_update_bias_cuda(ml_dtype dt, void *bias, const int64_t *counts,

@@ -10,8 +10,9 @@
  * Lua. The CPU variants are router.c, the CUDA twins router.cu (same
  * arguments, suffix _cuda; every pointer on the device except zsum and
  * entropy, which are host scalars on both backends, so the CUDA forward
- * synchronises its stream). CUDA computes the same sums in the same order
- * (logits and selection bitwise); its f64 exp/log/cos may differ from
+ * synchronises its stream); both call the per-token math of router_ops.h.
+ * CUDA computes the same sums in the same order (logits and selection
+ * bitwise); its f64 exp/log/cos may differ from
  * glibc's by an ulp or two, so p, w and the sums agree to ~1e-12 relative.
  *
  * Shapes: x [T, D] and wg [E, D] (the Hugging Face Linear layout), both of
