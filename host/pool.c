@@ -122,6 +122,27 @@ size_t ml_pool_mark(const ml_pool *p)
     return p->nslots;
 }
 
+/* A pool that grew, with every slot rewound: one block of the high-water
+ * mark replaces its blocks, so what it holds from the ledger is what a step
+ * needs (not the geometric overshoot of growing), and the next step, which
+ * fits that block, allocates nothing. No view is live: every slot is gone,
+ * and stale views never touch their data. If the new block is refused the
+ * pool is left empty and grows again on demand. */
+static void consolidate(ml_pool *p)
+{
+    ml_ledger *lg = &p->host->ledger[p->device];
+    const ml_backend *be = p->host->backend[p->device];
+    for (size_t i = 0; i < p->nblocks; i++) {
+        ml_ledger_credit(lg, ML_CAT_POOL, p->blocks[i].size);
+        if (p->blocks[i].data)
+            be->free(p->blocks[i].data, p->blocks[i].size, lg);
+    }
+    p->nblocks = 0;
+    p->capacity = 0;
+    ml_alloc_status as;
+    add_block(p, align_up(p->high_water), &as);
+}
+
 void ml_pool_rewind(ml_pool *p, size_t mark)
 {
     while (p->nslots > mark) {
@@ -129,6 +150,8 @@ void ml_pool_rewind(ml_pool *p, size_t mark)
         p->blocks[s->block].used = s->offset;
         p->used -= s->nbytes;
     }
+    if (mark == 0 && p->nblocks > 1)
+        consolidate(p);
 }
 
 int ml_pool_view_valid(const ml_pool *p, size_t slot, uint64_t id)

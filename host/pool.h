@@ -8,7 +8,8 @@
  * so a view used after its frame was rewound is an error, never a read of
  * reused memory. Overflow either raises (ML_POOL_FULL) or grows the pool by
  * a new block from the ledger (recorded in `noverflow`); blocks never move,
- * so live views stay valid when the pool grows.
+ * so live views stay valid when the pool grows. Rewinding a grown pool to
+ * empty consolidates it into one block of its high-water mark.
  */
 #ifndef ML_POOL_H
 #define ML_POOL_H
@@ -53,7 +54,9 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
 /* Push a slot of nbytes (aligned to 64 bytes). */
 ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slot, uint64_t *id,
                              ml_alloc_status *astatus);
-/* A mark is the stack depth; rewinding to it pops every slot above. */
+/* A mark is the stack depth; rewinding to it pops every slot above. Rewinding
+ * to 0 a pool that grew replaces its blocks by one block of the high-water
+ * mark (a ledger reallocation once, after the first step). */
 size_t ml_pool_mark(const ml_pool *p);
 void ml_pool_rewind(ml_pool *p, size_t mark);
 int ml_pool_view_valid(const ml_pool *p, size_t slot, uint64_t id);

@@ -14,8 +14,9 @@
 -- transient of a step (router outputs, the dispatch plan, saved
 -- pre-activations, y, dx, scratch) is a view into the layer's own stack pool.
 -- The pool is reset at the start of each forward: y and dx are valid until
--- the next forward. After the first step the pool has grown to what a step
--- needs, and a step makes no ledger allocation.
+-- the next forward. The first step grows the pool to what a step needs; the
+-- second step's reset replaces its blocks by one block of that high-water
+-- mark (host/pool.c); from then on a step makes no ledger allocation.
 --
 -- Device: `device = "cuda"` puts the flat buffers, the bias and the pool on
 -- the GPU (x and dy must be there too); the router, dispatch and experts

@@ -190,9 +190,12 @@ describe("overflow", function()
     assert.are.equal(before + 512, pool_bytes())
     for _, v in ipairs(a:totable()) do assert.are.equal(3, v) end
     for _, v in ipairs(b:totable()) do assert.are.equal(4, v) end
-    p:reset()
-    p:tensor({64})
-    assert.are.equal(2, p:stats().blocks, "after a reset the blocks are reused")
+    p:reset()                                      -- a grown pool, emptied: one block of its high-water mark
+    assert.are.equal(1, p:stats().blocks)
+    assert.are.equal(512, p:stats().capacity)
+    assert.are.equal(before + 512, pool_bytes())
+    p:tensor({64}); p:tensor({64})
+    assert.are.same({1, 1}, {p:stats().blocks, p:stats().overflows}, "the same step fits without growing")
   end)
 
   it("growth refused by the ledger is an error with the ledger table; views stay valid", function()
