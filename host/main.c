@@ -11,6 +11,12 @@
  * LUA_INIT_5_4 (or LUA_INIT) runs first, as in lua.c; no script and no
  * option: a REPL when stdin is a terminal, else stdin is the script.
  *
+ *   moelua plot RUN_DIR [OUT_DIR]
+ * The one subcommand: when argv[1] is exactly "plot" and no file named
+ * "plot" exists in the current directory (else it is a script, as in lua.c),
+ * the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR}) (arg[0] =
+ * "plot"); main returning false makes the exit status 1.
+ *
  * Ctrl-C: while a chunk runs (ml_docall), SIGINT sets `interrupted` and
  * arms a Lua hook, like lua.c. The flag is consumed exactly once: by a
  * kernel, which stops between tiles and returns ML_EINTERRUPTED so that the
@@ -164,6 +170,21 @@ static int pushargs(lua_State *L)
         lua_rawgeti(L, -i, i);
     lua_remove(L, -n - 1);
     return n;
+}
+
+/* `moelua plot ...`: moelua.plot.main with the words after "plot". */
+static int handle_plot(lua_State *L)
+{
+    static const char code[] =
+        "return require('moelua.plot').main(table.move(arg, 1, #arg, 1, {}))";
+    int status = luaL_loadbuffer(L, code, sizeof code - 1, "=plot");
+    if (status == LUA_OK)
+        status = ml_docall(L, 0, 1);
+    if (status != LUA_OK)
+        return report(L, status);
+    status = lua_toboolean(L, -1) ? LUA_OK : LUA_ERRRUN;
+    lua_pop(L, 1);
+    return status;
 }
 
 static int handle_script(lua_State *L, char **argv)
@@ -419,8 +440,9 @@ static int pmain(lua_State *L)
 {
     int argc = (int)lua_tointeger(L, 1);
     char **argv = (char **)lua_touserdata(L, 2);
-    int script;
-    int args = collectargs(argv, &script);
+    int script = 1;
+    int plot = argc > 1 && strcmp(argv[1], "plot") == 0 && access("plot", F_OK) != 0;
+    int args = plot ? 0 : collectargs(argv, &script);
     int has_script = script > 0 && script < argc;
     luaL_checkversion(L);
     if (args == has_error) {
@@ -445,7 +467,7 @@ static int pmain(lua_State *L)
         return 0;
     if (!runargs(L, argv, has_script ? script : argc))
         return 0;
-    if (has_script && handle_script(L, argv + script) != LUA_OK)
+    if (has_script && (plot ? handle_plot(L) : handle_script(L, argv + script)) != LUA_OK)
         return 0;
     if (args & has_i) {
         ml_repl(L);

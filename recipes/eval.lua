@@ -19,7 +19,6 @@
 local moelua = require "moelua"
 local nn = require "moelua.nn"
 local data = require "moelua.data"
-local ckpt = require "moelua.ckpt"
 local options = require "moelua.options"
 local optim_c = require "moelua.optim_c"
 local json = require "dkjson"
@@ -40,12 +39,7 @@ if opts.data == "" then error("recipes/eval.lua: --data FILE is required", 0) en
 if opts.seq_len < 1 then error("recipes/eval.lua: --seq-len must be >= 1", 0) end
 moelua.threads(opts.threads)
 
-local c = ckpt.load(opts.ckpt)
-if not c.config then error("recipes/eval.lua: " .. c.dir .. " has no config.json", 0) end
-local model = nn.Transformer.from_config(c.config, {checkpoint = opts.checkpoint})
-model:load_named(c.model, {dtypes = c.dtypes, source = c.dir})
-c.model = nil
-collectgarbage()
+local model, c = nn.Transformer.from_checkpoint(opts.ckpt, {checkpoint = opts.checkpoint})
 
 local S, W = opts.seq_len, opts.seq_len + 1
 local st = moelua.fs.stat(opts.data)

@@ -16,6 +16,7 @@ moelua.experts = require "moelua.experts"
 moelua.optim = require "moelua.optim"
 moelua.ops = require "moelua.ops"
 moelua.fs = require "moelua.fs"
+moelua.inspect = require "moelua.inspect"
 
 local io = require "moelua.io"
 moelua.save, moelua.load = io.save, io.load

@@ -691,4 +691,30 @@ function Transformer.from_config(cfg, extra)
   return Transformer.new(o)
 end
 
+-- model, c = Transformer.from_checkpoint(dir [, extra]): the model of a
+-- checkpoint (ckpt.load: a step directory, a root with `latest`, or a
+-- Mixtral directory) rebuilt from its config.json (from_config, extra as
+-- there) with its weights loaded by name (load_named). c is ckpt.load's
+-- table without c.model (dir, config, dtypes, trainer, ...).
+function Transformer.from_checkpoint(dir, extra)
+  local c = require("moelua.ckpt").load(dir)
+  if not c.config then error("moelua.nn.Transformer.from_checkpoint: " .. c.dir .. " has no config.json", 2) end
+  local model = Transformer.from_config(c.config, extra)
+  model:load_named(c.model, {dtypes = c.dtypes, source = c.dir})
+  c.model = nil
+  collectgarbage()
+  return model, c
+end
+
+-- logits = model:last_logits(): f32 [V] (a new tensor), the LM head's logits
+-- at the last position of the last forward (rmsnorm_f(hL)[S] . lm_head^T), for
+-- generation: forward(context .. any one token) then sample from these.
+function Transformer:last_logits()
+  local st = self.state
+  if not st then error("moelua.nn.Transformer:last_logits: no forward (or backward consumed it)", 2) end
+  local h = st.hf:narrow(1, st.S, 1)
+  local out = tensor.matmul(h, self.final_params.lm_head:t())
+  return out:view({self.opts.vocab})
+end
+
 return Transformer
