@@ -1,14 +1,16 @@
 /*
  * kernels/attention.c - tiled causal GQA attention on the CPU (see
- * attention.h). Tiles copy their blocks into the caller's per-thread
+ * attention.h). f64: tiles copy their blocks into the caller's per-thread
  * scratch as f64 (K and V also transposed), so every inner loop runs over
  * independent outputs (keys of a block, or the head dim) and vectorises
  * without reordering a sum: each output's summation order is fixed by the
- * source, whatever the vector width or thread count.
+ * source, whatever the vector width or thread count. f32: single-threaded
+ * sgemm per tile product, softmax rows over fixed lanes (the f32 path below).
  */
 #include "attention.h"
 #include "parallel.h"
 
+#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 
@@ -24,11 +26,30 @@
 #define BQ 64   /* query rows per block */
 #define BK 64   /* key/value rows per block */
 
+/* The f32 path's tiles: FB query rows x FB key rows, one sgemm per product.
+ * Query and key blocks share the size and start at multiples of it, so the
+ * diagonal tile of a query block is its last key block. */
+#define FB 128
+#define LANES 16   /* fixed partial sums/maxima per row: vectorises, order fixed */
+
+/* per-thread scratch in doubles: f64 path, f32 path (l [FB] f64, m [FB] f32
+ * padded to FB doubles, then sc and dp [FB, FB] f32, acc [FB, hd] f32) */
+static size_t f64_stride(int64_t hd)
+{
+    return (size_t)(6 * BQ * hd + 4 * BQ);
+}
+
+static size_t f32_stride(int64_t hd)
+{
+    return (size_t)(2 * FB + FB * FB + (FB * hd + 1) / 2 + 8);
+}
+
 size_t ml_attention_scratch_bytes(int64_t hd, int nthreads)
 {
     if (nthreads < 1)
         nthreads = 1;
-    return (size_t)nthreads * (size_t)(6 * BQ * hd + 4 * BQ) * sizeof(double);
+    size_t a = f64_stride(hd), b = f32_stride(hd);
+    return (size_t)nthreads * (a > b ? a : b) * sizeof(double);
 }
 
 typedef struct {
@@ -41,10 +62,12 @@ typedef struct {
     double scale;
 } att_args;
 
-/* this thread's scratch: 6 blocks of BQ * hd f64 and 4 of BQ */
+/* this thread's scratch: f64: 6 blocks of BQ * hd f64 and 4 of BQ; f32: see
+ * f32_stride */
 static double *my_scratch(const att_args *a)
 {
-    return a->scratch + (size_t)omp_get_thread_num() * (size_t)(6 * BQ * a->hd + 4 * BQ);
+    size_t st = a->dt == ML_F32 ? f32_stride(a->hd) : f64_stride(a->hd);
+    return a->scratch + (size_t)omp_get_thread_num() * st;
 }
 
 /* rows [r0, r0 + n) of head h of a [S, heads, hd] tensor -> dst [n, hd] f64 */
@@ -165,6 +188,287 @@ static void fwd_tile(void *arg, int64_t lo, int64_t hi)
     }
 }
 
+/* ---- the f32 path: sgemm tiles -------------------------------------------- */
+
+/* e^x in f32 for x <= 0 (Cephes expf: round-to-nearest range reduction, a
+ * degree-5 polynomial, 2^n from the exponent bits; about 1 ulp). Plain IEEE
+ * operations only, so a loop over it vectorises and every clone gives the
+ * same bits; x below -87.3 is clamped (e^-87.3 ~ 1e-38). */
+static inline float exp_f(float x)
+{
+    uint32_t ux;   /* clamp on the bits (a float ?: stops the vectoriser): */
+    memcpy(&ux, &x, sizeof ux);   /* negative floats order as unsigned magnitudes */
+    ux = ux < 0xC2AE999Au ? ux : 0xC2AE999Au;   /* -87.3f */
+    memcpy(&x, &ux, sizeof x);
+    float t = x * 1.44269504088896341f + 12582912.0f;   /* 1.5 * 2^23: round to integer */
+    float n = t - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float sc;
+    memcpy(&sc, &bits, sizeof sc);
+    return y * sc;
+}
+
+/* max of x[0, n), n >= 1, over LANES fixed lanes */
+static inline float row_max(const float *restrict x, int64_t n)
+{
+    float part[LANES];
+    for (int t = 0; t < LANES; t++)
+        part[t] = -INFINITY;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        #pragma omp simd
+        for (int t = 0; t < LANES; t++)
+            part[t] = x[j + t] > part[t] ? x[j + t] : part[t];
+    }
+    for (int t = 0; j < n; j++, t++)
+        part[t] = x[j] > part[t] ? x[j] : part[t];
+    float mx = part[0];
+    for (int t = 1; t < LANES; t++)
+        mx = part[t] > mx ? part[t] : mx;
+    return mx;
+}
+
+/* x[j] = e^(x[j] - z) for j < n, 0 for n <= j < nk; returns the sum of the
+ * first n in f32 over LANES fixed lanes, combined in lane order */
+static inline float row_exp(float *restrict x, int64_t n, int64_t nk, float z)
+{
+    float part[LANES];
+    for (int t = 0; t < LANES; t++)
+        part[t] = 0;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        #pragma omp simd
+        for (int t = 0; t < LANES; t++) {
+            float p = exp_f(x[j + t] - z);
+            x[j + t] = p;
+            part[t] += p;
+        }
+    }
+    for (int t = 0; j < n; j++, t++) {
+        float p = exp_f(x[j] - z);
+        x[j] = p;
+        part[t] += p;
+    }
+    for (; j < nk; j++)
+        x[j] = 0;
+    float s = part[0];
+    for (int t = 1; t < LANES; t++)
+        s += part[t];
+    return s;
+}
+
+/* forward: one (head, FB query block) per item */
+ML_ATT_CLONES
+static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
+{
+    const att_args *a = arg;
+    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    double *l = my_scratch(a);
+    float *m = (float *)(l + FB), *sc = (float *)(l + 2 * FB), *acc = sc + FB * FB;
+    float scale = (float)a->scale;
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t h = it / nqb, g = h / a->group;
+        int64_t i0 = (it % nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
+        const float *Qb = (const float *)a->q + (i0 * a->H + h) * hd;
+        for (int64_t r = 0; r < nq; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0;
+        }
+        memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
+        for (int64_t j0 = 0; j0 <= i0; j0 += FB) {
+            int64_t nk = j0 + FB < S ? FB : S - j0;
+            const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
+            const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, scale,
+                        Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
+            for (int64_t r = 0; r < nq; r++) {
+                int64_t n = i0 + r + 1 - j0 < nk ? i0 + r + 1 - j0 : nk;
+                float *row = sc + r * FB, mx = row_max(row, n);
+                mx = m[r] > mx ? m[r] : mx;
+                float corr = m[r] == -INFINITY ? 0.0f : exp_f(m[r] - mx);
+                float s = row_exp(row, n, nk, mx);
+                l[r] = l[r] * (double)corr + (double)s;
+                if (corr != 1.0f) {
+                    float *ar = acc + r * hd;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < hd; d++)
+                        ar[d] *= corr;
+                }
+                m[r] = mx;
+            }
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd, (int)nk, 1.0f,
+                        sc, FB, Vb, (int)ldk, 1.0f, acc, (int)hd);
+        }
+        for (int64_t r = 0; r < nq; r++) {
+            float *o = (float *)a->out + ((i0 + r) * a->H + h) * hd;
+            const float *ar = acc + r * hd;
+            double inv = 1.0 / l[r];
+            for (int64_t d = 0; d < hd; d++)
+                o[d] = (float)(ar[d] * inv);
+            a->lse_out[h * S + i0 + r] = (double)m[r] + log(l[r]);
+        }
+    }
+}
+
+/* P (into sc) and dS = P (dP - Drow) (into dp) for the rows [i0, i0 + nq) of
+ * head h against keys [j0, j0 + nk); entries past the causal edge are 0 */
+static inline void probs_ds(const att_args *a, int64_t h, int64_t i0, int64_t nq, int64_t j0,
+                            int64_t nk, float *restrict sc, float *restrict dp)
+{
+    for (int64_t r = 0; r < nq; r++) {
+        int64_t i = i0 + r, n = i + 1 - j0 < nk ? i + 1 - j0 : nk;
+        float *ps = sc + r * FB, *pd = dp + r * FB;
+        float z = (float)a->lse[h * a->S + i], di = (float)a->drow[h * a->S + i];
+        #pragma omp simd
+        for (int64_t j = 0; j < n; j++) {
+            float p = exp_f(ps[j] - z);
+            ps[j] = p;
+            pd[j] = p * (pd[j] - di);
+        }
+        for (int64_t j = n; j < nk; j++)
+            ps[j] = pd[j] = 0;
+    }
+}
+
+/* dq for one (head, FB query block) per item, accumulated in place */
+ML_ATT_CLONES
+static void dq_tile32(void *arg, int64_t lo, int64_t hi)
+{
+    const att_args *a = arg;
+    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    double *base = my_scratch(a);
+    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float scale = (float)a->scale;
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t h = it / nqb, g = h / a->group;
+        int64_t i0 = (it % nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
+        size_t off = (size_t)((i0 * a->H + h) * hd);
+        const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
+        float *dQ = (float *)a->dq + off;
+        for (int64_t r = 0; r < nq; r++)
+            memset(dQ + r * ldq, 0, (size_t)hd * sizeof(float));
+        for (int64_t j0 = 0; j0 <= i0; j0 += FB) {
+            int64_t nk = j0 + FB < S ? FB : S - j0;
+            const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
+            const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, scale,
+                        Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, 1.0f,
+                        Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
+            probs_ds(a, h, i0, nq, j0, nk, sc, dp);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd, (int)nk, scale,
+                        dp, FB, Kb, (int)ldk, 1.0f, dQ, (int)ldq);
+        }
+    }
+}
+
+/* dk, dv for one (kv head, FB key block) per item, accumulated in place: the
+ * group's query heads in order, then the query blocks i0 >= j0 in order */
+ML_ATT_CLONES
+static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
+{
+    const att_args *a = arg;
+    int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    double *base = my_scratch(a);
+    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float scale = (float)a->scale;
+    for (int64_t it = lo; it < hi; it++) {
+        int64_t g = it / nkb;
+        int64_t j0 = (it % nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
+        size_t koff = (size_t)((j0 * a->KV + g) * hd);
+        const float *Kb = (const float *)a->k + koff, *Vb = (const float *)a->v + koff;
+        float *dK = (float *)a->dk + koff, *dV = (float *)a->dv + koff;
+        for (int64_t c = 0; c < nk; c++) {
+            memset(dK + c * ldk, 0, (size_t)hd * sizeof(float));
+            memset(dV + c * ldk, 0, (size_t)hd * sizeof(float));
+        }
+        for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
+            for (int64_t i0 = j0; i0 < S; i0 += FB) {
+                int64_t nq = i0 + FB < S ? FB : S - i0;
+                size_t off = (size_t)((i0 * a->H + h) * hd);
+                const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
+                            scale, Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
+                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
+                            1.0f, Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
+                probs_ds(a, h, i0, nq, j0, nk, sc, dp);
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
+                            1.0f, sc, FB, Gb, (int)ldq, 1.0f, dV, (int)ldk);
+                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
+                            scale, dp, FB, Qb, (int)ldq, 1.0f, dK, (int)ldk);
+            }
+    }
+}
+
+/* dq, dk and dv in one pass for one kv head per item (it owns the dq rows
+ * of its group's query heads and its dk, dv rows): key blocks in order, then
+ * the group's query heads, then the query blocks i0 >= j0. Every output sees
+ * the same sgemms with the same operands in the same order as in dq_tile32
+ * (key blocks ascending) and dkv_tile32 (heads, then query blocks), so both
+ * schemes give the same bits; this one computes each tile's P and dS once. */
+ML_ATT_CLONES
+static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
+{
+    const att_args *a = arg;
+    int64_t S = a->S, hd = a->hd, ldq = a->H * hd, ldk = a->KV * hd;
+    double *base = my_scratch(a);
+    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float scale = (float)a->scale;
+    for (int64_t g = lo; g < hi; g++) {
+        for (int64_t i = 0; i < S; i++) {
+            for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
+                memset((float *)a->dq + (i * a->H + h) * hd, 0, (size_t)hd * sizeof(float));
+            memset((float *)a->dk + (i * a->KV + g) * hd, 0, (size_t)hd * sizeof(float));
+            memset((float *)a->dv + (i * a->KV + g) * hd, 0, (size_t)hd * sizeof(float));
+        }
+        for (int64_t j0 = 0; j0 < S; j0 += FB) {
+            int64_t nk = j0 + FB < S ? FB : S - j0;
+            size_t koff = (size_t)((j0 * a->KV + g) * hd);
+            const float *Kb = (const float *)a->k + koff, *Vb = (const float *)a->v + koff;
+            float *dK = (float *)a->dk + koff, *dV = (float *)a->dv + koff;
+            for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
+                for (int64_t i0 = j0; i0 < S; i0 += FB) {
+                    int64_t nq = i0 + FB < S ? FB : S - i0;
+                    size_t off = (size_t)((i0 * a->H + h) * hd);
+                    const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
+                                scale, Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
+                                1.0f, Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
+                    probs_ds(a, h, i0, nq, j0, nk, sc, dp);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
+                                1.0f, sc, FB, Gb, (int)ldq, 1.0f, dV, (int)ldk);
+                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
+                                scale, dp, FB, Qb, (int)ldq, 1.0f, dK, (int)ldk);
+                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd,
+                                (int)nk, scale, dp, FB, Kb, (int)ldk, 1.0f,
+                                (float *)a->dq + off, (int)ldq);
+                }
+        }
+    }
+}
+
+/* ml_parallel_tiles with OpenBLAS held to one thread: every sgemm above runs
+ * on the calling thread, on tiles fixed by the shapes */
+static ml_status tiles_blas1(int64_t n, int64_t cost, const ml_kctx *ctx, ml_tile_fn fn,
+                             att_args *a)
+{
+    int blas_threads = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+    ml_status s = ml_parallel_tiles(n, 1, cost, ctx, fn, a);
+    openblas_set_num_threads(blas_threads);
+    return s;
+}
+
 ml_status ml_attention_forward_cpu(ml_dtype dt, void *out, double *lse, const void *q,
                                    const void *k, const void *v, int64_t S, int64_t H,
                                    int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx)
@@ -176,6 +480,8 @@ ml_status ml_attention_forward_cpu(ml_dtype dt, void *out, double *lse, const vo
     att_args a = {.dt = dt, .out = out, .lse_out = lse, .scratch = scratch, .q = q, .k = k,
                   .v = v, .S = S, .H = H, .KV = KV, .hd = hd, .group = H / KV,
                   .scale = 1.0 / sqrt((double)hd)};
+    if (dt == ML_F32)
+        return tiles_blas1(H * ((S + FB - 1) / FB), FB * (S / 2 + 1) * hd * 4, ctx, fwd_tile32, &a);
     int64_t nqb = (S + BQ - 1) / BQ;
     return ml_parallel_tiles(H * nqb, 1, BQ * (S / 2 + 1) * hd * 2, ctx, fwd_tile, &a);
 }
@@ -287,6 +593,18 @@ ml_status ml_attention_backward_cpu(ml_dtype dt, void *dq, void *dk, void *dv, d
     ml_status s = ml_parallel_tiles(S, 64, 2 * H * hd, ctx, drow_tile, &a);
     if (s != ML_OK)
         return s;
+    if (dt == ML_F32) {
+        /* one pass over kv heads when they spread evenly over the threads,
+         * else two race-free passes; the bits are the same (dqkv_tile32) */
+        int nt = ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+        int64_t nb = (S + FB - 1) / FB;
+        if (KV % nt == 0)
+            return tiles_blas1(KV, a.group * FB * (S / 2 + 1) * hd * nb * 10, ctx, dqkv_tile32, &a);
+        s = tiles_blas1(H * nb, FB * (S / 2 + 1) * hd * 6, ctx, dq_tile32, &a);
+        if (s != ML_OK)
+            return s;
+        return tiles_blas1(KV * nb, a.group * FB * (S / 2 + 1) * hd * 8, ctx, dkv_tile32, &a);
+    }
     int64_t nqb = (S + BQ - 1) / BQ, nkb = (S + BK - 1) / BK;
     s = ml_parallel_tiles(H * nqb, 1, BQ * (S / 2 + 1) * hd * 4, ctx, dq_tile, &a);
     if (s != ML_OK)
