@@ -15,5 +15,6 @@ const luaL_Reg ml_libs[] = {
     {"moelua.experts", luaopen_moelua_experts},
     {"moelua.ops", luaopen_moelua_ops},
     {"moelua.optim_c", luaopen_moelua_optim_c},
+    {"moelua.attach", luaopen_moelua_attach},
     {NULL, NULL}
 };

@@ -17,6 +17,11 @@
  * the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR}) (arg[0] =
  * "plot"); main returning false makes the exit status 1.
  *
+ *   moelua attach RUN_DIR
+ * The same rule for "attach": a REPL on a running job's socket (a job
+ * started with --attach; host/repl.c ml_attach_repl, host/l_attach.c). It
+ * needs no Lua state of its own: the code runs inside the job.
+ *
  * Ctrl-C: while a chunk runs (ml_docall), SIGINT sets `interrupted` and
  * arms a Lua hook, like lua.c. The flag is consumed exactly once: by a
  * kernel, which stops between tiles and returns ML_EINTERRUPTED so that the
@@ -488,6 +493,8 @@ int main(int argc, char **argv)
 {
     if (argc > 0 && argv[0] && argv[0][0])
         progname = argv[0];
+    if (argc > 1 && strcmp(argv[1], "attach") == 0 && access("attach", F_OK) != 0)
+        return ml_attach_repl(argc > 2 ? argv[2] : NULL) == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
     host_init(&host);
     lua_State *L = luaL_newstate();
     if (!L) {

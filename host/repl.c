@@ -15,6 +15,12 @@
  * key is a ppoll that is the only place SIGINT is unblocked, so a Ctrl-C is
  * never lost between the check and the wait.
  *
+ * ml_attach_repl is the client of `moelua attach RUN_DIR`: it connects to
+ * RUN_DIR/attach/sock (host/l_attach.c), reads lines with the same editing
+ * (a plain line loop when stdin is not a terminal), sends each line and
+ * prints the reply, which ends with a NUL byte. Ctrl-D leaves; the job
+ * keeps running.
+ *
  * Not here: the interrupt machinery itself (host/main.c, kernels/parallel.c).
  */
 #include "repl.h"
@@ -26,6 +32,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <readline/history.h>
@@ -324,4 +332,95 @@ void ml_repl(lua_State *L)
         fputc('\n', stdout);
     fflush(stdout);
     history_save();
+}
+
+/* ---- moelua attach RUN_DIR ------------------------------------------------ */
+
+/* Print the reply up to its NUL; 0, or -1 when the job closed the socket. */
+static int print_reply(int fd)
+{
+    char buf[4096];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof buf, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        char *end = memchr(buf, '\0', (size_t)r);
+        fwrite(buf, 1, end ? (size_t)(end - buf) : (size_t)r, stdout);
+        fflush(stdout);
+        if (end)
+            return 0;
+    }
+}
+
+int ml_attach_repl(const char *run_dir)
+{
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    if (!run_dir || !run_dir[0]) {
+        fprintf(stderr, "usage: moelua attach RUN_DIR\n");
+        return 1;
+    }
+    int n = snprintf(addr.sun_path, sizeof addr.sun_path, "%s/attach/sock", run_dir);
+    if (n < 0 || (size_t)n >= sizeof addr.sun_path) {
+        fprintf(stderr, "moelua attach: '%s/attach/sock' is over the %zu-byte limit of a Unix "
+                "socket address\n", run_dir, sizeof addr.sun_path - 1);
+        return 1;
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        fprintf(stderr, "moelua attach: cannot connect to %s: %s (is a job running with --attach?)\n",
+                addr.sun_path, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return 1;
+    }
+    interactive = isatty(0);
+    if (interactive) {
+        rl_readline_name = "moelua";
+        rl_catch_signals = 0;
+        rl_persistent_signal_handlers = 1;
+        printf("attached to %s (Ctrl-D detaches; the job keeps running)\n", run_dir);
+    }
+    int status = 0;
+    for (;;) {
+        char *line = NULL;
+        if (interactive) {
+            int r = read_tty_line("attach> ", &line);
+            if (r == LINE_INTERRUPTED)
+                continue;
+            if (r != 1)
+                break;
+            saveline(line);
+        } else {
+            size_t cap = 0;
+            ssize_t len = getline(&line, &cap, stdin);
+            if (len < 0) {
+                free(line);
+                break;
+            }
+            if (len > 0 && line[len - 1] == '\n')
+                line[len - 1] = '\0';
+        }
+        if (line[0] == '\0') {
+            free(line);
+            continue;
+        }
+        size_t len = strlen(line);
+        line[len] = '\n';  /* getline/readline leave room: the NUL's byte */
+        ssize_t w = send(fd, line, len + 1, MSG_NOSIGNAL);
+        free(line);
+        if (w != (ssize_t)(len + 1) || print_reply(fd) != 0) {
+            fprintf(stderr, "moelua attach: the job closed the connection\n");
+            status = 1;
+            break;
+        }
+    }
+    if (interactive)
+        fputc('\n', stdout);
+    fflush(stdout);
+    close(fd);
+    return status;
 }

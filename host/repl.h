@@ -13,5 +13,8 @@ int ml_docall(lua_State *L, int narg, int nres);
 int ml_report(lua_State *L, int status);
 /* Read-eval-print until end of input. */
 void ml_repl(lua_State *L);
+/* `moelua attach RUN_DIR`: send each line to the job's socket, print each
+ * reply; returns the exit status (no Lua state involved). */
+int ml_attach_repl(const char *run_dir);
 
 #endif

@@ -1,7 +1,8 @@
 -- recipes/longctx.lua: train a small Mixtral-style MoE language model at long
 -- context on real text (the C headers under /usr/include, read as bytes),
 -- on the CPU, within a memory budget. Everything a researcher tunes is here:
--- edit this file and run it again, no rebuild.
+-- edit this file and run it again, no rebuild; the per-step hooks below
+-- can even be edited while it runs (taken at the next step).
 --
 --   ./moelua recipes/longctx.lua                       # defaults below
 --   ./moelua recipes/longctx.lua --seq-len 32768 --steps 50
@@ -50,23 +51,10 @@ local opts = options.parse(arg, {
   {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)"},
   {"keep", 2, "checkpoints to keep"},
   {"resume", "", "continue from a checkpoint (a directory or the ckpt root)"},
+  {"attach", false, "listen on RUN_DIR/attach/sock for `moelua attach RUN_DIR` (moelua.remote)"},
   {"init-from", "", "start from a Mixtral-format checkpoint's weights (model.safetensors or a " ..
                     "sharded index; F32/BF16/F16; shapes must match the model options)"},
 }, "usage: moelua recipes/longctx.lua [options]")
-
-moelua.threads(opts.threads)
-moelua.manual_seed(opts.seed)
-if opts.budget_gib > 0 then mem.budget{total = math.floor(opts.budget_gib * 2^30)} end
-
-local model = nn.Transformer.new{
-  vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
-  ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
-  checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-  moe = {save = opts.save},
-}
-local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
-local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
-local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
 
 -- Per-step settings. Temperature and eps preserve the order of the router
 -- scores, so on their own they never change which experts are chosen: they
@@ -88,6 +76,29 @@ local function on_rollback(state, event)
   print(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
 end
 
+-- The hooks above can be edited while the job runs: at the start of each
+-- step the trainer re-reads this file when it changed, with MOELUA_RELOAD
+-- set, and takes the hooks returned here (a broken edit keeps the old ones).
+if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback} end
+local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
+
+moelua.threads(opts.threads)
+moelua.manual_seed(opts.seed)
+if opts.budget_gib > 0 then mem.budget{total = math.floor(opts.budget_gib * 2^30)} end
+
+local model = nn.Transformer.new{
+  vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
+  ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
+  checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
+  moe = {save = opts.save},
+}
+local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
+local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
+local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
+
+-- --attach: answer `moelua attach RUN_DIR` at the start of each step.
+local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps}) or nil
+
 print(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
                     opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
 local result = train.run{
@@ -100,11 +111,14 @@ local result = train.run{
   init_from = opts.init_from,
   val_every = opts.ckpt_every, val_batches = 2, tty = moelua.fs.isatty(1),
   provenance = {recipe = arg[0], options = opts},
+  reload = this_file and {file = this_file, names = {"hook", "on_rollback"}},   -- edit the hooks live
+  attach = attached,
   rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_share = 0.9, collapse_steps = 10},
 }
 
 print(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
                     result.first_loss, result.final_loss, result.first_step, opts.steps - 1,
                     result.skipped, result.rollbacks))
+if attached then attached:close() end
 print(mem.report())
 print("checkpoint: " .. tostring(result.checkpoint))

@@ -10,8 +10,10 @@
 --     run_dir = "runs/x", ckpt_every = 50, keep = 3,
 --     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 0.35, collapse_steps = 20},
 --     on_rollback = function(state, event) ... end,
+--     attach = moelua.remote.listen(run_dir),   -- optional: answer `moelua attach RUN_DIR`
 --     val_every = 50, val_batches = 4,
 --     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
+--     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback"}},   -- hooks edited while running
 --   }
 --
 -- One step: the hook sets this step's router and loss settings (ctl) ->
@@ -41,6 +43,28 @@
 -- (model:load_named, which resume uses too); the optimizer starts fresh.
 -- Ctrl-C (or a kernel "interrupted" error) abandons the current step,
 -- saves a checkpoint of the last completed step and raises.
+--
+-- reload = {file = F, names = {...}, arg = {...}}: the named hooks ("hook",
+-- "on_rollback") are re-read from F while the job runs. At the start of
+-- every step F is stat'ed (size, mtime); when they change, its content's
+-- sha256 decides. New content is run as a chunk in a sandbox: its globals
+-- are its own (reads fall through to _G), `arg` is a copy of the arguments
+-- the run started with (reload.arg, default the global arg), `require`
+-- gives the same modules, and the global MOELUA_RELOAD is true. The chunk
+-- returns a table of its hooks instead of starting a training:
+--
+--   local function hook(step, state, ctl) ... end
+--   if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback} end
+--   ... build the model, train.run{..., reload = {file = <this file>, names = {"hook", "on_rollback"}}}
+--
+-- so side effects (seeding, allocation) belong after that line. They
+-- replace the current hooks for this step on; metrics.jsonl gets
+-- {event = "reload", step, file, hash}. A syntax error (a half-written
+-- file) is retried at the next step; it, an error while running the chunk,
+-- a missing hook, or a reloaded hook that raises when called keeps (or
+-- restores) the previous hooks, training goes on, and the error is written
+-- to stderr and as {event = "reload_error", step, file, hash, phase =
+-- "syntax" | "load" | "call", error} (once per content of the file).
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local bench = require "moelua.bench"
@@ -225,6 +249,103 @@ function Trainer:restore(dir)
   return tr.step
 end
 
+-- Live-reloadable hooks (reload = {...}; see the header).
+local RELOADABLE = {hook = true, on_rollback = true}
+
+local function copy_arg(a)
+  if type(a) ~= "table" then return {} end
+  local c = {}
+  for k, v in pairs(a) do c[k] = v end
+  return c
+end
+
+local function read_file(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+local function setup_reload(self, r)
+  if type(r) ~= "table" or type(r.file) ~= "string" or r.file == "" then
+    error("moelua.train.run: reload needs {file = PATH, names = {...}}", 3)
+  end
+  local names = r.names or {"hook"}
+  for _, n in ipairs(names) do
+    if not RELOADABLE[n] then
+      error("moelua.train.run: reload.names: '" .. tostring(n) .. "' is not a reloadable hook " ..
+            "(hook, on_rollback)", 3)
+    end
+  end
+  local st = fs.stat(r.file)
+  local content = st and read_file(r.file)
+  if not content then error("moelua.train.run: reload.file '" .. r.file .. "' cannot be read", 3) end
+  local reloadable = {}
+  for _, n in ipairs(names) do reloadable[n] = true end
+  self.reload = {file = r.file, names = names, reloadable = reloadable, arg = copy_arg(r.arg or rawget(_G, "arg")),
+                 size = st.size, mtime = st.mtime, hash = fs.sha256_string(content), failed = nil,
+                 previous = nil}
+end
+
+function Trainer:reload_error(step, hash, phase, msg)
+  local rl = self.reload
+  rl.failed = hash
+  io.stderr:write(string.format("moelua.train: reload of %s at step %d failed (%s): %s; keeping the previous hooks\n",
+                                rl.file, step, phase, msg))
+  self:log({event = "reload_error", step = step, file = rl.file, hash = hash, phase = phase, error = msg})
+end
+
+-- Has the recipe file changed? Then load its hooks (before this step's hook runs).
+function Trainer:check_reload(step)
+  local rl = self.reload
+  local st = fs.stat(rl.file)
+  if not st or (st.size == rl.size and st.mtime == rl.mtime) then return end
+  local content = read_file(rl.file)
+  if not content then return end                        -- being replaced: next step
+  local hash = fs.sha256_string(content)
+  if hash == rl.hash then rl.size, rl.mtime = st.size, st.mtime return end
+  if hash == rl.failed then return end                  -- reported already; wait for another edit
+  local env = setmetatable({MOELUA_RELOAD = true, arg = copy_arg(rl.arg)}, {__index = _G})
+  local chunk, err = load(content, "@" .. rl.file, "t", env)
+  if not chunk then return self:reload_error(step, hash, "syntax", tostring(err)) end
+  local ok, hooks = pcall(chunk)
+  if ok and type(hooks) ~= "table" then
+    ok, hooks = false, "the file returned " .. type(hooks) .. ", not its hooks (return them when MOELUA_RELOAD is set)"
+  end
+  if ok then
+    for _, n in ipairs(rl.names) do
+      if type(hooks[n]) ~= "function" then
+        ok, hooks = false, "the returned table has no function '" .. n .. "'"
+        break
+      end
+    end
+  end
+  if not ok then return self:reload_error(step, hash, "load", tostring(hooks)) end
+  local previous = {}
+  for _, n in ipairs(rl.names) do previous[n], self[n] = self[n], hooks[n] end
+  rl.previous, rl.size, rl.mtime, rl.hash, rl.failed = previous, st.size, st.mtime, hash, nil
+  self:log({event = "reload", step = step, file = rl.file, hash = hash})
+end
+
+-- Call hook `name`. A reloaded hook that raises is reported and every
+-- reloaded hook goes back to its version from before the reload; returns
+-- false then, and the caller calls the restored one.
+function Trainer:call_hook(step, name, ...)
+  local f = self[name]
+  if not f then return end
+  local rl = self.reload
+  if not (rl and rl.previous and rl.reloadable[name]) then return f(...) end
+  local ok, err = pcall(f, ...)
+  if ok then return end
+  local msg = tostring(err)
+  if msg:find("interrupted") then error(err, 0) end
+  for n, g in pairs(rl.previous) do self[n] = g end
+  rl.previous = nil
+  self:reload_error(step, rl.hash, "call", name .. ": " .. msg)
+  return false
+end
+
 function Trainer:validate()
   local n = math.min(self.val_batches, self.data:n_validation())
   if n == 0 then return nil end
@@ -237,10 +358,22 @@ function Trainer:validate()
 end
 
 -- One optimizer step; returns the metrics table (skipped = true when skipped).
+local function fresh_ctl(self)
+  return {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
+          z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
+end
+
 function Trainer:step(step)
-  local ctl = {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
-               z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
-  if self.hook then self.hook(step, self.state, ctl) end
+  if self.reload then self:check_reload(step) end
+  if self.attach then self.attach:poll(step) end   -- attached clients: at this safe point
+  local ctl = fresh_ctl(self)
+  if self:call_hook(step, "hook", step, self.state, ctl) == false then
+    ctl = fresh_ctl(self)                       -- the reloaded hook failed: the previous one, afresh
+    self:call_hook(step, "hook", step, self.state, ctl)
+  end
+  if self.attach then                           -- values set from an attached REPL win over the hook's
+    for k, v in pairs(self.attach.overrides) do ctl[k] = v end
+  end
   self.model:set_router{temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
                         capacity_factor = ctl.capacity_factor}
   local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
@@ -333,6 +466,7 @@ function train.run(cfg)
     data = assert(cfg.data, "moelua.train.run: data is required"),
     optimizer = assert(cfg.optimizer, "moelua.train.run: optimizer is required"),
     groups = assert(cfg.groups, "moelua.train.run: groups (the optimizer's param groups) are required"),
+    attach = cfg.attach,
     provenance = cfg.provenance,
     steps = cfg.steps or 100, accum = cfg.accum or 1, clip = cfg.clip,
     lr = cfg.lr or function() return 1e-3 end, hook = cfg.hook, state = cfg.state or {},
@@ -344,6 +478,7 @@ function train.run(cfg)
   }, Trainer)
   self.rollback = {}
   for k, v in pairs(DEFAULT_ROLLBACK) do self.rollback[k] = (cfg.rollback or {})[k] or v end
+  if cfg.reload then setup_reload(self, cfg.reload) end
   self.tokens_per_step = cfg.seq_len * self.accum
   if self.run_dir and self.optimizer.kind ~= "AdamW" then
     error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
@@ -398,7 +533,9 @@ function train.run(cfg)
       local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
                      data_offset = self.data_offset}
       self:log(event)
-      if self.on_rollback then self.on_rollback(self.state, event) end
+      if self:call_hook(step, "on_rollback", self.state, event) == false then
+        self:call_hook(step, "on_rollback", self.state, event)
+      end
       step = back + 1
     else
       if self.val_every > 0 and (step + 1) % self.val_every == 0 then
