@@ -12,7 +12,8 @@
 -- step's metrics, the last step line of metrics.jsonl), `ledger`
 -- (moelua.mem.stats()), `progress` ({step =, steps =, paused =}), and the
 -- controls set{temperature =, aux_weight =, lr_scale =} (kept for every
--- next step), pause() / resume(). The chunk runs in a coroutine under an
+-- next step), checkpoint() (saved after the current step), pause() /
+-- resume(). The chunk runs in a coroutine under an
 -- instruction limit (debug.sethook count, 1e6 by default), so an endless
 -- loop ends with an error reply; every error is replied, none reaches the
 -- training loop. A pause holds the job at the step's start while it answers
@@ -95,6 +96,10 @@ function Server:env(out)
     end
     for k, v in pairs(t) do srv.overrides[k] = v end
     return "applied from step " .. tostring(srv.step)
+  end
+  function env.checkpoint()
+    srv.want_checkpoint = true
+    return "a checkpoint will be saved after step " .. tostring(srv.step)
   end
   function env.pause() srv.paused = true; return "paused at step " .. tostring(srv.step) end
   function env.resume() srv.paused = false; return "resumed" end

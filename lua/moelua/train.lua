@@ -542,6 +542,10 @@ function train.run(cfg)
         local v = self:validate()
         if v then self:log({event = "validation", step = step, loss = v}) end
       end
+      if self.attach and self.attach.want_checkpoint and self.run_dir then   -- asked for from `moelua attach`
+        self.attach.want_checkpoint = false
+        self:save(step, "attach")
+      end
       if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
         local t0 = now()
         last_good = self:save(step, "every")

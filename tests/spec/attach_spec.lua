@@ -33,7 +33,7 @@ describe("moelua attach", function()
     assert.are.equal("700", mode_of(run .. "/attach"))
     local lines = table.concat({
       "pause()", "progress.step", "stats.loss", "set{temperature = 0.5}", "while true do end",
-      "progress.paused", "set{temperature = -1}", "resume()", ""}, "\n")
+      "progress.paused", "set{temperature = -1}", "checkpoint()", "resume()", ""}, "\n")
     local input = dir .. "/input"
     support.write_file(input, lines)
     local code, out = support.finish_child(assert(io.popen(
@@ -49,19 +49,23 @@ describe("moelua attach", function()
     support.has(replies[5], "error: attach:1: instruction limit exceeded")
     assert.are.equal("true", replies[6])                        -- the job answered after the loop
     support.has(replies[7], "set: temperature must be a finite number > 0")
-    assert.are.equal("resumed", replies[8])
+    assert.are.equal("a checkpoint will be saved after step " .. at, replies[8])
+    assert.are.equal("resumed", replies[9])
 
     local jcode, jout = support.finish_child(job)
     assert.are.equal(0, jcode, jout)
     assert.truthy(jout:find("checkpoint: " .. run, 1, true), jout)
-    local temps, n = {}, 0
+    local temps, n, asked = {}, 0, nil
     for l in io.lines(run .. "/metrics.jsonl") do
       local m = json.decode(l)
       if m.step and not m.event then
         temps[m.step] = m.temperature
         n = n + 1
+      elseif m.event == "checkpoint" and m.reason == "attach" then
+        asked = m.step
       end
     end
+    assert.are.equal(at, asked, "the requested checkpoint was saved after the paused step")
     assert.are.equal(400, n)
     for s = 0, 399 do assert.are.equal(s < at and 1.0 or 0.5, temps[s], "step " .. s) end
     assert.is_nil(mode_of(run .. "/attach/sock"))               -- removed at the end
