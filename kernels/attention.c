@@ -339,15 +339,48 @@ static inline void probs_ds(const att_args *a, int64_t h, int64_t i0, int64_t nq
     }
 }
 
+/* One tile's probabilities and score gradients: sc = P (from scale·Q·Kᵀ and
+ * the saved lse), dp = dS (from dO·Vᵀ), as probs_ds leaves them. */
+static inline void tile_p_ds(const att_args *a, int64_t h, int64_t i0, int64_t nq, int64_t j0, int64_t nk,
+                             const float *Qb, const float *Gb, const float *Kb, const float *Vb,
+                             float *sc, float *dp)
+{
+    int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, hd, (float)a->scale,
+                Qb, ldq, Kb, ldk, 0.0f, sc, FB);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, hd, 1.0f,
+                Gb, ldq, Vb, ldk, 0.0f, dp, FB);
+    probs_ds(a, h, i0, nq, j0, nk, sc, dp);
+}
+
+/* dV += Pᵀ·dO and dK += scale·dSᵀ·Q for one tile. */
+static inline void tile_dkv(const att_args *a, int64_t nq, int64_t nk, const float *sc, const float *dp,
+                            const float *Qb, const float *Gb, float *dK, float *dV)
+{
+    int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, hd, (int)nq,
+                1.0f, sc, FB, Gb, ldq, 1.0f, dV, ldk);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, hd, (int)nq,
+                (float)a->scale, dp, FB, Qb, ldq, 1.0f, dK, ldk);
+}
+
+/* dQ += scale·dS·K for one tile. */
+static inline void tile_dq(const att_args *a, int64_t nq, int64_t nk, const float *dp, const float *Kb,
+                           float *dQ)
+{
+    int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, hd, (int)nk, (float)a->scale,
+                dp, FB, Kb, ldk, 1.0f, dQ, ldq);
+}
+
 /* dq for one (head, FB query block) per item, accumulated in place */
 ML_ATT_CLONES
 static void dq_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
-    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd;
     double *base = my_scratch(a);
     float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
-    float scale = (float)a->scale;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
         int64_t i0 = (it % nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
@@ -360,13 +393,8 @@ static void dq_tile32(void *arg, int64_t lo, int64_t hi)
             int64_t nk = j0 + FB < S ? FB : S - j0;
             const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
             const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, scale,
-                        Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, 1.0f,
-                        Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
-            probs_ds(a, h, i0, nq, j0, nk, sc, dp);
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd, (int)nk, scale,
-                        dp, FB, Kb, (int)ldk, 1.0f, dQ, (int)ldq);
+            tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
+            tile_dq(a, nq, nk, dp, Kb, dQ);
         }
     }
 }
@@ -377,10 +405,9 @@ ML_ATT_CLONES
 static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
-    int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldk = a->KV * hd;
     double *base = my_scratch(a);
     float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
-    float scale = (float)a->scale;
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
         int64_t j0 = (it % nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
@@ -396,15 +423,8 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
                 int64_t nq = i0 + FB < S ? FB : S - i0;
                 size_t off = (size_t)((i0 * a->H + h) * hd);
                 const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
-                            scale, Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
-                cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
-                            1.0f, Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
-                probs_ds(a, h, i0, nq, j0, nk, sc, dp);
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
-                            1.0f, sc, FB, Gb, (int)ldq, 1.0f, dV, (int)ldk);
-                cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
-                            scale, dp, FB, Qb, (int)ldq, 1.0f, dK, (int)ldk);
+                tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
+                tile_dkv(a, nq, nk, sc, dp, Qb, Gb, dK, dV);
             }
     }
 }
@@ -419,10 +439,9 @@ ML_ATT_CLONES
 static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
-    int64_t S = a->S, hd = a->hd, ldq = a->H * hd, ldk = a->KV * hd;
+    int64_t S = a->S, hd = a->hd;
     double *base = my_scratch(a);
     float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
-    float scale = (float)a->scale;
     for (int64_t g = lo; g < hi; g++) {
         for (int64_t i = 0; i < S; i++) {
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
@@ -440,18 +459,9 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
                     int64_t nq = i0 + FB < S ? FB : S - i0;
                     size_t off = (size_t)((i0 * a->H + h) * hd);
                     const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
-                                scale, Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd,
-                                1.0f, Gb, (int)ldq, Vb, (int)ldk, 0.0f, dp, FB);
-                    probs_ds(a, h, i0, nq, j0, nk, sc, dp);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
-                                1.0f, sc, FB, Gb, (int)ldq, 1.0f, dV, (int)ldk);
-                    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, (int)hd, (int)nq,
-                                scale, dp, FB, Qb, (int)ldq, 1.0f, dK, (int)ldk);
-                    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd,
-                                (int)nk, scale, dp, FB, Kb, (int)ldk, 1.0f,
-                                (float *)a->dq + off, (int)ldq);
+                    tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
+                    tile_dkv(a, nq, nk, sc, dp, Qb, Gb, dK, dV);
+                    tile_dq(a, nq, nk, dp, Kb, (float *)a->dq + off);
                 }
         }
     }
