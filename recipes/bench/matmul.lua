@@ -7,24 +7,14 @@
 --   lua_alloc  moelua.matmul(a, b)              (a new result through the ledger each call)
 -- and the ratios lua/raw. Targets (issue: host): 64^3 lua <= 2x raw; 2048^3 raw/lua >= 0.95.
 local moelua = require "moelua"
+local options = require "moelua.options"
+local median = require("moelua.measure").median
 local bench = moelua.bench
 
-local opts = {sizes = "64,256,2048", reps = 15}
-local i = 1
-while arg[i] do
-  local k = arg[i]:match("^%-%-(.+)$")
-  if not k or opts[k] == nil or not arg[i + 1] then
-    error("usage: matmul.lua [--sizes a,b,...] [--reps n] (bad argument '" .. tostring(arg[i]) .. "')")
-  end
-  opts[k] = arg[i + 1]
-  i = i + 2
-end
-
-local function median(t)
-  table.sort(t)
-  local n = #t
-  return n % 2 == 1 and t[(n + 1) // 2] or (t[n // 2] + t[n // 2 + 1]) / 2
-end
+local opts = options.parse(arg, {
+  {"sizes", "64,256,2048", "square sizes, comma-separated"},
+  {"reps", 15, "timed samples per size (medians)"},
+}, "usage: moelua recipes/bench/matmul.lua [options]")
 
 -- Calls per timed sample: enough for ~20 ms of work, so the clock resolution is noise.
 local function calls_for(n)

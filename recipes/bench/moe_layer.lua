@@ -11,36 +11,18 @@
 -- process's peak RSS). The PyTorch baselines are moe_layer_torch.py beside it.
 local moelua = require "moelua"
 local moe = require "moelua.moe"
+local options = require "moelua.options"
+local measure = require "moelua.measure"
 local bench, mem = moelua.bench, moelua.mem
+local median, peak_rss = measure.median, measure.peak_rss
 
-local opts = {tokens = 4096, dim = 512, ffn = 1408, experts = 8, topk = 2, chunk = 2048,
-              tile = 256, save = "save", reps = 3, suite = "", ["router-memory"] = 0}
-local i = 1
-while arg[i] do
-  local k = arg[i]:match("^%-%-(.+)$")
-  if not k or opts[k] == nil or arg[i + 1] == nil then
-    error("usage: moe_layer.lua [--tokens n] [--dim n] [--ffn n] [--experts n] [--topk n] " ..
-          "[--chunk n] [--tile n] [--save save|recompute|<fraction>] [--reps n] [--suite issue] " ..
-          "[--router-memory 1] (bad argument '" .. tostring(arg[i]) .. "')")
-  end
-  opts[k] = tonumber(arg[i + 1]) or arg[i + 1]
-  i = i + 2
-end
-
-local function median(t)
-  local s = {}
-  for j, v in ipairs(t) do s[j] = v end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) // 2] or (s[n // 2] + s[n // 2 + 1]) / 2
-end
-
-local function peak_rss()
-  for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s+(%d+)")
-    if kb then return tonumber(kb) * 1024 end
-  end
-end
+local opts = options.parse(arg, {
+  {"tokens", 4096, "tokens T"}, {"dim", 512, "model width D"}, {"ffn", 1408, "expert hidden width F"},
+  {"experts", 8, "experts E"}, {"topk", 2, "experts per token"}, {"chunk", 2048, "router chunk"},
+  {"tile", 256, "expert GEMM tile rows"}, {"save", "save", "save | recompute | a partial_recompute fraction"},
+  {"reps", 3, "timed repetitions (medians)"}, {"suite", "", "issue: the issue's configs"},
+  {"router-memory", 0, "1: router memory against T (E = 64)"},
+}, "usage: moelua recipes/bench/moe_layer.lua [options]")
 
 -- Raw sgemm rate on the experts' main shape (a 2048-row block of tokens
 -- through the gate_up projection), measured in this run.
@@ -119,7 +101,7 @@ local function config(over)
   return c
 end
 
-if opts["router-memory"] ~= 0 then
+if opts.router_memory ~= 0 then
   -- Router memory beyond its O(T*k) outputs does not grow with T: the
   -- ledger peak of one forward minus the outputs' bytes, at E = 64.
   local router = moelua.router

@@ -25,7 +25,9 @@ local sched = require "moelua.sched"
 local data = require "moelua.data"
 local options = require "moelua.options"
 local json = require "dkjson"
+local measure = require "moelua.measure"
 local mem, bench = moelua.mem, moelua.bench
+local median, peak_rss = measure.median, measure.peak_rss
 
 local opts = options.parse(arg, {
   {"seq-len", 1024, "tokens per sequence"},
@@ -84,21 +86,6 @@ local function step(i)
   t.data, t.fwd, t.bwd, t.optim = t1 - t0, t2 - t1, t3 - t2, t4 - t3
   t.total = t4 - t0
   return t, loss, st, norm
-end
-
-local function median(xs)
-  local s = {}
-  for j, v in ipairs(xs) do s[j] = v end
-  table.sort(s)
-  local n = #s
-  return n % 2 == 1 and s[(n + 1) // 2] or (s[n // 2] + s[n // 2 + 1]) / 2
-end
-
-local function peak_rss()
-  for line in io.lines("/proc/self/status") do
-    local kb = line:match("^VmHWM:%s+(%d+)")
-    if kb then return tonumber(kb) * 1024 end
-  end
 end
 
 local w = {total = 0}
