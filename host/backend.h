@@ -103,6 +103,7 @@ typedef struct ml_backend {
 } ml_backend;
 
 extern const ml_backend ml_backend_cpu;
+extern const ml_backend ml_backend_plan;   /* host/backend_plan.c: moelua.mem.plan's dry run */
 #ifdef ML_WITH_CUDA
 extern const ml_backend ml_backend_cuda;
 #endif

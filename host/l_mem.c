@@ -10,6 +10,10 @@
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
  *   mem.empty_cache()             CUDA: release the caching allocator's free blocks
+ *   mem.plan(fn, ...)             dry run of fn(...): {cpu = book, ...} with its peaks, nothing
+ *                                 allocated; nil, message, books when fn raised (a budget
+ *                                 refusal counts in book.refused)
+ *   mem.planning()                true inside mem.plan
  */
 #include "l_util.h"
 #ifdef ML_WITH_CUDA
@@ -17,6 +21,8 @@
 #endif
 
 #include <string.h>
+
+#include "backend.h"
 
 static ml_device opt_device(lua_State *L, int idx, const char *fn)
 {
@@ -47,7 +53,7 @@ static void push_categories(lua_State *L, const size_t *v)
     }
 }
 
-static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
+static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_device d)
 {
     lua_createtable(L, 0, 16);
     push_categories(L, lg->cur);
@@ -73,14 +79,14 @@ static void push_ledger(lua_State *L, const ml_ledger *lg, ml_device d)
     ml_setfield_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
     ml_setfield_int(L, "budget_total", (lua_Integer)lg->budget_total);
     ml_setfield_int(L, "refused", (lua_Integer)lg->nrefused);
-    if (d == ML_CPU) {
+    if (d == ML_CPU && !ml_is_plan_ledger(h, lg)) {
         size_t rss = ml_process_rss();
         ml_setfield_int(L, "rss", (lua_Integer)rss);
         ml_setfield_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
     }
 #ifdef ML_WITH_CUDA
     size_t free_b, total_b;
-    if (d == ML_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0) {
+    if (d == ML_CUDA && !ml_is_plan_ledger(h, lg) && ml_cuda_mem_info(&free_b, &total_b) == 0) {
         /* device bytes in use that the caching allocator did not reserve:
          * the CUDA context, cuBLAS workspaces, other processes */
         size_t used = total_b - free_b;
@@ -106,7 +112,7 @@ static int l_mem_stats(lua_State *L)
     ml_host *h = ml_host_of(L);
     lua_createtable(L, 0, ML_NDEVICES);
     for (int d = 0; d < ML_NDEVICES; d++) {
-        push_ledger(L, &h->ledger[d], (ml_device)d);
+        push_ledger(L, h, h->ledger[d], (ml_device)d);
         lua_setfield(L, -2, ml_device_names[d]);
     }
     return 1;
@@ -117,9 +123,9 @@ static int l_mem_reset_peak(lua_State *L)
     ml_host *h = ml_host_of(L);
     if (lua_isnoneornil(L, 1)) {
         for (int d = 0; d < ML_NDEVICES; d++)
-            ml_ledger_reset_peak(&h->ledger[d]);
+            ml_ledger_reset_peak(h->ledger[d]);
     } else {
-        ml_ledger_reset_peak(&h->ledger[opt_device(L, 1, "moelua.mem.reset_peak")]);
+        ml_ledger_reset_peak(h->ledger[opt_device(L, 1, "moelua.mem.reset_peak")]);
     }
     return 0;
 }
@@ -143,7 +149,7 @@ static int l_mem_budget(lua_State *L)
     lua_getfield(L, 1, "device");
     ml_device d = opt_device(L, -1, fn);
     lua_pop(L, 1);
-    ml_ledger *lg = &h->ledger[d];
+    ml_ledger *lg = h->ledger[d];
     /* validate every key before changing anything */
     lua_pushnil(L);
     while (lua_next(L, 1)) {
@@ -227,11 +233,11 @@ static int l_mem_timeline(lua_State *L)
             interval = lua_tonumberx(L, -1, &isnum);
         if (!isnum || !(interval >= 0))
             ml_error(L, fn, "option 'interval' must be a number of seconds >= 0");
-        if (ml_ledger_timeline(&h->ledger[d], (size_t)cap, interval) != 0)
+        if (ml_ledger_timeline(h->ledger[d], (size_t)cap, interval) != 0)
             ml_error(L, fn, "out of memory for %lld samples", (long long)cap);
         return 0;
     }
-    const ml_ledger *lg = &h->ledger[opt_device(L, 1, fn)];
+    const ml_ledger *lg = h->ledger[opt_device(L, 1, fn)];
     lua_createtable(L, (int)lg->nsamples, 0);
     for (size_t i = 0; i < lg->nsamples; i++) {
         const ml_sample *s = &lg->samples[i];
@@ -252,11 +258,97 @@ static int l_mem_timeline(lua_State *L)
 static int l_mem_empty_cache(lua_State *L)
 {
 #ifdef ML_WITH_CUDA
-    ml_cuda_empty_cache(&ml_host_of(L)->ledger[ML_CUDA]);
+    ml_cuda_empty_cache(&ml_host_of(L)->books[ML_CUDA]);
 #else
     (void)L;
 #endif
     return 0;
+}
+
+/* ---- planning (DESIGN.md, The memory ledger) ----------------------------------
+ *
+ * mem.plan(fn, ...) runs fn(...) with the CPU's kernels skipped and its
+ * allocations made from address space and charged to a virtual book that
+ * starts as a copy of the real one (its live bytes and budgets), so the
+ * same step code that trains predicts the peak, and an allocation that
+ * would cross a budget is the same Lua error, raised before anything real
+ * was allocated. Tensor contents inside a plan are meaningless; code whose
+ * sizes depend on data asks mem.planning() and takes its worst case. The
+ * host's RNG counter and category are restored afterwards, so planning
+ * does not change the run it plans. CUDA tensors are not planned (the
+ * device is absent inside a plan). */
+
+static void enter_plan(ml_host *h)
+{
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        const ml_ledger *real = &h->books[d];
+        ml_ledger *v = &h->plan_books[d];
+        ml_ledger_free(v);
+        ml_ledger_init(v, real->device);
+        memcpy(v->cur, real->cur, sizeof v->cur);
+        memcpy(v->peak, real->cur, sizeof v->peak);
+        memcpy(v->at_peak, real->cur, sizeof v->at_peak);
+        memcpy(v->budget, real->budget, sizeof v->budget);
+        v->total = v->total_peak = real->total;
+        v->caching = real->caching;
+        v->reserved = v->reserved_peak = real->reserved;
+        v->budget_total = real->budget_total;
+        h->ledger[d] = v;
+        h->backend[d] = NULL;
+    }
+    h->backend[ML_CPU] = &ml_backend_plan;
+    h->planning = 1;
+}
+
+static void leave_plan(ml_host *h)
+{
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        h->ledger[d] = &h->books[d];
+        h->backend[d] = h->device_backend[d];
+    }
+    h->planning = 0;
+}
+
+static int l_mem_plan(lua_State *L)
+{
+    static const char fn[] = "moelua.mem.plan";
+    ml_host *h = ml_host_of(L);
+    luaL_checktype(L, 1, LUA_TFUNCTION);
+    if (h->planning)
+        ml_error(L, fn, "plans do not nest");
+    lua_gc(L, LUA_GCCOLLECT);
+    if (h->plan_live)
+        ml_error(L, fn, "%zu tensors or pools of an earlier plan are still alive "
+                 "(a plan's function must not keep them)", h->plan_live);
+    uint64_t rng_offset = h->rng_offset;
+    ml_category cat = h->category;
+    enter_plan(h);
+    int err = lua_pcall(L, lua_gettop(L) - 1, 0, 0);
+    leave_plan(h);
+    h->rng_offset = rng_offset;
+    h->category = cat;
+    /* the plan's tensors are garbage now: return them to the virtual book
+     * (two passes: finalizers of the first may free more) */
+    lua_gc(L, LUA_GCCOLLECT);
+    lua_gc(L, LUA_GCCOLLECT);
+    lua_createtable(L, 0, ML_NDEVICES);
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        push_ledger(L, h, &h->plan_books[d], (ml_device)d);
+        lua_setfield(L, -2, ml_device_names[d]);
+    }
+    if (err == LUA_OK)
+        return 1;
+    const char *msg = luaL_tolstring(L, -2, NULL);   /* stack: error, books, msg */
+    lua_pushnil(L);
+    lua_pushfstring(L, "%s: the planned run failed (nothing was allocated): %s", fn, msg);
+    lua_pushvalue(L, -4);
+    return 3;
+}
+
+static int l_mem_planning(lua_State *L)
+{
+    lua_pushboolean(L, ml_host_of(L)->planning);
+    return 1;
 }
 
 static const luaL_Reg mem_functions[] = {
@@ -268,6 +360,8 @@ static const luaL_Reg mem_functions[] = {
     {"category", l_mem_category},
     {"scope", l_mem_scope},
     {"timeline", l_mem_timeline},
+    {"plan", l_mem_plan},
+    {"planning", l_mem_planning},
     {NULL, NULL}
 };
 

@@ -65,7 +65,7 @@ static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
                         ml_pool_status ps, ml_alloc_status as, const char *what)
 {
     char limit[32];
-    const ml_ledger *lg = &h->ledger[dev];
+    const ml_ledger *lg = h->ledger[dev];
     if (as == ML_ALLOC_NODEVICE)
         ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
                  ml_unavailable_reason(h, dev));

@@ -133,8 +133,9 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
 {
     char buf[2048];
     size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
-    size_t total = h->ledger[dev].total;
-    ml_ledger_format(&h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU, buf, sizeof buf);
+    size_t total = h->ledger[dev]->total;
+    ml_ledger_format(h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU && !h->planning, buf,
+                     sizeof buf);
     lua_pushstring(L, buf);
 }
 
@@ -153,7 +154,7 @@ void ml_reclaim(lua_State *L, ml_host *h, ml_device dev)
 {
 #ifdef ML_WITH_CUDA
     if (dev == ML_CUDA)
-        ml_cuda_empty_cache(&h->ledger[ML_CUDA]);
+        ml_cuda_empty_cache(&h->books[ML_CUDA]);
 #else
     (void)h; (void)dev;
 #endif
@@ -178,7 +179,7 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     if (s != ML_ALLOC_OK) {
         char want[32], limit[32];
         ml_format_bytes(nbytes, want, sizeof want);
-        const ml_ledger *lg = &h->ledger[dev];
+        const ml_ledger *lg = h->ledger[dev];
         const char *cat = ml_category_names[h->category];
         if (s == ML_ALLOC_NODEVICE)
             ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], ml_unavailable_reason(h, dev));

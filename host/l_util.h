@@ -101,6 +101,10 @@ void ml_pool_scratch_release(ml_pool_scratch *s);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
+/* A kernel called directly rather than through the backend table, skipped
+ * inside moelua.mem.plan (where the plan backend skips the table's kernels):
+ * st = ML_KERNEL(L, ml_rope_forward_cpu(...)). */
+#define ML_KERNEL(L, call) (ml_host_of(L)->planning ? ML_OK : (call))
 ml_kctx ml_kctx_of(ml_host *h);
 const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev);
 

@@ -383,10 +383,10 @@ static int check_ledgers(ml_host *h)
 {
     int clean = 1;
     for (int d = 0; d < ML_NDEVICES; d++) {
-        if (h->ledger[d].total == 0)
+        if (h->books[d].total == 0)
             continue;
         char buf[2048];
-        ml_ledger_format(&h->ledger[d], 0, 0, buf, sizeof buf);
+        ml_ledger_format(&h->books[d], 0, 0, buf, sizeof buf);
         fprintf(stderr, "moelua: leak: the %s ledger is not empty after closing Lua\n%s",
                 ml_device_names[d], buf);
         clean = 0;
@@ -399,29 +399,23 @@ static ml_host host;
 
 static void host_init(ml_host *h)
 {
-    memset(h, 0, sizeof *h);
-    for (int d = 0; d < ML_NDEVICES; d++)
-        ml_ledger_init(&h->ledger[d], ml_device_names[d]);
-    h->category = ML_CAT_OTHER;
+    ml_host_init(h);
     h->nthreads = omp_get_max_threads();
     h->interrupt = &interrupted;
     h->seed = 0x6d6f656c7561ULL;  /* "moelua"; moelua.manual_seed replaces it */
-    h->backend[ML_CPU] = &ml_backend_cpu;
-    h->ledger[ML_CUDA].caching = 1;
 #ifdef ML_WITH_CUDA
-    h->backend[ML_CUDA] = &ml_backend_cuda;
+    h->backend[ML_CUDA] = h->device_backend[ML_CUDA] = &ml_backend_cuda;
 #endif
     /* Without a budget an impossible allocation is an OOM kill; with one it
      * is a Lua error (DESIGN.md, The memory ledger). */
-    h->ledger[ML_CPU].budget_total = ml_mem_available() / 10 * 9;
+    h->books[ML_CPU].budget_total = ml_mem_available() / 10 * 9;
 }
 
 static int host_close(lua_State *L)
 {
     lua_close(L);
     int clean = check_ledgers(&host);
-    for (int d = 0; d < ML_NDEVICES; d++)
-        ml_ledger_free(&host.ledger[d]);
+    ml_host_free(&host);
 #ifdef ML_WITH_CUDA
     ml_cuda_shutdown();   /* last: the ledger check needed the device's bytes returned */
 #endif

@@ -18,9 +18,8 @@ static size_t align_up(size_t n)
 /* A new block of `bytes` charged to the ledger under `pool`. */
 static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
 {
-    ml_host *h = p->host;
-    ml_ledger *lg = &h->ledger[p->device];
-    const ml_backend *be = h->backend[p->device];
+    ml_ledger *lg = p->lg;
+    const ml_backend *be = p->be;
     *astatus = ML_ALLOC_OK;
     if (!be || !be->available()) {
         *astatus = ML_ALLOC_NODEVICE;
@@ -58,6 +57,8 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
         return ML_POOL_NOMEM;
     p->host = h;
     p->device = dev;
+    p->lg = h->ledger[dev];
+    p->be = h->backend[dev];
     p->refs = 1;
     p->grow = grow;
     ml_pool_status s = add_block(p, align_up(bytes), astatus);
@@ -66,6 +67,7 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
         free(p);
         return s;
     }
+    h->plan_live += h->planning;
     *out = p;
     return ML_POOL_OK;
 }
@@ -130,12 +132,11 @@ size_t ml_pool_mark(const ml_pool *p)
  * pool is left empty and grows again on demand. */
 static void consolidate(ml_pool *p)
 {
-    ml_ledger *lg = &p->host->ledger[p->device];
-    const ml_backend *be = p->host->backend[p->device];
+    ml_ledger *lg = p->lg;
     for (size_t i = 0; i < p->nblocks; i++) {
         ml_ledger_credit(lg, ML_CAT_POOL, p->blocks[i].size);
         if (p->blocks[i].data)
-            be->free(p->blocks[i].data, p->blocks[i].size, lg);
+            p->be->free(p->blocks[i].data, p->blocks[i].size, lg);
     }
     p->nblocks = 0;
     p->capacity = 0;
@@ -168,12 +169,12 @@ void ml_pool_release(ml_pool *p)
 {
     if (--p->refs > 0)
         return;
-    ml_ledger *lg = &p->host->ledger[p->device];
     for (size_t i = 0; i < p->nblocks; i++) {
-        ml_ledger_credit(lg, ML_CAT_POOL, p->blocks[i].size);
+        ml_ledger_credit(p->lg, ML_CAT_POOL, p->blocks[i].size);
         if (p->blocks[i].data)
-            p->host->backend[p->device]->free(p->blocks[i].data, p->blocks[i].size, lg);
+            p->be->free(p->blocks[i].data, p->blocks[i].size, p->lg);
     }
+    p->host->plan_live -= ml_is_plan_ledger(p->host, p->lg);
     free(p->blocks);
     free(p->slots);
     free(p);

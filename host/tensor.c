@@ -8,14 +8,37 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 const char *const ml_device_names[ML_NDEVICES] = {"cpu", "cuda"};
 const char *const ml_dtype_names[ML_NDTYPES] = {"f32", "f64", "bf16", "f16", "i32", "i64", "u8"};
 
+void ml_host_init(ml_host *h)
+{
+    memset(h, 0, sizeof *h);
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        ml_ledger_init(&h->books[d], ml_device_names[d]);
+        ml_ledger_init(&h->plan_books[d], ml_device_names[d]);
+        h->ledger[d] = &h->books[d];
+    }
+    h->books[ML_CUDA].caching = 1;
+    h->category = ML_CAT_OTHER;
+    h->nthreads = 1;
+    h->backend[ML_CPU] = h->device_backend[ML_CPU] = &ml_backend_cpu;
+}
+
+void ml_host_free(ml_host *h)
+{
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        ml_ledger_free(&h->books[d]);
+        ml_ledger_free(&h->plan_books[d]);
+    }
+}
+
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
 {
     const ml_backend *be = h->backend[dev];
-    ml_ledger *lg = &h->ledger[dev];
+    ml_ledger *lg = h->ledger[dev];
     *out = NULL;
     if (!be || !be->available())
         return ML_ALLOC_NODEVICE;
@@ -36,6 +59,9 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     st->cat = h->category;
     st->refs = 1;
     st->host = h;
+    st->lg = lg;
+    st->be = be;
+    h->plan_live += h->planning;
     ml_ledger_charge(lg, st->cat, nbytes);
     *out = st;
     return ML_ALLOC_OK;
@@ -53,10 +79,10 @@ void ml_storage_release(ml_storage *st)
     if (st->pool) {
         ml_pool_release(st->pool);   /* a view: the pool owns the bytes */
     } else {
-        ml_ledger *lg = &st->host->ledger[st->device];
-        ml_ledger_credit(lg, st->cat, st->nbytes);
+        ml_ledger_credit(st->lg, st->cat, st->nbytes);
         if (st->data)
-            st->host->backend[st->device]->free(st->data, st->nbytes, lg);
+            st->be->free(st->data, st->nbytes, st->lg);
+        st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
     }
     free(st);
 }

@@ -29,15 +29,27 @@ struct ml_pool;
 struct ml_backend;
 
 /* Process-wide state of one moelua host. Owned by main.c, reached from Lua
- * through the registry (host/l_util.h: ml_host_of). */
+ * through the registry (host/l_util.h: ml_host_of).
+ *
+ * `ledger` and `backend` are what allocations and kernels use now: the
+ * device's real account book and table, or, while moelua.mem.plan runs a
+ * dry run (DESIGN.md, The memory ledger), a virtual book and the plan
+ * backend (host/backend_plan.c: address space only, kernels skipped). Every
+ * storage and pool remembers the book and table it was charged to, so one
+ * that outlives a plan is still returned to the right place. */
 typedef struct ml_host {
-    ml_ledger ledger[ML_NDEVICES];
+    ml_ledger books[ML_NDEVICES];         /* the real account books */
+    ml_ledger plan_books[ML_NDEVICES];    /* mem.plan's virtual books */
+    ml_ledger *ledger[ML_NDEVICES];
     ml_category category;                 /* category of allocations made now */
     int nthreads;                         /* CPU kernel threads */
     uint64_t seed;                        /* Philox key of the host generator */
     uint64_t rng_offset;                  /* next unused Philox counter */
     volatile sig_atomic_t *interrupt;     /* Ctrl-C flag set by the signal handler */
     const struct ml_backend *backend[ML_NDEVICES];  /* NULL: device not built in */
+    const struct ml_backend *device_backend[ML_NDEVICES];  /* the real tables */
+    int planning;                         /* inside moelua.mem.plan */
+    size_t plan_live;                     /* storages and pools charged to plan_books */
 } ml_host;
 
 typedef struct ml_storage {
@@ -47,6 +59,8 @@ typedef struct ml_storage {
     ml_category cat;
     int refs;
     ml_host *host;
+    ml_ledger *lg;            /* the book and table it was charged to */
+    const struct ml_backend *be;
     struct ml_pool *pool;     /* non-NULL: a pool view, freed with the pool */
     size_t slot;              /* pool slot and allocation id of that view */
     uint64_t id;
@@ -69,6 +83,15 @@ typedef enum {
     ML_ALLOC_NOMEM,           /* the system refused */
     ML_ALLOC_NODEVICE         /* backend not built in or no device present */
 } ml_alloc_status;
+
+/* A host with empty books, the CPU backend and no budget (main.c adds the rest). */
+void ml_host_init(ml_host *h);
+void ml_host_free(ml_host *h);
+/* Is lg one of mem.plan's virtual books? */
+static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
+{
+    return lg >= h->plan_books && lg < h->plan_books + ML_NDEVICES;
+}
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
 void ml_storage_retain(ml_storage *st);

@@ -20,23 +20,6 @@
 #include "tap.h"
 
 
-/* As host_init in host/main.c, without Lua, threads or CUDA. */
-static void host_init(ml_host *h)
-{
-    memset(h, 0, sizeof *h);
-    for (int d = 0; d < ML_NDEVICES; d++)
-        ml_ledger_init(&h->ledger[d], ml_device_names[d]);
-    h->category = ML_CAT_OTHER;
-    h->nthreads = 1;
-    h->backend[ML_CPU] = &ml_backend_cpu;
-}
-
-static void host_free(ml_host *h)
-{
-    for (int d = 0; d < ML_NDEVICES; d++)
-        ml_ledger_free(&h->ledger[d]);
-}
-
 /* One allocation; returns its data (NULL on failure) and the status. */
 typedef struct {
     void *data;
@@ -61,8 +44,8 @@ static int aligned(const void *ptr)
 static void test_new_and_alloc(void)
 {
     ml_host h;
-    host_init(&h);
-    ml_ledger *lg = &h.ledger[ML_CPU];
+    ml_host_init(&h);
+    ml_ledger *lg = &h.books[ML_CPU];
     ml_pool *p;
     ml_alloc_status as;
     ok(ml_pool_new(&h, ML_CPU, 1000, 0, &p, &as) == ML_POOL_OK && p && as == ML_ALLOC_OK,
@@ -94,13 +77,13 @@ static void test_new_and_alloc(void)
     ml_pool_release(p);
     ok(lg->total == 0 && lg->cur[ML_CAT_POOL] == 0 && lg->nfree[ML_CAT_POOL] == 1,
        "release: the block returns to the ledger");
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 static void test_mark_rewind(void)
 {
     ml_host h;
-    host_init(&h);
+    ml_host_init(&h);
     ml_pool *p;
     ml_alloc_status as;
     ml_pool_new(&h, ML_CPU, 4096, 0, &p, &as);
@@ -133,14 +116,14 @@ static void test_mark_rewind(void)
     alloc_result again = alloc(p, 8);
     ok(again.data == frame.data && again.id > r.id, "rewind: ids keep increasing after a reset");
     ml_pool_release(p);
-    ok(h.ledger[ML_CPU].total == 0, "release: ledger empty");
-    host_free(&h);
+    ok(h.books[ML_CPU].total == 0, "release: ledger empty");
+    ml_host_free(&h);
 }
 
 static void test_slot_stack_grows(void)
 {
     ml_host h;
-    host_init(&h);
+    ml_host_init(&h);
     ml_pool *p;
     ml_alloc_status as;
     ml_pool_new(&h, ML_CPU, 64 * 200, 0, &p, &as);
@@ -154,14 +137,14 @@ static void test_slot_stack_grows(void)
        ml_pool_view_valid(p, last.slot, last.id), "alloc: more slots than the first stack holds");
     ok(alloc(p, 1).s == ML_POOL_FULL, "alloc: exactly full after 200 slots of 64 bytes");
     ml_pool_release(p);
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 static void test_grow(void)
 {
     ml_host h;
-    host_init(&h);
-    ml_ledger *lg = &h.ledger[ML_CPU];
+    ml_host_init(&h);
+    ml_ledger *lg = &h.books[ML_CPU];
     ml_pool *p;
     ml_alloc_status as;
     ml_pool_new(&h, ML_CPU, 256, 1, &p, &as);
@@ -198,13 +181,13 @@ static void test_grow(void)
     ok(p->nblocks == 1 && lg->nalloc[ML_CAT_POOL] == 4, "grow: a pool of one block is not consolidated again");
     ml_pool_release(p);
     ok(lg->total == 0 && lg->nfree[ML_CAT_POOL] == 4, "release: every block returns to the ledger");
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 static void test_full(void)
 {
     ml_host h;
-    host_init(&h);
+    ml_host_init(&h);
     ml_pool *p;
     ml_alloc_status as;
     ml_pool_new(&h, ML_CPU, 256, 0, &p, &as);
@@ -212,18 +195,18 @@ static void test_full(void)
     alloc_result b = alloc(p, 65);
     ok(b.s == ML_POOL_FULL && p->noverflow == 1, "full: grow off, an overflow is ML_POOL_FULL and recorded");
     ok(p->nslots == 1 && p->used == 192 && p->nblocks == 1 && p->capacity == 256 &&
-       h.ledger[ML_CPU].total == 256, "full: nothing changed");
+       h.books[ML_CPU].total == 256, "full: nothing changed");
     ok(ml_pool_view_valid(p, a.slot, a.id), "full: live views stay valid");
     ok(alloc(p, 64).s == ML_POOL_OK && p->used == 256, "full: what still fits is allocated");
     ml_pool_release(p);
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 static void test_ledger_refuses(void)
 {
     ml_host h;
-    host_init(&h);
-    ml_ledger *lg = &h.ledger[ML_CPU];
+    ml_host_init(&h);
+    ml_ledger *lg = &h.books[ML_CPU];
     ml_pool *p = (ml_pool *)&h;
     ml_alloc_status as;
 
@@ -251,26 +234,26 @@ static void test_ledger_refuses(void)
     ok(b.s == ML_POOL_OK && p->nblocks == 2 && lg->total == 1024, "grow: allowed up to the budget exactly");
     ml_pool_release(p);
     ok(lg->total == 0, "release: ledger empty");
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 static void test_no_device(void)
 {
     ml_host h;
-    host_init(&h);
+    ml_host_init(&h);
     ml_pool *p;
     ml_alloc_status as;
     ok(ml_pool_new(&h, ML_CUDA, 1024, 0, &p, &as) == ML_POOL_LEDGER && as == ML_ALLOC_NODEVICE && !p,
        "new: a device without a backend is refused");
-    ok(h.ledger[ML_CUDA].total == 0, "new: nothing charged on that device");
-    host_free(&h);
+    ok(h.books[ML_CUDA].total == 0, "new: nothing charged on that device");
+    ml_host_free(&h);
 }
 
 static void test_release_refs(void)
 {
     ml_host h;
-    host_init(&h);
-    ml_ledger *lg = &h.ledger[ML_CPU];
+    ml_host_init(&h);
+    ml_ledger *lg = &h.books[ML_CPU];
     ml_pool *p;
     ml_alloc_status as;
     ml_pool_new(&h, ML_CPU, 128, 1, &p, &as);
@@ -291,7 +274,7 @@ static void test_release_refs(void)
     ok(a.s == ML_POOL_OK && p->nblocks == 2 && aligned(a.data), "new: a zero-byte pool grows on first use");
     ml_pool_release(p);
     ok(lg->total == 0, "release: a grown empty pool returns everything");
-    host_free(&h);
+    ml_host_free(&h);
 }
 
 int main(void)
