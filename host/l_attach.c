@@ -4,14 +4,18 @@
  * directory of mode 0700. No network port; no thread: every call is made by
  * the training thread, which owns the Lua state, at its safe points.
  *
- *   attach.listen(run_dir)          -> handle (listening, non-blocking)
+ *   attach.listen(run_dir)          -> handle (listening, non-blocking;
+ *                                      the directory 0700, the socket 0600)
  *   attach.poll(h [, timeout_ms])   -> {{client = id, code = line}, ...}, n_clients
- *       accepts at most ML_ATTACH_ACCEPT pending connections (a peer whose
- *       uid, by SO_PEERCRED, is not geteuid() is told so and closed), reads
- *       what the clients sent without blocking and returns each complete
- *       line (newline-terminated, at most ML_ATTACH_LINE bytes; a longer one
- *       gets an error reply and the client is closed). timeout_ms > 0 waits
- *       that long for a connection or input first (a paused job's sleep).
+ *       accepts at most ML_ATTACH_ACCEPT pending connections, reads what
+ *       the clients sent without blocking and returns each complete line
+ *       (newline-terminated, at most ML_ATTACH_LINE bytes). A longer line
+ *       gets an error reply and is dropped up to its newline; the client
+ *       stays. A peer whose uid, by SO_PEERCRED, is not geteuid() is told
+ *       so (both uids named), its input discarded until it leaves or
+ *       ML_ATTACH_REFUSED_S pass (so it reads the message whenever it
+ *       sends), and it never counts in n_clients. timeout_ms > 0 waits that
+ *       long for a connection or input first (a paused job's sleep).
  *   attach.reply(h, client, text)   -> true, or false when the client is gone
  *       writes text, a newline and a NUL byte (the end of one reply)
  *   attach.close(h)                 closes every socket, removes sock
@@ -39,10 +43,19 @@
 #define ML_ATTACH_CLIENTS 8
 #define ML_ATTACH_ACCEPT  4
 #define ML_ATTACH_LINE    8192
+#define ML_ATTACH_REFUSED_S 2.0
+
+typedef enum {
+    ML_ATTACH_OPEN,     /* lines are requests */
+    ML_ATTACH_SKIP,     /* dropping the rest of an over-long line, up to its newline */
+    ML_ATTACH_REFUSED   /* another uid: told so, input discarded until it leaves or `until` */
+} ml_attach_state;
 
 typedef struct {
     int fd;            /* -1: free slot */
     int id;
+    ml_attach_state state;
+    double until;      /* ML_ATTACH_REFUSED: closed at this time (monotonic seconds) */
     size_t len;        /* bytes in buf */
     char buf[ML_ATTACH_LINE];
 } ml_attach_client;
@@ -70,6 +83,14 @@ static void client_close(ml_attach_client *c)
         close(c->fd);
     c->fd = -1;
     c->len = 0;
+    c->state = ML_ATTACH_OPEN;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* Write all of s to a non-blocking socket, waiting at most ~1 s in total
@@ -150,7 +171,7 @@ static int l_attach_listen(lua_State *L)
     a->fd = -1;
     a->next_id = 1;
     for (int i = 0; i < ML_ATTACH_CLIENTS; i++)
-        a->client[i].fd = -1, a->client[i].len = 0;
+        a->client[i].fd = -1, a->client[i].len = 0, a->client[i].state = ML_ATTACH_OPEN;
     memcpy(a->path, path, (size_t)plen + 1);  /* plen < sizeof a->path: checked above */
     luaL_setmetatable(L, ML_ATTACH_MT);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -167,12 +188,47 @@ static int l_attach_listen(lua_State *L)
         a->fd = -1;
         ml_error(L, fn, "cannot bind '%s': %s", path, strerror(e));
     }
+    if (chmod(path, 0600) != 0) {
+        int e = errno;
+        attach_release(a);
+        ml_error(L, fn, "cannot chmod 0600 '%s': %s", path, strerror(e));
+    }
     if (listen(fd, ML_ATTACH_CLIENTS) != 0) {
         int e = errno;
         attach_release(a);
         ml_error(L, fn, "listen '%s': %s", path, strerror(e));
     }
     return 1;
+}
+
+static int free_slot(const ml_attach *a)
+{
+    for (int i = 0; i < ML_ATTACH_CLIENTS; i++)
+        if (a->client[i].fd < 0)
+            return i;
+    return -1;
+}
+
+/* Tell a peer of another uid why it is refused. It is kept (input
+ * discarded) so that the message is there whenever it reads: closed at once,
+ * its next send would fail before it saw why. */
+static void refuse_peer(ml_attach *a, int fd, long peer_uid)
+{
+    char msg[200];
+    int n = snprintf(msg, sizeof msg, "error: refused: this job runs as uid %ld and the peer is uid "
+                     "%ld (SO_PEERCRED); attach as the job's user\n", (long)geteuid(), peer_uid);
+    int slot = free_slot(a);
+    if (write_all(fd, msg, (size_t)n + 1) != 0 || slot < 0) {  /* with its NUL */
+        close(fd);
+        return;
+    }
+    shutdown(fd, SHUT_WR);
+    ml_attach_client *c = &a->client[slot];
+    c->fd = fd;
+    c->id = 0;  /* never a request's client */
+    c->len = 0;
+    c->state = ML_ATTACH_REFUSED;
+    c->until = now_s() + ML_ATTACH_REFUSED_S;
 }
 
 static void accept_pending(ml_attach *a)
@@ -183,18 +239,15 @@ static void accept_pending(ml_attach *a)
             return;  /* EAGAIN: none pending; anything else: try next poll */
         struct ucred cred;
         socklen_t len = sizeof cred;
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != geteuid()) {
-            static const char refuse[] = "error: refused: another user\n";
-            write_all(fd, refuse, sizeof refuse);  /* with its NUL */
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
             close(fd);
             continue;
         }
-        int slot = -1;
-        for (int i = 0; i < ML_ATTACH_CLIENTS; i++)
-            if (a->client[i].fd < 0) {
-                slot = i;
-                break;
-            }
+        if (cred.uid != geteuid()) {
+            refuse_peer(a, fd, (long)cred.uid);
+            continue;
+        }
+        int slot = free_slot(a);
         if (slot < 0) {
             static const char full[] = "error: too many clients attached\n";
             write_all(fd, full, sizeof full);
@@ -203,6 +256,7 @@ static void accept_pending(ml_attach *a)
         }
         a->client[slot].fd = fd;
         a->client[slot].len = 0;
+        a->client[slot].state = ML_ATTACH_OPEN;
         a->client[slot].id = a->next_id++;
     }
 }
@@ -226,6 +280,53 @@ static void take_lines(lua_State *L, ml_attach_client *c, lua_Integer *n)
     c->len -= start;
 }
 
+/* Drop the start of c's buffer up to and including its first newline;
+ * 1 when there was one (the over-long line ended). */
+static int skip_to_newline(ml_attach_client *c)
+{
+    char *nl = memchr(c->buf, '\n', c->len);
+    if (!nl) {
+        c->len = 0;
+        return 0;
+    }
+    size_t rest = c->len - (size_t)(nl + 1 - c->buf);
+    memmove(c->buf, nl + 1, rest);
+    c->len = rest;
+    return 1;
+}
+
+/* Read what c sent without blocking, pushing its complete lines into the
+ * table at -1; 0, or -1 when the client is gone. */
+static int read_client(lua_State *L, ml_attach_client *c, lua_Integer *n)
+{
+    for (;;) {
+        if (c->len == sizeof c->buf && c->state == ML_ATTACH_OPEN) {
+            static const char big[] = "error: request over 8192 bytes: refused, not run "
+                                      "(one line at most 8192 bytes with its newline)\n";
+            if (write_all(c->fd, big, sizeof big) != 0)  /* with its NUL */
+                return -1;
+            c->state = ML_ATTACH_SKIP;
+        }
+        if (c->state == ML_ATTACH_SKIP && skip_to_newline(c)) {
+            c->state = ML_ATTACH_OPEN;
+            take_lines(L, c, n);
+            continue;
+        }
+        ssize_t r = recv(c->fd, c->buf + c->len, sizeof c->buf - c->len, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK))
+            return -1;
+        if (r < 0)
+            return 0;
+        c->len += (size_t)r;
+        if (c->state == ML_ATTACH_REFUSED)
+            c->len = 0;
+        else if (c->state == ML_ATTACH_OPEN)
+            take_lines(L, c, n);
+    }
+}
+
 static int l_attach_poll(lua_State *L)
 {
     static const char fn[] = "moelua.attach.poll";
@@ -246,32 +347,14 @@ static int l_attach_poll(lua_State *L)
     accept_pending(a);
     lua_Integer n = 0;
     int connected = 0;
+    double t = now_s();
     for (int i = 0; i < ML_ATTACH_CLIENTS; i++) {
         ml_attach_client *c = &a->client[i];
         if (c->fd < 0)
             continue;
-        int gone = 0;
-        for (;;) {
-            if (c->len == sizeof c->buf) {
-                static const char big[] = "error: request over 8192 bytes\n";
-                write_all(c->fd, big, sizeof big);
-                gone = 1;
-                break;
-            }
-            ssize_t r = recv(c->fd, c->buf + c->len, sizeof c->buf - c->len, 0);
-            if (r > 0) {
-                c->len += (size_t)r;
-                take_lines(L, c, &n);
-                continue;
-            }
-            if (r < 0 && errno == EINTR)
-                continue;
-            gone = r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK);
-            break;
-        }
-        if (gone)
+        if (read_client(L, c, &n) != 0 || (c->state == ML_ATTACH_REFUSED && t >= c->until))
             client_close(c);
-        else
+        else if (c->state != ML_ATTACH_REFUSED)
             connected++;
     }
     lua_pushinteger(L, connected);
@@ -289,7 +372,7 @@ static int l_attach_reply(lua_State *L)
         ml_error(L, fn, "argument #3 (text): contains a NUL byte");
     for (int i = 0; i < ML_ATTACH_CLIENTS; i++) {
         ml_attach_client *c = &a->client[i];
-        if (c->fd < 0 || c->id != id)
+        if (c->fd < 0 || c->id != id || c->state == ML_ATTACH_REFUSED)
             continue;
         int ok = write_all(c->fd, text, len) == 0 &&
                  (len == 0 || text[len - 1] == '\n' || write_all(c->fd, "\n", 1) == 0) &&

@@ -336,21 +336,28 @@ void ml_repl(lua_State *L)
 
 /* ---- moelua attach RUN_DIR ------------------------------------------------ */
 
-/* Print the reply up to its NUL; 0, or -1 when the job closed the socket. */
+/* Print the reply up to its NUL; 0, 1 when the job refused this client
+ * (another uid: the job closes the connection next), or -1 when the job
+ * closed the socket. */
 static int print_reply(int fd)
 {
+    static const char refused[] = "error: refused";
     char buf[4096];
+    int first = 1, was_refused = 0;
     for (;;) {
         ssize_t r = recv(fd, buf, sizeof buf, 0);
         if (r < 0 && errno == EINTR)
             continue;
         if (r <= 0)
             return -1;
+        if (first)
+            was_refused = (size_t)r >= sizeof refused - 1 && !memcmp(buf, refused, sizeof refused - 1);
+        first = 0;
         char *end = memchr(buf, '\0', (size_t)r);
         fwrite(buf, 1, end ? (size_t)(end - buf) : (size_t)r, stdout);
         fflush(stdout);
         if (end)
-            return 0;
+            return was_refused;
     }
 }
 
@@ -412,8 +419,10 @@ int ml_attach_repl(const char *run_dir)
         line[len] = '\n';  /* getline/readline leave room: the NUL's byte */
         ssize_t w = send(fd, line, len + 1, MSG_NOSIGNAL);
         free(line);
-        if (w != (ssize_t)(len + 1) || print_reply(fd) != 0) {
-            fprintf(stderr, "moelua attach: the job closed the connection\n");
+        int r = w == (ssize_t)(len + 1) ? print_reply(fd) : -1;
+        if (r != 0) {
+            if (r < 0)
+                fprintf(stderr, "moelua attach: the job closed the connection\n");
             status = 1;
             break;
         }

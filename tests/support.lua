@@ -191,4 +191,82 @@ function support.interrupt_child(script, delay)
   return code, out
 end
 
+-- ---- a child on a pseudo-terminal ------------------------------------------
+
+-- Runs the shell command `command` on a pty (util-linux `script`, under
+-- `timeout -k 2 60`), with keystrokes from a FIFO and the screen copied into
+-- a typescript file that the session polls with a deadline. `base` is a
+-- path prefix for its three files (.in, .ts, .status); `env` a string of
+-- VAR=value words put before the command (already quoted).
+--   s = support.pty(dir .. "/s1", support.shell_quote(host) .. " attach run")
+--   s:expect("attach> ", true)    -- waits, consumes up to the match, returns it
+--   s:line("1 + 1", "attach> ")   -- types a line, returns the output up to the next prompt
+--   local status, screen = s:finish()   -- Ctrl-D, then the exit status
+local Pty = {}
+Pty.__index = Pty
+
+function support.pty(base, command, env, timeout)
+  local q = support.shell_quote
+  local s = setmetatable({fifo = base .. ".in", ts = base .. ".ts", st = base .. ".status", pos = 0,
+                          timeout = timeout or 20}, Pty)
+  assert(os.execute("mkfifo " .. q(s.fifo)))
+  local cmd = string.format(
+    "(%s TERM=dumb INPUTRC=/dev/null timeout -k 2 60 script -qfec %s %s <%s >/dev/null 2>&1;" ..
+    " echo $? >%s) >/dev/null 2>&1 &",
+    env or "", q("exec " .. command), q(s.ts), q(s.fifo), q(s.st))
+  assert(os.execute(cmd))
+  s.keys = assert(io.open(s.fifo, "r+"))  -- read-write: never blocks, never EOF early
+  s.keys:setvbuf("no")
+  return s
+end
+
+function Pty:send(keys) self.keys:write(keys) end
+
+-- Waits until `pattern` (a Lua pattern, or plain text when `plain`) appears
+-- in the screen after what earlier expects consumed; consumes up to the end
+-- of the match and returns the text consumed.
+function Pty:expect(pattern, plain)
+  local system = require "system"
+  local deadline = system.gettime() + self.timeout
+  while true do
+    local out = support.read_file(self.ts) or ""
+    local a, b = out:find(pattern, self.pos + 1, plain)
+    if a then
+      local seen = out:sub(self.pos + 1, b)
+      self.pos = b
+      return seen
+    end
+    if system.gettime() > deadline then
+      error(string.format("no %q within %d s; the screen after the last match:\n%s",
+                          pattern, self.timeout, out:sub(self.pos + 1)), 2)
+    end
+    system.sleep(0.01)
+  end
+end
+
+-- Types a line and waits for `prompt` (plain text) after its output;
+-- returns the output, the echoed line included.
+function Pty:line(text, prompt)
+  self:send(text .. "\n")
+  return self:expect(prompt, true)
+end
+
+-- Ctrl-D, then the exit status of the command and the whole screen.
+function Pty:finish()
+  local system = require "system"
+  self:send("\4")
+  local deadline = system.gettime() + self.timeout
+  local status
+  repeat
+    status = support.read_file(self.st)
+    if not status or status == "" then
+      status = nil
+      system.sleep(0.01)
+    end
+  until status or system.gettime() > deadline
+  self.keys:close()
+  assert(status, "the command on the pty did not exit after Ctrl-D")
+  return tonumber(status), support.read_file(self.ts)
+end
+
 return support

@@ -1,26 +1,43 @@
 -- moelua.remote: the job's side of `moelua attach RUN_DIR`. It answers the
 -- lines clients send to the socket of moelua.attach (host/l_attach.c), on
--- the training thread, at the start of a step (from the step hook, so the
--- state it sees is consistent).
+-- the training thread, at the trainer's safe points.
 --
 --   local remote = require "moelua.remote"
 --   local srv = remote.listen(run_dir, {steps = N})
---   train.run{..., attach = srv}  -- the trainer polls it at the start of each
---                                 -- step and applies its overrides after the hook
+--   train.run{..., attach = srv}   -- the trainer calls the safe points below
 --
 -- Each line is Lua source run in its own environment: `stats` (the last
 -- step's metrics, the last step line of metrics.jsonl), `ledger`
--- (moelua.mem.stats()), `progress` ({step =, steps =, paused =}), and the
--- controls set{temperature =, aux_weight =, lr_scale =} (kept for every
--- next step), checkpoint() (saved after the current step), pause() /
--- resume(). The chunk runs in a coroutine under an
--- instruction limit (debug.sethook count, 1e6 by default), so an endless
--- loop ends with an error reply; every error is replied, none reaches the
--- training loop. A pause holds the job at the step's start while it answers
--- requests; it ends with resume() or when no client is left attached.
+-- (moelua.mem.stats()), `progress` ({step =, steps =, paused =, phase =,
+-- layer =, micro =, micros =}: where the job stands), `overrides` and
+-- `staged` (copies), and the controls set{temperature =, aux_weight =,
+-- lr_scale =}, checkpoint(), pause() / resume(). The chunk runs in a
+-- coroutine under an instruction limit (debug.sethook count, 1e6 by
+-- default), so an endless loop ends with an error reply; every error is
+-- replied, none reaches the training loop (only Ctrl-C's "interrupted"
+-- passes through, to stop the job as it would anyway).
 --
--- Not here: checkpoint requests and polls between micro-batches (they need
--- the trainer's loop, lua/moelua/train.lua).
+-- Safe points, and what a request does at each:
+--   srv:poll(step)               the start of step `step`, before its hook
+--                                (phase "start")
+--   srv:safe_point(phase, layer) inside the step: after each block's forward
+--                                or backward (phase "forward"/"backward",
+--                                from model.safe_point, which the trainer
+--                                sets to srv.on_layer during its step) and
+--                                after each micro-batch (phase "micro-batch")
+--   srv:position(micro, micros)  the micro-batch now running (no I/O)
+-- Read-only queries (stats, ledger, progress, overrides) are answered at
+-- every safe point. set{...} at the start of step N applies from step N;
+-- inside step N it is staged and applies from step N + 1 (the reply says
+-- which step), so a step never mixes two temperatures, aux weights or
+-- learning rates across its layers or micro-batches. Overrides are kept for
+-- every later step and win over the recipe's hook. checkpoint() saves after
+-- the current step (the trainer's loop, lua/moelua/train.lua). pause() blocks
+-- the job at the safe point where it was answered, still answering requests
+-- (50 ms polls), until resume() or until no client is left attached.
+--
+-- Not here: the socket (host/l_attach.c) and the loop that calls the safe
+-- points and saves the checkpoint (lua/moelua/train.lua).
 local attach = require "moelua.attach"
 local mem = require "moelua.mem"
 local fs = require "moelua.fs"
@@ -62,10 +79,13 @@ end
 function remote.listen(run_dir, opts)
   opts = opts or {}
   fs.mkdir_p(run_dir)
-  return setmetatable({
+  local srv = setmetatable({
     handle = attach.listen(run_dir), metrics_path = run_dir .. "/metrics.jsonl",
-    steps = opts.steps, limit = opts.instructions or 1e6, overrides = {}, paused = false, step = nil,
+    steps = opts.steps, limit = opts.instructions or 1e6, overrides = {}, staged = {}, paused = false,
+    step = nil, phase = "start", layer = nil, micro = nil, micros = nil,
   }, Server)
+  srv.on_layer = function(phase, layer) srv:safe_point(phase, layer) end   -- the model's safe_point
+  return srv
 end
 
 -- The environment of one request; output of print goes into the reply.
@@ -73,13 +93,15 @@ function Server:env(out)
   local srv = self
   local env = {
     stats = last_metrics(self.metrics_path), ledger = mem.stats(),
-    progress = {step = self.step, steps = self.steps, paused = self.paused},
-    overrides = {},   -- a copy: changes go through set{...}
+    progress = {step = self.step, steps = self.steps, paused = self.paused, phase = self.phase,
+                layer = self.layer, micro = self.micro, micros = self.micros},
+    overrides = {}, staged = {},   -- copies: changes go through set{...}
     math = math, string = string, table = table, pairs = pairs, ipairs = ipairs, next = next,
     tostring = tostring, tonumber = tonumber, type = type, select = select, pcall = pcall,
     error = error, assert = assert,
   }
   for k, v in pairs(self.overrides) do env.overrides[k] = v end
+  for k, v in pairs(self.staged) do env.staged[k] = v end
   function env.print(...)
     local parts = {}
     for i = 1, select("#", ...) do parts[i] = show((select(i, ...))) end
@@ -94,16 +116,36 @@ function Server:env(out)
         error("set: " .. k .. " must be a finite number > 0 (aux_weight >= 0), got " .. tostring(v), 2)
       end
     end
-    for k, v in pairs(t) do srv.overrides[k] = v end
-    return "applied from step " .. tostring(srv.step)
+    if srv.phase == "start" then   -- this step's settings are not taken yet
+      for k, v in pairs(t) do srv.overrides[k] = v end
+      return "applied from step " .. tostring(srv.step)
+    end
+    for k, v in pairs(t) do srv.staged[k] = v end   -- mid-step: the next step takes them
+    return "applied from step " .. tostring(srv.step and srv.step + 1)
   end
   function env.checkpoint()
     srv.want_checkpoint = true
     return "a checkpoint will be saved after step " .. tostring(srv.step)
   end
-  function env.pause() srv.paused = true; return "paused at step " .. tostring(srv.step) end
+  function env.pause()
+    srv.paused = true
+    if srv.phase == "start" then return "paused at step " .. tostring(srv.step) end
+    return ("paused at step %s (%s)"):format(tostring(srv.step), srv:where())
+  end
   function env.resume() srv.paused = false; return "resumed" end
   return env
+end
+
+-- Where inside the step the job stands: "after the forward of layer 2,
+-- micro-batch 1 of 2".
+function Server:where()
+  if self.phase == "start" then return "at its start" end
+  local s = self.phase == "micro-batch" and "after micro-batch " .. tostring(self.micro)
+            or ("after the %s of layer %s"):format(self.phase, tostring(self.layer))
+  if self.micros and self.micros > 1 and self.phase ~= "micro-batch" then
+    s = s .. ", micro-batch " .. tostring(self.micro)
+  end
+  return self.micros and self.micros > 1 and s .. " of " .. self.micros or s
 end
 
 -- Run one line; returns the reply text. Never raises.
@@ -127,20 +169,42 @@ function Server:run(code)
   return text
 end
 
+local function pass_interrupt(err)
+  if tostring(err):find("interrupted", 1, true) then error(err, 0) end
+end
+
 -- Answer every pending request; while paused, keep answering until resumed.
-function Server:poll(step)
-  self.step = step
+function Server:answer()
   local timeout = 0
   repeat
     local ok, reqs, n = pcall(attach.poll, self.handle, timeout)
-    if not ok then return end
+    if not ok then pass_interrupt(reqs); return end
     for _, r in ipairs(reqs) do
       local okr, text = pcall(self.run, self, r.code)
+      if not okr then pass_interrupt(text) end
       pcall(attach.reply, self.handle, r.client, okr and text or ("error: " .. tostring(text)))
     end
     if n == 0 then self.paused = false end
     timeout = 50
   until not self.paused
+end
+
+-- The start of a step: overrides staged during the last step take effect.
+function Server:poll(step)
+  if next(self.staged) then
+    for k, v in pairs(self.staged) do self.overrides[k] = v end
+    self.staged = {}
+  end
+  self.step, self.phase, self.layer, self.micro = step, "start", nil, nil
+  self:answer()
+end
+
+function Server:position(micro, micros) self.micro, self.micros = micro, micros end
+
+-- Inside the step: after a block's forward or backward, or a micro-batch.
+function Server:safe_point(phase, layer)
+  self.phase, self.layer = phase, layer
+  self:answer()
 end
 
 function Server:close() attach.close(self.handle) end

@@ -1,19 +1,92 @@
--- `moelua attach RUN_DIR` against a real tiny training started with
--- --attach: the client (fed from a pipe) pauses the job, reads stats,
--- changes the temperature (seen in metrics.jsonl for the later steps), has
--- an endless loop cut off with an error reply, detaches; the job finishes.
--- Also: the socket directory's mode, bad arguments of moelua.attach, the
--- sun_path limit, and a client with no job.
+-- `moelua attach RUN_DIR` and its job side (host/l_attach.c, moelua.remote):
+--   - on a pseudo-terminal, against a tiny training started with --attach:
+--     pause, read stats, change the temperature (seen in metrics.jsonl and
+--     in stats), resume, detach; the job finishes with exit 0;
+--   - through a pipe: an endless loop cut off, a bad set{}, a request over
+--     8192 bytes refused while training goes on, checkpoint() after the step;
+--   - in process: a request that arrives mid-step is answered at the next
+--     layer, before the step ends; set{} inside a step waits for the next;
+--     the order of the safe points in a step;
+--   - permissions: the 0700 directory and the 0600 socket stop a peer of
+--     another uid, and SO_PEERCRED refuses it when both are loosened;
+--   - bad arguments, the sun_path limit, a client with no job.
+-- The jobs run with one thread: a loaded machine slows them less.
 local attach = require "moelua.attach"
+local remote = require "moelua.remote"
+local m = require "moelua"
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local data = require "moelua.data"
+local train = require "moelua.train"
 local json = require "dkjson"
 local system = require "system"
 local support = require "tests.support"
 
-local function mode_of(path)
-  local p = assert(io.popen("stat -c %a " .. support.shell_quote(path)))
-  local m = p:read("l")
+local q = support.shell_quote
+local TIMEOUT = 20   -- seconds for anything awaited
+
+local function shell_out(cmd)
+  local p = assert(io.popen(cmd))
+  local s = p:read("l")
   p:close()
-  return m
+  return s
+end
+
+local function mode_of(path) return shell_out("stat -c %a " .. q(path) .. " 2>/dev/null") end
+
+-- Waits until f() returns a true value and returns it; fails naming `what`.
+local function wait_for(what, f)
+  local deadline = system.gettime() + TIMEOUT
+  while true do
+    local v = f()
+    if v then return v end
+    assert(system.gettime() < deadline, "timed out waiting for " .. what)
+    system.sleep(0.01)
+  end
+end
+
+-- The step lines of RUN_DIR/metrics.jsonl by step, their count, and the
+-- step of the checkpoint asked for from attach (nil: none).
+local function metrics(run)
+  local steps, n, asked = {}, 0, nil
+  local f = io.open(run .. "/metrics.jsonl")
+  if not f then return steps, 0 end
+  for l in f:lines() do
+    local ok, obj = pcall(json.decode, l)
+    if ok and type(obj) == "table" then   -- a line being written may be cut
+      if obj.step and not obj.event then
+        steps[obj.step] = obj
+        n = n + 1
+      elseif obj.event == "checkpoint" and obj.reason == "attach" then
+        asked = obj.step
+      end
+    end
+  end
+  f:close()
+  return steps, n, asked
+end
+
+-- A tiny training with --attach in the background; returns its popen
+-- handle once the socket is there and one step is logged (so `stats` exists).
+local function start_job(run, steps)
+  local job = assert(io.popen(support.host_command({"recipes/tiny.lua", "--steps", tostring(steps),
+      "--seq-len", "64", "--threads", "1", "--run-dir", run, "--ckpt-every", "0", "--attach"}) .. " 2>&1"))
+  wait_for("the job's socket", function() return mode_of(run .. "/attach/sock") end)
+  wait_for("the job's first step", function() return select(2, metrics(run)) > 0 end)
+  return job
+end
+
+-- Every step s of a finished run has temperature 1.0 before `from`, t after.
+local function assert_temperatures(run, steps, from, t)
+  local by_step, n = metrics(run)
+  assert.are.equal(steps, n)
+  for s = 0, steps - 1 do assert.are.equal(s < from and 1.0 or t, by_step[s].temperature, "step " .. s) end
+end
+
+local function lines_of(s)
+  local out = {}
+  for l in s:gmatch("[^\n]+") do out[#out + 1] = l end
+  return out
 end
 
 describe("moelua attach", function()
@@ -21,62 +94,142 @@ describe("moelua attach", function()
   before_each(function() dir = support.make_tmpdir() end)
   after_each(function() support.remove_dir(dir) end)
 
-  it("reads stats, changes the temperature, survives an endless loop, and the job finishes", function()
-    local run = dir .. "/run"
-    local job = assert(io.popen(support.host_command({"recipes/tiny.lua", "--steps", "400", "--seq-len", "64",
-                                                      "--run-dir", run, "--ckpt-every", "0", "--attach"}) ..
-                                " 2>&1"))
-    for _ = 1, 200 do
-      if mode_of(run .. "/attach/sock") then break end
-      system.sleep(0.02)
-    end
-    assert.are.equal("700", mode_of(run .. "/attach"))
-    local lines = table.concat({
-      "pause()", "progress.step", "stats.loss", "set{temperature = 0.5}", "while true do end",
-      "progress.paused", "set{temperature = -1}", "checkpoint()", "resume()", ""}, "\n")
-    local input = dir .. "/input"
-    support.write_file(input, lines)
-    local code, out = support.finish_child(assert(io.popen(
-      support.host_command({"attach", run}) .. " < " .. support.shell_quote(input) .. " 2>&1")))
+  it("on a terminal: reads stats, changes the temperature (seen in metrics.jsonl), detaches; the job finishes",
+     function()
+    local run, steps = dir .. "/run", 150
+    local job = start_job(run, steps)
+    local s = support.pty(dir .. "/pty", q(support.host_path()) .. " attach " .. q(run))
+    s:expect("attached to " .. run .. " (Ctrl-D detaches; the job keeps running)", true)
+    s:expect("attach> ", true)
+    local at = tonumber(s:line("pause()", "attach> "):match("\npaused at step (%d+)"))
+    assert.is_not_nil(at, "no pause reply")
+    local seen = s:line("stats.step, stats.loss, progress.step", "attach> ")
+    local last, loss, now = seen:match("\n(%d+)\r\n([%d.]+)\r\n(%d+)\r\n")
+    assert.is_not_nil(last, seen)
+    assert.is_true(tonumber(last) < at, seen)              -- stats: the last finished step
+    assert.is_true(tonumber(loss) > 0, seen)
+    assert.are.equal(at, tonumber(now))
+    local from = tonumber(s:line("set{temperature = 0.5}", "attach> "):match("\napplied from step (%d+)"))
+    assert.is_true(from == at or from == at + 1, "applied from " .. tostring(from) .. ", paused at " .. at)
+    assert.matches("\nresumed\r\n", s:line("resume()", "attach> "))
+    -- still attached: the job logs the new temperature, and stats shows it
+    wait_for("step " .. from .. " in metrics.jsonl", function() return metrics(run)[from] end)
+    assert.are.equal(0.5, metrics(run)[from].temperature)
+    assert.matches("\n0%.5\r\n", s:line("stats.temperature", "attach> "))
+    local status, screen = s:finish()
+    assert.are.equal(0, status, screen)
+    assert.is_nil(screen:find("error", 1, true), screen)
+    local code, out = support.finish_child(job)
     assert.are.equal(0, code, out)
-    local replies = {}
-    for l in out:gmatch("[^\n]+") do replies[#replies + 1] = l end
-    local at = tonumber(replies[1]:match("^paused at step (%d+)$"))
+    assert_temperatures(run, steps, from, 0.5)
+    assert.is_nil(mode_of(run .. "/attach/sock"))          -- removed at the end
+  end)
+
+  it("through a pipe: cuts off an endless loop, refuses a request over 8192 bytes, checkpoints after the step",
+     function()
+    local run, steps = dir .. "/run", 150
+    local job = start_job(run, steps)
+    local big = "x = '" .. string.rep("a", 9000) .. "'"
+    local input = dir .. "/input"
+    support.write_file(input, table.concat({
+      "pause()", "progress.step", "stats.loss", "set{temperature = 0.5}", "while true do end",
+      "progress.paused", "set{temperature = -1}", big, "progress.paused", "checkpoint()", "resume()", ""}, "\n"))
+    local code, out = support.finish_child(assert(io.popen(
+      support.host_command({"attach", run}) .. " < " .. q(input) .. " 2>&1")))
+    assert.are.equal(0, code, out)
+    local replies = lines_of(out)
+    assert.are.equal(11, #replies, out)
+    local at, inside = replies[1]:match("^paused at step (%d+)(.*)$")
+    at = tonumber(at)
     assert.is_not_nil(at, out)
     assert.are.equal(at, tonumber(replies[2]), out)
-    assert.is_not_nil(tonumber(replies[3]), out)               -- stats: the last step's loss
-    assert.are.equal("applied from step " .. at, replies[4])
-    support.has(replies[5], "error: attach:1: instruction limit exceeded")
-    assert.are.equal("true", replies[6])                        -- the job answered after the loop
+    assert.is_true(tonumber(replies[3]) > 0, out)             -- stats: the last step's loss
+    -- paused inside the step ("... (after the forward of layer 1)"): from the next step
+    local from = inside == "" and at or at + 1
+    assert.are.equal("applied from step " .. from, replies[4])
+    support.has(replies[5], "error: attach:1: instruction limit exceeded (1000000 instructions)")
+    assert.are.equal("true", replies[6])                      -- the job answered after the loop
     support.has(replies[7], "set: temperature must be a finite number > 0")
-    assert.are.equal("a checkpoint will be saved after step " .. at, replies[8])
-    assert.are.equal("resumed", replies[9])
+    assert.are.equal("error: request over 8192 bytes: refused, not run " ..
+                     "(one line at most 8192 bytes with its newline)", replies[8])
+    assert.are.equal("true", replies[9])                      -- the same client, still served
+    assert.are.equal("a checkpoint will be saved after step " .. at, replies[10])
+    assert.are.equal("resumed", replies[11])
 
     local jcode, jout = support.finish_child(job)
     assert.are.equal(0, jcode, jout)
-    assert.truthy(jout:find("checkpoint: " .. run, 1, true), jout)
-    local temps, n, asked = {}, 0, nil
-    for l in io.lines(run .. "/metrics.jsonl") do
-      local m = json.decode(l)
-      if m.step and not m.event then
-        temps[m.step] = m.temperature
-        n = n + 1
-      elseif m.event == "checkpoint" and m.reason == "attach" then
-        asked = m.step
-      end
-    end
-    assert.are.equal(at, asked, "the requested checkpoint was saved after the paused step")
-    assert.are.equal(400, n)
-    for s = 0, 399 do assert.are.equal(s < at and 1.0 or 0.5, temps[s], "step " .. s) end
-    assert.is_nil(mode_of(run .. "/attach/sock"))               -- removed at the end
+    assert.are.equal(at, select(3, metrics(run)), "the requested checkpoint: after the paused step")
+    assert_temperatures(run, steps, from, 0.5)
   end)
 
-  it("checks its arguments and the socket path limit", function()
+  it("answers a request that arrives mid-step at the next layer; set{} inside a step waits for the next",
+     function()
+    m.manual_seed(0)
+    local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24,
+                                     experts = 4, topk = 2, seed = 0, checkpoint = "moe"}
+    local ds = data.open{glob = "/usr/include/std*.h", seq_len = 32, seed = 0, holdout = 0.01}
+    local groups = model:param_groups{weight_decay = 0.1}
+    local run = dir .. "/run"
+    local srv = remote.listen(run, {steps = 4})
+    local order, plain = {}, srv.safe_point
+    function srv:safe_point(phase, layer)               -- the safe points of step 0, in order
+      if self.step == 0 then order[#order + 1] = phase .. (layer or "") end
+      return plain(self, phase, layer)
+    end
+    local out = dir .. "/client.out"
+    local client = assert(io.popen(support.host_command({"attach", run}) .. " > " .. q(out) .. " 2>&1", "w"))
+    client:setvbuf("no")
+    -- the hook runs at a step's start, after that safe point: what it sends
+    -- arrives mid-step (the client relays it within the 0.3 s it waits)
+    local function hook(step)
+      if step == 1 then
+        client:write("progress\n")
+        system.sleep(0.3)
+      elseif step == 2 then
+        client:write("pause()\nprogress.phase, progress.layer, progress.paused\nset{temperature = 0.5}\n" ..
+                     "staged.temperature, overrides.temperature\nresume()\n")
+        system.sleep(0.3)
+      end
+    end
+    train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3}), groups = groups,
+              seq_len = 32, steps = 4, accum = 2, hook = hook, run_dir = run, attach = srv}
+    client:close()
+    srv:close()
+    assert.are.same({"forward1", "forward2", "backward2", "backward1", "micro-batch",
+                     "forward1", "forward2", "backward2", "backward1", "micro-batch"}, order)
+    assert.is_nil(model.safe_point)                          -- removed after the step
+    local replies = lines_of(assert(support.read_file(out)))
+    assert.are.equal(9, #replies, table.concat(replies, "\n"))
+    -- answered at a safe point inside step 1 (its first layer, unless the
+    -- client took over 0.3 s to relay the line): the reply says where
+    local p = json.decode(replies[1])
+    assert.are.same({1, 4, false, 2}, {p.step, p.steps, p.paused, p.micros})
+    assert.is_true(p.phase == "forward" or p.phase == "backward" or p.phase == "micro-batch", replies[1])
+    -- paused inside step 2, where the reply and progress say
+    local phase, layer = replies[2]:match("^paused at step 2 %(after the (%a+) of layer (%d), micro%-batch %d of 2%)$")
+    if not phase then
+      assert.matches("^paused at step 2 %(after micro%-batch %d of 2%)$", replies[2])
+      phase, layer = "micro-batch", "nil"
+    end
+    assert.are.same({phase, layer, "true"}, {replies[3], replies[4], replies[5]})
+    assert.are.equal("applied from step 3", replies[6])
+    assert.are.same({"0.5", "nil"}, {replies[7], replies[8]})  -- staged, not yet in force
+    assert.are.equal("resumed", replies[9])
+    local by_step = metrics(run)
+    assert.are.same({1.0, 1.0, 1.0, 0.5}, {by_step[0].temperature, by_step[1].temperature,
+                                           by_step[2].temperature, by_step[3].temperature})
+  end)
+
+  it("keeps its socket 0600 in a 0700 directory of the job's user; checks its arguments", function()
     support.has(support.errmsg(attach.listen, true), "string expected")
     support.has(support.errmsg(attach.listen, dir .. "/" .. string.rep("x", 120)),
                 "over the 107-byte limit of a Unix socket address")
     local h = attach.listen(dir)
     assert.are.equal("700", mode_of(dir .. "/attach"))
+    assert.are.equal("600", mode_of(dir .. "/attach/sock"))
+    local uid = shell_out("id -u")
+    assert.are.equal(uid, shell_out("stat -c %u " .. q(dir .. "/attach")))
+    assert.are.equal(uid, shell_out("stat -c %u " .. q(dir .. "/attach/sock")))
     local reqs, n = h:poll()
     assert.are.same({}, reqs)
     assert.are.equal(0, n)
@@ -87,6 +240,66 @@ describe("moelua attach", function()
     h:close()
     h:close()                                                   -- idempotent
     support.has(support.errmsg(h.poll, h), "the attach handle is closed")
+    assert.is_nil(mode_of(dir .. "/attach/sock"))
+  end)
+
+  it("refuses a peer of another uid: the 0700 directory stops it, and SO_PEERCRED once loosened", function()
+    if shell_out("id -u") ~= "0" then
+      pending("running a client as another user needs root")
+      return
+    end
+    local runas = os.execute("command -v setpriv >/dev/null") and "setpriv --reuid=nobody --regid=nogroup --clear-groups "
+                  or "runuser -u nobody -- "
+    assert(os.execute("chmod 755 " .. q(dir)))                 -- nobody may reach dir/attach
+    local h = attach.listen(dir)
+    local sock = dir .. "/attach/sock"
+    local function as_nobody()
+      return support.finish_child(assert(io.popen(runas .. support.host_command({"attach", dir}) ..
+                                                  " </dev/null 2>&1")))
+    end
+    local code, out = as_nobody()
+    assert.are.equal(1, code, out)
+    support.has(out, "cannot connect to " .. sock .. ": Permission denied")
+    assert(os.execute("chmod 711 " .. q(dir .. "/attach")))   -- the directory loosened: the socket's 0600
+    code, out = as_nobody()
+    assert.are.equal(1, code, out)
+    support.has(out, "cannot connect to " .. sock .. ": Permission denied")
+    assert(os.execute("chmod 666 " .. q(sock)))               -- both loosened: SO_PEERCRED decides
+
+    -- a client in the background, sending one request; the spec serves the socket meanwhile
+    local function session(prefix, name, serve)
+      local o, st = dir .. "/" .. name .. ".out", dir .. "/" .. name .. ".status"
+      assert(os.execute(string.format("(printf 'progress\\n' | %s%s >%s 2>&1; echo $? >%s) &", prefix,
+                                      support.host_command({"attach", dir}), q(o), q(st))))
+      wait_for(name .. "'s exit", function()
+        local reqs, nclients = h:poll(20)
+        serve(reqs, nclients)
+        local s = support.read_file(st)
+        return s and s ~= ""
+      end)
+      return support.read_file(o), support.read_file(st)
+    end
+    local status
+    out, status = session(runas, "nobody", function(reqs, nclients)
+      assert.are.same({}, reqs)                                 -- never a request
+      assert.are.equal(0, nclients)                             -- never a client
+    end)
+    assert.are.equal("error: refused: this job runs as uid 0 and the peer is uid 65534 (SO_PEERCRED); " ..
+                     "attach as the job's user\n", out)
+    assert.are.equal("1\n", status)                            -- the client exits 1
+    -- the job's own uid on the same socket is served
+    local served = 0
+    out, status = session("", "root", function(reqs)
+      for _, r in ipairs(reqs) do
+        assert.are.equal("progress", r.code)
+        assert.is_true(h:reply(r.client, "served"))
+        served = served + 1
+      end
+    end)
+    assert.are.equal(1, served)
+    assert.are.equal("served\n", out)
+    assert.are.equal("0\n", status)
+    h:close()
   end)
 
   it("says so when no job listens", function()

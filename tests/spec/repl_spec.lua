@@ -9,81 +9,22 @@ local system = require "system"
 local support = require "tests.support"
 
 local HOST = support.host_path()
-local TIMEOUT = 20  -- seconds for any one expected output
 local q, slurp = support.shell_quote, support.read_file
 
 local tmpdir, home
 local nsessions = 0
 
-local Session = {}
-Session.__index = Session
-
+-- A REPL on a pty (support.pty): s:send(keys), s:expect(pattern [, plain]),
+-- s:prompt(), s:line(text) -> its output up to the next prompt, s:finish().
 local function start()
     nsessions = nsessions + 1
-    local base = string.format("%s/s%d", tmpdir, nsessions)
-    local s = setmetatable({fifo = base .. ".in", ts = base .. ".ts", st = base .. ".status", pos = 0},
-                           Session)
-    assert(os.execute("mkfifo " .. q(s.fifo)))
-    local cmd = string.format(
-        "(HOME=%s TERM=dumb INPUTRC=/dev/null timeout -k 2 60 script -qfec %s %s <%s >/dev/null 2>&1;" ..
-        " echo $? >%s) >/dev/null 2>&1 &",
-        q(home), q("exec " .. q(HOST) .. " -i"), q(s.ts), q(s.fifo), q(s.st))
-    assert(os.execute(cmd))
-    s.keys = assert(io.open(s.fifo, "r+"))  -- read-write: never blocks, never EOF early
-    s.keys:setvbuf("no")
-    return s
-end
-
-function Session:send(keys)
-    self.keys:write(keys)
-end
-
--- Waits until `pattern` (a Lua pattern) appears in the screen output after
--- what earlier expects consumed; consumes up to the end of the match.
-function Session:expect(pattern, plain)
-    local deadline = system.gettime() + TIMEOUT
-    while true do
-        local out = slurp(self.ts) or ""
-        local a, b = out:find(pattern, self.pos + 1, plain)
-        if a then
-            local seen = out:sub(self.pos + 1, b)
-            self.pos = b
-            return seen
-        end
-        if system.gettime() > deadline then
-            error(string.format("no %q within %d s; the screen after the last match:\n%s",
-                                pattern, TIMEOUT, out:sub(self.pos + 1)), 2)
-        end
-        system.sleep(0.01)
+    local s = support.pty(string.format("%s/s%d", tmpdir, nsessions), q(HOST) .. " -i", "HOME=" .. q(home))
+    function s.prompt(self) return self:expect("\n> ", true) end
+    function s.line(self, text)
+        self:send(text .. "\n")
+        return self:prompt()
     end
-end
-
-function Session:prompt()
-    return self:expect("\n> ", true)
-end
-
--- Types a line and waits for the prompt that follows its output; returns
--- the output (the echoed line included).
-function Session:line(text)
-    self:send(text .. "\n")
-    return self:prompt()
-end
-
--- Ctrl-D, then the exit status of the host.
-function Session:finish()
-    self:send("\4")
-    local deadline = system.gettime() + TIMEOUT
-    local status
-    repeat
-        status = slurp(self.st)
-        if not status or status == "" then
-            status = nil
-            system.sleep(0.01)
-        end
-    until status or system.gettime() > deadline
-    self.keys:close()
-    assert(status, "the REPL did not exit after Ctrl-D")
-    return tonumber(status), slurp(self.ts)
+    return s
 end
 
 describe("the REPL on a terminal", function()

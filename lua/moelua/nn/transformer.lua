@@ -313,6 +313,8 @@ function Transformer:forward(tokens, step)
       if b.ck_moe then mc.m:free(); mc.r2:free(); self.pool:rewind(f.mmark) else f.moe = mc end
       st.frames[i] = f
       h = f.h2
+      -- an optional self.safe_point(phase, layer) after each block (the trainer's attach polls)
+      if self.safe_point then self.safe_point("forward", i) end
     end
     st.hL = h
     st.hf, st.rf = self.norm:forward(h)
@@ -374,6 +376,7 @@ function Transformer:backward(w)
       dh:add_(dx)
       dx:free(); attn_release(b, ac)
       self.pool:rewind(f.mark)
+      if self.safe_point then self.safe_point("backward", i) end
     end
     self.embed:backward(dh, st.ids)
   end)
