@@ -10,12 +10,16 @@
  *                                         momentum = 0, dampening = 0, weight_decay = 0,
  *                                         nesterov = false}
  *   lazy_adamw_step(p, g, m, v, active, steps, E, opts) -> number of active experts
+ *                                         m, v: per-expert states, tables {[e] = tensor
+ *                                         [n/E] or nil} (an active expert needs both);
  *                                         active [E] u8, steps [E] i64 (advanced for the
  *                                         active experts); opts as adamw_step without step
- *   step_all(jobs, counters)             one optimizer step over many groups in one call
+ *   step_all(jobs, counters [, extra])    one optimizer step over many groups in one call
  *                                         (below); returns the number of skipped
  *                                         expert-steps
- *   active_count(active) -> n            nonzero entries of a u8 mask
+ *   unstated(active, m, out) -> k         out[1..k] = the experts e (1-based) with
+ *                                         active[e] != 0 and m[e] == nil: the ones
+ *                                         whose states the caller must allocate first
  *   grad_norm({t1, t2, ...}) -> number    global L2 norm (f64, fixed order)
  *   slice_norms(t, E [, out]) -> [E] f64  L2 norm of each of E equal slices
  *   scale_(t, s) -> t                     t *= s
@@ -25,7 +29,8 @@
  *                                         bounds: a Lua table or a tensor of E numbers
  *
  * p, g, m, v, buf: contiguous cpu tensors of one dtype (f32 or f64) and
- * one element count; they are updated in place (kernels/optim.h).
+ * one element count (a lazy job's m[e], v[e]: n/E elements); they are
+ * updated in place (kernels/optim.h).
  *
  * Not interruptible: the kernels ignore the Ctrl-C flag, and step_all runs
  * every group's update with no Lua instruction or call in between, so the
@@ -33,15 +38,21 @@
  * checked first, then every kernel runs, then the step counts are written
  * back. Ctrl-C takes effect at the next Lua instruction after it returns.
  *
- * step_all(jobs, counters): jobs is a list of tables, each
+ * step_all(jobs, counters [, extra_skipped]): jobs is a list of tables, each
  *   {op = "adamw" | "lazy_adamw" | "sgd", params =, grads =, hp = opts without
- *    step, step = completed steps (adamw, sgd), exp_avg =, exp_avg_sq = (adamw,
- *    lazy_adamw), momentum_buffer = (sgd; nil when momentum = 0), active =,
- *    steps =, experts = (lazy_adamw)}
+ *    step, step = completed steps (adamw, sgd), exp_avg =, exp_avg_sq = (adamw:
+ *    tensors; lazy_adamw: per-expert tables as above), momentum_buffer = (sgd;
+ *    nil when momentum = 0), active =, steps =, experts = (lazy_adamw)}
  * adamw and sgd jobs use t = job.step + 1 and set job.step = t afterwards;
  * counters.t is incremented and counters.skipped_expert_steps grows by the
  * inactive experts of the lazy jobs (plus the integer `extra_skipped`
- * argument, experts of units with no state yet).
+ * argument: the experts of sparse groups none of whose experts has had
+ * tokens yet, which have no step counts and so no job).
+ *
+ * Scratch: the checked jobs and the lazy jobs' per-expert state pointers
+ * live in one Lua-owned buffer (not tensor data) kept as the function's
+ * upvalue and grown when a call needs more, so a warmed-up step allocates
+ * nothing, not even garbage for the Lua GC.
  */
 #include "libs.h"
 #include "l_util.h"
@@ -123,6 +134,59 @@ static int64_t check_E(lua_State *L, int idx, int argn, const char *fn, int64_t 
         ml_error(L, fn, "argument #%d (E): %lld experts do not divide %lld elements", argn,
                  (long long)E, (long long)n);
     return E;
+}
+
+/* At least `bytes` of scratch: upvalue 1 of the running C function, a
+ * userdata replaced by a larger one when too small (contents not kept). */
+static void *scratch(lua_State *L, size_t bytes)
+{
+    if (bytes == 0)
+        bytes = 1;
+    void *buf = lua_touserdata(L, lua_upvalueindex(1));
+    if (!buf || lua_rawlen(L, lua_upvalueindex(1)) < bytes) {
+        buf = lua_newuserdatauv(L, bytes, 0);
+        lua_replace(L, lua_upvalueindex(1));
+    }
+    memset(buf, 0, bytes);
+    return buf;
+}
+
+/* The per-expert states (exp_avg or exp_avg_sq) of a lazy job: a table
+ * whose keys are experts 1..E and whose values are cpu contiguous tensors
+ * of p's dtype with n/E elements; out[e] = expert e+1's data, or NULL where
+ * it has none, which only an inactive expert may. */
+static void check_expert_states(lua_State *L, int idx, int argn, const char *fn,
+                                const char *name, const ml_tensor *p, int64_t E,
+                                const uint8_t *active, void **out)
+{
+    if (!lua_istable(L, idx) || ml_testtensor(L, idx))
+        ml_error(L, fn, "argument #%d (%s): expected a table {[expert] = tensor}, got %s", argn,
+                 name, luaL_typename(L, idx));
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        int isint;
+        lua_Integer e = lua_tointegerx(L, -2, &isint);
+        if (!isint || e < 1 || e > E) {
+            lua_pop(L, 1);
+            ml_error(L, fn, "argument #%d (%s): keys must be experts 1..%lld, got %s", argn, name,
+                     (long long)E, luaL_tolstring(L, -1, NULL));
+        }
+        lua_pop(L, 1);
+    }
+    char what[64];
+    for (int64_t e = 0; e < E; e++) {
+        snprintf(what, sizeof what, "%s[%lld]", name, (long long)e + 1);
+        if (lua_geti(L, idx, e + 1) == LUA_TNIL) {
+            if (active[e])
+                ml_error(L, fn, "argument #%d (%s): expert %lld is active but has no state", argn,
+                         what, (long long)e + 1);
+            out[e] = NULL;
+        } else {
+            out[e] = ml_data(check_small(L, lua_gettop(L), argn, fn, what, p->dtype,
+                                         ml_numel(p) / E));
+        }
+        lua_pop(L, 1);
+    }
 }
 
 /* opts[key] as a number in [lo, hi] (hi_open: < hi); def when absent and
@@ -218,6 +282,7 @@ typedef struct {
     ml_dtype dt;
     int64_t n, E;
     void *p, *m, *v, *buf;
+    void **ms, **vs;          /* lazy: [E] per-expert state pointers (in the scratch) */
     const void *g;
     const uint8_t *active;
     int64_t *steps;
@@ -239,21 +304,27 @@ static void prep_adamw(lua_State *L, int base, const char *fn, int with_step, st
     j->ahp = adam_opts(L, base + 4, 5, fn, with_step);
 }
 
-/* p, g, m, v, active, steps, E, opts at base..base+7. */
-static void prep_lazy(lua_State *L, int base, const char *fn, step_job *j)
+/* p, g, m, v, active, steps, E, opts at base..base+7; ptrs: room for
+ * `room` pointers, of which the job takes 2 E. */
+static void prep_lazy(lua_State *L, int base, const char *fn, void **ptrs, int64_t room,
+                      step_job *j)
 {
     ml_tensor *p = check_buf_as(L, base, 1, fn, "params", NULL, NULL);
     ml_tensor *g = check_buf_as(L, base + 1, 2, fn, "grads", p, "params");
-    ml_tensor *m = check_buf_as(L, base + 2, 3, fn, "exp_avg", p, "params");
-    ml_tensor *v = check_buf_as(L, base + 3, 4, fn, "exp_avg_sq", p, "params");
     int64_t E = check_E(L, base + 6, 7, fn, ml_numel(p));
+    if (2 * E > room)   /* the caller sized the scratch from the same argument */
+        ml_error(L, fn, "argument #7 (E): no room for the state pointers of %lld experts",
+                 (long long)E);
     ml_tensor *act = check_small(L, base + 4, 5, fn, "active", ML_U8, E);
     ml_tensor *steps = check_small(L, base + 5, 6, fn, "steps", ML_I64, E);
+    j->ms = ptrs, j->vs = ptrs + E;
+    check_expert_states(L, base + 2, 3, fn, "exp_avg", p, E, ml_data(act), j->ms);
+    check_expert_states(L, base + 3, 4, fn, "exp_avg_sq", p, E, ml_data(act), j->vs);
     j->op = JOB_LAZY;
     j->dt = p->dtype;
     j->n = ml_numel(p);
     j->E = E;
-    j->p = ml_data(p), j->g = ml_data(g), j->m = ml_data(m), j->v = ml_data(v);
+    j->p = ml_data(p), j->g = ml_data(g);
     j->active = ml_data(act);
     j->steps = ml_data(steps);
     j->ahp = adam_opts(L, base + 7, 8, fn, 0);
@@ -281,20 +352,20 @@ static void prep_sgd(lua_State *L, int base, const char *fn, int with_step, step
 }
 
 /* The update; returns the active experts of a lazy job. The statuses are
- * OK once prep accepted the dtypes and E. */
-static int64_t run_job(const step_job *j, const ml_kctx *ctx, ml_status *st)
+ * OK once prep accepted the dtypes and E. Skipped inside mem.plan. */
+static int64_t run_job(lua_State *L, const step_job *j, const ml_kctx *ctx, ml_status *st)
 {
     int64_t k = 0;
     switch (j->op) {
     case JOB_ADAMW:
-        *st = ml_adamw_cpu(j->dt, j->p, j->m, j->v, j->g, j->n, &j->ahp, ctx);
+        *st = ML_KERNEL(L, ml_adamw_cpu(j->dt, j->p, j->m, j->v, j->g, j->n, &j->ahp, ctx));
         break;
     case JOB_LAZY:
-        *st = ml_lazy_adamw_cpu(j->dt, j->p, j->m, j->v, j->steps, j->g, j->active, j->n, j->E,
-                                &j->ahp, &k, ctx);
+        *st = ML_KERNEL(L, ml_lazy_adamw_cpu(j->dt, j->p, j->ms, j->vs, j->steps, j->g, j->active,
+                                             j->n, j->E, &j->ahp, &k, ctx));
         break;
     case JOB_SGD:
-        *st = ml_sgd_cpu(j->dt, j->p, j->buf, j->g, j->n, &j->shp, ctx);
+        *st = ML_KERNEL(L, ml_sgd_cpu(j->dt, j->p, j->buf, j->g, j->n, &j->shp, ctx));
         break;
     }
     return k;
@@ -308,7 +379,7 @@ static int l_optim_adamw_step(lua_State *L)
     prep_adamw(L, 1, fn, 1, &j);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s;
-    run_job(&j, &ctx, &s);
+    run_job(L, &j, &ctx, &s);
     ml_check_status(L, fn, s);
     return 0;
 }
@@ -318,10 +389,13 @@ static int l_optim_lazy_adamw_step(lua_State *L)
     const char *fn = "moelua.optim_c.lazy_adamw_step";
     step_job j;
     memset(&j, 0, sizeof j);
-    prep_lazy(L, 1, fn, &j);
+    int isint;
+    lua_Integer E = lua_tointegerx(L, 7, &isint);   /* checked by prep_lazy */
+    int64_t room = isint && E > 0 && E <= (1 << 24) ? 2 * E : 0;
+    prep_lazy(L, 1, fn, scratch(L, (size_t)room * sizeof(void *)), room, &j);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s;
-    int64_t k = run_job(&j, &ctx, &s);
+    int64_t k = run_job(L, &j, &ctx, &s);
     ml_check_status(L, fn, s);
     lua_pushinteger(L, (lua_Integer)k);
     return 1;
@@ -335,7 +409,7 @@ static int l_optim_sgd_step(lua_State *L)
     prep_sgd(L, 1, fn, 1, &j);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     ml_status s;
-    run_job(&j, &ctx, &s);
+    run_job(L, &j, &ctx, &s);
     ml_check_status(L, fn, s);
     return 0;
 }
@@ -360,6 +434,27 @@ static int64_t job_count(lua_State *L, int job, const char *fn)
     return s;
 }
 
+/* The state pointers the lazy jobs of jobs[1..n] need: 2 E each, from their
+ * `experts` fields (a bad field counts 0; prep_lazy reports it). */
+static int64_t lazy_room(lua_State *L, lua_Integer n)
+{
+    int64_t room = 0;
+    for (lua_Integer i = 1; i <= n; i++) {
+        if (lua_geti(L, 1, i) == LUA_TTABLE) {
+            lua_getfield(L, -1, "op");
+            lua_getfield(L, -2, "experts");
+            int isint;
+            lua_Integer E = lua_tointegerx(L, -1, &isint);
+            const char *op = lua_tostring(L, -2);
+            if (op && !strcmp(op, "lazy_adamw") && isint && E > 0 && E <= (1 << 24))
+                room += 2 * E;
+            lua_pop(L, 2);
+        }
+        lua_pop(L, 1);
+    }
+    return room;
+}
+
 static int l_optim_step_all(lua_State *L)
 {
     const char *fn0 = "moelua.optim_c.step_all";
@@ -369,9 +464,9 @@ static int l_optim_step_all(lua_State *L)
     lua_Integer n = luaL_len(L, 1);
     if (n < 0 || n > 1 << 20)
         ml_error(L, fn0, "argument #1: %lld jobs", (long long)n);
-    /* Lua-owned scratch for the checked jobs (not tensor data) */
-    step_job *jobs = lua_newuserdatauv(L, (size_t)(n > 0 ? n : 1) * sizeof(step_job), 0);
-    memset(jobs, 0, (size_t)(n > 0 ? n : 1) * sizeof(step_job));
+    int64_t room = lazy_room(L, n);
+    step_job *jobs = scratch(L, (size_t)n * sizeof(step_job) + (size_t)room * sizeof(void *));
+    void **ptrs = (void **)(jobs + n);
     char fn[96];
     /* 1. check everything: an error here has changed nothing */
     for (lua_Integer i = 1; i <= n; i++) {
@@ -396,7 +491,9 @@ static int l_optim_step_all(lua_State *L)
             prep_adamw(L, base, fn, 0, &jobs[i - 1]);
             jobs[i - 1].ahp.step = job_count(L, job, fn) + 1;
         } else if (k == JOB_LAZY) {
-            prep_lazy(L, base, fn, &jobs[i - 1]);
+            prep_lazy(L, base, fn, ptrs, room, &jobs[i - 1]);
+            ptrs += 2 * jobs[i - 1].E;
+            room -= 2 * jobs[i - 1].E;
         } else {
             prep_sgd(L, base, fn, 0, &jobs[i - 1]);
             jobs[i - 1].shp.first = job_count(L, job, fn) == 0;
@@ -409,7 +506,7 @@ static int l_optim_step_all(lua_State *L)
     lua_Integer skipped = extra;
     for (lua_Integer i = 0; i < n; i++) {
         ml_status s = ML_OK;
-        int64_t k = run_job(&jobs[i], &ctx, &s);
+        int64_t k = run_job(L, &jobs[i], &ctx, &s);
         if (jobs[i].op == JOB_LAZY)
             skipped += jobs[i].E - k;
         if (s != ML_OK && bad == ML_OK)
@@ -438,15 +535,28 @@ static int l_optim_step_all(lua_State *L)
     lua_pushinteger(L, skipped);
     return 1;
 }
-static int l_optim_active_count(lua_State *L)
+static int l_optim_unstated(lua_State *L)
 {
-    const char *fn = "moelua.optim_c.active_count";
+    const char *fn = "moelua.optim_c.unstated";
     ml_tensor *t = ml_testtensor(L, 1);   /* any element count: check_small checks the rest */
     t = check_small(L, 1, 1, fn, "active", ML_U8, t ? ml_numel(t) : 0);
+    if (!lua_istable(L, 2) || ml_testtensor(L, 2))
+        ml_error(L, fn, "argument #2 (states): expected a table {[expert] = tensor}, got %s",
+                 luaL_typename(L, 2));
+    if (!lua_istable(L, 3))
+        ml_error(L, fn, "argument #3 (out): expected a table, got %s", luaL_typename(L, 3));
     const uint8_t *a = ml_data(t);
     lua_Integer k = 0;
-    for (int64_t i = 0, n = ml_numel(t); i < n; i++)
-        k += a[i] != 0;
+    for (int64_t e = 0, E = ml_numel(t); e < E; e++) {
+        if (!a[e])
+            continue;
+        int none = lua_geti(L, 2, e + 1) == LUA_TNIL;
+        lua_pop(L, 1);
+        if (none) {
+            lua_pushinteger(L, (lua_Integer)e + 1);
+            lua_seti(L, 3, ++k);
+        }
+    }
     lua_pushinteger(L, k);
     return 1;
 }
@@ -470,7 +580,7 @@ static int l_optim_grad_norm(lua_State *L)
         lua_geti(L, 1, i);
         ml_tensor *t = ml_checktensor(L, -1, fn);
         double ss = 0;
-        ml_status s = ml_sumsq_cpu(t->dtype, &ss, ml_data(t), ml_numel(t), &ctx);
+        ml_status s = ML_KERNEL(L, ml_sumsq_cpu(t->dtype, &ss, ml_data(t), ml_numel(t), &ctx));
         lua_pop(L, 1);
         ml_check_status(L, fn, s);
         total += ss;
@@ -498,8 +608,8 @@ static int l_optim_slice_norms(lua_State *L)
     int64_t E = check_E(L, 2, 2, fn, ml_numel(t));
     ml_tensor *o = norms_out(L, 3, fn, E);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t), ml_numel(t), E,
-                                              &ctx));
+    ml_check_status(L, fn, ML_KERNEL(L, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t),
+                                                           ml_numel(t), E, &ctx)));
     return 1;
 }
 
@@ -513,7 +623,8 @@ static int l_optim_scale_(lua_State *L)
     if (!isfinite(f))
         ml_error(L, fn, "argument #2 (factor): expected a finite number, got %g", f);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ml_scale_slices_cpu(t->dtype, ml_data(t), &f, ml_numel(t), 1, &ctx));
+    ml_check_status(L, fn, ML_KERNEL(L, ml_scale_slices_cpu(t->dtype, ml_data(t), &f, ml_numel(t), 1,
+                                                       &ctx)));
     lua_settop(L, 1);
     return 1;
 }
@@ -560,14 +671,15 @@ static int l_optim_clip_slices_(lua_State *L)
     }
     ml_tensor *o = norms_out(L, 4, fn, E);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t), ml_numel(t), E,
-                                              &ctx));
+    ml_check_status(L, fn, ML_KERNEL(L, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t),
+                                                           ml_numel(t), E, &ctx)));
     const double *nrm = ml_data(o);
     for (int64_t e = 0; e < E; e++) {
         double c = f[e] / (nrm[e] + CLIP_EPS);
         f[e] = isfinite(nrm[e]) && c < 1.0 ? c : 1.0;   /* a non-finite norm is left to the caller */
     }
-    ml_check_status(L, fn, ml_scale_slices_cpu(t->dtype, ml_data(t), f, ml_numel(t), E, &ctx));
+    ml_check_status(L, fn, ML_KERNEL(L, ml_scale_slices_cpu(t->dtype, ml_data(t), f, ml_numel(t), E,
+                                                       &ctx)));
     (void)fidx;
     return 1;
 }
@@ -577,7 +689,7 @@ static const luaL_Reg optim_funcs[] = {
     {"lazy_adamw_step", l_optim_lazy_adamw_step},
     {"sgd_step", l_optim_sgd_step},
     {"step_all", l_optim_step_all},
-    {"active_count", l_optim_active_count},
+    {"unstated", l_optim_unstated},
     {"grad_norm", l_optim_grad_norm},
     {"slice_norms", l_optim_slice_norms},
     {"scale_", l_optim_scale_},
@@ -587,6 +699,8 @@ static const luaL_Reg optim_funcs[] = {
 
 int luaopen_moelua_optim_c(lua_State *L)
 {
-    luaL_newlib(L, optim_funcs);
+    luaL_newlibtable(L, optim_funcs);
+    lua_pushnil(L);                        /* upvalue 1: the scratch (see scratch()) */
+    luaL_setfuncs(L, optim_funcs, 1);
     return 1;
 }

@@ -99,11 +99,7 @@ typedef struct {
     ml_dtype dt;
     void *p, *m, *v;
     const void *g;
-    const ml_adamw_hp *hp;
-    adam_coef c;            /* dense */
-    const int64_t *steps;   /* lazy: per-slice counts before this step */
-    const uint8_t *active;
-    int64_t slice;
+    adam_coef c;
 } adam_arg;
 
 static void adam_tile(void *arg, int64_t lo, int64_t hi)
@@ -117,36 +113,63 @@ ml_status ml_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, const void *g, in
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    adam_arg a = {dt, p, m, v, g, hp, adam_coef_of(hp, hp->step), NULL, NULL, 0};
+    adam_arg a = {dt, p, m, v, g, adam_coef_of(hp, hp->step)};
     ml_kctx c = uninterruptible(ctx);
     return ml_parallel_tiles(n, TILE, 8, &c, adam_tile, &a);
 }
 
-/* A tile may span several slices: each part uses its slice's own count. */
+/* ---- lazy AdamW: per-expert states ------------------------------------------ */
+
+typedef struct {
+    ml_dtype dt;
+    char *p;                    /* [E * S] */
+    const char *g;              /* [E * S] */
+    void *const *m, *const *v;  /* [E] pointers to [S] (NULL: no states) */
+    const ml_adamw_hp *hp;
+    const int64_t *steps;       /* [E] counts before this step */
+    const uint8_t *active;      /* [E] */
+    int64_t slice;              /* S */
+    size_t es;                  /* element size */
+} lazy_arg;
+
+/* A tile may span several experts: each part is updated with its expert's
+ * own count and states (j: the part's offset inside the expert). */
 static void lazy_tile(void *arg, int64_t lo, int64_t hi)
 {
-    const adam_arg *a = arg;
+    const lazy_arg *a = arg;
     while (lo < hi) {
         int64_t e = lo / a->slice;
         int64_t end = (e + 1) * a->slice < hi ? (e + 1) * a->slice : hi;
         if (a->active[e]) {
+            size_t j = (size_t)(lo - e * a->slice) * a->es, at = (size_t)lo * a->es;
             adam_coef c = adam_coef_of(a->hp, a->steps[e] + 1);
-            adam_range(a->dt, a->p, a->m, a->v, a->g, lo, end, &c);
+            adam_range(a->dt, a->p + at, (char *)a->m[e] + j, (char *)a->v[e] + j, a->g + at, 0,
+                       end - lo, &c);
         }
         lo = end;
     }
 }
 
-ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, int64_t *steps,
-                            const void *g, const uint8_t *active, int64_t n, int64_t E,
-                            const ml_adamw_hp *hp, int64_t *nactive, const ml_kctx *ctx)
+/* Every active expert has both states (checked before anything moves). */
+static int lazy_states_present(void *const *m, void *const *v, const uint8_t *active,
+                               int64_t E)
+{
+    for (int64_t e = 0; e < E; e++)
+        if (active[e] && (!m[e] || !v[e]))
+            return 0;
+    return 1;
+}
+
+ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *const *m, void *const *v,
+                            int64_t *steps, const void *g, const uint8_t *active, int64_t n,
+                            int64_t E, const ml_adamw_hp *hp, int64_t *nactive,
+                            const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    if (E < 1 || n % E != 0)
+    if (E < 1 || n % E != 0 || !lazy_states_present(m, v, active, E))
         return ML_EUNSUPPORTED;
-    adam_arg a = {.dt = dt, .p = p, .m = m, .v = v, .g = g, .hp = hp, .steps = steps,
-                  .active = active, .slice = n / E};
+    lazy_arg a = {dt, p, g, m, v, hp, steps, active, n / E, ml_dtype_size(dt)};
     ml_kctx c = uninterruptible(ctx);
     ml_status s = a.slice > 0 ? ml_parallel_tiles(n, TILE, 8, &c, lazy_tile, &a) : ML_OK;
     int64_t k = 0;

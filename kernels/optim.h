@@ -1,7 +1,7 @@
 /*
  * kernels/optim.h - optimizer updates and gradient norms on flat buffers
  * (DESIGN.md, Parameters: flat units): AdamW, SGD with momentum, lazy
- * (sparse-aware) AdamW over the E equal slices of an expert unit, the
+ * (sparse-aware) AdamW over the E experts of an expert unit, the
  * global L2 norm of a set of buffers, per-slice norms and in-place scaling.
  *
  * Every function here updates in place (=, never +=): p, m, v, buf and x
@@ -16,8 +16,8 @@
  * step is seen by the next interruptible kernel, so parameters and states
  * are never left half-updated. No allocation; CPU only for now.
  *
- * Not here: parameter groups, lazy state allocation, clipping policy
- * (lua/moelua/optim.lua), argument checks (host/l_optim.c).
+ * Not here: parameter groups, lazy (per-expert) state allocation,
+ * clipping policy (lua/moelua/optim.lua), argument checks (host/l_optim.c).
  */
 #ifndef ML_KERNELS_OPTIM_H
 #define ML_KERNELS_OPTIM_H
@@ -49,15 +49,21 @@ typedef struct {
 ml_status ml_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, const void *g, int64_t n,
                        const ml_adamw_hp *hp, const ml_kctx *ctx);
 
-/* Lazy AdamW over E equal slices of [n] (n % E == 0): slice e is updated
+/* Lazy AdamW over the E experts of an expert unit: p and g are [n] =
+ * [E, S] (S = n / E, expert e is the slice e*S .. (e+1)*S), and each expert
+ * owns its states: m[e] and v[e] point at its own [S] buffers, NULL for an
+ * expert that has none yet (m, v: tables of E pointers). Expert e is updated
  * only when active[e] != 0, with bias correction from its own count
- * t = steps[e] + 1; afterwards steps[e] = t for the active slices. An
- * inactive slice is neither updated nor decayed and its count does not
- * advance. active: [E] u8, steps: [E] i64 (in/out). *nactive (may be NULL)
- * receives the number of active slices. */
-ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, int64_t *steps,
-                            const void *g, const uint8_t *active, int64_t n, int64_t E,
-                            const ml_adamw_hp *hp, int64_t *nactive, const ml_kctx *ctx);
+ * t = steps[e] + 1; afterwards steps[e] = t for the active experts. An
+ * inactive expert is neither updated nor decayed, its count does not
+ * advance and its state pointers are not read. An active expert without
+ * states is refused (ML_EUNSUPPORTED) before anything changes. active: [E]
+ * u8, steps: [E] i64 (in/out). *nactive (may be NULL) receives the number
+ * of active experts. */
+ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *const *m, void *const *v,
+                            int64_t *steps, const void *g, const uint8_t *active, int64_t n,
+                            int64_t E, const ml_adamw_hp *hp, int64_t *nactive,
+                            const ml_kctx *ctx);
 
 /* torch.optim.SGD: d = g + wd p; buf = first ? d : momentum buf + (1 -
  * dampening) d; d = nesterov ? d + momentum buf : buf; p = p - lr d.

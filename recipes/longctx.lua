@@ -46,7 +46,7 @@ local opts = options.parse(arg, {
   -- the run
   {"seed", 0, "seed of the model, the data order and the gate noise"},
   {"threads", 2, "CPU threads"},
-  {"budget-gib", 0, "memory budget in GiB (0: 90% of available)"},
+  {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)"},
   {"run-dir", "runs/longctx", "metrics.jsonl and checkpoints go here"},
   {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)"},
   {"keep", 2, "checkpoints to keep"},
@@ -86,23 +86,23 @@ moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then mem.budget{total = math.floor(opts.budget_gib * 2^30)} end
 
-local model = nn.Transformer.new{
-  vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
-  ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
-  checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-  moe = {save = opts.save},
-}
+-- The model and its optimizer, built twice: once in the memory plan below
+-- (address space only), then for real.
+local function build()
+  local model = nn.Transformer.new{
+    vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
+    ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
+    checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
+    moe = {save = opts.save},
+  }
+  local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
+  local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
+  return model, opt, groups
+end
 local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
-local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
-local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
 
--- --attach: answer `moelua attach RUN_DIR` at the start of each step.
-local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps}) or nil
-
-print(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
-                    opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
-local result = train.run{
-  model = model, data = ds, optimizer = opt, groups = groups, seq_len = opts.seq_len,
+local run = {
+  build = build, data = ds, seq_len = opts.seq_len,
   steps = opts.steps, accum = opts.accum, clip = opts.clip,
   lr = sched.warmup_cosine{peak = opts.lr, warmup = opts.warmup, total = math.max(opts.steps, opts.warmup + 1),
                            min = opts.lr / 10},
@@ -112,9 +112,33 @@ local result = train.run{
   val_every = opts.ckpt_every, val_batches = 2, tty = moelua.fs.isatty(1),
   provenance = {recipe = arg[0], options = opts},
   reload = this_file and {file = this_file, names = {"hook", "on_rollback"}},   -- edit the hooks live
-  attach = attached,
   rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_share = 0.9, collapse_steps = 10},
 }
+
+-- Plan before allocating: a dry run of build() and one step against the
+-- budget (moelua.train.plan), so a seq_len that cannot fit fails here.
+local plan, why, need = train.plan(run)
+if not plan then
+  io.stderr:write(why, "\n")
+  error(string.format("--seq-len %d needs %.1f MiB at its peak (memory plan), over the budget of %.1f MiB " ..
+                      "(--budget-gib %g%s): lower --seq-len, raise --budget-gib, or recompute more " ..
+                      "(--checkpoint full)", opts.seq_len, need.total_peak / 2^20,
+                      mem.stats().cpu.budget_total / 2^20, opts.budget_gib,
+                      opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""), 0)
+end
+print(string.format("memory plan: peak %.1f MiB of a %.2f GiB budget (params %.1f, grads %.1f, optim %.1f, " ..
+                    "acts %.1f, pool %.1f MiB at the peak)", plan.total_peak / 2^20, plan.budget_total / 2^30,
+                    plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
+                    plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
+
+run.model, run.optimizer, run.groups = build()
+-- --attach: answer `moelua attach RUN_DIR` at the job's safe points.
+local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps}) or nil
+run.attach = attached
+
+print(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
+                    opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
+local result = train.run(run)
 
 print(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
                     result.first_loss, result.final_loss, result.first_step, opts.steps - 1,

@@ -37,14 +37,20 @@
 -- untouched expert's gradient slice is zero, never a stale value from an
 -- earlier step. The mask, not the gradient, decides what is updated: a
 -- stale gradient of an inactive expert is never applied.
--- State allocation: states are one flat buffer per unit (so one expert is a
--- slice of them), allocated the first time any expert of the unit is
--- active. A unit whose experts never receive tokens costs no optimizer
--- memory; once one expert is active the whole unit's states exist. The
--- ledger's "optim" category shows exactly what was allocated, and
+-- State allocation, per expert: state.exp_avg and state.exp_avg_sq of a
+-- sparse group are tables {[e] = tensor [n/E]}; expert e's pair is
+-- allocated under "optim" the first time e is active (a zero state with
+-- count 0 is what lazy Adam starts from, so allocating late changes no
+-- number), and an expert that never receives tokens has none. The group's
+-- i64 [E] step counts (8 bytes per expert) appear with its first active
+-- expert. So the ledger's "optim" bytes of a sparse group are exactly
+-- 2 * (n/E) * dtype size per expert ever active, plus 8 E once any is; and
 -- opt.skipped_expert_steps counts the expert-steps skipped.
 --
--- A warmed-up step() makes no ledger allocation. The step cannot be
+-- A warmed-up step() (every active expert already has states) makes no
+-- ledger allocation; an expert's first activity allocates its two states
+-- before the update starts. Under moelua.mem.plan (a dry run, masks
+-- meaningless) every expert gets states: the worst case. The step cannot be
 -- interrupted (DESIGN.md, Layers): the kernels ignore Ctrl-C and every group
 -- is updated by one C call, so Ctrl-C takes effect after the whole step.
 --
@@ -168,19 +174,80 @@ function Base:zero_grad()
 end
 
 local STATE_TENSORS = {"exp_avg", "exp_avg_sq", "steps", "momentum_buffer"}
+local EXPERT_STATES = {exp_avg = true, exp_avg_sq = true}   -- per expert in sparse groups
 
 -- Tables of tensors (the live states, not copies) and counts, for checkpoints:
 -- {kind =, t =, skipped_expert_steps =, groups = {[i] = {step =, exp_avg =,
 -- exp_avg_sq =, steps = i64 [E], momentum_buffer =}}}; absent states are nil.
+-- In a sparse group exp_avg and exp_avg_sq are tables {[e] = tensor [n/E]}
+-- holding only the experts that have states (a new table, the live tensors).
 function Base:state_dict()
   local sd = {kind = self.kind, t = self.t, skipped_expert_steps = self.skipped_expert_steps,
               groups = {}}
   for i, st in ipairs(self.state) do
     local gs = {step = st.step}
-    for _, k in ipairs(STATE_TENSORS) do gs[k] = st[k] end
+    for _, k in ipairs(STATE_TENSORS) do
+      local v = st[k]
+      if EXPERT_STATES[k] and st.experts then
+        v = {}
+        for e = 1, st.experts do v[e] = st[k][e] end
+      end
+      gs[k] = v
+    end
     sd.groups[i] = gs
   end
   return sd
+end
+
+-- A state tensor of sd (what: its name in messages) must be dt with n elements.
+local function check_state(fn, i, what, src, dt, n)
+  if not tensor.is_tensor(src) then fail(fn, "group %d: '%s' must be a tensor", i, what) end
+  if src:numel() ~= n or src:dtype() ~= dt then
+    fail(fn, "group %d: '%s' must be %s with %d elements, got %s with %d", i, what, dt, n,
+         src:dtype(), src:numel())
+  end
+end
+
+-- The per-expert states of sparse group i: tables keyed by experts 1..E;
+-- exp_avg and exp_avg_sq name the same experts, and steps is given if any.
+local function check_expert_states(fn, i, g, gs)
+  local S, dt = g.params:numel() // g.experts, g.params:dtype()
+  for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
+    local t = gs[k]
+    if t ~= nil and (type(t) ~= "table" or tensor.is_tensor(t)) then
+      fail(fn, "group %d: '%s' must be a table {[expert] = tensor} (sparse group), got %s", i, k,
+           tensor.is_tensor(t) and "a tensor" or type(t))
+    end
+    for e, src in pairs(t or {}) do
+      if math.type(e) ~= "integer" or e < 1 or e > g.experts then
+        fail(fn, "group %d: '%s' keys must be experts 1..%d, got %s", i, k, g.experts, tostring(e))
+      end
+      check_state(fn, i, string.format("%s[%d]", k, e), src, dt, S)
+    end
+  end
+  local any = false
+  for e = 1, g.experts do
+    local a, b = gs.exp_avg and gs.exp_avg[e], gs.exp_avg_sq and gs.exp_avg_sq[e]
+    if (a == nil) ~= (b == nil) then
+      fail(fn, "group %d: expert %d has %s but not %s", i, e, a and "exp_avg" or "exp_avg_sq",
+           a and "exp_avg_sq" or "exp_avg")
+    end
+    any = any or a ~= nil
+  end
+  if any and gs.steps == nil then fail(fn, "group %d: experts have states but no 'steps'", i) end
+end
+
+-- Copies sd's tensor src into st[k] (allocated under "optim" when absent),
+-- or frees st[k] when src is nil.
+local function load_state(st, k, src, dt)
+  if src ~= nil then
+    local n = src:numel()
+    if st[k] == nil then st[k] = zeros_optim(n, dt) end
+    if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
+  elseif st[k] ~= nil then
+    st[k]:free()
+    st[k] = nil
+  end
 end
 
 -- Copies sd's states into this optimizer's (allocating them under "optim"
@@ -202,31 +269,24 @@ function Base:load_state_dict(sd)
     if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
       fail(fn, "group %d: 'step' must be an integer", i)
     end
+    if g.experts then check_expert_states(fn, i, g, gs) end
     for _, k in ipairs(STATE_TENSORS) do
       local src = gs[k]
-      if src ~= nil then
-        if not tensor.is_tensor(src) then fail(fn, "group %d: '%s' must be a tensor", i, k) end
+      if src ~= nil and not (g.experts and EXPERT_STATES[k]) then
         local n = k == "steps" and g.experts or g.params:numel()
         if not n then fail(fn, "group %d: '%s' given for a dense group", i, k) end
-        local dt = k == "steps" and "i64" or g.params:dtype()
-        if src:numel() ~= n or src:dtype() ~= dt then
-          fail(fn, "group %d: '%s' must be %s with %d elements, got %s with %d", i, k, dt, n,
-               src:dtype(), src:numel())
-        end
+        check_state(fn, i, k, src, k == "steps" and "i64" or g.params:dtype(), n)
       end
     end
   end
   for i, gs in ipairs(sd.groups) do
     local g, st = self.groups[i], self.state[i]
+    local dt = g.params:dtype()
     for _, k in ipairs(STATE_TENSORS) do
-      local src = gs[k]
-      if src ~= nil then
-        local n = src:numel()
-        if st[k] == nil then st[k] = zeros_optim(n, k == "steps" and "i64" or g.params:dtype()) end
-        if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
-      elseif st[k] ~= nil then
-        st[k]:free()
-        st[k] = nil
+      if g.experts and EXPERT_STATES[k] then
+        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt) end
+      else
+        load_state(st, k, gs[k], k == "steps" and "i64" or dt)
       end
     end
     st.step = gs.step
@@ -257,11 +317,33 @@ function optim.AdamW(groups, opts)
     -- step count it advances); hp is reused every step (no table per step)
     self.state[i] = {op = g.experts and "lazy_adamw" or "adamw", params = g.params,
                      grads = g.grads, experts = g.experts, step = 0,
+                     exp_avg = g.experts and {}, exp_avg_sq = g.experts and {},  -- per expert
                      hp = {lr = 0, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
                            weight_decay = g.weight_decay or o.weight_decay}}
   end
-  self.jobs = {}
+  self.jobs, self.fresh = {}, {}
   return self
+end
+
+-- A dry run (moelua.mem.plan) reads masks as zeros: its worst case is every
+-- expert active, so every expert still without states is listed in fresh.
+local function every_unstated(st, E, fresh)
+  local k = 0
+  for e = 1, E do
+    if not st.exp_avg[e] then k = k + 1; fresh[k] = e end
+  end
+  return k
+end
+
+-- The states of sparse group g's experts fresh[1..k] (active, none yet),
+-- and the group's step counts with its first active expert. Cold path.
+local function add_expert_states(st, g, fresh, k)
+  local S, dt = g.params:numel() // g.experts, g.params:dtype()
+  if not st.steps then st.steps = zeros_optim(g.experts, "i64") end
+  for j = 1, k do
+    local e = fresh[j]
+    st.exp_avg[e], st.exp_avg_sq[e] = zeros_optim(S, dt), zeros_optim(S, dt)
+  end
 end
 
 -- opt:step([lr [, active_masks]]): lr defaults to opts.lr; active_masks[i]
@@ -282,18 +364,17 @@ function AdamW:step(lr, active_masks)
       local run = true
       if g.experts then
         local mask = active_masks and active_masks[i]
-        if not tensor.is_tensor(mask) then
+        if not tensor.is_tensor(mask) or mask:dtype() ~= "u8" or mask:numel() ~= g.experts then
           fail("AdamW:step", "group %d has experts = %d and needs active_masks[%d] (u8 [%d]), got %s",
-               i, g.experts, i, g.experts, type(mask))
+               i, g.experts, i, g.experts,
+               tensor.is_tensor(mask) and (mask:dtype() .. " [" .. mask:numel() .. "]") or type(mask))
         end
         st.active = mask
-        if not st.exp_avg and C.active_count(mask) > 0 then   -- first activity of the unit
-          local n_, dt = g.params:numel(), g.params:dtype()
-          st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt), zeros_optim(n_, dt)
-          st.steps = zeros_optim(g.experts, "i64")
-        end
-        if not st.exp_avg then
-          run, idle = false, idle + g.experts                  -- no state yet: all idle
+        local k = mem.planning() and every_unstated(st, g.experts, self.fresh)
+                  or C.unstated(mask, st.exp_avg, self.fresh)   -- experts active for the first time
+        if k > 0 then add_expert_states(st, g, self.fresh, k) end
+        if not st.steps then
+          run, idle = false, idle + g.experts                  -- no expert ever active
         end
       elseif not st.exp_avg then
         local n_, dt = g.params:numel(), g.params:dtype()

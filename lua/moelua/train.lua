@@ -10,7 +10,9 @@
 --     run_dir = "runs/x", ckpt_every = 50, keep = 3,
 --     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 0.35, collapse_steps = 20},
 --     on_rollback = function(state, event) ... end,
---     attach = moelua.remote.listen(run_dir),   -- optional: answer `moelua attach RUN_DIR`
+--     attach = moelua.remote.listen(run_dir),   -- optional: answer `moelua attach RUN_DIR` at the
+--                                               -- step's start, after each block's forward and backward
+--                                               -- (model.safe_point) and after each micro-batch
 --     val_every = 50, val_batches = 4,
 --     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
 --     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback"}},   -- hooks edited while running
@@ -119,19 +121,31 @@ local function locate(t, groups)
   end
 end
 
--- AdamW's flat per-group states keyed by the parameters' Hugging Face names
+-- AdamW's per-group states keyed by the parameters' Hugging Face names
 -- (DESIGN.md: optim/*.safetensors keyed by the model's names): exp_avg and
 -- exp_avg_sq as views of each parameter's slice, and for lazy-Adam groups
--- the step count of the parameter's expert as an i64 [1].
+-- the step count of the parameter's expert as an i64 [1]. A lazy-Adam
+-- group's states are per expert (moelua.optim): an expert that never
+-- received tokens has none, so its w1/w2/w3 names are absent from
+-- optim/exp_avg*.safetensors (its count, 0, is saved once the group has
+-- counts). Loading reads an absent name of a sparse group as "no states",
+-- so a resumed run holds exactly the states the saved one held (and, as a
+-- zero state with count 0 is where lazy Adam starts, takes the same steps).
 local function optim_by_name(self)
   local sd = self.optimizer:state_dict()
   local named, steps = {}, {}
   for _, p in ipairs(self.model:named_parameters()) do
     local gi, off = locate(p.tensor, self.groups)
     local gs, g = gi and sd.groups[gi], gi and self.groups[gi]
-    if gs and gs.exp_avg then
-      named[p.name] = {exp_avg = gs.exp_avg:view_at(off, p.tensor:shape()),
-                       exp_avg_sq = gs.exp_avg_sq:view_at(off, p.tensor:shape())}
+    local m, v, at = gs and gs.exp_avg, gs and gs.exp_avg_sq, off
+    if m and g.experts then                       -- the expert's own states, or none
+      local S = g.params:numel() // g.experts
+      local e = off // S
+      m, v, at = m[e + 1], v[e + 1], off - e * S
+    end
+    if m then
+      named[p.name] = {exp_avg = m:view_at(at, p.tensor:shape()),
+                       exp_avg_sq = v:view_at(at, p.tensor:shape())}
     end
     if gs and gs.steps then
       local e = off // (g.params:numel() // g.experts)
@@ -143,25 +157,33 @@ local function optim_by_name(self)
   return named, next(steps) and steps or nil, meta
 end
 
--- The inverse: rebuild the per-group state_dict from a checkpoint's named states.
+-- The inverse: rebuild the per-group state_dict from a checkpoint's named
+-- states (a sparse group's per expert: only the experts named get states).
 local function load_optim(self, c, meta)
   local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
               groups = {}}
-  for gi = 1, #self.groups do sd.groups[gi] = {step = meta.group_steps[gi]} end
+  for gi, g in ipairs(self.groups) do
+    sd.groups[gi] = {step = meta.group_steps[gi]}
+    if g.experts then sd.groups[gi].exp_avg, sd.groups[gi].exp_avg_sq = {}, {} end
+  end
   for _, p in ipairs(self.model:named_parameters()) do
     local gi, off = locate(p.tensor, self.groups)
     local g, gs = self.groups[gi], sd.groups[gi]
+    local S = g.experts and g.params:numel() // g.experts
     local o = c.optim and c.optim[p.name]
     if o then
       for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
-        gs[k] = gs[k] or tensor.zeros({g.params:numel()}, {dtype = g.params:dtype()})
-        gs[k]:view_at(off, p.tensor:shape()):copy_(o[k])
+        local dst, at = gs, off
+        if S then dst, at = gs[k], off - (off // S) * S end   -- expert off // S + 1's own
+        local key = S and off // S + 1 or k
+        dst[key] = dst[key] or tensor.zeros({S or g.params:numel()}, {dtype = g.params:dtype()})
+        dst[key]:view_at(at, p.tensor:shape()):copy_(o[k])
       end
     end
     local st = c.optim_steps and c.optim_steps[p.name]
     if st and g.experts then
       gs.steps = gs.steps or tensor.zeros({g.experts}, {dtype = "i64"})
-      gs.steps:narrow(1, off // (g.params:numel() // g.experts) + 1, 1):copy_(st)
+      gs.steps:narrow(1, off // S + 1, 1):copy_(st)
     end
   end
   self.optimizer:load_state_dict(sd)
@@ -365,7 +387,8 @@ end
 
 function Trainer:step(step)
   if self.reload then self:check_reload(step) end
-  if self.attach then self.attach:poll(step) end   -- attached clients: at this safe point
+  local srv = self.attach
+  if srv then srv:poll(step) end                -- attached clients: at the step's start (set{} takes effect here)
   local ctl = fresh_ctl(self)
   if self:call_hook(step, "hook", step, self.state, ctl) == false then
     ctl = fresh_ctl(self)                       -- the reloaded hook failed: the previous one, afresh
@@ -379,7 +402,9 @@ function Trainer:step(step)
   local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
   self.model:zero_grad()
   local loss, ce, aux, z, last = 0, 0, 0, 0, nil
+  if srv then self.model.safe_point = srv.on_layer end   -- and between layers (set{} staged for the next step)
   for micro = 1, self.accum do
+    if srv then srv:position(micro, self.accum) end
     local t0 = now()
     local tokens = self.data:batch((step + self.data_offset) * self.accum + micro - 1)
     local t1 = now()
@@ -393,7 +418,9 @@ function Trainer:step(step)
     ce, aux, z = ce + st.ce / self.accum, aux + st.aux / self.accum, z + st.z / self.accum
     loss = loss + (l + ctl.aux_weight * st.aux + ctl.z_weight * st.z) / self.accum
     last = st
+    if srv then srv:safe_point("micro-batch") end
   end
+  if srv then self.model.safe_point = nil end
   local t4 = now()
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
@@ -460,7 +487,8 @@ function Trainer:progress(m, step, last_step, t_start)
   io.stdout:flush()
 end
 
-function train.run(cfg)
+-- A trainer from run's cfg, touching no file (train.run's and train.plan's).
+local function new_trainer(cfg)
   local self = setmetatable({
     model = assert(cfg.model, "moelua.train.run: model is required"),
     data = assert(cfg.data, "moelua.train.run: data is required"),
@@ -478,8 +506,55 @@ function train.run(cfg)
   }, Trainer)
   self.rollback = {}
   for k, v in pairs(DEFAULT_ROLLBACK) do self.rollback[k] = (cfg.rollback or {})[k] or v end
-  if cfg.reload then setup_reload(self, cfg.reload) end
   self.tokens_per_step = cfg.seq_len * self.accum
+  return self
+end
+
+local function deep_copy(v)
+  if type(v) ~= "table" then return v end
+  local c = {}
+  for k, x in pairs(v) do c[k] = deep_copy(x) end
+  return c
+end
+
+-- plan, why, book = train.plan(cfg): the memory a run of cfg needs, before
+-- anything is allocated. cfg is train.run's, with build (a function
+-- returning model, optimizer, groups) in place of those three. A dry run
+-- (moelua.mem.plan: the same code, kernels skipped, sizes and lifetimes
+-- exact, lazy optimizer states taken as all present) builds them and takes
+-- one training step, the run's peak: pools grow and optimizer states appear
+-- in it, while validation (forward only) and checkpoints allocate less.
+-- Returns the planned CPU account book (mem.stats().cpu's fields: peak,
+-- at_peak, total_peak, budget_total, ...). When an allocation would cross a
+-- budget: nil, the budget error (with the planned ledger), and the book of
+-- the same plan with the budgets lifted (its total_peak is what the run
+-- needs). Any other failure raises. The recipe's state, the host's RNG and
+-- the budgets are left as they were.
+function train.plan(cfg)
+  if type(cfg.build) ~= "function" then
+    error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
+  end
+  local function step()
+    local c = {}
+    for k, v in pairs(cfg) do c[k] = v end
+    c.model, c.optimizer, c.groups = cfg.build()
+    c.state, c.attach = deep_copy(cfg.state or {}), nil
+    new_trainer(c):step(0)
+  end
+  local books, why, failed = mem.plan(step)
+  if books then return books.cpu end
+  if failed.cpu.refused == 0 then error(why, 0) end
+  local lifted = {total = 0}
+  for k in pairs(failed.cpu.budget) do lifted[k] = 0 end
+  local budgets = mem.budget(lifted)
+  local need = mem.plan(step)
+  mem.budget(budgets)
+  return nil, why, need and need.cpu or failed.cpu
+end
+
+function train.run(cfg)
+  local self = new_trainer(cfg)
+  if cfg.reload then setup_reload(self, cfg.reload) end
   if self.run_dir and self.optimizer.kind ~= "AdamW" then
     error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
   end
@@ -506,6 +581,7 @@ function train.run(cfg)
   while step <= last_step do
     local ok, m = pcall(self.step, self, step)
     if not ok then
+      if self.attach then self.model.safe_point = nil end   -- set during the step (attach)
       local msg = tostring(m)
       if msg:find("interrupted") then
         if self.tty then io.stdout:write("\n") end

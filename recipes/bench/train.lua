@@ -11,12 +11,14 @@
 --       --kv-heads 2 --experts 8 --topk 2 --ffn 512 --steps 3
 --   ./moelua recipes/bench/train.lua --help
 --
--- One warm-up step (--warmup), then mem.reset_peak() and `steps` timed steps. Prints one
--- JSON line: the config, tokens_per_s and step_ms (medians over the timed
+-- First a memory plan of the same code (moelua.mem.plan). Then one warm-up
+-- step (--warmup), mem.reset_peak() and `steps` timed steps. Prints one JSON
+-- line: the config, tokens_per_s and step_ms (medians over the timed
 -- steps), the phases (data/fwd/bwd/optim, medians, ms), the ledger's peak
 -- (total, per category, acts+pool) over the timed steps, the ledger's
 -- current optim bytes, the optimizer's skipped_expert_steps and the process's
--- peak RSS (VmHWM, warm-up included, as for the PyTorch baseline).
+-- peak RSS (VmHWM, warm-up included, as for the PyTorch baseline), and the
+-- plan's predicted ledger peak and acts+pool peak.
 -- The baseline is train_torch.py beside it; train_compare.sh interleaves both.
 local moelua = require "moelua"
 local nn = require "moelua.nn"
@@ -55,22 +57,25 @@ local opts = options.parse(arg, {
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 
-local model = nn.Transformer.new{
-  vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
-  ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
-  checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-  moe = {save = opts.save},
-}
 local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
-local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0, sparse = opts.sparse}
-local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
 local lr = sched.constant(opts.lr)
-model:set_router{temperature = 1.0, noise = 0.0, eps = 0.0}
-
 local now = bench.now
 
+local function build()
+  local model = nn.Transformer.new{
+    vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
+    ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
+    checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
+    moe = {save = opts.save},
+  }
+  local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0, sparse = opts.sparse}
+  local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
+  model:set_router{temperature = 1.0, noise = 0.0, eps = 0.0}
+  return model, groups, opt
+end
+
 -- One step as moelua.train's Trainer:step does it (accum = 1).
-local function step(i)
+local function step(model, groups, opt, i)
   local t = {}
   model:zero_grad()
   local t0 = now()
@@ -88,16 +93,30 @@ local function step(i)
   return t, loss, st, norm
 end
 
-local w = {total = 0}
-for i = 1, opts.warmup do w = step(i - 1) end   -- pools grow, optimizer states appear
-if opts.warmup > 0 then collectgarbage(); mem.reset_peak() end
-local times, phases, losses = {}, {data = {}, fwd = {}, bwd = {}, optim = {}}, {}
-for i = 1, opts.steps do
-  local t, loss = step(opts.warmup + i - 1)
-  times[i] = t.total
-  for k, v in pairs(phases) do v[#v + 1] = t[k] end
-  losses[i] = loss
+-- The warm-up steps (pools grow, optimizer states appear), mem.reset_peak(),
+-- then `steps` timed steps.
+local function run(model, groups, opt, steps)
+  local w = {total = 0}
+  for i = 1, opts.warmup do w = step(model, groups, opt, i - 1) end
+  if opts.warmup > 0 then collectgarbage(); mem.reset_peak() end
+  local times, phases, losses = {}, {data = {}, fwd = {}, bwd = {}, optim = {}}, {}
+  for i = 1, steps do
+    local t, loss = step(model, groups, opt, opts.warmup + i - 1)
+    times[i] = t.total
+    for k, v in pairs(phases) do v[#v + 1] = t[k] end
+    losses[i] = loss
+  end
+  return w, times, phases, losses
 end
+
+-- The ledger's peak predicted by a dry run of the same code (moelua.mem.plan:
+-- nothing allocated, kernels skipped), then measured.
+local plan = assert(mem.plan(function()
+  local model, groups, opt = build()
+  run(model, groups, opt, 1)
+end)).cpu
+local model, groups, opt = build()
+local w, times, phases, losses = run(model, groups, opt, opts.steps)
 
 local st = mem.stats().cpu
 local peak = {total = st.total_peak}
@@ -120,6 +139,8 @@ local out = {
   peak_acts_pool_bytes = (st.peak.acts or 0) + (st.peak.pool or 0),
   optim_bytes = (st.current or {}).optim, skipped_expert_steps = opt.skipped_expert_steps,
   peak_rss_bytes = peak_rss(),
+  planned_peak_ledger_bytes = plan.total_peak,
+  planned_peak_acts_pool_bytes = plan.peak.acts + plan.peak.pool,
   -- the ledger charges the pool's capacity (blocks grow geometrically);
   -- high_water is the most bytes the model's pool ever had in use
   pool_capacity_bytes = model.pool:stats().capacity, pool_high_water_bytes = model.pool:stats().high_water,

@@ -5,18 +5,20 @@
 # block, the optimizer states appear), resets the ledger's peaks and measures
 # one step: the steady state of a training run.
 #   recipes/bench/train_memory.sh [out=runs/bench/train_memory.jsonl] [timeout_s=7200]
-# Series: the default longctx model (D=64, L=2, 4 heads / 2 kv, E=4, k=2,
-# F=128, checkpoint moe, save recompute) at 8192..65536, and the same with one
-# layer at 8192..131072. Attention is O(S^2) in time: a 65536 step takes
-# about 7 min and a 131072 step (one layer) about 15 min on 2 cores. Issue 4's criterion: doubling
-# seq_len multiplies peak acts+pool by at most 2.05.
+# Each line also holds the plan's prediction (train.lua plans the same code
+# first). Series: the default longctx model (D=64, L=2, 4 heads / 2 kv, E=4,
+# k=2, F=128, checkpoint moe, save recompute) and the same with one layer,
+# both at 8192..131072. Attention is O(S^2) in time: a 131072 step takes
+# about 3 min (default model) on 2 cores, the whole script about 25 min.
+# Issue 4's criterion: doubling seq_len multiplies peak acts+pool by at most
+# 2.05.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-runs/bench/train_memory.jsonl}
 limit=${2:-7200}
 mkdir -p "$(dirname "$out")"
 : > "$out"
-for S in 8192 16384 32768 65536; do
+for S in 8192 16384 32768 65536 131072; do
     timeout "$limit" ./moelua recipes/bench/train.lua --seq-len "$S" --steps 1 --warmup 1 >> "$out" \
         || echo "default model, seq_len $S: no result (timeout ${limit}s or error)" >&2
 done

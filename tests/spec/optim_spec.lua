@@ -1,8 +1,11 @@
 -- tests/spec/optim_spec.lua - the optimizers (kernels/optim.c,
 -- host/l_optim.c, lua/moelua/optim.lua) against float64 references written
 -- in plain Lua on tables: AdamW (torch.optim.AdamW), SGD (torch.optim.SGD),
--- lazy Adam over expert slices, gradient norms and clipping; bitwise
--- thread-count invariance; state_dict round trips; the ledger; bad input.
+-- lazy Adam over expert slices with per-expert states (allocated at an
+-- expert's first tokens: ledger bytes, state_dict and checkpoint round
+-- trips with partially allocated experts, a bit-exact resume), gradient
+-- norms and clipping; bitwise thread-count invariance; state_dict round
+-- trips; the ledger; bad input.
 --
 -- Tolerances are normwise relative errors ||x - ref|| / ||ref||:
 --   f64 1e-12; f32 1e-5 (each op rounds to f32; five steps of AdamW's
@@ -93,6 +96,10 @@ local function allocs()
   return n
 end
 
+local function optim_bytes() return m.mem.stats().cpu.current.optim or 0 end
+
+local function u8(t) return m.tensor(t, {dtype = "u8"}) end
+
 -- ---- AdamW and SGD against references ---------------------------------------
 
 describe("AdamW", function()
@@ -180,11 +187,11 @@ describe("thread-count invariance", function()
         local ol = optim.AdamW({{params = pl, grads = g, experts = E}}, {lr = 0.01})
         local os_ = optim.SGD({{params = ps, grads = g}}, {lr = 0.01, momentum = 0.9})
         for _ = 1, 3 do oa:step(); ol:step(nil, {mask}); os_:step() end
-        results[nt] = {pa, pl, ps, oa.state[1].exp_avg_sq}
+        results[nt] = {pa, pl, ps, oa.state[1].exp_avg_sq, ol.state[1].exp_avg_sq[6]}
       end)
     end
     for _, nt in ipairs({2, 4}) do
-      for k = 1, 4 do
+      for k = 1, 5 do
         assert.is_true(same_bits(results[1][k], results[nt][k]),
                        string.format("result %d differs at %d threads", k, nt))
       end
@@ -209,60 +216,86 @@ end)
 
 -- ---- lazy Adam ------------------------------------------------------------------
 
+-- Per-expert states {[e] = tensor [S]} as one [E*S] list (0 where an expert
+-- has none), to compare with a flat reference.
+local function expert_vals(states, E, S)
+  local out = {}
+  for e = 1, E do
+    local v = states[e] and vals(states[e])
+    for j = 1, S do out[#out + 1] = v and v[j] or 0 end
+  end
+  return out
+end
+
+-- lazy Adam in f64 on tables: expert e (1-based, S elements) of p, g, mm,
+-- vv takes one torch.optim.AdamW step with its own count cnt[e] + 1 when
+-- mask[e] == 1.
+local function ref_lazy(p, g, mm, vv, cnt, mask, S, o)
+  for e = 1, #mask do
+    if mask[e] == 1 then
+      cnt[e] = cnt[e] + 1
+      local sp, sg, sm, sv = {}, {}, {}, {}
+      for j = 1, S do
+        local i = (e - 1) * S + j
+        sp[j], sg[j], sm[j], sv[j] = p[i], g[i], mm[i], vv[i]
+      end
+      ref_adamw(sp, sg, sm, sv, o, cnt[e])
+      for j = 1, S do
+        local i = (e - 1) * S + j
+        p[i], mm[i], vv[i] = sp[j], sm[j], sv[j]
+      end
+    end
+  end
+end
+
 describe("lazy AdamW (sparse experts)", function()
   local E, S = 4, 8
   local o = {lr = 0.05, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, weight_decay = 0.1}
 
-  it("updates only active experts, each with its own step count", function()
+  it("matches a float64 reference of lazy Adam, with states appearing per expert", function()
     local n = E * S
     local p, g = randn(n, "f64"), m.zeros({n}, {dtype = "f64"})
     local rp, rm, rv, cnt = vals(p), {}, {}, {}
     for i = 1, n do rm[i], rv[i] = 0, 0 end
     for e = 1, E do cnt[e] = 0 end
     local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
-    local masks = {{1, 1, 0, 1}, {0, 1, 1, 0}, {1, 0, 0, 0}, {0, 1, 1, 1}, {0, 0, 0, 0}}
-    for _, mk in ipairs(masks) do
+    local st = opt.state[1]
+    -- expert 3 is idle in step 1, expert 4 in steps 1-3: each gets states later
+    local masks = {{1, 1, 0, 0}, {0, 1, 1, 0}, {1, 0, 0, 0}, {0, 1, 1, 1}, {0, 0, 0, 0}, {1, 0, 0, 1}}
+    local had = {}
+    for si, mk in ipairs(masks) do
       g:copy_(randn(n, "f64"))
-      local gv = vals(g)
-      for e = 1, E do
-        if mk[e] == 1 then
-          cnt[e] = cnt[e] + 1
-          local sp, sm, sv, sg = {}, {}, {}, {}
-          for j = 1, S do
-            local i = (e - 1) * S + j
-            sp[j], sm[j], sv[j], sg[j] = rp[i], rm[i], rv[i], gv[i]
-          end
-          ref_adamw(sp, sg, sm, sv, o, cnt[e])
-          for j = 1, S do
-            local i = (e - 1) * S + j
-            rp[i], rm[i], rv[i] = sp[j], sm[j], sv[j]
-          end
-        end
-      end
-      opt:step(nil, {m.tensor(mk, {dtype = "u8"})})
+      ref_lazy(rp, vals(g), rm, rv, cnt, mk, S, o)
+      opt:step(nil, {u8(mk)})
       opt:zero_grad()
+      for e = 1, E do
+        had[e] = had[e] or mk[e] == 1
+        assert.are.equal(had[e], st.exp_avg[e] ~= nil, string.format("step %d expert %d exp_avg", si, e))
+        assert.are.equal(had[e], st.exp_avg_sq[e] ~= nil, string.format("step %d expert %d exp_avg_sq", si, e))
+      end
+      assert_close(p, rp, 1e-12, "params after step " .. si)
+      assert.is_true(relerr(expert_vals(st.exp_avg, E, S), rm) <= 1e-12, "exp_avg after step " .. si)
+      assert.is_true(relerr(expert_vals(st.exp_avg_sq, E, S), rv) <= 1e-12, "exp_avg_sq after step " .. si)
+      assert.are.same(cnt, st.steps:totable())
     end
-    assert_close(p, rp, 1e-12, "params")
-    assert_close(opt.state[1].exp_avg, rm, 1e-12, "exp_avg")
-    assert.are.same(cnt, opt.state[1].steps:totable())
-    assert.are.equal(20 - 9, opt.skipped_expert_steps)   -- 9 expert-steps ran
+    assert.are.same({3, 3, 2, 2}, cnt)
+    assert.are.equal(24 - 10, opt.skipped_expert_steps)  -- 10 expert-steps ran
   end)
 
   it("leaves an expert active in step s and idle in s+1 untouched (not updated, not decayed, count kept)", function()
     local n = E * S
     local p, g = randn(n, "f32"), randn(n, "f32")
     local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
-    opt:step(nil, {m.tensor({1, 1, 1, 1}, {dtype = "u8"})})     -- step s: expert 3 active
+    opt:step(nil, {u8({1, 1, 1, 1})})                           -- step s: expert 3 active
     opt:zero_grad()
     assert.are.equal(0, g:abs():max():item())                    -- no stale gradient left
     local st = opt.state[1]
-    local e3 = function(t) return t:narrow(1, 2 * S + 1, S):clone() end
-    local p3, m3, v3 = e3(p), e3(st.exp_avg), e3(st.exp_avg_sq)
+    local p3, m3, v3 = p:narrow(1, 2 * S + 1, S):clone(), st.exp_avg[3]:clone(), st.exp_avg_sq[3]:clone()
     g:copy_(randn(n, "f32"))                                     -- even a stale value is ignored
-    opt:step(nil, {m.tensor({1, 0, 0, 1}, {dtype = "u8"})})     -- step s+1: expert 3 idle
-    assert.is_true(same_bits(p3, e3(p)), "params moved")
-    assert.is_true(same_bits(m3, e3(st.exp_avg)), "exp_avg moved")
-    assert.is_true(same_bits(v3, e3(st.exp_avg_sq)), "exp_avg_sq moved")
+    opt:step(nil, {u8({1, 0, 0, 1})})                           -- step s+1: expert 3 idle
+    assert.is_true(same_bits(p3, p:narrow(1, 2 * S + 1, S):clone()), "params moved")
+    assert.is_true(same_bits(m3, st.exp_avg[3]), "exp_avg moved")
+    assert.is_true(same_bits(v3, st.exp_avg_sq[3]), "exp_avg_sq moved")
     assert.are.same({2, 1, 1, 2}, st.steps:totable())
     -- dense AdamW, by contrast, moves a parameter whose gradient is zero
     local q, z = randn(8, "f32"), m.zeros({8})
@@ -272,36 +305,79 @@ describe("lazy AdamW (sparse experts)", function()
     assert.is_false(same_bits(q0, q))
   end)
 
-  it("bias-corrects an expert's first update with its own count", function()
+  it("gives an expert states when it first gets tokens, its first update a fresh step 1", function()
     local n = E * S
     local p, g = randn(n, "f32"), randn(n, "f32")
     local p1 = p:narrow(1, S + 1, S):clone()
     local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
-    for _ = 1, 3 do opt:step(nil, {m.tensor({1, 0, 1, 1}, {dtype = "u8"})}) end
-    opt:step(nil, {m.tensor({0, 1, 0, 0}, {dtype = "u8"})})     -- expert 2's first step at t = 4
+    for _ = 1, 3 do opt:step(nil, {u8({1, 0, 1, 1})}) end
+    assert.is_nil(opt.state[1].exp_avg[2])                       -- idle so far: no states
+    local mask = u8({0, 1, 0, 0})
+    local before, a0 = optim_bytes(), allocs()
+    opt:step(nil, {mask})                                        -- expert 2's first step at t = 4
+    assert.are.equal("optim", opt.state[1].exp_avg[2]:category())
+    assert.are.equal("optim", opt.state[1].exp_avg_sq[2]:category())
+    assert.are.equal(before + 2 * S * 4, optim_bytes())          -- exactly its two states
+    assert.are.equal(a0 + 2, allocs())
     -- equals a fresh AdamW step 1 on that slice, bitwise
     local hp = {lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
                 weight_decay = o.weight_decay, step = 1}
-    C.adamw_step(p1, g:narrow(1, S + 1, S):clone(), m.zeros({S}), m.zeros({S}), hp)
+    local m1, v1 = m.zeros({S}), m.zeros({S})
+    C.adamw_step(p1, g:narrow(1, S + 1, S):clone(), m1, v1, hp)
     assert.is_true(same_bits(p1, p:narrow(1, S + 1, S):clone()))
+    assert.is_true(same_bits(m1, opt.state[1].exp_avg[2]))
+    assert.is_true(same_bits(v1, opt.state[1].exp_avg_sq[2]))
     assert.are.same({3, 1, 3, 3}, opt.state[1].steps:totable())
   end)
 
-  it("allocates the unit's states under 'optim' at the first activity of any expert", function()
-    local n = E * S
-    local p, g = randn(n, "f32"), randn(n, "f32")
-    local p0 = p:clone()
-    local opt = optim.AdamW({{params = p, grads = g, experts = E}}, o)
-    local before = m.mem.stats().cpu.current.optim
-    opt:step(nil, {m.zeros({E}, {dtype = "u8"})})
-    assert.is_nil(opt.state[1].exp_avg)
-    assert.are.equal(before, m.mem.stats().cpu.current.optim)
-    assert.is_true(same_bits(p0, p))
-    assert.are.equal(E, opt.skipped_expert_steps)
-    opt:step(nil, {m.tensor({0, 0, 1, 0}, {dtype = "u8"})})
-    assert.are.equal("optim", opt.state[1].exp_avg:category())
-    assert.are.equal("optim", opt.state[1].steps:category())
-    assert.are.equal(before + 2 * n * 4 + E * 8, m.mem.stats().cpu.current.optim)
+  it("plans the worst case under mem.plan: every expert's states (masks are meaningless there)", function()
+    collectgarbage(); collectgarbage()
+    local base = optim_bytes()                     -- the plan's books start from the live ones
+    local books = m.mem.plan(function()
+      local opt = optim.AdamW({{params = m.zeros({E * S}), grads = m.zeros({E * S}), experts = E}}, o)
+      opt:step(nil, {m.zeros({E}, {dtype = "u8"})})
+    end)
+    assert.are.equal(base + 2 * E * S * 4 + E * 8, books.cpu.peak.optim)
+    assert.are.equal(base, optim_bytes())
+  end)
+
+  it("gives an expert idle from the start no states: ledger optim bytes are the active experts' exactly", function()
+    -- two sparse groups of different slice sizes and one dense group
+    local E2, S2 = 8, 24
+    local pa, ga = randn(E * S, "f32"), randn(E * S, "f32")
+    local pb, gb = randn(E2 * S2, "f64"), randn(E2 * S2, "f64")
+    local pd, gd = randn(40, "f32"), randn(40, "f32")
+    local pa0, pb0 = pa:clone(), pb:clone()
+    local base = optim_bytes()
+    local opt = optim.AdamW({{params = pa, grads = ga, experts = E},
+                             {params = pb, grads = gb, experts = E2},
+                             {params = pd, grads = gd}}, o)
+    assert.are.equal(base, optim_bytes())
+    -- step 1: no expert of either group has tokens; only the dense group gets states
+    opt:step(nil, {u8({0, 0, 0, 0}), u8({0, 0, 0, 0, 0, 0, 0, 0})})
+    assert.are.equal(base + 2 * 40 * 4, optim_bytes())
+    assert.is_nil(opt.state[1].steps)
+    assert.is_nil(next(opt.state[1].exp_avg))
+    assert.is_true(same_bits(pa0, pa) and same_bits(pb0, pb))
+    assert.are.equal(E + E2, opt.skipped_expert_steps)
+    -- then only experts 3 (group 1) and 2, 7 (group 2) ever get tokens
+    local ma = {{0, 0, 1, 0}, {0, 0, 0, 0}, {0, 0, 1, 0}}
+    local mb = {{0, 1, 0, 0, 0, 0, 1, 0}, {0, 0, 0, 0, 0, 0, 1, 0}, {0, 1, 0, 0, 0, 0, 0, 0}}
+    for i = 1, 3 do opt:step(nil, {u8(ma[i]), u8(mb[i])}) end
+    local want = 2 * 40 * 4                       -- dense
+        + 2 * 1 * S * 4 + E * 8                   -- group 1: one expert's m and v, the counts
+        + 2 * 2 * S2 * 8 + E2 * 8                 -- group 2 (f64): two experts, the counts
+    assert.are.equal(base + want, optim_bytes())
+    for e = 1, E do assert.are.equal(e == 3, opt.state[1].exp_avg[e] ~= nil, "group 1 expert " .. e) end
+    for e = 1, E2 do
+      assert.are.equal(e == 2 or e == 7, opt.state[2].exp_avg_sq[e] ~= nil, "group 2 expert " .. e)
+    end
+    -- an idle expert's parameters never moved
+    assert.is_true(same_bits(pa0:narrow(1, 1, 2 * S), pa:narrow(1, 1, 2 * S)))
+    assert.is_true(same_bits(pb0:narrow(1, 3 * S2 + 1, 3 * S2), pb:narrow(1, 3 * S2 + 1, 3 * S2)))
+    assert.are.same({0, 0, 2, 0}, opt.state[1].steps:totable())
+    assert.are.same({0, 2, 0, 0, 0, 0, 2, 0}, opt.state[2].steps:totable())
+    assert.are.equal((E + E2) * 4 - 2 - 4, opt.skipped_expert_steps)
   end)
 end)
 
@@ -465,6 +541,51 @@ describe("parameter groups and state", function()
     end
   end)
 
+  it("round-trips state_dict with partially allocated experts (absent experts stay absent)", function()
+    local E, S = 4, 6
+    local o = {lr = 0.02, weight_decay = 0.1}
+    local g = randn(E * S, "f32")
+    local p = randn(E * S, "f32")
+    local A = optim.AdamW({{params = p, grads = g, experts = E}}, o)
+    A:step(nil, {u8({1, 0, 0, 0})}); A:step(nil, {u8({1, 0, 1, 0})})  -- experts 2, 4 never
+    local sd = A:state_dict()
+    assert.is_nil(sd.groups[1].exp_avg[2])
+    assert.is_nil(sd.groups[1].exp_avg_sq[4])
+    assert.are.equal(A.state[1].exp_avg[3], sd.groups[1].exp_avg[3])   -- live tensors
+    local base = optim_bytes()
+    local p2 = p:clone()
+    local B = optim.AdamW({{params = p2, grads = g, experts = E}}, o)
+    B:step(nil, {u8({0, 1, 0, 0})})            -- B has a state A lacks: loading frees it
+    assert.are.equal(base + 2 * S * 4 + E * 8, optim_bytes())
+    p2:copy_(p)
+    B:load_state_dict(sd)
+    assert.are.equal(base + 2 * 2 * S * 4 + E * 8, optim_bytes())   -- experts 1 and 3 only
+    for e = 1, E do
+      assert.are.equal(e == 1 or e == 3, B.state[1].exp_avg[e] ~= nil, "expert " .. e)
+      assert.are.equal(e == 1 or e == 3, B.state[1].exp_avg_sq[e] ~= nil, "expert " .. e)
+    end
+    assert.are.equal("optim", B.state[1].exp_avg[3]:category())
+    assert.are.same({2, 0, 1, 0}, B.state[1].steps:totable())
+    assert.are.equal(2, B.t)
+    assert.are.equal(A.skipped_expert_steps, B.skipped_expert_steps)
+    -- both continue identically, expert 2's first states included
+    for _, mk in ipairs({{0, 1, 1, 0}, {1, 1, 0, 1}}) do
+      A:step(nil, {u8(mk)}); B:step(nil, {u8(mk)})
+    end
+    assert.is_true(same_bits(p, p2))
+    for e = 1, E do
+      assert.is_true(same_bits(A.state[1].exp_avg[e], B.state[1].exp_avg[e]), "exp_avg " .. e)
+      assert.is_true(same_bits(A.state[1].exp_avg_sq[e], B.state[1].exp_avg_sq[e]), "exp_avg_sq " .. e)
+    end
+    assert.are.same(A.state[1].steps:totable(), B.state[1].steps:totable())
+    -- an empty state (nothing ever active) loads as no states at all
+    local C2 = optim.AdamW({{params = randn(E * S, "f32"), grads = g, experts = E}}, o)
+    local before = optim_bytes()
+    C2:load_state_dict(optim.AdamW({{params = randn(E * S, "f32"), grads = g, experts = E}}, o):state_dict())
+    assert.are.equal(before, optim_bytes())
+    assert.is_nil(C2.state[1].steps)
+  end)
+
   it("refuses a state_dict of another kind or shape", function()
     local p, g = randn(8, "f32"), randn(8, "f32")
     local a = optim.AdamW({{params = p, grads = g}})
@@ -477,6 +598,28 @@ describe("parameter groups and state", function()
     local b = optim.AdamW({{params = randn(4, "f32"), grads = randn(4, "f32")}})
     assert.has_error(function() b:load_state_dict(sd) end,
                      "moelua.optim.AdamW:load_state_dict: group 1: 'exp_avg' must be f32 with 4 elements, got f32 with 8")
+    -- sparse groups: per-expert tables, matching experts, counts
+    local x = optim.AdamW({{params = randn(8, "f32"), grads = randn(8, "f32"), experts = 2}})
+    local function bad(gs, msg)
+      gs.step = 1
+      local before = optim_bytes()
+      assert.has_error(function() x:load_state_dict({kind = "AdamW", groups = {gs}}) end,
+                       "moelua.optim.AdamW:load_state_dict: group 1: " .. msg)
+      assert.are.equal(before, optim_bytes())
+    end
+    local i64 = m.zeros({2}, {dtype = "i64"})
+    bad({exp_avg = m.zeros({8}), exp_avg_sq = {}, steps = i64},
+        "'exp_avg' must be a table {[expert] = tensor} (sparse group), got a tensor")
+    bad({exp_avg = {[3] = m.zeros({4})}, exp_avg_sq = {}, steps = i64},
+        "'exp_avg' keys must be experts 1..2, got 3")
+    bad({exp_avg = {m.zeros({5})}, exp_avg_sq = {m.zeros({4})}, steps = i64},
+        "'exp_avg[1]' must be f32 with 4 elements, got f32 with 5")
+    bad({exp_avg = {nil, m.zeros({4})}, exp_avg_sq = {}, steps = i64},
+        "expert 2 has exp_avg but not exp_avg_sq")
+    bad({exp_avg = {m.zeros({4})}, exp_avg_sq = {m.zeros({4})}},
+        "experts have states but no 'steps'")
+    bad({exp_avg = {}, exp_avg_sq = {}, steps = m.zeros({3}, {dtype = "i64"})},
+        "'steps' must be i64 with 2 elements, got i64 with 3")
   end)
 
   it("allocates states under the ledger category 'optim', lazily", function()
@@ -507,6 +650,95 @@ describe("parameter groups and state", function()
     end
     opt:zero_grad()
     assert.are.equal(before, allocs())
+  end)
+end)
+
+-- ---- checkpoints of a sparse run (moelua.train: optim_by_name, load_optim) ----------
+
+describe("lazy Adam in checkpoints", function()
+  local nn = require "moelua.nn"
+  local sched = require "moelua.sched"
+  local data = require "moelua.data"
+  local train = require "moelua.train"
+  local ckpt = require "moelua.ckpt"
+  local SEQ, E = 16, 16          -- 16 tokens, top-1 of 16 experts: some stay idle
+
+  -- which experts have states, per sparse group: {[gi] = "0110..."}
+  local function held(opt)
+    local out = {}
+    for gi, st in ipairs(opt.state) do
+      if st.experts then
+        local b = {}
+        for e = 1, st.experts do b[e] = st.exp_avg[e] and "1" or "0" end
+        out[gi] = table.concat(b)
+      end
+    end
+    return out
+  end
+
+  -- over.snap: a table that receives held(opt) at the start of step 2
+  local function run(over)
+    m.manual_seed(0)
+    local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 1, heads = 2, kv_heads = 1, ffn = 8,
+                                     experts = E, topk = 1, seed = 0, checkpoint = "moe"}
+    local ds = data.open{glob = "/usr/include/std*.h", seq_len = SEQ, seed = 0, holdout = 0.01}
+    local groups = model:param_groups{weight_decay = 0.1, sparse = true}
+    local opt = optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95})
+    local cfg = {model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ, steps = 5,
+                 lr = sched.constant(3e-3), clip = 1.0, aux_weight = 0.01, z_weight = 1e-3}
+    for k, v in pairs(over) do if k ~= "snap" then cfg[k] = v end end
+    if over.snap then
+      cfg.hook = function(step) if step == 2 then over.snap.held = held(opt) end end
+    end
+    return train.run(cfg), model, opt
+  end
+
+  local dir
+  before_each(function() dir = support.make_tmpdir() end)
+  after_each(function() support.remove_dir(dir) end)
+
+  it("saves only the experts that have states and resumes bit-exactly", function()
+    local sa, sb = {}, {}
+    local a, ma, oa = run{run_dir = dir .. "/a", ckpt_every = 2, keep = 5, snap = sa}
+    local c = ckpt.load(dir .. "/a/ckpt/step-000001")
+    -- an expert's w1/w2/w3 states are saved iff it has had tokens (count > 0)
+    local idle = 0
+    for e = 0, E - 1 do
+      local pre = "model.layers.0.block_sparse_moe.experts." .. e .. "."
+      local cnt = c.optim_steps[pre .. "w1.weight"]:item()
+      for _, w in ipairs({"w1", "w2", "w3"}) do
+        assert.are.equal(cnt, c.optim_steps[pre .. w .. ".weight"]:item())
+        assert.are.equal(cnt > 0, c.optim[pre .. w .. ".weight"] ~= nil, pre .. w)
+      end
+      if cnt == 0 then idle = idle + 1 end
+    end
+    assert.is_true(idle > 0 and idle < E, "partially allocated experts at the checkpoint: " .. idle .. " idle")
+    assert.is_not_nil(c.optim["model.layers.0.self_attn.q_proj.weight"])   -- dense states as before
+    local b, mb, ob = run{run_dir = dir .. "/b", resume = dir .. "/a/ckpt/step-000001", snap = sb}
+    assert.are.equal(2, b.first_step)
+    -- the resumed optimizer holds states for exactly the experts the saved one held
+    assert.is_not_nil(sa.held and next(sa.held))
+    assert.are.same(sa.held, sb.held)
+    for gi, bits in pairs(sb.held) do
+      assert.matches("0", bits, "group " .. gi .. ": an idle expert without states")
+      assert.matches("1", bits, "group " .. gi .. ": an expert with states")
+    end
+    for step = 2, 4 do
+      assert.are.equal(string.format("%a", a.losses[step]), string.format("%a", b.losses[step]), "step " .. step)
+    end
+    local pa, pb = ma:named_parameters(), mb:named_parameters()
+    for i, t in ipairs(pa) do assert.is_true(same_bits(t.tensor, pb[i].tensor), t.name) end
+    assert.are.equal(oa.skipped_expert_steps, ob.skipped_expert_steps)
+    for gi, st in ipairs(oa.state) do
+      if st.experts then
+        for e = 1, st.experts do
+          local x, y = st.exp_avg_sq[e], ob.state[gi].exp_avg_sq[e]
+          assert.are.equal(x ~= nil, y ~= nil, "group " .. gi .. " expert " .. e)
+          if x then assert.is_true(same_bits(x, y), "group " .. gi .. " expert " .. e) end
+        end
+        assert.are.same(st.steps:totable(), ob.state[gi].steps:totable())
+      end
+    end
   end)
 end)
 
@@ -575,19 +807,50 @@ describe("optimizer bad input", function()
       "moelua.optim_c.adamw_step: argument #5 (opts): expected a table, got no value")
   end)
 
-  it("lazy_adamw_step checks masks, counts and E", function()
+  it("lazy_adamw_step checks masks, counts, E and the per-expert states", function()
     local a, s = m.zeros({4}, {dtype = "u8"}), m.zeros({4}, {dtype = "i64"})
     local o = {lr = 0.1}
-    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 3, o) end,
-      "moelua.optim_c.lazy_adamw_step: argument #7 (E): 3 experts do not divide 8 elements")
-    e(function() C.lazy_adamw_step(f32, f32, f32, f32, m.zeros({4}), s, 4, o) end,
-      "moelua.optim_c.lazy_adamw_step: argument #5 (active): expected dtype u8, got f32")
-    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, m.zeros({2}, {dtype = "i64"}), 4, o) end,
-      "moelua.optim_c.lazy_adamw_step: argument #6 (steps): expected 4 elements, got 2")
-    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 4, {lr = 0.1, step = 2}) end,
-      "moelua.optim_c.lazy_adamw_step: unknown option 'step' (expected one of: lr, beta1, beta2, eps, weight_decay)")
-    e(function() C.lazy_adamw_step(f32, f32, f32, f32, a, s, 0, o) end,
-      "moelua.optim_c.lazy_adamw_step: argument #7 (E): expected an integer >= 1, got 0")
+    local fn = "moelua.optim_c.lazy_adamw_step: "
+    e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 3, o) end,
+      fn .. "argument #7 (E): 3 experts do not divide 8 elements")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {}, m.zeros({4}), s, 4, o) end,
+      fn .. "argument #5 (active): expected dtype u8, got f32")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, m.zeros({2}, {dtype = "i64"}), 4, o) end,
+      fn .. "argument #6 (steps): expected 4 elements, got 2")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 4, {lr = 0.1, step = 2}) end,
+      fn .. "unknown option 'step' (expected one of: lr, beta1, beta2, eps, weight_decay)")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 0, o) end,
+      fn .. "argument #7 (E): expected an integer >= 1, got 0")
+    e(function() C.lazy_adamw_step(f32, f32, f32, {}, a, s, 4, o) end,
+      fn .. "argument #3 (exp_avg): expected a table {[expert] = tensor}, got userdata")
+    e(function() C.lazy_adamw_step(f32, f32, {[5] = m.zeros({2})}, {}, a, s, 4, o) end,
+      fn .. "argument #3 (exp_avg): keys must be experts 1..4, got 5")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {nil, m.zeros({3})}, a, s, 4, o) end,
+      fn .. "argument #4 (exp_avg_sq[2]): expected 2 elements, got 3")
+    e(function() C.lazy_adamw_step(f32, f32, {}, {m.zeros({2}, {dtype = "f64"})}, a, s, 4, o) end,
+      fn .. "argument #4 (exp_avg_sq[1]): expected dtype f32, got f64")
+    local p = randn(8, "f32")
+    local p0 = p:clone()
+    local act = u8({0, 1, 0, 0})
+    e(function() C.lazy_adamw_step(p, f32, {}, {}, act, s, 4, o) end,
+      fn .. "argument #3 (exp_avg[2]): expert 2 is active but has no state")
+    e(function() C.lazy_adamw_step(p, f32, {nil, m.zeros({2})}, {}, act, s, 4, o) end,
+      fn .. "argument #4 (exp_avg_sq[2]): expert 2 is active but has no state")
+    assert.is_true(same_bits(p0, p))
+    assert.are.same({0, 0, 0, 0}, s:totable())
+    -- the states of idle experts may be absent; an active one is updated
+    local g = randn(8, "f32")
+    assert.are.equal(1, C.lazy_adamw_step(p, g, {nil, m.zeros({2})}, {nil, m.zeros({2})}, act, s, 4, o))
+    assert.are.same({0, 1, 0, 0}, s:totable())
+    assert.is_true(same_bits(p0:narrow(1, 1, 2), p:narrow(1, 1, 2)))
+    assert.is_false(same_bits(p0:narrow(1, 3, 2), p:narrow(1, 3, 2)))
+    e(function() C.unstated(m.zeros({4}), {}, {}) end,
+      "moelua.optim_c.unstated: argument #1 (active): expected dtype u8, got f32")
+    e(function() C.unstated(a, f32, {}) end,
+      "moelua.optim_c.unstated: argument #2 (states): expected a table {[expert] = tensor}, got userdata")
+    local out = {}
+    assert.are.equal(2, C.unstated(u8({1, 1, 0, 1}), {nil, m.zeros({2})}, out))
+    assert.are.same({1, 4}, out)
   end)
 
   it("sgd_step checks the momentum buffer and nesterov", function()
@@ -631,6 +894,12 @@ describe("optimizer bad input", function()
     assert.is_true(same_bits(p0, p))
     assert.are.equal(0, good.step)
     assert.are.equal(0, counters.t)
+    local lazy = {op = "lazy_adamw", params = randn(8, "f32"), grads = g, exp_avg = {},
+                  exp_avg_sq = {}, active = u8({0, 1}), steps = m.zeros({2}, {dtype = "i64"}),
+                  experts = 2, hp = {lr = 0.1}}
+    e(function() C.step_all({good, lazy}, counters) end,
+      "moelua.optim_c.step_all: job 2 (lazy_adamw): argument #3 (exp_avg[2]): expert 2 is active but has no state")
+    assert.is_true(same_bits(p0, p))
     e(function() C.step_all({{op = "adam"}}, counters) end,
       "moelua.optim_c.step_all: job 1: field 'op' must be \"adamw\", \"lazy_adamw\" or \"sgd\", got adam")
     C.step_all({good}, counters, 0)
@@ -663,5 +932,8 @@ describe("optimizer bad input", function()
       "moelua.optim.AdamW:step: group 1 has experts = 2 and needs active_masks[1] (u8 [2]), got nil")
     e(function() opt:step(-1) end,
       "moelua.optim.AdamW:step: lr must be a number in [0, inf), got -1")
+    e(function() opt:step(nil, {u8({1, 0, 1})}) end,
+      "moelua.optim.AdamW:step: group 1 has experts = 2 and needs active_masks[1] (u8 [2]), got u8 [3]")
+    assert.is_nil(next(opt.state[1].exp_avg))      -- refused before any state was allocated
   end)
 end)

@@ -1,0 +1,166 @@
+-- The memory planner (moelua.mem.plan, host/backend_plan.c, train.plan):
+-- a dry run of the same code with kernels skipped predicts the ledger's
+-- peak exactly, allocates nothing real, enforces the budgets with the usual
+-- error, and leaves the run it plans unchanged.
+local m = require "moelua"
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local sched = require "moelua.sched"
+local data = require "moelua.data"
+local train = require "moelua.train"
+local support = require "tests.support"
+local mem = m.mem
+
+local MiB = 2^20
+
+describe("mem.plan", function()
+  it("charges a virtual book: sizes exact, nothing real allocated, kernels skipped", function()
+    collectgarbage()
+    local real = mem.stats().cpu
+    local rss = real.rss
+    local inside
+    local books = mem.plan(function(n)
+      local a = m.full({n, n}, 3.0)            -- 400 MB of f32 that no kernel touches
+      local b = a:add(a)
+      inside = {planning = mem.planning(), stats = mem.stats().cpu.total}
+      inside.sum = b:sum():item()
+    end, 10000)
+    local plan = books.cpu
+    assert.is_true(inside.planning)
+    assert.is_false(mem.planning())
+    assert.are.equal(0, inside.sum)            -- fill and add never ran
+    assert.are.equal(real.total + 800000000 + 4, plan.total_peak)   -- a, b, the sum's scalar
+    assert.are.equal(real.total + 800000000, inside.stats)
+    assert.are.equal(real.total, plan.total)   -- everything freed when the plan ended
+    local after = mem.stats().cpu
+    assert.are.equal(real.total, after.total)
+    assert.are.equal(real.total_peak, after.total_peak)
+    assert.is_true(after.rss - rss < 64 * MiB, "the plan touched memory: rss grew by " .. (after.rss - rss))
+  end)
+
+  it("refuses an allocation over the budget with the budget error, nothing allocated", function()
+    local prev = mem.budget{total = 64 * MiB}
+    local refused = mem.stats().cpu.refused
+    local ok, why, books = mem.plan(function() local a = m.zeros({100 * MiB // 4}) end)
+    mem.budget(prev)
+    assert.is_nil(ok)
+    support.has(why, "moelua.mem.plan: the planned run failed (nothing was allocated)")
+    support.has(why, "would exceed the total budget of 64.00 MiB")
+    support.has(why, "memory ledger (cpu)")
+    assert.is_true(books.cpu.refused > 0)
+    assert.are.equal(refused, mem.stats().cpu.refused)   -- the real book refused nothing
+  end)
+
+  it("restores the host's RNG and category", function()
+    m.manual_seed(7)
+    local plain = m.randn({5}):totable()
+    m.manual_seed(7)
+    mem.category("grads")
+    mem.plan(function() mem.category("acts"); local x = m.randn({1000}) end)
+    assert.are.equal("grads", mem.category("other"))
+    assert.are.same(plain, m.randn({5}):totable())
+  end)
+
+  it("reports a failing function and refuses nesting and leaked tensors", function()
+    local ok, why = mem.plan(function() error("boom") end)
+    assert.is_nil(ok)
+    support.has(why, "boom")
+    ok, why = mem.plan(function() return mem.plan(function() end) end)
+    assert.is_nil(ok)
+    support.has(why, "plans do not nest")
+    local kept
+    mem.plan(function() kept = m.zeros({4}) end)
+    support.raises("1 tensors or pools of an earlier plan are still alive", mem.plan, function() end)
+    kept = nil
+    assert.is_table(mem.plan(function() end))
+    support.raises("bad argument #1", mem.plan, 42)
+  end)
+end)
+
+-- The tiny model of train_spec, built by a function as recipes do.
+local SEQ = 128
+local function build(sparse)
+  return function()
+    local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24,
+                                     experts = 4, topk = 2, seed = 0, checkpoint = "moe"}
+    local groups = model:param_groups{weight_decay = 0.1, sparse = sparse}
+    return model, optim.AdamW(groups, {lr = 3e-3}), groups
+  end
+end
+
+local function run_cfg(ds, b)
+  return {build = b, data = ds, seq_len = SEQ, steps = 1, clip = 1.0, lr = sched.constant(3e-3),
+          aux_weight = 0.01, z_weight = 1e-3}
+end
+
+describe("train.plan", function()
+  local ds
+  before_each(function()
+    ds = data.open{glob = "/usr/include/std*.h", seq_len = SEQ, seed = 0, holdout = 0.01}
+  end)
+
+  it("predicts the peak of the first training step exactly, per category", function()
+    local cfg = run_cfg(ds, build(false))
+    collectgarbage()
+    local base = mem.stats().cpu.total
+    local plan = train.plan(cfg)
+    assert.are.equal(base, plan.total)
+    cfg.model, cfg.optimizer, cfg.groups = cfg.build()
+    collectgarbage()
+    mem.reset_peak()
+    train.run(cfg)
+    local real = mem.stats().cpu
+    assert.are.equal(real.total_peak, plan.total_peak)
+    assert.are.same(real.peak, plan.peak)
+    assert.are.same(real.at_peak, plan.at_peak)
+    assert.is_true(plan.at_peak.pool > 0 and plan.at_peak.acts > 0 and plan.peak.optim > 0)
+  end)
+
+  it("counts lazy optimizer states for every expert (the worst case)", function()
+    local dense = train.plan(run_cfg(ds, build(false)))
+    local lazy = train.plan(run_cfg(ds, build(true)))
+    -- lazy AdamW adds only per-expert step counters to AdamW's states
+    assert.is_true(lazy.peak.optim >= dense.peak.optim)
+    assert.is_true(lazy.peak.optim - dense.peak.optim < 4096)
+  end)
+
+  it("leaves the recipe's state alone", function()
+    local cfg = run_cfg(ds, build(false))
+    cfg.state = {n = 0}
+    cfg.hook = function(_, state) state.n = state.n + 1 end
+    train.plan(cfg)
+    assert.are.equal(0, cfg.state.n)
+  end)
+
+  it("over budget: nil, the budget error, and what the run needs", function()
+    local cfg = run_cfg(ds, build(false))
+    local need = train.plan(cfg).total_peak
+    local prev = mem.budget{total = need - 4096}
+    local plan, why, book = train.plan(cfg)
+    local after = mem.budget(prev)
+    assert.is_nil(plan)
+    support.has(why, "would exceed the total budget")
+    assert.are.equal(need, book.total_peak)
+    assert.are.equal(need - 4096, after.total)   -- budgets restored
+  end)
+
+  it("needs a build function", function()
+    support.raises("build (a function returning model, optimizer, groups) is required", train.plan,
+                   {data = ds, seq_len = SEQ})
+  end)
+end)
+
+describe("recipes/longctx.lua", function()
+  it("a seq_len over the budget fails before allocating, naming --seq-len", function()
+    local dir = support.make_tmpdir()
+    local p = assert(io.popen(support.host_command({"recipes/longctx.lua", "--seq-len", "131072",
+                                                   "--budget-gib", "0.25", "--run-dir", dir .. "/run"})
+                              .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are_not.equal(0, code)
+    assert.matches("%-%-seq%-len 131072 needs [%d.]+ MiB at its peak %(memory plan%), over the budget of " ..
+                   "256%.0 MiB %(%-%-budget%-gib 0%.25%)", out)
+    assert.is_nil(io.open(dir .. "/run/metrics.jsonl"))   -- nothing started
+    support.remove_dir(dir)
+  end)
+end)
