@@ -11,6 +11,8 @@
  *   p:rewind(mark)                 pop every slot above mark; views in them
  *                                  become stale (using one is an error)
  *   p:reset()                      rewind(0)
+ *   p:reserve(bytes)               an empty pool made one block of `bytes` (the
+ *                                  high-water mark a memory plan predicted)
  *   p:stats()                      {capacity=, used=, high_water=, utilisation=,
  *                                   overflows=, blocks=, slots=, grow=, device=}
  *   p:close() / __close / __gc     drop the pool object; the blocks return to
@@ -316,6 +318,31 @@ static int l_pool_reset(lua_State *L)
     return 0;
 }
 
+static int l_pool_reserve(lua_State *L)
+{
+    static const char fn[] = "Pool:reserve";
+    ml_pool *p = check_pool(L, 1, fn);
+    lua_Integer bytes = luaL_checkinteger(L, 2);
+    if (bytes < 0)
+        ml_error(L, fn, "argument #2: size must be >= 0 bytes, got %lld", (long long)bytes);
+    ml_alloc_status as;
+    ml_pool_status ps = ml_pool_reserve(p, (size_t)bytes, &as);
+    if (worth_retrying(ps, as)) {
+        ml_reclaim(L, p->host, p->device);
+        ps = ml_pool_reserve(p, (size_t)bytes, &as);
+    }
+    if (ps == ML_POOL_BUSY)
+        ml_error(L, fn, "the pool has %zu live slot%s (reserve an empty pool: reset it first)",
+                 p->nslots, p->nslots == 1 ? "" : "s");
+    if (ps != ML_POOL_OK) {
+        char what[64], want[32];
+        ml_format_bytes((size_t)bytes, want, sizeof want);
+        snprintf(what, sizeof what, "reserving %s", want);
+        raise_alloc(L, fn, p->host, p->device, ps, as, what);
+    }
+    return 0;
+}
+
 static int l_pool_stats(lua_State *L)
 {
     ml_pool *p = check_pool(L, 1, "Pool:stats");
@@ -373,6 +400,7 @@ static const luaL_Reg pool_methods[] = {
     {"mark", l_pool_mark},
     {"rewind", l_pool_rewind},
     {"reset", l_pool_reset},
+    {"reserve", l_pool_reserve},
     {"stats", l_pool_stats},
     {"close", l_pool_release},
     {NULL, NULL}

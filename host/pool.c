@@ -124,24 +124,39 @@ size_t ml_pool_mark(const ml_pool *p)
     return p->nslots;
 }
 
-/* A pool that grew, with every slot rewound: one block of the high-water
- * mark replaces its blocks, so what it holds from the ledger is what a step
- * needs (not the geometric overshoot of growing), and the next step, which
- * fits that block, allocates nothing. No view is live: every slot is gone,
- * and stale views never touch their data. If the new block is refused the
- * pool is left empty and grows again on demand. */
-static void consolidate(ml_pool *p)
+/* An empty pool's blocks replaced by one block of `bytes`. No view is live:
+ * every slot is gone, and stale views never touch their data. If the new
+ * block is refused the pool is left without blocks and grows again on
+ * demand (or, without grow, is full). */
+static ml_pool_status rebuild(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
 {
-    ml_ledger *lg = p->lg;
     for (size_t i = 0; i < p->nblocks; i++) {
-        ml_ledger_credit(lg, ML_CAT_POOL, p->blocks[i].size);
+        ml_ledger_credit(p->lg, ML_CAT_POOL, p->blocks[i].size);
         if (p->blocks[i].data)
-            p->be->free(p->blocks[i].data, p->blocks[i].size, lg);
+            p->be->free(p->blocks[i].data, p->blocks[i].size, p->lg);
     }
     p->nblocks = 0;
     p->capacity = 0;
-    ml_alloc_status as;
-    add_block(p, align_up(p->high_water), &as);
+    return add_block(p, align_up(bytes), astatus);
+}
+
+ml_pool_status ml_pool_reserve(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
+{
+    *astatus = ML_ALLOC_OK;
+    if (p->nslots)
+        return ML_POOL_BUSY;
+    if (bytes > SIZE_MAX - POOL_ALIGN)
+        return ML_POOL_NOMEM;
+    bytes = align_up(bytes);
+    if (p->nblocks == 1 && p->capacity == bytes)
+        return ML_POOL_OK;
+    /* asked as if the old blocks were returned already, so that a refusal keeps them */
+    switch (ml_ledger_check(p->lg, ML_CAT_POOL, bytes > p->capacity ? bytes - p->capacity : 0)) {
+    case ML_LEDGER_OVER_TOTAL:    p->lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
+    case ML_LEDGER_OVER_CATEGORY: p->lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
+    case ML_LEDGER_OK:            break;
+    }
+    return rebuild(p, bytes, astatus);
 }
 
 void ml_pool_rewind(ml_pool *p, size_t mark)
@@ -151,8 +166,12 @@ void ml_pool_rewind(ml_pool *p, size_t mark)
         p->blocks[s->block].used = s->offset;
         p->used -= s->nbytes;
     }
+    /* a pool that grew: one block of its high-water mark, so what it holds
+     * from the ledger is what a step needs (not the geometric overshoot of
+     * growing), and the next step, which fits that block, allocates nothing */
+    ml_alloc_status as;
     if (mark == 0 && p->nblocks > 1)
-        consolidate(p);
+        rebuild(p, p->high_water, &as);
 }
 
 int ml_pool_view_valid(const ml_pool *p, size_t slot, uint64_t id)

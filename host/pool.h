@@ -47,7 +47,8 @@ typedef enum {
     ML_POOL_OK = 0,
     ML_POOL_FULL,             /* no room and the policy is to raise */
     ML_POOL_LEDGER,           /* growing was refused by the ledger (see alloc status) */
-    ML_POOL_NOMEM
+    ML_POOL_NOMEM,
+    ML_POOL_BUSY              /* ml_pool_reserve on a pool with live slots */
 } ml_pool_status;
 
 /* A pool of `bytes` on `dev`. On ML_POOL_LEDGER *astatus says why. */
@@ -61,6 +62,11 @@ ml_pool_status ml_pool_alloc(ml_pool *p, size_t nbytes, void **data, size_t *slo
  * mark (a ledger reallocation once, after the first step). */
 size_t ml_pool_mark(const ml_pool *p);
 void ml_pool_rewind(ml_pool *p, size_t mark);
+/* An empty pool (no live slot) made one block of `bytes`, e.g. the
+ * high-water mark a memory plan predicted, so the first step does not
+ * grow it either. ML_POOL_BUSY with live slots; ML_POOL_LEDGER when a
+ * budget refuses the change (the pool is then unchanged). */
+ml_pool_status ml_pool_reserve(ml_pool *p, size_t bytes, ml_alloc_status *astatus);
 int ml_pool_view_valid(const ml_pool *p, size_t slot, uint64_t id);
 void ml_pool_retain(ml_pool *p);
 /* Drops one reference; the last one returns every block to the ledger. */

@@ -132,6 +132,7 @@ print(string.format("memory plan: peak %.1f MiB of a %.2f GiB budget (params %.1
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
 
 run.model, run.optimizer, run.groups = build()
+run.plan = plan   -- the model's pool is taken at the planned size: the first step grows nothing
 -- --attach: answer `moelua attach RUN_DIR` at the job's safe points.
 local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps}) or nil
 run.attach = attached

@@ -15,6 +15,7 @@
 --                                               -- (model.safe_point) and after each micro-batch
 --     val_every = 50, val_batches = 4,
 --     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
+--     plan = train.plan{...},        -- the model's stack pool taken at the planned size (below)
 --     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback"}},   -- hooks edited while running
 --   }
 --
@@ -369,6 +370,7 @@ function Trainer:call_hook(step, name, ...)
 end
 
 function Trainer:validate()
+  collectgarbage()   -- as at a step's start
   local n = math.min(self.val_batches, self.data:n_validation())
   if n == 0 then return nil end
   local sum = 0
@@ -386,6 +388,10 @@ local function fresh_ctl(self)
 end
 
 function Trainer:step(step)
+  -- The last step's garbage tensors back to the ledger, and the collector
+  -- in the same phase at every step: the ledger's peaks then repeat from
+  -- step to step, and a plan of the same code (train.plan) predicts them.
+  collectgarbage()
   if self.reload then self:check_reload(step) end
   local srv = self.attach
   if srv then srv:poll(step) end                -- attached clients: at the step's start (set{} takes effect here)
@@ -507,6 +513,9 @@ local function new_trainer(cfg)
   self.rollback = {}
   for k, v in pairs(DEFAULT_ROLLBACK) do self.rollback[k] = (cfg.rollback or {})[k] or v end
   self.tokens_per_step = cfg.seq_len * self.accum
+  -- a plan's high-water mark for the model's stack pool: taken at once, so
+  -- the first step does not grow it (growth overshoots: blocks double)
+  if cfg.plan and cfg.plan.pool_bytes and self.model.pool then self.model.pool:reserve(cfg.plan.pool_bytes) end
   return self
 end
 
@@ -522,32 +531,53 @@ end
 -- returning model, optimizer, groups) in place of those three. A dry run
 -- (moelua.mem.plan: the same code, kernels skipped, sizes and lifetimes
 -- exact, lazy optimizer states taken as all present) builds them and takes
--- one training step, the run's peak: pools grow and optimizer states appear
--- in it, while validation (forward only) and checkpoints allocate less.
+-- two training steps (the optimizer states appear in the first, and the
+-- second is the peak of every later step) and, when cfg.val_every > 0, a
+-- validation. It runs twice:
+-- the first learns the high-water mark of the model's stack pool
+-- (plan.pool_bytes), the second takes it at once, as train.run{plan =
+-- plan} does, so that no step grows the pool and the plan is exactly what
+-- every step of the run charges the ledger.
 -- Returns the planned CPU account book (mem.stats().cpu's fields: peak,
--- at_peak, total_peak, budget_total, ...). When an allocation would cross a
--- budget: nil, the budget error (with the planned ledger), and the book of
--- the same plan with the budgets lifted (its total_peak is what the run
--- needs). Any other failure raises. The recipe's state, the host's RNG and
--- the budgets are left as they were.
+-- at_peak, total_peak, budget_total, ...) and pool_bytes. When an
+-- allocation would cross a budget: nil, the budget error (with the planned
+-- ledger), and the book of the same plan with the budgets lifted (its
+-- total_peak is what the run needs). Any other failure raises. The
+-- recipe's state, the host's RNG and the budgets are left as they were.
 function train.plan(cfg)
   if type(cfg.build) ~= "function" then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
-  local function step()
+  local pool_bytes
+  local data_state = cfg.data:state()   -- batch() moves the cursor
+  local function step(plan)
     local c = {}
     for k, v in pairs(cfg) do c[k] = v end
     c.model, c.optimizer, c.groups = cfg.build()
-    c.state, c.attach = deep_copy(cfg.state or {}), nil
-    new_trainer(c):step(0)
+    c.state, c.attach, c.plan = deep_copy(cfg.state or {}), nil, plan
+    local t = new_trainer(c)
+    t:step(0)
+    t:step(1)
+    if t.val_every > 0 then t:validate() end
+    pool_bytes = c.model.pool and c.model.pool:stats().high_water
   end
-  local books, why, failed = mem.plan(step)
-  if books then return books.cpu end
+  local function plan_twice()
+    local books, why, failed = mem.plan(step)
+    if books then books, why, failed = mem.plan(step, {pool_bytes = pool_bytes}) end
+    return books, why, failed
+  end
+  local books, why, failed = plan_twice()
+  cfg.data:set_state(data_state)
+  if books then
+    books.cpu.pool_bytes = pool_bytes
+    return books.cpu
+  end
   if failed.cpu.refused == 0 then error(why, 0) end
   local lifted = {total = 0}
   for k in pairs(failed.cpu.budget) do lifted[k] = 0 end
   local budgets = mem.budget(lifted)
-  local need = mem.plan(step)
+  local need = plan_twice()
+  cfg.data:set_state(data_state)
   mem.budget(budgets)
   return nil, why, need and need.cpu or failed.cpu
 end

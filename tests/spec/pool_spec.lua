@@ -250,6 +250,54 @@ describe("overflow", function()
   end)
 end)
 
+describe("Pool:reserve", function()
+  it("makes an empty pool one block of the size asked, so the next step does not grow", function()
+    local p = pool.new(1024, {grow = true})
+    local before = pool_bytes()
+    p:reserve(100000)
+    local st = p:stats()
+    assert.are.equal(100032, st.capacity)          -- rounded up to 64 bytes
+    assert.are.equal(1, st.blocks)
+    assert.are.equal(before - 1024 + 100032, pool_bytes())
+    local a, b = p:tensor({12500}), p:tensor({12484})   -- 50048 + 49984 bytes (64-byte slots)
+    assert.are.equal(0, p:stats().overflows)
+    a, b = nil, nil
+    p:reset()
+    p:reserve(100000)                                -- the same size: nothing changes
+    assert.are.equal(1, p:stats().blocks)
+    p:reserve(512)                                   -- and it shrinks
+    assert.are.equal(512, p:stats().capacity)
+    assert.are.equal(before - 1024 + 512, pool_bytes())
+    p:close()
+  end)
+
+  it("refuses a pool with live slots, and a budget refusal keeps the blocks", function()
+    local p = pool.new(4096)
+    local v = p:tensor({4})
+    assert.are.equal("Pool:reserve: the pool has 1 live slot (reserve an empty pool: reset it first)",
+                     errmsg(p.reserve, p, 8192))
+    p:reset()
+    local prev = mem.budget{total = mem.stats().cpu.total + 8192}
+    local msg = errmsg(p.reserve, p, 1 << 20)
+    mem.budget(prev)
+    has(msg, "Pool:reserve: reserving 1.00 MiB on cpu would exceed the total budget")
+    has(msg, "memory ledger (cpu)")
+    assert.are.equal(4096, p:stats().capacity)
+    assert.are.equal(1, p:stats().blocks)
+    v = nil
+    p:close()
+  end)
+
+  it("checks its arguments", function()
+    local p = pool.new(64)
+    has(errmsg(p.reserve, p), "number expected, got no value")
+    assert.are.equal("Pool:reserve: argument #2: size must be >= 0 bytes, got -5", errmsg(p.reserve, p, -5))
+    has(errmsg(p.reserve, 7, 64), "moelua.Pool expected, got number")
+    p:close()
+    assert.are.equal("Pool:reserve: the pool is closed", errmsg(p.reserve, p, 64))
+  end)
+end)
+
 describe("closing", function()
   it("close, __close and __gc are one idempotent release", function()
     collectgarbage()
