@@ -34,7 +34,7 @@ local opts = options.parse(arg, {
   {"seq-len", 8192, "tokens per sequence"},
   {"accum", 1, "micro-batches per optimizer step"},
   -- the optimizer and schedules
-  {"steps", 20, "optimizer steps"},
+  {"steps", 50, "optimizer steps"},
   {"lr", 3e-3, "peak learning rate"},
   {"warmup", 4, "warmup steps"},
   {"clip", 1.0, "global gradient-norm clip"},
