@@ -13,7 +13,7 @@ override CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -f
            -ffp-contract=off -I$(LUA_INC) -MMD -MP
 # Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
 # term, system) resolve lua_* against the host.
-LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp
+LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp -pthread
 
 HOST_SRC    := $(filter-out host/backend_cuda.c,$(wildcard host/*.c))
 KERNEL_SRC  := $(wildcard kernels/*.c)

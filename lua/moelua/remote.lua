@@ -1,6 +1,8 @@
--- moelua.remote: the job's side of `moelua attach RUN_DIR`. It answers the
--- lines clients send to the socket of moelua.attach (host/l_attach.c), on
--- the training thread, at the trainer's safe points.
+-- moelua.remote: the job's side of `moelua attach RUN_DIR`. moelua.attach
+-- (host/l_attach.c) serves the socket from its own thread; this module runs
+-- on the training thread, at the trainer's safe points: it publishes the
+-- snapshot that thread answers from, and runs the requests it cannot
+-- answer.
 --
 --   local remote = require "moelua.remote"
 --   local srv = remote.listen(run_dir, {steps = N})
@@ -11,35 +13,51 @@
 -- (moelua.mem.stats()), `progress` ({step =, steps =, paused =, phase =,
 -- layer =, micro =, micros =}: where the job stands), `overrides` and
 -- `staged` (copies), and the controls set{temperature =, aux_weight =,
--- lr_scale =}, checkpoint(), pause() / resume(). The chunk runs in a
--- coroutine under an instruction limit (debug.sethook count, 1e6 by
--- default), so an endless loop ends with an error reply; every error is
--- replied, none reaches the training loop (only Ctrl-C's "interrupted"
--- passes through, to stop the job as it would anyway).
+-- lr_scale =}, checkpoint(), pause() / resume(). Every line runs under an
+-- instruction limit (1e6 by default), so an endless loop ends with an error
+-- reply; every error is replied, none reaches the training loop (only
+-- Ctrl-C's "interrupted" passes through, to stop the job as it would
+-- anyway).
+--
+-- Where a line runs:
+--   - at once, in the server thread of moelua.attach, whatever the training
+--     thread is doing (in a long kernel, in the optimizer): a line that
+--     calls no control. It sees the snapshot this module published last
+--     (srv:publish(), a JSON text: stats, ledger, progress, overrides,
+--     staged), so it is as fresh as the last safe point;
+--   - at the next safe point, here, on the training thread: a line that
+--     calls a control. The server thread queues it whole; here it runs
+--     again in a coroutine under the same limit (debug.sethook count),
+--     against the live state, and its reply goes back through the server
+--     thread. The snapshot is published again before each reply, so the
+--     client's next query sees what its control did.
 --
 -- Safe points, and what a request does at each:
 --   srv:poll(step)               the start of step `step`, before its hook
---                                (phase "start")
+--                                (phase "start"); stats is read here
 --   srv:safe_point(phase, layer) inside the step: after each block's forward
 --                                or backward (phase "forward"/"backward",
 --                                from model.safe_point, which the trainer
 --                                sets to srv.on_layer during its step) and
 --                                after each micro-batch (phase "micro-batch")
 --   srv:position(micro, micros)  the micro-batch now running (no I/O)
--- Read-only queries (stats, ledger, progress, overrides) are answered at
--- every safe point. set{...} at the start of step N applies from step N;
--- inside step N it is staged and applies from step N + 1 (the reply says
--- which step), so a step never mixes two temperatures, aux weights or
--- learning rates across its layers or micro-batches. Overrides are kept for
--- every later step and win over the recipe's hook. checkpoint() saves after
--- the current step (the trainer's loop, lua/moelua/train.lua). pause() blocks
--- the job at the safe point where it was answered, still answering requests
--- (50 ms polls), until resume() or until no client is left attached.
+--   srv:finish(steps)            after the last step (phase "done")
+-- set{...} at the start of step N applies from step N; inside step N it is
+-- staged and applies from step N + 1 (the reply says which step), so a step
+-- never mixes two temperatures, aux weights or learning rates across its
+-- layers or micro-batches. Overrides are kept for every later step and win
+-- over the recipe's hook. checkpoint() saves after the current step (the
+-- trainer's loop, lua/moelua/train.lua). pause() blocks the job at the safe
+-- point where it was run, still running controls (50 ms waits) while the
+-- server thread answers queries, until resume() or until no client is left
+-- attached.
 --
--- Not here: the socket (host/l_attach.c) and the loop that calls the safe
--- points and saves the checkpoint (lua/moelua/train.lua).
+-- Not here: the socket and the server thread (host/l_attach.c) and the loop
+-- that calls the safe points and saves the checkpoint
+-- (lua/moelua/train.lua).
 local attach = require "moelua.attach"
 local mem = require "moelua.mem"
+local bench = require "moelua.bench"
 local fs = require "moelua.fs"
 local json = require "dkjson"
 
@@ -50,8 +68,13 @@ Server.__index = Server
 
 local SETTABLE = {temperature = true, aux_weight = true, lr_scale = true}
 local REPLY_MAX = 60000
+-- Encoding the ledger takes ~0.15 ms and a tiny model reaches a safe point
+-- every ~1 ms: the snapshot's ledger is encoded again at most this often
+-- (seconds), and after every control; the rest of it at every safe point.
+local LEDGER_EVERY = 0.02
 
--- The last step's metrics: the last line of metrics.jsonl with a `step` and no `event`.
+-- The last step's metrics, as its JSON line: the last line of metrics.jsonl
+-- with a `step` and no `event` that decodes.
 local function last_metrics(path)
   local f = io.open(path, "rb")
   if not f then return nil end
@@ -65,7 +88,7 @@ local function last_metrics(path)
   end
   if not found then return nil end
   local ok, m = pcall(json.decode, found)
-  return ok and m or nil
+  return ok and type(m) == "table" and found or nil
 end
 
 local function show(v)
@@ -79,22 +102,52 @@ end
 function remote.listen(run_dir, opts)
   opts = opts or {}
   fs.mkdir_p(run_dir)
+  local limit = math.floor(opts.instructions or 1e6)
   local srv = setmetatable({
-    handle = attach.listen(run_dir), metrics_path = run_dir .. "/metrics.jsonl",
-    steps = opts.steps, limit = opts.instructions or 1e6, overrides = {}, staged = {}, paused = false,
+    handle = attach.listen(run_dir, limit), metrics_path = run_dir .. "/metrics.jsonl",
+    steps = opts.steps, limit = limit, overrides = {}, staged = {}, paused = false,
     step = nil, phase = "start", layer = nil, micro = nil, micros = nil,
+    stats_line = nil, ledger_json = nil, ledger_at = nil,   -- the snapshot's, as JSON text
   }, Server)
   srv.on_layer = function(phase, layer) srv:safe_point(phase, layer) end   -- the model's safe_point
+  srv.stats_line = last_metrics(srv.metrics_path)
+  srv:publish()
   return srv
+end
+
+function Server:progress()
+  return {step = self.step, steps = self.steps, paused = self.paused, phase = self.phase,
+          layer = self.layer, micro = self.micro, micros = self.micros}
+end
+
+local function pass_interrupt(err)
+  if tostring(err):find("interrupted", 1, true) then error(err, 0) end
+end
+
+local function publish(srv, fresh)
+  local t = bench.now()
+  if fresh or not srv.ledger_json or t - srv.ledger_at >= LEDGER_EVERY then
+    srv.ledger_json, srv.ledger_at = json.encode(mem.stats()), t
+  end
+  local rest = json.encode({progress = srv:progress(), overrides = srv.overrides, staged = srv.staged})
+  attach.publish(srv.handle, '{"stats":' .. (srv.stats_line or "null") .. ',"ledger":' .. srv.ledger_json ..
+                             "," .. rest:sub(2))
+end
+
+-- The snapshot the server thread answers queries from: stats (the JSON line
+-- as read at the step's start), ledger (at most LEDGER_EVERY old; `fresh`:
+-- now), progress, overrides, staged. Never raises, but for Ctrl-C.
+function Server:publish(fresh)
+  local ok, err = pcall(publish, self, fresh)
+  if not ok then pass_interrupt(err) end
 end
 
 -- The environment of one request; output of print goes into the reply.
 function Server:env(out)
   local srv = self
   local env = {
-    stats = last_metrics(self.metrics_path), ledger = mem.stats(),
-    progress = {step = self.step, steps = self.steps, paused = self.paused, phase = self.phase,
-                layer = self.layer, micro = self.micro, micros = self.micros},
+    stats = self.stats_line and json.decode(self.stats_line), ledger = mem.stats(),
+    progress = self:progress(),
     overrides = {}, staged = {},   -- copies: changes go through set{...}
     math = math, string = string, table = table, pairs = pairs, ipairs = ipairs, next = next,
     tostring = tostring, tonumber = tonumber, type = type, select = select, pcall = pcall,
@@ -169,19 +222,18 @@ function Server:run(code)
   return text
 end
 
-local function pass_interrupt(err)
-  if tostring(err):find("interrupted", 1, true) then error(err, 0) end
-end
-
--- Answer every pending request; while paused, keep answering until resumed.
+-- Publish the snapshot and run every queued control request; while paused,
+-- keep running them until resumed.
 function Server:answer()
   local timeout = 0
   repeat
+    self:publish()
     local ok, reqs, n = pcall(attach.poll, self.handle, timeout)
     if not ok then pass_interrupt(reqs); return end
     for _, r in ipairs(reqs) do
       local okr, text = pcall(self.run, self, r.code)
       if not okr then pass_interrupt(text) end
+      self:publish(true)   -- before the reply: the client's next query sees what this one did
       pcall(attach.reply, self.handle, r.client, okr and text or ("error: " .. tostring(text)))
     end
     if n == 0 then self.paused = false end
@@ -196,6 +248,14 @@ function Server:poll(step)
     self.staged = {}
   end
   self.step, self.phase, self.layer, self.micro = step, "start", nil, nil
+  self.stats_line = last_metrics(self.metrics_path)
+  self:answer()
+end
+
+-- After the last step: the final metrics published (phase "done").
+function Server:finish(steps)
+  self.step, self.phase, self.layer, self.micro = steps, "done", nil, nil
+  self.stats_line = last_metrics(self.metrics_path)
   self:answer()
 end
 

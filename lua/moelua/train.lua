@@ -664,6 +664,7 @@ function train.run(cfg)
     end
   end
   if self.tty then io.stdout:write("\n") end
+  if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
   result.skipped = self.skipped
   result.first_step, result.first_loss = first, result.losses[first]
   result.final_loss = result.losses[last_step]

@@ -4,16 +4,26 @@
 --     in stats), resume, detach; the job finishes with exit 0;
 --   - through a pipe: an endless loop cut off, a bad set{}, a request over
 --     8192 bytes refused while training goes on, checkpoint() after the step;
---   - in process: a request that arrives mid-step is answered at the next
---     layer, before the step ends; set{} inside a step waits for the next;
---     the order of the safe points in a step;
+--   - in process: while the training thread is busy in one long C call (no
+--     safe point), queries are answered at once from the last published
+--     snapshot, and an endless loop or a memory bomb in one is cut off in
+--     the server thread; a set{} sent meanwhile is answered only at the
+--     next safe point;
+--   - in process: a pause() that arrives mid-step holds the step at the
+--     next layer; set{} inside a step waits for the next; the order of the
+--     safe points in a step;
 --   - permissions: the 0700 directory and the 0600 socket stop a peer of
 --     another uid, and SO_PEERCRED refuses it when both are loosened;
 --   - bad arguments, the sun_path limit, a client with no job.
+-- Queries (no control called) are answered by the server thread of
+-- host/l_attach.c from the snapshot; controls at the training thread's safe
+-- points (lua/moelua/remote.lua).
 -- The jobs run with one thread: a loaded machine slows them less.
 local attach = require "moelua.attach"
 local remote = require "moelua.remote"
 local m = require "moelua"
+local bench = require "moelua.bench"
+local mem = require "moelua.mem"
 local nn = require "moelua.nn"
 local optim = require "moelua.optim"
 local data = require "moelua.data"
@@ -115,7 +125,12 @@ describe("moelua attach", function()
     -- still attached: the job logs the new temperature, and stats shows it
     wait_for("step " .. from .. " in metrics.jsonl", function() return metrics(run)[from] end)
     assert.are.equal(0.5, metrics(run)[from].temperature)
-    assert.matches("\n0%.5\r\n", s:line("stats.temperature", "attach> "))
+    -- stats: as published at the next step's start
+    local seen_t = wait_for("step " .. from .. " in stats", function()
+      local st, t = s:line("stats.step, stats.temperature", "attach> "):match("\n(%d+)\r\n([%d.]+)\r\n")
+      return st and tonumber(st) >= from and t
+    end)
+    assert.are.equal("0.5", seen_t)
     local status, screen = s:finish()
     assert.are.equal(0, status, screen)
     assert.is_nil(screen:find("error", 1, true), screen)
@@ -162,7 +177,61 @@ describe("moelua attach", function()
     assert_temperatures(run, steps, from, 0.5)
   end)
 
-  it("answers a request that arrives mid-step at the next layer; set{} inside a step waits for the next",
+  it("answers queries at once from the snapshot while the training thread is busy in C; a control waits " ..
+     "for the next safe point", function()
+    collectgarbage()                                 -- no earlier spec's tensor freed midway
+    local run = dir .. "/run"
+    local srv = remote.listen(run, {steps = 10})
+    support.write_file(run .. "/metrics.jsonl", '{"step":6,"loss":2.5,"temperature":1.0}\n')
+    srv:poll(7)                                      -- step 7 starts: stats of step 6
+    srv:position(1, 1)
+    srv:safe_point("forward", 1)                     -- the last snapshot before the busy spell
+    local published = mem.stats().cpu.total
+    local n = 512
+    local a, b, c = m.randn({n, n}, {seed = 1}), m.randn({n, n}, {seed = 2}), m.zeros({n, n})
+    assert.is_true(mem.stats().cpu.total > published)   -- the ledger moved on, the snapshot did not
+    local out = dir .. "/client.out"
+    local client = assert(io.popen(support.host_command({"attach", run}) .. " > " .. q(out) .. " 2>&1", "w"))
+    client:setvbuf("no")
+    local threads0 = m.threads()
+    finally(function()                               -- also when an assertion fails
+      m.threads(threads0)
+      srv:close()                                    -- first: a client waiting on a reply then exits
+      if io.type(client) == "file" then client:close() end
+    end)
+    wait_for("the client", function() return select(2, srv.handle:poll()) == 1 end)
+    m.threads(1)                                     -- one BLAS thread: a core left for the client
+    local calls = math.ceil(2.5 / bench.raw_sgemm(c, a, b, 4))
+    -- sent one at a time by the client, each after the last one's reply
+    client:write("progress.step, progress.phase, progress.layer, stats.loss, ledger.cpu.total\n" ..
+                 "while true do pcall(function() while true do end end) end\n" ..
+                 "#string.rep('x', 1 << 30)\n" ..
+                 "set{temperature = 0.7}\n" ..
+                 "progress.phase, staged.temperature\n")
+    local t0 = bench.now()
+    bench.raw_sgemm(c, a, b, calls)                  -- one C call: no safe point for ~2.5 s
+    local busy = bench.now() - t0
+    local during = support.read_file(out)
+    assert.is_true(busy > 1.0, "busy for " .. busy .. " s only")
+    assert.are.equal(table.concat({"7", "forward", "1", "2.5", tostring(published),
+                                   "error: attach:1: instruction limit exceeded (1000000 instructions)",
+                                   "error: not enough memory", ""}, "\n"), during)
+    -- set{} was not answered: it waits, queued, for the training thread
+    assert.are.same({}, srv.staged)
+    system.sleep(0.2)
+    assert.are.equal(during, support.read_file(out))
+    srv:safe_point("backward", 1)                    -- runs it: mid-step, staged for step 8
+    assert.are.same({temperature = 0.7}, srv.staged)
+    local rest = "applied from step 8\nbackward\n0.7\n"  -- and the next query sees it
+    wait_for("the replies after the safe point", function()
+      return support.read_file(out) == during .. rest
+    end)
+    client:close()
+    srv:close()
+    assert.is_nil(mode_of(run .. "/attach/sock"))
+  end)
+
+  it("holds a step at the next layer for a pause() sent mid-step; set{} inside a step waits for the next",
      function()
     m.manual_seed(0)
     local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24,
@@ -200,11 +269,12 @@ describe("moelua attach", function()
     assert.is_nil(model.safe_point)                          -- removed after the step
     local replies = lines_of(assert(support.read_file(out)))
     assert.are.equal(9, #replies, table.concat(replies, "\n"))
-    -- answered at a safe point inside step 1 (its first layer, unless the
-    -- client took over 0.3 s to relay the line): the reply says where
+    -- answered at once from the snapshot of step 1's start (or of a later
+    -- safe point of step 1, if the client took over 0.3 s to relay it)
     local p = json.decode(replies[1])
     assert.are.same({1, 4, false, 2}, {p.step, p.steps, p.paused, p.micros})
-    assert.is_true(p.phase == "forward" or p.phase == "backward" or p.phase == "micro-batch", replies[1])
+    assert.is_true(p.phase == "start" or p.phase == "forward" or p.phase == "backward" or
+                   p.phase == "micro-batch", replies[1])
     -- paused inside step 2, where the reply and progress say
     local phase, layer = replies[2]:match("^paused at step 2 %(after the (%a+) of layer (%d), micro%-batch %d of 2%)$")
     if not phase then
@@ -224,6 +294,7 @@ describe("moelua attach", function()
     support.has(support.errmsg(attach.listen, true), "string expected")
     support.has(support.errmsg(attach.listen, dir .. "/" .. string.rep("x", 120)),
                 "over the 107-byte limit of a Unix socket address")
+    support.has(support.errmsg(attach.listen, dir, 0), "argument #2 (instructions): expected 1..1e9, got 0")
     local h = attach.listen(dir)
     assert.are.equal("700", mode_of(dir .. "/attach"))
     assert.are.equal("600", mode_of(dir .. "/attach/sock"))
@@ -236,10 +307,13 @@ describe("moelua attach", function()
     support.has(support.errmsg(attach.poll, "x"), "moelua.attach.poll: argument #1: expected an attach handle")
     support.has(support.errmsg(h.poll, h, -1), "argument #2 (timeout_ms)")
     support.has(support.errmsg(attach.reply, h, "x", "t"), "number expected")
+    support.has(support.errmsg(attach.publish, h, {}), "string expected")
     assert.is_false(h:reply(7, "nobody"))
     h:close()
     h:close()                                                   -- idempotent
     support.has(support.errmsg(h.poll, h), "the attach handle is closed")
+    support.has(support.errmsg(h.publish, h, "{}"), "the attach handle is closed")
+    assert.are.equal("moelua.Attach(" .. dir .. "/attach/sock, closed)", tostring(h))
     assert.is_nil(mode_of(dir .. "/attach/sock"))
   end)
 
@@ -266,10 +340,10 @@ describe("moelua attach", function()
     support.has(out, "cannot connect to " .. sock .. ": Permission denied")
     assert(os.execute("chmod 666 " .. q(sock)))               -- both loosened: SO_PEERCRED decides
 
-    -- a client in the background, sending one request; the spec serves the socket meanwhile
-    local function session(prefix, name, serve)
+    -- a client in the background, sending `input`; the spec serves the socket meanwhile
+    local function session(prefix, name, input, serve)
       local o, st = dir .. "/" .. name .. ".out", dir .. "/" .. name .. ".status"
-      assert(os.execute(string.format("(printf 'progress\\n' | %s%s >%s 2>&1; echo $? >%s) &", prefix,
+      assert(os.execute(string.format("(printf %s | %s%s >%s 2>&1; echo $? >%s) &", q(input), prefix,
                                       support.host_command({"attach", dir}), q(o), q(st))))
       wait_for(name .. "'s exit", function()
         local reqs, nclients = h:poll(20)
@@ -280,24 +354,26 @@ describe("moelua attach", function()
       return support.read_file(o), support.read_file(st)
     end
     local status
-    out, status = session(runas, "nobody", function(reqs, nclients)
+    out, status = session(runas, "nobody", "checkpoint()\\n", function(reqs, nclients)
       assert.are.same({}, reqs)                                 -- never a request
       assert.are.equal(0, nclients)                             -- never a client
     end)
     assert.are.equal("error: refused: this job runs as uid 0 and the peer is uid 65534 (SO_PEERCRED); " ..
                      "attach as the job's user\n", out)
     assert.are.equal("1\n", status)                            -- the client exits 1
-    -- the job's own uid on the same socket is served
+    -- the job's own uid on the same socket is served: a query by the server
+    -- thread from the snapshot, a control by the spec (the training thread)
+    h:publish('{"progress":{"step":3}}')
     local served = 0
-    out, status = session("", "root", function(reqs)
+    out, status = session("", "root", "progress.step\\ncheckpoint()\\n", function(reqs)
       for _, r in ipairs(reqs) do
-        assert.are.equal("progress", r.code)
+        assert.are.equal("checkpoint()", r.code)
         assert.is_true(h:reply(r.client, "served"))
         served = served + 1
       end
     end)
     assert.are.equal(1, served)
-    assert.are.equal("served\n", out)
+    assert.are.equal("3\nserved\n", out)
     assert.are.equal("0\n", status)
     h:close()
   end)
