@@ -19,7 +19,7 @@
  *
  *   moelua attach RUN_DIR
  * The same rule for "attach": a REPL on a running job's socket (a job
- * started with --attach; host/repl.c ml_attach_repl, host/l_attach.c). It
+ * started with --attach; host/repl.c ml_attach_repl, host/attach.c). It
  * needs no Lua state of its own: the code runs inside the job.
  *
  * Ctrl-C: while a chunk runs (ml_docall), SIGINT sets `interrupted` and

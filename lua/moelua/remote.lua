@@ -1,5 +1,5 @@
 -- moelua.remote: the job's side of `moelua attach RUN_DIR`. moelua.attach
--- (host/l_attach.c) serves the socket from its own thread; this module runs
+-- (host/attach.c) serves the socket from its own thread; this module runs
 -- on the training thread, at the trainer's safe points: it publishes the
 -- snapshot that thread answers from, and runs the requests it cannot
 -- answer.
@@ -8,12 +8,13 @@
 --   local srv = remote.listen(run_dir, {steps = N})
 --   train.run{..., attach = srv}   -- the trainer calls the safe points below
 --
--- Each line is Lua source run in its own environment: `stats` (the last
--- step's metrics, the last step line of metrics.jsonl), `ledger`
--- (moelua.mem.stats()), `progress` ({step =, steps =, paused =, phase =,
--- layer =, micro =, micros =}: where the job stands), `overrides` and
--- `staged` (copies), and the controls set{temperature =, aux_weight =,
--- lr_scale =}, checkpoint(), pause() / resume(). Every line runs under an
+-- Each line is Lua source run in its own environment, the same in both
+-- threads (moelua.attach_env): `stats` (the last step's metrics, the last
+-- step line of metrics.jsonl), `ledger` (moelua.mem.stats()), `progress`
+-- ({step =, steps =, paused =, phase =, layer =, micro =, micros =}: where
+-- the job stands), `overrides` and `staged` (copies), and the controls
+-- set{temperature =, aux_weight =, lr_scale =}, checkpoint(), pause() /
+-- resume(). Every line runs under an
 -- instruction limit (1e6 by default), so an endless loop ends with an error
 -- reply; every error is replied, none reaches the training loop (only
 -- Ctrl-C's "interrupted" passes through, to stop the job as it would
@@ -52,14 +53,16 @@
 -- server thread answers queries, until resume() or until no client is left
 -- attached.
 --
--- Not here: the socket and the server thread (host/l_attach.c) and the loop
--- that calls the safe points and saves the checkpoint
--- (lua/moelua/train.lua).
+-- Not here: a line's environment and its reply text
+-- (lua/moelua/attach_env.lua), the socket and the server thread
+-- (host/attach.c, host/l_attach.c) and the loop that calls the safe points
+-- and saves the checkpoint (lua/moelua/train.lua).
 local attach = require "moelua.attach"
 local mem = require "moelua.mem"
 local bench = require "moelua.bench"
 local fs = require "moelua.fs"
 local json = require "dkjson"
+local attach_env = require "moelua.attach_env"
 
 local remote = {}
 
@@ -67,7 +70,7 @@ local Server = {}
 Server.__index = Server
 
 local SETTABLE = {temperature = true, aux_weight = true, lr_scale = true}
-local REPLY_MAX = 60000
+local E = attach_env.new(json)
 -- Encoding the ledger takes ~0.15 ms and a tiny model reaches a safe point
 -- every ~1 ms: the snapshot's ledger is encoded again at most this often
 -- (seconds), and after every control; the rest of it at every safe point.
@@ -91,12 +94,47 @@ local function last_metrics(path)
   return ok and type(m) == "table" and found or nil
 end
 
-local function show(v)
-  if type(v) == "table" then
-    local ok, s = pcall(json.encode, v, {indent = false})
-    if ok and s then return s end
+-- The controls a request line calls (moelua.attach_env.CONTROLS), acting on srv.
+local function controls(srv)
+  local c = {}
+  function c.set(t)
+    if type(t) ~= "table" then error("set: expected a table {temperature =, aux_weight =, lr_scale =}", 2) end
+    for k, v in pairs(t) do
+      if not SETTABLE[k] then error("set: unknown control '" .. tostring(k) ..
+                                    "' (temperature, aux_weight, lr_scale)", 2) end
+      if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge or (k ~= "aux_weight" and v == 0) then
+        error("set: " .. k .. " must be a finite number > 0 (aux_weight >= 0), got " .. tostring(v), 2)
+      end
+    end
+    if srv.phase == "start" then   -- this step's settings are not taken yet
+      for k, v in pairs(t) do srv.overrides[k] = v end
+      return "applied from step " .. tostring(srv.step)
+    end
+    for k, v in pairs(t) do srv.staged[k] = v end   -- mid-step: the next step takes them
+    return "applied from step " .. tostring(srv.step and srv.step + 1)
   end
-  return tostring(v)
+  function c.checkpoint()
+    srv.want_checkpoint = true
+    return "a checkpoint will be saved after step " .. tostring(srv.step)
+  end
+  function c.pause()
+    srv.paused = true
+    if srv.phase == "start" then return "paused at step " .. tostring(srv.step) end
+    return ("paused at step %s (%s)"):format(tostring(srv.step), srv:where())
+  end
+  function c.resume() srv.paused = false; return "resumed" end
+  return c
+end
+
+-- attach_env's `limited` on this thread: fn in a coroutine under `limit`
+-- instructions (debug.sethook count) -> true, results... | false, error.
+local function limiter(limit)
+  return function(fn)
+    local co = coroutine.create(fn)
+    debug.sethook(co, function() error(("instruction limit exceeded (%d instructions)"):format(limit), 2) end,
+                  "", limit)
+    return coroutine.resume(co)
+  end
 end
 
 function remote.listen(run_dir, opts)
@@ -110,6 +148,7 @@ function remote.listen(run_dir, opts)
     stats_line = nil, ledger_json = nil, ledger_at = nil,   -- the snapshot's, as JSON text
   }, Server)
   srv.on_layer = function(phase, layer) srv:safe_point(phase, layer) end   -- the model's safe_point
+  srv.controls, srv.limited = controls(srv), limiter(limit)
   srv.stats_line = last_metrics(srv.metrics_path)
   srv:publish()
   return srv
@@ -142,53 +181,6 @@ function Server:publish(fresh)
   if not ok then pass_interrupt(err) end
 end
 
--- The environment of one request; output of print goes into the reply.
-function Server:env(out)
-  local srv = self
-  local env = {
-    stats = self.stats_line and json.decode(self.stats_line), ledger = mem.stats(),
-    progress = self:progress(),
-    overrides = {}, staged = {},   -- copies: changes go through set{...}
-    math = math, string = string, table = table, pairs = pairs, ipairs = ipairs, next = next,
-    tostring = tostring, tonumber = tonumber, type = type, select = select, pcall = pcall,
-    error = error, assert = assert,
-  }
-  for k, v in pairs(self.overrides) do env.overrides[k] = v end
-  for k, v in pairs(self.staged) do env.staged[k] = v end
-  function env.print(...)
-    local parts = {}
-    for i = 1, select("#", ...) do parts[i] = show((select(i, ...))) end
-    out[#out + 1] = table.concat(parts, "\t")
-  end
-  function env.set(t)
-    if type(t) ~= "table" then error("set: expected a table {temperature =, aux_weight =, lr_scale =}", 2) end
-    for k, v in pairs(t) do
-      if not SETTABLE[k] then error("set: unknown control '" .. tostring(k) ..
-                                    "' (temperature, aux_weight, lr_scale)", 2) end
-      if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge or (k ~= "aux_weight" and v == 0) then
-        error("set: " .. k .. " must be a finite number > 0 (aux_weight >= 0), got " .. tostring(v), 2)
-      end
-    end
-    if srv.phase == "start" then   -- this step's settings are not taken yet
-      for k, v in pairs(t) do srv.overrides[k] = v end
-      return "applied from step " .. tostring(srv.step)
-    end
-    for k, v in pairs(t) do srv.staged[k] = v end   -- mid-step: the next step takes them
-    return "applied from step " .. tostring(srv.step and srv.step + 1)
-  end
-  function env.checkpoint()
-    srv.want_checkpoint = true
-    return "a checkpoint will be saved after step " .. tostring(srv.step)
-  end
-  function env.pause()
-    srv.paused = true
-    if srv.phase == "start" then return "paused at step " .. tostring(srv.step) end
-    return ("paused at step %s (%s)"):format(tostring(srv.step), srv:where())
-  end
-  function env.resume() srv.paused = false; return "resumed" end
-  return env
-end
-
 -- Where inside the step the job stands: "after the forward of layer 2,
 -- micro-batch 1 of 2".
 function Server:where()
@@ -201,25 +193,11 @@ function Server:where()
   return self.micros and self.micros > 1 and s .. " of " .. self.micros or s
 end
 
--- Run one line; returns the reply text. Never raises.
+-- Run one line against the live state; returns the reply text. Never raises.
 function Server:run(code)
-  local out = {}
-  local env = self:env(out)
-  local fn = load("return " .. code, "=attach", "t", env)
-  if not fn then
-    local err
-    fn, err = load(code, "=attach", "t", env)
-    if not fn then return "error: " .. err end
-  end
-  local co = coroutine.create(fn)
-  debug.sethook(co, function() error(("instruction limit exceeded (%d instructions)"):format(math.floor(self.limit)), 2) end,
-                "", math.floor(self.limit))
-  local res = table.pack(coroutine.resume(co))
-  if not res[1] then return "error: " .. show(res[2]) end
-  for i = 2, res.n do out[#out + 1] = show(res[i]) end
-  local text = table.concat(out, "\n")
-  if #text > REPLY_MAX then text = text:sub(1, REPLY_MAX) .. "\n... (cut at " .. REPLY_MAX .. " bytes)" end
-  return text
+  local data = {stats = self.stats_line and json.decode(self.stats_line), ledger = mem.stats(),
+                progress = self:progress(), overrides = self.overrides, staged = self.staged}
+  return E.run(code, data, self.controls, self.limited)
 end
 
 -- Publish the snapshot and run every queued control request; while paused,

@@ -16,7 +16,7 @@
 --     another uid, and SO_PEERCRED refuses it when both are loosened;
 --   - bad arguments, the sun_path limit, a client with no job.
 -- Queries (no control called) are answered by the server thread of
--- host/l_attach.c from the snapshot; controls at the training thread's safe
+-- host/attach.c from the snapshot; controls at the training thread's safe
 -- points (lua/moelua/remote.lua).
 -- The jobs run with one thread: a loaded machine slows them less.
 local attach = require "moelua.attach"
