@@ -274,9 +274,12 @@ static int l_mem_empty_cache(lua_State *L)
  * would cross a budget is the same Lua error, raised before anything real
  * was allocated. Tensor contents inside a plan are meaningless; code whose
  * sizes depend on data asks mem.planning() and takes its worst case. The
- * host's RNG counter and category are restored afterwards, so planning
- * does not change the run it plans. CUDA tensors are not planned (the
- * device is absent inside a plan). */
+ * host's seed, RNG counter, thread count and category are restored
+ * afterwards, so planning does not change the run it plans. Objects made
+ * outside the plan keep their real memory: a pool made outside cannot grow
+ * inside it (an error), and a plan whose tensors are still referenced when
+ * it ends fails. CUDA tensors are not planned (the device is absent inside
+ * a plan). */
 
 static void enter_plan(ml_host *h)
 {
@@ -320,17 +323,30 @@ static int l_mem_plan(lua_State *L)
     if (h->plan_live)
         ml_error(L, fn, "%zu tensors or pools of an earlier plan are still alive "
                  "(a plan's function must not keep them)", h->plan_live);
-    uint64_t rng_offset = h->rng_offset;
+    uint64_t seed = h->seed, rng_offset = h->rng_offset;
+    int nthreads = h->nthreads;
     ml_category cat = h->category;
     enter_plan(h);
     int err = lua_pcall(L, lua_gettop(L) - 1, 0, 0);
     leave_plan(h);
+    h->seed = seed;
     h->rng_offset = rng_offset;
     h->category = cat;
+    if (h->nthreads != nthreads) {
+        h->nthreads = nthreads;
+        ml_matmul_set_threads_cpu(nthreads);
+    }
     /* the plan's tensors are garbage now: return them to the virtual book
      * (two passes: finalizers of the first may free more) */
     lua_gc(L, LUA_GCCOLLECT);
     lua_gc(L, LUA_GCCOLLECT);
+    if (err == LUA_OK && h->plan_live) {   /* kept by a global or an object from outside */
+        err = LUA_ERRRUN;
+        lua_pushfstring(L, "%d tensors or pools of the plan are still referenced after it "
+                        "(by a global, an upvalue or an object made outside the plan, such as an "
+                        "optimizer stepped inside it); they hold no real memory and must not be used",
+                        (int)h->plan_live);
+    }
     lua_createtable(L, 0, ML_NDEVICES);
     for (int d = 0; d < ML_NDEVICES; d++) {
         push_ledger(L, h, &h->plan_books[d], (ml_device)d);

@@ -68,6 +68,9 @@ static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
 {
     char limit[32];
     const ml_ledger *lg = h->ledger[dev];
+    if (ps == ML_POOL_OUTSIDE_PLAN)
+        ml_error(L, fn, "%s: this pool was made outside moelua.mem.plan, which cannot give it "
+                 "real memory (build the pool inside the planned function)", what);
     if (as == ML_ALLOC_NODEVICE)
         ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
                  ml_unavailable_reason(h, dev));
@@ -215,7 +218,9 @@ void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml
             ml_error(L, fn, "option 'pool': pool full: %s needs %s, %s of %s are in use "
                      "(grow=false)", what, need, used, cap);
         ml_error(L, fn, "option 'pool': growing the pool by %s for %s was refused (%s)", need,
-                 what, ps == ML_POOL_LEDGER ? "ledger budget" : "out of memory");
+                 what, ps == ML_POOL_LEDGER ? "ledger budget"
+                       : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
+                       : "out of memory");
     }
     s->pool = p;
     s->mark = mark;

@@ -15,12 +15,21 @@ static size_t align_up(size_t n)
     return (n + POOL_ALIGN - 1) & ~(size_t)(POOL_ALIGN - 1);
 }
 
+/* Inside mem.plan, a pool made outside it: its blocks are real memory,
+ * which a plan must not take (nor give back). */
+static int outside_plan(const ml_pool *p)
+{
+    return p->host->planning && !ml_is_plan_ledger(p->host, p->lg);
+}
+
 /* A new block of `bytes` charged to the ledger under `pool`. */
 static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
 {
     ml_ledger *lg = p->lg;
     const ml_backend *be = p->be;
     *astatus = ML_ALLOC_OK;
+    if (outside_plan(p))
+        return ML_POOL_OUTSIDE_PLAN;
     if (!be || !be->available()) {
         *astatus = ML_ALLOC_NODEVICE;
         return ML_POOL_LEDGER;
@@ -145,13 +154,20 @@ ml_pool_status ml_pool_reserve(ml_pool *p, size_t bytes, ml_alloc_status *astatu
     *astatus = ML_ALLOC_OK;
     if (p->nslots)
         return ML_POOL_BUSY;
+    if (outside_plan(p))
+        return ML_POOL_OUTSIDE_PLAN;
     if (bytes > SIZE_MAX - POOL_ALIGN)
         return ML_POOL_NOMEM;
     bytes = align_up(bytes);
     if (p->nblocks == 1 && p->capacity == bytes)
         return ML_POOL_OK;
-    /* asked as if the old blocks were returned already, so that a refusal keeps them */
-    switch (ml_ledger_check(p->lg, ML_CAT_POOL, bytes > p->capacity ? bytes - p->capacity : 0)) {
+    /* asked as if the old blocks were returned already, so that a refusal
+     * keeps them (in the device's reserved bytes, as add_block asks) */
+    size_t want = p->be && p->be->reserve_bytes ? p->be->reserve_bytes(bytes) : bytes;
+    size_t have = 0;
+    for (size_t i = 0; i < p->nblocks; i++)
+        have += p->be && p->be->reserve_bytes ? p->be->reserve_bytes(p->blocks[i].size) : p->blocks[i].size;
+    switch (ml_ledger_check(p->lg, ML_CAT_POOL, want > have ? want - have : 0)) {
     case ML_LEDGER_OVER_TOTAL:    p->lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: p->lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
     case ML_LEDGER_OK:            break;
@@ -170,7 +186,7 @@ void ml_pool_rewind(ml_pool *p, size_t mark)
      * from the ledger is what a step needs (not the geometric overshoot of
      * growing), and the next step, which fits that block, allocates nothing */
     ml_alloc_status as;
-    if (mark == 0 && p->nblocks > 1)
+    if (mark == 0 && p->nblocks > 1 && !outside_plan(p))
         rebuild(p, p->high_water, &as);
 }
 

@@ -48,7 +48,8 @@ typedef enum {
     ML_POOL_FULL,             /* no room and the policy is to raise */
     ML_POOL_LEDGER,           /* growing was refused by the ledger (see alloc status) */
     ML_POOL_NOMEM,
-    ML_POOL_BUSY              /* ml_pool_reserve on a pool with live slots */
+    ML_POOL_BUSY,             /* ml_pool_reserve on a pool with live slots */
+    ML_POOL_OUTSIDE_PLAN      /* new blocks asked inside mem.plan for a pool made outside it */
 } ml_pool_status;
 
 /* A pool of `bytes` on `dev`. On ML_POOL_LEDGER *astatus says why. */

@@ -543,7 +543,9 @@ end
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
 -- total_peak is what the run needs). Any other failure raises. The
--- recipe's state, the host's RNG and the budgets are left as they were.
+-- recipe's state table, the data cursor, the host's RNG and the budgets are
+-- left as they were; the hooks run inside the plans (four steps), so what
+-- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
   if type(cfg.build) ~= "function" then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
@@ -566,20 +568,25 @@ function train.plan(cfg)
     if books then books, why, failed = mem.plan(step, {pool_bytes = pool_bytes}) end
     return books, why, failed
   end
-  local books, why, failed = plan_twice()
+  local ok, books, why, failed = pcall(plan_twice)
   cfg.data:set_state(data_state)
+  if not ok then error(books, 0) end
   if books then
     books.cpu.pool_bytes = pool_bytes
     return books.cpu
   end
   if failed.cpu.refused == 0 then error(why, 0) end
+  -- What the run needs: the same plan with the budgets lifted.
   local lifted = {total = 0}
   for k in pairs(failed.cpu.budget) do lifted[k] = 0 end
   local budgets = mem.budget(lifted)
-  local need = plan_twice()
-  cfg.data:set_state(data_state)
+  local need, why2
+  ok, need, why2 = pcall(plan_twice)
   mem.budget(budgets)
-  return nil, why, need and need.cpu or failed.cpu
+  cfg.data:set_state(data_state)
+  if not ok then error(need, 0) end
+  if not need then error(why2, 0) end
+  return nil, why, need.cpu
 end
 
 function train.run(cfg)

@@ -69,11 +69,38 @@ describe("mem.plan", function()
     assert.is_nil(ok)
     support.has(why, "plans do not nest")
     local kept
-    mem.plan(function() kept = m.zeros({4}) end)
+    ok, why = mem.plan(function() kept = m.zeros({4}) end)
+    assert.is_nil(ok)
+    support.has(why, "1 tensors or pools of the plan are still referenced after it")
     support.raises("1 tensors or pools of an earlier plan are still alive", mem.plan, function() end)
     kept = nil
     assert.is_table(mem.plan(function() end))
     support.raises("bad argument #1", mem.plan, 42)
+  end)
+
+  it("gives no real memory to a pool made outside it", function()
+    local p = m.pool.new(1 << 20, {grow = true})
+    local before = mem.stats().cpu.current.pool
+    local ok, why = mem.plan(function() local t = p:tensor({1 << 20}) end)   -- 4 MiB: must grow
+    assert.is_nil(ok)
+    support.has(why, "this pool was made outside moelua.mem.plan")
+    assert.are.equal(before, mem.stats().cpu.current.pool)
+    assert.are.equal(1, p:stats().blocks)
+    ok, why = mem.plan(function() p:reserve(1 << 22) end)
+    assert.is_nil(ok)
+    support.has(why, "Pool:reserve: reserving 4.00 MiB: this pool was made outside moelua.mem.plan")
+    assert.is_table(mem.plan(function() local t = p:tensor({1000}) end))   -- fits: no new memory
+    p:close()
+  end)
+
+  it("restores the seed and the thread count", function()
+    local threads = m.threads()
+    m.manual_seed(11)
+    local plain = m.randn({3}):totable()
+    m.manual_seed(11)
+    mem.plan(function() m.manual_seed(99); m.threads(1); local x = m.randn({3}) end)
+    assert.are.equal(threads, m.threads())
+    assert.are.same(plain, m.randn({3}):totable())
   end)
 end)
 
@@ -173,6 +200,16 @@ describe("train.plan", function()
     support.has(why, "would exceed the total budget")
     assert.are.equal(need, book.total_peak)
     assert.are.equal(need - 4096, after.total)   -- budgets restored
+  end)
+
+  it("a failing build raises, with the data cursor and the budgets restored", function()
+    local cfg = run_cfg(ds, function() ds:batch(5); error("no such model") end)
+    ds:batch(2)
+    support.raises("no such model", train.plan, cfg)
+    assert.are.equal(3, ds:state().cursor)
+    local prev = mem.budget{total = 1 << 20}
+    support.raises("no such model", train.plan, cfg)   -- fails before any allocation: no lifting
+    assert.are.equal(1 << 20, mem.budget(prev).total)
   end)
 
   it("needs a build function", function()
