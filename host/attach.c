@@ -92,6 +92,9 @@ struct ml_attach {
     lua_Integer limit;   /* instructions per request line */
     int wake[2];         /* the self-pipe: a byte in wake[1] wakes the server thread */
     int started;         /* the server thread runs: ml_attach_free joins it */
+    int bound;           /* the socket file at path is this server's: dev and ino */
+    dev_t dev;
+    ino_t ino;
     pthread_t thread;
     /* the server thread's alone while it runs */
     int fd;              /* the listening socket */
@@ -647,10 +650,13 @@ void ml_attach_free(ml_attach *a)
     for (int i = 0; i < ML_ATTACH_CLIENTS; i++)
         if (a->client[i].fd >= 0)
             close(a->client[i].fd);
-    if (a->fd >= 0) {
+    if (a->fd >= 0)
         close(a->fd);
+    /* Only the socket this server bound: another job may have bound its own
+     * there since (after removing this one). */
+    struct stat st;
+    if (a->bound && lstat(a->path, &st) == 0 && st.st_dev == a->dev && st.st_ino == a->ino)
         unlink(a->path);
-    }
     if (a->T)
         lua_close(a->T);
     for (int i = 0; i < 2; i++)
@@ -697,8 +703,40 @@ static int server_start(ml_attach *a)
     return e;
 }
 
+/* A non-blocking Unix stream socket (-1: errno) and in addr the address of
+ * path (shorter than sun_path). */
+static int unix_socket(const char *path, struct sockaddr_un *addr)
+{
+    memset(addr, 0, sizeof *addr);
+    addr->sun_family = AF_UNIX;
+    snprintf(addr->sun_path, sizeof addr->sun_path, "%s", path);
+    return socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+}
+
+/* A socket at path that a job serves: connect() to it is accepted (or
+ * fails with anything but ECONNREFUSED, what a socket whose job died gives,
+ * or ENOENT, gone meanwhile). 0: nobody serves it; -1 (err). */
+static int check_served(const char *path, char *err, size_t errlen)
+{
+    struct sockaddr_un addr;
+    int fd = unix_socket(path, &addr);
+    if (fd < 0)
+        return FAIL(err, errlen, "socket: %s", strerror(errno));
+    int r = connect(fd, (struct sockaddr *)&addr, sizeof addr);
+    int e = errno;
+    close(fd);
+    if (r == 0 || e == EAGAIN)  /* EAGAIN: its backlog is full */
+        return FAIL(err, errlen, "another job serves %s: stop it first, or give this job another run "
+                    "directory", path);
+    if (e == ECONNREFUSED || e == ENOENT)
+        return 0;
+    return FAIL(err, errlen, "another job may serve %s (connecting to it: %s): stop it first, or give "
+                "this job another run directory", path, strerror(e));
+}
+
 /* sock_path's directory, made 0700 and this user's; a socket left there by
- * a job that died removed (anything else there is an error). 0 or -1 (err). */
+ * a job that died removed, one that a job serves refused (anything else
+ * there is an error). 0 or -1 (err). */
 static int make_dir(const char *path, char *err, size_t errlen)
 {
     char dir[ML_ATTACH_PATH_MAX];
@@ -720,6 +758,8 @@ static int make_dir(const char *path, char *err, size_t errlen)
     if (lstat(path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode))
             return FAIL(err, errlen, "'%s' exists and is not a socket", path);
+        if (check_served(path, err, errlen) != 0)
+            return -1;
         unlink(path);
     }
     return 0;
@@ -740,19 +780,22 @@ int ml_attach_listen(ml_attach *a, const char *sock_path, long long limit, const
         return -1;
     if (pipe2(a->wake, O_NONBLOCK | O_CLOEXEC) != 0)
         return FAIL(err, errlen, "pipe: %s", strerror(errno));
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    struct sockaddr_un addr;
+    int fd = unix_socket(sock_path, &addr);
     if (fd < 0)
         return FAIL(err, errlen, "socket: %s", strerror(errno));
-    struct sockaddr_un addr;
-    memset(&addr, 0, sizeof addr);
-    addr.sun_family = AF_UNIX;
-    memcpy(addr.sun_path, sock_path, plen + 1);
     if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
         int e = errno;
         close(fd);
         return FAIL(err, errlen, "cannot bind '%s': %s", sock_path, strerror(e));
     }
-    a->fd = fd;  /* bound: ml_attach_free unlinks the socket */
+    a->fd = fd;
+    struct stat st;  /* the file bound: ml_attach_free removes it while it is still this one */
+    if (lstat(sock_path, &st) != 0)
+        return FAIL(err, errlen, "cannot stat '%s' after binding it: %s", sock_path, strerror(errno));
+    a->bound = 1;
+    a->dev = st.st_dev;
+    a->ino = st.st_ino;
     if (chmod(sock_path, 0600) != 0)
         return FAIL(err, errlen, "cannot chmod 0600 '%s': %s", sock_path, strerror(errno));
     if (listen(fd, ML_ATTACH_CLIENTS) != 0)

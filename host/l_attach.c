@@ -6,7 +6,9 @@
  *
  *   attach.listen(run_dir [, instructions]) -> handle (the directory 0700,
  *       the socket 0600; the server thread running; instructions: the limit
- *       per request line, default 1e6)
+ *       per request line, default 1e6). A socket there that a job serves
+ *       is an error ("another job serves ..."), one left by a dead job is
+ *       replaced.
  *   attach.publish(h, json)         the snapshot the server thread answers
  *       queries from: a JSON object with any of stats, ledger, progress,
  *       overrides, staged (replaces the last one)
@@ -19,7 +21,8 @@
  *       queues text as the reply to that line; the client's next line is
  *       read after it
  *   attach.close(h)                 wakes and joins the server thread,
- *       closes every socket, removes sock (also __gc / __close)
+ *       closes every socket, removes sock while it is the one it bound
+ *       (also __gc / __close)
  *
  * Not here: the server (host/attach.c), what a line sees and its reply text
  * (lua/moelua/attach_env.lua), running the controls and publishing the

@@ -21,10 +21,24 @@
 --                      an expression ('return ' .. code), else as a
 --                      statement, in E.env; run by limited(fn) (-> true,
 --                      results... | false, error: fn under the instruction
---                      limit); the printed lines and the results, one a
---                      line, cut at attach_env.REPLY_MAX bytes; a load or
---                      run error as "error: ...". Raises only what limited
---                      or a control raises past it.
+--                      limit), with the strings' methods (s:find(...)) taken
+--                      from the line's string table meanwhile; the printed
+--                      lines and the results, one a line, a NUL byte written
+--                      \0 (a NUL ends a reply on the wire), cut at
+--                      attach_env.REPLY_MAX bytes; a load or run error as
+--                      "error: ...". Raises only what limited or a control
+--                      raises past it.
+--
+-- The instruction limit counts Lua instructions; a C function runs to its
+-- end unseen by it. So the line's string library has no pattern matching:
+-- a pattern can run for hours in one C call (("a"):rep(20000):find
+-- (".-.-.-.-.-b")), hanging the thread that runs it. string.find searches
+-- plainly (s:find(text, init, true); a text with a pattern's special
+-- characters ^$*+?.()[]%- and no `plain` is refused rather than read
+-- plainly), and match, gmatch and gsub are refused, each with an error
+-- that says why. string.rep and table.move, loops in C as long as the line
+-- asks, refuse more than 2^24 repetitions or elements. The other string
+-- and table functions are the real ones.
 --   attach_env.server(json, limited)  -> evaluator(code, snapshot_json):
 --                      the server thread's: E.run against the decoded
 --                      snapshot; nil when the line calls a control (it is
@@ -42,11 +56,65 @@ attach_env.CONTROLS = {"set", "checkpoint", "pause", "resume"}
 local BASE = {"pairs", "ipairs", "next", "tostring", "tonumber", "type", "select", "pcall", "error", "assert"}
 local LIBS = {"math", "string", "table"}
 local G = _G
+local sfind, gsub = string.find, string.gsub
+local STRMETA = getmetatable("")   -- its __index: what s:find(...) calls
 
 local function copy(t)
   local c = {}
   for k, v in pairs(t or {}) do c[k] = v end
   return c
+end
+
+-- The line's string library (copied for each line): the real one without
+-- pattern matching (see above).
+local WHY = "a pattern can run for hours in C, where the instruction limit cannot stop it"
+local SPECIAL = "[%^%$%*%+%?%.%(%)%[%]%%%-]"
+local STRING = copy(string)
+function STRING.find(s, text, init, plain)
+  local t = type(text) == "number" and tostring(text) or text
+  if not plain and type(t) == "string" and sfind(t, SPECIAL) then
+    error("string.find: the pattern '" .. t .. "' is refused here (" .. WHY .. "); to search for it " ..
+          "plainly: s:find(text, init, true)", 2)
+  end
+  return sfind(s, text, init, true)
+end
+for _, name in ipairs({"match", "gmatch", "gsub"}) do
+  STRING[name] = function()
+    error("string." .. name .. " is refused here: " .. WHY .. "; string.find(s, text, init, true) " ..
+          "searches plainly", 2)
+  end
+end
+
+-- Two more loops in C whose length the line chooses: bounded.
+local LOOP_MAX = 1 << 24
+local srep, tmove = string.rep, table.move
+function STRING.rep(s, n, sep)
+  if type(n) == "number" and n > LOOP_MAX then
+    error(("string.rep: %.0f repetitions is over the %d allowed here "):format(n, LOOP_MAX) ..
+          "(a loop in C, where the instruction limit cannot stop it)", 2)
+  end
+  return srep(s, n, sep)
+end
+local TABLE = copy(table)
+function TABLE.move(a1, f, e, t, a2)
+  if type(f) == "number" and type(e) == "number" and e - f >= LOOP_MAX then
+    error(("table.move: a range of %.0f elements is over the %d allowed here "):format(e - f + 1, LOOP_MAX) ..
+          "(a loop in C, where the instruction limit cannot stop it)", 2)
+  end
+  return tmove(a1, f, e, t, a2)
+end
+
+-- What the line returned through limited, once the strings' methods are
+-- back to the real string library.
+local function restore(index, ok, ...)
+  STRMETA.__index = index
+  if not ok then error((...), 0) end
+  return ...
+end
+
+-- A reply's text: a NUL byte ends a reply on the wire.
+local function no_nul(text)
+  return (gsub(text, "\0", "\\0"))
 end
 
 function attach_env.new(json)
@@ -64,7 +132,7 @@ function attach_env.new(json)
     local env = {stats = data.stats, ledger = data.ledger, progress = data.progress,
                  overrides = copy(data.overrides), staged = copy(data.staged)}   -- changes go through set{...}
     for _, k in ipairs(BASE) do env[k] = G[k] end
-    for _, k in ipairs(LIBS) do env[k] = copy(G[k]) end
+    for _, k in ipairs(LIBS) do env[k] = copy(k == "string" and STRING or k == "table" and TABLE or G[k]) end
     for _, k in ipairs(attach_env.CONTROLS) do env[k] = controls[k] end
     function env.print(...)
       local parts = {}
@@ -81,12 +149,14 @@ function attach_env.new(json)
     if not fn then
       local err
       fn, err = load(code, "=attach", "t", env)
-      if not fn then return "error: " .. err end
+      if not fn then return no_nul("error: " .. err) end
     end
-    local res = table.pack(limited(fn))
-    if not res[1] then return "error: " .. E.show(res[2]) end
+    local index = STRMETA.__index
+    STRMETA.__index = env.string
+    local res = table.pack(restore(index, pcall(limited, fn)))
+    if not res[1] then return no_nul("error: " .. E.show(res[2])) end
     for i = 2, res.n do out[#out + 1] = E.show(res[i]) end
-    local text = table.concat(out, "\n")
+    local text = no_nul(table.concat(out, "\n"))
     local max = attach_env.REPLY_MAX
     if #text > max then text = text:sub(1, max) .. "\n... (cut at " .. max .. " bytes)" end
     return text

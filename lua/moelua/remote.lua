@@ -15,8 +15,11 @@
 -- the job stands), `overrides` and `staged` (copies), and the controls
 -- set{temperature =, aux_weight =, lr_scale =}, checkpoint(), pause() /
 -- resume(). Every line runs under an
--- instruction limit (1e6 by default), so an endless loop ends with an error
--- reply; every error is replied, none reaches the training loop (only
+-- instruction limit (1e6 by default; once hit, every further instruction
+-- raises, so a pcall in the line cannot outlast it), so an endless loop
+-- ends with an error reply, and the string library has no pattern matching
+-- (moelua.attach_env); every error is replied (a reply that cannot be
+-- queued, by a short error reply), none reaches the training loop (only
 -- Ctrl-C's "interrupted" passes through, to stop the job as it would
 -- anyway).
 --
@@ -128,11 +131,18 @@ end
 
 -- attach_env's `limited` on this thread: fn in a coroutine under `limit`
 -- instructions (debug.sethook count) -> true, results... | false, error.
+-- Once the limit is hit every further instruction raises (the hook re-armed
+-- at count 1, as host/attach.c's limit_hook), so a pcall in the line cannot
+-- outlast it. The message is made here: the hook calls nothing of the line's.
 local function limiter(limit)
+  local msg = ("instruction limit exceeded (%d instructions)"):format(limit)
+  local function hook()
+    debug.sethook(hook, "", 1)   -- the running coroutine: the line's
+    error(msg, 2)
+  end
   return function(fn)
     local co = coroutine.create(fn)
-    debug.sethook(co, function() error(("instruction limit exceeded (%d instructions)"):format(limit), 2) end,
-                  "", limit)
+    debug.sethook(co, hook, "", limit)
     return coroutine.resume(co)
   end
 end
@@ -200,6 +210,21 @@ function Server:run(code)
   return E.run(code, data, self.controls, self.limited)
 end
 
+local function send_error(srv, client, err)
+  attach.reply(srv.handle, client, "error: the reply could not be sent: " ..
+                                   (tostring(err):sub(1, 200):gsub("\0", "\\0")))
+end
+
+-- text as the reply to `client`; when it cannot be queued (out of memory),
+-- a short error reply instead: the client waits for one. Never raises, but
+-- for Ctrl-C.
+local function reply(srv, client, text)
+  local ok, err = pcall(attach.reply, srv.handle, client, text)
+  if ok then return end
+  pass_interrupt(err)
+  pcall(send_error, srv, client, err)
+end
+
 -- Publish the snapshot and run every queued control request; while paused,
 -- keep running them until resumed.
 function Server:answer()
@@ -212,7 +237,7 @@ function Server:answer()
       local okr, text = pcall(self.run, self, r.code)
       if not okr then pass_interrupt(text) end
       self:publish(true)   -- before the reply: the client's next query sees what this one did
-      pcall(attach.reply, self.handle, r.client, okr and text or ("error: " .. tostring(text)))
+      reply(self, r.client, okr and text or ("error: " .. tostring(text)))
     end
     if n == 0 then self.paused = false end
     timeout = 50

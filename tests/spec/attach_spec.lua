@@ -14,7 +14,10 @@
 --     safe points in a step;
 --   - permissions: the 0700 directory and the 0600 socket stop a peer of
 --     another uid, and SO_PEERCRED refuses it when both are loosened;
---   - bad arguments, the sun_path limit, a client with no job.
+--   - bad arguments, the sun_path limit, a client with no job;
+--   - what the review found: a control line whose pcall outlasted the
+--     instruction limit, a reply with a NUL byte, a pattern that runs for
+--     hours in C, a second job on the same run directory.
 -- Queries (no control called) are answered by the server thread of
 -- host/attach.c from the snapshot; controls at the training thread's safe
 -- points (lua/moelua/remote.lua).
@@ -28,6 +31,7 @@ local nn = require "moelua.nn"
 local optim = require "moelua.optim"
 local data = require "moelua.data"
 local train = require "moelua.train"
+local attach_env = require "moelua.attach_env"
 local json = require "dkjson"
 local system = require "system"
 local support = require "tests.support"
@@ -97,6 +101,21 @@ local function lines_of(s)
   local out = {}
   for l in s:gmatch("[^\n]+") do out[#out + 1] = l end
   return out
+end
+
+-- A job's server on run (remote.listen) and a client attached to it
+-- (popen, written line by line, its output in `out`); both closed when the
+-- spec ends.
+local function attached(run, out)
+  local srv = remote.listen(run, {steps = 4})
+  local client = assert(io.popen(support.host_command({"attach", run}) .. " > " .. q(out) .. " 2>&1", "w"))
+  client:setvbuf("no")
+  finally(function()
+    srv:close()                                    -- first: a client waiting on a reply then exits
+    client:close()
+  end)
+  wait_for("the client", function() return select(2, srv.handle:poll()) == 1 end)
+  return srv, client
 end
 
 describe("moelua attach", function()
@@ -205,7 +224,7 @@ describe("moelua attach", function()
     -- sent one at a time by the client, each after the last one's reply
     client:write("progress.step, progress.phase, progress.layer, stats.loss, ledger.cpu.total\n" ..
                  "while true do pcall(function() while true do end end) end\n" ..
-                 "#string.rep('x', 1 << 30)\n" ..
+                 "local t = {} for i = 1, 8 do t[i] = string.rep(i, 1 << 24) end\n" ..   -- 128 MiB
                  "set{temperature = 0.7}\n" ..
                  "progress.phase, staged.temperature\n")
     local t0 = bench.now()
@@ -376,6 +395,115 @@ describe("moelua attach", function()
     assert.are.equal("3\nserved\n", out)
     assert.are.equal("0\n", status)
     h:close()
+  end)
+
+  it("ends a control line whose pcall outlasts the instruction limit: every instruction raises once it is hit",
+     function()
+    local srv = remote.listen(dir .. "/run", {instructions = 10000})
+    finally(function() srv:close() end)
+    local LIMIT = "error: attach:1: instruction limit exceeded (10000 instructions)"
+    -- each pcall took the limit's one error and the loop went on: this one
+    -- ended only because it counts to 100 (the next one never did)
+    assert.are.equal(LIMIT, srv:run("pcall(set, {temperature = 0.5}) local n = 0 " ..
+                                    "while n < 100 do n = n + 1 pcall(function() while true do end end) end return n"))
+    assert.are.equal(LIMIT, srv:run("pcall(set,{temperature=0.5}); while true do pcall(function() while true do end end) end"))
+    assert.are.same({temperature = 0.5}, srv.overrides)
+    assert.are.equal("applied from step nil", srv:run("set{lr_scale = 2}"))   -- the next line runs as before
+  end)
+
+  it("writes a NUL byte of a reply as \\0 on both threads; a reply that cannot be queued is an error reply",
+     function()
+    local out = dir .. "/client.out"
+    local srv, client = attached(dir .. "/run", out)
+    -- the server thread, then the training thread (a control), then a query:
+    -- the client waited forever for the second reply
+    client:write("string.char(97, 0, 98)\nset{temperature = 0.5}; return string.char(97, 0, 98)\nprogress.step\n")
+    local want = "a\\0b\na\\0b\n1\n"
+    wait_for("the replies", function()
+      srv:poll(1)
+      return support.read_file(out) == want
+    end)
+    -- a reply the training thread cannot queue (here: a NUL that nothing
+    -- escaped) is replaced by an error reply, and the client goes on
+    srv.run = function() return "x\0y" end
+    client:write("checkpoint()\nprogress.step\n")
+    want = want .. "error: the reply could not be sent: moelua.attach.reply: argument #3 (text): " ..
+           "contains a NUL byte\n1\n"
+    wait_for("the error reply", function()
+      srv:poll(1)
+      return support.read_file(out) == want
+    end)
+  end)
+
+  it("has no pattern matching in a request's string library (a pattern runs in C, past the instruction limit); " ..
+     "find searches plainly", function()
+    local E = attach_env.new(json)
+    local function run(code) return E.run(code, {}, {}, pcall) end
+    local WHY = "a pattern can run for hours in C, where the instruction limit cannot stop it"
+    support.has(run('("abc"):match("b")'), "error: string.match is refused here: " .. WHY)
+    support.has(run('string.gsub("abc", "b", "x")'), "error: string.gsub is refused here: " .. WHY)
+    support.has(run('for w in ("a b"):gmatch("%a") do end'), "error: attach:1: string.gmatch is refused here")
+    support.has(run('("a.b"):find(".")'), "error: string.find: the pattern '.' is refused here (" .. WHY .. ")")
+    support.has(run('("a1.5"):find(1.5)'), "the pattern '1.5' is refused")
+    -- plainly, and every other string function the real one
+    assert.are.equal("2\n3\nnil\n2\n4", run('("a.b"):find(".", 1, true), string.find("abc", "c"), ' ..
+                                                  '("abc"):find("x"), ("a1.5"):find(1.5, 1, true)'))
+    assert.are.equal("x,x,x\n005\nABC\nbc\n97\nba\n3", run('("x"):rep(3, ","), ("%03d"):format(5), ' ..
+                     '("abc"):upper(), ("abc"):sub(2), ("abc"):byte(1), string.reverse("ab"), #"abc"'))
+    -- the other loops in C whose length the line chooses are bounded
+    support.has(run('string.rep("", 1e10)'), "string.rep: 10000000000 repetitions is over the 16777216 allowed here")
+    support.has(run('table.move({}, 1, 3e9, 1, {})'), "table.move: a range of 3000000000 elements is over")
+    assert.are.equal("3", run('#table.move({1, 2, 3}, 1, 3, 1, {})'))
+    -- the strings' methods are the real ones again after a line, whatever it did
+    run('string.find = nil; ("a"):match("a")')
+    assert.are.equal("b", ("abc"):match("b"))
+    assert.are.equal(string, getmetatable("").__index)
+    assert.are.equal("1\n1", run('("a"):find("a")'))
+
+    -- the server thread, then the training thread (a line that calls a
+    -- control): each replies at once, and close() does not wait on them
+    local out = dir .. "/client.out"
+    local srv, client = attached(dir .. "/run", out)
+    client:write('string.rep("a", 20000):find(".-.-.-.-.-b")\n' ..
+                 'set{temperature = 0.5}; return string.rep("a", 20000):find(".-.-.-.-.-b")\n')
+    local refused = "error: string.find: the pattern '.-.-.-.-.-b' is refused here (" .. WHY ..
+                    "); to search for it plainly: s:find(text, init, true)\n"
+    wait_for("the replies", function()
+      srv:poll(1)
+      return support.read_file(out) == refused .. refused
+    end)
+    assert.are.same({temperature = 0.5}, srv.overrides)
+  end)
+
+  it("refuses a second job on a run directory a live job serves; a job removes only the socket it bound", function()
+    local sock = dir .. "/attach/sock"
+    local h1, h2, h3 = attach.listen(dir)
+    finally(function()
+      for _, h in ipairs({h1, h2, h3}) do h:close() end
+    end)
+    local function query(line)
+      return support.finish_child(assert(io.popen("printf '%s\\n' " .. q(line) .. " | " ..
+                                                  support.host_command({"attach", dir}) .. " 2>&1")))
+    end
+    support.has(support.errmsg(attach.listen, dir), "moelua.attach.listen: another job serves " .. sock)
+    h1:publish('{"progress":{"step":5}}')
+    assert.are.same({0, "5\n"}, {query("progress.step")})   -- still the first job's
+    -- the socket replaced under h1 (removed, another listener bound there):
+    -- closing h1 leaves the other job's socket
+    assert(os.remove(sock))
+    h2 = attach.listen(dir)
+    h2:publish('{"progress":{"step":7}}')
+    h1:close()
+    assert.are.equal("600", mode_of(sock))
+    assert.are.same({0, "7\n"}, {query("progress.step")})
+    -- a socket left by a job that died (nobody accepts on it) is replaced
+    assert(os.rename(sock, dir .. "/old"))
+    h2:close()                                        -- not its socket any more
+    assert.are.equal("600", mode_of(dir .. "/old"))
+    assert(os.rename(dir .. "/old", sock))
+    h3 = attach.listen(dir)
+    h3:close()
+    assert.is_nil(mode_of(sock))
   end)
 
   it("says so when no job listens", function()
