@@ -288,10 +288,10 @@ static void enter_plan(ml_host *h)
         ml_ledger *v = &h->plan_books[d];
         ml_ledger_free(v);
         ml_ledger_init(v, real->device);
-        memcpy(v->cur, real->cur, sizeof v->cur);
-        memcpy(v->peak, real->cur, sizeof v->peak);
-        memcpy(v->at_peak, real->cur, sizeof v->at_peak);
-        memcpy(v->budget, real->budget, sizeof v->budget);
+        for (int c = 0; c < ML_NCAT; c++) {
+            v->cur[c] = v->peak[c] = v->at_peak[c] = real->cur[c];
+            v->budget[c] = real->budget[c];
+        }
         v->total = v->total_peak = real->total;
         v->caching = real->caching;
         v->reserved = v->reserved_peak = real->reserved;
