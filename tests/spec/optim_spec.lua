@@ -21,30 +21,7 @@ local TOL = {f32 = 1e-5, f64 = 1e-12}
 
 -- ---- helpers ---------------------------------------------------------------
 
-local function vals(t)
-  local out = {}
-  local function flat(v)
-    if type(v) ~= "table" then out[#out + 1] = v else for i = 1, #v do flat(v[i]) end end
-  end
-  flat(t:totable())
-  return out
-end
-
-local function relerr(x, ref)
-  assert.are.equal(#ref, #x, "element count")
-  local num, den = 0, 0
-  for i = 1, #ref do
-    num = num + (x[i] - ref[i]) ^ 2
-    den = den + ref[i] ^ 2
-  end
-  if den == 0 then return math.sqrt(num) end
-  return math.sqrt(num / den)
-end
-
-local function assert_close(t, ref, tol, what)
-  local e = relerr(vals(t), ref)
-  assert(e <= tol, string.format("%s: normwise relative error %.3g > %.3g", what or "", e, tol))
-end
+local vals, relerr, assert_close = support.values, support.relerr, support.assert_close
 
 -- bitwise equality of two float tensors (no NaN in these specs)
 local function same_bits(a, b)
