@@ -275,10 +275,11 @@ end
 -- Live-reloadable hooks (reload = {...}; see the header).
 local RELOADABLE = {hook = true, on_rollback = true}
 
-local function copy_arg(a)
-  if type(a) ~= "table" then return {} end
+-- A copy of a plain-data value (the recipe's arguments, its state).
+local function deep_copy(v)
+  if type(v) ~= "table" then return v end
   local c = {}
-  for k, v in pairs(a) do c[k] = v end
+  for k, x in pairs(v) do c[k] = deep_copy(x) end
   return c
 end
 
@@ -306,9 +307,9 @@ local function setup_reload(self, r)
   if not content then error("moelua.train.run: reload.file '" .. r.file .. "' cannot be read", 3) end
   local reloadable = {}
   for _, n in ipairs(names) do reloadable[n] = true end
-  self.reload = {file = r.file, names = names, reloadable = reloadable, arg = copy_arg(r.arg or rawget(_G, "arg")),
-                 size = st.size, mtime = st.mtime, hash = fs.sha256_string(content), failed = nil,
-                 previous = nil}
+  self.reload = {file = r.file, names = names, reloadable = reloadable,
+                 arg = deep_copy(r.arg or rawget(_G, "arg") or {}), size = st.size, mtime = st.mtime,
+                 hash = fs.sha256_string(content), failed = nil, previous = nil}
 end
 
 function Trainer:reload_error(step, hash, phase, msg)
@@ -329,7 +330,7 @@ function Trainer:check_reload(step)
   local hash = fs.sha256_string(content)
   if hash == rl.hash then rl.size, rl.mtime = st.size, st.mtime return end
   if hash == rl.failed then return end                  -- reported already; wait for another edit
-  local env = setmetatable({MOELUA_RELOAD = true, arg = copy_arg(rl.arg)}, {__index = _G})
+  local env = setmetatable({MOELUA_RELOAD = true, arg = deep_copy(rl.arg)}, {__index = _G})
   local chunk, err = load(content, "@" .. rl.file, "t", env)
   if not chunk then return self:reload_error(step, hash, "syntax", tostring(err)) end
   local ok, hooks = pcall(chunk)
@@ -517,13 +518,6 @@ local function new_trainer(cfg)
   -- the first step does not grow it (growth overshoots: blocks double)
   if cfg.plan and cfg.plan.pool_bytes and self.model.pool then self.model.pool:reserve(cfg.plan.pool_bytes) end
   return self
-end
-
-local function deep_copy(v)
-  if type(v) ~= "table" then return v end
-  local c = {}
-  for k, x in pairs(v) do c[k] = deep_copy(x) end
-  return c
 end
 
 -- plan, why, book = train.plan(cfg): the memory a run of cfg needs, before
