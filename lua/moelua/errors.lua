@@ -1,0 +1,36 @@
+-- moelua.errors: user errors, told apart from bugs.
+--
+-- A user error (a bad option or value, a run directory that holds another
+-- run, a budget the machine cannot hold, Ctrl-C during training) is a
+-- table with a __tostring metamethod. The host prints such an error as its
+-- message alone (host/main.c: the message handler of lua.c takes the
+-- __tostring of a non-string error and adds no traceback), unless it runs
+-- with `moelua --traceback`; any other error is a bug and keeps its
+-- traceback. tostring(err) gives the message, so code that matches on the
+-- text of a caught error works for both kinds.
+--
+--   local errors = require "moelua.errors"
+--   errors.user("option --steps must be at least 1, got 0")   -- raises
+--   if errors.is_user(err) then ... end
+local errors = {}
+
+local UserError = {__name = "moelua.UserError"}
+UserError.__index = UserError
+function UserError.__tostring(e) return e.message end
+-- "..": a user error still concatenates like the string it stands for
+function UserError.__concat(a, b) return tostring(a) .. tostring(b) end
+
+-- Raise msg (a string) as a user error; level as in error() (default 0:
+-- the message is complete as it is, no position is added).
+function errors.user(msg, level)
+  if type(msg) ~= "string" then error("moelua.errors.user: expected a message string", 2) end
+  if level and level > 0 then
+    local info = debug.getinfo(level + 1, "Sl")
+    if info and info.currentline > 0 then msg = info.short_src .. ":" .. info.currentline .. ": " .. msg end
+  end
+  error(setmetatable({message = msg}, UserError), 0)
+end
+
+function errors.is_user(e) return getmetatable(e) == UserError end
+
+return errors
