@@ -16,40 +16,45 @@ local sched = require "moelua.sched"
 local data = require "moelua.data"
 local train = require "moelua.train"
 local options = require "moelua.options"
+local errors = require "moelua.errors"
 local mem = moelua.mem
 
 local opts = options.parse(arg, {
   -- the model
-  {"dim", 64, "model width D"},
-  {"layers", 2, "transformer blocks"},
-  {"heads", 4, "attention heads"},
-  {"kv-heads", 2, "key/value heads (grouped-query attention)"},
-  {"ffn", 128, "expert hidden width F"},
-  {"experts", 4, "experts per MoE layer"},
-  {"topk", 2, "experts per token"},
+  {"dim", 64, "model width D", min = 1},
+  {"layers", 2, "transformer blocks", min = 1},
+  {"heads", 4, "attention heads", min = 1},
+  {"kv-heads", 2, "key/value heads (grouped-query attention)", min = 1},
+  {"ffn", 128, "expert hidden width F", min = 1},
+  {"experts", 4, "experts per MoE layer", min = 1},
+  {"topk", 2, "experts per token", min = 1},
   {"checkpoint", "moe", "activation checkpointing per layer: none, attention, moe, full"},
   {"save", "recompute", "expert pre-activations: save or recompute"},
   -- the data
   {"data", "/usr/include/**/*.h", "corpus: a glob of text files, read as bytes"},
-  {"seq-len", 8192, "tokens per sequence"},
-  {"accum", 1, "micro-batches per optimizer step"},
+  {"seq-len", 8192, "tokens per sequence", min = 1},
+  {"accum", 1, "micro-batches per optimizer step", min = 1},
   -- the optimizer and schedules
-  {"steps", 50, "optimizer steps"},
-  {"lr", 3e-3, "peak learning rate"},
-  {"warmup", 4, "warmup steps"},
-  {"clip", 1.0, "global gradient-norm clip"},
-  {"aux-weight", 0.02, "load-balancing (HF aux) loss weight"},
-  {"z-weight", 1e-3, "router z-loss weight"},
-  {"temperature", 1.0, "router temperature at step 0 (x0.99 every 1000 steps)"},
-  {"noise", 0.1, "gate noise at step 0, decayed with the temperature"},
-  {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01"},
+  {"steps", 50, "optimizer steps", min = 1},
+  {"lr", 3e-3, "peak learning rate", min = 0},
+  {"warmup", 4, "warmup steps", min = 0},
+  {"clip", 1.0, "global gradient-norm clip", min = 0},
+  {"aux-weight", 0.02, "load-balancing (HF aux) loss weight", min = 0},
+  {"z-weight", 1e-3, "router z-loss weight", min = 0},
+  {"temperature", 1.0, "router temperature at step 0 (x0.99 every 1000 steps)", min = 1e-6},
+  {"noise", 0.1, "gate noise at step 0, decayed with the temperature", min = 0},
+  {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01", min = 0, max = 1},
   -- the run
   {"seed", 0, "seed of the model, the data order and the gate noise"},
-  {"threads", 2, "CPU threads"},
-  {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)"},
-  {"run-dir", "runs/longctx", "metrics.jsonl and checkpoints go here"},
-  {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)"},
-  {"keep", 2, "checkpoints to keep"},
+  {"threads", 2, "CPU threads", min = 1},
+  {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)", min = 0},
+  {"force-budget", false, "accept a --budget-gib above the memory available (the OOM killer, not an error, " ..
+                          "then ends a run that needs it)"},
+  {"run-dir", "runs/longctx", "metrics.jsonl and checkpoints go here (must be empty, or --resume / --overwrite)"},
+  {"overwrite", false, "replace the run in --run-dir (its metrics.jsonl, ckpt/ and plots/; nothing else)"},
+  {"ckpt-every", 10, "checkpoint every N steps (0: only at the end)", min = 0},
+  {"keep", 2, "checkpoints to keep", min = 1},
+  {"max-rollbacks", 5, "rollbacks to one checkpoint before the run stops", min = 0},
   {"resume", "", "continue from a checkpoint (a directory or the ckpt root)"},
   {"attach", false, "listen on RUN_DIR/attach/sock for `moelua attach RUN_DIR` (moelua.remote)"},
   {"init-from", "", "start from a Mixtral-format checkpoint's weights (model.safetensors or a " ..
@@ -76,15 +81,34 @@ local function on_rollback(state, event)
   print(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
 end
 
+-- A balance alarm (moelua.train: hot, collapse, dead; loads against the
+-- even share). A dead expert restarts as a noisy copy of the layer's
+-- busiest one; hot and collapse are reported (a collapse that lasts rolls
+-- back on its own).
+local function on_alarm(state, alarm, model)
+  if alarm.kind == "dead" then
+    model:reinit_expert(alarm.layer, alarm.expert, alarm.busiest, 1e-3)
+    print(string.format("step %d: expert %d of layer %d had no tokens for %d steps: restarted from expert %d",
+                        alarm.step, alarm.expert, alarm.layer, alarm.steps, alarm.busiest))
+  else
+    print(string.format("step %d: %s alarm in layer %d%s: %.2f x the even share (threshold %.2f)", alarm.step,
+                        alarm.kind, alarm.layer, alarm.expert and (", expert " .. alarm.expert) or "",
+                        alarm.ratio, alarm.threshold))
+  end
+end
+
 -- The hooks above can be edited while the job runs: at the start of each
 -- step the trainer re-reads this file when it changed, with MOELUA_RELOAD
 -- set, and takes the hooks returned here (a broken edit keeps the old ones).
-if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback} end
+if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
-if opts.budget_gib > 0 then mem.budget{total = math.floor(opts.budget_gib * 2^30)} end
+if opts.budget_gib > 0 then
+  local ok, err = pcall(mem.budget, {total = math.floor(opts.budget_gib * 2^30), force = opts.force_budget})
+  if not ok then errors.user(string.format("--budget-gib %g: %s (from the command line: --force-budget)", opts.budget_gib, tostring(err))) end
+end
 
 -- The model and its optimizer, built twice: once in the memory plan below
 -- (address space only), then for real.
@@ -106,13 +130,15 @@ local run = {
   steps = opts.steps, accum = opts.accum, clip = opts.clip,
   lr = sched.warmup_cosine{peak = opts.lr, warmup = opts.warmup, total = math.max(opts.steps, opts.warmup + 1),
                            min = opts.lr / 10},
-  hook = hook, state = {}, on_rollback = on_rollback,
+  hook = hook, state = {}, on_rollback = on_rollback, on_alarm = on_alarm,
   run_dir = opts.run_dir, ckpt_every = opts.ckpt_every, keep = opts.keep, resume = opts.resume,
+  overwrite = opts.overwrite,
   init_from = opts.init_from,
   val_every = opts.ckpt_every, val_batches = 2, tty = moelua.fs.isatty(1),
   provenance = {recipe = arg[0], options = opts},
-  reload = this_file and {file = this_file, names = {"hook", "on_rollback"}},   -- edit the hooks live
-  rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_share = 0.9, collapse_steps = 10},
+  reload = this_file and {file = this_file, names = {"hook", "on_rollback", "on_alarm"}},   -- edit them live
+  rollback = {spike_sigma = 6, window = 20, max_skipped = 3, collapse_steps = 10, max_rollbacks = opts.max_rollbacks},
+  alarms = {hot_steps = 5, dead_steps = 20},   -- hot and collapse thresholds: moelua.balance's defaults for E, k
 }
 
 -- Plan before allocating: a dry run of build() and one step against the
@@ -120,11 +146,11 @@ local run = {
 local plan, why, need = train.plan(run)
 if not plan then
   io.stderr:write(why, "\n")
-  error(string.format("--seq-len %d needs %.1f MiB at its peak (memory plan), over the budget of %.1f MiB " ..
+  errors.user(string.format("--seq-len %d needs %.1f MiB at its peak (memory plan), over the budget of %.1f MiB " ..
                       "(--budget-gib %g%s): lower --seq-len, raise --budget-gib, or recompute more " ..
                       "(--checkpoint full)", opts.seq_len, need.total_peak / 2^20,
                       mem.stats().cpu.budget_total / 2^20, opts.budget_gib,
-                      opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""), 0)
+                      opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
 end
 print(string.format("memory plan: peak %.1f MiB of a %.2f GiB budget (params %.1f, grads %.1f, optim %.1f, " ..
                     "acts %.1f, pool %.1f MiB at the peak)", plan.total_peak / 2^20, plan.budget_total / 2^30,

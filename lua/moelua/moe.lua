@@ -283,6 +283,42 @@ function Layer:update_bias()
   end
 end
 
+-- The balancing bias back to zero (a recipe's answer to a balance alarm).
+function Layer:reset_bias()
+  if self.bias then self.bias:zero_() end
+end
+
+-- layer:reinit_expert(dead, from, noise_std): expert `dead` (0-based)
+-- becomes a copy of expert `from` plus N(0, noise_std^2) noise drawn from
+-- the host's generator (so a resumed run draws the same), router row
+-- and bias included: a dead expert restarts beside a live one, and the
+-- noise breaks the tie between their scores. Optimizer states are left:
+-- a dead expert's moments have decayed toward zero.
+function Layer:reinit_expert(dead, from, std)
+  local E = self.opts.experts
+  for i, v in ipairs({dead, from}) do
+    if math.type(v) ~= "integer" or v < 0 or v >= E then
+      error(string.format("moelua.moe.reinit_expert: argument #%d: expected an expert id in 0..%d, got %s",
+                          i, E - 1, tostring(v)), 2)
+    end
+  end
+  if dead == from then error("moelua.moe.reinit_expert: dead and from are the same expert", 2) end
+  if type(std) ~= "number" or not (std >= 0) then
+    error("moelua.moe.reinit_expert: argument #3 (noise_std): expected a number >= 0, got " .. tostring(std), 2)
+  end
+  local views = {self.params.wg, self.params.gate_up, self.params.down}
+  if self.bias then views[#views + 1] = self.bias end
+  for _, v in ipairs(views) do
+    local dst = v:select(1, dead + 1)
+    dst:copy_(v:select(1, from + 1))
+    if std > 0 and v ~= self.bias then
+      local noise <close> = tensor.randn(dst:dim() > 0 and dst:shape() or {1},
+                                         {dtype = dst:dtype(), device = dst:device(), std = std})
+      dst:add_(noise:view(dst:shape()))
+    end
+  end
+end
+
 -- loss, coefs = moe.aux_loss(layers, aux_weight, z_weight [, scope]): the
 -- model's load-balancing and z losses from every layer's last forward, and
 -- each layer's coefficients for backward (coefs[i] = {aux =, z =}).

@@ -11,28 +11,39 @@
 --
 -- `--name value` or `--name=value`; a boolean option is `--name` alone or
 -- `--name=false`. `--help` prints every option with its default and exits.
--- An unknown option, a missing value or a wrong type is an error naming the
--- option. Dashes in names become underscores in the result.
+-- A numeric option may give bounds, {"steps", 50, "optimizer steps", min = 1}
+-- (and max =). An unknown option, a missing value, a wrong type or a value
+-- out of bounds is a user error (moelua.errors: printed without a
+-- traceback) naming the option. Dashes in names become underscores in the
+-- result.
+local errors = require "moelua.errors"
+
 local options = {}
 
 local function key(name) return (name:gsub("-", "_")) end
 
-local function convert(name, default, text)
+local function fail(fmt, ...) errors.user(string.format(fmt, ...)) end
+
+local function convert(o, text)
+  local name, default = o[1], o[2]
   local t = type(default)
   if t == "number" then
     local v = tonumber(text)
-    if v == nil then error(string.format("option --%s expects a number, got '%s'", name, text), 0) end
+    if v == nil or v ~= v then fail("option --%s expects a number, got '%s'", name, text) end
     if math.type(default) == "integer" then
       if math.type(v) ~= "integer" and v ~= math.floor(v) then
-        error(string.format("option --%s expects an integer, got '%s'", name, text), 0)
+        fail("option --%s expects an integer, got '%s'", name, text)
       end
       v = math.tointeger(v)
+      if v == nil then fail("option --%s: '%s' is out of range", name, text) end
     end
+    if o.min and v < o.min then fail("option --%s must be at least %s, got %s", name, o.min, text) end
+    if o.max and v > o.max then fail("option --%s must be at most %s, got %s", name, o.max, text) end
     return v
   elseif t == "boolean" then
     if text == "true" or text == "1" then return true end
     if text == "false" or text == "0" then return false end
-    error(string.format("option --%s expects true or false, got '%s'", name, text), 0)
+    fail("option --%s expects true or false, got '%s'", name, text)
   end
   return text
 end
@@ -41,7 +52,8 @@ function options.help(spec, out)
   out = out or io.stdout
   out:write("options:\n")
   for _, o in ipairs(spec) do
-    out:write(string.format("  --%-22s %-12s %s\n", o[1], tostring(o[2]), o[3] or ""))
+    local bounds = (o.min or o.max) and string.format(" (%s..%s)", o.min or "", o.max or "") or ""
+    out:write(string.format("  --%-22s %-12s %s%s\n", o[1], tostring(o[2]), o[3] or "", bounds))
   end
 end
 
@@ -62,12 +74,12 @@ function options.parse(argv, spec, usage)
     end
     local name, inline = a:match("^%-%-([%w%-_]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w%-_]+)$") end
-    if not name then error(string.format("unexpected argument '%s' (options are --name value)", a), 0) end
+    if not name then fail("unexpected argument '%s' (options are --name value)", a) end
     local o = byname[name] or byname[name:gsub("_", "-")]
     if not o then
       local names = {}
       for _, s in ipairs(spec) do names[#names + 1] = "--" .. s[1] end
-      error(string.format("unknown option --%s (known: %s)", name, table.concat(names, " ")), 0)
+      fail("unknown option --%s (known: %s; --help lists them)", name, table.concat(names, " "))
     end
     local text = inline
     if text == nil then
@@ -76,10 +88,10 @@ function options.parse(argv, spec, usage)
       else
         i = i + 1
         text = argv[i]
-        if text == nil then error(string.format("option --%s needs a value", name), 0) end
+        if text == nil then fail("option --%s needs a value", name) end
       end
     end
-    values[key(o[1])] = convert(o[1], o[2], text)
+    values[key(o[1])] = convert(o, text)
     i = i + 1
   end
   return values

@@ -8,15 +8,19 @@
 --     hook = function(step, state, ctl) ctl.temperature = ... end,  -- per step
 --     state = {},                    -- the recipe's own state: saved in checkpoints
 --     run_dir = "runs/x", ckpt_every = 50, keep = 3,
---     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 0.35, collapse_steps = 20},
+--     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_steps = 20, max_rollbacks = 5},
+--     alarms = {hot = nil, collapse = nil, hot_steps = 5, dead_steps = 20},   -- balance alarms (below)
 --     on_rollback = function(state, event) ... end,
+--     on_alarm = function(state, alarm, model) ... end,
 --     attach = moelua.remote.listen(run_dir),   -- optional: answer `moelua attach RUN_DIR` at the
 --                                               -- step's start, after each block's forward and backward
 --                                               -- (model.safe_point) and after each micro-batch
 --     val_every = 50, val_batches = 4,
 --     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
+--     resume = "runs/x/ckpt",        -- continue a run (its metrics.jsonl is appended to)
+--     overwrite = false,             -- true: replace the run in run_dir (see Run directories)
 --     plan = train.plan{...},        -- the model's stack pool taken at the planned size (below)
---     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback"}},   -- hooks edited while running
+--     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback", "on_alarm"}},   -- hooks edited live
 --   }
 --
 -- One step: the hook sets this step's router and loss settings (ctl) ->
@@ -24,16 +28,47 @@
 -- are scaled by 1/accum) -> global gradient norm (clipped when `clip`) ->
 -- a non-finite loss or norm skips the step (counted) -> the optimizer
 -- step, with each experts group's active mask (lazy Adam) -> metrics.
--- Loss spikes: a loss above its EMA by `spike_sigma` EMA standard
--- deviations after `window` steps. Router collapse: the largest expert
--- share above `collapse_share` for `collapse_steps` steps in a row. Either,
--- or `max_skipped` skipped steps in a row, rolls back to the last good
--- checkpoint, moves the data past the offending batches (the data offset is
--- part of trainer state), logs an event and calls `on_rollback`.
+--
+-- Rollbacks. A loss spike (a loss above its EMA by `spike_sigma` EMA
+-- standard deviations after `window` steps), `max_skipped` skipped steps in
+-- a row, or a router collapse alarm held `collapse_steps` steps in a row
+-- goes back to the last good checkpoint and moves the data past the
+-- offending batches: the skip is cumulative, so a second rollback to the
+-- same checkpoint skips the batches of both (never the same bad batch
+-- again). The recipe's state is NOT restored on a rollback: `on_rollback`
+-- gets the live state, so a back-off it applies (state.lr_scale = 0.5 *
+-- ...) compounds; the weights, optimizer, RNG, data cursor and spike EMA
+-- are the checkpoint's. The rollback event in metrics.jsonl is written
+-- when the replay starts, with the lr_scale and lr the hook then gives.
+-- More than `max_rollbacks` rollbacks to one checkpoint stop the run: an
+-- event {event = "stopped"} and a user error naming the last good
+-- checkpoint, which stays on disk (keep-K never removes it).
+--
+-- Balance alarms (moelua.balance: loads against the even share, per
+-- layer): "hot" (an expert at >= alarms.hot times the even share for
+-- hot_steps steps in a row), "collapse" (the k busiest experts together
+-- at >= alarms.collapse times their even share, for hot_steps steps) and
+-- "dead" (an expert with no tokens for dead_steps steps). The defaults
+-- of hot and collapse depend on E and k (moelua.balance). An alarm fires
+-- once when its condition has held long enough and again only after the
+-- condition cleared: an event {event = "alarm", kind, step, layer, expert
+-- (0-based, not for collapse), ratio, threshold, steps} in metrics.jsonl,
+-- the list `alarms` in that step's metrics (what `moelua attach` shows as
+-- stats.alarms), and a call on_alarm(state, alarm, model): the recipe may
+-- reset a layer's balancing bias or reinitialise a dead expert from a
+-- live one (model:reinit_expert(layer, dead, from, noise_std)).
+--
+-- Run directories. A run_dir that holds anything but an idle attach/
+-- directory is refused before anything is written, unless `resume` names
+-- a checkpoint inside it (the run continues and metrics.jsonl is appended
+-- to) or `overwrite` is true (the previous run's metrics.jsonl, ckpt/ and
+-- plots/ are removed, each named on stdout; other files stay).
 --
 -- metrics.jsonl in run_dir: one JSON object per step (loss, ce, aux, z, lr,
--- temperature, noise, eps, tokens/s, ledger peaks by category, per-layer
--- expert loads, skipped steps, phase times) and events as their own lines.
+-- every control the step ran with: temperature, noise, eps, aux_weight,
+-- z_weight, lr_scale, capacity_factor, and `overrides` when `moelua attach`
+-- set any; tokens/s, ledger peaks by category, per-layer expert loads,
+-- active alarms, skipped steps, phase times) and events as their own lines.
 -- phases (seconds): data, fwd, bwd, optim (the step's wall time is their
 -- sum, `step_seconds`), checkpoint (saves after this step; validation not
 -- included), and inside fwd + bwd the model's profile: attention, router,
@@ -44,8 +79,11 @@
 -- (model.safetensors or a sharded index, F32/BF16/F16), every tensor's
 -- name, shape and dtype checked against the model before anything changes
 -- (model:load_named, which resume uses too); the optimizer starts fresh.
--- Ctrl-C (or a kernel "interrupted" error) abandons the current step,
--- saves a checkpoint of the last completed step and raises.
+-- Ctrl-C or SIGTERM (a kernel's "interrupted" error) abandons the current
+-- step, saves a checkpoint of the last completed step and raises a user
+-- error naming it. Every save runs under moelua.host.hold_interrupts: a
+-- signal during a save waits for the save to finish (then counts as
+-- Ctrl-C), and only a second one aborts it.
 --
 -- reload = {file = F, names = {...}, arg = {...}}: the named hooks ("hook",
 -- "on_rollback") are re-read from F while the job runs. At the start of
@@ -75,12 +113,15 @@ local optim = require "moelua.optim"
 local optim_c = require "moelua.optim_c"
 local fs = require "moelua.fs"
 local ckpt = require "moelua.ckpt"
+local balance = require "moelua.balance"
+local errors = require "moelua.errors"
+local host = require "moelua.host"
 local json = require "dkjson"
 
 local train = {}
 
-local DEFAULT_ROLLBACK = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_share = 1.01,
-                          collapse_steps = 20}
+local DEFAULT_ROLLBACK = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_steps = 20, max_rollbacks = 5}
+local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps = 20}   -- false: balance's default
 
 local function now() return bench.now() end
 
@@ -104,12 +145,6 @@ local function expert_loads(stats)
                 dropped = l.dropped}
   end
   return loads
-end
-
-local function max_share(stats)
-  local m = 0
-  for _, l in ipairs(stats.layers or {}) do m = math.max(m, l.max_share) end
-  return m
 end
 
 -- Which optimizer group holds view t, and where (elements from the group's start).
@@ -197,7 +232,7 @@ local function trainer_state(self, step, optim_meta)
     step = step, data_offset = self.data_offset, skipped = self.skipped,
     rng = tensor.rng_state(), data = self.data:state(), recipe_state = self.state,
     ema = self.ema, threads = tensor.threads(), machine = self.machine, optim = optim_meta,
-    provenance = self.provenance,
+    provenance = self.provenance, rollbacks_to = self.rollbacks_to, skip_to = self.skip_to,
   }
 end
 
@@ -223,16 +258,18 @@ function Trainer:log(obj)
   self.metrics:flush()
 end
 
+-- Save step's checkpoint; returns its directory and the number of
+-- interrupts that arrived during the save (held until it was written).
 function Trainer:save(step, tag)
-  if not self.run_dir then return nil end
+  if not self.run_dir then return nil, 0 end
   local t0 = now()
   local named, steps, meta = optim_by_name(self)
-  local dir = ckpt.save(self.run_dir .. "/ckpt", step, {
+  local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, {
     model = self.model:named_parameters(), config = self.model:config(),
     optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta),
   }, {keep = self.keep})
   self:log({event = "checkpoint", step = step, dir = dir, reason = tag, seconds = now() - t0})
-  return dir
+  return dir, held
 end
 
 -- The model's weights from checkpoint c (ckpt.load's table), all checked first.
@@ -248,7 +285,10 @@ function train.init_from(model, dir)
   return c.dir
 end
 
-function Trainer:restore(dir)
+-- Load checkpoint dir into the trainer; returns its step. A rollback
+-- keeps the recipe's live state (its back-off compounds) and moves the
+-- data past every batch skipped since that checkpoint (cumulative).
+function Trainer:restore(dir, rollback)
   local c = ckpt.load(dir)
   if not c.trainer then
     error("moelua.train: " .. c.dir .. " has no trainer.json: not a moelua training checkpoint " ..
@@ -260,20 +300,26 @@ function Trainer:restore(dir)
   tensor.rng_state(tr.rng)
   self.data:set_state(tr.data)
   self.data_offset, self.skipped, self.ema = tr.data_offset or 0, tr.skipped or 0, tr.ema
-  for k in pairs(self.state) do self.state[k] = nil end
-  for k, v in pairs(tr.recipe_state or {}) do self.state[k] = v end
+  if rollback then
+    self.data_offset = self.data_offset + (self.skip_to[c.dir] or 0)
+  else
+    for k in pairs(self.state) do self.state[k] = nil end
+    for k, v in pairs(tr.recipe_state or {}) do self.state[k] = v end
+    self.rollbacks_to, self.skip_to = tr.rollbacks_to or {}, tr.skip_to or {}
+  end
   if tr.threads ~= tensor.threads() then
-    io.stderr:write(string.format("moelua.train: warning: checkpoint was written with %d threads, running %d: " ..
-                                  "results will not be bit-identical\n", tr.threads, tensor.threads()))
+    self:message(string.format("moelua.train: warning: checkpoint was written with %d threads, running %d: " ..
+                               "results will not be bit-identical", tr.threads, tensor.threads()), io.stderr)
   end
   if tr.machine and tr.machine ~= self.machine then
-    io.stderr:write("moelua.train: warning: checkpoint was written on another machine (" .. tr.machine .. ")\n")
+    self:message("moelua.train: warning: checkpoint was written on another machine (" .. tr.machine .. ")",
+                 io.stderr)
   end
-  return tr.step
+  return tr.step, c.dir
 end
 
 -- Live-reloadable hooks (reload = {...}; see the header).
-local RELOADABLE = {hook = true, on_rollback = true}
+local RELOADABLE = {hook = true, on_rollback = true, on_alarm = true}
 
 -- A copy of a plain-data value (the recipe's arguments, its state).
 local function deep_copy(v)
@@ -299,7 +345,7 @@ local function setup_reload(self, r)
   for _, n in ipairs(names) do
     if not RELOADABLE[n] then
       error("moelua.train.run: reload.names: '" .. tostring(n) .. "' is not a reloadable hook " ..
-            "(hook, on_rollback)", 3)
+            "(hook, on_rollback, on_alarm)", 3)
     end
   end
   local st = fs.stat(r.file)
@@ -382,10 +428,54 @@ function Trainer:validate()
   return sum / n
 end
 
--- One optimizer step; returns the metrics table (skipped = true when skipped).
+-- The controls a step runs with, before the hook sets them (all logged).
+local CONTROLS = {"temperature", "noise", "eps", "aux_weight", "z_weight", "lr_scale", "capacity_factor"}
+
 local function fresh_ctl(self)
   return {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
           z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
+end
+
+-- A line of text on its own line, never glued to the progress line.
+function Trainer:message(text, out)
+  out = out or io.stdout
+  if self.line_open then
+    io.stdout:write("\r\27[K")
+    io.stdout:flush()
+    self.line_open = false
+  end
+  out:write(text, "\n")
+  out:flush()
+end
+
+-- Before a recipe callback that may print: the progress line ends.
+function Trainer:end_line()
+  if self.line_open then
+    io.stdout:write("\r\27[K")
+    io.stdout:flush()
+    self.line_open = false
+  end
+end
+
+-- Where a long step is: after each block's forward and backward (the
+-- model's safe point), once the step has run IN_STEP_AFTER seconds: the
+-- progress line on a terminal, else a line at most every IN_STEP_EVERY s.
+local IN_STEP_AFTER, IN_STEP_EVERY = 3, 30
+function Trainer:in_step(step, phase, layer)
+  local t = now()
+  local started = self.step_started
+  if t - started < IN_STEP_AFTER then return end
+  if not self.tty and t - (self.in_step_said or 0) < IN_STEP_EVERY then return end
+  self.in_step_said = t
+  local line = string.format("step %d/%d  %s, layer %d of %d  (%.0f s into the step)", step, self.steps - 1,
+                             phase, layer, self.model.opts.layers, t - started)
+  if self.tty then
+    io.stdout:write("\r", line, "\27[K")
+    self.line_open = true
+  else
+    io.stdout:write(line, "\n")
+  end
+  io.stdout:flush()
 end
 
 function Trainer:step(step)
@@ -393,23 +483,36 @@ function Trainer:step(step)
   -- in the same phase at every step: the ledger's peaks then repeat from
   -- step to step, and a plan of the same code (train.plan) predicts them.
   collectgarbage()
+  self.step_started, self.in_step_said = now(), nil
   if self.reload then self:check_reload(step) end
   local srv = self.attach
   if srv then srv:poll(step) end                -- attached clients: at the step's start (set{} takes effect here)
   local ctl = fresh_ctl(self)
+  self:end_line()
   if self:call_hook(step, "hook", step, self.state, ctl) == false then
     ctl = fresh_ctl(self)                       -- the reloaded hook failed: the previous one, afresh
     self:call_hook(step, "hook", step, self.state, ctl)
   end
-  if self.attach then                           -- values set from an attached REPL win over the hook's
-    for k, v in pairs(self.attach.overrides) do ctl[k] = v end
+  local overrides = srv and next(srv.overrides) and {} or nil
+  if overrides then                             -- values set from an attached REPL win over the hook's
+    for k, v in pairs(srv.overrides) do ctl[k], overrides[k] = v, v end
+  end
+  local lr = self.lr(step) * ctl.lr_scale
+  if self.pending_rollback then                 -- logged now: with the lr scale the replay runs at
+    local ev = self.pending_rollback
+    ev.lr_scale, ev.lr, self.pending_rollback = ctl.lr_scale, lr, nil
+    self:log(ev)
   end
   self.model:set_router{temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
                         capacity_factor = ctl.capacity_factor}
   local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
   self.model:zero_grad()
   local loss, ce, aux, z, last = 0, 0, 0, 0, nil
-  if srv then self.model.safe_point = srv.on_layer end   -- and between layers (set{} staged for the next step)
+  local on_layer = srv and srv.on_layer
+  self.model.safe_point = function(phase, layer)   -- between layers (set{} staged for the next step)
+    self:in_step(step, phase, layer)
+    if on_layer then on_layer(phase, layer) end
+  end
   for micro = 1, self.accum do
     if srv then srv:position(micro, self.accum) end
     local t0 = now()
@@ -427,16 +530,15 @@ function Trainer:step(step)
     last = st
     if srv then srv:safe_point("micro-batch") end
   end
-  if srv then self.model.safe_point = nil end
+  self.model.safe_point = nil
   local t4 = now()
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
   scale_grads(self.model, 1 / self.accum)
   local norm = optim.clip_grad_norm(self.optimizer, self.clip or math.huge)
-  local lr = self.lr(step) * ctl.lr_scale
   local m = {step = step, loss = loss, ce = ce, aux = aux, z = z, lr = lr, grad_norm = norm,
-             temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
-             max_share = max_share(last), loads = expert_loads(last)}
+             loads = expert_loads(last), overrides = overrides}
+  for _, k in ipairs(CONTROLS) do m[k] = ctl[k] end
   if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
     self.skipped, self.skipped_run = self.skipped + 1, self.skipped_run + 1
     m.skipped = true
@@ -478,20 +580,82 @@ function Trainer:spike(loss)
   return spike
 end
 
+-- A condition held for `need` steps in a row: runs[key] counts them; true
+-- exactly once per episode, at the step it reaches need.
+local function held(runs, key, on, need)
+  runs[key] = on and (runs[key] or 0) + 1 or nil
+  return on and runs[key] == need
+end
+
+-- The balance alarms of step m (see the header): fills m.alarms with the
+-- conditions active now, returns the alarms that fire at this step,
+-- whether a collapse has held collapse_steps steps (a rollback), and
+-- whether any layer is collapsed now (its checkpoint is then not good).
+function Trainer:check_balance(m)
+  local a, k, fired, collapsed, collapsing = self.alarms, self.model.opts.topk, {}, false, false
+  local runs = self.alarm_runs
+  m.alarms = {}
+  for l, load in ipairs(m.loads) do
+    local b = balance.layer(load.counts, k, {hot = a.hot or nil, collapse = a.collapse or nil})
+    local function note(kind, expert, ratio, threshold, on, need)
+      local key = kind .. ":" .. l .. ":" .. (expert or "")
+      local fire = held(runs, key, on, need)
+      if on then
+        m.alarms[#m.alarms + 1] = {kind = kind, layer = l, expert = expert, ratio = ratio, steps = runs[key]}
+      end
+      if fire then   -- busiest: the layer's busiest expert, a source to reinitialise a dead one from
+        fired[#fired + 1] = {event = "alarm", kind = kind, step = m.step, layer = l, expert = expert,
+                             ratio = ratio, threshold = threshold, steps = need, busiest = b.busiest}
+      end
+    end
+    for e, r in ipairs(b.ratios) do
+      note("hot", e - 1, r, b.thresholds.hot, r >= b.thresholds.hot and b.assignments > 0, a.hot_steps)
+      note("dead", e - 1, r, 0, load.counts[e] == 0, a.dead_steps)
+    end
+    note("collapse", nil, b.topk_ratio, b.thresholds.collapse, b.collapsed, a.hot_steps)
+    collapsed = collapsed or (runs["collapse:" .. l .. ":"] or 0) >= self.rollback.collapse_steps
+    collapsing = collapsing or b.collapsed
+  end
+  return fired, collapsed, collapsing
+end
+
 function Trainer:progress(m, step, last_step, t_start)
   local elapsed = now() - t_start
   local done = step - self.first_step + 1
   local eta = elapsed / done * (last_step - step)
   local peak = m.ledger_peak.total / 2^20
-  local line = string.format("step %d/%d  loss %.4f  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %.1f MiB%s",
-                             step + 1, last_step + 1, m.loss, m.aux, m.lr, m.tokens_per_s, eta, peak,
-                             m.skipped and "  (skipped)" or "")
+  local line = string.format("step %d/%d  loss %.4f%s  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %.1f MiB%s",
+                             step, last_step, m.loss, self.val_loss and string.format("  val %.4f", self.val_loss) or "",
+                             m.aux, m.lr, m.tokens_per_s, eta, peak, m.skipped and "  (skipped)" or "")
   if self.tty then
     io.stdout:write("\r", line, "\27[K")
+    self.line_open = true
   elseif (step + 1) % self.log_every == 0 or step == last_step then
     io.stdout:write(line, "\n")
   end
   io.stdout:flush()
+end
+
+-- cfg[name] with the defaults of `defaults` (false: none); an unknown key is an error.
+local function settings(cfg, name, defaults)
+  local given, out = cfg[name] or {}, {}
+  if type(given) ~= "table" then error("moelua.train.run: " .. name .. " must be a table", 4) end
+  for k, v in pairs(given) do
+    if defaults[k] == nil then
+      local known = {}
+      for d in pairs(defaults) do known[#known + 1] = d end
+      table.sort(known)
+      error(string.format("moelua.train.run: %s.%s is not a setting (known: %s)%s", name, tostring(k),
+                          table.concat(known, ", "), k == "collapse_share" and
+                          "; collapse_share became alarms.collapse, a multiple of the even share" or ""), 4)
+    end
+    if type(v) ~= "number" or v < 0 then
+      error(string.format("moelua.train.run: %s.%s must be a number >= 0, got %s", name, k, tostring(v)), 4)
+    end
+    out[k] = v
+  end
+  for k, v in pairs(defaults) do if out[k] == nil then out[k] = v end end
+  return out
 end
 
 -- A trainer from run's cfg, touching no file (train.run's and train.plan's).
@@ -508,11 +672,17 @@ local function new_trainer(cfg)
     run_dir = cfg.run_dir, keep = cfg.keep or 3, ckpt_every = cfg.ckpt_every or 0,
     aux_weight = cfg.aux_weight or 0.01, z_weight = cfg.z_weight or 0.0,
     val_every = cfg.val_every or 0, val_batches = cfg.val_batches or 4, log_every = cfg.log_every or 10,
-    on_rollback = cfg.on_rollback, data_offset = 0, skipped = 0, skipped_run = 0, collapse_run = 0,
+    on_rollback = cfg.on_rollback, on_alarm = cfg.on_alarm, data_offset = 0, skipped = 0, skipped_run = 0,
+    rollbacks_to = {}, skip_to = {}, alarm_runs = {},
     machine = machine_fingerprint(), tty = cfg.tty,
   }, Trainer)
-  self.rollback = {}
-  for k, v in pairs(DEFAULT_ROLLBACK) do self.rollback[k] = (cfg.rollback or {})[k] or v end
+  for _, k in ipairs({"steps", "accum"}) do
+    if math.type(self[k]) ~= "integer" or self[k] < 1 then
+      error(string.format("moelua.train.run: %s must be an integer >= 1, got %s", k, tostring(self[k])), 3)
+    end
+  end
+  self.rollback = settings(cfg, "rollback", DEFAULT_ROLLBACK)
+  self.alarms = settings(cfg, "alarms", DEFAULT_ALARMS)
   self.tokens_per_step = cfg.seq_len * self.accum
   -- a plan's high-water mark for the model's stack pool: taken at once, so
   -- the first step does not grow it (growth overshoots: blocks double)
@@ -544,6 +714,7 @@ function train.plan(cfg)
   if type(cfg.build) ~= "function" then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
+  train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
   local pool_bytes
   local data_state = cfg.data:state()   -- batch() moves the cursor
   local function step(plan)
@@ -583,7 +754,74 @@ function train.plan(cfg)
   return nil, why, need.cpu
 end
 
+-- ---- run directories ---------------------------------------------------------
+
+-- What a run writes in its run_dir; --overwrite removes these and nothing else.
+local RUN_FILES = {"metrics.jsonl", "ckpt", "plots"}
+
+local function normal_path(p)
+  p = p:gsub("/+", "/"):gsub("/%./", "/"):gsub("^%./", ""):gsub("/%.?$", "")
+  return p
+end
+
+-- Is checkpoint path `resume` (a ckpt root or a step directory) inside run_dir?
+local function inside(run_dir, resume)
+  local root = normal_path(run_dir) .. "/ckpt"
+  local r = normal_path(resume)
+  return r == root or r:sub(1, #root + 1) == root .. "/"
+end
+
+-- The names in run_dir that make it "not empty": an attach/ directory with
+-- no live socket is left by a job and holds no run.
+local function run_contents(run_dir)
+  local st = fs.stat(run_dir)
+  if not st then return {} end
+  if st.type ~= "dir" then errors.user("moelua.train: run directory '" .. run_dir .. "' is not a directory") end
+  local names = {}
+  for _, n in ipairs(fs.listdir(run_dir)) do
+    if n ~= "attach" then names[#names + 1] = n end
+  end
+  return names
+end
+
+-- train.check_run_dir(cfg): the run directory may be written (see the
+-- header's Run directories); raises a user error before anything is
+-- written, else returns "new", "resume" (append to its metrics) or
+-- "overwrite". train.plan and train.run call it.
+function train.check_run_dir(cfg)
+  local dir = cfg.run_dir
+  if not dir then return "new" end
+  if type(dir) ~= "string" or dir == "" then error("moelua.train.run: run_dir must be a path", 3) end
+  local names = run_contents(dir)
+  local resuming = cfg.resume and cfg.resume ~= ""
+  if #names == 0 then return resuming and "resume" or "new" end
+  if cfg.overwrite then return "overwrite" end
+  if resuming and inside(dir, cfg.resume) then return "resume" end
+  local what = table.concat(names, ", ")
+  if resuming then
+    errors.user(string.format("moelua.train: run directory '%s' already holds a run (%s), and --resume %s is " ..
+                              "not one of its checkpoints: resuming there would append to it and prune its " ..
+                              "checkpoints. Choose another --run-dir, or --overwrite to replace it; nothing " ..
+                              "was written", dir, what, cfg.resume))
+  end
+  errors.user(string.format("moelua.train: run directory '%s' already holds a run (%s); nothing was written. " ..
+                            "Continue it with --resume %s/ckpt, replace it with --overwrite (removes %s only), " ..
+                            "or choose another --run-dir", dir, what, dir, table.concat(RUN_FILES, ", ")))
+end
+
+-- --overwrite: remove what an earlier run wrote there, saying what.
+local function clear_run_dir(dir)
+  for _, n in ipairs(RUN_FILES) do
+    local p = dir .. "/" .. n
+    if fs.stat(p) then
+      fs.remove_tree(p)
+      io.stdout:write("moelua.train: --overwrite: removed ", p, "\n")
+    end
+  end
+end
+
 function train.run(cfg)
+  local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
   if cfg.reload then setup_reload(self, cfg.reload) end
   if self.run_dir and self.optimizer.kind ~= "AdamW" then
@@ -594,83 +832,119 @@ function train.run(cfg)
   if cfg.init_from and cfg.init_from ~= "" and not resuming then
     init_dir = train.init_from(self.model, cfg.init_from)
   end
+  local first = 0
+  local resumed_from
+  if resuming then   -- loaded before the run directory is touched: a bad checkpoint writes nothing
+    local back
+    back, resumed_from = self:restore(cfg.resume)
+    first = back + 1
+  end
   if self.run_dir then
+    if mode == "overwrite" then clear_run_dir(self.run_dir) end
     fs.mkdir_p(self.run_dir)
-    self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", cfg.resume and "a" or "w"))
+    self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", mode == "resume" and "a" or "w"))
   end
   if init_dir then self:log({event = "init_from", from = init_dir}) end
-  local first = 0
-  if resuming then
-    first = self:restore(cfg.resume) + 1
-    self:log({event = "resume", step = first, from = cfg.resume})
-  end
+  if resuming then self:log({event = "resume", step = first, from = resumed_from}) end
   self.first_step = first
-  local last_good = nil
+  local last_good, last_good_step = nil, nil
   local t_start, last_step = now(), self.steps - 1
   local step = first
   local result = {skipped = 0, rollbacks = 0, losses = {}}
+  local function interrupted(at, dir, during)
+    self:end_line()
+    self:log({event = "interrupted", step = at, checkpoint = dir})
+    errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
+                              dir and ("; saved " .. dir) or "; no step completed, nothing saved"))
+  end
   while step <= last_step do
     local ok, m = pcall(self.step, self, step)
     if not ok then
-      if self.attach then self.model.safe_point = nil end   -- set during the step (attach)
-      local msg = tostring(m)
-      if msg:find("interrupted") then
-        if self.tty then io.stdout:write("\n") end
-        local dir = step > first and self:save(step - 1, "interrupt") or nil
-        self:log({event = "interrupted", step = step, checkpoint = dir})
-        error(string.format("moelua.train: interrupted at step %d%s", step,
-                            dir and ("; saved " .. dir) or ""), 0)
+      self.model.safe_point = nil                -- set during the step
+      if tostring(m):find("interrupted") then
+        interrupted(step, step > first and (self:save(step - 1, "interrupt")) or nil)
       end
       error(m, 0)
     end
     result.losses[step] = m.loss
-    local share_bad = m.max_share > self.rollback.collapse_share
-    self.collapse_run = share_bad and self.collapse_run + 1 or 0
+    local fired, collapsed, collapsing = self:check_balance(m)
     local why = (not m.skipped and self:spike(m.loss)) and "loss spike"
              or (self.skipped_run >= self.rollback.max_skipped and "skipped steps")
-             or (self.collapse_run >= self.rollback.collapse_steps and "router collapse") or nil
+             or (collapsed and "router collapse") or nil
+    for _, a in ipairs(fired) do
+      self:log(a)
+      self:end_line()
+      self:call_hook(step, "on_alarm", self.state, a, self.model)
+    end
     if why and last_good then
       self:log(m)
       self:progress(m, step, last_step, t_start)
-      local offending = step
-      local back = self:restore(last_good)
-      self.data_offset = self.data_offset + (offending - back)   -- past the offending batches
-      self.skipped_run, self.collapse_run = 0, 0
+      local n = (self.rollbacks_to[last_good] or 0) + 1
+      if n > self.rollback.max_rollbacks then
+        self:end_line()
+        self:log({event = "stopped", step = step, reason = why, rollbacks = n - 1, last_good = last_good})
+        errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
+                                  "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
+                                  "(--resume %s) after changing what fails (a lower --lr, more --warmup, " ..
+                                  "--clip)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
+                                  last_good, last_good))
+      end
+      self.rollbacks_to[last_good] = n
+      local back = last_good_step
+      -- past the offending batches, and past those of every earlier rollback to this checkpoint
+      self.skip_to[last_good] = (self.skip_to[last_good] or 0) + (step - back)
+      self:restore(last_good, true)
+      self.skipped_run = 0
+      for k in pairs(self.alarm_runs) do self.alarm_runs[k] = nil end
       result.rollbacks = result.rollbacks + 1
       local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
-                     data_offset = self.data_offset}
-      self:log(event)
+                     data_offset = self.data_offset, rollbacks_to = n}
+      self:end_line()
       if self:call_hook(step, "on_rollback", self.state, event) == false then
         self:call_hook(step, "on_rollback", self.state, event)
       end
+      self.pending_rollback = event    -- logged when the replay starts, with its lr scale
       step = back + 1
     else
       if self.val_every > 0 and (step + 1) % self.val_every == 0 then
         local v = self:validate()
-        if v then self:log({event = "validation", step = step, loss = v}) end
+        if v then
+          self.val_loss = v
+          self:log({event = "validation", step = step, loss = v})
+        end
       end
+      local dir, held
       if self.attach and self.attach.want_checkpoint and self.run_dir then   -- asked for from `moelua attach`
         self.attach.want_checkpoint = false
-        self:save(step, "attach")
+        dir, held = self:save(step, "attach")
       end
       if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
         local t0 = now()
-        last_good = self:save(step, "every")
-        if not why then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
+        local h
+        dir, h = self:save(step, "every")
+        held = (held or 0) + h
+        -- good: not a step that asked for a rollback it could not take, nor one inside a collapse
+        if dir and not why and not collapsing then
+          last_good, last_good_step = dir, step
+          ckpt.mark_good(self.run_dir .. "/ckpt", last_good)
+        end
         m.phases.checkpoint = now() - t0
       end
       self:log(m)
       self:progress(m, step, last_step, t_start)
+      if held and held > 0 then interrupted(step + 1, dir, " (during the checkpoint save, which finished)") end
       step = step + 1
     end
   end
-  if self.tty then io.stdout:write("\n") end
+  self:end_line()
   if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
   result.skipped = self.skipped
   result.first_step, result.first_loss = first, result.losses[first]
   result.final_loss = result.losses[last_step]
-  result.checkpoint = self.run_dir and self:save(last_step, "final") or nil
+  local held
+  if self.run_dir then result.checkpoint, held = self:save(last_step, "final") end
   if self.metrics then self.metrics:close() end
+  if held and held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
   return result
 end
 

@@ -421,6 +421,18 @@ end
 
 local ROUTER_KEYS = {temperature = "number", noise = "number", eps = "number", capacity_factor = "number"}
 
+-- model:reinit_expert(layer, dead, from, noise_std): expert `dead` of MoE
+-- layer `layer` (1-based) restarts as a noisy copy of expert `from`
+-- (0-based ids; moelua.moe Layer:reinit_expert).
+function Transformer:reinit_expert(layer, dead, from, std)
+  local b = self.blocks[layer]
+  if not b then
+    error(string.format("moelua.nn.Transformer:reinit_expert: no layer %s (the model has %d)", tostring(layer),
+                        #self.blocks), 2)
+  end
+  b.moe.layer:reinit_expert(dead, from, std)
+end
+
 -- model:set_router{temperature =, noise =, eps =, capacity_factor =}: the
 -- per-step router settings (a recipe hook's), applied to every layer.
 function Transformer:set_router(s)
