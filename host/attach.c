@@ -11,7 +11,7 @@
  * line itself, at once, in its own small Lua state (base, string, table,
  * math; no io, os, debug or package; ML_ATTACH_MEM at most), against the
  * last published snapshot, by the evaluator of lua/moelua/attach_env.lua
- * (attach_env.server, given dkjson and this file's instruction-limited
+ * (attach_env.server, given dkjson, moelua/pretty.lua and this file's instruction-limited
  * runner). A line that calls a control, even under pcall, is not answered
  * there: it goes, whole, to a queue the training thread takes at its safe
  * points (ml_attach_peek/drop); the training thread hands back the reply
@@ -351,30 +351,37 @@ static int server_limited(lua_State *T)
     return lua_gettop(T);
 }
 
-/* Opens T's libraries, loads dkjson (its path at 1) and attach_env (its
- * path at 2); attach_env.server(json, limited), the evaluator, goes into
- * the registry. Run protected. */
+/* Loads the Lua file at path and pushes the table it returns. */
+static void server_module(lua_State *T, const char *path)
+{
+    if (luaL_loadfilex(T, path, "t") != LUA_OK)
+        lua_error(T);
+    lua_call(T, 0, 1);
+    if (!lua_istable(T, -1))
+        luaL_error(T, "%s did not return a table", path);
+}
+
+/* Opens T's libraries, loads dkjson (its path at 1), attach_env (its path
+ * at 2) and pretty (at 3); attach_env.server(json, pretty, limited), the
+ * evaluator, goes into the registry. Run protected. */
 static int server_setup(lua_State *T)
 {
     const char *json_path = lua_tostring(T, 1), *env_path = lua_tostring(T, 2);
+    const char *pretty_path = lua_tostring(T, 3);
     luaL_requiref(T, LUA_GNAME, luaopen_base, 1);
     luaL_requiref(T, LUA_STRLIBNAME, luaopen_string, 1);
     luaL_requiref(T, LUA_TABLIBNAME, luaopen_table, 1);
     luaL_requiref(T, LUA_MATHLIBNAME, luaopen_math, 1);
-    lua_settop(T, 2);
-    if (luaL_loadfilex(T, json_path, "t") != LUA_OK)
-        return lua_error(T);
-    lua_call(T, 0, 1);  /* 3: json */
-    if (!lua_istable(T, 3))
-        return luaL_error(T, "%s did not return a table", json_path);
-    if (luaL_loadfilex(T, env_path, "t") != LUA_OK)
-        return lua_error(T);
-    lua_call(T, 0, 1);  /* 4: attach_env */
-    if (!lua_istable(T, 4) || lua_getfield(T, 4, "server") != LUA_TFUNCTION)
+    lua_settop(T, 3);
+    server_module(T, json_path);    /* 4: json */
+    server_module(T, env_path);     /* 5: attach_env */
+    server_module(T, pretty_path);  /* 6: pretty */
+    if (lua_getfield(T, 5, "server") != LUA_TFUNCTION)
         return luaL_error(T, "%s did not return a table with a function server", env_path);
-    lua_pushvalue(T, 3);
+    lua_pushvalue(T, 4);
+    lua_pushvalue(T, 6);
     lua_pushcfunction(T, server_limited);
-    lua_call(T, 2, 1);
+    lua_call(T, 3, 1);
     lua_setfield(T, LUA_REGISTRYINDEX, ML_ATTACH_EVAL);
     return 0;
 }
@@ -671,7 +678,8 @@ void ml_attach_free(ml_attach *a)
 }
 
 /* The server thread's Lua state; 0 or -1 (err). */
-static int server_open(ml_attach *a, const char *json_path, const char *env_path, char *err, size_t errlen)
+static int server_open(ml_attach *a, const char *json_path, const char *env_path, const char *pretty_path,
+                       char *err, size_t errlen)
 {
     a->T = lua_newstate(server_alloc, a);
     if (!a->T)
@@ -680,7 +688,8 @@ static int server_open(ml_attach *a, const char *json_path, const char *env_path
     lua_pushcfunction(a->T, server_setup);
     lua_pushstring(a->T, json_path);  /* a new state has room: no error */
     lua_pushstring(a->T, env_path);
-    if (lua_pcall(a->T, 2, 0, 0) != LUA_OK) {
+    lua_pushstring(a->T, pretty_path);
+    if (lua_pcall(a->T, 3, 0, 0) != LUA_OK) {
         char msg[400];
         snprintf(msg, sizeof msg, "%s", lua_isstring(a->T, -1) ? lua_tostring(a->T, -1) : "(no message)");
         return FAIL(err, errlen, "cannot set up the server thread's Lua state: %s", msg);
@@ -766,7 +775,7 @@ static int make_dir(const char *path, char *err, size_t errlen)
 }
 
 int ml_attach_listen(ml_attach *a, const char *sock_path, long long limit, const char *json_path,
-                     const char *env_path, char *err, size_t errlen)
+                     const char *env_path, const char *pretty_path, char *err, size_t errlen)
 {
     size_t plen = strlen(sock_path);
     if (plen >= sizeof a->path)
@@ -776,7 +785,7 @@ int ml_attach_listen(ml_attach *a, const char *sock_path, long long limit, const
         return -1;
     a->limit = (lua_Integer)limit;
     memcpy(a->path, sock_path, plen + 1);
-    if (server_open(a, json_path, env_path, err, errlen) != 0)
+    if (server_open(a, json_path, env_path, pretty_path, err, errlen) != 0)
         return -1;
     if (pipe2(a->wake, O_NONBLOCK | O_CLOEXEC) != 0)
         return FAIL(err, errlen, "pipe: %s", strerror(errno));

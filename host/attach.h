@@ -29,11 +29,12 @@ ml_attach *ml_attach_new(void);
  * (mode 0700, this user's), a socket left there by a dead job replaced
  * (one that a job serves, found by connecting to it: "another job serves
  * PATH"), the socket bound (0600), the server thread's Lua state set up from
- * dkjson.lua at json_path and moelua/attach_env.lua at env_path, each
+ * dkjson.lua at json_path, moelua/attach_env.lua at env_path and
+ * moelua/pretty.lua (the reply printer) at pretty_path, each
  * request line limited to `limit` instructions, and the thread started.
  * 0, or -1 with the reason in err (errlen bytes); then ml_attach_free. */
 int ml_attach_listen(ml_attach *a, const char *sock_path, long long limit, const char *json_path,
-                     const char *env_path, char *err, size_t errlen);
+                     const char *env_path, const char *pretty_path, char *err, size_t errlen);
 
 /* Stop and join the thread, close every socket, remove the socket file
  * while it is the one bound (the same st_dev and st_ino; not one another

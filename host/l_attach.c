@@ -99,7 +99,9 @@ static int l_attach_listen(lua_State *L)
                  "address: use a shorter run directory", path, plen, ML_ATTACH_PATH_MAX - 1);
     find_lua(L, fn, "dkjson", "dkjson.lua");
     find_lua(L, fn, "moelua.attach_env", "moelua/attach_env.lua");
-    const char *json_path = lua_tostring(L, -2), *env_path = lua_tostring(L, -1);
+    find_lua(L, fn, "moelua.pretty", "moelua/pretty.lua");
+    const char *json_path = lua_tostring(L, -3), *env_path = lua_tostring(L, -2);
+    const char *pretty_path = lua_tostring(L, -1);
     /* the userdata first, in a safe empty state: a later error frees it */
     ml_attach_handle *h = lua_newuserdatauv(L, sizeof *h, 0);
     h->a = NULL;
@@ -109,7 +111,7 @@ static int l_attach_listen(lua_State *L)
     if (!h->a)
         ml_error(L, fn, "out of memory");
     char err[1024];
-    if (ml_attach_listen(h->a, path, limit, json_path, env_path, err, sizeof err) != 0) {
+    if (ml_attach_listen(h->a, path, limit, json_path, env_path, pretty_path, err, sizeof err) != 0) {
         attach_release(h);
         ml_error(L, fn, "%s", err);
     }

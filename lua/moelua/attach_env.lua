@@ -4,19 +4,20 @@
 -- (lua/moelua/remote.lua) and the server thread of moelua.attach
 -- (host/attach.c), whose small Lua state has only base, string, table and
 -- math and loads this file by its path. So this module uses nothing else,
--- requires nothing and defines no globals; the JSON encoder/decoder
--- (dkjson) is passed in.
+-- requires nothing and defines no globals; the printer (moelua.pretty) and
+-- the JSON decoder (dkjson, for the server thread's snapshot) are passed in.
 --
---   local E = attach_env.new(json)
---   E.show(v)          a value as a reply shows it: a table as one line of
---                      JSON, anything else by tostring
+--   local E = attach_env.new(pretty)
+--   E.show(v)          a value as a reply shows it: pretty.show (a table
+--                      nested and bounded, keys sorted; a string as it is)
 --   E.env(data, controls, out)  -> env: the environment of one line:
 --                      data.stats, data.ledger, data.progress, copies of
 --                      data.overrides and data.staged (nil: {}), the base
 --                      functions, copies of math, string and table (no
 --                      request changes what the next one sees), each control
---                      of attach_env.CONTROLS from `controls`, and a print
---                      that appends its line to `out`
+--                      of attach_env.CONTROLS from `controls`, help() (the
+--                      text of attach_env.help()), and a print that appends
+--                      its line to `out`
 --   E.run(code, data, controls, limited)  -> the reply text: code loaded as
 --                      an expression ('return ' .. code), else as a
 --                      statement, in E.env; run by limited(fn) (-> true,
@@ -28,6 +29,10 @@
 --                      attach_env.REPLY_MAX bytes; a load or run error as
 --                      "error: ...". Raises only what limited or a control
 --                      raises past it.
+--   attach_env.SETTABLE, attach_env.check(name, value)  the controls set{}
+--                      takes, in order, and the check of one (nil, or the
+--                      error message naming it): remote.lua's set{} and
+--                      help() read this one list.
 --
 -- The instruction limit counts Lua instructions; a C function runs to its
 -- end unseen by it. So the line's string library has no pattern matching:
@@ -39,7 +44,7 @@
 -- that says why. string.rep and table.move, loops in C as long as the line
 -- asks, refuse more than 2^24 repetitions or elements. The other string
 -- and table functions are the real ones.
---   attach_env.server(json, limited)  -> evaluator(code, snapshot_json):
+--   attach_env.server(json, pretty, limited)  -> evaluator(code, snapshot_json):
 --                      the server thread's: E.run against the decoded
 --                      snapshot; nil when the line calls a control (it is
 --                      then run again by the training thread, which alone
@@ -51,7 +56,64 @@
 local attach_env = {}
 
 attach_env.REPLY_MAX = 60000
-attach_env.CONTROLS = {"set", "checkpoint", "pause", "resume"}
+attach_env.CONTROLS = {"set", "unset", "checkpoint", "pause", "resume"}
+
+-- What set{} takes: every control the recipe's hook sets (train.lua's ctl),
+-- each with its range: lo/hi bounds, open (excluded) where marked.
+attach_env.SETTABLE = {
+  {name = "temperature", lo = 0, lo_open = true, what = "> 0 (changes combine weights, never which experts)"},
+  {name = "noise", lo = 0, what = ">= 0 (gate noise after the temperature: changes selection)"},
+  {name = "eps", lo = 0, hi = 1, hi_open = true, what = "in [0, 1) (uniform share mixed into the probabilities)"},
+  {name = "aux_weight", lo = 0, what = ">= 0 (load-balancing loss weight)"},
+  {name = "z_weight", lo = 0, what = ">= 0 (router z-loss weight)"},
+  {name = "lr_scale", lo = 0, lo_open = true, what = "> 0 (multiplies the scheduled learning rate)"},
+  {name = "capacity_factor", lo = 0, lo_open = true, what = "> 0 (a model with moe policy \"drop\" only)"},
+}
+local SETTABLE_BY = {}
+for _, c in ipairs(attach_env.SETTABLE) do SETTABLE_BY[c.name] = c end
+
+function attach_env.is_control(name) return SETTABLE_BY[name] ~= nil end
+
+function attach_env.names()
+  local n = {}
+  for i, c in ipairs(attach_env.SETTABLE) do n[i] = c.name end
+  return table.concat(n, ", ")
+end
+
+-- nil when set{name = value} is valid, else the message (naming the control).
+function attach_env.check(name, value)
+  local c = SETTABLE_BY[name]
+  if not c then return "unknown control '" .. tostring(name) .. "' (one of " .. attach_env.names() .. ")" end
+  local ok = type(value) == "number" and value == value and value > -math.huge and value < math.huge and
+             (value > c.lo or (value == c.lo and not c.lo_open)) and
+             (not c.hi or value < c.hi or (value == c.hi and not c.hi_open))
+  if not ok then return name .. " must be a finite number " .. c.what .. ", got " .. tostring(value) end
+end
+
+-- help()'s text, made once: a line's string methods are its own meanwhile.
+local HELP
+do
+  local lines = {
+    "What a line can use (each line is Lua; its value is printed):",
+    "  stats        the last step's metrics (loss, lr, temperature, loads[layer].counts, ...)",
+    "  ledger       memory by device and category (moelua.mem.stats())",
+    "  progress     step, steps, paused, and where in the step: phase, layer, micro, micros",
+    "  overrides    what set{} put in force (copies: change them with set/unset)",
+    "  staged       set/unset made inside a step, in force from the next step",
+    "  set{name = value, ...}  override what the recipe's hook sets, from this step (at a step's",
+    "               start) or the next; kept across rollbacks, not saved in checkpoints:",
+  }
+  for _, c in ipairs(attach_env.SETTABLE) do lines[#lines + 1] = string.format("    %-16s %s", c.name, c.what) end
+  for _, l in ipairs({
+    "  unset(\"name\", ...)     drop overrides (unset() drops all): the hook's values come back",
+    "  checkpoint() save a checkpoint after the current step",
+    "  pause()      hold the job at this safe point; resume() lets it go on",
+    "  help()       this text",
+    "Also: the base functions, math, string (no patterns: s:find(text, 1, true)) and table.",
+  }) do lines[#lines + 1] = l end
+  HELP = table.concat(lines, "\n")
+end
+function attach_env.help() return HELP end
 
 local BASE = {"pairs", "ipairs", "next", "tostring", "tonumber", "type", "select", "pcall", "error", "assert"}
 local LIBS = {"math", "string", "table"}
@@ -117,16 +179,10 @@ local function no_nul(text)
   return (gsub(text, "\0", "\\0"))
 end
 
-function attach_env.new(json)
+function attach_env.new(pretty)
   local E = {}
 
-  function E.show(v)
-    if type(v) == "table" then
-      local ok, s = pcall(json.encode, v, {indent = false})
-      if ok and s then return s end
-    end
-    return tostring(v)
-  end
+  function E.show(v) return pretty.show(v) end
 
   function E.env(data, controls, out)
     local env = {stats = data.stats, ledger = data.ledger, progress = data.progress,
@@ -134,6 +190,7 @@ function attach_env.new(json)
     for _, k in ipairs(BASE) do env[k] = G[k] end
     for _, k in ipairs(LIBS) do env[k] = copy(k == "string" and STRING or k == "table" and TABLE or G[k]) end
     for _, k in ipairs(attach_env.CONTROLS) do env[k] = controls[k] end
+    env.help = attach_env.help
     function env.print(...)
       local parts = {}
       for i = 1, select("#", ...) do parts[i] = E.show((select(i, ...))) end
@@ -165,8 +222,8 @@ function attach_env.new(json)
   return E
 end
 
-function attach_env.server(json, limited)
-  local E = attach_env.new(json)
+function attach_env.server(json, pretty, limited)
+  local E = attach_env.new(pretty)
   local CONTROL, called = {}, false
   local function queue() called = true; error(CONTROL, 0) end
   local controls = {}

@@ -5,7 +5,8 @@
 -- answer.
 --
 --   local remote = require "moelua.remote"
---   local srv = remote.listen(run_dir, {steps = N})
+--   local srv = remote.listen(run_dir, {steps = N [, policy = "drop" | model = model]})
+--   (the moe policy: set{capacity_factor =} is refused unless it is "drop")
 --   train.run{..., attach = srv}   -- the trainer calls the safe points below
 --
 -- Each line is Lua source run in its own environment, the same in both
@@ -13,8 +14,9 @@
 -- step line of metrics.jsonl), `ledger` (moelua.mem.stats()), `progress`
 -- ({step =, steps =, paused =, phase =, layer =, micro =, micros =}: where
 -- the job stands), `overrides` and `staged` (copies), and the controls
--- set{temperature =, aux_weight =, lr_scale =}, checkpoint(), pause() /
--- resume(). Every line runs under an
+-- set{...} (every control of the recipe's hook: attach_env.SETTABLE),
+-- unset(name, ...), checkpoint(), pause() / resume(), help(). Every line
+-- runs under an
 -- instruction limit (1e6 by default; once hit, every further instruction
 -- raises, so a pcall in the line cannot outlast it), so an endless loop
 -- ends with an error reply, and the string library has no pattern matching
@@ -72,8 +74,7 @@ local remote = {}
 local Server = {}
 Server.__index = Server
 
-local SETTABLE = {temperature = true, aux_weight = true, lr_scale = true}
-local E = attach_env.new(json)
+local E = attach_env.new(require "moelua.pretty")
 -- Encoding the ledger takes ~0.15 ms and a tiny model reaches a safe point
 -- every ~1 ms: the snapshot's ledger is encoded again at most this often
 -- (seconds), and after every control; the rest of it at every safe point.
@@ -98,23 +99,59 @@ local function last_metrics(path)
 end
 
 -- The controls a request line calls (moelua.attach_env.CONTROLS), acting on srv.
+-- A change made at a step's start is in force for that step; one made inside
+-- a step is staged for the next (staged[name] = false: an unset to come).
 local function controls(srv)
   local c = {}
+  local function target()
+    if srv.phase == "start" then return srv.overrides, srv.step end   -- this step's settings are not taken yet
+    return srv.staged, srv.step and srv.step + 1
+  end
   function c.set(t)
-    if type(t) ~= "table" then error("set: expected a table {temperature =, aux_weight =, lr_scale =}", 2) end
+    if type(t) ~= "table" then
+      error("set: expected a table {name = value, ...}; see help() for the controls", 2)
+    end
+    local keys = {}
     for k, v in pairs(t) do
-      if not SETTABLE[k] then error("set: unknown control '" .. tostring(k) ..
-                                    "' (temperature, aux_weight, lr_scale)", 2) end
-      if type(v) ~= "number" or v ~= v or v < 0 or v == math.huge or (k ~= "aux_weight" and v == 0) then
-        error("set: " .. k .. " must be a finite number > 0 (aux_weight >= 0), got " .. tostring(v), 2)
+      local why = attach_env.check(k, v)
+      if why then error("set: " .. why, 2) end
+      if k == "capacity_factor" and srv.policy ~= "drop" then
+        error("set: capacity_factor applies only to a model with moe policy \"drop\" (this job's: " ..
+              tostring(srv.policy or "not told to attach: remote.listen(run_dir, {policy =})") .. ")", 2)
       end
+      keys[#keys + 1] = k
     end
-    if srv.phase == "start" then   -- this step's settings are not taken yet
-      for k, v in pairs(t) do srv.overrides[k] = v end
-      return "applied from step " .. tostring(srv.step)
+    table.sort(keys)
+    local into, from = target()
+    local parts, quoted = {}, {}
+    for i, k in ipairs(keys) do
+      into[k] = t[k]
+      parts[i], quoted[i] = k .. " = " .. tostring(t[k]), '"' .. k .. '"'
     end
-    for k, v in pairs(t) do srv.staged[k] = v end   -- mid-step: the next step takes them
-    return "applied from step " .. tostring(srv.step and srv.step + 1)
+    if #keys == 0 then return "nothing to set; see help()" end
+    return ("applied from step %s: %s (kept across rollbacks, not saved in checkpoints; unset(%s) drops %s)")
+           :format(tostring(from), table.concat(parts, ", "), table.concat(quoted, ", "), #keys == 1 and "it" or "them")
+  end
+  function c.unset(...)
+    local names = table.pack(...)
+    if names.n == 0 then   -- every override, and every staged change
+      for k in pairs(srv.overrides) do names[#names + 1] = k end
+      for k in pairs(srv.staged) do names[#names + 1] = k end
+    end
+    local into, from = target()
+    local gone = {}
+    for i = 1, #names do
+      local k = names[i]
+      if not attach_env.is_control(k) then
+        error("unset: unknown control '" .. tostring(k) .. "' (one of " .. attach_env.names() .. ")", 2)
+      end
+      if into == srv.overrides then into[k] = nil; srv.staged[k] = nil else into[k] = false end
+      gone[#gone + 1] = k
+    end
+    table.sort(gone)
+    if #gone == 0 then return "no overrides to unset" end
+    return ("unset from step %s: %s (the recipe's hook sets them again)"):format(tostring(from),
+                                                                                 table.concat(gone, ", "))
   end
   function c.checkpoint()
     srv.want_checkpoint = true
@@ -153,7 +190,7 @@ function remote.listen(run_dir, opts)
   local limit = math.floor(opts.instructions or 1e6)
   local srv = setmetatable({
     handle = attach.listen(run_dir, limit), metrics_path = run_dir .. "/metrics.jsonl",
-    steps = opts.steps, limit = limit, overrides = {}, staged = {}, paused = false,
+    steps = opts.steps, limit = limit, policy = opts.policy or (opts.model and opts.model.opts.moe_opts.policy), overrides = {}, staged = {}, paused = false,
     step = nil, phase = "start", layer = nil, micro = nil, micros = nil,
     stats_line = nil, ledger_json = nil, ledger_at = nil,   -- the snapshot's, as JSON text
   }, Server)
@@ -247,7 +284,7 @@ end
 -- The start of a step: overrides staged during the last step take effect.
 function Server:poll(step)
   if next(self.staged) then
-    for k, v in pairs(self.staged) do self.overrides[k] = v end
+    for k, v in pairs(self.staged) do self.overrides[k] = v or nil end   -- false: unset
     self.staged = {}
   end
   self.step, self.phase, self.layer, self.micro = step, "start", nil, nil

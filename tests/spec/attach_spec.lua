@@ -33,6 +33,7 @@ local data = require "moelua.data"
 local train = require "moelua.train"
 local attach_env = require "moelua.attach_env"
 local json = require "dkjson"
+local pretty = require "moelua.pretty"
 local system = require "system"
 local support = require "tests.support"
 
@@ -180,7 +181,7 @@ describe("moelua attach", function()
     assert.is_true(tonumber(replies[3]) > 0, out)             -- stats: the last step's loss
     -- paused inside the step ("... (after the forward of layer 1)"): from the next step
     local from = inside == "" and at or at + 1
-    assert.are.equal("applied from step " .. from, replies[4])
+    support.has(replies[4], "applied from step " .. from .. ": temperature = 0.5 (kept across rollbacks")
     support.has(replies[5], "error: attach:1: instruction limit exceeded (1000000 instructions)")
     assert.are.equal("true", replies[6])                      -- the job answered after the loop
     support.has(replies[7], "set: temperature must be a finite number > 0")
@@ -241,7 +242,8 @@ describe("moelua attach", function()
     assert.are.equal(during, support.read_file(out))
     srv:safe_point("backward", 1)                    -- runs it: mid-step, staged for step 8
     assert.are.same({temperature = 0.7}, srv.staged)
-    local rest = "applied from step 8\nbackward\n0.7\n"  -- and the next query sees it
+    local rest = "applied from step 8: temperature = 0.7 (kept across rollbacks, not saved in checkpoints; " ..
+                 'unset("temperature") drops it)\nbackward\n0.7\n'  -- and the next query sees it
     wait_for("the replies after the safe point", function()
       return support.read_file(out) == during .. rest
     end)
@@ -271,7 +273,7 @@ describe("moelua attach", function()
     -- arrives mid-step (the client relays it within the 0.3 s it waits)
     local function hook(step)
       if step == 1 then
-        client:write("progress\n")
+        client:write("print(progress.step, progress.steps, progress.paused, progress.micros, progress.phase)\n")
         system.sleep(0.3)
       elseif step == 2 then
         client:write("pause()\nprogress.phase, progress.layer, progress.paused\nset{temperature = 0.5}\n" ..
@@ -290,10 +292,10 @@ describe("moelua attach", function()
     assert.are.equal(9, #replies, table.concat(replies, "\n"))
     -- answered at once from the snapshot of step 1's start (or of a later
     -- safe point of step 1, if the client took over 0.3 s to relay it)
-    local p = json.decode(replies[1])
-    assert.are.same({1, 4, false, 2}, {p.step, p.steps, p.paused, p.micros})
-    assert.is_true(p.phase == "start" or p.phase == "forward" or p.phase == "backward" or
-                   p.phase == "micro-batch", replies[1])
+    local p = {}
+    for f in replies[1]:gmatch("[^\t]+") do p[#p + 1] = f end
+    assert.are.same({"1", "4", "false", "2"}, {p[1], p[2], p[3], p[4]})
+    assert.is_true(p[5] == "start" or p[5] == "forward" or p[5] == "backward" or p[5] == "micro-batch", replies[1])
     -- paused inside step 2, where the reply and progress say
     local phase, layer = replies[2]:match("^paused at step 2 %(after the (%a+) of layer (%d), micro%-batch %d of 2%)$")
     if not phase then
@@ -301,7 +303,7 @@ describe("moelua attach", function()
       phase, layer = "micro-batch", "nil"
     end
     assert.are.same({phase, layer, "true"}, {replies[3], replies[4], replies[5]})
-    assert.are.equal("applied from step 3", replies[6])
+    assert.matches("^applied from step 3: temperature = 0.5 ", replies[6])
     assert.are.same({"0.5", "nil"}, {replies[7], replies[8]})  -- staged, not yet in force
     assert.are.equal("resumed", replies[9])
     local by_step = metrics(run)
@@ -408,7 +410,7 @@ describe("moelua attach", function()
                                     "while n < 100 do n = n + 1 pcall(function() while true do end end) end return n"))
     assert.are.equal(LIMIT, srv:run("pcall(set,{temperature=0.5}); while true do pcall(function() while true do end end) end"))
     assert.are.same({temperature = 0.5}, srv.overrides)
-    assert.are.equal("applied from step nil", srv:run("set{lr_scale = 2}"))   -- the next line runs as before
+    assert.matches("^applied from step nil: lr_scale = 2", srv:run("set{lr_scale = 2}"))   -- the next line runs as before
   end)
 
   it("writes a NUL byte of a reply as \\0 on both threads; a reply that cannot be queued is an error reply",
@@ -437,7 +439,7 @@ describe("moelua attach", function()
 
   it("has no pattern matching in a request's string library (a pattern runs in C, past the instruction limit); " ..
      "find searches plainly", function()
-    local E = attach_env.new(json)
+    local E = attach_env.new(pretty)
     local function run(code) return E.run(code, {}, {}, pcall) end
     local WHY = "a pattern can run for hours in C, where the instruction limit cannot stop it"
     support.has(run('("abc"):match("b")'), "error: string.match is refused here: " .. WHY)
@@ -473,6 +475,105 @@ describe("moelua attach", function()
       return support.read_file(out) == refused .. refused
     end)
     assert.are.same({temperature = 0.5}, srv.overrides)
+  end)
+
+  it("prints replies readably on both threads (nested, keys sorted, arrays inline, bounded); help() lists " ..
+     "every control", function()
+    local out = dir .. "/client.out"
+    local srv, client = attached(dir .. "/run", out)
+    -- the server thread: a nested table, a long array, a wide table
+    client:write('{b = {y = {1, 2, 3}, x = "s"}, a = 1, [2] = true}\n' ..
+                 'local t = {} for i = 1, 20000 do t[i] = i end return t\n' ..
+                 'local t = {} for i = 1, 3000 do t["k" .. i] = {i} end return t\n' ..
+                 'local t = {} t.self = t return t\n' ..
+                 'string.rep("x", 300), {string.rep("y", 300)}\n' ..
+                 -- the training thread (a control): the same printer
+                 'set{noise = 0.25}; return {{1, {2}}, n = {m = {}}}\n' ..
+                 'help()\n')
+    local nested = '{[2] = true, a = 1, b = {x = "s", y = {1, 2, 3}}}\n'
+    local first = {}
+    for i = 1, 40 do first[i] = i end
+    local array = "{" .. table.concat(first, ", ") .. ", ... (19960 more)}\n"
+    local wide = {"{"}
+    local keys = {}
+    for i = 1, 3000 do keys[i] = "k" .. i end
+    table.sort(keys)
+    for i = 1, 40 do wide[#wide + 1] = "  " .. keys[i] .. " = {" .. keys[i]:sub(2) .. "}," end
+    wide[#wide + 1] = "  ... (2960 more)\n}\n"
+    local long = string.rep("x", 300) .. "\n" .. '{"' .. string.rep("y", 200) .. '"... (300 bytes)}\n'
+    local control = "{{1, {2}}, n = {m = {}}}\n"
+    local text = wait_for("the replies", function()
+      srv:poll(1)
+      local t = support.read_file(out)
+      return t and t:find("Also: the base functions", 1, true) and t
+    end)
+    local want = nested .. array .. table.concat(wide, "\n") .. "{self = <cycle>}\n" .. long .. control
+    assert.are.equal(want, text:sub(1, #want))
+    local help = text:sub(#want + 1)
+    for _, c in ipairs(attach_env.SETTABLE) do support.has(help, "    " .. c.name .. " ") end
+    for _, f in ipairs({"stats", "ledger", "progress", "overrides", "staged", "set{", "unset(", "checkpoint()",
+                        "pause()", "resume()", "help()"}) do
+      support.has(help, f)
+    end
+    assert.is_nil(text:find("table: 0x", 1, true))
+    assert.are.same({noise = 0.25}, srv.overrides)
+  end)
+
+  it("set{} takes every control of the hook, checked by name and range; unset() drops overrides; " ..
+     "the reply says overrides outlive rollbacks", function()
+    local srv = remote.listen(dir .. "/run", {steps = 10})
+    finally(function() srv:close() end)
+    srv:poll(3)                                           -- a step's start: applied at once
+    local all = {temperature = 0.7, noise = 0.1, eps = 0.05, aux_weight = 0.02, z_weight = 0.001, lr_scale = 0.5}
+    local reply = srv:run("set{temperature = 0.7, noise = 0.1, eps = 0.05, aux_weight = 0.02, " ..
+                          "z_weight = 0.001, lr_scale = 0.5}")
+    assert.are.equal("applied from step 3: aux_weight = 0.02, eps = 0.05, lr_scale = 0.5, noise = 0.1, " ..
+                     "temperature = 0.7, z_weight = 0.001 (kept across rollbacks, not saved in checkpoints; " ..
+                     'unset("aux_weight", "eps", "lr_scale", "noise", "temperature", "z_weight") drops them)',
+                     reply)
+    assert.are.same(all, srv.overrides)
+    -- a wrong key, a negative or out-of-range value: an error reply naming it, nothing applied
+    local bad = {
+      {"set{temprature = 1}", "error: set: unknown control 'temprature' (one of temperature, noise, " ..
+                              "eps, aux_weight, z_weight, lr_scale, capacity_factor)"},
+      {"set{noise = -0.1}", "set: noise must be a finite number >= 0"},
+      {"set{aux_weight = -1}", "set: aux_weight must be a finite number >= 0"},
+      {"set{z_weight = -1e-3}", "set: z_weight must be a finite number >= 0"},
+      {"set{eps = 1}", "set: eps must be a finite number in [0, 1)"},
+      {"set{temperature = 0}", "set: temperature must be a finite number > 0"},
+      {"set{lr_scale = 1/0}", "set: lr_scale must be a finite number > 0"},
+      {"set{temperature = '1'}", "set: temperature must be a finite number > 0"},
+      {"set{temperature = false}", "set: temperature must be a finite number > 0"},
+      {"set{noise = 0.2, eps = -1}", "set: eps must be a finite number in [0, 1)"},
+      {"set{capacity_factor = 1.25}", 'set: capacity_factor applies only to a model with moe policy "drop"'},
+      {"set(1)", "set: expected a table {name = value, ...}"},
+      {"unset('temp')", "unset: unknown control 'temp'"},
+    }
+    for _, b in ipairs(bad) do support.has(srv:run(b[1]), b[2]) end
+    assert.are.same(all, srv.overrides)
+    -- capacity_factor with a drop-policy model
+    local drop = remote.listen(dir .. "/run2", {policy = "drop"})
+    finally(function() drop:close() end)
+    drop:poll(0)
+    assert.matches("^applied from step 0: capacity_factor = 1.25", drop:run("set{capacity_factor = 1.25}"))
+    support.has(drop:run("set{capacity_factor = 0}"), "capacity_factor must be a finite number > 0")
+    assert.are.same({capacity_factor = 1.25}, drop.overrides)
+    -- unset at a step's start: gone at once; inside a step: staged (false) until the next step's start
+    assert.are.equal("unset from step 3: temperature (the recipe's hook sets them again)",
+                     srv:run('unset("temperature")'))
+    assert.is_nil(srv.overrides.temperature)
+    srv:safe_point("forward", 1)
+    assert.are.equal("unset from step 4: eps, noise (the recipe's hook sets them again)", srv:run('unset("noise", "eps")'))
+    assert.are.same({noise = false, eps = false}, srv.staged)
+    assert.are.equal(0.1, srv.overrides.noise)               -- this step keeps its settings
+    assert.are.equal("false", srv:run("staged.noise"))
+    srv:poll(4)
+    assert.are.same({aux_weight = 0.02, z_weight = 0.001, lr_scale = 0.5}, srv.overrides)
+    assert.are.same({}, srv.staged)
+    assert.are.equal("unset from step 4: aux_weight, lr_scale, z_weight (the recipe's hook sets them again)",
+                     srv:run("unset()"))
+    assert.are.same({}, srv.overrides)
+    assert.are.equal("no overrides to unset", srv:run("unset()"))
   end)
 
   it("refuses a second job on a run directory a live job serves; a job removes only the socket it bound", function()
