@@ -472,6 +472,16 @@ function ckpt.load(path)
     if not ok then fail("load", "%s", d) end
     dir = d
     if not exists(dir) then fail("load", "'%s' names '%s', which does not exist", join(path, "latest"), dir) end
+  elseif not exists(join(dir, "model.safetensors")) and not exists(join(dir, "model.safetensors.index.json")) then
+    local partial = {}
+    for _, name in ipairs(fs.listdir(dir)) do
+      if name:match("^step%-%d+%.tmp$") then partial[#partial + 1] = join(dir, name) end
+    end
+    if #partial > 0 then
+      fail("load", "'%s' holds no finished checkpoint: %s %s a save that did not finish (interrupted or " ..
+           "killed while writing) and cannot be loaded; the next successful save there removes it",
+           dir, table.concat(partial, ", "), #partial > 1 and "are" or "is")
+    end
   end
   verify_manifest(dir, exists(join(dir, "trainer.json")))
   local c = {dir = dir}

@@ -16,6 +16,8 @@
 --                                               -- step's start, after each block's forward and backward
 --                                               -- (model.safe_point) and after each micro-batch
 --     val_every = 50, val_batches = 4,
+--     tty = true, log_every = 10,    -- progress: one line redrawn on a terminal, else every 10 steps
+--     progress_after = 3,            -- a step running longer shows its layer (forward/backward)
 --     init_from = "ckpt/dir",        -- start from a Mixtral-format checkpoint's weights (fine-tune)
 --     resume = "runs/x/ckpt",        -- continue a run (its metrics.jsonl is appended to)
 --     overwrite = false,             -- true: replace the run in run_dir (see Run directories)
@@ -458,13 +460,13 @@ function Trainer:end_line()
 end
 
 -- Where a long step is: after each block's forward and backward (the
--- model's safe point), once the step has run IN_STEP_AFTER seconds: the
+-- model's safe point), once the step has run `progress_after` s: the
 -- progress line on a terminal, else a line at most every IN_STEP_EVERY s.
-local IN_STEP_AFTER, IN_STEP_EVERY = 3, 30
+local IN_STEP_EVERY = 30
 function Trainer:in_step(step, phase, layer)
   local t = now()
   local started = self.step_started
-  if t - started < IN_STEP_AFTER then return end
+  if t - started < self.progress_after then return end
   if not self.tty and t - (self.in_step_said or 0) < IN_STEP_EVERY then return end
   self.in_step_said = t
   local line = string.format("step %d/%d  %s, layer %d of %d  (%.0f s into the step)", step, self.steps - 1,
@@ -674,7 +676,7 @@ local function new_trainer(cfg)
     val_every = cfg.val_every or 0, val_batches = cfg.val_batches or 4, log_every = cfg.log_every or 10,
     on_rollback = cfg.on_rollback, on_alarm = cfg.on_alarm, data_offset = 0, skipped = 0, skipped_run = 0,
     rollbacks_to = {}, skip_to = {}, alarm_runs = {},
-    machine = machine_fingerprint(), tty = cfg.tty,
+    machine = machine_fingerprint(), tty = cfg.tty, progress_after = cfg.progress_after or 3,
   }, Trainer)
   for _, k in ipairs({"steps", "accum"}) do
     if math.type(self[k]) ~= "integer" or self[k] < 1 then

@@ -75,6 +75,16 @@ describe("moelua.ckpt", function()
     assert.equal(root .. "/step-000003", ckpt.load(root).dir)
   end)
 
+  it("names a half-written first save when there is nothing else to load, and the next save removes it", function()
+    fs.mkdir_p(root .. "/step-000003.tmp")        -- a first save that was interrupted
+    support.write_file(root .. "/step-000003.tmp/model.safetensors", "partial")
+    assert.matches("holds no finished checkpoint: .*/step%-000003%.tmp is a save that did not finish",
+                   errmsg(ckpt.load, root))
+    ckpt.save(root, 4, state(4, 1))
+    assert.is_nil(fs.stat(root .. "/step-000003.tmp"))
+    assert.equal(root .. "/step-000004", ckpt.load(root).dir)
+  end)
+
   it("a process killed (SIGKILL) while saving leaves `latest` loadable", function()
     -- a child saves 4 MiB checkpoints in a loop; it is killed at several
     -- moments, and after each kill the newest complete checkpoint loads

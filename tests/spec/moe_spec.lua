@@ -198,4 +198,27 @@ describe("moe layer on given units", function()
     assert.matches("units.grads.down must be a tensor, got nil",
                    support.errmsg(moe.new, o, {params = p, grads = {wg = g.wg, gate_up = g.gate_up}}))
   end)
+
+  it("reinitialises a dead expert as a noisy copy of a live one, and resets the bias", function()
+    local layer = moe.new{dim = 8, ffn = 6, experts = 4, topk = 2, bias_rate = 0.1, dtype = "f64"}
+    local p = layer.params
+    layer.bias:copy_(m.tensor({0.5, -1, 2, 0}, {dtype = "f64"}))
+    layer:reinit_expert(1, 3, 0)                        -- no noise: an exact copy
+    for _, k in ipairs({"wg", "gate_up", "down"}) do
+      assert.are.same(support.values(p[k]:select(1, 4)), support.values(p[k]:select(1, 2)))
+    end
+    assert.are.same({0.5, 0, 2, 0}, layer.bias:totable())
+    local before = p.gate_up:select(1, 4):clone()
+    layer:reinit_expert(2, 0, 1e-3)                     -- noise of std 1e-3 around expert 0
+    local d = p.gate_up:select(1, 3):sub(p.gate_up:select(1, 1))
+    local n = d:numel()
+    local rms = math.sqrt(d:mul(d):sum():item() / n)
+    assert.is_true(rms > 0.7e-3 and rms < 1.3e-3, tostring(rms))   -- 96 draws of N(0, 1e-6)
+    assert.are.same(support.values(before), support.values(p.gate_up:select(1, 4)))   -- others untouched
+    layer:reset_bias()
+    assert.are.same({0, 0, 0, 0}, layer.bias:totable())
+    assert.matches("argument #1: expected an expert id in 0..3, got 4", errmsg(layer.reinit_expert, layer, 4, 0, 0))
+    assert.matches("dead and from are the same expert", errmsg(layer.reinit_expert, layer, 1, 1, 0))
+    assert.matches("noise_std%): expected a number >= 0", errmsg(layer.reinit_expert, layer, 1, 2, -1))
+  end)
 end)

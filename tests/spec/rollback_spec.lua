@@ -236,3 +236,41 @@ describe("balance alarms", function()
     support.remove_dir(dir)
   end)
 end)
+
+describe("the console", function()
+  it("numbers steps as metrics do, shows validation and in-step progress, and never glues a message", function()
+    local dir = support.make_tmpdir()
+    local out, real = {}, io.stdout
+    local fake = {write = function(self, ...) for _, v in ipairs({...}) do out[#out + 1] = tostring(v) end return self end,
+                  flush = function() end}
+    local cfg = planted({[3] = true}, {run_dir = dir, steps = 6, ckpt_every = 2, val_every = 2, val_batches = 1,
+                                        tty = true, progress_after = 0,
+                                        on_rollback = function(_, ev) io.stdout:write("rollback at ", ev.step, "\n") end})
+    io.stdout = fake
+    local ok, err = pcall(train.run, cfg)
+    io.stdout = real
+    assert.is_true(ok, tostring(err))
+    local text = table.concat(out)
+    assert.truthy(text:find("\r\27[Krollback at 3\n", 1, true), text)   -- the progress line cleared first
+    assert.matches("step 5/5  loss [%d.]+  val [%d.]+", text)   -- the last step is 5, as in metrics.jsonl
+    assert.matches("step 2/5  forward, layer 1 of 1", text)
+    assert.matches("step 2/5  backward, layer 1 of 1", text)
+    local last = 0
+    for _, o in ipairs(lines(dir)) do if not o.event then last = o.step end end
+    assert.are.equal(5, last)
+    support.remove_dir(dir)
+  end)
+
+  it("prints a user error (a bad option value) without a traceback, naming the option", function()
+    for _, bad in ipairs({{"--steps", "0", "option %-%-steps must be at least 1, got 0"},
+                          {"--steps", "-3", "option %-%-steps must be at least 1, got %-3"},
+                          {"--eps", "2", "option %-%-eps must be at most 1, got 2"},
+                          {"--seq-len", "x", "option %-%-seq%-len expects a number, got 'x'"}}) do
+      local p = assert(io.popen(support.host_command({"recipes/tiny.lua", bad[1], bad[2]}) .. " 2>&1"))
+      local code, text = support.finish_child(p)
+      assert.are.equal(1, code, text)
+      assert.matches(bad[3], text)
+      assert.is_nil(text:find("stack traceback", 1, true), text)
+    end
+  end)
+end)
