@@ -83,9 +83,11 @@ test: deps
 	$(MAKE) build/tests
 	MOELUA=./$(TARGET) TEST_BUILD=$(BUILD) tests/run.sh
 
+# A new run directory each time: a run directory that holds a run is
+# refused (moelua.train), so `make run` twice never touches the first run.
 run: deps
 	$(MAKE) all
-	./$(TARGET) recipes/longctx.lua
+	./$(TARGET) recipes/longctx.lua --run-dir runs/longctx-$$(date +%Y%m%d-%H%M%S)
 
 # C unit tests: each tests/c/test_*.c links against the host objects.
 TEST_SRC := $(wildcard tests/c/test_*.c)

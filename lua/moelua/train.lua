@@ -538,8 +538,11 @@ function Trainer:step(step)
   local prof = self.model.profile_summary and self.model:profile_summary()
   scale_grads(self.model, 1 / self.accum)
   local norm = optim.clip_grad_norm(self.optimizer, self.clip or math.huge)
+  local loads = expert_loads(last)
+  local max_share = 0
+  for _, l in ipairs(loads) do max_share = math.max(max_share, l.max_share) end
   local m = {step = step, loss = loss, ce = ce, aux = aux, z = z, lr = lr, grad_norm = norm,
-             loads = expert_loads(last), overrides = overrides}
+             loads = loads, max_share = max_share, overrides = overrides}
   for _, k in ipairs(CONTROLS) do m[k] = ctl[k] end
   if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
     self.skipped, self.skipped_run = self.skipped + 1, self.skipped_run + 1
