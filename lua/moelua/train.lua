@@ -235,6 +235,7 @@ local function trainer_state(self, step, optim_meta)
     rng = tensor.rng_state(), data = self.data:state(), recipe_state = self.state,
     ema = self.ema, threads = tensor.threads(), machine = self.machine, optim = optim_meta,
     provenance = self.provenance, rollbacks_to = self.rollbacks_to, skip_to = self.skip_to,
+    alarm_runs = self.alarm_runs,
   }
 end
 
@@ -302,6 +303,7 @@ function Trainer:restore(dir, rollback)
   tensor.rng_state(tr.rng)
   self.data:set_state(tr.data)
   self.data_offset, self.skipped, self.ema = tr.data_offset or 0, tr.skipped or 0, tr.ema
+  self.alarm_runs = tr.alarm_runs or {}   -- how long each balance condition had held then
   if rollback then
     self.data_offset = self.data_offset + (self.skip_to[c.dir] or 0)
   else
@@ -900,7 +902,6 @@ function train.run(cfg)
       self.skip_to[last_good] = (self.skip_to[last_good] or 0) + (step - back)
       self:restore(last_good, true)
       self.skipped_run = 0
-      for k in pairs(self.alarm_runs) do self.alarm_runs[k] = nil end
       result.rollbacks = result.rollbacks + 1
       local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
                      data_offset = self.data_offset, rollbacks_to = n}
