@@ -6,15 +6,19 @@
 --   -- paths = {loss = ".../loss.svg", experts = ..., memory = ..., throughput = ...}
 --   moelua plot RUN_DIR [OUT_DIR]                  -- the same from the shell (plot.main)
 --
---   loss.svg        training loss (and ce when it differs) per step, validation
---                   loss, rollback events as labelled vertical lines; after a
---                   rollback the steps repeat, so each stretch of the log is its
---                   own line and the abandoned ones are drawn faint
+--   loss.svg        the kept training loss (and ce when it differs) per step,
+--                   its centred moving average, validation loss; the steps a
+--                   rollback abandoned (the lines logged before it for steps it
+--                   replays) drawn faint, one stretch per rollback; rollbacks as
+--                   dashed lines, one label per step they went back to ("3
+--                   rollbacks to step 9 (@12, @15)"), in rows above the plot
+--                   where no two overlap
 --   experts.svg     per layer, a heatmap of each expert's share of the routed
 --                   tokens (rows = experts, columns = steps; the last record of
 --                   a step wins; more than MAX_COLS steps are averaged in bins)
 --   memory.svg      ledger peak bytes per category (one line each) and total, MiB
---   throughput.svg  tokens/s, and the step's time by phase as stacked areas
+--   throughput.svg  tokens/s (faint) with its centred moving average, replayed
+--                   steps marked, and the step's time by phase as stacked areas
 --                   (data, attention, router, dispatch, experts, ce, the rest of
 --                   fwd+bwd, optim, checkpoint)
 -- Errors (missing run dir or metrics.jsonl, no step records) are raised as
@@ -41,7 +45,41 @@ local function num(v) return string.format("%.2f", v):gsub("%.?0+$", "") end
 
 -- ---- reading ----------------------------------------------------------------
 
--- The run's records: {steps = {...in log order}, events = {...}, last = {step -> record}, order = {sorted steps}}.
+-- Which step lines the run kept, from the log's order. A rollback event
+-- (resume_step R) or a resume event (step R) abandons every step line and
+-- validation logged before it for a step >= R; so does a step line whose step
+-- is not above the last kept one (a log without its event), for step lines.
+-- Sets r.kept (the kept step records, in step order), r.abandoned (per
+-- abandoning line, the step records it abandoned, in log order),
+-- r.replayed[step] (a kept step logged before: the replay of an abandoned one),
+-- r.val_kept and r.val_abandoned (validation events).
+local function trajectory(r)
+  local kept, val, logged = {}, {}, {}
+  r.abandoned, r.replayed, r.val_abandoned = {}, {}, {}
+  local function cut(from, steps_only)
+    local gone = {}
+    while #kept > 0 and kept[#kept].step >= from do table.insert(gone, 1, table.remove(kept)) end
+    if #gone > 0 then r.abandoned[#r.abandoned + 1] = gone end
+    while not steps_only and #val > 0 and val[#val].step >= from do
+      table.insert(r.val_abandoned, table.remove(val))
+    end
+  end
+  for _, obj in ipairs(r.lines) do
+    if obj.event == "rollback" and finite(obj.resume_step) then cut(obj.resume_step)
+    elseif obj.event == "resume" and finite(obj.step) then cut(obj.step)
+    elseif obj.event == "validation" and finite(obj.step) and finite(obj.loss) then val[#val + 1] = obj
+    elseif not obj.event then
+      if #kept > 0 and obj.step <= kept[#kept].step then cut(obj.step, true) end
+      kept[#kept + 1] = obj
+      logged[obj.step] = (logged[obj.step] or 0) + 1
+    end
+  end
+  for _, m in ipairs(kept) do if logged[m.step] > 1 then r.replayed[m.step] = true end end
+  r.kept, r.val_kept = kept, val
+end
+
+-- The run's records: {steps = {...in log order}, events = {...}, lines = {both, in log order},
+-- last = {step -> record}, order = {sorted steps}}, and what trajectory() sets.
 function plot.read(run_dir)
   if type(run_dir) ~= "string" or run_dir == "" then fail("a run directory is required") end
   local path = run_dir .. "/metrics.jsonl"
@@ -52,7 +90,7 @@ function plot.read(run_dir)
     d:close()
     fail("no metrics.jsonl in %s", run_dir)
   end
-  local r = {steps = {}, events = {}, last = {}, order = {}, bad_lines = 0}
+  local r = {steps = {}, events = {}, lines = {}, last = {}, order = {}, bad_lines = 0}
   local n = 0
   for line in f:lines() do
     n = n + 1
@@ -62,8 +100,10 @@ function plot.read(run_dir)
         r.bad_lines = r.bad_lines + 1   -- e.g. a half-written last line of a running job
       elseif obj.event then
         r.events[#r.events + 1] = obj
-      elseif type(obj.step) == "number" then
+        r.lines[#r.lines + 1] = obj
+      elseif finite(obj.step) then
         r.steps[#r.steps + 1] = obj
+        r.lines[#r.lines + 1] = obj
         if not r.last[obj.step] then r.order[#r.order + 1] = obj.step end
         r.last[obj.step] = obj
       end
@@ -72,6 +112,7 @@ function plot.read(run_dir)
   f:close()
   if #r.steps == 0 then fail("no step records in %s (%d lines)", path, n) end
   table.sort(r.order)
+  trajectory(r)
   return r
 end
 
@@ -94,7 +135,8 @@ function Svg:add(s) self.parts[#self.parts + 1] = s end
 
 function Svg:text(x, y, s, o)
   o = o or {}
-  self:add(string.format('<text x="%s" y="%s" %s font-size="%d" fill="%s"%s%s%s>%s</text>',
+  self:add(string.format('<text%s x="%s" y="%s" %s font-size="%d" fill="%s"%s%s%s>%s</text>',
+                         o.class and (' class="' .. o.class .. '"') or "",
                          num(x), num(y), FONT, o.size or 11, o.fill or "#333333",
                          o.anchor and (' text-anchor="' .. o.anchor .. '"') or "",
                          o.weight and (' font-weight="' .. o.weight .. '"') or "",
@@ -104,9 +146,10 @@ end
 
 function Svg:line(x1, y1, x2, y2, stroke, o)
   o = o or {}
-  self:add(string.format('<line x1="%s" y1="%s" x2="%s" y2="%s" stroke="%s" stroke-width="%s"%s%s/>',
+  self:add(string.format('<line x1="%s" y1="%s" x2="%s" y2="%s" stroke="%s" stroke-width="%s"%s%s%s/>',
                          num(x1), num(y1), num(x2), num(y2), stroke, o.width or 1,
                          o.dash and (' stroke-dasharray="' .. o.dash .. '"') or "",
+                         o.opacity and (' stroke-opacity="' .. o.opacity .. '"') or "",
                          o.class and (' class="' .. o.class .. '"') or ""))
 end
 
@@ -196,22 +239,27 @@ function Panel:axes(xlabel, ylabel, o)
   if o.title then s:text(self.x, self.y - 8, o.title, {size = 12, weight = "bold"}) end
 end
 
--- A polyline through (xs[i], ys[i]), broken at non-finite values: one <path>.
+-- A polyline through (xs[i], ys[i]), broken at non-finite values: one <path>
+-- (class "series" and o.class). A lone point is a zero-length segment, which
+-- the round caps draw as a dot.
 function Panel:series(xs, ys, colour, o)
   o = o or {}
-  local d, pen = {}, "M"
-  for i = 1, #xs do
-    if finite(ys[i]) and finite(xs[i]) then
-      d[#d + 1] = string.format("%s%s %s", pen, num(self:px(xs[i])), num(self:py(ys[i])))
+  local d, pen, last = {}, "M", nil
+  for i = 1, #xs + 1 do
+    if i <= #xs and finite(ys[i]) and finite(xs[i]) then
+      last = string.format("%s %s", num(self:px(xs[i])), num(self:py(ys[i])))
+      d[#d + 1] = pen .. last
       pen = "L"
     else
+      if pen == "L" and d[#d]:sub(1, 1) == "M" then d[#d + 1] = "L" .. last end
       pen = "M"
     end
   end
   if #d == 0 then return end
-  self.svg:add(string.format('<path class="series" data-series="%s" d="%s" fill="none" stroke="%s" ' ..
-                             'stroke-width="%s"%s%s stroke-linejoin="round"/>',
-                             esc(o.name or ""), table.concat(d, " "), colour, o.width or 1.5,
+  self.svg:add(string.format('<path class="series%s" data-series="%s" d="%s" fill="none" stroke="%s" ' ..
+                             'stroke-width="%s"%s%s stroke-linejoin="round" stroke-linecap="round"/>',
+                             o.class and (" " .. o.class) or "", esc(o.name or ""), table.concat(d, " "),
+                             colour, o.width or 1.5,
                              o.dash and (' stroke-dasharray="' .. o.dash .. '"') or "",
                              o.opacity and (' stroke-opacity="' .. o.opacity .. '"') or ""))
   if o.markers then
@@ -224,7 +272,9 @@ function Panel:series(xs, ys, colour, o)
   end
 end
 
--- A legend box at the top right of the panel: items = {{name, colour, dash}}.
+-- A legend box at the top right of the panel: items = {{name, colour, dash,
+-- box = true (a filled swatch) | dot = true (a marker; hollow = true),
+-- width = w, opacity = o}}.
 function Panel:legend(items, o)
   o = o or {}
   local s = self.svg
@@ -239,8 +289,11 @@ function Panel:legend(items, o)
     local ly = by + 4 + (i - 0.5) * 16
     if it.box then
       s:add(string.format('<rect x="%s" y="%s" width="18" height="10" fill="%s"/>', num(bx + 6), num(ly - 5), it[2]))
+    elseif it.dot then
+      s:add(string.format('<circle cx="%s" cy="%s" r="3" fill="%s"%s/>', num(bx + 15), num(ly),
+                          it.hollow and "#ffffff" or it[2], it.hollow and (' stroke="' .. it[2] .. '"') or ""))
     else
-      s:line(bx + 6, ly, bx + 24, ly, it[2], {width = 2, dash = it[3]})
+      s:line(bx + 6, ly, bx + 24, ly, it[2], {width = it.width or 2, dash = it[3], opacity = it.opacity})
     end
     s:text(bx + 30, ly + 4, it[1], {size = 10})
   end
@@ -258,71 +311,189 @@ local function xrange(r)
   return r.order[1], r.order[#r.order]
 end
 
--- ---- the four plots ---------------------------------------------------------
+-- The smoothing window's half width for n points: a window of 2*half+1, about n/25.
+local function smooth_half(n) return math.max(2, math.min(50, n // 50)) end
 
--- The log split into stretches where the step number keeps rising (a
--- rollback starts a new one).
-local function stretches(r)
-  local out, cur = {}, nil
-  for _, m in ipairs(r.steps) do
-    if not cur or m.step <= cur[#cur].step then
-      cur = {}
-      out[#out + 1] = cur
+-- Centred moving average of ys over 2*half+1 points, narrowed symmetrically at
+-- the ends (so it starts and ends on the data, with no lag); a non-finite
+-- point stays a gap and is left out of its neighbours' averages.
+local function smooth(ys, half)
+  local out, n = {}, #ys
+  for i = 1, n do
+    if finite(ys[i]) then
+      local h, sum, k = math.min(half, i - 1, n - i), 0, 0
+      for j = i - h, i + h do
+        if finite(ys[j]) then sum, k = sum + ys[j], k + 1 end
+      end
+      out[i] = sum / k
+    else
+      out[i] = 0 / 0
     end
-    cur[#cur + 1] = m
   end
   return out
 end
 
+-- ---- the four plots ---------------------------------------------------------
+
+-- Where a rollback label goes in the rows above the plot: beside its line
+-- (right of it, or left when it would leave [left, right]), in the first row
+-- where it overlaps no label placed so far. Returns the box's x and row, or
+-- nil when max_rows are full there.
+local function place(rows, x, w, left, right, max_rows)
+  local bx = x + 3
+  if bx + w > right then bx = x - 3 - w end
+  bx = math.max(left, math.min(bx, right - w))
+  for row = 1, max_rows do
+    rows[row] = rows[row] or {}
+    local free = true
+    for _, b in ipairs(rows[row]) do
+      if bx < b[2] + 4 and b[1] < bx + w + 4 then free = false; break end
+    end
+    if free then
+      table.insert(rows[row], {bx, bx + w})
+      return bx, row
+    end
+  end
+end
+
+-- The rollback events grouped by the step they went back to (resume_step),
+-- in order of the first one: {{resume = R, events = {...}, at = {distinct steps, ascending}}}.
+local function rollback_groups(r)
+  local groups, by = {}, {}
+  for _, e in ipairs(r.events) do
+    if e.event == "rollback" and finite(e.step) then
+      local key = finite(e.resume_step) and e.resume_step or ("?" .. e.step)
+      local g = by[key]
+      if not g then
+        g = {resume = e.resume_step, events = {}, at = {}, seen = {}}
+        by[key] = g
+        groups[#groups + 1] = g
+      end
+      g.events[#g.events + 1] = e
+      if not g.seen[e.step] then g.seen[e.step] = true; g.at[#g.at + 1] = e.step end
+    end
+  end
+  for _, g in ipairs(groups) do table.sort(g.at) end
+  return groups
+end
+
+-- "rollback @6: loss spike -> step 5, lr x0.5", or for several to one step
+-- "3 rollbacks to step 9 (@12, @15): loss spike, lr x0.125" (the last lr scale).
+local function rollback_label(g)
+  local reasons, seen = {}, {}
+  for _, e in ipairs(g.events) do
+    local why = tostring(e.reason or "?")
+    if not seen[why] then seen[why] = true; reasons[#reasons + 1] = why end
+  end
+  local last = g.events[#g.events]
+  local lr = finite(last.lr_scale) and last.lr_scale ~= 1 and string.format(", lr x%g", last.lr_scale) or ""
+  if #g.events == 1 then
+    return string.format("rollback @%d: %s%s%s", last.step, reasons[1],
+                         finite(g.resume) and string.format(" -> step %d", g.resume) or "", lr)
+  end
+  local at = {}
+  for i = 1, math.min(#g.at, 4) do at[i] = "@" .. g.at[i] end
+  if #g.at > 4 then at[#at + 1] = "..." end
+  return string.format("%d rollbacks to step %s (%s): %s%s", #g.events,
+                       finite(g.resume) and string.format("%d", g.resume) or "?",
+                       table.concat(at, ", "), table.concat(reasons, ", "), lr)
+end
+
+local LOSS_COLOUR, SMOOTH_COLOUR, ABANDONED_COLOUR = PALETTE[1], "#1d3557", "#e15759"
+local LABEL_ROWS, ROW_H = 6, 16
+
 function plot.loss_svg(r)
-  local W, H = 900, 480
+  local W, PH = 900, 370
+  -- rollback labels first: they go in rows between the title and the plot, so
+  -- they hide no data, and the plot moves down by the rows they take
+  local xlo, xhi = xrange(r)
+  local p = panel(nil, 80, 0, W - 110, PH, xlo, xhi, 0, 1)
+  local groups, rows, labels, hidden = rollback_groups(r), {}, {}, 0
+  for _, g in ipairs(groups) do
+    local text = rollback_label(g)
+    local x = p:px(g.at[#g.at])
+    local w = #text * 5.6 + 6
+    local bx, row = place(rows, x, w, p.x, p.x + p.w, LABEL_ROWS)
+    if bx then labels[#labels + 1] = {text = text, x = x, bx = bx, row = row, w = w} else hidden = hidden + 1 end
+  end
+  local nrows = 0
+  for _, l in ipairs(labels) do nrows = math.max(nrows, l.row) end
+  local band = 38
+  p.y = math.max(50, band + nrows * ROW_H + 10)
+  local H = p.y + PH + 60
   local s = svg_new(W, H, "Loss")
-  local vals, vsteps, vloss = {}, {}, {}
+  p.svg = s
+  local vals = {}
   local show_ce = false
   for _, m in ipairs(r.steps) do
     vals[#vals + 1] = m.loss
     if finite(m.ce) and finite(m.loss) and math.abs(m.ce - m.loss) > 1e-6 * math.abs(m.loss) then show_ce = true end
   end
-  for _, e in ipairs(r.events) do
-    if e.event == "validation" and finite(e.loss) then
-      vsteps[#vsteps + 1], vloss[#vloss + 1] = e.step, e.loss
-      vals[#vals + 1] = e.loss
+  local vsteps, vloss = {}, {}
+  for _, e in ipairs(r.val_kept) do vsteps[#vsteps + 1], vloss[#vloss + 1] = e.step, e.loss end
+  for _, e in ipairs(r.val_kept) do vals[#vals + 1] = e.loss end
+  for _, e in ipairs(r.val_abandoned) do vals[#vals + 1] = e.loss end
+  if show_ce then for _, m in ipairs(r.kept) do vals[#vals + 1] = m.ce end end
+  p.ylo, p.yhi = range(vals)
+  p:axes("step", "loss", {integer_x = true})
+  -- rollbacks: a dashed line at each step one fired, under the data; a
+  -- connector from each label down to its line
+  local drawn = {}
+  for _, g in ipairs(groups) do
+    for _, st in ipairs(g.at) do
+      if not drawn[st] then
+        drawn[st] = true
+        local x = p:px(st)
+        s:line(x, p.y, x, p.y + p.h, PALETTE[4], {width = 1.5, dash = "5 3", class = "rollback"})
+      end
     end
   end
-  if show_ce then for _, m in ipairs(r.steps) do vals[#vals + 1] = m.ce end end
-  local ylo, yhi = range(vals)
-  local xlo, xhi = xrange(r)
-  local p = panel(s, 80, 50, W - 110, H - 110, xlo, xhi, ylo, yhi)
-  p:axes("step", "loss", {integer_x = true})
-  local parts = stretches(r)
-  for i, part in ipairs(parts) do
-    local xs, ys, cs = {}, {}, {}
-    for j, m in ipairs(part) do xs[j], ys[j], cs[j] = m.step, m.loss, m.ce end
-    local abandoned = i < #parts
-    p:series(xs, ys, PALETTE[1], {name = abandoned and "training loss (rolled back)" or "training loss",
-                                  opacity = abandoned and 0.35 or nil})
-    if show_ce then
-      p:series(xs, cs, PALETTE[3], {name = "cross-entropy", width = 1, opacity = abandoned and 0.35 or 0.8})
+  for _, l in ipairs(labels) do
+    s:line(l.x, band + (l.row - 0.5) * ROW_H, l.x, p.y, PALETTE[4], {width = 1, dash = "2 2"})
+  end
+  for _, l in ipairs(labels) do
+    local by = band + (l.row - 1) * ROW_H
+    s:add(string.format('<rect class="rollback-label" x="%s" y="%s" width="%s" height="14" fill="#ffffff" ' ..
+                        'stroke="%s" stroke-width="0.5"/>', num(l.bx), num(by), num(l.w), PALETTE[4]))
+    s:text(l.bx + 3, by + 10.5, l.text, {size = 10, fill = PALETTE[4], class = "rollback-label"})
+  end
+  if hidden > 0 then
+    s:text(p.x + p.w, p.y + p.h + 34, string.format("(%d more rollback label%s: no room)", hidden,
+                                                    hidden == 1 and "" or "s"), {size = 10, anchor = "end", fill = PALETTE[4]})
+  end
+  -- what rollbacks abandoned, faint: one line per stretch, a dot on its last
+  -- step (where a rollback fired, its line would hide a spike there)
+  for _, part in ipairs(r.abandoned) do
+    local xs, ys = {}, {}
+    for j, m in ipairs(part) do xs[j], ys[j] = m.step, m.loss end
+    p:series(xs, ys, ABANDONED_COLOUR, {name = "abandoned steps", class = "abandoned", width = 1.2, opacity = 0.45})
+    if finite(ys[#ys]) then
+      s:add(string.format('<circle class="abandoned-end" cx="%s" cy="%s" r="2.5" fill="%s" fill-opacity="0.6"/>',
+                          num(p:px(xs[#xs])), num(p:py(ys[#ys])), ABANDONED_COLOUR))
     end
+  end
+  -- the kept trajectory, raw, and its moving average on top
+  local xs, ys, cs = {}, {}, {}
+  for j, m in ipairs(r.kept) do xs[j], ys[j], cs[j] = m.step, m.loss, m.ce end
+  if show_ce then p:series(xs, cs, PALETTE[3], {name = "cross-entropy", width = 1}) end
+  p:series(xs, ys, LOSS_COLOUR, {name = "training loss", width = 1})
+  local half = smooth_half(#xs)
+  local smoothed = #xs >= 3
+  if smoothed then
+    p:series(xs, smooth(ys, half), SMOOTH_COLOUR, {name = "training loss, moving average", class = "smoothed", width = 2.2})
   end
   if #vsteps > 0 then p:series(vsteps, vloss, PALETTE[2], {name = "validation loss", markers = true, width = 2}) end
-  local nrb = 0
-  for _, e in ipairs(r.events) do
-    if e.event == "rollback" and finite(e.step) then
-      nrb = nrb + 1
-      local x = p:px(e.step)
-      s:line(x, p.y, x, p.y + p.h, PALETTE[4], {width = 1.5, dash = "5 3", class = "rollback"})
-      local label = string.format("rollback @%d: %s%s", e.step, tostring(e.reason or "?"),
-                                  finite(e.resume_step) and string.format(" -> step %d", e.resume_step) or "")
-      local anchor = x > p.x + p.w * 0.6 and "end" or "start"
-      s:text(x + (anchor == "end" and -4 or 4), p.y + 92 + ((nrb - 1) % 4) * 14, label,   -- below the legend
-             {size = 10, fill = PALETTE[4], anchor = anchor})
-    end
+  for _, e in ipairs(r.val_abandoned) do   -- validations of abandoned steps: hollow markers
+    s:add(string.format('<circle class="validation-abandoned" cx="%s" cy="%s" r="3" fill="#ffffff" stroke="%s"/>',
+                        num(p:px(e.step)), num(p:py(e.loss)), PALETTE[2]))
   end
-  local items = {{"training loss", PALETTE[1]}}
+  local items = {{"training loss (kept steps)", LOSS_COLOUR, width = 1}}
+  if smoothed then items[#items + 1] = {string.format("centred mean of %d steps", 2 * half + 1), SMOOTH_COLOUR} end
+  if #r.abandoned > 0 then items[#items + 1] = {"abandoned by a rollback", ABANDONED_COLOUR, opacity = 0.45} end
   if show_ce then items[#items + 1] = {"cross-entropy", PALETTE[3]} end
   if #vsteps > 0 then items[#items + 1] = {"validation loss", PALETTE[2]} end
-  if nrb > 0 then items[#items + 1] = {"rollback", PALETTE[4], "5 3"} end
+  if #r.val_abandoned > 0 then items[#items + 1] = {"validation (abandoned)", PALETTE[2], dot = true, hollow = true} end
+  if #groups > 0 then items[#items + 1] = {"rollback", PALETTE[4], "5 3"} end
   p:legend(items)
   return s:finish()
 end
@@ -522,15 +693,14 @@ end
 local PHASES = {"data", "attention", "router", "dispatch", "experts", "ce", "fwd+bwd other", "optim", "checkpoint"}
 
 function plot.throughput_svg(r)
-  local W, H = 900, 720
+  local W, H = 940, 720
   local s = svg_new(W, H, "Throughput and step time by phase")
   local xs, tps = {}, {}
   local stack = {}
   for _, k in ipairs(PHASES) do stack[k] = {} end
   local has = {}
-  for i, st in ipairs(r.order) do
-    local m = r.last[st]
-    xs[i], tps[i] = st, m.tokens_per_s
+  for i, m in ipairs(r.kept) do
+    xs[i], tps[i] = m.step, m.tokens_per_s
     local ph = type(m.phases) == "table" and m.phases or {}
     local inner = 0
     for _, k in ipairs({"attention", "router", "dispatch", "experts", "ce"}) do
@@ -547,10 +717,39 @@ function plot.throughput_svg(r)
   local xlo, xhi = xrange(r)
   -- tokens/s
   local tlo, thi = range(tps, true)
-  local p1 = panel(s, 80, 56, W - 260, 220, xlo, xhi, tlo, thi)
+  local p1 = panel(s, 80, 56, W - 300, 220, xlo, xhi, tlo, thi)
   p1:axes(nil, "tokens/s", {integer_x = true, title = "tokens per second"})
-  p1:series(xs, tps, PALETTE[1], {name = "tokens/s", width = 1.5})
-  p1:legend({{"tokens/s", PALETTE[1]}}, {x = p1.x + p1.w + 14, y = p1.y})
+  -- replayed steps (after a rollback): a band behind each run of them, a marker on each
+  local replayed, bands = {}, {}
+  for i, st in ipairs(xs) do
+    if r.replayed[st] then
+      replayed[#replayed + 1] = i
+      local b = bands[#bands]
+      if b and b.last == i - 1 then b.last = i else bands[#bands + 1] = {first = i, last = i} end
+    end
+  end
+  local half_step = #xs > 1 and p1.w / (#xs - 1) / 2 or 2
+  for _, b in ipairs(bands) do
+    local x0 = math.max(p1.x, p1:px(xs[b.first]) - half_step)
+    local x1 = math.min(p1.x + p1.w, p1:px(xs[b.last]) + half_step)
+    s:add(string.format('<rect class="replayed-band" x="%s" y="%s" width="%s" height="%s" fill="%s" fill-opacity="0.1"/>',
+                        num(x0), num(p1.y), num(math.max(x1 - x0, 1)), num(p1.h), PALETTE[4]))
+  end
+  p1:series(xs, tps, PALETTE[1], {name = "tokens/s", class = "raw", width = 1, opacity = 0.4})
+  local half = smooth_half(#xs)
+  local items = {{"tokens/s, each step", PALETTE[1], width = 1, opacity = 0.4}}
+  if #xs >= 3 then
+    p1:series(xs, smooth(tps, half), "#1d3557", {name = "tokens/s, moving average", class = "smoothed", width = 2})
+    items[#items + 1] = {string.format("centred mean, %d steps", 2 * half + 1), "#1d3557"}
+  end
+  for _, i in ipairs(replayed) do
+    if finite(tps[i]) then
+      s:add(string.format('<circle class="replayed" data-step="%d" cx="%s" cy="%s" r="2.5" fill="%s"/>',
+                          xs[i], num(p1:px(xs[i])), num(p1:py(tps[i])), PALETTE[4]))
+    end
+  end
+  if #replayed > 0 then items[#items + 1] = {"replayed (rollback)", PALETTE[4], dot = true} end
+  p1:legend(items, {x = p1.x + p1.w + 14, y = p1.y})
   -- stacked phases
   local tops, cum = {}, {}
   for i = 1, #xs do cum[i] = 0 end
@@ -566,7 +765,7 @@ function plot.throughput_svg(r)
   end
   for i = 1, #xs do tops[i] = cum[i] end
   local slo, shi = range(tops, true)
-  local p2 = panel(s, 80, 330, W - 260, 320, xlo, xhi, slo, shi)
+  local p2 = panel(s, 80, 330, W - 300, 320, xlo, xhi, slo, shi)
   p2:axes("step", "seconds per step", {integer_x = true, title = "step time by phase (stacked)"})
   local items = {}
   for li, l in ipairs(layers) do

@@ -1,7 +1,8 @@
 -- moelua.plot and `moelua plot RUN_DIR`: SVGs of a real tiny run (with a
--- validation and a rollback) and of a synthetic metrics.jsonl; each file is
--- well-formed XML (a strict checker below) with the expected series; bad
--- input gives a clear error.
+-- validation and a rollback) and of hand-written metrics.jsonl files (repeated
+-- and close rollbacks: which steps are faint, the labels' boxes, the replayed
+-- steps' markers, read back from the SVG); each file is well-formed XML (a
+-- strict checker below) with the expected series; bad input gives a clear error.
 local m = require "moelua"
 local nn = require "moelua.nn"
 local optim = require "moelua.optim"
@@ -152,6 +153,73 @@ local function synthetic(dir)
   support.write_file(dir .. "/metrics.jsonl", table.concat(lines, "\n") .. "\n")
 end
 
+-- The attributes of each <tag ...> in an SVG whose class list has cls.
+local function elements(svg, tag, cls)
+  local out = {}
+  for attrs in svg:gmatch("<" .. tag .. "%s([^>]*)>") do
+    local a = {}
+    for k, v in attrs:gmatch('([%w%-:]+)="([^"]*)"') do a[k] = v end
+    local classes = " " .. (a.class or "") .. " "
+    if not cls or classes:find(" " .. cls .. " ", 1, true) then out[#out + 1] = a end
+  end
+  return out
+end
+
+-- The x of each point of a <path> d ("M x y L x y ...").
+local function path_xs(d)
+  local xs = {}
+  for x in d:gmatch("[ML](%-?[%d%.]+) %-?[%d%.]+") do xs[#xs + 1] = tonumber(x) end
+  return xs
+end
+
+-- One <path> of class series whose data-series is name.
+local function series(svg, name)
+  local found
+  for _, a in ipairs(elements(svg, "path", "series")) do
+    if a["data-series"] == name then
+      assert.is_nil(found, "two series named " .. name)
+      found = a
+    end
+  end
+  assert.is_table(found, "no series " .. name)
+  return found
+end
+
+-- A run with repeated and close rollbacks: steps 0..12 logged, rollback at
+-- 12 to step 9; 9..12 again, rollback at 12 to 9; 9..15, rollback at 15 to 9;
+-- 9..16, rollback at 16 to 14; 14..19. Validations at 5, 11 (abandoned by the
+-- first rollback) and 19, and alarm lines in between.
+local function repeated(dir)
+  local lines = {}
+  local function add(obj) lines[#lines + 1] = json.encode(obj) end
+  local pass = 0
+  local function steps(a, b)
+    pass = pass + 1
+    for s = a, b do
+      if s == 5 or s == 11 or s == 19 then add{event = "validation", step = s, loss = 4 - s * 0.05} end
+      add{step = s, loss = 5 - s * 0.1 + pass * 0.01, ce = 5 - s * 0.1, tokens_per_s = 1000 + 100 * (s % 3),
+          phases = {data = 0.01, fwd = 0.1, bwd = 0.2, optim = 0.05}}
+    end
+  end
+  local function rollback(s, r, scale)
+    add{event = "rollback", step = s, reason = "loss spike", to = dir .. "/ckpt/step-" .. (r - 1),
+        resume_step = r, data_offset = s, lr_scale = scale}
+  end
+  steps(0, 12); rollback(12, 9, 0.5)
+  add{event = "alarm", step = 9, kind = "hot", layer = 1}
+  steps(9, 12); rollback(12, 9, 0.25)
+  steps(9, 15); rollback(15, 9, 0.125)
+  steps(9, 16); rollback(16, 14, 0.0625)
+  steps(14, 19)
+  support.write_file(dir .. "/metrics.jsonl", table.concat(lines, "\n") .. "\n")
+end
+
+local function overlap(a, b)
+  local ax, ay, aw, ah = tonumber(a.x), tonumber(a.y), tonumber(a.width), tonumber(a.height)
+  local bx, by, bw, bh = tonumber(b.x), tonumber(b.y), tonumber(b.width), tonumber(b.height)
+  return ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
+end
+
 describe("moelua.plot", function()
   local dir
   before_each(function() dir = support.make_tmpdir() end)
@@ -160,8 +228,10 @@ describe("moelua.plot", function()
   it("plots a synthetic run: series, heatmap cells, rollback marker, escaping", function()
     synthetic(dir)
     local svg = check_all(plot.run(dir))
-    -- loss: the two stretches of training loss (the rolled-back one faint), validation, the marker
-    assert.are.equal(2, count(svg.loss, 'data%-series="training loss[^"]*"'))
+    -- loss: the kept training loss and its average, the rolled-back steps 5..6 faint, validation, the marker
+    assert.are.equal(1, count(svg.loss, 'data%-series="training loss"'))
+    assert.are.equal(1, count(svg.loss, 'data%-series="training loss, moving average"'))
+    assert.are.equal(1, count(svg.loss, 'class="series abandoned"'))
     assert.are.equal(1, count(svg.loss, 'data%-series="validation loss"'))
     assert.are.equal(1, count(svg.loss, 'class="rollback"'))
     assert.truthy(svg.loss:find("rollback @6: loss spike &lt;&amp;&gt; -&gt; step 5", 1, true))
@@ -194,7 +264,12 @@ describe("moelua.plot", function()
                         rollback = {collapse_share = 0.0, collapse_steps = 2}}
     assert.is_true(r.rollbacks >= 1)
     local svg = check_all(plot.run(dir, dir .. "/a"))
-    assert.are.equal(r.rollbacks, count(svg.loss, 'class="rollback"'))
+    local rd, fired, nfired = plot.read(dir), {}, 0
+    for _, e in ipairs(rd.events) do
+      if e.event == "rollback" and not fired[e.step] then fired[e.step] = true; nfired = nfired + 1 end
+    end
+    assert.are.equal(nfired, count(svg.loss, 'class="rollback"'))   -- one line per step a rollback fired at
+    assert.are.equal(#rd.abandoned, count(svg.loss, 'class="series abandoned"'))
     assert.truthy(svg.loss:find("router collapse", 1, true))
     assert.truthy(svg.loss:find('data-series="validation loss"', 1, true))
     assert.are.equal(4 * 5, count(svg.experts, 'class="cell"'))
@@ -207,6 +282,156 @@ describe("moelua.plot", function()
     local again = check_all({loss = dir .. "/b/loss.svg", experts = dir .. "/b/experts.svg",
                              memory = dir .. "/b/memory.svg", throughput = dir .. "/b/throughput.svg"})
     assert.are.equal(svg.experts, again.experts)
+  end)
+
+  it("reads which steps a rollback abandoned from the log's order, and which kept steps are replays", function()
+    repeated(dir)
+    local r = plot.read(dir)
+    local kept, loss = {}, {}
+    for i, m in ipairs(r.kept) do kept[i], loss[m.step] = m.step, m.loss end
+    assert.are.same({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19}, kept)
+    -- the last pass over each step is the kept one
+    assert.are.near(5 - 0.8 + 0.01, loss[8], 1e-12)
+    assert.are.near(5 - 1.0 + 0.04, loss[10], 1e-12)
+    assert.are.near(5 - 1.5 + 0.05, loss[15], 1e-12)
+    assert.are.near(5 - 1.9 + 0.05, loss[19], 1e-12)
+    local gone = {}
+    for i, part in ipairs(r.abandoned) do
+      gone[i] = {}
+      for j, m in ipairs(part) do gone[i][j] = m.step end
+    end
+    assert.are.same({{9, 10, 11, 12}, {9, 10, 11, 12}, {9, 10, 11, 12, 13, 14, 15}, {14, 15, 16}}, gone)
+    local replayed = {}
+    for st in pairs(r.replayed) do replayed[#replayed + 1] = st end
+    table.sort(replayed)
+    assert.are.same({9, 10, 11, 12, 13, 14, 15, 16}, replayed)
+    local vk, va = {}, {}
+    for i, e in ipairs(r.val_kept) do vk[i] = e.step end
+    for i, e in ipairs(r.val_abandoned) do va[i] = e.step end
+    assert.are.same({5, 11, 19}, vk)
+    assert.are.same({11, 11, 11}, va)
+    -- a resume over logged steps abandons them too; so does a repeated step without an event
+    support.write_file(dir .. "/metrics.jsonl", table.concat({
+      '{"step":0,"loss":3}', '{"step":1,"loss":2}', '{"step":2,"loss":1}',
+      '{"event":"resume","step":2,"from":"ckpt/step-000001"}', '{"step":2,"loss":1.5}', '{"step":3,"loss":1.4}',
+      '{"step":3,"loss":1.3}', '{"step":4,"loss":1.2}'}, "\n") .. "\n")
+    r = plot.read(dir)
+    assert.are.equal(5, #r.kept)
+    assert.are.equal(1.3, r.kept[4].loss)
+    assert.are.equal(2, #r.abandoned)
+    assert.are.equal(1, r.abandoned[1][1].loss)
+    assert.are.equal(1.4, r.abandoned[2][1].loss)
+  end)
+
+  it("loss.svg: only the abandoned steps are faint, one line per abandoned stretch, and a moving average", function()
+    repeated(dir)
+    local svg = check_all(plot.run(dir)).loss
+    local kept = series(svg, "training loss")
+    assert.is_nil(kept["stroke-opacity"])
+    local kx = path_xs(kept.d)
+    assert.are.equal(20, #kx)   -- steps 0..19, each once
+    local step_at = {}
+    for i, x in ipairs(kx) do step_at[string.format("%.2f", x)] = i - 1 end
+    -- every faint path is an abandoned stretch, at the x of the steps it abandoned
+    local faint = {}
+    for _, a in ipairs(elements(svg, "path")) do
+      if a["stroke-opacity"] and tonumber(a["stroke-opacity"]) < 1 then
+        assert.truthy((" " .. a.class .. " "):find(" abandoned ", 1, true), a["data-series"])
+        local steps = {}
+        for i, x in ipairs(path_xs(a.d)) do steps[i] = step_at[string.format("%.2f", x)] end
+        faint[#faint + 1] = steps
+      end
+    end
+    assert.are.same({{9, 10, 11, 12}, {9, 10, 11, 12}, {9, 10, 11, 12, 13, 14, 15}, {14, 15, 16}}, faint)
+    assert.are.equal(4, #elements(svg, "path", "abandoned"))
+    -- the moving average over the kept steps, named in the legend
+    local sm = series(svg, "training loss, moving average")
+    assert.truthy(sm.class:find("smoothed", 1, true))
+    assert.are.same(kx, path_xs(sm.d))
+    assert.truthy(svg:find("centred mean of 5 steps", 1, true))
+    assert.truthy(svg:find("abandoned by a rollback", 1, true))
+    -- validation: the kept ones as a line, the abandoned ones as hollow markers
+    assert.are.equal(3, #path_xs(series(svg, "validation loss").d))
+    assert.are.equal(3, #elements(svg, "circle", "validation-abandoned"))
+  end)
+
+  it("loss.svg: repeated rollbacks to one step share one label, and no two labels overlap", function()
+    repeated(dir)
+    local svg = check_all(plot.run(dir)).loss
+    local kx = path_xs(series(svg, "training loss").d)
+    -- one dashed line at each step a rollback fired (12 twice, 15, 16)
+    local lines = elements(svg, "line", "rollback")
+    assert.are.equal(3, #lines)
+    for i, st in ipairs({12, 15, 16}) do assert.are.equal(kx[st + 1], tonumber(lines[i].x1)) end
+    assert.truthy(svg:find(">3 rollbacks to step 9 (@12, @15): loss spike, lr x0.125</text>", 1, true))
+    assert.truthy(svg:find(">rollback @16: loss spike -&gt; step 14, lr x0.0625</text>", 1, true))
+    assert.are.equal(2, #elements(svg, "text", "rollback-label"))
+    local boxes = elements(svg, "rect", "rollback-label")
+    assert.are.equal(2, #boxes)
+    assert.is_false(overlap(boxes[1], boxes[2]))
+    -- six rollbacks on six neighbouring steps: six labels, stacked clear of each other, above the plot
+    local lines_ = {}
+    local function add(obj) lines_[#lines_ + 1] = json.encode(obj) end
+    for s = 0, 11 do add{step = s, loss = 3 - s * 0.1, tokens_per_s = 1000} end
+    for s = 11, 16 do
+      add{event = "rollback", step = s, reason = "skipped steps", to = "x", resume_step = s}
+      add{step = s, loss = 2, tokens_per_s = 900}
+      add{step = s + 1, loss = 2, tokens_per_s = 900}
+    end
+    support.write_file(dir .. "/metrics.jsonl", table.concat(lines_, "\n") .. "\n")
+    svg = check_all(plot.run(dir)).loss
+    boxes = elements(svg, "rect", "rollback-label")
+    assert.are.equal(6, #boxes)
+    local frame
+    for _, a in ipairs(elements(svg, "rect")) do if a.fill == "#fafafa" then frame = a end end
+    assert.is_table(frame)
+    local rows = {}
+    for i = 1, #boxes do
+      for j = i + 1, #boxes do assert.is_false(overlap(boxes[i], boxes[j]), i .. " and " .. j) end
+      assert.is_true(tonumber(boxes[i].y) + tonumber(boxes[i].height) < tonumber(frame.y))
+      assert.is_true(tonumber(boxes[i].x) >= tonumber(frame.x))
+      assert.is_true(tonumber(boxes[i].x) + tonumber(boxes[i].width) <= tonumber(frame.x) + tonumber(frame.width))
+      rows[boxes[i].y] = true
+    end
+    assert.is_true(next(rows, next(rows)) ~= nil)   -- stacked: more than one row
+    -- each abandoned stretch is one step: drawn as a dot (a zero-length segment)
+    local faint = elements(svg, "path", "abandoned")
+    assert.are.equal(6, #faint)
+    for _, a in ipairs(faint) do
+      local xs = path_xs(a.d)
+      assert.are.equal(2, #xs)
+      assert.are.equal(xs[1], xs[2])
+    end
+  end)
+
+  it("throughput.svg: raw tokens/s faint, a moving average, replayed steps marked", function()
+    repeated(dir)
+    local svg = check_all(plot.run(dir)).throughput
+    local raw = series(svg, "tokens/s")
+    assert.truthy(tonumber(raw["stroke-opacity"]) < 1)
+    local rx = path_xs(raw.d)
+    assert.are.equal(20, #rx)
+    local sm = series(svg, "tokens/s, moving average")
+    assert.truthy(sm.class:find("smoothed", 1, true))
+    assert.are.same(rx, path_xs(sm.d))
+    -- a marker on each replayed step (9..16) at its x, none on first-time steps; one band behind them
+    local marked = {}
+    for i, a in ipairs(elements(svg, "circle", "replayed")) do
+      marked[i] = tonumber(a["data-step"])
+      assert.are.equal(rx[marked[i] + 1], tonumber(a.cx))
+    end
+    assert.are.same({9, 10, 11, 12, 13, 14, 15, 16}, marked)
+    assert.are.equal(1, #elements(svg, "rect", "replayed-band"))
+    assert.truthy(svg:find("replayed (rollback)", 1, true))
+    assert.truthy(svg:find("centred mean, 5 steps", 1, true))
+    -- the phases stay
+    assert.truthy(svg:find('class="phase" data-series="fwd+bwd other"', 1, true))
+    -- no rollback: no markers, no band, no legend entry
+    support.write_file(dir .. "/metrics.jsonl", '{"step":0,"tokens_per_s":10}\n{"step":1,"tokens_per_s":12}\n' ..
+                       '{"step":2,"tokens_per_s":11}\n')
+    svg = check_all(plot.run(dir)).throughput
+    assert.are.equal(0, #elements(svg, "circle", "replayed"))
+    assert.is_nil(svg:find("replayed", 1, true))
   end)
 
   it("gives a clear error for a missing run dir, a missing or empty metrics.jsonl", function()
