@@ -1,10 +1,12 @@
 /*
  * host/repl.c - the REPL: GNU readline for editing and history (saved in
  * ~/.moelua_history at exit, os.exit included), multi-line input (a chunk
- * that ends in <eof> waits for more lines), expression results printed with
- * tostring (a tensor prints its metadata and a few values), errors with a
- * traceback. The loop is lua.c's doREPL: `=expr` prints expr, _PROMPT and
- * _PROMPT2 replace the prompts.
+ * that ends in <eof> waits for more lines), expression results printed by
+ * moelua.repl's print (lua/moelua/repl.lua: a table nested and bounded by
+ * moelua.pretty, the printer `moelua attach` uses too; a tensor by its
+ * __tostring), errors with a traceback, and a global help() (moelua.repl's)
+ * unless the session defines one. The loop is lua.c's doREPL: `=expr`
+ * prints expr, _PROMPT and _PROMPT2 replace the prompts.
  *
  * Ctrl-C while a computation runs interrupts it and returns to the prompt
  * (ml_docall, host/main.c). Ctrl-C at the prompt discards the line being
@@ -286,13 +288,35 @@ static int loadline(lua_State *L)
     return status;
 }
 
+#define REPL_PRINT "moelua.repl.print"
+
+/* moelua.repl's print into the registry, its help as the global `help`
+ * (unless one is defined). Run protected. */
+static int repl_setup(lua_State *L)
+{
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "moelua.repl");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "print");
+    lua_setfield(L, LUA_REGISTRYINDEX, REPL_PRINT);
+    if (lua_getglobal(L, "help") == LUA_TNIL) {
+        lua_getfield(L, -2, "help");
+        lua_setglobal(L, "help");
+    }
+    return 0;
+}
+
 static void print_results(lua_State *L)
 {
     int n = lua_gettop(L);
     if (n == 0)
         return;
     luaL_checkstack(L, LUA_MINSTACK, "too many results to print");
-    lua_getglobal(L, "print");
+    /* moelua.repl's print; the plain print if it did not load */
+    if (lua_getfield(L, LUA_REGISTRYINDEX, REPL_PRINT) != LUA_TFUNCTION) {
+        lua_pop(L, 1);
+        lua_getglobal(L, "print");
+    }
     lua_insert(L, 1);
     /* through ml_docall: printing a large value can be interrupted too */
     int status = ml_docall(L, n, 0);
@@ -316,6 +340,11 @@ void ml_repl(lua_State *L)
         rl_persistent_signal_handlers = 1;
     }
     history_open();
+    lua_pushcfunction(L, repl_setup);
+    if (lua_pcall(L, 0, 0, 0) != LUA_OK) {  /* the REPL still runs, printing with print */
+        fprintf(stderr, "moelua: results print plainly: %s\n", lua_tostring(L, -1));
+        lua_pop(L, 1);
+    }
     while ((status = loadline(L)) != LINE_EOF) {
         if (status == LINE_INTERRUPTED)
             continue;

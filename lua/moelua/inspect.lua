@@ -8,7 +8,9 @@
 --   print(inspect.tokens(r, 1))                       -- each byte tagged by its top expert
 --   local tt = inspect.top_tokens(r, 1, 5)            -- per expert its 5 most frequent bytes
 --   local g = h:generate("int main", {n = 40, temperature = 0.8, top_p = 0.9, seed = 1})
---   local d, s = inspect.compare(r, r2, 1)            -- per-expert share changes
+--   local d, s = inspect.compare(r, r2, 1)            -- per-expert share changes, beyond noise?
+--   print(inspect.summary(r))                         -- every layer's balance, one line each
+--   print(inspect.loads("runs/tiny", 1))              -- load over the run's steps (metrics.jsonl)
 --
 -- Everything is plain Lua tables and strings. Conventions: bytes are tokens
 -- (vocab >= 256); layers are 1-based; per-expert arrays are indexed 1..E,
@@ -32,6 +34,9 @@
 local tensor = require "moelua.tensor"
 local fs = require "moelua.fs"
 local nn = require "moelua.nn"
+local balance = require "moelua.balance"
+local errors = require "moelua.errors"
+local json = require "dkjson"
 
 local M = {}
 local Handle = {}
@@ -39,7 +44,9 @@ Handle.__index = Handle
 
 local LN2 = math.log(2)
 
-local function fail(fn, fmt, ...) error("moelua.inspect." .. fn .. ": " .. string.format(fmt, ...), 3) end
+-- A user's mistake (a bad argument, a missing layer): a user error, its
+-- message naming the function and the argument.
+local function fail(fn, fmt, ...) errors.user("moelua.inspect." .. fn .. ": " .. string.format(fmt, ...)) end
 
 -- h = inspect.open(dir [, extra]): extra = nn.Transformer options (e.g. ce_rows).
 function M.open(dir, extra)
@@ -148,21 +155,113 @@ function Handle:run(x, opts)
   return r
 end
 
-local function layer_of(fn, report, l)
-  local ls = type(report) == "table" and report.layers and report.layers[l]
-  if not ls then fail(fn, "no layer %s in the report (1..%d)", tostring(l), report and report.layers and #report.layers or 0) end
+-- The report argument (#1, or #argn) of fn, checked: a table from h:run
+-- (or built by hand the same way: layers with counts, and topk).
+local function report_of(fn, report, argn)
+  argn = argn or 1
+  local what = ("argument #%d (report)"):format(argn)
+  if report == nil then fail(fn, "%s: expected a report from h:run(...), got nil", what) end
+  if type(report) ~= "table" then fail(fn, "%s: expected a report from h:run(...), got a %s", what, type(report)) end
+  if type(report.layers) ~= "table" or type(report.layers[1]) ~= "table" or
+     type(report.layers[1].counts) ~= "table" then
+    fail(fn, "%s: not a report from h:run(...) (no layers with counts)", what)
+  end
+  if math.type(report.topk) ~= "integer" or report.topk < 1 then
+    fail(fn, "%s: not a report from h:run(...) (no topk)", what)
+  end
+  return report
+end
+
+-- Layer l of report (argument #argn of fn), checked.
+local function layer_of(fn, report, l, argn, rargn)
+  report_of(fn, report, rargn)
+  local n = #report.layers
+  if math.type(l) ~= "integer" then
+    fail(fn, "argument #%d (layer): expected a layer number 1..%d, got %s", argn or 2, n,
+         l == nil and "nil" or type(l) == "number" and tostring(l) or "a " .. type(l))
+  end
+  local ls = report.layers[l]
+  if type(ls) ~= "table" then
+    fail(fn, "argument #%d (layer): no layer %d: the report has %d layer%s (1..%d)", argn or 2, l, n,
+         n == 1 and "" or "s", n)
+  end
   return ls
+end
+
+-- Layer l for a view of each token: the report must have its text and
+-- per-token ids (h:run's do).
+local function per_token(fn, report, l)
+  local ls = layer_of(fn, report, l)
+  if type(report.text) ~= "string" or type(ls.top) ~= "table" or type(ls.assign) ~= "table" then
+    fail(fn, "argument #1 (report): has no per-token routing (text, layers[l].top and assign, as h:run's)")
+  end
+  return ls
+end
+
+-- Shares of the counts (each count over their sum).
+local function shares_of(counts)
+  local n = 0
+  for _, c in ipairs(counts) do n = n + c end
+  local sh = {}
+  for e, c in ipairs(counts) do sh[e] = n > 0 and c / n or 0 end
+  return sh, n
+end
+
+local function ids(list) return #list == 0 and "-" or table.concat(list, ",") end
+
+-- inspect.summary(report) -> {experts, topk, tokens, thresholds, layers = {[l] = {layer, tokens,
+-- entropy, cv, max_ratio, busiest, topk_ratio, dead = {ids}, hot = {ids}, collapsed, dropped,
+-- counts, shares}}}: each layer through moelua.balance (what the trainer's
+-- alarms read). tostring(summary) (and the REPL) shows it as a table of text.
+local Summary = {}
+function Summary.__tostring(s) return M.format_summary(s) end
+
+function M.summary(report)
+  report_of("summary", report)
+  local k = report.topk
+  local out = {experts = #report.layers[1].counts, topk = k, layers = {}}
+  for l, ls in ipairs(report.layers) do
+    local b = balance.layer(ls.counts, k)
+    out.thresholds = b.thresholds
+    out.layers[l] = {layer = l, tokens = b.tokens, entropy = ls.entropy, cv = b.cv, max_ratio = b.max_ratio,
+                     busiest = b.busiest, topk_ratio = b.topk_ratio, dead = b.dead, hot = b.hot,
+                     collapsed = b.collapsed, dropped = ls.dropped or 0, counts = ls.counts,
+                     shares = (shares_of(ls.counts))}
+  end
+  out.tokens = out.layers[1].tokens
+  return setmetatable(out, Summary)
+end
+
+-- The printed form of a summary: a header, then one line per layer.
+function M.format_summary(s)
+  if getmetatable(s) ~= Summary then fail("format_summary", "argument #1: expected inspect.summary(report)'s table") end
+  local th = s.thresholds
+  local lines = {
+    ("%d experts, top-%d, %d tokens; entropy in nats (at most ln %d = %.3f)"):format(s.experts, s.topk, s.tokens,
+                                                                                 s.experts, math.log(s.experts)),
+    ("max and top-k: load against the even share 1/%d (moelua.balance); hot at >= %.2f, collapsed at >= %.2f")
+      :format(s.experts, th.hot, th.collapse),
+    ("%5s %7s %8s %6s %12s %8s %-10s %-10s %-9s %7s"):format("layer", "tokens", "entropy", "cv", "max (expert)",
+                                                           "top-k", "dead", "hot", "collapsed", "dropped"),
+  }
+  for _, r in ipairs(s.layers) do
+    lines[#lines + 1] = ("%5d %7d %8.3f %6.3f %7.2f (%2d) %8.2f %-10s %-10s %-9s %7d"):format(r.layer, r.tokens,
+      r.entropy or 0 / 0, r.cv, r.max_ratio, r.busiest, r.topk_ratio, ids(r.dead), ids(r.hot),
+      r.collapsed and "YES" or "no", r.dropped)
+  end
+  return table.concat(lines, "\n")
 end
 
 -- inspect.histogram(report, layer [, {width = 40}]) -> string, one line per expert
 function M.histogram(report, l, opts)
   local ls = layer_of("histogram", report, l)
   local width = math.max(1, math.min((opts and opts.width) or 40, 200))
+  local shares = shares_of(ls.counts)
   local mx = 0
-  for _, v in ipairs(ls.shares) do mx = math.max(mx, v) end
+  for _, v in ipairs(shares) do mx = math.max(mx, v) end
   local cw = #tostring(math.max(table.unpack(ls.counts)))
   local lines = {}
-  for e, sh in ipairs(ls.shares) do
+  for e, sh in ipairs(shares) do
     local fill = mx > 0 and math.floor(sh / mx * width + 0.5) or 0
     lines[e] = string.format("expert %2d |%s%s| %" .. cw .. "d %5.1f%%", e - 1, string.rep("#", fill),
                              string.rep(" ", width - fill), ls.counts[e], 100 * sh)
@@ -182,7 +281,7 @@ end
 -- inspect.tokens(report, layer [, {color = bool}]) -> the text, each byte
 -- followed by its top expert's tag `[e]` (plain) or on its expert's colour.
 function M.tokens(report, l, opts)
-  local ls = layer_of("tokens", report, l)
+  local ls = per_token("tokens", report, l)
   local color = opts and opts.color
   if color == nil then color = fs.isatty(1) end
   local out, s = {}, report.text
@@ -200,17 +299,20 @@ end
 -- inspect.top_tokens(report, layer, n) -> {[e] = {{byte =, char =, count =}, ...}}
 -- (each expert's n most frequent bytes over all its top-k assignments), and a string.
 function M.top_tokens(report, l, n)
-  local ls = layer_of("top_tokens", report, l)
+  local ls = per_token("top_tokens", report, l)
+  if n ~= nil and (math.type(n) ~= "integer" or n < 1) then
+    fail("top_tokens", "argument #3 (n): expected an integer >= 1, got %s", tostring(n))
+  end
   n = n or 5
-  local k, s = report.topk, report.text
+  local k, s, E = report.topk, report.text, #ls.counts
   local per = {}
-  for e = 1, report.experts do per[e] = {} end
+  for e = 1, E do per[e] = {} end
   for i, e in ipairs(ls.assign) do
     local c = s:byte((i - 1) // k + 1)
     per[e + 1][c] = (per[e + 1][c] or 0) + 1
   end
   local out, lines = {}, {}
-  for e = 1, report.experts do
+  for e = 1, E do
     local list = {}
     for c, cnt in pairs(per[e]) do list[#list + 1] = {byte = c, char = string.char(c), count = cnt} end
     table.sort(list, function(x, y) return x.count > y.count or (x.count == y.count and x.byte < y.byte) end)
@@ -223,21 +325,144 @@ function M.top_tokens(report, l, n)
   return out, table.concat(lines, "\n")
 end
 
--- inspect.compare(a, b, layer [, layer_b]) -> {[e] = {expert, share_a, share_b, delta,
--- counts_a, counts_b}}, string. layer_b (default layer) lets one compare two layers.
+-- inspect.compare(a, b, layer [, layer_b]) -> rows, text: per expert {expert, share_a, share_b,
+-- delta, se, z, changed, counts_a, counts_b}. A share is counts / (T k); a
+-- token picks an expert at most once, so counts / T is a binomial
+-- proportion q and se = sqrt(qa (1 - qa) / Ta + qb (1 - qb) / Tb) / k is the
+-- standard error of delta; changed when |delta| > 3 se (z = |delta| / se).
+-- The text lists only the changed experts, or says there is no change
+-- beyond noise. layer_b (default layer) compares two layers.
+M.NOISE_SE = 3
+
 function M.compare(a, b, l, lb)
-  local la, lbb = layer_of("compare", a, l), layer_of("compare", b, lb or l)
-  if #la.shares ~= #lbb.shares then fail("compare", "expert counts differ (%d, %d)", #la.shares, #lbb.shares) end
+  local la, lbb = layer_of("compare", a, l, 3, 1), layer_of("compare", b, lb or l, lb and 4 or 3, 2)
+  if #la.counts ~= #lbb.counts then fail("compare", "expert counts differ (%d, %d)", #la.counts, #lbb.counts) end
+  if a.topk ~= b.topk then fail("compare", "top-k differs (%d, %d)", a.topk, b.topk) end
+  local k = a.topk
+  local sa, na = shares_of(la.counts)
+  local sb, nb = shares_of(lbb.counts)
+  local ta, tb = na / k, nb / k
   local rows, lines = {}, {}
-  for e = 1, #la.shares do
-    local d = lbb.shares[e] - la.shares[e]
-    rows[e] = {expert = e - 1, share_a = la.shares[e], share_b = lbb.shares[e], delta = d,
+  for e = 1, #la.counts do
+    local d = sb[e] - sa[e]
+    local qa, qb = ta > 0 and la.counts[e] / ta or 0, tb > 0 and lbb.counts[e] / tb or 0
+    local var = (ta > 0 and qa * (1 - qa) / ta or 0) + (tb > 0 and qb * (1 - qb) / tb or 0)
+    local se = math.sqrt(math.max(var, 0)) / k
+    local z = se > 0 and math.abs(d) / se or (d ~= 0 and math.huge or 0)
+    local changed = z > M.NOISE_SE
+    rows[e] = {expert = e - 1, share_a = sa[e], share_b = sb[e], delta = d, se = se, z = z, changed = changed,
                counts_a = la.counts[e], counts_b = lbb.counts[e]}
-    local what = d > 0 and "gained" or d < 0 and "lost" or "same"
-    lines[e] = string.format("expert %2d: %5.1f%% -> %5.1f%%  %+6.1f pts  %s", e - 1, 100 * la.shares[e],
-                             100 * lbb.shares[e], 100 * d, what)
+    if changed then
+      lines[#lines + 1] = ("expert %2d: %5.1f%% -> %5.1f%%  %+6.1f pts (se %.1f, %.1f se)  %s"):format(e - 1,
+        100 * sa[e], 100 * sb[e], 100 * d, 100 * se, z, d > 0 and "gained" or "lost")
+    end
+  end
+  if #lines == 0 then
+    lines[1] = ("no change beyond noise (%g standard errors) in any of the %d experts (%d and %d tokens)")
+      :format(M.NOISE_SE, #rows, math.floor(ta + 0.5), math.floor(tb + 0.5))
   end
   return rows, table.concat(lines, "\n")
+end
+
+-- ---- load over a run's steps (metrics.jsonl) -----------------------------------
+
+-- top-k of a run: opts.topk, else num_experts_per_tok of its latest checkpoint.
+local function run_topk(fn, run_dir, opts)
+  if opts.topk ~= nil then
+    if math.type(opts.topk) ~= "integer" or opts.topk < 1 then
+      fail(fn, "option 'topk' must be an integer >= 1, got %s", tostring(opts.topk))
+    end
+    return opts.topk
+  end
+  for _, dir in ipairs({run_dir .. "/ckpt/latest", run_dir .. "/ckpt/last_good"}) do
+    local f = io.open(dir .. "/config.json", "r")
+    if f then
+      local c = json.decode(f:read("a"))
+      f:close()
+      if type(c) == "table" and math.type(c.num_experts_per_tok) == "integer" then return c.num_experts_per_tok end
+    end
+  end
+  fail(fn, "no checkpoint config in %s/ckpt to read top-k from: pass {topk = k}", run_dir)
+end
+
+local Loads = {}
+function Loads.__tostring(t)
+  local parts = {}
+  for l in pairs(t.layers) do parts[#parts + 1] = l end
+  table.sort(parts)
+  for i, l in ipairs(parts) do parts[i] = M.loads_chart(t, l) end
+  return table.concat(parts, "\n\n")
+end
+
+-- inspect.loads(run_dir [, layer] [, {topk =}]) -> {run_dir, topk, experts, steps = {step numbers},
+-- replayed = {[step] = true}, layers = {[l] = {[i] = per step i: balance.layer's result plus
+-- counts and shares}}}: every layer, or only `layer`. Reads run_dir/metrics.jsonl
+-- through moelua.plot.read: lines with an "event" are events, others steps;
+-- after a rollback the steps it abandoned are dropped and the replayed ones
+-- kept (each step once, as the run finally took it; replayed marks them).
+-- tostring (and the REPL) draws inspect.loads_chart for each layer.
+function M.loads(run_dir, l, opts)
+  if type(l) == "table" then l, opts = nil, l end
+  opts = opts or {}
+  if type(run_dir) ~= "string" or run_dir == "" then
+    fail("loads", "argument #1 (run_dir): expected a run directory, got %s", type(run_dir))
+  end
+  local ok, r = pcall(require("moelua.plot").read, run_dir)
+  if not ok then fail("loads", "%s", tostring(r):gsub("^[^:]*:%d+: ", "")) end
+  local k = run_topk("loads", run_dir, opts)
+  local out = {run_dir = run_dir, topk = k, steps = {}, replayed = r.replayed, layers = {}}
+  for i, m in ipairs(r.kept) do
+    out.steps[i] = m.step
+    local loads = m.loads or {}
+    if l ~= nil and (math.type(l) ~= "integer" or not loads[l]) then
+      fail("loads", "argument #2 (layer): no layer %s: step %d logs %d layer%s (1..%d)", tostring(l), m.step,
+           #loads, #loads == 1 and "" or "s", #loads)
+    end
+    for li, ld in ipairs(loads) do
+      if l == nil or li == l then
+        local b = balance.layer(ld.counts, k)
+        b.counts, b.shares, b.step = ld.counts, (shares_of(ld.counts)), m.step
+        out.layers[li] = out.layers[li] or {}
+        out.layers[li][i] = b
+        out.experts = #ld.counts
+      end
+    end
+  end
+  return setmetatable(out, Loads)
+end
+
+-- Shading of a share against even (its ratio), lightest first.
+local SHADES = {{0.25, " "}, {0.5, "."}, {0.75, ":"}, {1.25, "-"}, {1.75, "="}, {2.5, "+"}, {3.5, "*"},
+                {math.huge, "#"}}
+local function shade(r)
+  for _, s in ipairs(SHADES) do if r < s[1] then return s[2] end end
+end
+
+-- inspect.loads_chart(loads, layer [, {width = 60}]) -> text: one row per
+-- expert, one character per bucket of steps (the mean ratio to even there,
+-- shaded " .:-=+*#"), and the last step's share.
+function M.loads_chart(t, l, opts)
+  if getmetatable(t) ~= Loads then fail("loads_chart", "argument #1: expected inspect.loads(run_dir)'s table") end
+  local per = t.layers[l]
+  if not per then fail("loads_chart", "argument #2 (layer): no layer %s in these loads", tostring(l)) end
+  local n, E = #t.steps, t.experts
+  local width = math.max(1, math.min((opts and opts.width) or 60, 400))
+  local nb = math.min(n, width)
+  local rows = {}
+  for e = 1, E do
+    local cells = {}
+    for b = 1, nb do
+      local from, to = (b - 1) * n // nb + 1, b * n // nb
+      local sum = 0
+      for i = from, to do sum = sum + per[i].ratios[e] end
+      cells[b] = shade(sum / (to - from + 1))
+    end
+    rows[e] = ("expert %2d |%s| %5.1f%%"):format(e - 1, table.concat(cells), 100 * per[n].shares[e])
+  end
+  local head = ("layer %d, steps %d..%d (%d, %.1f a column); load / even share: ' ' < .25 '.' < .5 ':' < .75 " ..
+                "'-' < 1.25 '=' < 1.75 '+' < 2.5 '*' < 3.5 '#'; last step's share at the right")
+               :format(l, t.steps[1], t.steps[n], n, n / nb)
+  return head .. "\n" .. table.concat(rows, "\n")
 end
 
 -- A small seeded generator (splitmix64), independent of math.random.
@@ -281,8 +506,11 @@ end
 
 -- g = h:generate(prompt, {n = 32, temperature = 1, top_p = 1, seed = 0, greedy = false,
 -- seq_len = 256}) -> {text (prompt and continuation), generated, tokens = {bytes},
--- trace = {[i] = {byte =, char =, layers = {[l] = {top-k expert ids}}}}}: trace[i]
--- is the routing, at the position that predicted generated byte i, of every layer.
+-- trace = {[i] = {byte =, char =, layers = {[l] = {top-k expert ids}}, weights = {[l] =
+-- {their combine weights}}}}}: trace[i] is the routing, at the position that
+-- predicted generated byte i, of every layer; weights[l][j] is what expert
+-- layers[l][j]'s output is multiplied by (renormalised over the top-k: they
+-- sum to 1, unless the model was built with renorm = false).
 -- The context is the last seq_len bytes.
 function Handle:generate(prompt, o)
   o = o or {}
@@ -303,12 +531,13 @@ function Handle:generate(prompt, o)
     local lg = model:last_logits()
     local logits = lg:to("f64"):totable()
     lg:free()
-    local step = {layers = {}}
+    local step = {layers = {}, weights = {}}
     for l = 1, L do
-      local idx = model.blocks[l].moe.layer.ctx.idx
-      local row = idx:select(1, idx:size(1)):totable()
+      local ctx = model.blocks[l].moe.layer.ctx
+      local row = ctx.idx:select(1, ctx.idx:size(1)):totable()
       for j = 1, #row do row[j] = math.tointeger(row[j]) end
       step.layers[l] = row
+      step.weights[l] = ctx.w:select(1, ctx.w:size(1)):to("f64"):totable()
     end
     tokens:free()
     local b = sample(logits, go, rand)
