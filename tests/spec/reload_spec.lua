@@ -37,9 +37,9 @@ local function write(path, text)   -- in place, like an editor that truncates an
   f:close()
 end
 
-local function lines(dir)
+local function lines(dir)   -- the run directory is dir/run (dir holds the recipe)
   local steps, events = {}, {}
-  for line in io.lines(dir .. "/metrics.jsonl") do
+  for line in io.lines(dir .. "/run/metrics.jsonl") do
     local obj = json.decode(line)
     if obj.event then events[#events + 1] = obj else steps[obj.step] = obj end
   end
@@ -69,7 +69,7 @@ describe("train.run reload", function()
       local ds = data.open{glob = "/usr/include/std*.h", seq_len = SEQ, seed = 0, holdout = 0.01}
       local groups = model:param_groups{weight_decay = 0.1}
       local cfg = {model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 3e-3}), groups = groups,
-                   seq_len = SEQ, steps = 6, lr = sched.constant(3e-3), run_dir = dir, log_every = 1e9}
+                   seq_len = SEQ, steps = 6, lr = sched.constant(3e-3), run_dir = dir .. "/run", log_every = 1e9}
       for k, v in pairs(over) do cfg[k] = v end
       return cfg
     end
