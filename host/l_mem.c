@@ -5,7 +5,8 @@
  *   mem.report([device])          the account book as text: print(mem.report())
  *   mem.stats()                   {cpu = {...}, cuda = {...}} as tables
  *   mem.reset_peak([device])
- *   mem.budget{total=, params=, ..., device=}   sizes in bytes; 0 removes
+ *   mem.budget{total=, params=, ..., device=, force=}   sizes in bytes; 0 removes;
+ *                                 more than the device can hold needs force = true
  *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
@@ -140,7 +141,44 @@ static size_t check_bytes(lua_State *L, int idx, const char *fn, const char *key
     return (size_t)v;
 }
 
-/* mem.budget{total=, <category>=, device=}: bytes, 0 removes a budget. Returns the old values. */
+#define GIB(n) ((double)(n) / (double)((size_t)1 << 30))
+
+/* Refuse a budget the device cannot hold (0 removes a budget: never
+ * refused). On the CPU that is more than MemAvailable plus what the ledger
+ * holds already (its bytes are in the budget, no longer in MemAvailable);
+ * on CUDA, more than the device's memory. Such a budget never refuses an
+ * allocation, so the run allocates until the kernel's OOM killer (or the
+ * CUDA allocator) stops it with no Lua error and no ledger report: only
+ * force = true accepts one. No figure (no /proc/meminfo, no device): no check. */
+static void check_holdable(lua_State *L, ml_host *h, ml_device d, const char *key, size_t want)
+{
+    static const char fn[] = "moelua.mem.budget";
+    if (want == 0)
+        return;
+    if (d == ML_CPU) {
+        size_t avail = ml_mem_available(), held = h->books[ML_CPU].total;
+        if (avail == 0 || want <= avail + held)
+            return;
+        ml_user_error(L, "%s: a %s budget of %.2f GiB is more than this machine can hold: %.2f GiB "
+                      "(MemAvailable %.2f GiB + %.2f GiB the cpu ledger holds) of %.2f GiB MemTotal. "
+                      "mem.budget{%s = ..., force = true} sets it anyway: past what the machine has, "
+                      "the kernel's OOM killer ends the run instead of a Lua error", fn, key,
+                      GIB(want), GIB(avail + held), GIB(avail), GIB(held), GIB(ml_mem_total()), key);
+    }
+#ifdef ML_WITH_CUDA
+    size_t free_b, total_b;
+    if (d == ML_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0 && want > total_b)
+        ml_user_error(L, "%s: a %s budget of %.2f GiB on cuda is more than the device's memory: "
+                      "%.2f GiB in all (%.2f GiB free). mem.budget{device = \"cuda\", %s = ..., "
+                      "force = true} sets it anyway: past what the device has, the run ends with "
+                      "a device out-of-memory error instead of a budget error with the ledger",
+                      fn, key, GIB(want), GIB(total_b), GIB(free_b), key);
+#endif
+}
+
+/* mem.budget{total=, <category>=, device=, force=}: bytes, 0 removes a
+ * budget; one the device cannot hold is refused without force = true
+ * (check_holdable). Returns the old values. */
 static int l_mem_budget(lua_State *L)
 {
     static const char fn[] = "moelua.mem.budget";
@@ -149,15 +187,19 @@ static int l_mem_budget(lua_State *L)
     lua_getfield(L, 1, "device");
     ml_device d = opt_device(L, -1, fn);
     lua_pop(L, 1);
+    int force = ml_opt_bool(L, 1, fn, "force", 0);
     ml_ledger *lg = h->ledger[d];
     /* validate every key before changing anything */
     lua_pushnil(L);
     while (lua_next(L, 1)) {
         const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-        if (!k || (strcmp(k, "device") != 0 && strcmp(k, "total") != 0 && ml_category_from_name(k) < 0))
-            ml_error(L, fn, "unknown option '%s' (total, device, or a category: params, grads, "
-                     "optim, acts, pool, comm, cache, other)", k ? k : luaL_typename(L, -2));
-        if (strcmp(k, "device") != 0)
+        int opt = k && (strcmp(k, "device") == 0 || strcmp(k, "force") == 0);
+        if (!k || (!opt && strcmp(k, "total") != 0 && ml_category_from_name(k) < 0))
+            ml_error(L, fn, "unknown option '%s' (total, device, force, or a category: params, "
+                     "grads, optim, acts, pool, comm, cache, other)", k ? k : luaL_typename(L, -2));
+        if (!opt && !force)
+            check_holdable(L, h, d, k, check_bytes(L, -1, fn, k));
+        else if (!opt)
             check_bytes(L, -1, fn, k);
         lua_pop(L, 1);
     }

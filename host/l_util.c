@@ -45,6 +45,53 @@ int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
     for (;;) {}  /* lua_error does not return */
 }
 
+int ml_user_error(lua_State *L, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "moelua.errors");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "user");
+    luaL_where(L, 1);
+    lua_pushstring(L, msg);
+    lua_concat(L, 2);
+    lua_call(L, 1, 0);
+    luaL_error(L, "%s", msg);   /* moelua.errors.user returned: raise the message anyway */
+    for (;;) {}
+}
+
+/* The registry field holding the text of the last interrupt error raised. */
+static const char INTERRUPT_KEY[] = "moelua.interrupt_message";
+
+int ml_interrupt_error(lua_State *L, const char *fn)
+{
+    luaL_where(L, 1);
+    if (fn)
+        lua_pushfstring(L, "%s: interrupted", fn);
+    else
+        lua_pushliteral(L, "interrupted!");
+    lua_concat(L, 2);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, INTERRUPT_KEY);
+    lua_error(L);
+    for (;;) {}
+}
+
+int ml_is_interrupt_error(lua_State *L, int idx)
+{
+    idx = lua_absindex(L, idx);
+    if (lua_type(L, idx) != LUA_TSTRING)
+        return 0;
+    lua_getfield(L, LUA_REGISTRYINDEX, INTERRUPT_KEY);
+    int is = lua_rawequal(L, idx, -1);
+    lua_pop(L, 1);
+    return is;
+}
+
 ml_tensor *ml_testtensor(lua_State *L, int idx)
 {
     return luaL_testudata(L, idx, ML_TENSOR_MT);
@@ -253,7 +300,7 @@ void ml_check_status(lua_State *L, const char *fn, ml_status s)
 {
     switch (s) {
     case ML_OK:             return;
-    case ML_EINTERRUPTED:   consume_interrupt(L); ml_error(L, fn, "interrupted");
+    case ML_EINTERRUPTED:   consume_interrupt(L); ml_interrupt_error(L, fn);
     case ML_ENAN:           ml_error(L, fn, "NaN in the input");
     case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
 #ifdef ML_WITH_CUDA

@@ -22,6 +22,17 @@ void ml_host_register(lua_State *L, ml_host *h);
 /* "fn: message" as a Lua error (never returns). */
 int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
     __attribute__((format(printf, 3, 4), noreturn));
+/* The message, prefixed with the caller's position, as a moelua.errors
+ * user error (printed without a traceback; the caller names the function
+ * in fmt). For what the user asked wrongly, not for bugs. */
+int ml_user_error(lua_State *L, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3), noreturn));
+/* Raise the interrupt error: "<position>fn: interrupted", or the hook's
+ * "<position>interrupted!" when fn is NULL. It stays a plain string
+ * (scripts match on it); the host remembers its exact text, so that
+ * ml_is_interrupt_error tells it apart from a bug's error. */
+int ml_interrupt_error(lua_State *L, const char *fn) __attribute__((noreturn));
+int ml_is_interrupt_error(lua_State *L, int idx);
 
 /* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
  * rewound pool frame; otherwise an error naming fn and the argument. */

@@ -223,3 +223,8 @@ size_t ml_mem_available(void)
 {
     return read_kb_field("/proc/meminfo", "MemAvailable:");
 }
+
+size_t ml_mem_total(void)
+{
+    return read_kb_field("/proc/meminfo", "MemTotal:");
+}

@@ -76,5 +76,7 @@ void ml_format_bytes(size_t n, char *buf, size_t len);
 size_t ml_process_rss(void);
 /* MemAvailable from /proc/meminfo in bytes (0 when unknown). */
 size_t ml_mem_available(void);
+/* MemTotal from /proc/meminfo in bytes (0 when unknown). */
+size_t ml_mem_total(void);
 
 #endif

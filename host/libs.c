@@ -16,5 +16,6 @@ const luaL_Reg ml_libs[] = {
     {"moelua.ops", luaopen_moelua_ops},
     {"moelua.optim_c", luaopen_moelua_optim_c},
     {"moelua.attach", luaopen_moelua_attach},
+    {"moelua.host", luaopen_moelua_host},
     {NULL, NULL}
 };

@@ -8,6 +8,8 @@
  *     -i        REPL after the script      -v       print the version
  *     -E        ignore LUA_INIT/LUA_PATH   -W       turn warnings on
  *     -         run stdin                  --       stop handling options
+ *     --traceback  tracebacks for user errors too (or MOELUA_TRACEBACK=1)
+ *     -h, --help   the usage, the subcommands and the recipes; exit 0
  * LUA_INIT_5_4 (or LUA_INIT) runs first, as in lua.c; no script and no
  * option: a REPL when stdin is a terminal, else stdin is the script.
  *
@@ -22,15 +24,18 @@
  * started with --attach; host/repl.c ml_attach_repl, host/attach.c). It
  * needs no Lua state of its own: the code runs inside the job.
  *
- * Ctrl-C: while a chunk runs (ml_docall), SIGINT sets `interrupted` and
- * arms a Lua hook, like lua.c. The flag is consumed exactly once: by a
- * kernel, which stops between tiles and returns ML_EINTERRUPTED so that the
- * binding clears the flag and raises "interrupted" after its parallel region
- * (host/l_util.c), or else by the hook at the next Lua instruction. The
- * handler resets itself to SIG_DFL, so a second Ctrl-C before either kills a
- * stuck process. SIGTERM is handled the same way, so a training job asked
- * to stop finishes or abandons its step and checkpoints (moelua.train).
- * Not here: Ctrl-C at the REPL prompt (host/repl.c).
+ * Errors: a bug's error prints with a traceback. A user error (a
+ * moelua.errors table, or any error object with __tostring) and the
+ * interrupt errors ("interrupted!", "<fn>: interrupted") print as their
+ * message alone, unless --traceback asks for one.
+ *
+ * Ctrl-C and SIGTERM: while a chunk runs (ml_docall) the handlers of
+ * host/l_host.c are armed: the first signal sets the flag kernels poll and
+ * arms a Lua hook, like lua.c; a second one before the first is consumed
+ * kills the process, and moelua.host.hold_interrupts holds them while a
+ * checkpoint is written. A training job asked to stop finishes or abandons
+ * its step and checkpoints (moelua.train). Not here: Ctrl-C at the REPL
+ * prompt (host/repl.c).
  *
  * Shutdown order (STYLE.md): close the Lua state (finalizers return every
  * tensor to the ledger), then check that every ledger is empty.
@@ -39,14 +44,15 @@
 #include <lua.h>
 #include <lualib.h>
 
+#include <dirent.h>
 #include <omp.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "libs.h"
+#include "l_host.h"
 #include "l_util.h"
 #include "repl.h"
 #ifdef ML_WITH_CUDA
@@ -57,29 +63,9 @@
 
 static const char *progname = "moelua";
 
-/* The Ctrl-C flag: set by the signal handler, polled by kernels between
- * tiles and by the Lua hook below. The only global the host keeps, because a
- * signal handler can reach nothing else. */
-static volatile sig_atomic_t interrupted;
-static lua_State *global_L;
-
-static void lstop(lua_State *L, lua_Debug *ar)
-{
-    (void)ar;
-    lua_sethook(L, NULL, 0, 0);
-    if (!interrupted)
-        return;  /* a kernel saw it first and its binding raised already */
-    interrupted = 0;
-    luaL_error(L, "interrupted!");
-}
-
-static void on_sigint(int sig)
-{
-    int flag = LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT;
-    signal(sig, SIG_DFL);  /* a second Ctrl-C before the hook runs kills the process */
-    interrupted = 1;
-    lua_sethook(global_L, lstop, flag, 1);
-}
+/* The registry field that --traceback (or MOELUA_TRACEBACK) sets: user
+ * errors get a traceback too. */
+static const char TRACEBACK_KEY[] = "moelua.traceback";
 
 static void l_message(const char *pname, const char *msg)
 {
@@ -99,14 +85,23 @@ static int report(lua_State *L, int status)
     return status;
 }
 
+/* Bugs get a traceback. A user error (an error object with __tostring, as
+ * moelua.errors raises) and an interrupt error are the user's doing: their
+ * message alone, unless --traceback. */
 static int msghandler(lua_State *L)
 {
     const char *msg = lua_tostring(L, 1);
+    int user = msg && ml_is_interrupt_error(L, 1);
     if (msg == NULL) {
-        if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING)
-            return 1;
-        msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+        user = luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING;
+        msg = user ? lua_tostring(L, -1)
+                   : lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
     }
+    lua_getfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
+    int always = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    if (user && !always)
+        return 1;
     luaL_traceback(L, L, msg, 1);
     return 1;
 }
@@ -116,19 +111,10 @@ int ml_docall(lua_State *L, int narg, int nres)
     int base = lua_gettop(L) - narg;
     lua_pushcfunction(L, msghandler);
     lua_insert(L, base);
-    interrupted = 0;
-    global_L = L;
-    struct sigaction sa, old_int, old_term;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_sigint;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
+    ml_signals_saved saved;
+    ml_signals_arm(L, &saved);
     int status = lua_pcall(L, narg, nres, base);
-    sigaction(SIGINT, &old_int, NULL);
-    sigaction(SIGTERM, &old_term, NULL);
-    lua_sethook(L, NULL, 0, 0);
-    interrupted = 0;
+    ml_signals_restore(L, &saved);
     lua_remove(L, base);
     return status;
 }
@@ -210,6 +196,8 @@ static int handle_script(lua_State *L, char **argv)
 #define has_v     4
 #define has_e     8
 #define has_E     16
+#define has_T     32   /* --traceback */
+#define has_h     64   /* -h, --help */
 
 /* Scan options like lua.c: returns flags; *first = index of the script,
  * argc when there is none, or of the bad option on has_error. */
@@ -225,6 +213,14 @@ static int collectargs(char **argv, int *first)
             return args;
         switch (argv[i][1]) {
         case '-':
+            if (strcmp(argv[i], "--traceback") == 0) {
+                args |= has_T;
+                break;
+            }
+            if (strcmp(argv[i], "--help") == 0) {
+                args |= has_h;
+                break;
+            }
             if (argv[i][2] != '\0')
                 return has_error;
             *first = i + 1;
@@ -250,6 +246,11 @@ static int collectargs(char **argv, int *first)
                 return has_error;
             args |= has_v;
             break;
+        case 'h':
+            if (argv[i][2] != '\0')
+                return has_error;
+            args |= has_h;
+            break;
         case 'e':
             args |= has_e;
             /* fallthrough */
@@ -268,23 +269,34 @@ static int collectargs(char **argv, int *first)
     return args;
 }
 
+static void usage_text(FILE *f)
+{
+    fprintf(f, "usage: %s [options] [script [args]]\n"
+            "       %s plot RUN_DIR [OUT_DIR]\n"
+            "       %s attach RUN_DIR\n"
+            "Available options are:\n"
+            "  -e stat      execute string 'stat'\n"
+            "  -i           enter interactive mode after executing 'script'\n"
+            "  -l mod       require library 'mod' into global 'mod'\n"
+            "  -l g=mod     require library 'mod' into global 'g'\n"
+            "  -v           show version information\n"
+            "  -E           ignore environment variables\n"
+            "  -W           turn warnings on\n"
+            "  --traceback  print a traceback for user errors and Ctrl-C too\n"
+            "               (also MOELUA_TRACEBACK=1)\n"
+            "  -h, --help   show this help: options, subcommands and recipes\n"
+            "  --           stop handling options\n"
+            "  -            execute stdin and stop handling options\n",
+            progname, progname, progname);
+}
+
 static void print_usage(const char *badoption)
 {
     if (badoption[0] == '-' && (badoption[1] == 'e' || badoption[1] == 'l'))
         fprintf(stderr, "%s: '%s' needs argument\n", progname, badoption);
     else
         fprintf(stderr, "%s: unrecognized option '%s'\n", progname, badoption);
-    fprintf(stderr, "usage: %s [options] [script [args]]\n"
-            "Available options are:\n"
-            "  -e stat  execute string 'stat'\n"
-            "  -i       enter interactive mode after executing 'script'\n"
-            "  -l mod   require library 'mod' into global 'mod'\n"
-            "  -l g=mod require library 'mod' into global 'g'\n"
-            "  -v       show version information\n"
-            "  -E       ignore environment variables\n"
-            "  -W       turn warnings on\n"
-            "  --       stop handling options\n"
-            "  -        execute stdin and stop handling options\n", progname);
+    usage_text(stderr);
     fflush(stderr);
 }
 
@@ -319,32 +331,160 @@ static void createargtable(lua_State *L, char **argv, int argc, int script)
     lua_setglobal(L, "arg");
 }
 
-/* package.path gains <dir of the executable>/lua, so `require "moelua"`
- * works from any directory; MOELUA_LUA_DIR overrides it (the GPU bundle). */
-static void set_lua_path(lua_State *L)
+/* The directory of moelua's Lua library: <dir of the executable>/lua, or
+ * MOELUA_LUA_DIR (the GPU bundle). 0 when the executable cannot be found. */
+static int lua_dir(char *dir, size_t len)
 {
-    char exe[4096], dir[4200];
     const char *env = getenv("MOELUA_LUA_DIR");
     if (env) {
-        snprintf(dir, sizeof dir, "%s", env);
-    } else {
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        if (n <= 0)
-            return;
-        exe[n] = '\0';
-        char *slash = strrchr(exe, '/');
-        if (slash)
-            *slash = '\0';
-        /* the binary lives in the repo root, or in build/<kind>/ */
-        snprintf(dir, sizeof dir, "%s/lua", exe);
-        if (access(dir, R_OK) != 0)
-            snprintf(dir, sizeof dir, "%s/../../lua", exe);
+        snprintf(dir, len, "%s", env);
+        return 1;
     }
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0)
+        return 0;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash)
+        *slash = '\0';
+    /* the binary lives in the repo root, or in build/<kind>/ */
+    snprintf(dir, len, "%s/lua", exe);
+    if (access(dir, R_OK) != 0)
+        snprintf(dir, len, "%s/../../lua", exe);
+    return 1;
+}
+
+/* package.path gains the library's directory, so `require "moelua"` works
+ * from any directory. */
+static void set_lua_path(lua_State *L)
+{
+    char dir[4200];
+    if (!lua_dir(dir, sizeof dir))
+        return;
     lua_getglobal(L, "package");
     lua_getfield(L, -1, "path");
     lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;%s", dir, dir, lua_tostring(L, -1));
     lua_setfield(L, -3, "path");
     lua_pop(L, 2);
+}
+
+/* ---- --help: the recipes next to the library ---------------------------- */
+
+#define MAX_RECIPES 64
+#define HELP_WIDTH  79
+
+/* What a recipe says it is: the first sentence of its header comment
+ * ("-- recipes/tiny.lua: longctx at smoke-test size (seconds, not\n--
+ * minutes). Options ..."), joined across lines, without the "name:" that
+ * starts it. Empty when the file starts with no comment. */
+static void recipe_summary(const char *path, const char *name, char *out, size_t len)
+{
+    out[0] = '\0';
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return;
+    char line[512];
+    size_t at = 0;
+    while (at + 1 < len && fgets(line, sizeof line, f) && strncmp(line, "--", 2) == 0) {
+        char *text = line + 2 + strspn(line + 2, " \t");
+        text[strcspn(text, "\r\n")] = '\0';
+        if (!text[0])
+            break;   /* a blank comment line ends the paragraph */
+        at += (size_t)snprintf(out + at, len - at, "%s%s", at ? " " : "", text);
+        char *stop = strstr(out, ". ");
+        if (stop || (at && at < len && out[at - 1] == '.')) {
+            if (stop)
+                stop[1] = '\0';
+            break;
+        }
+    }
+    fclose(f);
+    /* drop the "recipes/tiny.lua: " or "tiny.lua: " that names the file */
+    size_t word = strcspn(out, " "), nlen = strlen(name);
+    if (out[word] == ' ' && word > nlen && out[word - 1] == ':' &&
+        strncmp(out + word - 1 - nlen, name, nlen) == 0)
+        memmove(out, out + word + 1, strlen(out + word + 1) + 1);
+}
+
+/* text, wrapped at HELP_WIDTH, its lines after the first indented by col. */
+static void print_wrapped(const char *text, int col)
+{
+    int at = col;
+    while (*text) {
+        int word = (int)strcspn(text, " ");
+        if (at > col && at + 1 + word > HELP_WIDTH) {
+            printf("\n%*s", col, "");
+            at = col;
+        } else if (at > col) {
+            putchar(' ');
+            at++;
+        }
+        printf("%.*s", word, text);
+        at += word;
+        text += word;
+        text += strspn(text, " ");
+    }
+    putchar('\n');
+}
+
+static int compare_names(const void *a, const void *b)
+{
+    return strcmp((const char *)a, (const char *)b);
+}
+
+/* The .lua files of recipes/ next to the library directory, sorted, each
+ * with its summary; a line saying so when there is no such directory. */
+static void print_recipes(void)
+{
+    char lib[4200], dir[4300], real[4096];
+    DIR *d = NULL;
+    if (lua_dir(lib, sizeof lib)) {
+        snprintf(dir, sizeof dir, "%s/../recipes", lib);
+        if (realpath(dir, real))
+            snprintf(dir, sizeof dir, "%s", real);
+        d = opendir(dir);
+    }
+    if (!d) {
+        printf("Recipes: none found (no recipes/ directory next to the Lua library)\n");
+        return;
+    }
+    static char names[MAX_RECIPES][256];
+    int n = 0, width = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < MAX_RECIPES) {
+        size_t l = strlen(e->d_name);
+        if (l > 4 && l < sizeof names[0] && strcmp(e->d_name + l - 4, ".lua") == 0) {
+            snprintf(names[n++], sizeof names[0], "%s", e->d_name);
+            width = (int)l > width ? (int)l : width;
+        }
+    }
+    closedir(d);
+    qsort(names, (size_t)n, sizeof names[0], compare_names);
+    printf("Recipes (in %s; `%s RECIPE --help` lists its options):\n", dir, progname);
+    for (int i = 0; i < n; i++) {
+        char path[sizeof dir + sizeof names[0]], summary[512];
+        snprintf(path, sizeof path, "%s/%.255s", dir, names[i]);
+        recipe_summary(path, names[i], summary, sizeof summary);
+        if (!summary[0]) {
+            printf("  %s\n", names[i]);
+            continue;
+        }
+        printf("  %-*s  ", width, names[i]);
+        print_wrapped(summary, width + 4);
+    }
+}
+
+static void print_help(void)
+{
+    usage_text(stdout);
+    printf("Subcommands:\n"
+           "  plot RUN_DIR [OUT_DIR]  draw RUN_DIR/metrics.jsonl as SVG plots in OUT_DIR\n"
+           "                          (default RUN_DIR/plots)\n"
+           "  attach RUN_DIR          a Lua prompt inside the job training in RUN_DIR (one\n"
+           "                          started with --attach); Ctrl-D detaches\n");
+    print_recipes();
+    fflush(stdout);
 }
 
 /* LUA_INIT_5_4 or LUA_INIT: "@file" runs a file, anything else is a chunk. */
@@ -401,7 +541,7 @@ static void host_init(ml_host *h)
 {
     ml_host_init(h);
     h->nthreads = omp_get_max_threads();
-    h->interrupt = &interrupted;
+    h->interrupt = ml_interrupt_flag();
     h->seed = 0x6d6f656c7561ULL;  /* "moelua"; moelua.manual_seed replaces it */
 #ifdef ML_WITH_CUDA
     h->backend[ML_CUDA] = h->device_backend[ML_CUDA] = &ml_backend_cuda;
@@ -448,8 +588,18 @@ static int pmain(lua_State *L)
         print_usage(argv[script]);
         return 0;
     }
+    if (args & has_h) {
+        print_help();
+        lua_pushboolean(L, 1);
+        return 1;
+    }
     if (args & has_v)
         print_version();
+    const char *tb = getenv("MOELUA_TRACEBACK");
+    if ((args & has_T) || (tb && tb[0] && strcmp(tb, "0") != 0)) {
+        lua_pushboolean(L, 1);
+        lua_setfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
+    }
     if (args & has_E) {  /* the standard libraries then ignore LUA_PATH, LUA_CPATH */
         lua_pushboolean(L, 1);
         lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
@@ -483,12 +633,33 @@ static int pmain(lua_State *L)
     return 1;
 }
 
+/* `moelua attach RUN_DIR`; -h / --help print the usage on stdout (exit 0),
+ * no run directory prints it on stderr (exit 1). */
+static int attach_main(int argc, char **argv)
+{
+    static const char usage[] =
+        "usage: %s attach RUN_DIR\n"
+        "  a Lua prompt inside the job training in RUN_DIR (a job started with --attach;\n"
+        "  its socket is RUN_DIR/attach/sock). help() lists what can be called there.\n"
+        "  Ctrl-D detaches; the job keeps running.\n";
+    const char *dir = argc > 2 ? argv[2] : NULL;
+    if (dir && (strcmp(dir, "-h") == 0 || strcmp(dir, "--help") == 0)) {
+        printf(usage, progname);
+        return EXIT_SUCCESS;
+    }
+    if (!dir || !dir[0]) {
+        fprintf(stderr, usage, progname);
+        return EXIT_FAILURE;
+    }
+    return ml_attach_repl(dir) == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 0 && argv[0] && argv[0][0])
         progname = argv[0];
     if (argc > 1 && strcmp(argv[1], "attach") == 0 && access("attach", F_OK) != 0)
-        return ml_attach_repl(argc > 2 ? argv[2] : NULL) == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+        return attach_main(argc, argv);
     host_init(&host);
     lua_State *L = luaL_newstate();
     if (!L) {

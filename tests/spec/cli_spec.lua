@@ -1,6 +1,8 @@
 -- The moelua command line, driven as a child process: lua.c's options (-v,
 -- -e, -l, -E, -W, -, --), the arg table, exit statuses, stdin as a script,
--- the module path from any directory, tracebacks and the usage message.
+-- the module path from any directory, tracebacks for bugs and none for user
+-- errors (unless --traceback), the usage message, --help with the recipes,
+-- and the usage of the plot and attach subcommands.
 -- The child is the binary running this spec (so `make sanitize` checks the
 -- ASan build), read from /proc/<pid>/exe.
 
@@ -182,5 +184,88 @@ describe("moelua command line", function()
         code, _, err = run({"--x"})
         assert.are.equal(1, code)
         assert.matches("usage:", err)
+    end)
+
+    it("prints a user error as its message alone; --traceback and MOELUA_TRACEBACK=1 add the traceback", function()
+        local raise = "require('moelua.errors').user('option --steps must be at least 1, got 0')"
+        local code, out, err = run({"-e", raise})
+        assert.are.equal(1, code)
+        assert.are.equal("", out)
+        assert.are.equal(HOST .. ": option --steps must be at least 1, got 0\n", err)
+        -- any error object with __tostring is the user's message too
+        code, _, err = run({"-e", "error(setmetatable({}, {__tostring = function() return 'told' end}))"})
+        assert.are.equal(1, code)
+        assert.are.equal(HOST .. ": told\n", err)
+        -- raised from C (ml_user_error): a budget the machine cannot hold
+        code, _, err = run({"-e", "require('moelua').mem.budget{total = 1e15}"})
+        assert.are.equal(1, code)
+        assert.matches("^[^\n]*: %(command line%):1: moelua%.mem%.budget: a total budget of [^\n]*\n$", err)
+        for _, how in ipairs({{args = {"--traceback", "-e", raise}}, {args = {"-e", raise}, env = "MOELUA_TRACEBACK=1 "}}) do
+            code, _, err = run(how.args, {env = how.env})
+            assert.are.equal(1, code)
+            assert.matches(": option %-%-steps must be at least 1, got 0\nstack traceback:\n", err)
+            assert.matches("in function 'moelua%.errors%.user'", err)
+        end
+        -- a bug keeps its traceback whatever the option
+        code, _, err = run({"-e", "error('a bug')"})
+        assert.matches("a bug\nstack traceback:", err)
+    end)
+
+    it("--help and -h print the options, the subcommands and the recipes, and exit 0", function()
+        local code, out, err = run({"--help"})
+        assert.are.equal(0, code, err)
+        assert.are.equal("", err)
+        assert.matches("^usage: [^\n]* %[options%] %[script %[args%]%]\n", out)
+        for _, part in ipairs({"-e stat", "-l g=mod", "--traceback", "MOELUA_TRACEBACK=1", "-h, --help",
+                               "\n  plot RUN_DIR [OUT_DIR]  draw RUN_DIR/metrics.jsonl",
+                               "\n  attach RUN_DIR          a Lua prompt inside the job"}) do
+            assert(out:find(part, 1, true), "--help lacks " .. part)
+        end
+        -- every recipes/*.lua of the repository, with its header's first sentence
+        local p = assert(io.popen("ls recipes/*.lua"))
+        local n = 0
+        for path in p:lines() do
+            local name = path:match("[^/]+$")
+            assert.matches("\n  " .. name:gsub("%p", "%%%0") .. " +%S", out)
+            n = n + 1
+        end
+        p:close()
+        assert.is_true(n >= 3)
+        assert(out:find("\n  tiny.lua     recipes/longctx.lua at smoke-test size (seconds, not minutes).\n", 1, true), out)
+        assert.are.equal(out, select(2, run({"-h"})))
+        -- --help does not run what follows it
+        code, out = run({"--help", "-e", "print('ran')"})
+        assert.are.equal(0, code)
+        assert.not_matches("ran", out)
+    end)
+
+    it("--help finds the recipes next to MOELUA_LUA_DIR, sorted, each with its summary", function()
+        assert(os.execute("mkdir -p " .. q(tmpdir .. "/bundle/lua") .. " " .. q(tmpdir .. "/bundle/recipes")))
+        tmpfile("bundle/recipes/b.lua", "-- recipes/b.lua: the second. More text\n-- here.\nprint(1)\n")
+        tmpfile("bundle/recipes/a.lua", "-- a.lua: a first recipe whose header runs on\n-- to a second line. Then more.\n")
+        tmpfile("bundle/recipes/c.lua", "print('no header')\n")
+        tmpfile("bundle/recipes/notes.txt", "-- not a recipe\n")
+        local code, out, err = run({"--help"}, {env = "MOELUA_LUA_DIR=" .. q(tmpdir .. "/bundle/lua") .. " "})
+        assert.are.equal(0, code, err)
+        local recipes = out:match("\nRecipes [^\n]*\n(.*)$")
+        assert.are.equal("  a.lua  a first recipe whose header runs on to a second line.\n" ..
+                         "  b.lua  the second.\n" ..
+                         "  c.lua\n", recipes)
+        assert.matches("Recipes %(in [^\n]*/bundle/recipes;", out)
+    end)
+
+    it("plot and attach print their usage with --help or -h and exit 0; attach alone exits 1", function()
+        for _, sub in ipairs({"plot", "attach"}) do
+            for _, opt in ipairs({"--help", "-h"}) do
+                local code, out, err = run({sub, opt})
+                assert.are.equal(0, code, err)
+                assert.are.equal("", err)
+                assert.matches("^usage: [^\n]*" .. sub .. " RUN_DIR", out)
+            end
+        end
+        local code, out, err = run({"attach"})
+        assert.are.equal(1, code)
+        assert.are.equal("", out)
+        assert.matches("^usage: [^\n]*attach RUN_DIR\n", err)
     end)
 end)

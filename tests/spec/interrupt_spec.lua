@@ -1,9 +1,13 @@
 -- Ctrl-C without a terminal: a child moelua gets SIGINT (kill -INT) while it
 -- computes. Inside a kernel, the kernel stops between tiles and the binding
 -- raises "<fn>: interrupted" after its parallel region; in Lua code, the
--- hook raises "interrupted!". Uncaught, the script fails with status 1;
--- caught with pcall, the same host computes again and ends with an empty
--- ledger (the exit status checks it). The REPL side is repl_spec.lua.
+-- hook raises "interrupted!". Uncaught, the script fails with status 1 and
+-- the message alone (Ctrl-C is the user's doing: no traceback unless
+-- --traceback); caught with pcall, the same host computes again, a later
+-- Ctrl-C interrupts again, and it ends with an empty ledger (the exit status
+-- checks it). A second signal while the first is still pending (C code that
+-- does not poll) kills the process and says so. The REPL side is
+-- repl_spec.lua; holds (moelua.host.hold_interrupts) are host_spec.lua.
 
 local support = require "tests.support"
 
@@ -33,6 +37,42 @@ local function interrupt_child(body)
     return support.interrupt_child(PRELUDE .. body, 0.1)
 end
 
+-- Runs PRELUDE and body in a child (host options first) and sends it the
+-- signals of `plan` in order: each {sig, delay}, after reading up to one
+-- more "ready" line when `ready` is set. Returns the exit code and the
+-- output (the lines read while waiting included, "ready" lines left out).
+local function signal_child(body, plan, options)
+    local path = os.tmpname()
+    support.write_file(path, PRELUDE .. body)
+    local args = {}
+    for _, o in ipairs(options or {}) do args[#args + 1] = o end
+    args[#args + 1] = path
+    local p = assert(io.popen(support.host_command(args) .. " 2>&1", "r"))
+    local pid = assert(p:read("n"), "the child printed no pid")
+    p:read("l")
+    local seen = {}
+    for _, step in ipairs(plan) do
+        while step.ready do
+            local line = assert(p:read("l"), "the child ended before it was ready")
+            if line == "ready" then break end
+            seen[#seen + 1] = line .. "\n"
+        end
+        require("system").sleep(step.delay)
+        assert(os.execute("kill -" .. step.sig .. " " .. math.tointeger(pid)))
+    end
+    local code, out = support.finish_child(p)
+    os.remove(path)
+    return code, table.concat(seen) .. out
+end
+
+-- A pattern match that backtracks for far longer than any test waits: C
+-- code that no hook and no flag can stop.
+local STUCK = [[
+    ready()
+    string.find(("a"):rep(60), ("a-"):rep(14) .. "b")
+    print("finished")
+]]
+
 describe("Ctrl-C (SIGINT) without a terminal", function()
     it("stops a kernel between tiles and fails the script with status 1", function()
         local code, out = interrupt_child([[
@@ -40,7 +80,8 @@ describe("Ctrl-C (SIGINT) without a terminal", function()
             print("finished")
         ]])
         assert.are.equal(1, code)
-        assert.matches("moelua%.matmul: interrupted\nstack traceback:", out)
+        assert.matches(": moelua%.matmul: interrupted\n$", out)
+        assert.not_matches("stack traceback", out)
         assert.not_matches("finished", out)
         assert.not_matches("leak", out)
     end)
@@ -68,7 +109,8 @@ describe("Ctrl-C (SIGINT) without a terminal", function()
             while true do end
         ]])
         assert.are.equal(1, code)
-        assert.matches("interrupted!\nstack traceback:", out)
+        assert.matches(": interrupted!\n$", out)
+        assert.not_matches("stack traceback", out)
         code, out = interrupt_child([[
             local ok, err = pcall(function() ready() while true do end end)
             print("caught", ok, err)
@@ -92,5 +134,38 @@ describe("Ctrl-C (SIGINT) without a terminal", function()
         assert.are.equal(0, code, out)
         assert.matches("caught\tfalse\t[^\n]*interrupted", out)
         assert.matches("again\ttrue\n", out)
+    end)
+
+    it("prints the traceback of an uncaught interrupt with --traceback", function()
+        local code, out = signal_child("gemm_loop()", {{sig = "INT", delay = 0.1, ready = true}},
+                                       {"--traceback"})
+        assert.are.equal(1, code)
+        assert.matches("moelua%.matmul: interrupted\nstack traceback:", out)
+        assert.matches("in local 'gemm_loop'", out)
+    end)
+
+    it("interrupts again after a caught interrupt (SIGTERM too)", function()
+        local code, out = signal_child([[
+            for i = 1, 2 do
+                local ok, err = pcall(function() ready() while true do end end)
+                print("caught", i, err)
+            end
+            print("done")
+        ]], {{sig = "INT", delay = 0.1, ready = true}, {sig = "TERM", delay = 0.1, ready = true}})
+        assert.are.equal(0, code, out)
+        assert.matches("caught\t1\t[^\n]*interrupted!\ncaught\t2\t[^\n]*interrupted!\ndone\n", out)
+    end)
+
+    it("kills the process, saying so, at a second signal while the first is pending", function()
+        local code, out = signal_child(STUCK, {{sig = "INT", delay = 0.1, ready = true},
+                                               {sig = "INT", delay = 0.2}})
+        assert.are.equal(130, code)   -- killed by SIGINT
+        assert.matches("moelua: second interrupt before the first was handled %(a C call that " ..
+                       "does not stop%): killing the process\n", out)
+        assert.not_matches("finished", out)
+        code, out = signal_child(STUCK, {{sig = "TERM", delay = 0.1, ready = true},
+                                         {sig = "TERM", delay = 0.2}})
+        assert.are.equal(143, code)   -- killed by SIGTERM
+        assert.matches("moelua: second interrupt before the first was handled", out)
     end)
 end)

@@ -1,6 +1,7 @@
 -- moelua.mem (host/l_mem.c) and the ledger as Lua sees it: budget refusals
 -- (an error carrying the ledger table, existing tensors intact), collect and
 -- retry, the default CPU budget, per-category budgets through mem.scope,
+-- budgets larger than the machine refused unless forced,
 -- stats, peaks and the breakdown at the peak, the timeline, a leak spec, a
 -- <close> spec, freed tensors, and bad input to every function.
 local m = require "moelua"
@@ -95,6 +96,56 @@ describe("budgets", function()
     assert.are.equal(1 << 20, mem.stats().cuda.budget.acts)
     assert.are.equal(0, cpu().budget.acts)
     mem.budget{device = "cuda", acts = old.acts}
+  end)
+end)
+
+-- A field of /proc/meminfo in GiB, formatted as the refusal prints it.
+local function meminfo_gib(key)
+  local text = assert(support.read_file("/proc/meminfo"))
+  local kb = assert(tonumber(text:match(key .. ":%s*(%d+) kB")), key)
+  return string.format("%.2f GiB", kb / 2^20)
+end
+
+describe("budgets the machine can hold", function()
+  local errors = require "moelua.errors"
+
+  it("refuses a CPU budget above MemAvailable + the ledger, naming both figures, as a user error", function()
+    local before = mem.stats().cpu
+    local ok, err = pcall(mem.budget, {total = 1e15})
+    assert.is_false(ok)
+    assert.is_true(errors.is_user(err), "a user error, printed without a traceback")
+    local msg = tostring(err)
+    has(msg, "moelua.mem.budget: a total budget of 931322.57 GiB is more than this machine can hold: ")
+    has(msg, "(MemAvailable ")
+    has(msg, " GiB the cpu ledger holds) of " .. meminfo_gib("MemTotal") .. " MemTotal")
+    has(msg, "mem.budget{total = ..., force = true} sets it anyway")
+    has(msg, "OOM killer")
+    -- the figure: MemAvailable + held, within what the machine has
+    local avail = assert(tonumber(msg:match("hold: ([%d.]+) GiB %(MemAvailable")))
+    assert.is_true(avail > 0 and avail * 2^30 <= 1e15)
+    assert.are.equal(before.budget_total, cpu().budget_total, "nothing changed")
+  end)
+
+  it("refuses a category budget too, before any key of the call is applied", function()
+    local before = mem.stats().cpu
+    local msg = errmsg(mem.budget, {total = 1 << 20, params = 1e15})
+    has(msg, "moelua.mem.budget: a params budget of 931322.57 GiB is more than this machine can hold")
+    has(msg, "mem.budget{params = ..., force = true}")
+    assert.are.equal(before.budget_total, cpu().budget_total)
+    assert.are.equal(before.budget.params, cpu().budget.params)
+  end)
+
+  it("accepts it with force = true, and small budgets and 0 as before", function()
+    local old = mem.budget{total = 1e15, force = true}
+    assert.are.equal(1e15, cpu().budget_total)
+    assert.are.equal(1e15, mem.budget{total = 1 << 20}.total)
+    assert.are.equal(1 << 20, cpu().budget_total)
+    mem.budget{total = 0, params = 0}   -- 0 removes a budget: never refused
+    assert.are.equal(0, cpu().budget_total)
+    mem.budget(old)
+    assert.are.equal(old.total, cpu().budget_total)
+    assert.are.equal("moelua.mem.budget: option 'force' must be a boolean, got number",
+                     errmsg(mem.budget, {total = 1, force = 1}))
   end)
 end)
 
@@ -343,7 +394,7 @@ describe("bad input", function()
     local before = cpu().budget_total
     has(errmsg(mem.budget), "table expected, got no value")
     has(errmsg(mem.budget, "x"), "table expected, got string")
-    has(errmsg(mem.budget, {bogus = 1}), "moelua.mem.budget: unknown option 'bogus' (total, device, or a category")
+    has(errmsg(mem.budget, {bogus = 1}), "moelua.mem.budget: unknown option 'bogus' (total, device, force, or a category")
     has(errmsg(mem.budget, {[1] = 5}), "unknown option 'number'")
     assert.are.equal("moelua.mem.budget: option 'total' must be a byte count >= 0, got -1",
                      errmsg(mem.budget, {total = -1}))
