@@ -37,11 +37,13 @@
 local fs = require "moelua.fs"
 local mio = require "moelua.io"
 local json = require "dkjson"
+local errors = require "moelua.errors"
 
 local ckpt = {}
 
+-- A bad path, file or argument: a user error (printed without a traceback).
 local function fail(fn, fmt, ...)
-  error(string.format("moelua.ckpt.%s: " .. fmt, fn, ...), 3)
+  errors.user(string.format("moelua.ckpt.%s: " .. fmt, fn, ...))
 end
 
 local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b end

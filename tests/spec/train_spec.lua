@@ -200,4 +200,66 @@ describe("recipes", function()
     assert.is_not_nil(ckpt.latest(dir .. "/ckpt"))
     support.remove_dir(dir)
   end)
+
+  -- A script that trains tiny in its own run directory, sends itself
+  -- SIGINT from the hook at step 3 (the first Ctrl-C), and `extra` more
+  -- from inside the interrupt save (at its first fsync): Ctrl-C pressed
+  -- again while the checkpoint is being written.
+  local function ctrl_c_during_save(dir, extra)
+    local path = os.tmpname()
+    support.write_file(path, string.format([[
+      local pid = math.tointeger(io.open("/proc/self/stat"):read("n"))
+      -- not os.execute: system() ignores SIGINT in the caller while its child runs
+      local function ctrl_c() io.popen("kill -INT " .. pid):close() end
+      local fs = require "moelua.fs"
+      local fsync, sent = fs.fsync, false
+      fs.fsync = function(...)            -- the save's first fsync: its files are being written
+        if not sent then
+          sent = true
+          for _ = 1, %d do ctrl_c() end
+        end
+        return fsync(...)
+      end
+      arg = {[0] = "recipes/tiny.lua", "--steps", "50", "--seq-len", "64", "--run-dir", %q, "--ckpt-every", "0"}
+      local train = require "moelua.train"
+      local run = train.run
+      train.run = function(cfg)
+        local hook = cfg.hook
+        cfg.hook = function(step, state, ctl)
+          if step == 3 then ctrl_c() end
+          return hook(step, state, ctl)
+        end
+        return run(cfg)
+      end
+      dofile("recipes/tiny.lua")
+    ]], extra, dir))
+    local code, out = support.finish_child(assert(io.popen(support.host_command({path}) .. " 2>&1")))
+    os.remove(path)
+    return code, out
+  end
+
+  it("hold a second Ctrl-C until the interrupt checkpoint is written; it loads", function()
+    local dir = support.make_tmpdir()
+    local code, out = ctrl_c_during_save(dir, 1)
+    assert.are.equal(1, code, out)
+    assert.matches("interrupt held until the checkpoint is written", out)
+    assert.matches("interrupted at step 3; saved [^\n]*step%-000002", out)
+    assert.is_nil(out:find("stack traceback", 1, true), out)
+    local c = ckpt.load(dir .. "/ckpt")
+    assert.are.equal(2, c.trainer.step)
+    support.remove_dir(dir)
+  end)
+
+  it("abort the save on a third Ctrl-C, saying so; --resume then names the half-written save", function()
+    local dir = support.make_tmpdir()
+    local code, out = ctrl_c_during_save(dir, 2)
+    assert.are.equal(130, code, out)
+    assert.matches("abort", out)
+    local p = assert(io.popen(support.host_command({"recipes/tiny.lua", "--run-dir", dir, "--resume",
+                                                   dir .. "/ckpt"}) .. " 2>&1"))
+    local code2, out2 = support.finish_child(p)
+    assert.are.equal(1, code2, out2)
+    assert.matches("step%-000002%.tmp is a save that did not finish", out2)
+    support.remove_dir(dir)
+  end)
 end)
