@@ -449,7 +449,7 @@ static void print_recipes(void)
         printf("Recipes: none found (no recipes/ directory next to the Lua library)\n");
         return;
     }
-    static char names[MAX_RECIPES][256];
+    char names[MAX_RECIPES][256];
     int n = 0, width = 0;
     struct dirent *e;
     while ((e = readdir(d)) && n < MAX_RECIPES) {
