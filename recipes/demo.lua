@@ -1,4 +1,4 @@
--- recipes/demo.lua: a first look at moelua (run by `make run`).
+-- recipes/demo.lua: a one-second tour of tensors and the memory ledger.
 -- Tensors live in the memory ledger: every byte is tagged with a category,
 -- and the account book shows current and peak bytes per category.
 local moelua = require "moelua"
