@@ -202,6 +202,34 @@ end
 --   s:expect("attach> ", true)    -- waits, consumes up to the match, returns it
 --   s:line("1 + 1", "attach> ")   -- types a line, returns the output up to the next prompt
 --   local status, screen = s:finish()   -- Ctrl-D, then the exit status
+-- A run directory's metrics.jsonl, decoded: every line, in order (steps
+-- and events), or with kind only the events of that kind.
+function support.metrics(dir, kind)
+  local json = require "dkjson"
+  local out = {}
+  for line in io.lines(dir .. "/metrics.jsonl") do
+    local o = json.decode(line)
+    if kind == nil or o.event == kind then out[#out + 1] = o end
+  end
+  return out
+end
+
+-- A router collapse planted into model: from step `from` on, the next
+-- `times` forwards report layer 1's loads as `counts` (default the
+-- collapsed top-2 layer {255, 0, 257, 0}), as a collapsed router would.
+function support.plant_collapse(model, from, times, counts)
+  local tensor = require "moelua.tensor"
+  local forward, planted = model.forward, 0
+  model.forward = function(self, tokens, s)
+    local l, st = forward(self, tokens, s)
+    if s >= from and planted < times then
+      planted = planted + 1
+      st.layers[1].counts = tensor.tensor(counts or {255, 0, 257, 0}, {dtype = "i64"})
+    end
+    return l, st
+  end
+end
+
 local Pty = {}
 Pty.__index = Pty
 

@@ -258,15 +258,7 @@ describe("moelua.plot", function()
     local ds = data.open{glob = "/usr/include/std*.h", seq_len = 64, seed = 0, holdout = 0.01}
     local groups = model:param_groups{weight_decay = 0.1}
     local opt = optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95})
-    local forward, planted = model.forward, 0
-    model.forward = function(self, tokens, s)   -- collapses at steps 2 and 3, twice: two rollbacks to step 2
-      local l, st = forward(self, tokens, s)
-      if s >= 2 and planted < 4 then
-        planted = planted + 1
-        st.layers[1].counts = m.tensor({255, 0, 257, 0}, {dtype = "i64"})
-      end
-      return l, st
-    end
+    support.plant_collapse(model, 2, 4)   -- collapses at steps 2 and 3, twice: two rollbacks to step 2
     local r = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = 64, steps = 5,
                         lr = sched.constant(3e-3), clip = 1.0, run_dir = dir, ckpt_every = 1, keep = 5,
                         val_every = 2, val_batches = 1, alarms = {hot_steps = 1}, rollback = {collapse_steps = 2}}

@@ -42,17 +42,7 @@ local function planted(bad, over)
   return cfg, read
 end
 
-local function lines(dir)
-  local out = {}
-  for line in io.lines(dir .. "/metrics.jsonl") do out[#out + 1] = json.decode(line) end
-  return out
-end
-
-local function events(dir, kind)
-  local out = {}
-  for _, o in ipairs(lines(dir)) do if o.event == kind then out[#out + 1] = o end end
-  return out
-end
+local lines, events = support.metrics, support.metrics
 
 describe("rollbacks", function()
   local dir
@@ -211,13 +201,7 @@ describe("balance alarms", function()
                              alarms = {hot_steps = 2, dead_steps = 3},
                              rollback = {collapse_steps = 4, max_rollbacks = 1},
                              on_alarm = function(_, a, model) got[#got + 1] = a.kind; assert.is_table(model.blocks) end})
-    local loads = {{231, 3, 255, 23}}
-    local forward = cfg.model.forward
-    cfg.model.forward = function(self, tokens, s)
-      local l, st = forward(self, tokens, s)
-      if s >= 4 then st.layers[1].counts = m.tensor(loads[1], {dtype = "i64"}) end
-      return l, st
-    end
+    support.plant_collapse(cfg.model, 4, math.huge, {231, 3, 255, 23})
     local err = support.errmsg(train.run, cfg)
     assert.matches("router collapse", err)             -- max_rollbacks 1: the second collapse stops the run
     local alarms = events(dir, "alarm")

@@ -81,15 +81,7 @@ describe("train.run", function()
   it("rolls back on router collapse, moves the data on and calls the recipe", function()
     local calls = 0
     local model, ds, groups, opt = pieces()
-    local forward, planted = model.forward, 0
-    model.forward = function(self, tokens, s)       -- a collapse of two steps from step 2 on
-      local l, st = forward(self, tokens, s)
-      if s >= 2 and planted < 2 then
-        planted = planted + 1
-        st.layers[1].counts = m.tensor({255, 0, 257, 0}, {dtype = "i64"})
-      end
-      return l, st
-    end
+    support.plant_collapse(model, 2, 2)           -- a collapse of two steps from step 2 on
     local r = run{steps = 5, run_dir = dir, ckpt_every = 1, keep = 5, model = model, data = ds, groups = groups,
                   optimizer = opt, alarms = {hot_steps = 1}, rollback = {collapse_steps = 2},
                   on_rollback = function(state, event)
