@@ -23,7 +23,7 @@
  * prints the reply, which ends with a NUL byte. Ctrl-D leaves; the job
  * keeps running.
  *
- * Not here: the interrupt machinery itself (host/main.c, kernels/parallel.c).
+ * Not here: the interrupt machinery itself (host/l_host.c, kernels/parallel.c).
  */
 #include "repl.h"
 

@@ -754,6 +754,7 @@ function train.plan(cfg)
   local budgets = mem.budget(lifted)
   local need, why2
   ok, need, why2 = pcall(plan_twice)
+  budgets.force = true   -- the budgets as they were: not a new request to check against the machine now
   mem.budget(budgets)
   cfg.data:set_state(data_state)
   if not ok then error(need, 0) end
