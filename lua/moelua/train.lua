@@ -440,25 +440,22 @@ local function fresh_ctl(self)
           z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
 end
 
--- A line of text on its own line, never glued to the progress line.
-function Trainer:message(text, out)
-  out = out or io.stdout
-  if self.line_open then
-    io.stdout:write("\r\27[K")
-    io.stdout:flush()
-    self.line_open = false
-  end
-  out:write(text, "\n")
-  out:flush()
-end
-
--- Before a recipe callback that may print: the progress line ends.
+-- Before a message or a recipe callback that may print: the progress
+-- line is cleared, so nothing is glued to it (it is drawn again after).
 function Trainer:end_line()
   if self.line_open then
     io.stdout:write("\r\27[K")
     io.stdout:flush()
     self.line_open = false
   end
+end
+
+-- A line of text on its own line (out: default stdout).
+function Trainer:message(text, out)
+  self:end_line()
+  out = out or io.stdout
+  out:write(text, "\n")
+  out:flush()
 end
 
 -- Where a long step is: after each block's forward and backward (the
