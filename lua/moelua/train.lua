@@ -441,13 +441,26 @@ local function fresh_ctl(self)
 end
 
 -- Before a message or a recipe callback that may print: the progress
--- line is cleared, so nothing is glued to it (it is drawn again after).
-function Trainer:end_line()
+-- line is cleared, so nothing is glued to it (redraw() shows it again).
+-- keep: end it with a newline instead (the run ends; its last line stays).
+function Trainer:end_line(keep)
   if self.line_open then
-    io.stdout:write("\r\27[K")
+    io.stdout:write(keep and "\n" or "\r\27[K")
     io.stdout:flush()
     self.line_open = false
   end
+end
+
+-- The progress line (a terminal's) as last drawn, on a line of its own.
+function Trainer:draw(line)
+  self.shown = line
+  io.stdout:write("\r", line, "\27[K")
+  io.stdout:flush()
+  self.line_open = true
+end
+
+function Trainer:redraw()
+  if self.tty and self.shown and not self.line_open then self:draw(self.shown) end
 end
 
 -- A line of text on its own line (out: default stdout).
@@ -471,12 +484,11 @@ function Trainer:in_step(step, phase, layer)
   local line = string.format("step %d/%d  %s, layer %d of %d  (%.0f s into the step)", step, self.steps - 1,
                              phase, layer, self.model.opts.layers, t - started)
   if self.tty then
-    io.stdout:write("\r", line, "\27[K")
-    self.line_open = true
+    self:draw(line)
   else
     io.stdout:write(line, "\n")
+    io.stdout:flush()
   end
-  io.stdout:flush()
 end
 
 function Trainer:step(step)
@@ -494,6 +506,7 @@ function Trainer:step(step)
     ctl = fresh_ctl(self)                       -- the reloaded hook failed: the previous one, afresh
     self:call_hook(step, "hook", step, self.state, ctl)
   end
+  self:redraw()                                 -- below whatever the hook printed
   local overrides = srv and next(srv.overrides) and {} or nil
   if overrides then                             -- values set from an attached REPL win over the hook's
     for k, v in pairs(srv.overrides) do ctl[k], overrides[k] = v, v end
@@ -600,7 +613,8 @@ function Trainer:check_balance(m)
   local runs = self.alarm_runs
   m.alarms = {}
   for l, load in ipairs(m.loads) do
-    local b = balance.layer(load.counts, k, {hot = a.hot or nil, collapse = a.collapse or nil})
+    local b = balance.layer(load.counts, k, a)   -- a.hot, a.collapse: false takes balance's default
+    -- one condition of this layer: counted, listed while on, fired once per episode; returns its run
     local function note(kind, expert, ratio, threshold, on, need)
       local key = kind .. ":" .. l .. ":" .. (expert or "")
       local fire = held(runs, key, on, need)
@@ -611,13 +625,17 @@ function Trainer:check_balance(m)
         fired[#fired + 1] = {event = "alarm", kind = kind, step = m.step, layer = l, expert = expert,
                              ratio = ratio, threshold = threshold, steps = need, busiest = b.busiest}
       end
+      return runs[key] or 0
     end
+    local hot, dead = {}, {}
+    for _, e in ipairs(b.hot) do hot[e] = true end
+    for _, e in ipairs(b.dead) do dead[e] = true end
     for e, r in ipairs(b.ratios) do
-      note("hot", e - 1, r, b.thresholds.hot, r >= b.thresholds.hot and b.assignments > 0, a.hot_steps)
-      note("dead", e - 1, r, 0, load.counts[e] == 0, a.dead_steps)
+      note("hot", e - 1, r, b.thresholds.hot, hot[e - 1], a.hot_steps)
+      note("dead", e - 1, r, 0, dead[e - 1], a.dead_steps)
     end
-    note("collapse", nil, b.topk_ratio, b.thresholds.collapse, b.collapsed, a.hot_steps)
-    collapsed = collapsed or (runs["collapse:" .. l .. ":"] or 0) >= self.rollback.collapse_steps
+    local run = note("collapse", nil, b.topk_ratio, b.thresholds.collapse, b.collapsed, a.hot_steps)
+    collapsed = collapsed or run >= self.rollback.collapse_steps
     collapsing = collapsing or b.collapsed
   end
   return fired, collapsed, collapsing
@@ -632,12 +650,11 @@ function Trainer:progress(m, step, last_step, t_start)
                              step, last_step, m.loss, self.val_loss and string.format("  val %.4f", self.val_loss) or "",
                              m.aux, m.lr, m.tokens_per_s, eta, peak, m.skipped and "  (skipped)" or "")
   if self.tty then
-    io.stdout:write("\r", line, "\27[K")
-    self.line_open = true
+    self:draw(line)
   elseif (step + 1) % self.log_every == 0 or step == last_step then
     io.stdout:write(line, "\n")
+    io.stdout:flush()
   end
-  io.stdout:flush()
 end
 
 -- cfg[name] with the defaults of `defaults` (false: none); an unknown key is an error.
@@ -857,7 +874,7 @@ function train.run(cfg)
   local step = first
   local result = {skipped = 0, rollbacks = 0, losses = {}}
   local function interrupted(at, dir, during)
-    self:end_line()
+    self:end_line(true)
     self:log({event = "interrupted", step = at, checkpoint = dir})
     errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
                               dir and ("; saved " .. dir) or "; no step completed, nothing saved"))
@@ -886,7 +903,7 @@ function train.run(cfg)
       self:progress(m, step, last_step, t_start)
       local n = (self.rollbacks_to[last_good] or 0) + 1
       if n > self.rollback.max_rollbacks then
-        self:end_line()
+        self:end_line(true)
         self:log({event = "stopped", step = step, reason = why, rollbacks = n - 1, last_good = last_good})
         errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
                                   "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
@@ -940,7 +957,7 @@ function train.run(cfg)
       step = step + 1
     end
   end
-  self:end_line()
+  self:end_line(true)
   if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
   result.skipped = self.skipped
   result.first_step, result.first_loss = first, result.losses[first]
