@@ -15,19 +15,14 @@
 local errors = {}
 
 local UserError = {__name = "moelua.UserError"}
-UserError.__index = UserError
 function UserError.__tostring(e) return e.message end
 -- "..": a user error still concatenates like the string it stands for
 function UserError.__concat(a, b) return tostring(a) .. tostring(b) end
 
--- Raise msg (a string) as a user error; level as in error() (default 0:
--- the message is complete as it is, no position is added).
-function errors.user(msg, level)
+-- Raise msg (a string) as a user error. The message is complete as it is:
+-- no position is added (ml_user_error in C prepends the binding's own).
+function errors.user(msg)
   if type(msg) ~= "string" then error("moelua.errors.user: expected a message string", 2) end
-  if level and level > 0 then
-    local info = debug.getinfo(level + 1, "Sl")
-    if info and info.currentline > 0 then msg = info.short_src .. ":" .. info.currentline .. ": " .. msg end
-  end
   error(setmetatable({message = msg}, UserError), 0)
 end
 

@@ -312,9 +312,8 @@ function Layer:reinit_expert(dead, from, std)
     local dst = v:select(1, dead + 1)
     dst:copy_(v:select(1, from + 1))
     if std > 0 and v ~= self.bias then
-      local noise <close> = tensor.randn(dst:dim() > 0 and dst:shape() or {1},
-                                         {dtype = dst:dtype(), device = dst:device(), std = std})
-      dst:add_(noise:view(dst:shape()))
+      local noise <close> = tensor.randn(dst:shape(), {dtype = dst:dtype(), device = dst:device(), std = std})
+      dst:add_(noise)
     end
   end
 end
