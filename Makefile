@@ -15,7 +15,7 @@ override CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -f
 # term, system) resolve lua_* against the host.
 LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp -pthread
 
-HOST_SRC    := $(filter-out host/backend_cuda.c,$(wildcard host/*.c))
+HOST_SRC    := $(filter-out host/runtime/backend_cuda.c,$(wildcard host/runtime/*.c host/bindings/*.c))
 KERNEL_SRC  := $(wildcard kernels/*.c)
 CUDA_SRC    := $(wildcard kernels/*.cu)
 SRC         := $(HOST_SRC) $(KERNEL_SRC)
@@ -24,7 +24,7 @@ ifeq ($(CUDA),1)
 BUILD   := build/cuda
 TARGET  := build/cuda/moelua
 override CFLAGS += -DML_WITH_CUDA -I/usr/local/cuda/include
-SRC     += host/backend_cuda.c
+SRC     += host/runtime/backend_cuda.c
 NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
            -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 # .cu objects get their own suffix: kernels/x.c and kernels/x.cu share a stem.
@@ -92,12 +92,12 @@ run: deps
 # C unit tests: each tests/c/test_*.c links against the host objects.
 TEST_SRC := $(wildcard tests/c/test_*.c)
 TEST_BIN := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
-LIB_OBJ  := $(filter-out $(BUILD)/host/main.o $(BUILD)/host/repl.o,$(OBJ))
+LIB_OBJ  := $(filter-out $(BUILD)/host/bindings/main.o $(BUILD)/host/bindings/repl.o,$(OBJ))
 .PHONY: build/tests
 build/tests: $(TEST_BIN)
 $(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Ihost -o $@ $< $(LIB_OBJ) $(LDLIBS)
+	$(CC) $(CFLAGS) -Ihost/runtime -o $@ $< $(LIB_OBJ) $(LDLIBS)
 
 # ASan + UBSan over the whole suite (CI runs it too).
 # UBSan only prints unless told to halt, and run.sh keeps no passing log,

@@ -4,7 +4,7 @@
  * launch check that turns a CUDA error into ML_EDEVICE (kernels never
  * raise; the binding does, after the call returns).
  *
- * Not here: allocation (host/backend_cuda.c owns device memory) and any
+ * Not here: allocation (host/runtime/backend_cuda.c owns device memory) and any
  * kernel of a family. Include from .cu files only.
  */
 #ifndef ML_KERNELS_CUDA_COMMON_CUH

@@ -17,7 +17,7 @@
  * are never left half-updated. No allocation; CPU only for now.
  *
  * Not here: parameter groups, lazy (per-expert) state allocation,
- * clipping policy (lua/moelua/optim.lua), argument checks (host/l_optim.c).
+ * clipping policy (lua/moelua/optim.lua), argument checks (host/bindings/l_optim.c).
  */
 #ifndef ML_KERNELS_OPTIM_H
 #define ML_KERNELS_OPTIM_H

@@ -2,7 +2,7 @@
 -- to its reply text. The one definition of what a line sees and how its
 -- reply reads, for both places a line runs: the training thread
 -- (lua/moelua/remote.lua) and the server thread of moelua.attach
--- (host/attach.c), whose small Lua state has only base, string, table and
+-- (host/bindings/attach.c), whose small Lua state has only base, string, table and
 -- math and loads this file by its path. So this module uses nothing else,
 -- requires nothing and defines no globals; the printer (moelua.pretty) and
 -- the JSON decoder (dkjson, for the server thread's snapshot) are passed in.
@@ -51,7 +51,7 @@
 --                      can change the job).
 --
 -- Not here: the controls themselves and the training thread's limited
--- runner (lua/moelua/remote.lua), the server thread's (host/attach.c), the
+-- runner (lua/moelua/remote.lua), the server thread's (host/bindings/attach.c), the
 -- socket.
 local attach_env = {}
 

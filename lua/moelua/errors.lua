@@ -3,7 +3,7 @@
 -- A user error (a bad option or value, a run directory that holds another
 -- run, a budget the machine cannot hold, Ctrl-C during training) is a
 -- table with a __tostring metamethod. The host prints such an error as its
--- message alone (host/main.c: the message handler of lua.c takes the
+-- message alone (host/bindings/main.c: the message handler of lua.c takes the
 -- __tostring of a non-string error and adds no traceback), unless it runs
 -- with `moelua --traceback`; any other error is a bug and keeps its
 -- traceback. tostring(err) gives the message, so code that matches on the

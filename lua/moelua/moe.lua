@@ -16,7 +16,7 @@
 -- The pool is reset at the start of each forward: y and dx are valid until
 -- the next forward. The first step grows the pool to what a step needs; the
 -- second step's reset replaces its blocks by one block of that high-water
--- mark (host/pool.c); from then on a step makes no ledger allocation.
+-- mark (host/runtime/pool.c); from then on a step makes no ledger allocation.
 --
 -- Device: `device = "cuda"` puts the flat buffers, the bias and the pool on
 -- the GPU (x and dy must be there too); the router, dispatch and experts

@@ -1,7 +1,7 @@
 -- moelua.pretty: a value as text a person reads, for both REPLs: `moelua -i`
 -- (lua/moelua/repl.lua prints each result with it) and `moelua attach`
 -- (lua/moelua/attach_env.lua shows each reply value with it, in the job's
--- training thread and in the server thread of host/attach.c). That thread's
+-- training thread and in the server thread of host/bindings/attach.c). That thread's
 -- Lua state has only base, string, table and math and loads this file by its
 -- path, so this module uses nothing else and requires nothing. While an
 -- attach line runs, the strings' methods are the line's restricted ones, so

@@ -1,5 +1,5 @@
 -- moelua.remote: the job's side of `moelua attach RUN_DIR`. moelua.attach
--- (host/attach.c) serves the socket from its own thread; this module runs
+-- (host/bindings/attach.c) serves the socket from its own thread; this module runs
 -- on the training thread, at the trainer's safe points: it publishes the
 -- snapshot that thread answers from, and runs the requests it cannot
 -- answer.
@@ -60,7 +60,7 @@
 --
 -- Not here: a line's environment and its reply text
 -- (lua/moelua/attach_env.lua), the socket and the server thread
--- (host/attach.c, host/l_attach.c) and the loop that calls the safe points
+-- (host/bindings/attach.c, host/bindings/l_attach.c) and the loop that calls the safe points
 -- and saves the checkpoint (lua/moelua/train.lua).
 local attach = require "moelua.attach"
 local mem = require "moelua.mem"
@@ -169,7 +169,7 @@ end
 -- attach_env's `limited` on this thread: fn in a coroutine under `limit`
 -- instructions (debug.sethook count) -> true, results... | false, error.
 -- Once the limit is hit every further instruction raises (the hook re-armed
--- at count 1, as host/attach.c's limit_hook), so a pcall in the line cannot
+-- at count 1, as host/bindings/attach.c's limit_hook), so a pcall in the line cannot
 -- outlast it. The message is made here: the hook calls nothing of the line's.
 local function limiter(limit)
   local msg = ("instruction limit exceeded (%d instructions)"):format(limit)

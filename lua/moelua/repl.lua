@@ -1,10 +1,10 @@
--- moelua.repl: the Lua side of `moelua -i` (host/repl.c): how a result
+-- moelua.repl: the Lua side of `moelua -i` (host/bindings/repl.c): how a result
 -- prints, and help(). The printer itself is moelua.pretty, shared with
 -- `moelua attach`.
 --
 --   repl.print(...)   each value by pretty.show (a table nested and
 --                     bounded, a string as it is), tab-separated, as print
---   repl.help()       -> the text of help(), which host/repl.c makes a
+--   repl.help()       -> the text of help(), which host/bindings/repl.c makes a
 --                     global of the REPL (unless one is defined already)
 local pretty = require "moelua.pretty"
 

@@ -1,5 +1,5 @@
 /*
- * tests/c/test_ledger.c - the memory ledger's bookkeeping (host/ledger.c),
+ * tests/c/test_ledger.c - the memory ledger's bookkeeping (host/runtime/ledger.c),
  * printing TAP.
  *
  * Covers: charge/credit counts, per-category and total peaks, the breakdown
@@ -8,7 +8,7 @@
  * without a caching allocator, the
  * timeline (cap, interval, dropped samples, off), the text report, byte
  * formatting, and the abort on a credit underflow. Not here: allocation
- * (host/tensor.c, host/pool.c) and the Lua face (tests/spec/mem_spec.lua).
+ * (host/runtime/tensor.c, host/runtime/pool.c) and the Lua face (tests/spec/mem_spec.lua).
  */
 #include <stdarg.h>
 #include <stdio.h>

@@ -1,5 +1,5 @@
 /*
- * tests/c/test_pool.c - stack pools (host/pool.c) on a host built by hand
+ * tests/c/test_pool.c - stack pools (host/runtime/pool.c) on a host built by hand
  * with the CPU backend, printing TAP.
  *
  * Covers: the first block charged to the ledger under `pool`, 64-byte

@@ -1,6 +1,6 @@
 /*
  * tests/c/test_safetensors.c - the safetensors reader and writer
- * (host/safetensors.c) on byte buffers and files, printing TAP.
+ * (host/runtime/safetensors.c) on byte buffers and files, printing TAP.
  *
  * Covers: valid headers (scalar, zero-size, escapes, metadata), each class
  * of malformed header with the message it must produce, a write/open/read

@@ -1,4 +1,4 @@
--- `moelua attach RUN_DIR` and its job side (host/l_attach.c, moelua.remote):
+-- `moelua attach RUN_DIR` and its job side (host/bindings/l_attach.c, moelua.remote):
 --   - on a pseudo-terminal, against a tiny training started with --attach:
 --     pause, read stats, change the temperature (seen in metrics.jsonl and
 --     in stats), resume, detach; the job finishes with exit 0;
@@ -19,7 +19,7 @@
 --     instruction limit, a reply with a NUL byte, a pattern that runs for
 --     hours in C, a second job on the same run directory.
 -- Queries (no control called) are answered by the server thread of
--- host/attach.c from the snapshot; controls at the training thread's safe
+-- host/bindings/attach.c from the snapshot; controls at the training thread's safe
 -- points (lua/moelua/remote.lua).
 -- The jobs run with one thread: a loaded machine slows them less.
 local attach = require "moelua.attach"

@@ -1,4 +1,4 @@
--- moelua.data (lua/moelua/data.lua) and moelua.fs (host/l_fs.c): windows
+-- moelua.data (lua/moelua/data.lua) and moelua.fs (host/bindings/l_fs.c): windows
 -- equal the files' bytes (read back with io.open), across file boundaries;
 -- the order is a pure function of (seed, step); the held-out tail is
 -- disjoint from training windows; u16/u32 token files; the fingerprint

@@ -1,4 +1,4 @@
--- tests/spec/experts_spec.lua - moelua.experts (host/l_experts.c,
+-- tests/spec/experts_spec.lua - moelua.experts (host/bindings/l_experts.c,
 -- kernels/dispatch.c, kernels/experts.c): dispatch against a Lua reference,
 -- forward against a dense f64 reference computed in plain Lua (every expert
 -- on every token, masked by the routing), finite-difference gradients, the

@@ -1,4 +1,4 @@
--- moelua.host (host/l_host.c): hold_interrupts. In this process: its
+-- moelua.host (host/bindings/l_host.c): hold_interrupts. In this process: its
 -- results, its errors (raised again unchanged) and bad input. In children
 -- that send themselves SIGINT or SIGTERM inside a hold: one signal is held
 -- (fn finishes, kernels and Lua run on, held == 1, one line on stderr), a

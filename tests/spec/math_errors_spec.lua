@@ -1,5 +1,5 @@
 -- tests/spec/math_errors_spec.lua - bad input to every binding of
--- host/l_tensor_math.c raises a Lua error whose message names the function
+-- host/bindings/l_tensor_math.c raises a Lua error whose message names the function
 -- and says what was wrong. Values are in math_spec.lua.
 local m = require "moelua"
 local raises = require("tests.support").raises

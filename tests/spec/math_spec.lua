@@ -1,4 +1,4 @@
--- tests/spec/math_spec.lua - values of the tensor math (host/l_tensor_math.c,
+-- tests/spec/math_spec.lua - values of the tensor math (host/bindings/l_tensor_math.c,
 -- kernels/*.c) against float64 references computed in plain Lua on tables.
 --
 -- Tolerances are normwise relative errors ||x - ref|| / ||ref||:

@@ -1,4 +1,4 @@
--- moelua.mem (host/l_mem.c) and the ledger as Lua sees it: budget refusals
+-- moelua.mem (host/bindings/l_mem.c) and the ledger as Lua sees it: budget refusals
 -- (an error carrying the ledger table, existing tensors intact), collect and
 -- retry, the default CPU budget, per-category budgets through mem.scope,
 -- budgets larger than the machine refused unless forced,

@@ -1,4 +1,4 @@
--- moelua.ops (host/l_ops.c; kernels/rmsnorm.c, embedding.c, crossentropy.c,
+-- moelua.ops (host/bindings/l_ops.c; kernels/rmsnorm.c, embedding.c, crossentropy.c,
 -- rope.c, attention.c): each forward against a float64 reference written
 -- here in plain Lua loops, finite-difference gradient checks in f64 for
 -- every input and weight, and bad-input messages.

@@ -1,5 +1,5 @@
 -- tests/spec/optim_spec.lua - the optimizers (kernels/optim.c,
--- host/l_optim.c, lua/moelua/optim.lua) against float64 references written
+-- host/bindings/l_optim.c, lua/moelua/optim.lua) against float64 references written
 -- in plain Lua on tables: AdamW (torch.optim.AdamW), SGD (torch.optim.SGD),
 -- lazy Adam over expert slices with per-expert states (allocated at an
 -- expert's first tokens: ledger bytes, state_dict and checkpoint round

@@ -1,4 +1,4 @@
--- The memory planner (moelua.mem.plan, host/backend_plan.c, train.plan):
+-- The memory planner (moelua.mem.plan, host/runtime/backend_plan.c, train.plan):
 -- a dry run of the same code with kernels skipped predicts the ledger's
 -- peak exactly, allocates nothing real, enforces the budgets with the usual
 -- error, and leaves the run it plans unchanged.

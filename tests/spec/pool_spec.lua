@@ -1,4 +1,4 @@
--- moelua.pool (host/l_pool.c): pools as seen from Lua. Views, mark/rewind
+-- moelua.pool (host/bindings/l_pool.c): pools as seen from Lua. Views, mark/rewind
 -- in LIFO order, stale views after a rewind (also when the bytes are handed
 -- out again), growth and its refusal by the ledger, pool bytes in the
 -- ledger under `pool`, closing, CUDA pools where a GPU exists, and bad input

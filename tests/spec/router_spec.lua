@@ -1,4 +1,4 @@
--- moelua.router (host/l_router.c, kernels/router.c): the chunked router
+-- moelua.router (host/bindings/l_router.c, kernels/router.c): the chunked router
 -- against a float64 reference written here in plain Lua (logits, scores,
 -- Philox gate noise and Gumbel draws with the counter layout of
 -- kernels/router.h, softmax, top-k, weights, stats).

@@ -1,4 +1,4 @@
--- moelua.io: safetensors save/load (host/l_io.c, host/safetensors.c).
+-- moelua.io: safetensors save/load (host/bindings/l_io.c, host/runtime/safetensors.c).
 -- Round trips of every dtype, scalars, zero-size and non-contiguous
 -- tensors; the layout the writer promises (alignment, ordering, padding,
 -- metadata); and malformed files crafted byte by byte, each refused with

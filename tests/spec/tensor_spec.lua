@@ -1,5 +1,5 @@
 -- Tensor core: creation, dtypes and conversions, views, copies, printing,
--- the Philox generator, and bad input to every binding of host/l_tensor.c.
+-- the Philox generator, and bad input to every binding of host/bindings/l_tensor.c.
 local m = require "moelua"
 local support = require "tests.support"
 local errmsg = support.errmsg

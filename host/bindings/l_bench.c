@@ -1,0 +1,63 @@
+/*
+ * host/bindings/l_bench.c - the Lua library `moelua.bench`: a monotonic clock and the
+ * baselines benchmarks compare against, timed in C so that the baseline
+ * pays no Lua overhead.
+ *
+ *   bench.now()                          seconds, CLOCK_MONOTONIC
+ *   bench.raw_sgemm(c, a, b, calls)      seconds per call of `calls` back-to-back
+ *                                        cblas_sgemm on the tensors' buffers
+ */
+#include "l_util.h"
+
+#include <cblas.h>
+#include <time.h>
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int l_bench_now(lua_State *L)
+{
+    lua_pushnumber(L, now_s());
+    return 1;
+}
+
+/* c [m,n] = a [m,k] * b [k,n], all contiguous f32 on the CPU. */
+static int l_bench_raw_sgemm(lua_State *L)
+{
+    static const char fn[] = "moelua.bench.raw_sgemm";
+    ml_tensor *c = ml_checkcontig(L, 1, fn, ML_F32);
+    ml_tensor *a = ml_checkcontig(L, 2, fn, ML_F32);
+    ml_tensor *b = ml_checkcontig(L, 3, fn, ML_F32);
+    lua_Integer calls = luaL_checkinteger(L, 4);
+    if (calls < 1)
+        ml_error(L, fn, "argument #4: calls must be >= 1");
+    if (a->st->device != ML_CPU || b->st->device != ML_CPU || c->st->device != ML_CPU)
+        ml_error(L, fn, "CPU tensors only");
+    if (a->ndim != 2 || b->ndim != 2 || c->ndim != 2 || a->shape[1] != b->shape[0] ||
+        c->shape[0] != a->shape[0] || c->shape[1] != b->shape[1])
+        ml_error(L, fn, "expected c [m,n], a [m,k], b [k,n]");
+    blasint m = (blasint)a->shape[0], k = (blasint)a->shape[1], n = (blasint)b->shape[1];
+    double t0 = now_s();
+    for (lua_Integer i = 0; i < calls && !ml_host_of(L)->planning; i++)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, ml_data(a), k,
+                    ml_data(b), n, 0.0f, ml_data(c), n);
+    lua_pushnumber(L, (now_s() - t0) / (double)calls);
+    return 1;
+}
+
+static const luaL_Reg bench_functions[] = {
+    {"now", l_bench_now},
+    {"raw_sgemm", l_bench_raw_sgemm},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_bench(lua_State *L)
+{
+    ml_host_of(L);
+    luaL_newlib(L, bench_functions);
+    return 1;
+}

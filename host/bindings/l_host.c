@@ -1,0 +1,161 @@
+/*
+ * host/bindings/l_host.c - the Lua library `moelua.host`, and SIGINT / SIGTERM
+ * (Ctrl-C, a job asked to stop) for the thread that owns the Lua state.
+ *
+ *   held, ... = host.hold_interrupts(fn, ...)
+ *       runs fn(...) with SIGINT and SIGTERM held, and returns the number
+ *       of signals held (0 or 1) followed by fn's results. fn's error is
+ *       raised again, unchanged, after the hold has ended. For work that
+ *       must not be cut in half (the trainer's checkpoint save): the caller
+ *       decides what a held interrupt means once the work is done. Holds
+ *       nest: an inner hold returns what arrived during it, and that
+ *       signal stays held for the outer one.
+ *
+ * What a signal does (lua.c's scheme, plus holds):
+ * - Outside a hold, the first sets the flag that kernels poll
+ *   (ml_host.interrupt) and arms a hook. It is consumed once: by a kernel,
+ *   whose binding raises "<fn>: interrupted" (host/bindings/l_util.c), or by the
+ *   hook at the next Lua instruction ("interrupted!"). A second one while
+ *   the first is still pending means C code that does not poll (a long
+ *   pattern match, a blocking call): it writes a line and kills the process
+ *   by that signal, as the default action would have.
+ * - In a hold, the first is held: one line on stderr and nothing else, so
+ *   neither kernels nor the hook stop the work. A second aborts the process
+ *   at once (status 130) with a line saying that the work is lost.
+ * The handler may run on any thread (OpenMP workers too): it touches only
+ * the sig_atomic_t flags below, write(2), _exit, raise and the hook (as
+ * lua.c does). Only the Lua thread changes the hold depth.
+ *
+ * Not here: arming the handlers around each chunk (host/bindings/main.c ml_docall),
+ * consuming the flag in a binding (host/bindings/l_util.c), the REPL's own Ctrl-C at
+ * the prompt (host/bindings/repl.c), what the trainer does with a held interrupt
+ * (moelua.train).
+ */
+#include "l_host.h"
+#include "l_util.h"
+#include "libs.h"
+
+#include <string.h>
+#include <unistd.h>
+
+#define HELD_MSG  "moelua: interrupt held until the checkpoint is written " \
+                  "(interrupt again to abort and lose it)\n"
+#define ABORT_MSG "moelua: second interrupt during a checkpoint save: aborting, " \
+                  "the checkpoint being written is lost\n"
+#define KILL_MSG  "moelua: second interrupt before the first was handled " \
+                  "(a C call that does not stop): killing the process\n"
+
+static volatile sig_atomic_t interrupted;   /* pending, outside a hold */
+static volatile sig_atomic_t hold_depth;    /* holds running, nested */
+static volatile sig_atomic_t held;          /* signals held since the outermost hold began */
+static lua_State *main_L;                   /* the state whose hook the handler arms */
+
+volatile sig_atomic_t *ml_interrupt_flag(void)
+{
+    return &interrupted;
+}
+
+static void lstop(lua_State *L, lua_Debug *ar)
+{
+    (void)ar;
+    lua_sethook(L, NULL, 0, 0);
+    if (!interrupted)
+        return;  /* a kernel saw it first and its binding raised already */
+    interrupted = 0;
+    ml_interrupt_error(L, NULL);
+}
+
+/* write(2) of a literal: async-signal-safe, unlike stdio. */
+#define SAY(msg) do { ssize_t r_ = write(STDERR_FILENO, msg, sizeof msg - 1); (void)r_; } while (0)
+
+static void on_signal(int sig)
+{
+    if (hold_depth > 0) {
+        if (held) {
+            SAY(ABORT_MSG);
+            _exit(130);
+        }
+        held = 1;
+        SAY(HELD_MSG);
+        return;
+    }
+    if (interrupted) {
+        SAY(KILL_MSG);
+        signal(sig, SIG_DFL);
+        raise(sig);   /* delivered, with the default action, when this handler returns */
+        return;
+    }
+    interrupted = 1;
+    lua_sethook(main_L, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT, 1);
+}
+
+void ml_signals_arm(lua_State *L, ml_signals_saved *old)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    interrupted = 0;
+    main_L = L;
+    sigaction(SIGINT, &sa, &old->sigint);
+    sigaction(SIGTERM, &sa, &old->sigterm);
+}
+
+void ml_signals_restore(lua_State *L, const ml_signals_saved *old)
+{
+    sigaction(SIGINT, &old->sigint, NULL);
+    sigaction(SIGTERM, &old->sigterm, NULL);
+    lua_sethook(L, NULL, 0, 0);
+    interrupted = 0;
+}
+
+/* Enter a hold; returns the signals held before it, so that its own count
+ * is the difference at the end. An interrupt still pending (it arrived
+ * between the call hook and here) becomes a held one: kernels inside the
+ * hold must not see the flag. */
+static int hold_begin(lua_State *L)
+{
+    hold_depth++;
+    int before = held;
+    if (interrupted) {
+        interrupted = 0;
+        held = 1;
+        lua_rawgeti(L, LUA_REGISTRYINDEX, LUA_RIDX_MAINTHREAD);
+        lua_sethook(lua_tothread(L, -1), NULL, 0, 0);
+        lua_pop(L, 1);
+    }
+    return before;
+}
+
+static void hold_end(void)
+{
+    if (--hold_depth == 0)
+        held = 0;   /* the caller of the outermost hold has the count now */
+}
+
+static int l_host_hold_interrupts(lua_State *L)
+{
+    luaL_checktype(L, 1, LUA_TFUNCTION);
+    int before = hold_begin(L);
+    int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);
+    int n = held - before;
+    hold_end();
+    if (status != LUA_OK)
+        return lua_error(L);   /* fn's error object, as it was raised */
+    luaL_checkstack(L, 1, "too many results");
+    lua_pushinteger(L, n);
+    lua_insert(L, 1);
+    return lua_gettop(L);
+}
+
+static const luaL_Reg host_functions[] = {
+    {"hold_interrupts", l_host_hold_interrupts},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_host(lua_State *L)
+{
+    ml_host_of(L);  /* refuse to load outside the host */
+    luaL_newlib(L, host_functions);
+    return 1;
+}

@@ -1,0 +1,217 @@
+/*
+ * host/bindings/l_io.c - the Lua library `moelua.io`: tables of named tensors to and
+ * from safetensors files (host/runtime/safetensors.c does the format).
+ *
+ *   io.save(path, {["w"] = t, ...} [, {key = "value", ...}])
+ *   local tensors, metadata = io.load(path)
+ *
+ * save takes tensors of any dtype and layout (non-contiguous ones are copied
+ * to contiguous temporaries first) and replaces the file atomically; load
+ * returns CPU tensors of the file's dtypes, allocated through the ledger.
+ * Errors name the function ("moelua.load: ...") and are raised only when
+ * nothing temporary is unowned: copies are Lua userdata, and the open file
+ * is a to-be-closed userdata ("moelua.io.Reader").
+ *
+ * Not here: checkpoint directories, sharded files, device tensors (a CUDA
+ * tensor is refused: copy it to the CPU first), conversion between dtypes.
+ */
+#include "l_tensor.h"
+#include "../runtime/pool.h"
+#include "../runtime/safetensors.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define READER_MT "moelua.io.Reader"
+
+/* The string at idx, which must not contain NUL (C paths and names cannot). */
+static const char *check_cstring(lua_State *L, int idx, const char *fn, const char *what)
+{
+    size_t len;
+    if (lua_type(L, idx) != LUA_TSTRING)
+        ml_error(L, fn, "%s: expected a string, got %s", what, luaL_typename(L, idx));
+    const char *s = lua_tolstring(L, idx, &len);
+    if (strlen(s) != len)
+        ml_error(L, fn, "%s: contains a NUL byte", what);
+    return s;
+}
+
+/* The tensor value at the stack top, named `name` in the table argument. */
+static ml_tensor *check_entry(lua_State *L, const char *fn, const char *name)
+{
+    char what[300];
+    snprintf(what, sizeof what, "argument #2: tensors['%s']", name);
+    ml_tensor *t = ml_checktensor_named(L, -1, fn, what);
+    if (t->st->device != ML_CPU)
+        ml_error(L, fn, "argument #2: tensors['%s']: is on %s; only cpu tensors can be saved "
+                 "(copy it with :to(\"cpu\") first)", name, ml_device_names[t->st->device]);
+    return t;
+}
+
+/* Pairs of strings, compared by their first (the key). */
+static int cmp_key(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Metadata at idx as key/value pointer pairs sorted by key, in a userdata
+ * left on the stack; *n gets the number of pairs. */
+static const char **check_metadata(lua_State *L, int idx, const char *fn, size_t *n)
+{
+    *n = 0;
+    if (lua_isnoneornil(L, idx)) {
+        lua_newuserdatauv(L, 0, 0);
+        return NULL;
+    }
+    if (!lua_istable(L, idx))
+        ml_error(L, fn, "argument #3: expected a table of metadata strings, got %s",
+                 luaL_typename(L, idx));
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        if (lua_type(L, -2) != LUA_TSTRING)
+            ml_error(L, fn, "argument #3: metadata keys must be strings, got %s",
+                     luaL_typename(L, -2));
+        const char *k = check_cstring(L, -2, fn, "argument #3: a metadata key");
+        if (lua_type(L, -1) != LUA_TSTRING)
+            ml_error(L, fn, "argument #3: metadata['%s']: expected a string, got %s", k,
+                     luaL_typename(L, -1));
+        check_cstring(L, -1, fn, "argument #3: a metadata value");
+        lua_pop(L, 1);
+        (*n)++;
+    }
+    const char **kv = lua_newuserdatauv(L, 2 * *n * sizeof *kv, 0);
+    size_t i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        kv[2 * i] = lua_tostring(L, -2);       /* strings of the table: alive for the call */
+        kv[2 * i + 1] = lua_tostring(L, -1);
+        i++;
+        lua_pop(L, 1);
+    }
+    qsort(kv, *n, 2 * sizeof *kv, cmp_key);   /* pairs by key: a deterministic header */
+    return kv;
+}
+
+/* io.save(path, tensors [, metadata]) */
+static int l_io_save(lua_State *L)
+{
+    static const char fn[] = "moelua.save";
+    const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
+    if (!lua_istable(L, 2) || ml_testtensor(L, 2))
+        ml_error(L, fn, "argument #2: expected a table of name = tensor, got %s",
+                 ml_testtensor(L, 2) ? "a tensor" : luaL_typename(L, 2));
+    lua_settop(L, 3);
+
+    size_t n = 0, nmeta;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        if (lua_type(L, -2) != LUA_TSTRING)
+            ml_error(L, fn, "argument #2: tensor names must be strings, got %s",
+                     luaL_typename(L, -2));
+        const char *name = check_cstring(L, -2, fn, "argument #2: a tensor name");
+        check_entry(L, fn, name);
+        lua_pop(L, 1);
+        n++;
+    }
+    const char **meta = check_metadata(L, 3, fn, &nmeta);        /* slot 4 */
+    ml_st_tensor *ts = lua_newuserdatauv(L, n * sizeof *ts, 0);   /* slot 5 */
+    lua_newtable(L);                                              /* slot 6: what ts points into */
+
+    /* A second pass: allocating the copies may run the collector and so a
+     * finalizer that changes the table; every name and tensor ts points to is
+     * anchored in slot 6, and a count that changed is an error. */
+    size_t i = 0;
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+        if (lua_type(L, -2) != LUA_TSTRING || i == n)
+            ml_error(L, fn, "argument #2: the table changed while saving (a finalizer?)");
+        const char *name = lua_tostring(L, -2);
+        ml_tensor *t = check_entry(L, fn, name);
+        lua_pushvalue(L, -2);
+        lua_rawseti(L, 6, 2 * (lua_Integer)i + 1);   /* the name */
+        if (!ml_is_contiguous(t)) {
+            ml_tensor *c = ml_newtensor(L, fn, ML_CPU, t->dtype, t->ndim, t->shape);
+            ml_run_copy(L, fn, c, t);
+            lua_replace(L, -2);                       /* the copy replaces the value */
+            t = c;
+        }
+        lua_rawseti(L, 6, 2 * (lua_Integer)i + 2);   /* the tensor (or its copy) */
+        ts[i].name = name;
+        ts[i].dtype = t->dtype;
+        ts[i].ndim = t->ndim;
+        ts[i].shape = t->shape;
+        ts[i].data = ml_numel(t) > 0 ? ml_data(t) : NULL;
+        i++;
+    }
+    if (i != n)
+        ml_error(L, fn, "argument #2: the table changed while saving (a finalizer?)");
+
+    char err[1024];
+    if (ml_st_write(path, ts, i, meta, nmeta, err, sizeof err))
+        ml_error(L, fn, "%s", err);
+    return 0;
+}
+
+/* __gc and __close of a reader: idempotent, never raises. */
+static int l_io_reader_close(lua_State *L)
+{
+    ml_st_file *f = luaL_testudata(L, 1, READER_MT);
+    if (f)
+        ml_st_close(f);
+    return 0;
+}
+
+/* io.load(path) -> tensors, metadata */
+static int l_io_load(lua_State *L)
+{
+    static const char fn[] = "moelua.load";
+    const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
+    char err[1024];
+    lua_settop(L, 1);
+
+    ml_st_file *f = lua_newuserdatauv(L, sizeof *f, 0);          /* slot 2 */
+    ml_st_init(f);                                                /* the safe state first */
+    luaL_setmetatable(L, READER_MT);
+    lua_toclose(L, 2);                                            /* closed by any error below */
+    if (ml_st_open(f, path, err, sizeof err))
+        ml_error(L, fn, "%s", err);
+
+    lua_createtable(L, 0, f->nentries > INT_MAX ? INT_MAX : (int)f->nentries);   /* slot 3 */
+    for (size_t i = 0; i < f->nentries; i++) {
+        const ml_st_entry *e = &f->entries[i];
+        ml_tensor *t = ml_newtensor(L, fn, ML_CPU, e->dtype, e->ndim, e->shape);
+        if (e->end > e->begin && ml_st_read(f, i, ml_data(t), err, sizeof err))
+            ml_error(L, fn, "%s", err);
+        lua_setfield(L, 3, e->name);
+    }
+    lua_createtable(L, 0, f->nmeta > INT_MAX ? INT_MAX : (int)f->nmeta);         /* slot 4 */
+    for (size_t i = 0; i < f->nmeta; i++) {
+        lua_pushstring(L, f->meta[i].value);
+        lua_setfield(L, 4, f->meta[i].key);
+    }
+    ml_st_close(f);
+    return 2;
+}
+
+static const luaL_Reg io_functions[] = {
+    {"save", l_io_save},
+    {"load", l_io_load},
+    {NULL, NULL}
+};
+
+static const luaL_Reg reader_meta[] = {
+    {"__gc", l_io_reader_close},
+    {"__close", l_io_reader_close},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_io(lua_State *L)
+{
+    ml_host_of(L);  /* refuse to load outside the host */
+    luaL_newmetatable(L, READER_MT);
+    luaL_setfuncs(L, reader_meta, 0);
+    lua_pop(L, 1);
+    luaL_newlib(L, io_functions);
+    return 1;
+}

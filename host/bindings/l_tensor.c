@@ -1,0 +1,930 @@
+/*
+ * host/bindings/l_tensor.c - the Lua library `moelua.tensor`: the moelua.Tensor
+ * userdata, creation, views, copies between dtypes and devices, printing.
+ * The math bindings (elementwise, reductions, matmul, ...) are in
+ * host/bindings/l_tensor_math.c and are added to the same method table.
+ *
+ * Conventions: dims and positions given as arguments are 1-based, like Lua
+ * and Torch7 (t:narrow(1, 1, 2) is the first two rows; -1 is the last dim).
+ * Index *data* (topk indices, index_select, gather) is 0-based int64, the
+ * convention shared with kernels, files and Hugging Face.
+ */
+#include "l_tensor.h"
+#include "../runtime/pool.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- storage-level helpers used by both binding files ------------------- */
+
+void ml_run_copy(lua_State *L, const char *fn, ml_tensor *dst, const ml_tensor *src)
+{
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    if (dst->st->device == src->st->device) {
+        const ml_backend *be = ml_backend_of(L, fn, dst->st->device);
+        ml_check_status(L, fn, be->copy(dst->dtype, ml_data(dst), dst->stride, src->dtype,
+                                         ml_data(src), src->stride, src->ndim, src->shape, &ctx));
+        return;
+    }
+    /* Across devices: a contiguous staging copy of src on its own device in
+     * dst's dtype, one byte copy, then a strided copy into dst if needed. */
+    int top = lua_gettop(L);
+    const ml_tensor *s = src;
+    if (!ml_is_contiguous(src) || src->dtype != dst->dtype) {
+        ml_tensor *tmp = ml_newtensor(L, fn, src->st->device, dst->dtype, src->ndim, src->shape);
+        ml_run_copy(L, fn, tmp, src);
+        s = tmp;
+    }
+    ml_tensor *d = dst;
+    if (!ml_is_contiguous(dst))
+        d = ml_newtensor(L, fn, dst->st->device, dst->dtype, dst->ndim, dst->shape);
+    const ml_backend *be = ml_backend_of(L, fn, ML_CUDA);
+    ml_check_status(L, fn, be->memcpy(ml_data(d), d->st->device == ML_CPU, ml_data(s),
+                                      s->st->device == ML_CPU, ml_nbytes(s)));
+    if (d != dst)
+        ml_run_copy(L, fn, dst, d);
+    lua_settop(L, top);
+}
+
+ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
+{
+    ml_tensor *t = ml_checktensor(L, idx, fn);
+    if (ml_is_contiguous(t))
+        return t;
+    ml_tensor *c = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
+    ml_run_copy(L, fn, c, t);
+    lua_replace(L, idx);   /* the copy takes the argument's place and is owned by the stack */
+    return c;
+}
+
+/* ---- creation ------------------------------------------------------------ */
+
+static const char *const CREATE_OPTS[] = {"dtype", "device", NULL};
+
+/* Shape, then an optional options table: (2, 3, opts) or ({2, 3}, opts). */
+static ml_tensor *create(lua_State *L, const char *fn, int idx, int *optidx,
+                         const char *const *allowed)
+{
+    int64_t shape[ML_MAXDIM];
+    int next;
+    int ndim = ml_checkshape(L, idx, fn, shape, &next);
+    *optidx = lua_istable(L, next) ? next : 0;
+    ml_check_opts(L, *optidx, fn, allowed);
+    ml_dtype dt = ml_opt_dtype(L, *optidx, fn, ML_F32);
+    ml_device dev = ml_opt_device(L, *optidx, fn, ML_CPU);
+    return ml_newtensor(L, fn, dev, dt, ndim, shape);
+}
+
+static int fill_new(lua_State *L, const char *fn, double v)
+{
+    int opt;
+    ml_tensor *t = create(L, fn, 1, &opt, CREATE_OPTS);
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    ml_check_status(L, fn, h->backend[t->st->device]->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    return 1;
+}
+
+static int l_tensor_zeros(lua_State *L) { return fill_new(L, "moelua.zeros", 0); }
+static int l_tensor_ones(lua_State *L) { return fill_new(L, "moelua.ones", 1); }
+
+static int l_tensor_empty(lua_State *L)
+{
+    int opt;
+    create(L, "moelua.empty", 1, &opt, CREATE_OPTS);
+    return 1;
+}
+
+static int l_tensor_full(lua_State *L)
+{
+    static const char fn[] = "moelua.full";
+    int64_t shape[ML_MAXDIM];
+    int next;
+    int ndim = ml_checkshape(L, 1, fn, shape, &next);
+    if (lua_type(L, next) != LUA_TNUMBER)
+        ml_error(L, fn, "argument #%d: expected the fill value, got %s", next, luaL_typename(L, next));
+    double v = lua_tonumber(L, next);
+    int opt = lua_istable(L, next + 1) ? next + 1 : 0;
+    ml_check_opts(L, opt, fn, CREATE_OPTS);
+    ml_tensor *t = ml_newtensor(L, fn, ml_opt_device(L, opt, fn, ML_CPU),
+                                ml_opt_dtype(L, opt, fn, ML_F32), ndim, shape);
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    ml_check_status(L, fn, h->backend[t->st->device]->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    return 1;
+}
+
+/* arange(n) | arange(start, stop [, step]), stop exclusive, like Python. */
+static int l_tensor_arange(lua_State *L)
+{
+    static const char fn[] = "moelua.arange";
+    int nnum = 0;
+    while (nnum < 3 && lua_type(L, nnum + 1) == LUA_TNUMBER)
+        nnum++;
+    if (nnum == 0)
+        ml_error(L, fn, "expected arange(n) or arange(start, stop [, step])");
+    double start = 0, stop, step = 1;
+    if (nnum == 1) {
+        stop = lua_tonumber(L, 1);
+    } else {
+        start = lua_tonumber(L, 1);
+        stop = lua_tonumber(L, 2);
+        if (nnum == 3)
+            step = lua_tonumber(L, 3);
+    }
+    if (step == 0 || isnan(step) || isnan(start) || isnan(stop))
+        ml_error(L, fn, "step must be a non-zero number and bounds must not be NaN");
+    double count = ceil((stop - start) / step);
+    if (count < 0)
+        count = 0;
+    if (count > 9.0e15)
+        ml_error(L, fn, "too many elements (%.0f)", count);
+    int opt = lua_istable(L, nnum + 1) ? nnum + 1 : 0;
+    ml_check_opts(L, opt, fn, CREATE_OPTS);
+    int64_t n = (int64_t)count;
+    ml_tensor *t = ml_newtensor(L, fn, ml_opt_device(L, opt, fn, ML_CPU),
+                                ml_opt_dtype(L, opt, fn, ML_F32), 1, &n);
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    ml_check_status(L, fn, h->backend[t->st->device]->arange(t->dtype, ml_data(t), start, step, n, &ctx));
+    return 1;
+}
+
+/* Shape of a nested Lua table, following first elements. */
+static int table_shape(lua_State *L, int idx, const char *fn, int64_t *shape)
+{
+    int ndim = 0;
+    lua_pushvalue(L, idx);
+    while (lua_istable(L, -1)) {
+        if (ndim == ML_MAXDIM)
+            ml_error(L, fn, "nested deeper than %d levels", ML_MAXDIM);
+        shape[ndim++] = (int64_t)luaL_len(L, -1);
+        lua_geti(L, -1, 1);
+        lua_remove(L, -2);
+    }
+    lua_pop(L, 1);
+    return ndim;
+}
+
+static void table_fill(lua_State *L, const char *fn, ml_tensor *t, int level, int64_t *pos)
+{
+    int64_t n = luaL_len(L, -1);
+    if (n != t->shape[level])
+        ml_error(L, fn, "ragged table: %lld elements at depth %d where %lld were expected",
+                 (long long)n, level + 1, (long long)t->shape[level]);
+    for (int64_t i = 1; i <= n; i++) {
+        lua_geti(L, -1, i);
+        if (level + 1 < t->ndim) {
+            if (!lua_istable(L, -1))
+                ml_error(L, fn, "ragged table: expected a table at depth %d, got %s", level + 2,
+                         luaL_typename(L, -1));
+            table_fill(L, fn, t, level + 1, pos);
+        } else {
+            int isnum;
+            double v = lua_tonumberx(L, -1, &isnum);
+            if (!isnum)
+                ml_error(L, fn, "element %lld is %s, not a number", (long long)(*pos + 1),
+                         luaL_typename(L, -1));
+            if (t->dtype == ML_I64 && lua_isinteger(L, -1))   /* exact beyond 2^53 */
+                ((int64_t *)t->st->data)[(*pos)++] = lua_tointeger(L, -1);
+            else
+                ml_store(t->dtype, t->st->data, (size_t)(*pos)++, v);
+        }
+        lua_pop(L, 1);
+    }
+}
+
+/* moelua.tensor(table [, opts]): values from a (nested) Lua table or a number (0-dim). */
+static int l_tensor_tensor(lua_State *L)
+{
+    static const char fn[] = "moelua.tensor";
+    if (!lua_istable(L, 1) && lua_type(L, 1) != LUA_TNUMBER)
+        ml_error(L, fn, "argument #1: expected a table or a number, got %s", luaL_typename(L, 1));
+    ml_check_opts(L, lua_istable(L, 2) ? 2 : 0, fn, CREATE_OPTS);
+    ml_dtype dt = ml_opt_dtype(L, lua_istable(L, 2) ? 2 : 0, fn, ML_F32);
+    ml_device dev = ml_opt_device(L, lua_istable(L, 2) ? 2 : 0, fn, ML_CPU);
+    int64_t shape[ML_MAXDIM];
+    int ndim = lua_istable(L, 1) ? table_shape(L, 1, fn, shape) : 0;
+    ml_tensor *t = ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
+    if (ndim == 0 && dt == ML_I64 && lua_isinteger(L, 1)) {
+        *(int64_t *)t->st->data = lua_tointeger(L, 1);
+    } else if (ndim == 0) {
+        ml_store(dt, t->st->data, 0, lua_tonumber(L, 1));
+    } else {
+        int64_t pos = 0;
+        lua_pushvalue(L, 1);
+        table_fill(L, fn, t, 0, &pos);
+        lua_pop(L, 1);
+    }
+    if (dev != ML_CPU) {
+        ml_tensor *d = ml_newtensor(L, fn, dev, dt, ndim, shape);
+        ml_run_copy(L, fn, d, t);
+    }
+    return 1;
+}
+
+/* ---- random ------------------------------------------------------------ */
+
+static const char *const RAND_OPTS[] = {"dtype", "device", "lo", "hi", "mean", "std", "seed",
+                                        "offset", NULL};
+
+/* A draw uses the host generator (advancing its counter) unless opts give
+ * a seed and/or an offset (seed defaults to the host's, offset to 0), which
+ * address a stream directly and advance nothing. */
+static int draw(lua_State *L, const char *fn, int normal)
+{
+    int opt;
+    ml_tensor *t = create(L, fn, 1, &opt, RAND_OPTS);
+    if (t->dtype != ML_F32 && t->dtype != ML_F64 && t->dtype != ML_BF16 && t->dtype != ML_F16)
+        ml_error(L, fn, "random draws need a float dtype, got %s", ml_dtype_names[t->dtype]);
+    ml_host *h = ml_host_of(L);
+    double a = 0, b = 1;
+    uint64_t seed = h->seed, offset = h->rng_offset;
+    int addressed = 0;   /* {seed=} and/or {offset=}: a fixed place in a stream */
+    if (opt) {
+        const char *ka = normal ? "mean" : "lo", *kb = normal ? "std" : "hi";
+        if (lua_getfield(L, opt, ka) != LUA_TNIL) a = luaL_checknumber(L, -1);
+        if (lua_getfield(L, opt, kb) != LUA_TNIL) b = luaL_checknumber(L, -1);
+        if (lua_getfield(L, opt, "seed") != LUA_TNIL) {
+            seed = (uint64_t)luaL_checkinteger(L, -1);
+            offset = 0;
+            addressed = 1;
+        }
+        if (lua_getfield(L, opt, "offset") != LUA_TNIL) {
+            lua_Integer o = luaL_checkinteger(L, -1);
+            if (o < 0)
+                ml_error(L, fn, "option 'offset' must be >= 0");
+            offset = (uint64_t)o;
+            addressed = 1;
+        }
+        lua_pop(L, 4);
+    }
+    if (normal ? !(b >= 0) : !(a <= b))
+        ml_error(L, fn, normal ? "option 'std' must be >= 0, got %g" : "option 'lo' (%g) must not exceed 'hi'",
+                 normal ? b : a);
+    int64_t n = ml_numel(t);
+    ml_kctx ctx = ml_kctx_of(h);
+    const ml_backend *be = h->backend[t->st->device];
+    ml_check_status(L, fn, (normal ? be->randn : be->rand)(t->dtype, ml_data(t), n, seed, offset,
+                                                            a, b, &ctx));
+    if (!addressed)
+        h->rng_offset += (uint64_t)(n + 3) / 4;
+    return 1;
+}
+
+static int l_tensor_rand(lua_State *L) { return draw(L, "moelua.rand", 0); }
+static int l_tensor_randn(lua_State *L) { return draw(L, "moelua.randn", 1); }
+
+/* moelua.philox4x32_10({c0,c1,c2,c3}, {k0,k1}) -> four u32: the raw block,
+ * for known-answer tests against Random123. */
+static int l_tensor_philox4x32_10(lua_State *L)
+{
+    static const char fn[] = "moelua.philox4x32_10";
+    uint32_t ctr[4], key[2], out[4];
+    luaL_checktype(L, 1, LUA_TTABLE);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    for (int i = 0; i < 6; i++) {
+        lua_geti(L, i < 4 ? 1 : 2, i < 4 ? i + 1 : i - 3);
+        int isint;
+        lua_Integer v = lua_tointegerx(L, -1, &isint);
+        if (!isint || v < 0 || v > 0xffffffffLL)
+            ml_error(L, fn, "%s word %d must be an integer in [0, 2^32)", i < 4 ? "counter" : "key",
+                     i < 4 ? i + 1 : i - 3);
+        if (i < 4) ctr[i] = (uint32_t)v; else key[i - 4] = (uint32_t)v;
+        lua_pop(L, 1);
+    }
+    ml_philox4x32_10(ctr, key, out);
+    for (int i = 0; i < 4; i++)
+        lua_pushinteger(L, out[i]);
+    return 4;
+}
+
+static int l_tensor_manual_seed(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    h->seed = (uint64_t)luaL_checkinteger(L, 1);
+    h->rng_offset = 0;
+    return 0;
+}
+
+/* moelua.rng_state() -> {seed=, offset=}; moelua.rng_state(t) restores it. */
+static int l_tensor_rng_state(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    if (lua_istable(L, 1)) {
+        lua_getfield(L, 1, "seed");
+        lua_getfield(L, 1, "offset");
+        h->seed = (uint64_t)luaL_checkinteger(L, -2);
+        h->rng_offset = (uint64_t)luaL_checkinteger(L, -1);
+        return 0;
+    }
+    lua_createtable(L, 0, 2);
+    lua_pushinteger(L, (lua_Integer)h->seed);
+    lua_setfield(L, -2, "seed");
+    lua_pushinteger(L, (lua_Integer)h->rng_offset);
+    lua_setfield(L, -2, "offset");
+    return 1;
+}
+
+static int l_tensor_threads(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    if (!lua_isnoneornil(L, 1)) {
+        lua_Integer n = luaL_checkinteger(L, 1);
+        if (n < 1 || n > 1024)
+            ml_error(L, "moelua.threads", "thread count must be in 1..1024, got %lld", (long long)n);
+        h->nthreads = (int)n;
+        ml_matmul_set_threads_cpu((int)n);
+    }
+    lua_pushinteger(L, h->nthreads);
+    return 1;
+}
+
+static int l_tensor_cuda_available(lua_State *L)
+{
+    const ml_backend *be = ml_host_of(L)->backend[ML_CUDA];
+    lua_pushboolean(L, be && be->available());
+    return 1;
+}
+
+/* ---- metadata ------------------------------------------------------------ */
+
+static int l_tensor_shape(lua_State *L)
+{
+    ml_tensor *t = ml_checktensor(L, 1, "Tensor:shape");
+    lua_createtable(L, t->ndim, 0);
+    for (int i = 0; i < t->ndim; i++) {
+        lua_pushinteger(L, t->shape[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_tensor_stride(lua_State *L)
+{
+    ml_tensor *t = ml_checktensor(L, 1, "Tensor:stride");
+    lua_createtable(L, t->ndim, 0);
+    for (int i = 0; i < t->ndim; i++) {
+        lua_pushinteger(L, t->stride[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_tensor_size(lua_State *L)
+{
+    ml_tensor *t = ml_checktensor(L, 1, "Tensor:size");
+    if (lua_isnoneornil(L, 2))
+        return l_tensor_shape(L);
+    lua_pushinteger(L, t->shape[ml_checkdim(L, 2, "Tensor:size", t->ndim)]);
+    return 1;
+}
+
+static int l_tensor_dim(lua_State *L)
+{
+    lua_pushinteger(L, ml_checktensor(L, 1, "Tensor:dim")->ndim);
+    return 1;
+}
+
+static int l_tensor_numel(lua_State *L)
+{
+    lua_pushinteger(L, ml_numel(ml_checktensor(L, 1, "Tensor:numel")));
+    return 1;
+}
+
+static int l_tensor_dtype(lua_State *L)
+{
+    lua_pushstring(L, ml_dtype_names[ml_checktensor(L, 1, "Tensor:dtype")->dtype]);
+    return 1;
+}
+
+static int l_tensor_device(lua_State *L)
+{
+    lua_pushstring(L, ml_device_names[ml_checktensor(L, 1, "Tensor:device")->st->device]);
+    return 1;
+}
+
+static int l_tensor_category(lua_State *L)
+{
+    lua_pushstring(L, ml_category_names[ml_checktensor(L, 1, "Tensor:category")->st->cat]);
+    return 1;
+}
+
+static int l_tensor_is_contiguous(lua_State *L)
+{
+    lua_pushboolean(L, ml_is_contiguous(ml_checktensor(L, 1, "Tensor:is_contiguous")));
+    return 1;
+}
+
+/* t:storage_offset(): the view's first element, counted from the start of
+ * its storage (0-based), so a view's place in a flat unit can be found. */
+static int l_tensor_storage_offset(lua_State *L)
+{
+    lua_pushinteger(L, ml_checktensor(L, 1, "Tensor:storage_offset")->offset);
+    return 1;
+}
+
+/* a:same_storage(b): are a and b views of one storage? */
+static int l_tensor_same_storage(lua_State *L)
+{
+    ml_tensor *a = ml_checktensor(L, 1, "Tensor:same_storage");
+    ml_tensor *b = ml_checktensor(L, 2, "Tensor:same_storage");
+    lua_pushboolean(L, a->st == b->st);
+    return 1;
+}
+
+static int l_tensor_is_tensor(lua_State *L)
+{
+    lua_pushboolean(L, ml_testtensor(L, 1) != NULL);
+    return 1;
+}
+
+/* ---- views --------------------------------------------------------------- */
+
+static int l_tensor_narrow(lua_State *L)
+{
+    static const char fn[] = "Tensor:narrow";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    int d = ml_checkdim(L, 2, fn, t->ndim);
+    lua_Integer start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
+    if (start < 1 || len < 0 || start - 1 > t->shape[d] - len)
+        ml_error(L, fn, "range [%lld, %lld] is outside dim %d of size %lld (1-based, inclusive)",
+                 (long long)start, (long long)(start + len - 1), d + 1, (long long)t->shape[d]);
+    int64_t shape[ML_MAXDIM];
+    memcpy(shape, t->shape, sizeof shape);
+    shape[d] = len;
+    ml_pushview(L, t, t->offset + (start - 1) * t->stride[d], t->ndim, shape, t->stride);
+    return 1;
+}
+
+static int l_tensor_select(lua_State *L)
+{
+    static const char fn[] = "Tensor:select";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    int d = ml_checkdim(L, 2, fn, t->ndim);
+    lua_Integer i = luaL_checkinteger(L, 3);
+    if (i < 0)
+        i += t->shape[d] + 1;   /* -1 is the last */
+    if (i < 1 || i > t->shape[d])
+        ml_error(L, fn, "index %lld is outside dim %d of size %lld (1-based, negative from the end)",
+                 (long long)luaL_checkinteger(L, 3), d + 1, (long long)t->shape[d]);
+    int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
+    int nd = 0;
+    for (int k = 0; k < t->ndim; k++) {
+        if (k == d)
+            continue;
+        shape[nd] = t->shape[k];
+        stride[nd++] = t->stride[k];
+    }
+    ml_pushview(L, t, t->offset + (i - 1) * t->stride[d], nd, shape, stride);
+    return 1;
+}
+
+/* A shape for a reshape of n elements; one -1 is inferred. */
+static int reshape_target(lua_State *L, int idx, const char *fn, int64_t n, int64_t *shape)
+{
+    int ndim = 0, infer = -1;
+    int64_t known = 1;
+    if (lua_istable(L, idx)) {
+        ndim = (int)luaL_len(L, idx);
+        if (ndim > ML_MAXDIM)
+            ml_error(L, fn, "%d dims given, at most %d are supported", ndim, ML_MAXDIM);
+        for (int i = 0; i < ndim; i++) {
+            lua_geti(L, idx, i + 1);
+            shape[i] = luaL_checkinteger(L, -1);
+            lua_pop(L, 1);
+        }
+    } else {
+        while (lua_type(L, idx + ndim) == LUA_TNUMBER) {
+            if (ndim == ML_MAXDIM)
+                ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
+            shape[ndim] = luaL_checkinteger(L, idx + ndim);
+            ndim++;
+        }
+    }
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == -1 && infer < 0) {
+            infer = i;
+        } else if (shape[i] < 0) {
+            ml_error(L, fn, "size %lld of dim %d is invalid", (long long)shape[i], i + 1);
+        } else {
+            if (shape[i] && known > INT64_MAX / shape[i])
+                ml_error(L, fn, "shape has too many elements");
+            known *= shape[i];
+        }
+    }
+    if (infer >= 0) {
+        if (known == 0 || n % known)
+            ml_error(L, fn, "cannot infer dim %d: %lld elements do not divide by %lld", infer + 1,
+                     (long long)n, (long long)known);
+        shape[infer] = n / known;
+        known = n;
+    }
+    if (known != n)
+        ml_error(L, fn, "shape has %lld elements, the tensor has %lld", (long long)known, (long long)n);
+    return ndim;
+}
+
+static int l_tensor_view(lua_State *L)
+{
+    static const char fn[] = "Tensor:view";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    if (!ml_is_contiguous(t))
+        ml_error(L, fn, "the tensor is not contiguous (use :reshape or :contiguous)");
+    int64_t shape[ML_MAXDIM];
+    int nd = reshape_target(L, 2, fn, ml_numel(t), shape);
+    ml_tensor *v = ml_pushview(L, t, t->offset, nd, shape, t->stride);
+    ml_set_contiguous_strides(v);
+    return 1;
+}
+
+static int l_tensor_reshape(lua_State *L)
+{
+    static const char fn[] = "Tensor:reshape";
+    ml_tensor *t = ml_contiguous_arg(L, 1, fn);
+    int64_t shape[ML_MAXDIM];
+    int nd = reshape_target(L, 2, fn, ml_numel(t), shape);
+    ml_tensor *v = ml_pushview(L, t, t->offset, nd, shape, t->stride);
+    ml_set_contiguous_strides(v);
+    return 1;
+}
+
+/* flat:view_at(offset, shape): the flat-unit layout's views, `offset`
+ * elements (0-based) into a contiguous tensor. */
+static int l_tensor_view_at(lua_State *L)
+{
+    static const char fn[] = "Tensor:view_at";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    if (!ml_is_contiguous(t))
+        ml_error(L, fn, "the tensor is not contiguous");
+    lua_Integer off = luaL_checkinteger(L, 2);
+    int64_t shape[ML_MAXDIM];
+    int next;
+    int nd = ml_checkshape(L, 3, fn, shape, &next);
+    int64_t n = ml_shape_numel(nd, shape), have = ml_numel(t);
+    if (off < 0 || off > have || n > have - off)
+        ml_error(L, fn, "%lld elements at offset %lld do not fit in %lld", (long long)n,
+                 (long long)off, (long long)have);
+    ml_tensor *v = ml_pushview(L, t, t->offset + off, nd, shape, t->stride);
+    ml_set_contiguous_strides(v);
+    return 1;
+}
+
+static int l_tensor_transpose(lua_State *L)
+{
+    static const char fn[] = "Tensor:transpose";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    int a = ml_checkdim(L, 2, fn, t->ndim), b = ml_checkdim(L, 3, fn, t->ndim);
+    int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
+    memcpy(shape, t->shape, sizeof shape);
+    memcpy(stride, t->stride, sizeof stride);
+    shape[a] = t->shape[b]; shape[b] = t->shape[a];
+    stride[a] = t->stride[b]; stride[b] = t->stride[a];
+    ml_pushview(L, t, t->offset, t->ndim, shape, stride);
+    return 1;
+}
+
+static int l_tensor_t(lua_State *L)
+{
+    ml_tensor *t = ml_checktensor(L, 1, "Tensor:t");
+    if (t->ndim != 2)
+        ml_error(L, "Tensor:t", "expected a 2-dim tensor, got %d dims", t->ndim);
+    lua_settop(L, 1);
+    lua_pushinteger(L, 1);
+    lua_pushinteger(L, 2);
+    return l_tensor_transpose(L);
+}
+
+/* ---- copies ---------------------------------------------------------------- */
+
+static int l_tensor_contiguous(lua_State *L)
+{
+    lua_settop(L, 1);
+    ml_contiguous_arg(L, 1, "Tensor:contiguous");
+    return 1;
+}
+
+static int l_tensor_clone(lua_State *L)
+{
+    static const char fn[] = "Tensor:clone";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *c = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
+    ml_run_copy(L, fn, c, t);
+    return 1;
+}
+
+/* t:to(x): x is a dtype name, a device name, or {dtype=, device=}. Always a copy. */
+static int l_tensor_to(lua_State *L)
+{
+    static const char fn[] = "Tensor:to";
+    static const char *const opts[] = {"dtype", "device", NULL};
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_dtype dt = t->dtype;
+    ml_device dev = t->st->device;
+    if (lua_type(L, 2) == LUA_TSTRING) {
+        const char *s = lua_tostring(L, 2);
+        int v;
+        if ((v = ml_dtype_from_name(s)) >= 0)
+            dt = (ml_dtype)v;
+        else if ((v = ml_device_from_name(s)) >= 0)
+            dev = (ml_device)v;
+        else
+            ml_error(L, fn, "'%s' is neither a dtype (f32, f64, bf16, f16, i32, i64, u8) nor a "
+                     "device (cpu, cuda)", s);
+    } else if (lua_istable(L, 2)) {
+        ml_check_opts(L, 2, fn, opts);
+        dt = ml_opt_dtype(L, 2, fn, dt);
+        dev = ml_opt_device(L, 2, fn, dev);
+    } else {
+        ml_error(L, fn, "argument #2: expected a dtype, a device or an options table, got %s",
+                 luaL_typename(L, 2));
+    }
+    ml_tensor *c = ml_newtensor(L, fn, dev, dt, t->ndim, t->shape);
+    ml_run_copy(L, fn, c, t);
+    return 1;
+}
+
+static void check_same_shape(lua_State *L, const char *fn, const ml_tensor *a, const ml_tensor *b)
+{
+    int same = a->ndim == b->ndim;
+    for (int i = 0; same && i < a->ndim; i++)
+        same = a->shape[i] == b->shape[i];
+    if (!same) {
+        char sa[128], sb[128];
+        ml_format_shape(a, sa, sizeof sa);
+        ml_format_shape(b, sb, sizeof sb);
+        ml_error(L, fn, "shapes %s and %s differ", sa, sb);
+    }
+}
+
+/* dst:copy_(src): same shape; converts dtype, crosses devices. */
+static int l_tensor_copy_(lua_State *L)
+{
+    static const char fn[] = "Tensor:copy_";
+    ml_tensor *dst = ml_checktensor(L, 1, fn), *src = ml_checktensor(L, 2, fn);
+    check_same_shape(L, fn, dst, src);
+    if (dst->st == src->st) {   /* views of one buffer may overlap: go through a copy */
+        ml_tensor *tmp = ml_newtensor(L, fn, src->st->device, src->dtype, src->ndim, src->shape);
+        ml_run_copy(L, fn, tmp, src);
+        src = tmp;
+    }
+    ml_run_copy(L, fn, dst, src);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* t:fill_(v); a strided view is filled by the copy kernel from one value
+ * broadcast with zero strides. */
+static int l_tensor_fill_(lua_State *L)
+{
+    static const char fn[] = "Tensor:fill_";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    double v = luaL_checknumber(L, 2);
+    lua_settop(L, 1);
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    const ml_backend *be = ml_backend_of(L, fn, t->st->device);
+    if (ml_is_contiguous(t)) {
+        ml_check_status(L, fn, be->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+        return 1;
+    }
+    int64_t one = 1;
+    ml_tensor *s = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &one);
+    ml_check_status(L, fn, be->fill(t->dtype, ml_data(s), v, 1, &ctx));
+    static const int64_t zero[ML_MAXDIM];
+    ml_check_status(L, fn, be->copy(t->dtype, ml_data(t), t->stride, t->dtype, ml_data(s), zero,
+                                    t->ndim, t->shape, &ctx));
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int l_tensor_zero_(lua_State *L)
+{
+    lua_settop(L, 1);
+    lua_pushinteger(L, 0);
+    return l_tensor_fill_(L);
+}
+
+/* A CPU, contiguous version of t on the stack top (t itself when it is one). */
+static ml_tensor *host_copy(lua_State *L, int idx, const char *fn)
+{
+    ml_tensor *t = ml_checktensor(L, idx, fn);
+    if (t->st->device == ML_CPU && ml_is_contiguous(t)) {
+        lua_pushvalue(L, idx);
+        return t;
+    }
+    ml_tensor *c = ml_newtensor(L, fn, ML_CPU, t->dtype, t->ndim, t->shape);
+    ml_run_copy(L, fn, c, t);
+    return c;
+}
+
+static void push_element(lua_State *L, const ml_tensor *t, size_t i)
+{
+    if (t->dtype == ML_I64)
+        lua_pushinteger(L, ((const int64_t *)ml_data(t))[i]);
+    else if (t->dtype == ML_I32 || t->dtype == ML_U8)
+        lua_pushinteger(L, (lua_Integer)ml_load(t->dtype, ml_data(t), i));
+    else
+        lua_pushnumber(L, ml_load(t->dtype, ml_data(t), i));
+}
+
+static void totable_rec(lua_State *L, const ml_tensor *t, int level, size_t *pos)
+{
+    lua_createtable(L, (int)t->shape[level], 0);
+    for (int64_t i = 0; i < t->shape[level]; i++) {
+        if (level + 1 < t->ndim)
+            totable_rec(L, t, level + 1, pos);
+        else
+            push_element(L, t, (*pos)++);
+        lua_rawseti(L, -2, i + 1);
+    }
+}
+
+static int l_tensor_totable(lua_State *L)
+{
+    static const char fn[] = "Tensor:totable";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    /* Lua tables made: one per index of every leading dim (shape [2^40, 0]
+     * has no elements but would make 2^40 tables) plus the elements. */
+    int64_t tables = 0, lead = 1, limit = (int64_t)1 << 26;
+    for (int d = 0; d < t->ndim && tables <= limit; d++) {
+        if (t->shape[d] > INT32_MAX)
+            ml_error(L, fn, "dim %d has %lld entries, too many for a Lua table", d + 1,
+                     (long long)t->shape[d]);
+        tables += lead;
+        lead = lead > limit / (t->shape[d] ? t->shape[d] : 1) ? limit + 1 : lead * t->shape[d];
+    }
+    if (tables > limit || ml_numel(t) > limit)
+        ml_error(L, fn, "shape is too large for Lua tables (at most %lld tables and elements)",
+                 (long long)limit);
+    t = host_copy(L, 1, fn);
+    size_t pos = 0;
+    if (t->ndim == 0)
+        push_element(L, t, 0);
+    else
+        totable_rec(L, t, 0, &pos);
+    return 1;
+}
+
+static int l_tensor_item(lua_State *L)
+{
+    static const char fn[] = "Tensor:item";
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    if (ml_numel(t) != 1)
+        ml_error(L, fn, "expected a tensor with one element, got %lld", (long long)ml_numel(t));
+    t = host_copy(L, 1, fn);
+    push_element(L, t, 0);
+    return 1;
+}
+
+/* ---- lifetime ---------------------------------------------------------------- */
+
+/* __gc, __close and :free() share this: idempotent, never raises. */
+static int l_tensor_release(lua_State *L)
+{
+    ml_tensor *t = ml_testtensor(L, 1);
+    if (t && t->st) {
+        ml_storage_release(t->st);
+        t->st = NULL;
+    }
+    return 0;
+}
+
+/* ---- printing --------------------------------------------------------------- */
+
+/* Metadata, up to 6 leading values and, for contiguous float tensors,
+ * min/mean/max. Only those few numbers leave a device (the statistics are
+ * reduced where the tensor lives) and nothing is copied whole. The text is
+ * built in a C buffer, since the temporaries below use the Lua stack. */
+static int l_tensor_tostring(lua_State *L)
+{
+    static const char fn[] = "Tensor:__tostring";
+    ml_tensor *t = ml_testtensor(L, 1);
+    if (!t)
+        return luaL_error(L, "%s: expected a tensor", fn);
+    if (!t->st) {
+        lua_pushliteral(L, "tensor(freed)");
+        return 1;
+    }
+    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id)) {
+        lua_pushliteral(L, "tensor(stale pool view)");
+        return 1;
+    }
+    char shape[160], text[512];
+    ml_format_shape(t, shape, sizeof shape);
+    size_t at = (size_t)snprintf(text, sizeof text, "tensor(%s, %s, %s", shape,
+                                 ml_dtype_names[t->dtype], ml_device_names[t->st->device]);
+    int64_t n = ml_numel(t);
+    if (n > 0) {
+        lua_settop(L, 1);
+        /* up to 6 leading values, never a copy of the whole: in storage order
+         * when contiguous, else from the first row (strided) */
+        int contig = ml_is_contiguous(t);
+        ml_tensor head = *t;
+        int64_t run = contig ? n : t->ndim ? t->shape[t->ndim - 1] : 1;
+        int64_t shown = run < 6 ? run : 6;
+        head.ndim = 1;
+        head.shape[0] = shown;
+        head.stride[0] = contig || !t->ndim ? 1 : t->stride[t->ndim - 1];
+        ml_tensor *vals = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &shown);
+        ml_run_copy(L, fn, vals, &head);
+        at += (size_t)snprintf(text + at, sizeof text - at, ", {");
+        for (int64_t i = 0; i < shown && at < sizeof text; i++)
+            at += (size_t)snprintf(text + at, sizeof text - at, "%s%.6g", i ? ", " : "",
+                                   ((double *)vals->st->data)[i]);
+        if (at < sizeof text)
+            at += (size_t)snprintf(text + at, sizeof text - at, n > shown ? ", ...}" : "}");
+        /* statistics where they cost no copy: contiguous float tensors */
+        if ((t->dtype == ML_F32 || t->dtype == ML_F64) && contig && at < sizeof text) {
+            const ml_backend *be = ml_backend_of(L, fn, t->st->device);
+            ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+            int64_t three = 3;
+            ml_tensor *st = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &three);
+            size_t esz = ml_dtype_size(t->dtype);
+            static const ml_redop ops[3] = {ML_RMIN, ML_RMEAN, ML_RMAX};
+            for (int i = 0; i < 3; i++)
+                ml_check_status(L, fn, be->reduce_all(ops[i], t->dtype, (char *)ml_data(st) + i * esz,
+                                                      NULL, ml_data(t), n, &ctx));
+            ml_tensor *hs = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &three);
+            ml_run_copy(L, fn, hs, st);
+            const double *v = hs->st->data;
+            at += (size_t)snprintf(text + at, sizeof text - at, ", min %.6g mean %.6g max %.6g",
+                                   v[0], v[1], v[2]);
+        }
+    }
+    if (at < sizeof text)
+        snprintf(text + at, sizeof text - at, ")");
+    lua_pushstring(L, text);
+    return 1;
+}
+
+static const luaL_Reg tensor_functions[] = {
+    {"zeros", l_tensor_zeros},
+    {"ones", l_tensor_ones},
+    {"empty", l_tensor_empty},
+    {"full", l_tensor_full},
+    {"arange", l_tensor_arange},
+    {"tensor", l_tensor_tensor},
+    {"rand", l_tensor_rand},
+    {"randn", l_tensor_randn},
+    {"manual_seed", l_tensor_manual_seed},
+    {"philox4x32_10", l_tensor_philox4x32_10},
+    {"rng_state", l_tensor_rng_state},
+    {"threads", l_tensor_threads},
+    {"cuda_available", l_tensor_cuda_available},
+    {"is_tensor", l_tensor_is_tensor},
+    {NULL, NULL}
+};
+
+static const luaL_Reg tensor_methods[] = {
+    {"shape", l_tensor_shape},
+    {"size", l_tensor_size},
+    {"stride", l_tensor_stride},
+    {"dim", l_tensor_dim},
+    {"numel", l_tensor_numel},
+    {"dtype", l_tensor_dtype},
+    {"device", l_tensor_device},
+    {"category", l_tensor_category},
+    {"is_contiguous", l_tensor_is_contiguous},
+    {"storage_offset", l_tensor_storage_offset},
+    {"same_storage", l_tensor_same_storage},
+    {"narrow", l_tensor_narrow},
+    {"select", l_tensor_select},
+    {"view", l_tensor_view},
+    {"reshape", l_tensor_reshape},
+    {"view_at", l_tensor_view_at},
+    {"transpose", l_tensor_transpose},
+    {"t", l_tensor_t},
+    {"contiguous", l_tensor_contiguous},
+    {"clone", l_tensor_clone},
+    {"to", l_tensor_to},
+    {"copy_", l_tensor_copy_},
+    {"fill_", l_tensor_fill_},
+    {"zero_", l_tensor_zero_},
+    {"totable", l_tensor_totable},
+    {"item", l_tensor_item},
+    {"free", l_tensor_release},
+    {NULL, NULL}
+};
+
+static const luaL_Reg tensor_meta[] = {
+    {"__gc", l_tensor_release},
+    {"__close", l_tensor_release},
+    {"__tostring", l_tensor_tostring},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_tensor(lua_State *L)
+{
+    ml_host_of(L);  /* refuse to load outside the host */
+    luaL_newlib(L, tensor_functions);
+    luaL_newmetatable(L, ML_TENSOR_MT);
+    luaL_setfuncs(L, tensor_meta, 0);
+    luaL_newlib(L, tensor_methods);
+    ml_tensor_math_register(L);       /* math methods + functions (l_tensor_math.c) */
+    lua_setfield(L, -2, "__index");
+    lua_pop(L, 1);
+    return 1;
+}

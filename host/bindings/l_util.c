@@ -1,0 +1,520 @@
+/*
+ * host/bindings/l_util.c - shared binding helpers: the host in the registry, tensor
+ * argument checks, ledger-backed tensor creation and error reporting.
+ */
+#include "l_util.h"
+#include "../runtime/pool.h"
+#ifdef ML_WITH_CUDA
+#include "../runtime/backend_cuda.h"
+#endif
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static const char HOST_KEY[] = "moelua.host";
+
+void ml_host_register(lua_State *L, ml_host *h)
+{
+    lua_pushlightuserdata(L, h);
+    lua_setfield(L, LUA_REGISTRYINDEX, HOST_KEY);
+}
+
+ml_host *ml_host_of(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, HOST_KEY);
+    ml_host *h = lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    if (!h)
+        luaL_error(L, "moelua: the moelua C libraries run only inside the moelua host");
+    return h;
+}
+
+int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    luaL_where(L, 1);
+    lua_pushfstring(L, "%s: %s", fn, msg);
+    lua_concat(L, 2);
+    lua_error(L);
+    for (;;) {}  /* lua_error does not return */
+}
+
+int ml_user_error(lua_State *L, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "moelua.errors");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "user");
+    luaL_where(L, 1);
+    lua_pushstring(L, msg);
+    lua_concat(L, 2);
+    lua_call(L, 1, 0);
+    luaL_error(L, "%s", msg);   /* moelua.errors.user returned: raise the message anyway */
+    for (;;) {}
+}
+
+/* The registry field holding the text of the last interrupt error raised. */
+static const char INTERRUPT_KEY[] = "moelua.interrupt_message";
+
+int ml_interrupt_error(lua_State *L, const char *fn)
+{
+    luaL_where(L, 1);
+    if (fn)
+        lua_pushfstring(L, "%s: interrupted", fn);
+    else
+        lua_pushliteral(L, "interrupted!");
+    lua_concat(L, 2);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, INTERRUPT_KEY);
+    lua_error(L);
+    for (;;) {}
+}
+
+int ml_is_interrupt_error(lua_State *L, int idx)
+{
+    idx = lua_absindex(L, idx);
+    if (lua_type(L, idx) != LUA_TSTRING)
+        return 0;
+    lua_getfield(L, LUA_REGISTRYINDEX, INTERRUPT_KEY);
+    int is = lua_rawequal(L, idx, -1);
+    lua_pop(L, 1);
+    return is;
+}
+
+ml_tensor *ml_testtensor(lua_State *L, int idx)
+{
+    return luaL_testudata(L, idx, ML_TENSOR_MT);
+}
+
+ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what)
+{
+    ml_tensor *t = ml_testtensor(L, idx);
+    if (!t)
+        ml_error(L, fn, "%s: expected a tensor, got %s", what, luaL_typename(L, idx));
+    if (!t->st)
+        ml_error(L, fn, "%s: the tensor was freed", what);
+    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
+        ml_error(L, fn, "%s: stale pool view (its frame was rewound)", what);
+    return t;
+}
+
+ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
+{
+    char what[32];
+    snprintf(what, sizeof what, "argument #%d", idx);
+    return ml_checktensor_named(L, idx, fn, what);
+}
+
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf, len, "[");
+    for (int i = 0; i < ndim && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
+    if (at < len)
+        snprintf(buf + at, len - at, "]");
+}
+
+void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
+                       int ndim, const int64_t *dims)
+{
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++)
+        ok = t->shape[i] == dims[i];
+    if (ok)
+        return;
+    char have[96], want[128];
+    ml_format_dims(t->ndim, t->shape, have, sizeof have);
+    ml_format_dims(ndim, dims, want, sizeof want);
+    size_t n = strlen(what);
+    if (n && what[n - 1] == ':')
+        ml_error(L, fn, "%s expected shape %s, got %s", what, want, have);
+    ml_error(L, fn, "%s is %s but must be %s", what, have, want);
+}
+
+ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt)
+{
+    ml_tensor *t = ml_checktensor(L, idx, fn);
+    if (dt >= 0 && t->dtype != (ml_dtype)dt)
+        ml_error(L, fn, "argument #%d: expected dtype %s, got %s", idx, ml_dtype_names[dt],
+                 ml_dtype_names[t->dtype]);
+    if (!ml_is_contiguous(t))
+        ml_error(L, fn, "argument #%d: expected a contiguous tensor (call :contiguous())", idx);
+    return t;
+}
+
+ml_tensor *ml_pushtensor(lua_State *L)
+{
+    ml_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
+    memset(t, 0, sizeof *t);
+    luaL_setmetatable(L, ML_TENSOR_MT);
+    return t;
+}
+
+ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
+                       const int64_t *shape, const int64_t *stride)
+{
+    ml_tensor *t = ml_pushtensor(L);
+    t->offset = offset;
+    t->ndim = ndim;
+    t->dtype = src->dtype;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    memcpy(t->stride, stride, (size_t)ndim * sizeof *stride);
+    t->st = src->st;
+    ml_storage_retain(t->st);
+    return t;
+}
+
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
+{
+    char buf[2048];
+    size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
+    size_t total = h->ledger[dev]->total;
+    ml_ledger_format(h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU && !h->planning, buf,
+                     sizeof buf);
+    lua_pushstring(L, buf);
+}
+
+const char *ml_unavailable_reason(const ml_host *h, ml_device dev)
+{
+    if (!h->backend[dev])
+        return "built without it: make CUDA=1";
+#ifdef ML_WITH_CUDA
+    if (dev == ML_CUDA && ml_cuda_unavailable_reason()[0])
+        return ml_cuda_unavailable_reason();
+#endif
+    return "no device present";
+}
+
+void ml_reclaim(lua_State *L, ml_host *h, ml_device dev)
+{
+#ifdef ML_WITH_CUDA
+    if (dev == ML_CUDA)
+        ml_cuda_empty_cache(&h->books[ML_CUDA]);
+#else
+    (void)h; (void)dev;
+#endif
+    lua_gc(L, LUA_GCCOLLECT);
+}
+
+ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
+                        int ndim, const int64_t *shape)
+{
+    ml_host *h = ml_host_of(L);
+    int64_t n = ml_shape_numel(ndim, shape);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
+        ml_error(L, fn, "shape has a negative size or too many elements");
+    size_t nbytes = (size_t)n * ml_dtype_size(dt);
+    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first: an error below leaks nothing */
+    ml_storage *st = NULL;
+    ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
+    if (s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) {
+        ml_reclaim(L, h, dev);
+        s = ml_storage_new(h, dev, nbytes, &st);
+    }
+    if (s != ML_ALLOC_OK) {
+        char want[32], limit[32];
+        ml_format_bytes(nbytes, want, sizeof want);
+        const ml_ledger *lg = h->ledger[dev];
+        const char *cat = ml_category_names[h->category];
+        if (s == ML_ALLOC_NODEVICE)
+            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], ml_unavailable_reason(h, dev));
+        if (s == ML_ALLOC_OVER_TOTAL)
+            ml_format_bytes(lg->budget_total, limit, sizeof limit);
+        else
+            ml_format_bytes(lg->budget[h->category], limit, sizeof limit);
+        luaL_where(L, 1);
+        if (s == ML_ALLOC_NOMEM)
+            lua_pushfstring(L, "%s: out of memory allocating %s (%s) on %s\n", fn, want, cat,
+                            ml_device_names[dev]);
+        else
+            lua_pushfstring(L, "%s: allocating %s (%s) on %s would exceed the %s budget of %s\n",
+                            fn, want, cat, ml_device_names[dev],
+                            s == ML_ALLOC_OVER_TOTAL ? "total" : cat, limit);
+        ml_push_ledger_report(L, h, dev);
+        lua_concat(L, 3);
+        lua_error(L);
+    }
+    t->st = st;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    ml_set_contiguous_strides(t);
+    /* The collector sees a small userdata, not the bytes behind it: tell it
+     * (in KiB) so garbage tensors are collected at the pace they are made,
+     * as Torch7's heap tracking did. */
+    if (nbytes >= ((size_t)64 << 10))
+        lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
+    return t;
+}
+
+ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                     int ndim, const int64_t *shape)
+{
+    if (pool_idx)
+        return ml_pool_pushtensor(L, fn, pool_idx, dt, ndim, shape);
+    return ml_newtensor(L, fn, dev, dt, ndim, shape);
+}
+
+ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                       int ndim, const int64_t *shape)
+{
+    const ml_backend *be = ml_backend_of(L, fn, dev);
+    ml_tensor *t = ml_newbuf(L, fn, dev, pool_idx, dt, ndim, shape);
+    int64_t n = ml_shape_numel(ndim, shape);
+    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+    ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    if (n > 0)
+        ml_check_status(L, fn, be->fill(dt, ml_data(t), 0.0, n, &ctx));
+    return t;
+}
+
+void ml_setfield_int(lua_State *L, const char *key, lua_Integer v)
+{
+    lua_pushinteger(L, v);
+    lua_setfield(L, -2, key);
+}
+
+/* One Ctrl-C is one error: consume the flag and the main thread's hook, so
+ * a script that catches "interrupted" computes again. */
+static void consume_interrupt(lua_State *L)
+{
+    *ml_host_of(L)->interrupt = 0;
+    lua_rawgeti(L, LUA_REGISTRYINDEX, LUA_RIDX_MAINTHREAD);
+    lua_sethook(lua_tothread(L, -1), NULL, 0, 0);
+    lua_pop(L, 1);
+}
+
+void ml_check_status(lua_State *L, const char *fn, ml_status s)
+{
+    switch (s) {
+    case ML_OK:             return;
+    case ML_EINTERRUPTED:   consume_interrupt(L); ml_interrupt_error(L, fn);
+    case ML_ENAN:           ml_error(L, fn, "NaN in the input");
+    case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
+#ifdef ML_WITH_CUDA
+    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error: %s", ml_cuda_last_error());
+#else
+    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error");
+#endif
+    }
+    ml_error(L, fn, "unknown status %d", (int)s);
+}
+
+ml_kctx ml_kctx_of(ml_host *h)
+{
+    ml_kctx c = {h->nthreads, h->interrupt, NULL};
+    return c;
+}
+
+const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev)
+{
+    const ml_backend *be = ml_host_of(L)->backend[dev];
+    if (!be)
+        ml_error(L, fn, "device %s is not built in (make CUDA=1)", ml_device_names[dev]);
+    return be;
+}
+
+static int find_name(const char *s, const char *const *names, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (strcmp(s, names[i]) == 0)
+            return i;
+    return -1;
+}
+
+int ml_dtype_from_name(const char *s) { return find_name(s, ml_dtype_names, ML_NDTYPES); }
+int ml_device_from_name(const char *s) { return find_name(s, ml_device_names, ML_NDEVICES); }
+int ml_category_from_name(const char *s) { return find_name(s, ml_category_names, ML_NCAT); }
+
+/* opts[key] as an index into names[n]; def when the key is absent. */
+static int opt_name(lua_State *L, int idx, const char *fn, const char *key,
+                    const char *const *names, int n, int def, const char *choices)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return def;
+    lua_getfield(L, idx, key);
+    if (lua_isnil(L, -1)) {
+        lua_pop(L, 1);
+        return def;
+    }
+    const char *s = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+    int v = s ? find_name(s, names, n) : -1;
+    if (v < 0)
+        ml_error(L, fn, "option '%s': unknown %s '%s' (%s)", key, key, s ? s : luaL_typename(L, -1),
+                 choices);
+    lua_pop(L, 1);
+    return v;
+}
+
+ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def)
+{
+    return (ml_dtype)opt_name(L, idx, fn, "dtype", ml_dtype_names, ML_NDTYPES, def,
+                              "f32, f64, bf16, f16, i32, i64, u8");
+}
+
+ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def)
+{
+    return (ml_device)opt_name(L, idx, fn, "device", ml_device_names, ML_NDEVICES, def, "cpu, cuda");
+}
+
+void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return;
+    if (!lua_istable(L, idx))
+        ml_error(L, fn, "options must be a table, got %s", luaL_typename(L, idx));
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        lua_pop(L, 1);
+        const char *k = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+        int ok = 0;
+        for (const char *const *a = allowed; k && *a; a++)
+            ok |= strcmp(k, *a) == 0;
+        if (!ok) {
+            luaL_Buffer b;
+            luaL_buffinit(L, &b);
+            for (const char *const *a = allowed; *a; a++) {
+                luaL_addstring(&b, a == allowed ? "" : ", ");
+                luaL_addstring(&b, *a);
+            }
+            luaL_pushresult(&b);
+            ml_error(L, fn, "unknown option '%s' (expected one of: %s)",
+                     k ? k : luaL_typename(L, -2), lua_tostring(L, -1));
+        }
+    }
+}
+
+/* Push opts[key] of the table at idx; 0 (nothing pushed) when idx is 0 or
+ * none, or the key is absent. */
+static int opt_field(lua_State *L, int idx, const char *key)
+{
+    if (idx == 0 || lua_isnoneornil(L, idx))
+        return 0;
+    if (lua_getfield(L, idx, key) != LUA_TNIL)
+        return 1;
+    lua_pop(L, 1);
+    return 0;
+}
+
+int64_t ml_opt_integer(lua_State *L, int idx, const char *fn, const char *key, int64_t def,
+                       int64_t lo, int64_t hi)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, -1, &isint);
+    if (!isint || lua_type(L, -1) != LUA_TNUMBER)
+        ml_error(L, fn, "option '%s' must be an integer, got %s", key,
+                 lua_type(L, -1) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, -1));
+    if ((v < lo || v > hi) && lo != INT64_MIN && hi != INT64_MAX)
+        ml_error(L, fn, "option '%s' must be in [%lld, %lld], got %lld", key, (long long)lo,
+                 (long long)hi, (long long)v);
+    if (v < lo)
+        ml_error(L, fn, "option '%s' must be >= %lld, got %lld", key, (long long)lo, (long long)v);
+    if (v > hi)
+        ml_error(L, fn, "option '%s' must be <= %lld, got %lld", key, (long long)hi, (long long)v);
+    lua_pop(L, 1);
+    return v;
+}
+
+double ml_opt_number(lua_State *L, int idx, const char *fn, const char *key, double def)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    if (lua_type(L, -1) != LUA_TNUMBER)
+        ml_error(L, fn, "option '%s' must be a number, got %s", key, luaL_typename(L, -1));
+    double v = lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    if (!isfinite(v))
+        ml_error(L, fn, "option '%s' must be finite, got %g", key, v);
+    return v;
+}
+
+int ml_opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def)
+{
+    if (!opt_field(L, idx, key))
+        return def;
+    if (lua_type(L, -1) != LUA_TBOOLEAN)
+        ml_error(L, fn, "option '%s' must be a boolean, got %s", key, luaL_typename(L, -1));
+    int v = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return v;
+}
+
+static int64_t check_size(lua_State *L, int idx, const char *fn, int dim)
+{
+    int isint = 0;
+    lua_Integer v = lua_tointegerx(L, idx, &isint);
+    if (!isint)
+        ml_error(L, fn, "size of dim %d must be an integer, got %s", dim + 1,
+                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
+    if (v < 0)
+        ml_error(L, fn, "size of dim %d is negative (%lld)", dim + 1, (long long)v);
+    return v;
+}
+
+int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next)
+{
+    int ndim = 0;
+    if (lua_istable(L, idx) && !ml_testtensor(L, idx)) {
+        ndim = (int)luaL_len(L, idx);
+        if (ndim > ML_MAXDIM)
+            ml_error(L, fn, "%d dims given, at most %d are supported", ndim, ML_MAXDIM);
+        for (int i = 0; i < ndim; i++) {
+            lua_geti(L, idx, i + 1);
+            shape[i] = check_size(L, -1, fn, i);
+            lua_pop(L, 1);
+        }
+        *next = idx + 1;
+    } else {
+        int top = lua_gettop(L);
+        while (idx + ndim <= top && lua_type(L, idx + ndim) == LUA_TNUMBER) {
+            if (ndim == ML_MAXDIM)
+                ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
+            shape[ndim] = check_size(L, idx + ndim, fn, ndim);
+            ndim++;
+        }
+        if (ndim == 0 && idx <= top && !lua_istable(L, idx))
+            ml_error(L, fn, "argument #%d: expected a shape (table or integers), got %s", idx,
+                     luaL_typename(L, idx));
+        *next = idx + ndim;
+    }
+    if (ml_shape_numel(ndim, shape) < 0)
+        ml_error(L, fn, "shape has too many elements");
+    return ndim;
+}
+
+int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
+{
+    lua_Integer d = luaL_checkinteger(L, idx);
+    if (d < 0)
+        d += ndim + 1;
+    if (d < 1 || d > ndim)
+        ml_error(L, fn, "dim %lld out of range for a %d-dim tensor (dims are 1-based)",
+                 (long long)luaL_checkinteger(L, idx), ndim);
+    return (int)d - 1;
+}
+
+int ml_overlaps(const ml_tensor *a, const ml_tensor *b)
+{
+    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
+        return 0;
+    int64_t ae = a->offset, be = b->offset;
+    for (int i = 0; i < a->ndim; i++)
+        ae += (a->shape[i] - 1) * a->stride[i];
+    for (int i = 0; i < b->ndim; i++)
+        be += (b->shape[i] - 1) * b->stride[i];
+    return a->offset <= be && b->offset <= ae;
+}

@@ -1,0 +1,146 @@
+/*
+ * host/bindings/l_util.h - what every binding file shares: reaching the host from a
+ * Lua state, checking tensor arguments, creating tensors through the ledger
+ * (with the collect-and-retry rule), and turning statuses into Lua errors
+ * that name the function.
+ */
+#ifndef ML_L_UTIL_H
+#define ML_L_UTIL_H
+
+#include <lauxlib.h>
+#include <lua.h>
+
+#include "../runtime/backend.h"
+#include "../runtime/tensor.h"
+
+#define ML_TENSOR_MT "moelua.Tensor"
+#define ML_POOL_MT "moelua.Pool"
+
+ml_host *ml_host_of(lua_State *L);
+void ml_host_register(lua_State *L, ml_host *h);
+
+/* "fn: message" as a Lua error (never returns). */
+int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4), noreturn));
+/* The message, prefixed with the caller's position, as a moelua.errors
+ * user error (printed without a traceback; the caller names the function
+ * in fmt). For what the user asked wrongly, not for bugs. */
+int ml_user_error(lua_State *L, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3), noreturn));
+/* Raise the interrupt error: "<position>fn: interrupted", or the hook's
+ * "<position>interrupted!" when fn is NULL. It stays a plain string
+ * (scripts match on it); the host remembers its exact text, so that
+ * ml_is_interrupt_error tells it apart from a bug's error. */
+int ml_interrupt_error(lua_State *L, const char *fn) __attribute__((noreturn));
+int ml_is_interrupt_error(lua_State *L, int idx);
+
+/* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
+ * rewound pool frame; otherwise an error naming fn and the argument. */
+ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn);
+/* The same checks for any value: `what` names it in errors ("option 'bias'",
+ * "grads.dx", "argument #2 (x)"): "fn: what: the tensor was freed". */
+ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what);
+ml_tensor *ml_testtensor(lua_State *L, int idx);
+/* Additionally: contiguous, and of dtype dt (dt < 0: any). */
+ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
+
+/* Do the element ranges two views may touch intersect? (Same storage only;
+ * bounds from offset and strides, so two interleaved views count as one.) */
+int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
+
+/* dims as "[2,3]" (ml_format_shape's form), truncated to len. */
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
+/* t must be [dims...] (ndim of them), else an error in one of two wordings:
+ * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
+ * "what: expected shape [4], got [5]". */
+void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
+                       int ndim, const int64_t *dims);
+
+/* A new tensor userdata pushed in the freed (safe) state; the caller fills it. */
+ml_tensor *ml_pushtensor(lua_State *L);
+/* Push a view sharing src's storage with the given geometry. */
+ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
+                       const int64_t *shape, const int64_t *stride);
+/* Push a new contiguous tensor of the given shape, allocated through the
+ * ledger. Over budget: collect garbage once, retry, then raise an error
+ * that contains the ledger table. */
+ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
+                        int ndim, const int64_t *shape);
+/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
+ * stack index pool_idx (0: none; contents undefined) or else a ledger
+ * tensor (ml_newtensor). ml_newzeros also fills it with zeros. */
+ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                     int ndim, const int64_t *shape);
+ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
+                       int ndim, const int64_t *shape);
+/* t[key] = v for the table on the stack top. */
+void ml_setfield_int(lua_State *L, const char *key, lua_Integer v);
+/* Push the device's account book as text (with the untracked remainder on
+ * CPU), for errors that report a refused allocation. */
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
+/* Before retrying a refused allocation: return the device allocator's
+ * cached blocks (CUDA) and collect garbage once. May run finalizers. */
+void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
+/* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
+const char *ml_unavailable_reason(const ml_host *h, ml_device dev);
+
+/* The open pool of the moelua.Pool at idx (host/bindings/l_pool.c), for bindings
+ * that take scratch from a pool through host/runtime/pool.h directly; an error
+ * naming fn and `what` when it is not a pool or is closed. */
+struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
+/* Push a new contiguous tensor that is a view into the pool at pool_idx
+ * (category `pool`); growth refused by the ledger is an error with the
+ * ledger table, as for ml_newtensor. */
+ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
+                              const int64_t *shape);
+
+/* Scratch for one kernel call: a slot of the pool at pool_idx (0: none),
+ * with the reclaim-and-retry of pool growth, or else a ledger tensor (with
+ * the collect-and-retry of ml_newtensor). Pushes one value (the ledger
+ * tensor, or nil with a pool); `what` names the scratch in errors ("the
+ * router scratch"). release gives the memory back at once (rewinds the pool
+ * to its depth before the slot, or frees the tensor's storage); it never
+ * raises and never calls Lua, so it runs before a kernel status is raised. */
+typedef struct {
+    ml_tensor *t;           /* without a pool: the tensor holding the scratch */
+    struct ml_pool *pool;   /* with one: the pool, and its depth before the slot */
+    size_t mark;
+} ml_pool_scratch;
+void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
+                              int pool_idx, size_t nbytes, ml_pool_scratch *s);
+void ml_pool_scratch_release(ml_pool_scratch *s);
+
+/* Raise for a non-OK kernel status. */
+void ml_check_status(lua_State *L, const char *fn, ml_status s);
+/* A kernel called directly rather than through the backend table, skipped
+ * inside moelua.mem.plan (where the plan backend skips the table's kernels):
+ * st = ML_KERNEL(L, ml_rope_forward_cpu(...)). */
+#define ML_KERNEL(L, call) (ml_host_of(L)->planning ? ML_OK : (call))
+ml_kctx ml_kctx_of(ml_host *h);
+const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev);
+
+/* Names -> enums; -1 when unknown. */
+int ml_dtype_from_name(const char *s);
+int ml_device_from_name(const char *s);
+int ml_category_from_name(const char *s);
+/* opts.dtype / opts.device of the table at idx (0 or none: defaults). */
+ml_dtype ml_opt_dtype(lua_State *L, int idx, const char *fn, ml_dtype def);
+ml_device ml_opt_device(lua_State *L, int idx, const char *fn, ml_device def);
+/* opts[key] of the table at idx (0 or none: def; an absent key: def),
+ * checked: an integer in [lo, hi] (INT64_MIN / INT64_MAX: unbounded on that
+ * side, and the error names only the bound that applies), a finite number,
+ * a boolean. Errors read "option 'key' must be ...". */
+int64_t ml_opt_integer(lua_State *L, int idx, const char *fn, const char *key, int64_t def,
+                       int64_t lo, int64_t hi);
+double ml_opt_number(lua_State *L, int idx, const char *fn, const char *key, double def);
+int ml_opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def);
+/* Refuse keys of the options table at idx that are not in `allowed` (NULL-terminated). */
+void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *allowed);
+
+/* A shape from a table {2,3} or from integers at idx..top; returns ndim.
+ * Stops at the first non-number (an options table). *next gets the index after. */
+int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next);
+/* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
+int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
+
+#endif

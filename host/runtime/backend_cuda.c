@@ -1,0 +1,447 @@
+/*
+ * host/runtime/backend_cuda.c - the CUDA backend table: a caching device allocator
+ * that reports its reserved bytes to the ledger, cudaMemcpy in every
+ * direction, and the CUDA kernels (kernels/<family>.cu).
+ *
+ * Not here: kernels, and the decision to allocate (host/runtime/tensor.c charges
+ * the ledger; this file only supplies and recycles device memory).
+ */
+#include "ledger.h"
+#include "backend.h"
+#include "backend_cuda.h"
+#include "../../kernels/cuda_util.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+/* ---- availability ------------------------------------------------------- */
+
+static int avail = -1;            /* -1: not asked yet */
+static char unavail_reason[256];
+
+static int cuda_available(void)
+{
+    if (avail >= 0)
+        return avail;
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        snprintf(unavail_reason, sizeof unavail_reason, "%s (%d): %s",
+                 cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        cudaGetLastError();   /* clear it: nothing else should see it */
+        avail = 0;
+    } else if (n <= 0) {
+        snprintf(unavail_reason, sizeof unavail_reason, "no CUDA device found");
+        avail = 0;
+    } else {
+        avail = 1;
+    }
+    return avail;
+}
+
+const char *ml_cuda_unavailable_reason(void)
+{
+    return unavail_reason;
+}
+
+const char *ml_cuda_last_error(void)
+{
+    const char *cb = ml_cublas_load_error();
+    const char *e = ml_cuda_error_string();
+    return e[0] ? e : cb ? cb : "";
+}
+
+static int cuda_supports(ml_op op, ml_dtype dt)
+{
+    int flt = dt == ML_F32 || dt == ML_F64;
+    int num = flt || dt == ML_I32 || dt == ML_I64;
+    switch (op) {
+    case ML_OP_FILL: case ML_OP_ARANGE: case ML_OP_COPY: case ML_OP_INDEX:
+        return 1;           /* scatter_add: f32, f64, i32, i64 (the kernel says) */
+    case ML_OP_BINARY: case ML_OP_CUMSUM:
+        return num;
+    case ML_OP_UNARY:
+        return num;         /* integers: neg and abs only (the kernel says) */
+    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_MATMUL:
+    case ML_OP_ROUTER: case ML_OP_EXPERTS:
+        return flt;
+    case ML_OP_DISPATCH:
+        return dt == ML_I64;
+    case ML_OP_RANDOM:
+        return flt || dt == ML_BF16 || dt == ML_F16;
+    default:
+        return 0;
+    }
+}
+
+/* ---- caching allocator -------------------------------------------------- */
+
+#define SMALL_MAX   ((size_t)1 << 20)     /* up to 1 MiB: 512-byte steps */
+#define SMALL_STEP  ((size_t)512)
+#define LARGE_STEP  ((size_t)2 << 20)     /* above: 2 MiB steps */
+#define NBUCKETS    256                   /* hash heads of the free lists */
+
+typedef struct bucket {
+    size_t size;               /* rounded size of every block in the list */
+    void **blocks;
+    size_t n, cap;
+    struct bucket *next;
+} bucket;
+
+typedef struct {               /* a live block: open-addressing slot */
+    void *p;                   /* NULL: empty; TOMB: deleted */
+    size_t size, requested;
+} live_slot;
+
+#define TOMB ((void *)1)
+
+static struct {
+    pthread_mutex_t mu;
+    bucket *heads[NBUCKETS];
+    live_slot *live;
+    size_t live_cap, live_used;   /* used counts tombstones too */
+    ml_cuda_alloc_stats st;
+    ml_ledger *lg;                /* last ledger seen, for reports */
+} A = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static void fatal(const char *file, int line, const char *why)
+{
+    fprintf(stderr, "moelua: %s:%d: %s\n", file, line, why);
+    abort();
+}
+
+static size_t round_size(size_t n)
+{
+    if (n == 0)
+        n = 1;
+    if (n <= SMALL_MAX)
+        return (n + SMALL_STEP - 1) / SMALL_STEP * SMALL_STEP;
+    if (n > SIZE_MAX - LARGE_STEP)
+        return 0;
+    return (n + LARGE_STEP - 1) / LARGE_STEP * LARGE_STEP;
+}
+
+static size_t hash_size(size_t s) { return (s / SMALL_STEP * 2654435761u) % NBUCKETS; }
+
+static size_t hash_ptr(const void *p, size_t cap)
+{
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)(x & (cap - 1));
+}
+
+static bucket *bucket_of(size_t size, int create)
+{
+    size_t h = hash_size(size);
+    for (bucket *b = A.heads[h]; b; b = b->next)
+        if (b->size == size)
+            return b;
+    if (!create)
+        return NULL;
+    bucket *b = calloc(1, sizeof *b);
+    if (!b)
+        return NULL;
+    b->size = size;
+    b->next = A.heads[h];
+    A.heads[h] = b;
+    return b;
+}
+
+/* Rehash, dropping tombstones; the table doubles only when live blocks
+ * fill a quarter of it, so alloc/free churn does not grow it. */
+static int live_grow(void)
+{
+    size_t nlive = 0;
+    for (size_t i = 0; i < A.live_cap; i++)
+        nlive += A.live[i].p && A.live[i].p != TOMB;
+    size_t cap = !A.live_cap ? 1024 : (nlive + 1) * 4 > A.live_cap ? A.live_cap * 2 : A.live_cap;
+    live_slot *t = calloc(cap, sizeof *t);
+    if (!t)
+        return -1;
+    for (size_t i = 0; i < A.live_cap; i++) {
+        void *p = A.live[i].p;
+        if (!p || p == TOMB)
+            continue;
+        size_t j = hash_ptr(p, cap);
+        while (t[j].p)
+            j = (j + 1) & (cap - 1);
+        t[j] = A.live[i];
+    }
+    free(A.live);
+    A.live = t;
+    A.live_cap = cap;
+    A.live_used = 0;
+    for (size_t i = 0; i < cap; i++)
+        A.live_used += t[i].p != NULL;
+    return 0;
+}
+
+static int live_insert(void *p, size_t size, size_t requested)
+{
+    if ((A.live_used + 1) * 2 > A.live_cap && live_grow() != 0)
+        return -1;
+    size_t j = hash_ptr(p, A.live_cap);
+    while (A.live[j].p && A.live[j].p != TOMB)
+        j = (j + 1) & (A.live_cap - 1);
+    if (!A.live[j].p)
+        A.live_used++;
+    A.live[j] = (live_slot){p, size, requested};
+    return 0;
+}
+
+static live_slot *live_find(const void *p)
+{
+    if (!A.live_cap)
+        return NULL;
+    size_t j = hash_ptr(p, A.live_cap);
+    while (A.live[j].p) {
+        if (A.live[j].p == p)
+            return &A.live[j];
+        j = (j + 1) & (A.live_cap - 1);
+    }
+    return NULL;
+}
+
+static void report(ml_ledger *lg)
+{
+    if (lg)
+        A.lg = lg;
+    if (A.lg)
+        ml_ledger_set_reserved(A.lg, A.st.reserved);
+}
+
+/* Caller holds A.mu. cudaFree synchronises the device, so no kernel still
+ * uses a block when it goes back. */
+static void release_cache(void)
+{
+    for (size_t h = 0; h < NBUCKETS; h++) {
+        for (bucket *b = A.heads[h]; b; b = b->next) {
+            for (size_t i = 0; i < b->n; i++) {
+                cudaFree(b->blocks[i]);
+                A.st.reserved -= b->size;
+                A.st.cached -= b->size;
+            }
+            b->n = 0;
+        }
+    }
+    cudaGetLastError();
+    A.st.nflush++;
+}
+
+static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
+{
+    size_t size = round_size(nbytes);
+    if (!size || !cuda_available())
+        return NULL;
+    pthread_mutex_lock(&A.mu);
+    void *p = NULL;
+    bucket *b = bucket_of(size, 0);
+    if (b && b->n) {
+        p = b->blocks[--b->n];
+        A.st.cached -= size;
+        A.st.nhits++;
+    } else {
+        /* Keep reserved within the device budget while the cache can give. */
+        if (lg && lg->budget_total && A.st.cached && A.st.reserved + size > lg->budget_total)
+            release_cache();
+        cudaError_t e = cudaMalloc(&p, size);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            p = NULL;
+            if (A.st.cached) {
+                release_cache();
+                e = cudaMalloc(&p, size);
+                if (e != cudaSuccess) {
+                    cudaGetLastError();
+                    p = NULL;
+                }
+            }
+            if (!p)
+                ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        }
+        if (p) {
+            A.st.reserved += size;
+            A.st.nmalloc++;
+        }
+    }
+    if (p && live_insert(p, size, nbytes) != 0) {   /* host OOM: give it back */
+        cudaFree(p);
+        A.st.reserved -= size;
+        p = NULL;
+    }
+    if (p) {
+        A.st.allocated += size;
+        A.st.requested += nbytes;
+    } else {
+        A.st.nfail++;
+    }
+    report(lg);
+    pthread_mutex_unlock(&A.mu);
+    return p;
+}
+
+static void cuda_free(void *p, size_t nbytes, ml_ledger *lg)
+{
+    if (!p)
+        return;
+    pthread_mutex_lock(&A.mu);
+    live_slot *s = live_find(p);
+    if (!s)
+        fatal(__FILE__, __LINE__, "cuda free of a block this allocator does not own");
+    if (s->requested != nbytes)
+        fatal(__FILE__, __LINE__, "cuda free with a size other than the allocated one");
+    size_t size = s->size;
+    s->p = TOMB;
+    A.st.allocated -= size;
+    A.st.requested -= nbytes;
+    bucket *b = bucket_of(size, 1);
+    if (b && b->n == b->cap) {
+        size_t cap = b->cap ? b->cap * 2 : 8;
+        void **t = realloc(b->blocks, cap * sizeof *t);
+        if (t) {
+            b->blocks = t;
+            b->cap = cap;
+        }
+    }
+    if (b && b->n < b->cap) {
+        b->blocks[b->n++] = p;
+        A.st.cached += size;
+    } else {                      /* no host memory for the list: return it */
+        cudaFree(p);
+        cudaGetLastError();
+        A.st.reserved -= size;
+    }
+    report(lg);
+    pthread_mutex_unlock(&A.mu);
+}
+
+void ml_cuda_alloc_get_stats(ml_cuda_alloc_stats *s)
+{
+    pthread_mutex_lock(&A.mu);
+    *s = A.st;
+    pthread_mutex_unlock(&A.mu);
+}
+
+void ml_cuda_empty_cache(ml_ledger *lg)
+{
+    pthread_mutex_lock(&A.mu);
+    if (A.st.cached)
+        release_cache();
+    report(lg);
+    pthread_mutex_unlock(&A.mu);
+}
+
+int ml_cuda_mem_info(size_t *free_bytes, size_t *total_bytes)
+{
+    *free_bytes = *total_bytes = 0;
+    if (!cuda_available())
+        return -1;
+    if (cudaMemGetInfo(free_bytes, total_bytes) != cudaSuccess) {
+        cudaGetLastError();
+        *free_bytes = *total_bytes = 0;
+        return -1;
+    }
+    return 0;
+}
+
+void ml_cuda_shutdown(void)
+{
+    if (avail != 1)
+        return;
+    ml_cublas_release();
+    pthread_mutex_lock(&A.mu);
+    if (A.st.cached)
+        release_cache();
+    for (size_t h = 0; h < NBUCKETS; h++) {
+        bucket *b = A.heads[h];
+        while (b) {
+            bucket *next = b->next;
+            free(b->blocks);
+            free(b);
+            b = next;
+        }
+        A.heads[h] = NULL;
+    }
+    A.lg = NULL;   /* the ledger dies with the host */
+    pthread_mutex_unlock(&A.mu);
+    /* Live blocks would be a leak the ledger check already reported; the
+     * device reset returns them with everything else. */
+    cudaDeviceReset();
+}
+
+/* ---- copies ------------------------------------------------------------- */
+
+static ml_status cuda_memcpy(void *dst, int dst_host, const void *src, int src_host, size_t n)
+{
+    if (n == 0)
+        return ML_OK;
+    if (dst_host && src_host) {
+        memcpy(dst, src, n);
+        return ML_OK;
+    }
+    enum cudaMemcpyKind kind = dst_host ? cudaMemcpyDeviceToHost
+                             : src_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice;
+    cudaError_t e = cudaMemcpy(dst, src, n, kind);
+    if (e != cudaSuccess) {
+        ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        cudaGetLastError();
+        return ML_EDEVICE;
+    }
+    return ML_OK;
+}
+
+static ml_status cuda_synchronize(void)
+{
+    if (!cuda_available())
+        return ML_OK;
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        cudaGetLastError();
+        return ML_EDEVICE;
+    }
+    return ML_OK;
+}
+
+const ml_backend ml_backend_cuda = {
+    .name = "cuda",
+    .available = cuda_available,
+    .supports = cuda_supports,
+    .alloc = cuda_alloc,
+    .reserve_bytes = round_size,
+    .free = cuda_free,
+    .memcpy = cuda_memcpy,
+    .synchronize = cuda_synchronize,
+    .fill = ml_fill_cuda,
+    .arange = ml_arange_cuda,
+    .binary = ml_binary_cuda,
+    .binary_scalar = ml_binary_scalar_cuda,
+    .unary = ml_unary_cuda,
+    .copy = ml_copy_cuda,
+    .reduce = ml_reduce_cuda,
+    .reduce_all = ml_reduce_all_cuda,
+    .cumsum = ml_cumsum_cuda,
+    .softmax = ml_softmax_cuda,
+    .topk = ml_topk_cuda,
+    .index_select = ml_index_select_cuda,
+    .gather = ml_gather_cuda,
+    .scatter_add = ml_scatter_add_cuda,
+    .bincount = ml_bincount_cuda,
+    .matmul = ml_matmul_cuda,
+    .rand = ml_rand_cuda,
+    .randn = ml_randn_cuda,
+    .router_forward = ml_router_forward_cuda,
+    .router_backward = ml_router_backward_cuda,
+    .router_update_bias = ml_router_update_bias_cuda,
+    .dispatch = ml_dispatch_cuda,
+    .dispatch_find_bad = ml_dispatch_find_bad_cuda,
+    .dispatch_check_plan = ml_dispatch_check_plan_cuda,
+    .experts_forward = ml_experts_forward_cuda,
+    .experts_backward = ml_experts_backward_cuda,
+};

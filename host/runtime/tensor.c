@@ -1,0 +1,141 @@
+/*
+ * host/runtime/tensor.c - storage allocation through the ledger, reference counts,
+ * and shape arithmetic. Nothing here knows Lua.
+ */
+#include "tensor.h"
+#include "backend.h"
+#include "pool.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char *const ml_device_names[ML_NDEVICES] = {"cpu", "cuda"};
+const char *const ml_dtype_names[ML_NDTYPES] = {"f32", "f64", "bf16", "f16", "i32", "i64", "u8"};
+
+void ml_host_init(ml_host *h)
+{
+    memset(h, 0, sizeof *h);
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        ml_ledger_init(&h->books[d], ml_device_names[d]);
+        ml_ledger_init(&h->plan_books[d], ml_device_names[d]);
+        h->ledger[d] = &h->books[d];
+    }
+    h->books[ML_CUDA].caching = 1;
+    h->category = ML_CAT_OTHER;
+    h->nthreads = 1;
+    h->backend[ML_CPU] = h->device_backend[ML_CPU] = &ml_backend_cpu;
+}
+
+void ml_host_free(ml_host *h)
+{
+    for (int d = 0; d < ML_NDEVICES; d++) {
+        ml_ledger_free(&h->books[d]);
+        ml_ledger_free(&h->plan_books[d]);
+    }
+}
+
+ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+{
+    const ml_backend *be = h->backend[dev];
+    ml_ledger *lg = h->ledger[dev];
+    *out = NULL;
+    if (!be || !be->available())
+        return ML_ALLOC_NODEVICE;
+    switch (ml_ledger_check(lg, h->category, be->reserve_bytes ? be->reserve_bytes(nbytes) : nbytes)) {
+    case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
+    case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
+    case ML_LEDGER_OK:            break;
+    }
+    ml_storage *st = calloc(1, sizeof *st);
+    if (!st)
+        return ML_ALLOC_NOMEM;
+    if (nbytes && !(st->data = be->alloc(nbytes, lg))) {
+        free(st);
+        return ML_ALLOC_NOMEM;
+    }
+    st->nbytes = nbytes;
+    st->device = dev;
+    st->cat = h->category;
+    st->refs = 1;
+    st->host = h;
+    st->lg = lg;
+    st->be = be;
+    h->plan_live += h->planning;
+    ml_ledger_charge(lg, st->cat, nbytes);
+    *out = st;
+    return ML_ALLOC_OK;
+}
+
+void ml_storage_retain(ml_storage *st)
+{
+    st->refs++;
+}
+
+void ml_storage_release(ml_storage *st)
+{
+    if (--st->refs > 0)
+        return;
+    if (st->pool) {
+        ml_pool_release(st->pool);   /* a view: the pool owns the bytes */
+    } else {
+        ml_ledger_credit(st->lg, st->cat, st->nbytes);
+        if (st->data)
+            st->be->free(st->data, st->nbytes, st->lg);
+        st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
+    }
+    free(st);
+}
+
+int64_t ml_shape_numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return -1;
+        if (shape[i] && n > INT64_MAX / shape[i])
+            return -1;
+        n *= shape[i];
+    }
+    return n;
+}
+
+int64_t ml_numel(const ml_tensor *t)
+{
+    return ml_shape_numel(t->ndim, t->shape);
+}
+
+size_t ml_nbytes(const ml_tensor *t)
+{
+    return (size_t)ml_numel(t) * ml_dtype_size(t->dtype);
+}
+
+void ml_set_contiguous_strides(ml_tensor *t)
+{
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        t->stride[i] = s;
+        s *= t->shape[i];
+    }
+}
+
+int ml_is_contiguous(const ml_tensor *t)
+{
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->stride[i] != s)
+            return 0;
+        s *= t->shape[i];
+    }
+    return 1;
+}
+
+void ml_format_shape(const ml_tensor *t, char *buf, size_t len)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf, len, "[");
+    for (int i = 0; i < t->ndim && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)t->shape[i]);
+    if (at < len)
+        snprintf(buf + at, len - at, "]");
+}

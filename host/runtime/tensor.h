@@ -1,0 +1,114 @@
+/*
+ * host/runtime/tensor.h - tensors: reference-counted storage plus a view (offset,
+ * shape, strides, dtype). Row-major; views share storage (narrow, select,
+ * reshape, transpose, a flat buffer at an offset).
+ *
+ * Every storage byte comes from ml_storage_new, which charges the device's
+ * ledger under the host's current category. Pool views (host/runtime/pool.h) are
+ * storages that borrow a pool's block and are valid only while their pool
+ * slot still holds the same allocation id.
+ */
+#ifndef ML_TENSOR_H
+#define ML_TENSOR_H
+
+#include <signal.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#include "../../kernels/core.h"
+#include "ledger.h"
+
+#define ML_MAXDIM 8
+
+typedef enum { ML_CPU, ML_CUDA, ML_NDEVICES } ml_device;
+
+extern const char *const ml_device_names[ML_NDEVICES];
+extern const char *const ml_dtype_names[ML_NDTYPES];
+
+struct ml_pool;
+struct ml_backend;
+
+/* Process-wide state of one moelua host. Owned by main.c, reached from Lua
+ * through the registry (host/bindings/l_util.h: ml_host_of).
+ *
+ * `ledger` and `backend` are what allocations and kernels use now: the
+ * device's real account book and table, or, while moelua.mem.plan runs a
+ * dry run (DESIGN.md, The memory ledger), a virtual book and the plan
+ * backend (host/runtime/backend_plan.c: address space only, kernels skipped). Every
+ * storage and pool remembers the book and table it was charged to, so one
+ * that outlives a plan is still returned to the right place. */
+typedef struct ml_host {
+    ml_ledger books[ML_NDEVICES];         /* the real account books */
+    ml_ledger plan_books[ML_NDEVICES];    /* mem.plan's virtual books */
+    ml_ledger *ledger[ML_NDEVICES];
+    ml_category category;                 /* category of allocations made now */
+    int nthreads;                         /* CPU kernel threads */
+    uint64_t seed;                        /* Philox key of the host generator */
+    uint64_t rng_offset;                  /* next unused Philox counter */
+    volatile sig_atomic_t *interrupt;     /* Ctrl-C flag set by the signal handler */
+    const struct ml_backend *backend[ML_NDEVICES];  /* NULL: device not built in */
+    const struct ml_backend *device_backend[ML_NDEVICES];  /* the real tables */
+    int planning;                         /* inside moelua.mem.plan */
+    size_t plan_live;                     /* storages and pools charged to plan_books */
+} ml_host;
+
+typedef struct ml_storage {
+    void *data;
+    size_t nbytes;
+    ml_device device;
+    ml_category cat;
+    int refs;
+    ml_host *host;
+    ml_ledger *lg;            /* the book and table it was charged to */
+    const struct ml_backend *be;
+    struct ml_pool *pool;     /* non-NULL: a pool view, freed with the pool */
+    size_t slot;              /* pool slot and allocation id of that view */
+    uint64_t id;
+} ml_storage;
+
+typedef struct ml_tensor {
+    ml_storage *st;           /* NULL once freed */
+    int64_t offset;           /* in elements, from st->data */
+    int ndim;
+    ml_dtype dtype;
+    int64_t shape[ML_MAXDIM];
+    int64_t stride[ML_MAXDIM];  /* in elements */
+} ml_tensor;
+
+/* Allocation results, turned into Lua errors by host/bindings/l_util.c. */
+typedef enum {
+    ML_ALLOC_OK = 0,
+    ML_ALLOC_OVER_TOTAL,      /* the device's total budget */
+    ML_ALLOC_OVER_CATEGORY,   /* the category's budget */
+    ML_ALLOC_NOMEM,           /* the system refused */
+    ML_ALLOC_NODEVICE         /* backend not built in or no device present */
+} ml_alloc_status;
+
+/* A host with empty books, the CPU backend and no budget (main.c adds the rest). */
+void ml_host_init(ml_host *h);
+void ml_host_free(ml_host *h);
+/* Is lg one of mem.plan's virtual books? */
+static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
+{
+    return lg >= h->plan_books && lg < h->plan_books + ML_NDEVICES;
+}
+
+ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
+void ml_storage_retain(ml_storage *st);
+void ml_storage_release(ml_storage *st);
+
+int64_t ml_numel(const ml_tensor *t);
+size_t ml_nbytes(const ml_tensor *t);
+int ml_is_contiguous(const ml_tensor *t);
+void ml_set_contiguous_strides(ml_tensor *t);
+/* Number of elements of a shape, or -1 when it overflows int64 or has a negative size. */
+int64_t ml_shape_numel(int ndim, const int64_t *shape);
+static inline void *ml_data(const ml_tensor *t)
+{
+    return (char *)t->st->data + (size_t)t->offset * ml_dtype_size(t->dtype);
+}
+
+/* "[2,3]" into buf. */
+void ml_format_shape(const ml_tensor *t, char *buf, size_t len);
+
+#endif
