@@ -35,7 +35,10 @@ typedef enum {
     ML_EINTERRUPTED,  /* the interrupt flag was seen between tiles */
     ML_ENAN,          /* a NaN where the op refuses one */
     ML_EUNSUPPORTED,  /* dtype / op combination the backend lacks */
-    ML_EDEVICE        /* the device reported an error */
+    ML_EDEVICE,       /* the device reported an error */
+    /* Op layer only (host/runtime/op.h); the ml_err says more: */
+    ML_EINVAL,        /* an argument's dtype, shape, device or value is wrong */
+    ML_EALLOC         /* the ledger or the system refused an allocation */
 } ml_status;
 
 /* Per-call context. `interrupt` points at the host's Ctrl-C flag; kernels

@@ -35,7 +35,7 @@
  *
  * Devices: every tensor (idx, x, weights, w, the plan, saved, grads) and the
  * pool on one device, cpu or cuda; the kernels are reached through the
- * backend table (ml_backend_of) and new tensors are allocated on that device.
+ * kernel table (ML_KCALL) and new tensors are allocated on that device.
  *
  * Not here: routing, the layer object.
  */
@@ -219,7 +219,7 @@ typedef struct {
     const int64_t *offsets, *order;
     ml_dtype dt;
     ml_device dev;
-    const ml_backend *be;
+    ml_host *h;
     int64_t T, k, D, F, E;
 } ex_args;
 
@@ -230,7 +230,8 @@ static void check_common(lua_State *L, const char *fn, int base, ex_args *a)
     check_float(L, base, fn, "x", a->x);
     a->dt = a->x->dtype;
     a->dev = a->x->st->device;
-    a->be = ml_backend_of(L, fn, a->dev);
+    ml_check_device(L, fn, a->dev);
+    a->h = ml_host_of(L);
     a->gate_up = check_arg(L, base + 1, fn, "gate_up", -1, 3, a->dev);
     a->down = check_arg(L, base + 2, fn, "down", -1, 3, a->dev);
     a->idx = check_arg(L, base + 3, fn, "idx", ML_I64, 2, a->dev);
@@ -271,7 +272,7 @@ static void check_common(lua_State *L, const char *fn, int base, ex_args *a)
     lua_pop(L, 2);   /* the plan table keeps them alive */
     a->offsets = ml_data(off);
     a->order = ml_data(ord);
-    int64_t bad = a->be->dispatch_check_plan(a->offsets, a->order, ml_data(a->idx), n, a->E);
+    int64_t bad = ML_KCHECK(a->h, a->dev, dispatch_check_plan, a->offsets, a->order, ml_data(a->idx), n, a->E);
     if (bad == ML_DISPATCH_EDEVICE)
         ml_check_status(L, fn, ML_EDEVICE);
     if (bad <= -2)
@@ -319,7 +320,8 @@ static int l_experts_dispatch(lua_State *L)
     static const char fn[] = "moelua.experts.dispatch";
     ml_tensor *idx = check_arg(L, 1, fn, "idx", ML_I64, 2, -1);
     ml_device dev = idx->st->device;
-    const ml_backend *be = ml_backend_of(L, fn, dev);
+    ml_check_device(L, fn, dev);
+    ml_host *h = ml_host_of(L);
     int isint;
     lua_Integer E = lua_tointegerx(L, 2, &isint);
     if (!isint || E < 1)
@@ -328,13 +330,13 @@ static int l_experts_dispatch(lua_State *L)
     ex_opts o;
     parse_opts(L, 3, fn, dev, &o);
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
-    int64_t bad = be->dispatch_find_bad(ml_data(idx), n, E);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E);
     if (bad == ML_DISPATCH_EDEVICE)
         ml_check_status(L, fn, ML_EDEVICE);
     if (bad >= 0) {
         int64_t v;
-        ml_check_status(L, fn, be->memcpy(&v, 1, (const int64_t *)ml_data(idx) + bad,
-                                          dev == ML_CPU, sizeof v));
+        ml_check_status(L, fn, h->mem[dev]->memcpy(&v, (const int64_t *)ml_data(idx) + bad, sizeof v,
+                                                   dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H, NULL));
         ml_error(L, fn, "argument #1 (idx): expert id %lld at token %lld, slot %lld (0-based) is "
                  "outside [0, %lld)", (long long)v, (long long)(bad / k), (long long)(bad % k),
                  (long long)E);
@@ -354,7 +356,7 @@ static int l_experts_dispatch(lua_State *L)
     lua_setfield(L, res, "dropped");
     int64_t nd = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = be->dispatch(ml_data(off), ml_data(ord), ml_data(cnt), ml_data(drp), &nd,
+    ml_status s = ML_KCALL(h, dev, dispatch, ml_data(off), ml_data(ord), ml_data(cnt), ml_data(drp), &nd,
                                   ml_data(idx), n, E, o.drop ? o.capacity : -1, &ctx);
     ml_check_status(L, fn, s);
     ml_setfield_int(L, "ndropped", nd);
@@ -395,7 +397,7 @@ static int l_experts_forward(lua_State *L)
     size_t nb = scratch_bytes(L, fn, ml_experts_forward_scratch(&c), a.dt);
     void *buf = ml_pool_scratch_acquire(L, fn, "the experts scratch", o.dev, o.pool, nb, &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = a.be->experts_forward(a.dt, ml_data(y), h, buf, ml_data(a.x), ml_data(a.w),
+    ml_status s = ML_KCALL(a.h, a.dev, experts_forward, a.dt, ml_data(y), h, buf, ml_data(a.x), ml_data(a.w),
                                          a.order, a.offsets, ml_data(a.gate_up), ml_data(a.down),
                                          &c, &ctx);
     ml_pool_scratch_release(&sc);
@@ -504,7 +506,7 @@ static int l_experts_backward(lua_State *L)
     size_t nb = scratch_bytes(L, fn, ml_experts_backward_scratch(&c), a.dt);
     void *buf = ml_pool_scratch_acquire(L, fn, "the experts scratch", o.dev, o.pool, nb, &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = a.be->experts_backward(a.dt, out[0], out[1], out[2], out[3], out[4], buf, h,
+    ml_status s = ML_KCALL(a.h, a.dev, experts_backward, a.dt, out[0], out[1], out[2], out[3], out[4], buf, h,
                                           ml_data(dy), ml_data(a.x), ml_data(a.w), a.order,
                                           a.offsets, ml_data(a.gate_up), ml_data(a.down), &c, &ctx);
     ml_pool_scratch_release(&sc);

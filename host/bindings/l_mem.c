@@ -339,9 +339,8 @@ static void enter_plan(ml_host *h)
         v->reserved = v->reserved_peak = real->reserved;
         v->budget_total = real->budget_total;
         h->ledger[d] = v;
-        h->backend[d] = NULL;
+        h->mem[d] = ml_memory_plan[d];
     }
-    h->backend[ML_CPU] = &ml_backend_plan;
     h->planning = 1;
 }
 
@@ -349,7 +348,7 @@ static void leave_plan(ml_host *h)
 {
     for (int d = 0; d < ML_NDEVICES; d++) {
         h->ledger[d] = &h->books[d];
-        h->backend[d] = h->device_backend[d];
+        h->mem[d] = h->device_mem[d];
     }
     h->planning = 0;
 }

@@ -123,8 +123,8 @@ static int l_ops_rmsnorm_forward(lua_State *L)
     ml_tensor *y = ml_newtensor(L, fn, ML_CPU, x->dtype, x->ndim, x->shape);
     ml_tensor *r = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &N);
     ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KERNEL(L, ml_rmsnorm_forward_cpu(
-        x->dtype, ml_data(y), ml_data(r), ml_data(x), ml_data(w), N, D, eps, &c)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, rmsnorm_forward, 
+        x->dtype, ml_data(y), ml_data(r), ml_data(x), ml_data(w), N, D, eps, &c));
     return 2;
 }
 
@@ -153,9 +153,9 @@ static int l_ops_rmsnorm_backward(lua_State *L)
     }
     ml_tensor *dx = ml_newtensor(L, fn, ML_CPU, x->dtype, x->ndim, x->shape);
     ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KERNEL(L, ml_rmsnorm_backward_cpu(
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, rmsnorm_backward, 
         x->dtype, ml_data(dx), ml_data(dw), ml_data(dy), ml_data(x), ml_data(w), ml_data(r), N, D,
-        &c)));
+        &c));
     lua_pushvalue(L, 5);
     return 2;
 }
@@ -173,8 +173,8 @@ static int l_ops_embedding_forward(lua_State *L)
     int64_t so[2] = {T, D};
     ml_tensor *out = ml_newtensor(L, fn, ML_CPU, W->dtype, 2, so);
     ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KERNEL(L, ml_embedding_forward_cpu(
-        W->dtype, ml_data(out), ml_data(ids), ml_data(W), T, V, D, &c)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, embedding_forward, 
+        W->dtype, ml_data(out), ml_data(ids), ml_data(W), T, V, D, &c));
     return 1;
 }
 
@@ -208,8 +208,8 @@ static int l_ops_embedding_backward(lua_State *L)
     }
     check_ids(L, fn, "ids", ids, V);
     ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KERNEL(L, ml_embedding_backward_cpu(
-        dout->dtype, ml_data(dW), ml_data(dout), ml_data(ids), T, V, D, &c)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, embedding_backward, 
+        dout->dtype, ml_data(dW), ml_data(dout), ml_data(ids), T, V, D, &c));
     lua_pushvalue(L, 3);
     return 1;
 }
@@ -257,9 +257,9 @@ static int l_ops_cross_entropy_forward(lua_State *L)
     ml_tensor *scr = ml_newtensor(L, fn, ML_CPU, h->dtype, 1, &ne);
     double loss = 0;
     ml_kctx c = kctx(L);
-    ml_status st = ML_KERNEL(L, ml_ce_forward_cpu(
+    ml_status st = ML_KCALL(ml_host_of(L), ML_CPU, ce_forward, 
         h->dtype, &loss, ml_data(lse), ml_data(h), ml_data(W), ml_data(tg), S, V, D, rows, chunk,
-        ml_data(scr), &c));
+        ml_data(scr), &c);
     drop(scr);
     if (st == ML_ENAN)
         ml_error(L, fn, "NaN in the logits");
@@ -301,9 +301,9 @@ static int l_ops_cross_entropy_backward(lua_State *L)
     int64_t ne = ml_ce_scratch_elems(S, V, rows, chunk);
     ml_tensor *scr = ml_newtensor(L, fn, ML_CPU, h->dtype, 1, &ne);
     ml_kctx c = kctx(L);
-    ml_status st = ML_KERNEL(L, ml_ce_backward_cpu(
+    ml_status st = ML_KCALL(ml_host_of(L), ML_CPU, ce_backward, 
         h->dtype, ml_data(dh), ml_data(dW), dloss, ml_data(h), ml_data(W), ml_data(tg),
-        ml_data(lse), S, V, D, rows, chunk, ml_data(scr), &c));
+        ml_data(lse), S, V, D, rows, chunk, ml_data(scr), &c);
     drop(scr);
     ml_check_status(L, fn, st);
     lua_pushvalue(L, idw + 1);
@@ -329,9 +329,10 @@ static int rope_common(lua_State *L, const char *fn, const char *name, int inver
         ml_error(L, fn, "argument #1 (%s): head dim %lld must be even and >= 2", name, (long long)hd);
     ml_tensor *y = ml_newtensor(L, fn, ML_CPU, x->dtype, 3, x->shape);
     ml_kctx c = kctx(L);
-    ml_status st = ML_KERNEL(L, inverse
-        ? ml_rope_backward_cpu(x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset, theta, &c)
-        : ml_rope_forward_cpu(x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset, theta, &c));
+    ml_host *h = ml_host_of(L);
+    ml_status st = inverse
+        ? ML_KCALL(h, ML_CPU, rope_backward, x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset, theta, &c)
+        : ML_KCALL(h, ML_CPU, rope_forward, x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset, theta, &c);
     ml_check_status(L, fn, st);
     return 1;
 }
@@ -381,9 +382,9 @@ static int l_ops_attention_forward(lua_State *L)
     ml_kctx c = kctx(L);
     int64_t ns = (int64_t)(ml_attention_scratch_bytes(hd, c.nthreads) / sizeof(double));
     ml_tensor *scr = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &ns);
-    ml_status st = ML_KERNEL(L, ml_attention_forward_cpu(
+    ml_status st = ML_KCALL(ml_host_of(L), ML_CPU, attention_forward, 
         q->dtype, ml_data(out), ml_data(lse), ml_data(q), ml_data(k), ml_data(v), S, H, KV, hd,
-        ml_data(scr), &c));
+        ml_data(scr), &c);
     drop(scr);
     lua_pop(L, 1);
     ml_check_status(L, fn, st);
@@ -413,9 +414,9 @@ static int l_ops_attention_backward(lua_State *L)
     ml_kctx c = kctx(L);
     int64_t ns = (int64_t)(ml_attention_scratch_bytes(hd, c.nthreads) / sizeof(double));
     ml_tensor *scr = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &ns);
-    ml_status st = ML_KERNEL(L, ml_attention_backward_cpu(
+    ml_status st = ML_KCALL(ml_host_of(L), ML_CPU, attention_backward, 
         q->dtype, ml_data(dq), ml_data(dk), ml_data(dv), ml_data(drow), ml_data(dout), ml_data(q),
-        ml_data(k), ml_data(v), ml_data(out), ml_data(lse), S, H, KV, hd, ml_data(scr), &c));
+        ml_data(k), ml_data(v), ml_data(out), ml_data(lse), S, H, KV, hd, ml_data(scr), &c);
     drop(scr);
     drop(drow);
     lua_pop(L, 2);

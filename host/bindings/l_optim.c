@@ -358,14 +358,14 @@ static int64_t run_job(lua_State *L, const step_job *j, const ml_kctx *ctx, ml_s
     int64_t k = 0;
     switch (j->op) {
     case JOB_ADAMW:
-        *st = ML_KERNEL(L, ml_adamw_cpu(j->dt, j->p, j->m, j->v, j->g, j->n, &j->ahp, ctx));
+        *st = ML_KCALL(ml_host_of(L), ML_CPU, adamw, j->dt, j->p, j->m, j->v, j->g, j->n, &j->ahp, ctx);
         break;
     case JOB_LAZY:
-        *st = ML_KERNEL(L, ml_lazy_adamw_cpu(j->dt, j->p, j->ms, j->vs, j->steps, j->g, j->active,
-                                             j->n, j->E, &j->ahp, &k, ctx));
+        *st = ML_KCALL(ml_host_of(L), ML_CPU, lazy_adamw, j->dt, j->p, j->ms, j->vs, j->steps, j->g, j->active,
+                                             j->n, j->E, &j->ahp, &k, ctx);
         break;
     case JOB_SGD:
-        *st = ML_KERNEL(L, ml_sgd_cpu(j->dt, j->p, j->buf, j->g, j->n, &j->shp, ctx));
+        *st = ML_KCALL(ml_host_of(L), ML_CPU, sgd, j->dt, j->p, j->buf, j->g, j->n, &j->shp, ctx);
         break;
     }
     return k;
@@ -580,7 +580,7 @@ static int l_optim_grad_norm(lua_State *L)
         lua_geti(L, 1, i);
         ml_tensor *t = ml_checktensor(L, -1, fn);
         double ss = 0;
-        ml_status s = ML_KERNEL(L, ml_sumsq_cpu(t->dtype, &ss, ml_data(t), ml_numel(t), &ctx));
+        ml_status s = ML_KCALL(ml_host_of(L), ML_CPU, sumsq, t->dtype, &ss, ml_data(t), ml_numel(t), &ctx);
         lua_pop(L, 1);
         ml_check_status(L, fn, s);
         total += ss;
@@ -608,8 +608,8 @@ static int l_optim_slice_norms(lua_State *L)
     int64_t E = check_E(L, 2, 2, fn, ml_numel(t));
     ml_tensor *o = norms_out(L, 3, fn, E);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ML_KERNEL(L, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t),
-                                                           ml_numel(t), E, &ctx)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, slice_norms, t->dtype, ml_data(o), ml_data(t),
+                                                           ml_numel(t), E, &ctx));
     return 1;
 }
 
@@ -623,8 +623,8 @@ static int l_optim_scale_(lua_State *L)
     if (!isfinite(f))
         ml_error(L, fn, "argument #2 (factor): expected a finite number, got %g", f);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ML_KERNEL(L, ml_scale_slices_cpu(t->dtype, ml_data(t), &f, ml_numel(t), 1,
-                                                       &ctx)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, scale_slices, t->dtype, ml_data(t), &f, ml_numel(t), 1,
+                                                       &ctx));
     lua_settop(L, 1);
     return 1;
 }
@@ -671,15 +671,15 @@ static int l_optim_clip_slices_(lua_State *L)
     }
     ml_tensor *o = norms_out(L, 4, fn, E);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, ML_KERNEL(L, ml_slice_norms_cpu(t->dtype, ml_data(o), ml_data(t),
-                                                           ml_numel(t), E, &ctx)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, slice_norms, t->dtype, ml_data(o), ml_data(t),
+                                                           ml_numel(t), E, &ctx));
     const double *nrm = ml_data(o);
     for (int64_t e = 0; e < E; e++) {
         double c = f[e] / (nrm[e] + CLIP_EPS);
         f[e] = isfinite(nrm[e]) && c < 1.0 ? c : 1.0;   /* a non-finite norm is left to the caller */
     }
-    ml_check_status(L, fn, ML_KERNEL(L, ml_scale_slices_cpu(t->dtype, ml_data(t), f, ml_numel(t), E,
-                                                       &ctx)));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, scale_slices, t->dtype, ml_data(t), f, ml_numel(t), E,
+                                                       &ctx));
     (void)fidx;
     return 1;
 }

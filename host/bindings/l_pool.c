@@ -73,7 +73,7 @@ static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
                  "real memory (build the pool inside the planned function)", what);
     if (as == ML_ALLOC_NODEVICE)
         ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
-                 ml_unavailable_reason(h, dev));
+                 ml_device_unavailable_reason(h, dev));
     if (ps == ML_POOL_NOMEM || as == ML_ALLOC_NOMEM)
         ml_error(L, fn, "out of memory %s on %s", what, ml_device_names[dev]);
     int total = as == ML_ALLOC_OVER_TOTAL;

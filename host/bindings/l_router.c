@@ -27,7 +27,7 @@
  *
  * Devices: every tensor (x, wg, dw, idx, bias, grads) and the pool on one
  * device, cpu or cuda; the kernels are reached through the backend table
- * (ml_backend_of), and outputs and scratch are allocated on that device.
+ * (ML_KCALL), and outputs and scratch are allocated on that device.
  * On cuda the stats' cp and max_count read counts and psum back (E values).
  *
  * Not here: the aux loss (the model forms it from every layer's counts and
@@ -49,7 +49,7 @@ static const char *const GRAD_OPTS[] = {"aux", "z", "dx", "dwg", NULL};
 typedef struct {
     ml_router_cfg cfg;
     ml_device dev;            /* x's device: every operand lives there */
-    const ml_backend *be;
+    ml_host *h;
     const ml_tensor *bias;    /* NULL: none */
     ml_pool *pool;            /* NULL: none; its userdata stays on the stack */
     int pool_idx;             /* stack index of that userdata */
@@ -90,13 +90,20 @@ static void check_device(lua_State *L, const char *fn, const char *what, const m
 }
 
 /* Elements [e0, e0 + n) of the contiguous tensor t into the host buffer buf
- * (a copy back from the device; a plain copy on the cpu). */
-static void read_back(lua_State *L, const char *fn, const ml_backend *be, const ml_tensor *t,
+ * (a copy back from the device; a plain copy on the cpu). Inside a plan
+ * nothing was computed: buf reads as zeros. */
+static void read_back(lua_State *L, const char *fn, ml_host *h, const ml_tensor *t,
                       int64_t e0, int64_t n, void *buf)
 {
     size_t es = ml_dtype_size(t->dtype);
-    ml_check_status(L, fn, be->memcpy(buf, 1, (const char *)ml_data(t) + (size_t)e0 * es,
-                                      t->st->device == ML_CPU, (size_t)n * es));
+    ml_device dev = t->st->device;
+    if (h->planning) {
+        memset(buf, 0, (size_t)n * es);
+        return;
+    }
+    ml_check_status(L, fn, h->mem[dev]->memcpy(buf, (const char *)ml_data(t) + (size_t)e0 * es,
+                                               (size_t)n * es, dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H,
+                                               NULL));
 }
 
 /* Host-side reads go through this many elements at a time. */
@@ -129,7 +136,8 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_devic
     ml_check_opts(L, idx, fn, OPTS);
     memset(o, 0, sizeof *o);
     o->dev = dev;
-    o->be = ml_backend_of(L, fn, dev);
+    ml_check_device(L, fn, dev);
+    o->h = ml_host_of(L);
     ml_router_cfg *c = &o->cfg;
     if (!field(L, idx, "k"))
         ml_error(L, fn, "option 'k' (experts per token) is required");
@@ -174,7 +182,7 @@ static void read_opts(lua_State *L, int idx, const char *fn, int64_t E, ml_devic
         double buf[READ_BLOCK];
         for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
             int64_t nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
-            read_back(L, fn, o->be, b, e0, nb, buf);
+            read_back(L, fn, o->h, b, e0, nb, buf);
             for (int64_t e = 0; e < nb; e++)
                 if (!isfinite(ml_load(b->dtype, buf, (size_t)e)))
                     ml_error(L, fn, "option 'bias' has a non-finite value at expert %lld",
@@ -275,7 +283,7 @@ static int l_router_forward(lua_State *L)
 
     double zsum = 0, entropy = 0;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status st = o.be->router_forward(x->dtype, ml_data(idx), ml_data(w), ml_data(counts),
+    ml_status st = ML_KCALL(o.h, o.dev, router_forward, x->dtype, ml_data(idx), ml_data(w), ml_data(counts),
                                          ml_data(psum), &zsum, &entropy, ml_data(x), ml_data(wg),
                                          o.bias ? o.bias->dtype : ML_F64,
                                          o.bias ? ml_data(o.bias) : NULL, T, D, E, &o.cfg, buf, &ctx);
@@ -289,8 +297,8 @@ static int l_router_forward(lua_State *L)
     for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
         int64_t cv[READ_BLOCK], nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
         double pv[READ_BLOCK];
-        read_back(L, fn, o.be, counts, e0, nb, cv);
-        read_back(L, fn, o.be, psum, e0, nb, pv);
+        read_back(L, fn, o.h, counts, e0, nb, cv);
+        read_back(L, fn, o.h, psum, e0, nb, pv);
         for (int64_t e = 0; e < nb; e++) {
             cp += (double)cv[e] * pv[e];
             cmax = cv[e] > cmax ? cv[e] : cmax;
@@ -372,12 +380,12 @@ static int l_router_backward(lua_State *L)
         ml_error(L, fn, "idx is %s but x is %s and k = %lld: idx must be [%lld,%lld]", s, sx,
                  (long long)k, (long long)T, (long long)k);
     const int64_t *ip = ml_data(idx);
-    int64_t bad = o.be->dispatch_find_bad(ip, T * k, E);
+    int64_t bad = ML_KCHECK(o.h, o.dev, dispatch_find_bad, ip, T * k, E);
     if (bad == ML_DISPATCH_EDEVICE)
         ml_check_status(L, fn, ML_EDEVICE);
     if (bad >= 0) {
         int64_t v;
-        read_back(L, fn, o.be, idx, bad, 1, &v);
+        read_back(L, fn, o.h, idx, bad, 1, &v);
         ml_error(L, fn, "idx: expert %lld at position %lld is outside [0, %lld) (ids are 0-based)",
                  (long long)v, (long long)bad, (long long)E);
     }
@@ -423,7 +431,7 @@ static int l_router_backward(lua_State *L)
     void *buf = ml_pool_scratch_acquire(L, fn, "the router scratch", o.dev, o.pool_idx,
                                         ml_router_scratch_bytes(T, D, E, o.cfg.chunk, 1), &sc);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status st = o.be->router_backward(x->dtype, ml_data(dx), ml_data(dwg), ip, ml_data(dw), aux, gz,
+    ml_status st = ML_KCALL(o.h, o.dev, router_backward, x->dtype, ml_data(dx), ml_data(dwg), ip, ml_data(dw), aux, gz,
                                           ml_data(x), ml_data(wg), T, D, E, &o.cfg, buf, &ctx);
     ml_pool_scratch_release(&sc);
     check_router_status(L, fn, st);
@@ -443,7 +451,7 @@ static int l_router_update_bias(lua_State *L)
         ml_error(L, fn, "argument #1 (bias) must be 1-dim [E], got %d dims", b->ndim);
     int64_t E = b->shape[0];
     ml_device dev = b->st->device;
-    const ml_backend *be = ml_backend_of(L, fn, dev);
+    ml_check_device(L, fn, dev);
     check_vector(L, fn, "argument #1 (bias)", b, E, 0, dev);
     char sb[64], sc[64];
     ml_format_shape(b, sb, sizeof sb);
@@ -460,8 +468,9 @@ static int l_router_update_bias(lua_State *L)
     double gamma = lua_tonumber(L, 3);
     if (!isfinite(gamma) || gamma < 0)
         ml_error(L, fn, "argument #3 (gamma) must be finite and >= 0, got %g", gamma);
-    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, be->router_update_bias(b->dtype, ml_data(b), ml_data(c), E, gamma, &ctx));
+    ml_host *h = ml_host_of(L);
+    ml_kctx ctx = ml_kctx_of(h);
+    ml_check_status(L, fn, ML_KCALL(h, dev, router_update_bias, b->dtype, ml_data(b), ml_data(c), E, gamma, &ctx));
     lua_settop(L, 1);
     return 1;
 }

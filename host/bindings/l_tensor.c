@@ -23,9 +23,10 @@ void ml_run_copy(lua_State *L, const char *fn, ml_tensor *dst, const ml_tensor *
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
     if (dst->st->device == src->st->device) {
-        const ml_backend *be = ml_backend_of(L, fn, dst->st->device);
-        ml_check_status(L, fn, be->copy(dst->dtype, ml_data(dst), dst->stride, src->dtype,
-                                         ml_data(src), src->stride, src->ndim, src->shape, &ctx));
+        ml_check_device(L, fn, dst->st->device);
+        ml_check_status(L, fn, ML_KCALL(h, dst->st->device, copy, dst->dtype, ml_data(dst), dst->stride,
+                                        src->dtype, ml_data(src), src->stride, src->ndim, src->shape,
+                                        &ctx));
         return;
     }
     /* Across devices: a contiguous staging copy of src on its own device in
@@ -40,9 +41,9 @@ void ml_run_copy(lua_State *L, const char *fn, ml_tensor *dst, const ml_tensor *
     ml_tensor *d = dst;
     if (!ml_is_contiguous(dst))
         d = ml_newtensor(L, fn, dst->st->device, dst->dtype, dst->ndim, dst->shape);
-    const ml_backend *be = ml_backend_of(L, fn, ML_CUDA);
-    ml_check_status(L, fn, be->memcpy(ml_data(d), d->st->device == ML_CPU, ml_data(s),
-                                      s->st->device == ML_CPU, ml_nbytes(s)));
+    ml_check_device(L, fn, ML_CUDA);
+    ml_copy_dir dir = d->st->device == ML_CPU ? ML_COPY_D2H : ML_COPY_H2D;
+    ml_check_status(L, fn, h->mem[ML_CUDA]->memcpy(ml_data(d), ml_data(s), ml_nbytes(s), dir, NULL));
     if (d != dst)
         ml_run_copy(L, fn, dst, d);
     lua_settop(L, top);
@@ -83,7 +84,7 @@ static int fill_new(lua_State *L, const char *fn, double v)
     ml_tensor *t = create(L, fn, 1, &opt, CREATE_OPTS);
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, h->backend[t->st->device]->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    ml_check_status(L, fn, ML_KCALL(h, t->st->device, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
     return 1;
 }
 
@@ -112,7 +113,7 @@ static int l_tensor_full(lua_State *L)
                                 ml_opt_dtype(L, opt, fn, ML_F32), ndim, shape);
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, h->backend[t->st->device]->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    ml_check_status(L, fn, ML_KCALL(h, t->st->device, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
     return 1;
 }
 
@@ -148,7 +149,7 @@ static int l_tensor_arange(lua_State *L)
                                 ml_opt_dtype(L, opt, fn, ML_F32), 1, &n);
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, h->backend[t->st->device]->arange(t->dtype, ml_data(t), start, step, n, &ctx));
+    ml_check_status(L, fn, ML_KCALL(h, t->st->device, arange, t->dtype, ml_data(t), start, step, n, &ctx));
     return 1;
 }
 
@@ -266,9 +267,9 @@ static int draw(lua_State *L, const char *fn, int normal)
                  normal ? b : a);
     int64_t n = ml_numel(t);
     ml_kctx ctx = ml_kctx_of(h);
-    const ml_backend *be = h->backend[t->st->device];
-    ml_check_status(L, fn, (normal ? be->randn : be->rand)(t->dtype, ml_data(t), n, seed, offset,
-                                                            a, b, &ctx));
+    ml_device dev = t->st->device;
+    ml_check_status(L, fn, normal ? ML_KCALL(h, dev, randn, t->dtype, ml_data(t), n, seed, offset, a, b, &ctx)
+                                  : ML_KCALL(h, dev, rand, t->dtype, ml_data(t), n, seed, offset, a, b, &ctx));
     if (!addressed)
         h->rng_offset += (uint64_t)(n + 3) / 4;
     return 1;
@@ -344,8 +345,8 @@ static int l_tensor_threads(lua_State *L)
 
 static int l_tensor_cuda_available(lua_State *L)
 {
-    const ml_backend *be = ml_host_of(L)->backend[ML_CUDA];
-    lua_pushboolean(L, be && be->available());
+    const ml_memory *mem = ml_host_of(L)->device_mem[ML_CUDA];
+    lua_pushboolean(L, mem && mem->available());
     return 1;
 }
 
@@ -685,17 +686,18 @@ static int l_tensor_fill_(lua_State *L)
     lua_settop(L, 1);
     ml_host *h = ml_host_of(L);
     ml_kctx ctx = ml_kctx_of(h);
-    const ml_backend *be = ml_backend_of(L, fn, t->st->device);
+    ml_device dev = t->st->device;
+    ml_check_device(L, fn, dev);
     if (ml_is_contiguous(t)) {
-        ml_check_status(L, fn, be->fill(t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+        ml_check_status(L, fn, ML_KCALL(h, dev, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
         return 1;
     }
     int64_t one = 1;
     ml_tensor *s = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &one);
-    ml_check_status(L, fn, be->fill(t->dtype, ml_data(s), v, 1, &ctx));
+    ml_check_status(L, fn, ML_KCALL(h, dev, fill, t->dtype, ml_data(s), v, 1, &ctx));
     static const int64_t zero[ML_MAXDIM];
-    ml_check_status(L, fn, be->copy(t->dtype, ml_data(t), t->stride, t->dtype, ml_data(s), zero,
-                                    t->ndim, t->shape, &ctx));
+    ml_check_status(L, fn, ML_KCALL(h, dev, copy, t->dtype, ml_data(t), t->stride, t->dtype, ml_data(s),
+                                    zero, t->ndim, t->shape, &ctx));
     lua_settop(L, 1);
     return 1;
 }
@@ -838,15 +840,17 @@ static int l_tensor_tostring(lua_State *L)
             at += (size_t)snprintf(text + at, sizeof text - at, n > shown ? ", ...}" : "}");
         /* statistics where they cost no copy: contiguous float tensors */
         if ((t->dtype == ML_F32 || t->dtype == ML_F64) && contig && at < sizeof text) {
-            const ml_backend *be = ml_backend_of(L, fn, t->st->device);
-            ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+            ml_host *h = ml_host_of(L);
+            ml_check_device(L, fn, t->st->device);
+            ml_kctx ctx = ml_kctx_of(h);
             int64_t three = 3;
             ml_tensor *st = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &three);
             size_t esz = ml_dtype_size(t->dtype);
             static const ml_redop ops[3] = {ML_RMIN, ML_RMEAN, ML_RMAX};
             for (int i = 0; i < 3; i++)
-                ml_check_status(L, fn, be->reduce_all(ops[i], t->dtype, (char *)ml_data(st) + i * esz,
-                                                      NULL, ml_data(t), n, &ctx));
+                ml_check_status(L, fn, ML_KCALL(h, t->st->device, reduce_all, ops[i], t->dtype,
+                                                (char *)ml_data(st) + i * esz, NULL, ml_data(t), n,
+                                                &ctx));
             ml_tensor *hs = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &three);
             ml_run_copy(L, fn, hs, st);
             const double *v = hs->st->data;

@@ -14,11 +14,6 @@
 #include <math.h>
 #include <string.h>
 
-static const ml_backend *backend_of(lua_State *L, const char *fn, const ml_tensor *t)
-{
-    return ml_backend_of(L, fn, t->st->device);
-}
-
 static void check_same_device(lua_State *L, const char *fn, const ml_tensor *a, const ml_tensor *b)
 {
     if (a->st->device != b->st->device)
@@ -74,7 +69,7 @@ static int binary(lua_State *L, ml_binop op, int inplace)
             ml_error(L, fn, "integer division by zero");
         ml_tensor *out = inplace ? t : ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
         ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-        ml_check_status(L, fn, backend_of(L, fn, t)->binary_scalar(op, t->dtype, ml_data(out), ml_data(t),
+        ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, binary_scalar, op, t->dtype, ml_data(out), ml_data(t),
                                                                     s, !ta, ml_numel(t), &ctx));
         if (inplace)
             lua_settop(L, 1);
@@ -106,7 +101,7 @@ static int binary(lua_State *L, ml_binop op, int inplace)
         ml_error(L, fn, "integer division is not supported between tensors");
     ml_tensor *out = inplace ? a : ml_newtensor(L, fn, a->st->device, a->dtype, big->ndim, big->shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, a)->binary(op, a->dtype, ml_data(out), ml_data(a), ml_data(b),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), a->st->device, binary, op, a->dtype, ml_data(out), ml_data(a), ml_data(b),
                                                          ml_numel(big), ml_numel(a), ml_numel(b), &ctx));
     if (inplace)
         lua_settop(L, 1);
@@ -141,7 +136,7 @@ static int unary(lua_State *L, ml_unop op, int inplace)
         ml_error(L, fn, "not defined for dtype %s", ml_dtype_names[t->dtype]);
     ml_tensor *out = inplace ? t : ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->unary(op, t->dtype, ml_data(out), ml_data(t),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, unary, op, t->dtype, ml_data(out), ml_data(t),
                                                         ml_numel(t), &ctx));
     return 1;
 }
@@ -189,7 +184,8 @@ static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int wan
     lua_settop(L, 2);
     ml_tensor *t = ml_contiguous_arg(L, 1, fn);
     check_float(L, fn, t);
-    const ml_backend *be = backend_of(L, fn, t);
+    ml_host *kh = ml_host_of(L);
+    ml_device kd = t->st->device;
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
     int64_t n = ml_numel(t);
     if ((op == ML_RMAX || op == ML_RMIN) && n == 0 && lua_isnil(L, 2))
@@ -206,11 +202,11 @@ static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int wan
     ml_tensor *idx = want_idx ? ml_newtensor(L, fn, t->st->device, ML_I64, nd, shape) : NULL;
     ml_status s;
     if (d < 0) {
-        s = be->reduce_all(op, t->dtype, ml_data(out), idx ? ml_data(idx) : NULL, ml_data(t), n, &ctx);
+        s = ML_KCALL(kh, kd, reduce_all, op, t->dtype, ml_data(out), idx ? ml_data(idx) : NULL, ml_data(t), n, &ctx);
     } else {
         int64_t outer, r, inner;
         split_dims(t, d, &outer, &r, &inner);
-        s = be->reduce(op, t->dtype, ml_data(out), idx ? ml_data(idx) : NULL, ml_data(t),
+        s = ML_KCALL(kh, kd, reduce, op, t->dtype, ml_data(out), idx ? ml_data(idx) : NULL, ml_data(t),
                        outer, r, inner, &ctx);
     }
     ml_check_status(L, fn, s);
@@ -239,7 +235,7 @@ static int l_tensor_cumsum(lua_State *L)
     split_dims(t, d, &outer, &r, &inner);
     ml_tensor *out = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->cumsum(t->dtype, ml_data(out), ml_data(t),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, cumsum, t->dtype, ml_data(out), ml_data(t),
                                                          outer, r, inner, &ctx));
     return 1;
 }
@@ -256,7 +252,7 @@ static int softmax(lua_State *L, const char *fn, int log)
     int64_t cols = t->shape[t->ndim - 1], rows = cols ? ml_numel(t) / cols : 0;
     ml_tensor *out = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->softmax(log, t->dtype, ml_data(out), ml_data(t),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, softmax, log, t->dtype, ml_data(out), ml_data(t),
                                                           rows, cols, &ctx));
     return 1;
 }
@@ -285,7 +281,7 @@ static int l_tensor_topk(lua_State *L)
     ml_tensor *vals = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, shape);
     ml_tensor *idx = ml_newtensor(L, fn, t->st->device, ML_I64, t->ndim, shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_status s = backend_of(L, fn, t)->topk(t->dtype, ml_data(vals), ml_data(idx), ml_data(t),
+    ml_status s = ML_KCALL(ml_host_of(L), t->st->device, topk, t->dtype, ml_data(vals), ml_data(idx), ml_data(t),
                                              rows, cols, k, &ctx);
     if (s == ML_ENAN)
         ml_error(L, fn, "NaN in the input (top-k refuses NaN scores)");
@@ -333,7 +329,7 @@ static int l_tensor_index_select(lua_State *L)
     split_dims(t, d, &outer, &r, &inner);
     ml_tensor *out = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->index_select(t->dtype, ml_data(out), ml_data(t),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, index_select, t->dtype, ml_data(out), ml_data(t),
                                                                ml_data(idx), outer, r, inner,
                                                                idx->shape[0], &ctx));
     return 1;
@@ -367,7 +363,7 @@ static int l_tensor_gather(lua_State *L)
     split_dims(t, d, &outer, &r, &inner);
     ml_tensor *out = ml_newtensor(L, fn, t->st->device, t->dtype, idx->ndim, idx->shape);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->gather(t->dtype, ml_data(out), ml_data(t), ml_data(idx),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, gather, t->dtype, ml_data(out), ml_data(t), ml_data(idx),
                                                          outer, r, inner, idx->shape[d], &ctx));
     return 1;
 }
@@ -402,7 +398,7 @@ static int l_tensor_scatter_add_(lua_State *L)
     int64_t outer, r, inner;
     split_dims(t, d, &outer, &r, &inner);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, t)->scatter_add(t->dtype, ml_data(t), ml_data(src), ml_data(idx),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), t->st->device, scatter_add, t->dtype, ml_data(t), ml_data(src), ml_data(idx),
                                                               outer, r, inner, idx->shape[d], &ctx));
     lua_settop(L, 1);
     return 1;
@@ -423,7 +419,7 @@ static int l_tensor_bincount(lua_State *L)
     int64_t nb = nbins;
     ml_tensor *out = ml_newtensor(L, fn, idx->st->device, ML_I64, 1, &nb);
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, idx)->bincount(ml_data(out), ml_data(idx), ml_numel(idx),
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), idx->st->device, bincount, ml_data(out), ml_data(idx), ml_numel(idx),
                                                              nbins, &ctx));
     return 1;
 }
@@ -523,16 +519,17 @@ static int l_tensor_matmul(lua_State *L)
         return 1;
     if (k == 0) {   /* BLAS is not asked about empty sums: C = beta*C, C not read when beta = 0 */
         ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-        const ml_backend *be = backend_of(L, fn, c);
-        ml_check_status(L, fn, g.beta == 0 ? be->fill(c->dtype, ml_data(c), 0, ml_numel(c), &ctx)
-                                           : be->binary_scalar(ML_MUL, c->dtype, ml_data(c), ml_data(c),
+        ml_host *kh = ml_host_of(L);
+        ml_device kd = c->st->device;
+        ml_check_status(L, fn, g.beta == 0 ? ML_KCALL(kh, kd, fill, c->dtype, ml_data(c), 0, ml_numel(c), &ctx)
+                                           : ML_KCALL(kh, kd, binary_scalar, ML_MUL, c->dtype, ml_data(c), ml_data(c),
                                                                g.beta, 0, ml_numel(c), &ctx));
         return 1;
     }
     if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || g.lda > INT32_MAX || g.ldb > INT32_MAX)
         ml_error(L, fn, "a dimension exceeds the BLAS integer range");
     ml_kctx ctx = ml_kctx_of(ml_host_of(L));
-    ml_check_status(L, fn, backend_of(L, fn, a)->matmul(a->dtype, ml_data(c), ml_data(a), ml_data(b), &g, &ctx));
+    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), a->st->device, matmul, a->dtype, ml_data(c), ml_data(a), ml_data(b), &g, &ctx));
     return 1;
 }
 

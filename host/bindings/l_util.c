@@ -15,10 +15,18 @@
 
 static const char HOST_KEY[] = "moelua.host";
 
+/* h->reclaim for the op layer: the allocator's cache and a full collection. */
+static void reclaim_hook(ml_host *h, ml_device dev)
+{
+    ml_reclaim(h->reclaim_ud, h, dev);
+}
+
 void ml_host_register(lua_State *L, ml_host *h)
 {
     lua_pushlightuserdata(L, h);
     lua_setfield(L, LUA_REGISTRYINDEX, HOST_KEY);
+    h->reclaim = reclaim_hook;
+    h->reclaim_ud = L;
 }
 
 ml_host *ml_host_of(lua_State *L)
@@ -116,16 +124,6 @@ ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
     return ml_checktensor_named(L, idx, fn, what);
 }
 
-void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
-{
-    size_t at = 0;
-    at += (size_t)snprintf(buf, len, "[");
-    for (int i = 0; i < ndim && at < len; i++)
-        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
-    if (at < len)
-        snprintf(buf + at, len - at, "]");
-}
-
 void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
                        int ndim, const int64_t *dims)
 {
@@ -179,22 +177,8 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
 void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
 {
     char buf[2048];
-    size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
-    size_t total = h->ledger[dev]->total;
-    ml_ledger_format(h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU && !h->planning, buf,
-                     sizeof buf);
+    ml_host_ledger_report(h, dev, buf, sizeof buf);
     lua_pushstring(L, buf);
-}
-
-const char *ml_unavailable_reason(const ml_host *h, ml_device dev)
-{
-    if (!h->backend[dev])
-        return "built without it: make CUDA=1";
-#ifdef ML_WITH_CUDA
-    if (dev == ML_CUDA && ml_cuda_unavailable_reason()[0])
-        return ml_cuda_unavailable_reason();
-#endif
-    return "no device present";
 }
 
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev)
@@ -212,48 +196,13 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
                         int ndim, const int64_t *shape)
 {
     ml_host *h = ml_host_of(L);
-    int64_t n = ml_shape_numel(ndim, shape);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        ml_error(L, fn, "shape has a negative size or too many elements");
-    size_t nbytes = (size_t)n * ml_dtype_size(dt);
     ml_tensor *t = ml_pushtensor(L);   /* safe empty state first: an error below leaks nothing */
-    ml_storage *st = NULL;
-    ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
-    if (s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) {
-        ml_reclaim(L, h, dev);
-        s = ml_storage_new(h, dev, nbytes, &st);
-    }
-    if (s != ML_ALLOC_OK) {
-        char want[32], limit[32];
-        ml_format_bytes(nbytes, want, sizeof want);
-        const ml_ledger *lg = h->ledger[dev];
-        const char *cat = ml_category_names[h->category];
-        if (s == ML_ALLOC_NODEVICE)
-            ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev], ml_unavailable_reason(h, dev));
-        if (s == ML_ALLOC_OVER_TOTAL)
-            ml_format_bytes(lg->budget_total, limit, sizeof limit);
-        else
-            ml_format_bytes(lg->budget[h->category], limit, sizeof limit);
-        luaL_where(L, 1);
-        if (s == ML_ALLOC_NOMEM)
-            lua_pushfstring(L, "%s: out of memory allocating %s (%s) on %s\n", fn, want, cat,
-                            ml_device_names[dev]);
-        else
-            lua_pushfstring(L, "%s: allocating %s (%s) on %s would exceed the %s budget of %s\n",
-                            fn, want, cat, ml_device_names[dev],
-                            s == ML_ALLOC_OVER_TOTAL ? "total" : cat, limit);
-        ml_push_ledger_report(L, h, dev);
-        lua_concat(L, 3);
-        lua_error(L);
-    }
-    t->st = st;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
-    ml_set_contiguous_strides(t);
+    ml_err e;
+    ml_check_op(L, fn, ml_tensor_alloc(h, t, dev, dt, ndim, shape, &e), &e);
     /* The collector sees a small userdata, not the bytes behind it: tell it
      * (in KiB) so garbage tensors are collected at the pace they are made,
      * as Torch7's heap tracking did. */
+    size_t nbytes = ml_nbytes(t);
     if (nbytes >= ((size_t)64 << 10))
         lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
     return t;
@@ -270,13 +219,14 @@ ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, 
 ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
                        int ndim, const int64_t *shape)
 {
-    const ml_backend *be = ml_backend_of(L, fn, dev);
+    ml_host *h = ml_host_of(L);
+    ml_check_device(L, fn, dev);
     ml_tensor *t = ml_newbuf(L, fn, dev, pool_idx, dt, ndim, shape);
     int64_t n = ml_shape_numel(ndim, shape);
-    ml_kctx ctx = ml_kctx_of(ml_host_of(L));
+    ml_kctx ctx = ml_kctx_of(h);
     ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
     if (n > 0)
-        ml_check_status(L, fn, be->fill(dt, ml_data(t), 0.0, n, &ctx));
+        ml_check_status(L, fn, ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, n, &ctx));
     return t;
 }
 
@@ -298,32 +248,36 @@ static void consume_interrupt(lua_State *L)
 
 void ml_check_status(lua_State *L, const char *fn, ml_status s)
 {
-    switch (s) {
-    case ML_OK:             return;
-    case ML_EINTERRUPTED:   consume_interrupt(L); ml_interrupt_error(L, fn);
-    case ML_ENAN:           ml_error(L, fn, "NaN in the input");
-    case ML_EUNSUPPORTED:   ml_error(L, fn, "dtype not supported by this operation");
-#ifdef ML_WITH_CUDA
-    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error: %s", ml_cuda_last_error());
-#else
-    case ML_EDEVICE:        ml_error(L, fn, "the device reported an error");
-#endif
+    ml_err e;
+    ml_check_op(L, fn, ml_kernel_status(s, &e), &e);
+}
+
+void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e)
+{
+    if (s == ML_OK)
+        return;
+    if (s == ML_EINTERRUPTED) {
+        consume_interrupt(L);
+        ml_interrupt_error(L, fn);
     }
-    ml_error(L, fn, "unknown status %d", (int)s);
+    luaL_where(L, 1);
+    lua_pushstring(L, fn);
+    lua_pushliteral(L, ": ");
+    lua_pushstring(L, e->msg);
+    lua_concat(L, 4);
+    lua_error(L);
 }
 
 ml_kctx ml_kctx_of(ml_host *h)
 {
-    ml_kctx c = {h->nthreads, h->interrupt, NULL};
-    return c;
+    return ml_host_kctx(h);
 }
 
-const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev)
+void ml_check_device(lua_State *L, const char *fn, ml_device dev)
 {
-    const ml_backend *be = ml_host_of(L)->backend[dev];
-    if (!be)
+    ml_host *h = ml_host_of(L);
+    if (!h->kern[dev] && !h->planning)
         ml_error(L, fn, "device %s is not built in (make CUDA=1)", ml_device_names[dev]);
-    return be;
 }
 
 static int find_name(const char *s, const char *const *names, int n)

@@ -10,8 +10,7 @@
 #include <lauxlib.h>
 #include <lua.h>
 
-#include "../runtime/backend.h"
-#include "../runtime/tensor.h"
+#include "../runtime/op.h"
 
 #define ML_TENSOR_MT "moelua.Tensor"
 #define ML_POOL_MT "moelua.Pool"
@@ -48,8 +47,6 @@ ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
  * bounds from offset and strides, so two interleaved views count as one.) */
 int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
 
-/* dims as "[2,3]" (ml_format_shape's form), truncated to len. */
-void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
 /* t must be [dims...] (ndim of them), else an error in one of two wordings:
  * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
  * "what: expected shape [4], got [5]". */
@@ -81,8 +78,6 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
 /* Before retrying a refused allocation: return the device allocator's
  * cached blocks (CUDA) and collect garbage once. May run finalizers. */
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
-/* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
-const char *ml_unavailable_reason(const ml_host *h, ml_device dev);
 
 /* The open pool of the moelua.Pool at idx (host/bindings/l_pool.c), for bindings
  * that take scratch from a pool through host/runtime/pool.h directly; an error
@@ -112,12 +107,12 @@ void ml_pool_scratch_release(ml_pool_scratch *s);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
-/* A kernel called directly rather than through the backend table, skipped
- * inside moelua.mem.plan (where the plan backend skips the table's kernels):
- * st = ML_KERNEL(L, ml_rope_forward_cpu(...)). */
-#define ML_KERNEL(L, call) (ml_host_of(L)->planning ? ML_OK : (call))
+/* Raise for a non-OK op status (host/runtime/op.h): "<position>fn: e->msg",
+ * or the interrupt error. The caller has released what it holds. */
+void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e);
 ml_kctx ml_kctx_of(ml_host *h);
-const ml_backend *ml_backend_of(lua_State *L, const char *fn, ml_device dev);
+/* An error naming fn unless dev is built in (inside a plan every device is). */
+void ml_check_device(lua_State *L, const char *fn, ml_device dev);
 
 /* Names -> enums; -1 when unknown. */
 int ml_dtype_from_name(const char *s);

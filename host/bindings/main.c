@@ -544,7 +544,8 @@ static void host_init(ml_host *h)
     h->interrupt = ml_interrupt_flag();
     h->seed = 0x6d6f656c7561ULL;  /* "moelua"; moelua.manual_seed replaces it */
 #ifdef ML_WITH_CUDA
-    h->backend[ML_CUDA] = h->device_backend[ML_CUDA] = &ml_backend_cuda;
+    h->mem[ML_CUDA] = h->device_mem[ML_CUDA] = ml_backend_cuda.mem;
+    h->kern[ML_CUDA] = ml_backend_cuda.kern;
 #endif
     /* Without a budget an impossible allocation is an OOM kill; with one it
      * is a Lua error (DESIGN.md, The memory ledger). */

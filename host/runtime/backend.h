@@ -1,25 +1,30 @@
 /*
- * host/runtime/backend.h - the device abstraction (as in ggml): one table of
- * function pointers per device. The CPU table is always built; the CUDA
- * table exists in `make CUDA=1` builds (host/runtime/backend_cuda.c) and reports
- * itself absent when no GPU is present.
+ * host/runtime/backend.h - the device abstraction (as in ggml): a device is
+ * two tables of function pointers, memory and kernels. The CPU's are always
+ * built; CUDA's exist in `make CUDA=1` builds (host/runtime/backend_cuda.c),
+ * whose memory table reports itself absent when no GPU is present.
  *
- * Kernel entries have the signatures of kernels/<family>.h. `supports` says
- * whether an op/dtype pair runs on this device, so a binding can name what
- * is missing instead of failing inside a kernel.
+ * Not here: argument checks and the choice of device (the op layer,
+ * host/runtime/op.h), kernels (kernels/).
  */
 #ifndef ML_BACKEND_H
 #define ML_BACKEND_H
 
-#include "ledger.h"
+#include "tensor.h"
+#include "../../kernels/attention.h"
 #include "../../kernels/copy.h"
+#include "../../kernels/crossentropy.h"
 #include "../../kernels/dispatch.h"
 #include "../../kernels/elementwise.h"
+#include "../../kernels/embedding.h"
 #include "../../kernels/experts.h"
 #include "../../kernels/index.h"
 #include "../../kernels/matmul.h"
+#include "../../kernels/optim.h"
 #include "../../kernels/philox.h"
 #include "../../kernels/reduce.h"
+#include "../../kernels/rmsnorm.h"
+#include "../../kernels/rope.h"
 #include "../../kernels/router.h"
 #include "../../kernels/softmax.h"
 #include "../../kernels/topk.h"
@@ -27,25 +32,52 @@
 typedef enum {
     ML_OP_FILL, ML_OP_ARANGE, ML_OP_BINARY, ML_OP_UNARY, ML_OP_COPY, ML_OP_REDUCE,
     ML_OP_CUMSUM, ML_OP_SOFTMAX, ML_OP_TOPK, ML_OP_INDEX, ML_OP_MATMUL, ML_OP_RANDOM,
-    ML_OP_ROUTER, ML_OP_DISPATCH, ML_OP_EXPERTS,
+    ML_OP_ROUTER, ML_OP_DISPATCH, ML_OP_EXPERTS, ML_OP_RMSNORM, ML_OP_ROPE, ML_OP_EMBEDDING,
+    ML_OP_CROSSENTROPY, ML_OP_ATTENTION, ML_OP_OPTIM,
     ML_NOPS
 } ml_op;
 
-typedef struct ml_backend {
+/* Direction of a copy: host (CPU memory, pageable or pinned) or device. */
+typedef enum { ML_COPY_H2H, ML_COPY_H2D, ML_COPY_D2H, ML_COPY_D2D } ml_copy_dir;
+
+/* A device's memory table. A memory plan (moelua.mem.plan) swaps it for a
+ * plan table on every device (host/runtime/backend_plan.c) and leaves the
+ * kernel table alone: kernels are skipped at the one dispatch point,
+ * ML_KCALL below. Streams and events are opaque handles (cudaStream_t,
+ * cudaEvent_t on CUDA); the CPU's are NULL and every call on them is a no-op. */
+typedef struct ml_memory {
     const char *name;
     /* Is a device of this kind present? (CUDA: cudaGetDeviceCount > 0) */
     int (*available)(void);
-    int (*supports)(ml_op op, ml_dtype dt);
-    /* Raw device memory; the ledger is charged by the caller. The CUDA
-     * backend caches freed blocks and reports its reserved bytes. */
+    /* Raw device memory; the ledger is charged by the caller (tensor.c,
+     * pool.c). The CUDA table caches freed blocks and reports its reserved
+     * bytes to lg. */
     void *(*alloc)(size_t nbytes, ml_ledger *lg);
+    void (*free)(void *p, size_t nbytes, ml_ledger *lg);
     /* Bytes the device reserves for a block of nbytes (a caching allocator
      * rounds up); NULL: nbytes. Budgets are checked against this. */
     size_t (*reserve_bytes)(size_t nbytes);
-    void (*free)(void *p, size_t nbytes, ml_ledger *lg);
-    /* Byte copy where one side may be on the host (dst_host / src_host). */
-    ml_status (*memcpy)(void *dst, int dst_host, const void *src, int src_host, size_t n);
-    ml_status (*synchronize)(void);
+    /* Byte copy in direction dir, ordered on stream (NULL: the default
+     * stream; the call returns when the bytes are there). */
+    ml_status (*memcpy)(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream);
+    ml_status (*stream_new)(void **stream);
+    void (*stream_free)(void *stream);
+    ml_status (*event_new)(void **event);
+    void (*event_free)(void *event);
+    ml_status (*event_record)(void *event, void *stream);
+    /* Work queued on stream after this waits for event. */
+    ml_status (*stream_wait)(void *stream, void *event);
+    /* Wait for stream (NULL: every stream of the device). */
+    ml_status (*synchronize)(void *stream);
+} ml_memory;
+
+/* A device's kernel table: every family of kernels/, with the signatures
+ * of kernels/<family>.h, the same on every device. An entry a device lacks
+ * is NULL (ML_KCALL says ML_EUNSUPPORTED). `supports` says whether an
+ * op/dtype pair runs, so an op can name what is missing instead of failing
+ * inside a kernel. */
+typedef struct ml_kernels {
+    int (*supports)(ml_op op, ml_dtype dt);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);
@@ -100,12 +132,82 @@ typedef struct ml_backend {
                                   const void *, const void *, const void *, const void *,
                                   const int64_t *, const int64_t *, const void *, const void *,
                                   const ml_experts_cfg *, const ml_kctx *);
+
+    /* The dense layers (kernels/rmsnorm.h, rope.h, embedding.h,
+     * crossentropy.h, attention.h). Host scalars (the CE loss) stay host
+     * pointers on every backend. */
+    ml_status (*rmsnorm_forward)(ml_dtype, void *, double *, const void *, const void *,
+                                 int64_t, int64_t, double, const ml_kctx *);
+    ml_status (*rmsnorm_backward)(ml_dtype, void *, void *, const void *, const void *,
+                                  const void *, const double *, int64_t, int64_t, const ml_kctx *);
+    ml_status (*rope_forward)(ml_dtype, void *, const void *, int64_t, int64_t, int64_t, int64_t,
+                              double, const ml_kctx *);
+    ml_status (*rope_backward)(ml_dtype, void *, const void *, int64_t, int64_t, int64_t, int64_t,
+                               double, const ml_kctx *);
+    ml_status (*embedding_forward)(ml_dtype, void *, const int64_t *, const void *, int64_t,
+                                   int64_t, int64_t, const ml_kctx *);
+    ml_status (*embedding_backward)(ml_dtype, void *, const void *, const int64_t *, int64_t,
+                                    int64_t, int64_t, const ml_kctx *);
+    ml_status (*ce_forward)(ml_dtype, double *, double *, const void *, const void *,
+                            const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, void *,
+                            const ml_kctx *);
+    ml_status (*ce_backward)(ml_dtype, void *, void *, double, const void *, const void *,
+                             const int64_t *, const double *, int64_t, int64_t, int64_t, int64_t,
+                             int64_t, void *, const ml_kctx *);
+    ml_status (*attention_forward)(ml_dtype, void *, double *, const void *, const void *,
+                                   const void *, int64_t, int64_t, int64_t, int64_t, void *,
+                                   const ml_kctx *);
+    ml_status (*attention_backward)(ml_dtype, void *, void *, void *, double *, const void *,
+                                    const void *, const void *, const void *, const void *,
+                                    const double *, int64_t, int64_t, int64_t, int64_t, void *,
+                                    const ml_kctx *);
+
+    /* Optimizers and norms (kernels/optim.h). Host scalars (sumsq's out,
+     * lazy Adam's nactive) stay host pointers on every backend. */
+    ml_status (*adamw)(ml_dtype, void *, void *, void *, const void *, int64_t,
+                       const ml_adamw_hp *, const ml_kctx *);
+    ml_status (*lazy_adamw)(ml_dtype, void *, void *const *, void *const *, int64_t *,
+                            const void *, const uint8_t *, int64_t, int64_t, const ml_adamw_hp *,
+                            int64_t *, const ml_kctx *);
+    ml_status (*sgd)(ml_dtype, void *, void *, const void *, int64_t, const ml_sgd_hp *,
+                     const ml_kctx *);
+    ml_status (*sumsq)(ml_dtype, double *, const void *, int64_t, const ml_kctx *);
+    ml_status (*slice_norms)(ml_dtype, double *, const void *, int64_t, int64_t, const ml_kctx *);
+    ml_status (*scale_slices)(ml_dtype, void *, const double *, int64_t, int64_t,
+                              const ml_kctx *);
+} ml_kernels;
+
+/* A device: its memory table and its kernel table. */
+typedef struct ml_backend {
+    const char *name;
+    const ml_memory *mem;
+    const ml_kernels *kern;
 } ml_backend;
 
 extern const ml_backend ml_backend_cpu;
-extern const ml_backend ml_backend_plan;   /* host/runtime/backend_plan.c: moelua.mem.plan's dry run */
 #ifdef ML_WITH_CUDA
 extern const ml_backend ml_backend_cuda;
 #endif
+/* host/runtime/backend_plan.c: the memory tables of a dry run, per device
+ * (address space only; CUDA's with the caching allocator's rounding, so a
+ * CUDA run plans on a machine without a GPU). */
+extern const ml_memory *const ml_memory_plan[ML_NDEVICES];
+
+/* The caching allocator's block size for a request of n bytes (512 B steps
+ * up to 1 MiB, then 2 MiB steps): what the CUDA allocator reserves and
+ * what a plan of a CUDA run charges. */
+size_t ml_cuda_round_size(size_t n);
+
+/* The one dispatch point of kernels (DESIGN.md, Layers): inside a memory
+ * plan every kernel is skipped here, and a family the device lacks is
+ * ML_EUNSUPPORTED. h is an ml_host *, dev an ml_device. */
+#define ML_KCALL(h, dev, family, ...)                                                   \
+    ((h)->planning ? ML_OK                                                              \
+     : !(h)->kern[dev] || !(h)->kern[dev]->family ? ML_EUNSUPPORTED                     \
+     : (h)->kern[dev]->family(__VA_ARGS__))
+/* The same for the validators that return a position or -1 ("nothing bad"):
+ * a plan has nothing to validate. */
+#define ML_KCHECK(h, dev, family, ...) \
+    ((h)->planning || !(h)->kern[dev] ? (int64_t)-1 : (h)->kern[dev]->family(__VA_ARGS__))
 
 #endif

@@ -1,6 +1,7 @@
 /*
- * host/runtime/backend_cpu.c - the CPU backend table: 64-byte aligned host memory
- * and the kernels/<family>.c implementations.
+ * host/runtime/backend_cpu.c - the CPU's two tables: 64-byte aligned host
+ * memory (no streams: every copy is done when it returns) and the
+ * kernels/<family>.c implementations.
  */
 #include "backend.h"
 
@@ -8,12 +9,6 @@
 #include <string.h>
 
 static int cpu_available(void) { return 1; }
-
-static int cpu_supports(ml_op op, ml_dtype dt)
-{
-    (void)op; (void)dt;
-    return 1;  /* every op exists on the CPU; kernels refuse dtypes they lack */
-}
 
 static void *cpu_alloc(size_t nbytes, ml_ledger *lg)
 {
@@ -29,24 +24,45 @@ static void cpu_free(void *p, size_t nbytes, ml_ledger *lg)
     free(p);
 }
 
-static ml_status cpu_memcpy(void *dst, int dst_host, const void *src, int src_host, size_t n)
+static ml_status cpu_memcpy(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream)
 {
-    (void)dst_host; (void)src_host;
+    (void)dir; (void)stream;
     if (n)
         memcpy(dst, src, n);
     return ML_OK;
 }
 
-static ml_status cpu_synchronize(void) { return ML_OK; }
+/* The CPU has no streams or events: handles are NULL and work is done in
+ * program order. */
+static ml_status cpu_handle_new(void **handle) { *handle = NULL; return ML_OK; }
+static void cpu_handle_free(void *handle) { (void)handle; }
+static ml_status cpu_event_record(void *event, void *stream) { (void)event; (void)stream; return ML_OK; }
+static ml_status cpu_stream_wait(void *stream, void *event) { (void)stream; (void)event; return ML_OK; }
+static ml_status cpu_synchronize(void *stream) { (void)stream; return ML_OK; }
 
-const ml_backend ml_backend_cpu = {
+static const ml_memory cpu_memory = {
     .name = "cpu",
     .available = cpu_available,
-    .supports = cpu_supports,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .memcpy = cpu_memcpy,
+    .stream_new = cpu_handle_new,
+    .stream_free = cpu_handle_free,
+    .event_new = cpu_handle_new,
+    .event_free = cpu_handle_free,
+    .event_record = cpu_event_record,
+    .stream_wait = cpu_stream_wait,
     .synchronize = cpu_synchronize,
+};
+
+static int cpu_supports(ml_op op, ml_dtype dt)
+{
+    (void)op; (void)dt;
+    return 1;  /* every op exists on the CPU; kernels refuse dtypes they lack */
+}
+
+static const ml_kernels cpu_kernels = {
+    .supports = cpu_supports,
     .fill = ml_fill_cpu,
     .arange = ml_arange_cpu,
     .binary = ml_binary_cpu,
@@ -73,4 +89,22 @@ const ml_backend ml_backend_cpu = {
     .dispatch_check_plan = ml_dispatch_check_plan_cpu,
     .experts_forward = ml_experts_forward_cpu,
     .experts_backward = ml_experts_backward_cpu,
+    .rmsnorm_forward = ml_rmsnorm_forward_cpu,
+    .rmsnorm_backward = ml_rmsnorm_backward_cpu,
+    .rope_forward = ml_rope_forward_cpu,
+    .rope_backward = ml_rope_backward_cpu,
+    .embedding_forward = ml_embedding_forward_cpu,
+    .embedding_backward = ml_embedding_backward_cpu,
+    .ce_forward = ml_ce_forward_cpu,
+    .ce_backward = ml_ce_backward_cpu,
+    .attention_forward = ml_attention_forward_cpu,
+    .attention_backward = ml_attention_backward_cpu,
+    .adamw = ml_adamw_cpu,
+    .lazy_adamw = ml_lazy_adamw_cpu,
+    .sgd = ml_sgd_cpu,
+    .sumsq = ml_sumsq_cpu,
+    .slice_norms = ml_slice_norms_cpu,
+    .scale_slices = ml_scale_slices_cpu,
 };
+
+const ml_backend ml_backend_cpu = {"cpu", &cpu_memory, &cpu_kernels};

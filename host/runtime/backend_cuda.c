@@ -55,34 +55,9 @@ const char *ml_cuda_last_error(void)
     return e[0] ? e : cb ? cb : "";
 }
 
-static int cuda_supports(ml_op op, ml_dtype dt)
-{
-    int flt = dt == ML_F32 || dt == ML_F64;
-    int num = flt || dt == ML_I32 || dt == ML_I64;
-    switch (op) {
-    case ML_OP_FILL: case ML_OP_ARANGE: case ML_OP_COPY: case ML_OP_INDEX:
-        return 1;           /* scatter_add: f32, f64, i32, i64 (the kernel says) */
-    case ML_OP_BINARY: case ML_OP_CUMSUM:
-        return num;
-    case ML_OP_UNARY:
-        return num;         /* integers: neg and abs only (the kernel says) */
-    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_MATMUL:
-    case ML_OP_ROUTER: case ML_OP_EXPERTS:
-        return flt;
-    case ML_OP_DISPATCH:
-        return dt == ML_I64;
-    case ML_OP_RANDOM:
-        return flt || dt == ML_BF16 || dt == ML_F16;
-    default:
-        return 0;
-    }
-}
-
 /* ---- caching allocator -------------------------------------------------- */
 
-#define SMALL_MAX   ((size_t)1 << 20)     /* up to 1 MiB: 512-byte steps */
-#define SMALL_STEP  ((size_t)512)
-#define LARGE_STEP  ((size_t)2 << 20)     /* above: 2 MiB steps */
+#define SMALL_STEP  ((size_t)512)        /* ml_cuda_round_size's smallest step */
 #define NBUCKETS    256                   /* hash heads of the free lists */
 
 typedef struct bucket {
@@ -112,17 +87,6 @@ static void fatal(const char *file, int line, const char *why)
 {
     fprintf(stderr, "moelua: %s:%d: %s\n", file, line, why);
     abort();
-}
-
-static size_t round_size(size_t n)
-{
-    if (n == 0)
-        n = 1;
-    if (n <= SMALL_MAX)
-        return (n + SMALL_STEP - 1) / SMALL_STEP * SMALL_STEP;
-    if (n > SIZE_MAX - LARGE_STEP)
-        return 0;
-    return (n + LARGE_STEP - 1) / LARGE_STEP * LARGE_STEP;
 }
 
 static size_t hash_size(size_t s) { return (s / SMALL_STEP * 2654435761u) % NBUCKETS; }
@@ -236,8 +200,8 @@ static void release_cache(void)
 
 static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
 {
-    size_t size = round_size(nbytes);
-    if (!size || !cuda_available())
+    size_t size = ml_cuda_round_size(nbytes);
+    if (size == SIZE_MAX || !cuda_available())
         return NULL;
     pthread_mutex_lock(&A.mu);
     void *p = NULL;
@@ -375,49 +339,126 @@ void ml_cuda_shutdown(void)
     cudaDeviceReset();
 }
 
-/* ---- copies ------------------------------------------------------------- */
+/* ---- copies, streams, events ------------------------------------------- */
 
-static ml_status cuda_memcpy(void *dst, int dst_host, const void *src, int src_host, size_t n)
+/* A failed CUDA call: remember its text for ML_EDEVICE messages, clear it. */
+static ml_status device_error(cudaError_t e)
 {
+    ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+    cudaGetLastError();
+    return ML_EDEVICE;
+}
+
+static ml_status cuda_memcpy(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream)
+{
+    static const enum cudaMemcpyKind kinds[] = {
+        [ML_COPY_H2H] = cudaMemcpyHostToHost, [ML_COPY_H2D] = cudaMemcpyHostToDevice,
+        [ML_COPY_D2H] = cudaMemcpyDeviceToHost, [ML_COPY_D2D] = cudaMemcpyDeviceToDevice,
+    };
     if (n == 0)
         return ML_OK;
-    if (dst_host && src_host) {
+    if (dir == ML_COPY_H2H) {
         memcpy(dst, src, n);
         return ML_OK;
     }
-    enum cudaMemcpyKind kind = dst_host ? cudaMemcpyDeviceToHost
-                             : src_host ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice;
-    cudaError_t e = cudaMemcpy(dst, src, n, kind);
-    if (e != cudaSuccess) {
-        ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
-        cudaGetLastError();
-        return ML_EDEVICE;
-    }
-    return ML_OK;
+    cudaError_t e = stream ? cudaMemcpyAsync(dst, src, n, kinds[dir], (cudaStream_t)stream)
+                           : cudaMemcpy(dst, src, n, kinds[dir]);
+    return e == cudaSuccess ? ML_OK : device_error(e);
 }
 
-static ml_status cuda_synchronize(void)
+static ml_status cuda_stream_new(void **stream)
+{
+    cudaStream_t s = NULL;
+    cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    *stream = s;
+    return e == cudaSuccess ? ML_OK : device_error(e);
+}
+
+static void cuda_stream_free(void *stream)
+{
+    if (stream)
+        cudaStreamDestroy((cudaStream_t)stream);
+    cudaGetLastError();
+}
+
+static ml_status cuda_event_new(void **event)
+{
+    cudaEvent_t ev = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    *event = ev;
+    return e == cudaSuccess ? ML_OK : device_error(e);
+}
+
+static void cuda_event_free(void *event)
+{
+    if (event)
+        cudaEventDestroy((cudaEvent_t)event);
+    cudaGetLastError();
+}
+
+static ml_status cuda_event_record(void *event, void *stream)
+{
+    cudaError_t e = cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream);
+    return e == cudaSuccess ? ML_OK : device_error(e);
+}
+
+static ml_status cuda_stream_wait(void *stream, void *event)
+{
+    cudaError_t e = cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0);
+    return e == cudaSuccess ? ML_OK : device_error(e);
+}
+
+static ml_status cuda_synchronize(void *stream)
 {
     if (!cuda_available())
         return ML_OK;
-    cudaError_t e = cudaDeviceSynchronize();
-    if (e != cudaSuccess) {
-        ml_cuda_note_error(cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
-        cudaGetLastError();
-        return ML_EDEVICE;
-    }
-    return ML_OK;
+    cudaError_t e = stream ? cudaStreamSynchronize((cudaStream_t)stream) : cudaDeviceSynchronize();
+    return e == cudaSuccess ? ML_OK : device_error(e);
 }
 
-const ml_backend ml_backend_cuda = {
+static const ml_memory cuda_memory = {
     .name = "cuda",
     .available = cuda_available,
-    .supports = cuda_supports,
     .alloc = cuda_alloc,
-    .reserve_bytes = round_size,
     .free = cuda_free,
+    .reserve_bytes = ml_cuda_round_size,
     .memcpy = cuda_memcpy,
+    .stream_new = cuda_stream_new,
+    .stream_free = cuda_stream_free,
+    .event_new = cuda_event_new,
+    .event_free = cuda_event_free,
+    .event_record = cuda_event_record,
+    .stream_wait = cuda_stream_wait,
     .synchronize = cuda_synchronize,
+};
+
+/* ---- kernels ------------------------------------------------------------ */
+
+static int cuda_supports(ml_op op, ml_dtype dt)
+{
+    int flt = dt == ML_F32 || dt == ML_F64;
+    int num = flt || dt == ML_I32 || dt == ML_I64;
+    switch (op) {
+    case ML_OP_FILL: case ML_OP_ARANGE: case ML_OP_COPY: case ML_OP_INDEX:
+        return 1;           /* scatter_add: f32, f64, i32, i64 (the kernel says) */
+    case ML_OP_BINARY: case ML_OP_CUMSUM:
+        return num;
+    case ML_OP_UNARY:
+        return num;         /* integers: neg and abs only (the kernel says) */
+    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_MATMUL:
+    case ML_OP_ROUTER: case ML_OP_EXPERTS:
+        return flt;
+    case ML_OP_DISPATCH:
+        return dt == ML_I64;
+    case ML_OP_RANDOM:
+        return flt || dt == ML_BF16 || dt == ML_F16;
+    default:
+        return 0;
+    }
+}
+
+static const ml_kernels cuda_kernels = {
+    .supports = cuda_supports,
     .fill = ml_fill_cuda,
     .arange = ml_arange_cuda,
     .binary = ml_binary_cuda,
@@ -445,3 +486,5 @@ const ml_backend ml_backend_cuda = {
     .experts_forward = ml_experts_forward_cuda,
     .experts_backward = ml_experts_backward_cuda,
 };
+
+const ml_backend ml_backend_cuda = {"cuda", &cuda_memory, &cuda_kernels};

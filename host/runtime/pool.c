@@ -26,15 +26,15 @@ static int outside_plan(const ml_pool *p)
 static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
 {
     ml_ledger *lg = p->lg;
-    const ml_backend *be = p->be;
+    const ml_memory *mem = p->mem;
     *astatus = ML_ALLOC_OK;
     if (outside_plan(p))
         return ML_POOL_OUTSIDE_PLAN;
-    if (!be || !be->available()) {
+    if (!mem || !mem->available()) {
         *astatus = ML_ALLOC_NODEVICE;
         return ML_POOL_LEDGER;
     }
-    switch (ml_ledger_check(lg, ML_CAT_POOL, be->reserve_bytes ? be->reserve_bytes(bytes) : bytes)) {
+    switch (ml_ledger_check(lg, ML_CAT_POOL, mem->reserve_bytes ? mem->reserve_bytes(bytes) : bytes)) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
     case ML_LEDGER_OK:            break;
@@ -43,7 +43,7 @@ static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astat
     if (!nb)
         return ML_POOL_NOMEM;
     p->blocks = nb;
-    void *data = bytes ? be->alloc(bytes, lg) : NULL;
+    void *data = bytes ? mem->alloc(bytes, lg) : NULL;
     if (bytes && !data) {
         *astatus = ML_ALLOC_NOMEM;
         return ML_POOL_NOMEM;
@@ -67,7 +67,7 @@ ml_pool_status ml_pool_new(ml_host *h, ml_device dev, size_t bytes, int grow,
     p->host = h;
     p->device = dev;
     p->lg = h->ledger[dev];
-    p->be = h->backend[dev];
+    p->mem = h->mem[dev];
     p->refs = 1;
     p->grow = grow;
     ml_pool_status s = add_block(p, align_up(bytes), astatus);
@@ -142,7 +142,7 @@ static ml_pool_status rebuild(ml_pool *p, size_t bytes, ml_alloc_status *astatus
     for (size_t i = 0; i < p->nblocks; i++) {
         ml_ledger_credit(p->lg, ML_CAT_POOL, p->blocks[i].size);
         if (p->blocks[i].data)
-            p->be->free(p->blocks[i].data, p->blocks[i].size, p->lg);
+            p->mem->free(p->blocks[i].data, p->blocks[i].size, p->lg);
     }
     p->nblocks = 0;
     p->capacity = 0;
@@ -163,10 +163,10 @@ ml_pool_status ml_pool_reserve(ml_pool *p, size_t bytes, ml_alloc_status *astatu
         return ML_POOL_OK;
     /* asked as if the old blocks were returned already, so that a refusal
      * keeps them (in the device's reserved bytes, as add_block asks) */
-    size_t want = p->be && p->be->reserve_bytes ? p->be->reserve_bytes(bytes) : bytes;
+    size_t want = p->mem && p->mem->reserve_bytes ? p->mem->reserve_bytes(bytes) : bytes;
     size_t have = 0;
     for (size_t i = 0; i < p->nblocks; i++)
-        have += p->be && p->be->reserve_bytes ? p->be->reserve_bytes(p->blocks[i].size) : p->blocks[i].size;
+        have += p->mem && p->mem->reserve_bytes ? p->mem->reserve_bytes(p->blocks[i].size) : p->blocks[i].size;
     switch (ml_ledger_check(p->lg, ML_CAT_POOL, want > have ? want - have : 0)) {
     case ML_LEDGER_OVER_TOTAL:    p->lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: p->lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
@@ -207,7 +207,7 @@ void ml_pool_release(ml_pool *p)
     for (size_t i = 0; i < p->nblocks; i++) {
         ml_ledger_credit(p->lg, ML_CAT_POOL, p->blocks[i].size);
         if (p->blocks[i].data)
-            p->be->free(p->blocks[i].data, p->blocks[i].size, p->lg);
+            p->mem->free(p->blocks[i].data, p->blocks[i].size, p->lg);
     }
     p->host->plan_live -= ml_is_plan_ledger(p->host, p->lg);
     free(p->blocks);

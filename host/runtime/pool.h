@@ -30,7 +30,7 @@ typedef struct ml_pool {
     ml_host *host;
     ml_device device;
     ml_ledger *lg;            /* the book and table its blocks come from */
-    const struct ml_backend *be;
+    const struct ml_memory *mem;
     int refs;                 /* the Lua object + each live view */
     int grow;                 /* overflow policy: 1 grow, 0 raise */
     ml_pool_block *blocks;

@@ -24,7 +24,8 @@ void ml_host_init(ml_host *h)
     h->books[ML_CUDA].caching = 1;
     h->category = ML_CAT_OTHER;
     h->nthreads = 1;
-    h->backend[ML_CPU] = h->device_backend[ML_CPU] = &ml_backend_cpu;
+    h->mem[ML_CPU] = h->device_mem[ML_CPU] = ml_backend_cpu.mem;
+    h->kern[ML_CPU] = ml_backend_cpu.kern;
 }
 
 void ml_host_free(ml_host *h)
@@ -37,12 +38,12 @@ void ml_host_free(ml_host *h)
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
 {
-    const ml_backend *be = h->backend[dev];
+    const ml_memory *mem = h->mem[dev];
     ml_ledger *lg = h->ledger[dev];
     *out = NULL;
-    if (!be || !be->available())
+    if (!mem || !mem->available())
         return ML_ALLOC_NODEVICE;
-    switch (ml_ledger_check(lg, h->category, be->reserve_bytes ? be->reserve_bytes(nbytes) : nbytes)) {
+    switch (ml_ledger_check(lg, h->category, mem->reserve_bytes ? mem->reserve_bytes(nbytes) : nbytes)) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
     case ML_LEDGER_OK:            break;
@@ -50,7 +51,7 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     ml_storage *st = calloc(1, sizeof *st);
     if (!st)
         return ML_ALLOC_NOMEM;
-    if (nbytes && !(st->data = be->alloc(nbytes, lg))) {
+    if (nbytes && !(st->data = mem->alloc(nbytes, lg))) {
         free(st);
         return ML_ALLOC_NOMEM;
     }
@@ -60,7 +61,7 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     st->refs = 1;
     st->host = h;
     st->lg = lg;
-    st->be = be;
+    st->mem = mem;
     h->plan_live += h->planning;
     ml_ledger_charge(lg, st->cat, nbytes);
     *out = st;
@@ -81,7 +82,7 @@ void ml_storage_release(ml_storage *st)
     } else {
         ml_ledger_credit(st->lg, st->cat, st->nbytes);
         if (st->data)
-            st->be->free(st->data, st->nbytes, st->lg);
+            st->mem->free(st->data, st->nbytes, st->lg);
         st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
     }
     free(st);

@@ -26,17 +26,23 @@ extern const char *const ml_device_names[ML_NDEVICES];
 extern const char *const ml_dtype_names[ML_NDTYPES];
 
 struct ml_pool;
-struct ml_backend;
+struct ml_memory;
+struct ml_kernels;
 
 /* Process-wide state of one moelua host. Owned by main.c, reached from Lua
  * through the registry (host/bindings/l_util.h: ml_host_of).
  *
- * `ledger` and `backend` are what allocations and kernels use now: the
- * device's real account book and table, or, while moelua.mem.plan runs a
- * dry run (DESIGN.md, The memory ledger), a virtual book and the plan
- * backend (host/runtime/backend_plan.c: address space only, kernels skipped). Every
- * storage and pool remembers the book and table it was charged to, so one
- * that outlives a plan is still returned to the right place. */
+ * `ledger` and `mem` are what allocations use now: the device's real
+ * account book and memory table, or, while moelua.mem.plan runs a dry run
+ * (DESIGN.md, The memory ledger), a virtual book and a plan memory table
+ * (host/runtime/backend_plan.c: address space only) on every device, while
+ * `planning` makes ML_KCALL skip every kernel. Every storage and pool
+ * remembers the book and table it was charged to, so one that outlives a
+ * plan is still returned to the right place.
+ *
+ * `reclaim`, when set, is called once before an allocation that the ledger
+ * or the system refused is retried: the Lua bindings collect garbage there
+ * (host/bindings/l_util.c), so dead tensors give their bytes back. */
 typedef struct ml_host {
     ml_ledger books[ML_NDEVICES];         /* the real account books */
     ml_ledger plan_books[ML_NDEVICES];    /* mem.plan's virtual books */
@@ -46,10 +52,13 @@ typedef struct ml_host {
     uint64_t seed;                        /* Philox key of the host generator */
     uint64_t rng_offset;                  /* next unused Philox counter */
     volatile sig_atomic_t *interrupt;     /* Ctrl-C flag set by the signal handler */
-    const struct ml_backend *backend[ML_NDEVICES];  /* NULL: device not built in */
-    const struct ml_backend *device_backend[ML_NDEVICES];  /* the real tables */
+    const struct ml_memory *mem[ML_NDEVICES];        /* NULL: device not built in */
+    const struct ml_memory *device_mem[ML_NDEVICES]; /* the real memory tables */
+    const struct ml_kernels *kern[ML_NDEVICES];      /* NULL: device not built in */
     int planning;                         /* inside moelua.mem.plan */
     size_t plan_live;                     /* storages and pools charged to plan_books */
+    void (*reclaim)(struct ml_host *h, ml_device dev);
+    void *reclaim_ud;
 } ml_host;
 
 typedef struct ml_storage {
@@ -59,8 +68,8 @@ typedef struct ml_storage {
     ml_category cat;
     int refs;
     ml_host *host;
-    ml_ledger *lg;            /* the book and table it was charged to */
-    const struct ml_backend *be;
+    ml_ledger *lg;            /* the book and memory table it was charged to */
+    const struct ml_memory *mem;
     struct ml_pool *pool;     /* non-NULL: a pool view, freed with the pool */
     size_t slot;              /* pool slot and allocation id of that view */
     uint64_t id;

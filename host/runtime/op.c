@@ -1,0 +1,207 @@
+/*
+ * host/runtime/op.c - the op layer's common part (host/runtime/op.h):
+ * messages, allocation with the reclaim-and-retry rule, argument checks.
+ */
+#include "op.h"
+#include "pool.h"
+#ifdef ML_WITH_CUDA
+#include "backend_cuda.h"
+#endif
+
+#include <stdio.h>
+#include <string.h>
+
+ml_status ml_err_set(ml_err *e, ml_status s, const char *fmt, ...)
+{
+    if (s == ML_OK || !e)
+        return s;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+ml_status ml_kernel_status(ml_status s, ml_err *e)
+{
+    switch (s) {
+    case ML_OK:           return s;
+    case ML_EINTERRUPTED: return ml_err_set(e, s, "interrupted");
+    case ML_ENAN:         return ml_err_set(e, s, "NaN in the input");
+    case ML_EUNSUPPORTED: return ml_err_set(e, s, "dtype not supported by this operation");
+#ifdef ML_WITH_CUDA
+    case ML_EDEVICE:      return ml_err_set(e, s, "the device reported an error: %s", ml_cuda_last_error());
+#else
+    case ML_EDEVICE:      return ml_err_set(e, s, "the device reported an error");
+#endif
+    case ML_EINVAL: case ML_EALLOC:
+        return s;         /* an op's own status: its message is already set */
+    }
+    return ml_err_set(e, s, "unknown status %d", (int)s);
+}
+
+ml_kctx ml_host_kctx(const ml_host *h)
+{
+    ml_kctx c = {h->nthreads, h->interrupt, NULL};
+    return c;
+}
+
+void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len)
+{
+    size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
+    size_t total = h->ledger[dev]->total;
+    ml_ledger_format(h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU && !h->planning,
+                     buf, len);
+}
+
+const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev)
+{
+    if (!h->mem[dev])
+        return "built without it: make CUDA=1";
+#ifdef ML_WITH_CUDA
+    if (dev == ML_CUDA && ml_cuda_unavailable_reason()[0])
+        return ml_cuda_unavailable_reason();
+#endif
+    return "no device present";
+}
+
+ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                          const int64_t *shape, ml_err *e)
+{
+    int64_t n = ml_shape_numel(ndim, shape);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
+        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
+    size_t nbytes = (size_t)n * ml_dtype_size(dt);
+    ml_storage *st = NULL;
+    ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
+    if ((s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) && h->reclaim) {
+        h->reclaim(h, dev);
+        s = ml_storage_new(h, dev, nbytes, &st);
+    }
+    if (s == ML_ALLOC_NODEVICE)
+        return ml_err_set(e, ML_EINVAL, "device %s is not available (%s)", ml_device_names[dev],
+                          ml_device_unavailable_reason(h, dev));
+    if (s != ML_ALLOC_OK) {
+        char want[32], limit[32], report[2048];
+        const ml_ledger *lg = h->ledger[dev];
+        const char *cat = ml_category_names[h->category];
+        ml_format_bytes(nbytes, want, sizeof want);
+        ml_format_bytes(s == ML_ALLOC_OVER_TOTAL ? lg->budget_total : lg->budget[h->category], limit,
+                        sizeof limit);
+        ml_host_ledger_report(h, dev, report, sizeof report);
+        if (s == ML_ALLOC_NOMEM)
+            return ml_err_set(e, ML_EALLOC, "out of memory allocating %s (%s) on %s\n%s", want, cat,
+                              ml_device_names[dev], report);
+        return ml_err_set(e, ML_EALLOC, "allocating %s (%s) on %s would exceed the %s budget of %s\n%s",
+                          want, cat, ml_device_names[dev], s == ML_ALLOC_OVER_TOTAL ? "total" : cat,
+                          limit, report);
+    }
+    t->st = st;
+    t->offset = 0;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
+    ml_set_contiguous_strides(t);
+    return ML_OK;
+}
+
+void ml_tensor_drop(ml_tensor *t)
+{
+    if (t && t->st) {
+        ml_storage_release(t->st);
+        t->st = NULL;
+    }
+}
+
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
+{
+    size_t at = 0;
+    at += (size_t)snprintf(buf, len, "[");
+    for (int i = 0; i < ndim && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
+    if (at < len)
+        snprintf(buf + at, len - at, "]");
+}
+
+/* "f32 or f64" for a dtype mask. */
+static void format_dtypes(unsigned dtypes, char *buf, size_t len)
+{
+    size_t at = 0;
+    int n = 0, total = __builtin_popcount(dtypes);
+    buf[0] = 0;
+    for (int d = 0; d < ML_NDTYPES && at < len; d++) {
+        if (!(dtypes & ML_DT(d)))
+            continue;
+        n++;
+        at += (size_t)snprintf(buf + at, len - at, "%s%s",
+                               n == 1 ? "" : n == total ? " or " : ", ", ml_dtype_names[d]);
+    }
+}
+
+ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,
+                         int ndim, int contig, ml_err *e)
+{
+    if (!t->st)
+        return ml_err_set(e, ML_EINVAL, "%s: the tensor was freed", name);
+    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
+        return ml_err_set(e, ML_EINVAL, "%s: stale pool view (its frame was rewound)", name);
+    if (t->st->device != dev)
+        return ml_err_set(e, ML_EINVAL, "%s is on %s but the op runs on %s", name,
+                          ml_device_names[t->st->device], ml_device_names[dev]);
+    if (!(dtypes & ML_DT(t->dtype))) {
+        char want[64];
+        format_dtypes(dtypes, want, sizeof want);
+        return ml_err_set(e, ML_EINVAL, "%s must be %s, got %s", name, want, ml_dtype_names[t->dtype]);
+    }
+    if (ndim >= 0 && t->ndim != ndim)
+        return ml_err_set(e, ML_EINVAL, "%s must have %d dims, got %d", name, ndim, t->ndim);
+    if (ndim < 0 && t->ndim < 1)
+        return ml_err_set(e, ML_EINVAL, "%s must have at least 1 dim, got 0", name);
+    if (contig && !ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s must be contiguous (call :contiguous())", name);
+    return ML_OK;
+}
+
+ml_status ml_check_shape(const ml_tensor *t, const char *name, int ndim, const int64_t *dims,
+                         ml_err *e)
+{
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++)
+        ok = t->shape[i] == dims[i];
+    if (ok)
+        return ML_OK;
+    char have[96], want[96];
+    ml_format_dims(t->ndim, t->shape, have, sizeof have);
+    ml_format_dims(ndim, dims, want, sizeof want);
+    return ml_err_set(e, ML_EINVAL, "%s is %s but must be %s", name, have, want);
+}
+
+ml_status ml_check_same_dtype(const ml_tensor *t, const char *name, const char *ref, ml_dtype dt,
+                              ml_err *e)
+{
+    if (t->dtype == dt)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "%s is %s but %s is %s (same dtype expected)", name,
+                      ml_dtype_names[t->dtype], ref, ml_dtype_names[dt]);
+}
+
+ml_status ml_prepare_output(ml_host *h, ml_tensor *t, const char *name, ml_device dev, ml_dtype dt,
+                            int ndim, const int64_t *dims, ml_err *e)
+{
+    if (!t->st)
+        return ml_tensor_alloc(h, t, dev, dt, ndim, dims, e);
+    ML_TRY(ml_check_input(t, name, dev, ML_DT(dt), ndim, 1, e));
+    return ml_check_shape(t, name, ndim, dims, e);
+}
+
+ml_status ml_prepare_accumulator(ml_host *h, ml_tensor *t, const char *name, ml_device dev,
+                                 ml_dtype dt, int ndim, const int64_t *dims, ml_err *e)
+{
+    int fresh = !t->st;
+    ML_TRY(ml_prepare_output(h, t, name, dev, dt, ndim, dims, e));
+    if (!fresh || ml_numel(t) == 0)
+        return ML_OK;
+    ml_kctx c = ml_host_kctx(h);
+    c.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
+}

@@ -1,0 +1,90 @@
+/*
+ * host/runtime/op.h - the op layer's common part (DESIGN.md, Layers): what
+ * every op of host/runtime/ops_*.c shares. An op is a C function over
+ * moelua tensors that checks dtypes, shapes and devices, picks the device's
+ * kernel (ML_KCALL, the one dispatch point) and returns a status with a
+ * message in an ml_err. It never raises and needs no Lua state: the Lua
+ * bindings (host/bindings/) convert Lua values, call it, and raise the
+ * message naming their function; C callers (tests/c, the sharding and
+ * expert-store code) read it.
+ *
+ * Outputs: an output tensor whose storage is NULL (a zeroed ml_tensor, or
+ * a binding's new userdata) is allocated by the op, contiguous, on the
+ * inputs' device, under the host's current ledger category; one that has
+ * storage is checked (dtype, shape, device, contiguous) and written. Each
+ * op's comment says which outputs are overwritten (=) and which
+ * accumulate (+=). Every argument is checked before the first allocation,
+ * so a refused argument allocates nothing; after a failed allocation or
+ * kernel, the outputs already allocated stay with the caller, who
+ * releases them (ml_tensor_drop).
+ */
+#ifndef ML_OP_H
+#define ML_OP_H
+
+#include <stdarg.h>
+
+#include "backend.h"
+#include "tensor.h"
+
+/* An op's message: "w is [5] but must be [4]". A budget refusal carries
+ * the ledger table, hence the size. */
+typedef struct {
+    char msg[4096];
+} ml_err;
+
+/* Format e->msg and return s (s for ML_OK leaves e alone). */
+ml_status ml_err_set(ml_err *e, ml_status s, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Fill e->msg for a kernel's status ("dtype not supported by this
+ * operation", the device's error text, ...) and return it. ML_EINTERRUPTED
+ * reads "interrupted": a binding turns it into the interrupt error. */
+ml_status ml_kernel_status(ml_status s, ml_err *e);
+
+/* The kernel context of the host now: its thread count and Ctrl-C flag. */
+ml_kctx ml_host_kctx(const ml_host *h);
+
+/* A new contiguous tensor in *t (whose storage must be NULL), on dev,
+ * charged to the current category. A refusal by the ledger or the system
+ * calls h->reclaim once and retries; then ML_EALLOC with the budget that
+ * refused and the device's ledger table in e. ML_EINVAL: no such device or
+ * a shape that overflows. */
+ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                          const int64_t *shape, ml_err *e);
+/* Release t's storage now (idempotent; never fails). */
+void ml_tensor_drop(ml_tensor *t);
+/* The device's ledger as text, with the untracked remainder on the CPU. */
+void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len);
+/* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
+const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev);
+
+/* ---- argument checks: ML_OK, or ML_EINVAL with a message naming `name` ---- */
+
+/* Which dtypes an argument accepts. */
+#define ML_DT(dt) (1u << (dt))
+#define ML_DT_FLOAT (ML_DT(ML_F32) | ML_DT(ML_F64))
+
+/* t is live (storage not freed), on dev, of a dtype in `dtypes`, with ndim
+ * dims (ndim < 0: at least 1) and, when `contig`, contiguous. */
+ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,
+                         int ndim, int contig, ml_err *e);
+/* t has exactly the shape [dims...]: "name is [5] but must be [4]". */
+ml_status ml_check_shape(const ml_tensor *t, const char *name, int ndim, const int64_t *dims,
+                         ml_err *e);
+/* t's dtype is dt: "name is f64 but ref is f32 (same dtype expected)". */
+ml_status ml_check_same_dtype(const ml_tensor *t, const char *name, const char *ref, ml_dtype dt,
+                              ml_err *e);
+/* An output: allocated when its storage is NULL (contiguous, dt, dev,
+ * [dims...]), else checked to be exactly that. */
+ml_status ml_prepare_output(ml_host *h, ml_tensor *t, const char *name, ml_device dev, ml_dtype dt,
+                            int ndim, const int64_t *dims, ml_err *e);
+/* The same, filled with zeros when the op allocates it (for += outputs). */
+ml_status ml_prepare_accumulator(ml_host *h, ml_tensor *t, const char *name, ml_device dev,
+                                 ml_dtype dt, int ndim, const int64_t *dims, ml_err *e);
+/* "[2,3]" into buf. */
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
+
+/* Return early with the status of a check or a call that is not ML_OK. */
+#define ML_TRY(call) do { ml_status ml_try_s_ = (call); if (ml_try_s_ != ML_OK) return ml_try_s_; } while (0)
+
+#endif
