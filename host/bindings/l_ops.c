@@ -26,6 +26,7 @@
  */
 #include "libs.h"
 #include "l_tensor.h"
+#include "../runtime/ops_nn.h"
 #include "../../kernels/attention.h"
 #include "../../kernels/crossentropy.h"
 #include "../../kernels/embedding.h"
@@ -105,26 +106,18 @@ static int l_ops_rmsnorm_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_forward";
     lua_settop(L, 3);
-    ml_tensor *x = arg_tensor(L, 1, fn, "x", -1, -1);
-    ml_tensor *w = arg_tensor(L, 2, fn, "w", -1, 1);
-    same_dtype(L, fn, "w", w, "x", x->dtype);
-    int64_t D = x->shape[x->ndim - 1], N = D ? ml_numel(x) / D : 0;
-    ml_check_shape_eq(L, fn, "w", w, 1, &D);
+    ml_tensor *x = ml_checktensor_named(L, 1, fn, "argument #1 (x)");
+    ml_tensor *w = ml_checktensor_named(L, 2, fn, "argument #2 (w)");
     double eps = 1e-6;
     if (!lua_isnoneornil(L, 3)) {
         if (lua_type(L, 3) != LUA_TNUMBER)
             ml_error(L, fn, "argument #3 (eps) must be a number, got %s", luaL_typename(L, 3));
         eps = lua_tonumber(L, 3);
-        if (!(eps >= 0) || !isfinite(eps))
-            ml_error(L, fn, "argument #3 (eps) must be finite and >= 0, got %g", eps);
     }
-    if (D == 0)
-        ml_error(L, fn, "x has an empty last dim");
-    ml_tensor *y = ml_newtensor(L, fn, ML_CPU, x->dtype, x->ndim, x->shape);
-    ml_tensor *r = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &N);
-    ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, rmsnorm_forward, 
-        x->dtype, ml_data(y), ml_data(r), ml_data(x), ml_data(w), N, D, eps, &c));
+    ml_tensor *y = ml_pushtensor(L);
+    ml_tensor *rstd = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_rmsnorm_forward(ml_host_of(L), y, rstd, x, w, eps, &e), &e);
     return 2;
 }
 
@@ -132,30 +125,16 @@ static int l_ops_rmsnorm_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_backward";
     lua_settop(L, 5);
-    ml_tensor *dy = arg_tensor(L, 1, fn, "dy", -1, -1);
-    ml_tensor *x = arg_tensor(L, 2, fn, "x", -1, -1);
-    ml_tensor *w = arg_tensor(L, 3, fn, "w", -1, 1);
-    ml_tensor *r = arg_tensor(L, 4, fn, "rstd", ML_F64, 1);
-    same_dtype(L, fn, "dy", dy, "x", x->dtype);
-    same_dtype(L, fn, "w", w, "x", x->dtype);
-    ml_check_shape_eq(L, fn, "dy", dy, x->ndim, x->shape);
-    int64_t D = x->shape[x->ndim - 1], N = D ? ml_numel(x) / D : 0;
-    ml_check_shape_eq(L, fn, "w", w, 1, &D);
-    ml_check_shape_eq(L, fn, "rstd", r, 1, &N);
-    ml_tensor *dw;
-    if (lua_isnoneornil(L, 5)) {
-        dw = ml_newzeros(L, fn, ML_CPU, 0, x->dtype, 1, &D);
+    ml_tensor *dy = ml_checktensor_named(L, 1, fn, "argument #1 (dy)");
+    ml_tensor *x = ml_checktensor_named(L, 2, fn, "argument #2 (x)");
+    ml_tensor *w = ml_checktensor_named(L, 3, fn, "argument #3 (w)");
+    ml_tensor *rstd = ml_checktensor_named(L, 4, fn, "argument #4 (rstd)");
+    ml_tensor *dw = lua_isnil(L, 5) ? ml_pushtensor(L) : ml_checktensor_named(L, 5, fn, "argument #5 (dw)");
+    if (lua_gettop(L) > 5)
         lua_replace(L, 5);
-    } else {
-        dw = arg_tensor(L, 5, fn, "dw", -1, 1);
-        same_dtype(L, fn, "dw", dw, "x", x->dtype);
-        ml_check_shape_eq(L, fn, "dw", dw, 1, &D);
-    }
-    ml_tensor *dx = ml_newtensor(L, fn, ML_CPU, x->dtype, x->ndim, x->shape);
-    ml_kctx c = kctx(L);
-    ml_check_status(L, fn, ML_KCALL(ml_host_of(L), ML_CPU, rmsnorm_backward, 
-        x->dtype, ml_data(dx), ml_data(dw), ml_data(dy), ml_data(x), ml_data(w), ml_data(r), N, D,
-        &c));
+    ml_tensor *dx = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_rmsnorm_backward(ml_host_of(L), dx, dw, dy, x, w, rstd, &e), &e);
     lua_pushvalue(L, 5);
     return 2;
 }
