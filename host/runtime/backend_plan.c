@@ -8,8 +8,11 @@
  * kernel touches, so a plan of a 100 GiB step costs page tables, not RAM.
  * Copies do nothing: an op that would read a result back (a count, a
  * validation) asks h->planning and takes its worst case instead. The CUDA
- * table charges what the caching allocator would reserve, so a CUDA run
- * plans on a machine without a GPU, and with the same figures.
+ * table checks budgets against what the caching allocator would reserve
+ * and books the rounded bytes of live blocks as `reserved`, so a CUDA run
+ * plans on a machine without a GPU. Allocated bytes per category are what
+ * the device books; reserved is a lower bound there (the real cache keeps
+ * freed blocks for reuse, which this table does not model).
  */
 #include "backend.h"
 
@@ -30,6 +33,20 @@ static void plan_free(void *p, size_t nbytes, ml_ledger *lg)
 {
     (void)lg;
     munmap(p, nbytes);
+}
+
+static void *plan_cuda_alloc(size_t nbytes, ml_ledger *lg)
+{
+    void *p = plan_alloc(nbytes, lg);
+    if (p)
+        ml_ledger_set_reserved(lg, lg->reserved + ml_cuda_round_size(nbytes));
+    return p;
+}
+
+static void plan_cuda_free(void *p, size_t nbytes, ml_ledger *lg)
+{
+    plan_free(p, nbytes, lg);
+    ml_ledger_set_reserved(lg, lg->reserved - ml_cuda_round_size(nbytes));
 }
 
 static ml_status plan_memcpy(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream)
@@ -74,8 +91,8 @@ static const ml_memory plan_cpu = {
 static const ml_memory plan_cuda = {
     .name = "plan",
     .available = plan_available,
-    .alloc = plan_alloc,
-    .free = plan_free,
+    .alloc = plan_cuda_alloc,
+    .free = plan_cuda_free,
     .reserve_bytes = ml_cuda_round_size,
     .memcpy = plan_memcpy,
     .stream_new = plan_handle_new,

@@ -102,6 +102,22 @@ describe("mem.plan", function()
     assert.are.equal(threads, m.threads())
     assert.are.same(plain, m.randn({3}):totable())
   end)
+
+  it("plans CUDA tensors on any build, with the caching allocator's rounding as reserved", function()
+    local books = mem.plan(function()
+      local a = m.zeros({1000}, {device = "cuda"})         -- 4000 B: a 4096 B block (512 B steps)
+      local b = m.zeros({3, 1 << 18}, {device = "cuda"})   -- 3 MiB: a 4 MiB block (2 MiB steps above 1 MiB)
+      local c = a:add(a)                                   -- ops run on the device's kernel table: skipped
+      assert.are.equal("cuda", c:device())
+    end)
+    assert.are.equal(2 * 4000 + 3 * 2^20, books.cuda.total_peak)
+    assert.are.equal(2 * 4096 + 4 * 2^20, books.cuda.reserved_peak)
+    assert.are.equal(0, books.cuda.total)
+    assert.are.equal(0, books.cpu.total_peak - mem.stats().cpu.total)
+    if not m.cuda_available() then   -- outside a plan the device is refused, not planned
+      assert.has_error(function() m.zeros({3}, {device = "cuda"}) end)
+    end
+  end)
 end)
 
 -- The tiny model of train_spec, built by a function as recipes do.
