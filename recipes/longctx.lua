@@ -1,6 +1,6 @@
 -- recipes/longctx.lua: train a small Mixtral-style MoE language model at long
 -- context on real text (the C headers under /usr/include, read as bytes),
--- on the CPU, within a memory budget. Everything a researcher tunes is here:
+-- on the CPU or a GPU (--device cuda), within a memory budget. Everything a researcher tunes is here:
 -- edit this file and run it again, no rebuild; the per-step hooks below
 -- can even be edited while it runs (taken at the next step).
 --
@@ -46,6 +46,7 @@ local opts = options.parse(arg, {
   {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01", min = 0, max = 1},
   -- the run
   {"seed", 0, "seed of the model, the data order and the gate noise"},
+  {"device", "cpu", "where the model trains: cpu or cuda"},
   {"threads", 2, "CPU threads", min = 1},
   {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)", min = 0},
   {"force-budget", false, "accept a --budget-gib above the memory available (the OOM killer, not an error, " ..
@@ -104,10 +105,14 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
+if opts.device ~= "cpu" and opts.device ~= "cuda" then
+  errors.user(string.format("--device must be cpu or cuda, got '%s'", opts.device))
+end
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then
-  local ok, err = pcall(mem.budget, {total = math.floor(opts.budget_gib * 2^30), force = opts.force_budget})
+  local ok, err = pcall(mem.budget, {total = math.floor(opts.budget_gib * 2^30), force = opts.force_budget,
+                                     device = opts.device})
   if not ok then
     errors.user(string.format("--budget-gib %g: %s (from the command line: --force-budget)", opts.budget_gib,
                               tostring(err)))
@@ -121,7 +126,7 @@ local function build()
     vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save},
+    moe = {save = opts.save}, device = opts.device,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
   local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
@@ -153,11 +158,11 @@ if not plan then
   errors.user(string.format("--seq-len %d needs %.1f MiB at its peak (memory plan), over the budget of %.1f MiB " ..
                       "(--budget-gib %g%s): lower --seq-len, raise --budget-gib, or recompute more " ..
                       "(--checkpoint full)", opts.seq_len, need.total_peak / 2^20,
-                      mem.stats().cpu.budget_total / 2^20, opts.budget_gib,
+                      mem.stats()[opts.device].budget_total / 2^20, opts.budget_gib,
                       opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
 end
-print(string.format("memory plan: peak %.1f MiB of a %.2f GiB budget (params %.1f, grads %.1f, optim %.1f, " ..
-                    "acts %.1f, pool %.1f MiB at the peak)", plan.total_peak / 2^20, plan.budget_total / 2^30,
+print(string.format("memory plan (%s): peak %.1f MiB of a %.2f GiB budget (params %.1f, grads %.1f, optim %.1f, " ..
+                    "acts %.1f, pool %.1f MiB at the peak)", opts.device, plan.total_peak / 2^20, plan.budget_total / 2^30,
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
 

@@ -5,15 +5,17 @@
  *   io.save(path, {["w"] = t, ...} [, {key = "value", ...}])
  *   local tensors, metadata = io.load(path)
  *
- * save takes tensors of any dtype and layout (non-contiguous ones are copied
- * to contiguous temporaries first) and replaces the file atomically; load
+ * save takes tensors of any dtype, layout and device (non-contiguous ones
+ * are copied to contiguous temporaries on their device first; device bytes
+ * go to the file through one host stage of at most STAGE_BYTES, never a
+ * host copy of a whole tensor) and replaces the file atomically; load
  * returns CPU tensors of the file's dtypes, allocated through the ledger.
  * Errors name the function ("moelua.load: ...") and are raised only when
  * nothing temporary is unowned: copies are Lua userdata, and the open file
  * is a to-be-closed userdata ("moelua.io.Reader").
  *
- * Not here: checkpoint directories, sharded files, device tensors (a CUDA
- * tensor is refused: copy it to the CPU first), conversion between dtypes.
+ * Not here: checkpoint directories, sharded files, loading onto a device,
+ * conversion between dtypes.
  */
 #include "l_tensor.h"
 #include "../runtime/pool.h"
@@ -24,6 +26,9 @@
 #include <string.h>
 
 #define READER_MT "moelua.io.Reader"
+/* The host stage of a save with device tensors: big enough to stream at
+ * the disk's pace, small beside any model. */
+#define STAGE_BYTES ((size_t)8 << 20)
 
 /* The string at idx, which must not contain NUL (C paths and names cannot). */
 static const char *check_cstring(lua_State *L, int idx, const char *fn, const char *what)
@@ -42,11 +47,7 @@ static ml_tensor *check_entry(lua_State *L, const char *fn, const char *name)
 {
     char what[300];
     snprintf(what, sizeof what, "argument #2: tensors['%s']", name);
-    ml_tensor *t = ml_checktensor_named(L, -1, fn, what);
-    if (t->st->device != ML_CPU)
-        ml_error(L, fn, "argument #2: tensors['%s']: is on %s; only cpu tensors can be saved "
-                 "(copy it with :to(\"cpu\") first)", name, ml_device_names[t->st->device]);
-    return t;
+    return ml_checktensor_named(L, -1, fn, what);
 }
 
 /* Pairs of strings, compared by their first (the key). */
@@ -103,14 +104,16 @@ static int l_io_save(lua_State *L)
                  ml_testtensor(L, 2) ? "a tensor" : luaL_typename(L, 2));
     lua_settop(L, 3);
 
-    size_t n = 0, nmeta;
+    size_t n = 0, nmeta, device_bytes = 0;
     lua_pushnil(L);
     while (lua_next(L, 2)) {
         if (lua_type(L, -2) != LUA_TSTRING)
             ml_error(L, fn, "argument #2: tensor names must be strings, got %s",
                      luaL_typename(L, -2));
         const char *name = check_cstring(L, -2, fn, "argument #2: a tensor name");
-        check_entry(L, fn, name);
+        const ml_tensor *t = check_entry(L, fn, name);
+        if (t->st->device != ML_CPU && ml_nbytes(t) > device_bytes)
+            device_bytes = ml_nbytes(t);
         lua_pop(L, 1);
         n++;
     }
@@ -131,7 +134,7 @@ static int l_io_save(lua_State *L)
         lua_pushvalue(L, -2);
         lua_rawseti(L, 6, 2 * (lua_Integer)i + 1);   /* the name */
         if (!ml_is_contiguous(t)) {
-            ml_tensor *c = ml_newtensor(L, fn, ML_CPU, t->dtype, t->ndim, t->shape);
+            ml_tensor *c = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
             ml_run_copy(L, fn, c, t);
             lua_replace(L, -2);                       /* the copy replaces the value */
             t = c;
@@ -142,13 +145,20 @@ static int l_io_save(lua_State *L)
         ts[i].ndim = t->ndim;
         ts[i].shape = t->shape;
         ts[i].data = ml_numel(t) > 0 ? ml_data(t) : NULL;
+        ts[i].mem = t->st->device == ML_CPU ? NULL : ml_host_of(L)->mem[t->st->device];
         i++;
     }
     if (i != n)
         ml_error(L, fn, "argument #2: the table changed while saving (a finalizer?)");
 
+    void *stage = NULL;
+    size_t stage_len = device_bytes < STAGE_BYTES ? device_bytes : STAGE_BYTES;
+    if (stage_len) {
+        int64_t len = (int64_t)stage_len;
+        stage = ml_data(ml_newtensor(L, fn, ML_CPU, ML_U8, 1, &len));   /* slot 7 */
+    }
     char err[1024];
-    if (ml_st_write(path, ts, i, meta, nmeta, err, sizeof err))
+    if (ml_st_write_staged(path, ts, i, meta, nmeta, stage, stage_len, err, sizeof err))
         ml_error(L, fn, "%s", err);
     return 0;
 }

@@ -16,6 +16,7 @@
  * an error).
  */
 #include "safetensors.h"
+#include "backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -1086,8 +1087,33 @@ static int build_header(sbuf *h, const ml_st_tensor *const *order, size_t n,
     return h->oom ? -1 : 0;
 }
 
+/* A tensor's bytes to fd: directly from host memory, or from a device
+ * through the stage, one stage at a time. */
+static int write_data(int fd, const ml_st_tensor *t, size_t nbytes, void *stage, size_t stage_len)
+{
+    if (!t->mem)
+        return write_full(fd, t->data, nbytes);
+    for (size_t at = 0; at < nbytes; at += stage_len) {
+        size_t len = nbytes - at < stage_len ? nbytes - at : stage_len;
+        if (t->mem->memcpy(stage, (const char *)t->data + at, len, ML_COPY_D2H, NULL) != ML_OK) {
+            errno = EIO;   /* the device's own error text is in ml_cuda_last_error */
+            return -1;
+        }
+        if (write_full(fd, stage, len))
+            return -1;
+    }
+    return 0;
+}
+
 int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
                 const char *const *meta_kv, size_t nmeta, char *err, size_t errlen)
+{
+    return ml_st_write_staged(path, ts, n, meta_kv, nmeta, NULL, 0, err, errlen);
+}
+
+int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
+                       const char *const *meta_kv, size_t nmeta, void *stage, size_t stage_len,
+                       char *err, size_t errlen)
 {
     uint64_t *nbytes = calloc(n ? n : 1, sizeof *nbytes);
     const ml_st_tensor **order = calloc(n ? n : 1, sizeof *order);
@@ -1102,8 +1128,14 @@ int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
     }
     if (check_inputs(path, ts, n, meta_kv, nmeta, nbytes, err, errlen))
         goto done;
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
+        if (ts[i].mem && (!stage || !stage_len)) {
+            fail(err, errlen, "%s: tensor '%s' is on a device but no host stage was given", path,
+                 ts[i].name);
+            goto done;
+        }
         order[i] = &ts[i];
+    }
     qsort(order, n, sizeof *order, cmp_write_order);
     for (size_t i = 0; i < n; i++)
         sorted_bytes[i] = nbytes[order[i] - ts];
@@ -1129,7 +1161,7 @@ int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
     if (write_full(fd, lenbuf, 8) || write_full(fd, h.b, h.n))
         goto io_error;
     for (size_t i = 0; i < n; i++)
-        if (sorted_bytes[i] && write_full(fd, order[i]->data, (size_t)sorted_bytes[i]))
+        if (sorted_bytes[i] && write_data(fd, order[i], (size_t)sorted_bytes[i], stage, stage_len))
             goto io_error;
     if (fsync(fd))
         goto io_error;

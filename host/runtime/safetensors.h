@@ -14,9 +14,10 @@
  * (<path>.tmp, fsync, rename, fsync of the directory).
  *
  * Not here: Lua (host/bindings/l_io.c binds this), tensors and allocation of tensor
- * data (the caller reads into memory it owns), sharded checkpoints, devices
- * other than host memory. The data bytes are the host's, which must be
- * little-endian, as the format is.
+ * data (the caller reads into memory it owns), sharded checkpoints. Device
+ * data is written through a host stage the caller owns (ml_st_write_staged),
+ * never through a host copy of the whole tensor. The data bytes are the
+ * host's, which must be little-endian, as the format is.
  */
 #ifndef ML_SAFETENSORS_H
 #define ML_SAFETENSORS_H
@@ -55,14 +56,18 @@ typedef struct {
     int fd;                     /* open file (ml_st_open), -1 otherwise */
 } ml_st_file;
 
+struct ml_memory;
+
 /* A tensor to write: `data` holds numel * size bytes, contiguous, row-major
- * (NULL allowed when that is 0). */
+ * (NULL allowed when that is 0), in host memory, or in a device's memory
+ * when `mem` (that device's memory table, host/runtime/backend.h) is set. */
 typedef struct {
     const char *name;
     ml_dtype dtype;
     int ndim;
     const int64_t *shape;
     const void *data;
+    const struct ml_memory *mem;
 } ml_st_tensor;
 
 /* All functions return 0 on success, -1 with a message in err otherwise. */
@@ -87,6 +92,11 @@ void ml_st_init(ml_st_file *f);
  * "__metadata__". */
 int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
                 const char *const *meta_kv, size_t nmeta, char *err, size_t errlen);
+/* The same for tensors that may live on a device: their bytes are copied to
+ * the host stage (stage_len > 0 bytes) and written one stage at a time. */
+int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
+                       const char *const *meta_kv, size_t nmeta, void *stage, size_t stage_len,
+                       char *err, size_t errlen);
 
 /* "F32", "BF16", ... as the format spells them. */
 extern const char *const ml_st_dtype_names[ML_NDTYPES];

@@ -95,8 +95,8 @@ local function check_groups(fn, groups, allow_experts)
     local p, gr = g.params, g.grads
     if not tensor.is_tensor(p) then fail(fn, "group %d: 'params' must be a tensor, got %s", i, type(p)) end
     if not tensor.is_tensor(gr) then fail(fn, "group %d: 'grads' must be a tensor, got %s", i, type(gr)) end
-    if p:device() ~= "cpu" or gr:device() ~= "cpu" then
-      fail(fn, "group %d: params and grads must be cpu tensors", i)
+    if p:device() ~= gr:device() then
+      fail(fn, "group %d: params are on %s but grads on %s (one device expected)", i, p:device(), gr:device())
     end
     if not p:is_contiguous() or not gr:is_contiguous() then
       fail(fn, "group %d: params and grads must be contiguous (flat units)", i)
@@ -155,8 +155,10 @@ local function check_opts(fn, opts, spec)
   return o
 end
 
-local function zeros_optim(n, dtype)
-  return mem.scope("optim", tensor.zeros, {n}, {dtype = dtype})
+-- States live with their parameters (device); per-expert step counts are
+-- host counters (device "cpu").
+local function zeros_optim(n, dtype, device)
+  return mem.scope("optim", tensor.zeros, {n}, {dtype = dtype, device = device})
 end
 
 local function step_lr(fn, self, lr)
@@ -237,12 +239,12 @@ local function check_expert_states(fn, i, g, gs)
   if any and gs.steps == nil then fail(fn, "group %d: experts have states but no 'steps'", i) end
 end
 
--- Copies sd's tensor src into st[k] (allocated under "optim" when absent),
--- or frees st[k] when src is nil.
-local function load_state(st, k, src, dt)
+-- Copies sd's tensor src (any device) into st[k] (allocated under "optim"
+-- on `device` when absent), or frees st[k] when src is nil.
+local function load_state(st, k, src, dt, device)
   if src ~= nil then
     local n = src:numel()
-    if st[k] == nil then st[k] = zeros_optim(n, dt) end
+    if st[k] == nil then st[k] = zeros_optim(n, dt, device) end
     if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
   elseif st[k] ~= nil then
     st[k]:free()
@@ -281,12 +283,14 @@ function Base:load_state_dict(sd)
   end
   for i, gs in ipairs(sd.groups) do
     local g, st = self.groups[i], self.state[i]
-    local dt = g.params:dtype()
+    local dt, dev = g.params:dtype(), g.params:device()
     for _, k in ipairs(STATE_TENSORS) do
       if g.experts and EXPERT_STATES[k] then
-        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt) end
+        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt, dev) end
+      elseif k == "steps" then
+        load_state(st, k, gs[k], "i64", "cpu")
       else
-        load_state(st, k, gs[k], k == "steps" and "i64" or dt)
+        load_state(st, k, gs[k], dt, dev)
       end
     end
     st.step = gs.step
@@ -338,11 +342,11 @@ end
 -- The states of sparse group g's experts fresh[1..k] (active, none yet),
 -- and the group's step counts with its first active expert. Cold path.
 local function add_expert_states(st, g, fresh, k)
-  local S, dt = g.params:numel() // g.experts, g.params:dtype()
-  if not st.steps then st.steps = zeros_optim(g.experts, "i64") end
+  local S, dt, dev = g.params:numel() // g.experts, g.params:dtype(), g.params:device()
+  if not st.steps then st.steps = zeros_optim(g.experts, "i64", "cpu") end
   for j = 1, k do
     local e = fresh[j]
-    st.exp_avg[e], st.exp_avg_sq[e] = zeros_optim(S, dt), zeros_optim(S, dt)
+    st.exp_avg[e], st.exp_avg_sq[e] = zeros_optim(S, dt, dev), zeros_optim(S, dt, dev)
   end
 end
 
@@ -377,8 +381,8 @@ function AdamW:step(lr, active_masks)
           run, idle = false, idle + g.experts                  -- no expert ever active
         end
       elseif not st.exp_avg then
-        local n_, dt = g.params:numel(), g.params:dtype()
-        st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt), zeros_optim(n_, dt)
+        local n_, dt, dev = g.params:numel(), g.params:dtype(), g.params:device()
+        st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt, dev), zeros_optim(n_, dt, dev)
       end
       if run then
         n = n + 1
@@ -426,7 +430,7 @@ function SGD:step(lr)
       local st = self.state[i]
       st.hp.lr = lr * g.lr_mult
       if st.hp.momentum ~= 0 and not st.momentum_buffer then
-        st.momentum_buffer = zeros_optim(g.params:numel(), g.params:dtype())
+        st.momentum_buffer = zeros_optim(g.params:numel(), g.params:dtype(), g.params:device())
         st.step = 0     -- a new buffer is initialised from the gradient
       end
       n = n + 1

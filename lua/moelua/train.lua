@@ -723,8 +723,9 @@ end
 -- (plan.pool_bytes), the second takes it at once, as train.run{plan =
 -- plan} does, so that no step grows the pool and the plan is exactly what
 -- every step of the run charges the ledger.
--- Returns the planned CPU account book (mem.stats().cpu's fields: peak,
--- at_peak, total_peak, budget_total, ...) and pool_bytes. When an
+-- Returns the planned account book of the model's device (model.opts.device;
+-- mem.stats().cpu's fields: peak, at_peak, total_peak, budget_total, ...; a
+-- CUDA run plans on any machine) and pool_bytes. When an
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
 -- total_peak is what the run needs). Any other failure raises. The
@@ -736,12 +737,13 @@ function train.plan(cfg)
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
   train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
-  local pool_bytes
+  local pool_bytes, device = nil, "cpu"
   local data_state = cfg.data:state()   -- batch() moves the cursor
   local function step(plan)
     local c = {}
     for k, v in pairs(cfg) do c[k] = v end
     c.model, c.optimizer, c.groups = cfg.build()
+    device = c.model.opts and c.model.opts.device or "cpu"
     c.state, c.attach, c.plan = deep_copy(cfg.state or {}), nil, plan
     local t = new_trainer(c)
     t:step(0)
@@ -758,13 +760,16 @@ function train.plan(cfg)
   cfg.data:set_state(data_state)
   if not ok then error(books, 0) end
   if books then
-    books.cpu.pool_bytes = pool_bytes
-    return books.cpu
+    books[device].pool_bytes = pool_bytes
+    return books[device]
   end
-  if failed.cpu.refused == 0 then error(why, 0) end
+  for d, book in pairs(failed) do   -- a refusal while building: the book that refused
+    if book.refused > 0 then device = d end
+  end
+  if failed[device].refused == 0 then error(why, 0) end
   -- What the run needs: the same plan with the budgets lifted.
-  local lifted = {total = 0}
-  for k in pairs(failed.cpu.budget) do lifted[k] = 0 end
+  local lifted = {total = 0, device = device}
+  for k in pairs(failed[device].budget) do lifted[k] = 0 end
   local budgets = mem.budget(lifted)
   local need, why2
   ok, need, why2 = pcall(plan_twice)
@@ -773,7 +778,7 @@ function train.plan(cfg)
   cfg.data:set_state(data_state)
   if not ok then error(need, 0) end
   if not need then error(why2, 0) end
-  return nil, why, need.cpu
+  return nil, why, need[device]
 end
 
 -- ---- run directories ---------------------------------------------------------

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "backend.h"
 #include "safetensors.h"
 #include "tap.h"
 
@@ -307,12 +308,12 @@ static void test_roundtrip(void)
     int64_t i64[1] = {-7};
     int64_t s3[1] = {3}, s2[1] = {2}, s23[2] = {2, 3}, s1[1] = {1}, s0[2] = {0, 4};
     ml_st_tensor ts[] = {
-        {"u", ML_U8, 1, s3, u8},
-        {"b", ML_BF16, 1, s1, bf16},
-        {"f", ML_F32, 2, s23, f32},
-        {"d", ML_F64, 1, s2, f64},
-        {"scalar \"q\"\n", ML_I64, 0, NULL, i64},
-        {"empty", ML_F16, 2, s0, NULL},
+        {"u", ML_U8, 1, s3, u8, NULL},
+        {"b", ML_BF16, 1, s1, bf16, NULL},
+        {"f", ML_F32, 2, s23, f32, NULL},
+        {"d", ML_F64, 1, s2, f64, NULL},
+        {"scalar \"q\"\n", ML_I64, 0, NULL, i64, NULL},
+        {"empty", ML_F16, 2, s0, NULL, NULL},
     };
     const char *meta[] = {"step", "12", "note", "caf\xc3\xa9"};
     int r = ml_st_write(file, ts, 6, meta, 2, err, sizeof err);
@@ -369,13 +370,36 @@ static void test_roundtrip(void)
        strcmp(f.meta[0].value, "np") == 0, "a given format replaces pt");
     ml_st_close(&f);
 
-    ml_st_tensor bad[] = {{"__metadata__", ML_U8, 1, s3, u8}};
+    /* Through a stage: the tensors as if on a device (the CPU's memory
+     * table copies), 5 bytes at a time: the same file, byte for byte. */
+    FILE *fp = fopen(file, "rb");
+    unsigned char direct[512], staged[512];
+    size_t ndirect = fp ? fread(direct, 1, sizeof direct, fp) : 0;
+    if (fp)
+        fclose(fp);
+    ml_st_tensor dev[6];
+    memcpy(dev, ts, sizeof dev);
+    for (int i = 0; i < 6; i++)
+        dev[i].mem = ml_backend_cpu.mem;
+    unsigned char stage[5];
+    r = ml_st_write_staged(file, dev, 1, fmt, 1, stage, sizeof stage, err, sizeof err);
+    fp = fopen(file, "rb");
+    size_t nstaged = fp ? fread(staged, 1, sizeof staged, fp) : 0;
+    if (fp)
+        fclose(fp);
+    ok(r == 0 && nstaged == ndirect && ndirect > 0 && memcmp(direct, staged, ndirect) == 0,
+       "device tensors written through a 5-byte stage give the same file%s%s", r ? ": " : "",
+       r ? err : "");
+    ok(ml_st_write(file, dev, 1, NULL, 0, err, sizeof err) != 0 && strstr(err, "no host stage"),
+       "device tensors without a stage are refused: %s", err);
+
+    ml_st_tensor bad[] = {{"__metadata__", ML_U8, 1, s3, u8, NULL}};
     ok(ml_st_write(file, bad, 1, NULL, 0, err, sizeof err) != 0 && strstr(err, "'__metadata__'"),
        "writer refuses the name __metadata__");
-    ml_st_tensor bad2[] = {{"\xff", ML_U8, 1, s3, u8}};
+    ml_st_tensor bad2[] = {{"\xff", ML_U8, 1, s3, u8, NULL}};
     ok(ml_st_write(file, bad2, 1, NULL, 0, err, sizeof err) != 0 && strstr(err, "not valid UTF-8"),
        "writer refuses invalid UTF-8 names");
-    ml_st_tensor bad3[] = {{"x", ML_U8, 1, s3, u8}, {"x", ML_F32, 1, s1, f32}};
+    ml_st_tensor bad3[] = {{"x", ML_U8, 1, s3, u8, NULL}, {"x", ML_F32, 1, s1, f32, NULL}};
     ok(ml_st_write(file, bad3, 2, NULL, 0, err, sizeof err) != 0 && strstr(err, "duplicate name 'x'"),
        "writer refuses duplicate names");
     char missing[128];

@@ -16,6 +16,11 @@
 -- | router wg, and "layers.i.experts" = gate_up [E, 2F, D] | down [E, D, F];
 -- "final" = lm_head [V, D] | norm [D]. Module weights are views.
 --
+-- Device: `device = "cuda"` puts the units, the pool and every activation on
+-- the GPU (initial weights are drawn on the CPU and copied, as moelua.moe
+-- does, so a model starts from the same weights on every device); tokens
+-- may come from the CPU (the data loader's) and are copied over.
+--
 -- Memory: every matmul output and the residual stream live in the model's
 -- stack pool (ledger "pool"); moelua.ops outputs (norm, rope, attention,
 -- CE) are tensors under "acts", freed explicitly. Forward pushes one frame
@@ -46,7 +51,7 @@ local OPTIONS = {
   kv_heads = {"integer", false}, head_dim = {"integer", false}, ffn = {"integer"},
   experts = {"integer"}, topk = {"integer", 2}, rope_theta = {"number", 1e6},
   norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
-  dtype = {"string", "f32"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
+  dtype = {"string", "f32"}, device = {"string", "cpu"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
   aux_weight = {"number", 0.02}, max_position = {"integer", 131072},
   ce_rows = {"integer", 256}, ce_chunk = {"integer", 4096},
 }
@@ -106,6 +111,8 @@ local function check_options(opts)
   need(o.aux_weight >= 0, "option 'aux_weight' must be >= 0, got %g", o.aux_weight)
   need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\", got %q",
        o.dtype)
+  need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\", got %q",
+       o.device)
   -- checkpoint: one mode or one per layer
   local per = {}
   if type(o.checkpoint) == "string" then
@@ -121,7 +128,8 @@ local function check_options(opts)
   end
   o.checkpoint_per_layer = per
   -- moe sub-options, checked by moelua.moe without allocating
-  local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype}
+  local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype,
+              device = o.device}
   for k, v in pairs(o.moe or {}) do
     need(MOE_KEYS[k], "unknown option 'moe.%s'", tostring(k))
     mo[k] = v
@@ -164,14 +172,19 @@ function Transformer.new(opts)
     local params = mem.scope("params", tensor.randn, {n},
                              {dtype = dt, std = o.init_std, seed = o.seed, offset = draw_offset})
     draw_offset = draw_offset + (n + 3) // 4
+    if o.device ~= "cpu" then   -- drawn on the cpu (normals differ by an ulp across devices), then copied
+      local drawn = params
+      params = mem.scope("params", drawn.to, drawn, o.device)
+      drawn:free()
+    end
     for _, r in ipairs(ones or {}) do params:view_at(r[1], {r[2]}):fill_(1) end
-    local grads = mem.scope("grads", tensor.zeros, {n}, {dtype = dt})
+    local grads = mem.scope("grads", tensor.zeros, {n}, {dtype = dt, device = o.device})
     local u = {name = name, kind = kind, params = params, grads = grads}
     self.units[#self.units + 1] = u
     return u
   end
   self.units = {}
-  self.pool = pool.new(1 << 20, {grow = true})
+  self.pool = pool.new(1 << 20, {grow = true, device = o.device})
   self.profile = {}
   self:reset_profile()
   -- embedding
@@ -257,7 +270,8 @@ function Transformer:_keep_stats(i, stats)
   if not keep then
     keep = {}
     for _, k in ipairs{"counts", "psum", "kept", "mean_prob"} do
-      keep[k] = mem.scope("acts", tensor.zeros, {stats[k]:numel()}, {dtype = stats[k]:dtype()})
+      keep[k] = mem.scope("acts", tensor.zeros, {stats[k]:numel()},
+                          {dtype = stats[k]:dtype(), device = stats[k]:device()})
     end
     self.layer_stats[i] = keep
   end
@@ -293,6 +307,7 @@ function Transformer:forward(tokens, step)
   step = step or 0
   return mem.scope("acts", function()
     local S, D, dt = tokens:numel() - 1, self.opts.dim, {dtype = self.opts.dtype}
+    if tokens:device() ~= self.opts.device then tokens = tokens:to(self.opts.device) end
     local ids, targets = tokens:narrow(1, 1, S), tokens:narrow(1, 2, S)
     local st = {ids = ids, targets = targets, frames = {}, step = step, S = S}
     local e = self.embed:forward(ids)
@@ -350,7 +365,7 @@ function Transformer:backward(w)
     dhf:free(); st.hf:free(); st.rf:free(); st.lse:free()
     if not (self.dh and self.dh:size(1) == S) then
       if self.dh then self.dh:free() end
-      self.dh = tensor.empty({S, D}, dt)
+      self.dh = tensor.empty({S, D}, {dtype = self.opts.dtype, device = self.opts.device})
     end
     local dh = self.dh:copy_(dx)
     dx:free()
