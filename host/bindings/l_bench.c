@@ -3,7 +3,11 @@
  * baselines benchmarks compare against, timed in C so that the baseline
  * pays no Lua overhead.
  *
- *   bench.now()                          seconds, CLOCK_MONOTONIC
+ *   bench.now([device])                  seconds, CLOCK_MONOTONIC; with a device
+ *                                        ("cuda"), after its queued work is done
+ *                                        (kernels run asynchronously there: a clock
+ *                                        read without it measures launches)
+ *   bench.synchronize([device])          wait for the device's queued work
  *   bench.raw_sgemm(c, a, b, calls)      seconds per call of `calls` back-to-back
  *                                        cblas_sgemm on the tensors' buffers
  */
@@ -19,10 +23,31 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Wait for the work queued on the device named at idx (none or "cpu": nothing to wait for). */
+static void sync_device(lua_State *L, int idx, const char *fn)
+{
+    if (lua_isnoneornil(L, idx))
+        return;
+    int d = ml_device_from_name(luaL_checkstring(L, idx));
+    if (d < 0)
+        ml_error(L, fn, "argument #%d: unknown device '%s' (cpu, cuda)", idx, lua_tostring(L, idx));
+    ml_check_device(L, fn, (ml_device)d);
+    const ml_memory *mem = ml_host_of(L)->mem[d];
+    if (mem)
+        ml_check_status(L, fn, mem->synchronize(NULL));
+}
+
 static int l_bench_now(lua_State *L)
 {
+    sync_device(L, 1, "moelua.bench.now");
     lua_pushnumber(L, now_s());
     return 1;
+}
+
+static int l_bench_synchronize(lua_State *L)
+{
+    sync_device(L, 1, "moelua.bench.synchronize");
+    return 0;
 }
 
 /* c [m,n] = a [m,k] * b [k,n], all contiguous f32 on the CPU. */
@@ -51,6 +76,7 @@ static int l_bench_raw_sgemm(lua_State *L)
 
 static const luaL_Reg bench_functions[] = {
     {"now", l_bench_now},
+    {"synchronize", l_bench_synchronize},
     {"raw_sgemm", l_bench_raw_sgemm},
     {NULL, NULL}
 };

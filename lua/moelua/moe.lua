@@ -206,16 +206,17 @@ function Layer:forward(x, step)
   end
   self.router_opts.step = step or 0
   local pf = self.profile
-  local t0 = pf and now()
+  local dev = o.device   -- timed when the device's queued work is done (bench.now)
+  local t0 = pf and now(dev)
   local idx, w, rs = router.forward(x, self.params.wg, self.router_opts)
-  local t1 = pf and now()
+  local t1 = pf and now(dev)
   local eo = self.expert_opts
   eo.capacity = o.policy == "drop" and math.ceil(o.capacity_factor * T * o.topk / o.experts) or nil
   local plan = experts.dispatch(idx, o.experts, eo)
-  local t2 = pf and now()
+  local t2 = pf and now(dev)
   local y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
   if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per kept assignment
-    local t3 = now()
+    local t3 = now(dev)
     pf.router, pf.dispatch, pf.experts = pf.router + (t1 - t0), pf.dispatch + (t2 - t1), pf.experts + (t3 - t2)
     pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * (T * o.topk - plan.ndropped)
   end
@@ -256,10 +257,11 @@ function Layer:backward(dy, coef)
   local c = assert(self.ctx, "moelua.moe: backward without a forward")
   local p, g = self.params, self.grads
   local pf = self.profile
-  local t0 = pf and now()
+  local dev = self.opts.device   -- timed when the device's queued work is done (bench.now)
+  local t0 = pf and now(dev)
   local dx, _, _, dw, touched = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,
                                                  self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
-  local t1 = pf and now()
+  local t1 = pf and now(dev)
   local aux, z
   if coef then
     aux, z = coef.aux, coef.z
@@ -268,7 +270,7 @@ function Layer:backward(dy, coef)
   end
   router.backward(dw, c.x, p.wg, c.idx, self.router_opts, {aux = aux, z = z, dx = dx, dwg = g.wg})
   if pf then   -- expert backward: dgate_up, ddown and dx GEMMs, 2x the forward's (recompute not counted)
-    pf.experts, pf.router = pf.experts + (t1 - t0), pf.router + (now() - t1)
+    pf.experts, pf.router = pf.experts + (t1 - t0), pf.router + (now(dev) - t1)
     pf.experts_flop = pf.experts_flop + 12 * self.opts.dim * self.opts.ffn *
                       (c.x:size(1) * self.opts.topk - c.plan.ndropped)
   end

@@ -125,7 +125,7 @@ local train = {}
 local DEFAULT_ROLLBACK = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_steps = 20, max_rollbacks = 5}
 local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps = 20}   -- false: balance's default
 
-local function now() return bench.now() end
+local function now(device) return bench.now(device) end
 
 -- Gradient flats of every unit, scaled in place (accumulation -> mean).
 local function scale_grads(model, s)
@@ -527,17 +527,18 @@ function Trainer:step(step)
     self:in_step(step, phase, layer)
     if on_layer then on_layer(phase, layer) end
   end
+  local dev = self.model.opts and self.model.opts.device   -- a phase ends when its device work does
   for micro = 1, self.accum do
     if srv then srv:position(micro, self.accum) end
-    local t0 = now()
+    local t0 = now(dev)
     local tokens = self.data:batch((step + self.data_offset) * self.accum + micro - 1)
-    local t1 = now()
+    local t1 = now(dev)
     -- the gate noise is keyed by (seed, step, layer, token): give each
     -- micro-batch its own key, or they would all draw the same noise
     local l, st = self.model:forward(tokens, step * self.accum + micro - 1)
-    local t2 = now()
+    local t2 = now(dev)
     self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
-    local t3 = now()
+    local t3 = now(dev)
     t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
     ce, aux, z = ce + st.ce / self.accum, aux + st.aux / self.accum, z + st.z / self.accum
     loss = loss + (l + ctl.aux_weight * st.aux + ctl.z_weight * st.z) / self.accum
@@ -545,7 +546,7 @@ function Trainer:step(step)
     if srv then srv:safe_point("micro-batch") end
   end
   self.model.safe_point = nil
-  local t4 = now()
+  local t4 = now(dev)
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
   scale_grads(self.model, 1 / self.accum)
@@ -564,7 +565,7 @@ function Trainer:step(step)
     self.skipped_run = 0
     self.optimizer:step(lr, self.model:active_masks(self.groups))
   end
-  t.optim = now() - t4
+  t.optim = now(dev) - t4
   if prof then
     for k, v in pairs(prof.seconds) do t[k] = v end
     m.gflops = prof.gflops

@@ -41,10 +41,10 @@ local function forward_flops(self, S)
   return proj, core
 end
 
-local function account(self, t0, flops)
+local function account(self, t0, flops, dev)
   local pf = self.profile
   if pf then
-    pf.attention = pf.attention + (now() - t0)
+    pf.attention = pf.attention + (now(dev) - t0)
     pf.attention_flop = pf.attention_flop + flops
   end
 end
@@ -55,7 +55,7 @@ local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool
 end
 
 function Attention:forward(x)
-  local t0 = self.profile and now()
+  local t0 = self.profile and now(x:device())
   local S, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
   local q = linear(self.pool, x, p.q)                              -- [S, H*hd]
   local k = linear(self.pool, x, p.k)                              -- [S, KV*hd]
@@ -66,13 +66,13 @@ function Attention:forward(x)
   local y = linear(self.pool, o:view({S, H * hd}), p.o)            -- [S, D]
   if t0 then
     local proj, core = forward_flops(self, S)
-    account(self, t0, proj + core)
+    account(self, t0, proj + core, x:device())
   end
   return y, {x = x, qr = qr, kr = kr, v = v, o = o, lse = lse}
 end
 
 function Attention:backward(dy, c)
-  local t0 = self.profile and now()
+  local t0 = self.profile and now(dy:device())
   local S, H, KV, hd, p, g = dy:size(1), self.H, self.KV, self.hd, self.params, self.grads
   local dt = {dtype = dy:dtype()}
   local o2 = c.o:view({S, H * hd})
@@ -92,7 +92,7 @@ function Attention:backward(dy, c)
   dq:free(); dk:free(); dv:free()
   if t0 then   -- projections: 2x forward; flash backward: 5 matmuls (Q K^T recomputed) vs 2
     local proj, core = forward_flops(self, S)
-    account(self, t0, 2 * proj + 2.5 * core)
+    account(self, t0, 2 * proj + 2.5 * core, dy:device())
   end
   return dx
 end

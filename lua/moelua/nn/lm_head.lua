@@ -20,12 +20,12 @@ end
 
 local function account(self, t0, h, mult)
   local pf = self.profile
-  pf.ce = pf.ce + (now() - t0)
+  pf.ce = pf.ce + (now(h:device()) - t0)
   pf.ce_flop = pf.ce_flop + mult * h:size(1) * h:size(2) * self.weight:size(1)
 end
 
 function LMHead:forward(h, targets)
-  local t0 = self.profile and now()
+  local t0 = self.profile and now(h:device())
   local loss, lse = ops.cross_entropy_forward(h, self.weight, targets, self.ce)
   if t0 then account(self, t0, h, 2) end
   return loss, lse
@@ -33,7 +33,7 @@ end
 
 function LMHead:backward(h, targets, lse, dloss)
   local opts = {rows = self.ce.rows, chunk = self.ce.chunk, dW = self.grad}
-  local t0 = self.profile and now()
+  local t0 = self.profile and now(h:device())
   local dh = ops.cross_entropy_backward(dloss or 1.0, h, self.weight, targets, lse, opts)
   if t0 then account(self, t0, h, 6) end
   return dh
