@@ -10,43 +10,19 @@
  * convention shared with kernels, files and Hugging Face.
  */
 #include "l_tensor.h"
+#include "../runtime/ops_math.h"
+#include "../runtime/ops_view.h"
 #include "../runtime/pool.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-/* ---- storage-level helpers used by both binding files ------------------- */
+/* ---- helpers shared with the other binding files ----------------------- */
 
 void ml_run_copy(lua_State *L, const char *fn, ml_tensor *dst, const ml_tensor *src)
 {
-    ml_host *h = ml_host_of(L);
-    ml_kctx ctx = ml_kctx_of(h);
-    if (dst->st->device == src->st->device) {
-        ml_check_device(L, fn, dst->st->device);
-        ml_check_status(L, fn, ML_KCALL(h, dst->st->device, copy, dst->dtype, ml_data(dst), dst->stride,
-                                        src->dtype, ml_data(src), src->stride, src->ndim, src->shape,
-                                        &ctx));
-        return;
-    }
-    /* Across devices: a contiguous staging copy of src on its own device in
-     * dst's dtype, one byte copy, then a strided copy into dst if needed. */
-    int top = lua_gettop(L);
-    const ml_tensor *s = src;
-    if (!ml_is_contiguous(src) || src->dtype != dst->dtype) {
-        ml_tensor *tmp = ml_newtensor(L, fn, src->st->device, dst->dtype, src->ndim, src->shape);
-        ml_run_copy(L, fn, tmp, src);
-        s = tmp;
-    }
-    ml_tensor *d = dst;
-    if (!ml_is_contiguous(dst))
-        d = ml_newtensor(L, fn, dst->st->device, dst->dtype, dst->ndim, dst->shape);
-    ml_check_device(L, fn, ML_CUDA);
-    ml_copy_dir dir = d->st->device == ML_CPU ? ML_COPY_D2H : ML_COPY_H2D;
-    ml_check_status(L, fn, h->mem[ML_CUDA]->memcpy(ml_data(d), ml_data(s), ml_nbytes(s), dir, NULL));
-    if (d != dst)
-        ml_run_copy(L, fn, dst, d);
-    lua_settop(L, top);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_copy(ml_host_of(L), dst, src, &e), &e);
 }
 
 ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
@@ -54,10 +30,20 @@ ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
     ml_tensor *t = ml_checktensor(L, idx, fn);
     if (ml_is_contiguous(t))
         return t;
-    ml_tensor *c = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
-    ml_run_copy(L, fn, c, t);
+    ml_tensor *c = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op_new(L, fn, ml_op_contiguous(ml_host_of(L), c, t, &e), &e, c);
     lua_replace(L, idx);   /* the copy takes the argument's place and is owned by the stack */
     return c;
+}
+
+void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
+                     const ml_tensor *fresh)
+{
+    ml_check_op(L, fn, s, e);
+    size_t nbytes = fresh ? ml_nbytes(fresh) : 0;
+    if (nbytes >= ((size_t)64 << 10))
+        lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
 }
 
 /* ---- creation ------------------------------------------------------------ */
@@ -82,9 +68,8 @@ static int fill_new(lua_State *L, const char *fn, double v)
 {
     int opt;
     ml_tensor *t = create(L, fn, 1, &opt, CREATE_OPTS);
-    ml_host *h = ml_host_of(L);
-    ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, ML_KCALL(h, t->st->device, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    ml_err e;
+    ml_check_op(L, fn, ml_op_fill(ml_host_of(L), t, v, &e), &e);
     return 1;
 }
 
@@ -111,9 +96,8 @@ static int l_tensor_full(lua_State *L)
     ml_check_opts(L, opt, fn, CREATE_OPTS);
     ml_tensor *t = ml_newtensor(L, fn, ml_opt_device(L, opt, fn, ML_CPU),
                                 ml_opt_dtype(L, opt, fn, ML_F32), ndim, shape);
-    ml_host *h = ml_host_of(L);
-    ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, ML_KCALL(h, t->st->device, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
+    ml_err e;
+    ml_check_op(L, fn, ml_op_fill(ml_host_of(L), t, v, &e), &e);
     return 1;
 }
 
@@ -135,21 +119,13 @@ static int l_tensor_arange(lua_State *L)
         if (nnum == 3)
             step = lua_tonumber(L, 3);
     }
-    if (step == 0 || isnan(step) || isnan(start) || isnan(stop))
-        ml_error(L, fn, "step must be a non-zero number and bounds must not be NaN");
-    double count = ceil((stop - start) / step);
-    if (count < 0)
-        count = 0;
-    if (count > 9.0e15)
-        ml_error(L, fn, "too many elements (%.0f)", count);
     int opt = lua_istable(L, nnum + 1) ? nnum + 1 : 0;
     ml_check_opts(L, opt, fn, CREATE_OPTS);
-    int64_t n = (int64_t)count;
-    ml_tensor *t = ml_newtensor(L, fn, ml_opt_device(L, opt, fn, ML_CPU),
-                                ml_opt_dtype(L, opt, fn, ML_F32), 1, &n);
-    ml_host *h = ml_host_of(L);
-    ml_kctx ctx = ml_kctx_of(h);
-    ml_check_status(L, fn, ML_KCALL(h, t->st->device, arange, t->dtype, ml_data(t), start, step, n, &ctx));
+    ml_device dev = ml_opt_device(L, opt, fn, ML_CPU);
+    ml_dtype dt = ml_opt_dtype(L, opt, fn, ML_F32);
+    ml_tensor *t = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op_new(L, fn, ml_op_arange(ml_host_of(L), t, dev, dt, start, stop, step, &e), &e, t);
     return 1;
 }
 
@@ -238,8 +214,6 @@ static int draw(lua_State *L, const char *fn, int normal)
 {
     int opt;
     ml_tensor *t = create(L, fn, 1, &opt, RAND_OPTS);
-    if (t->dtype != ML_F32 && t->dtype != ML_F64 && t->dtype != ML_BF16 && t->dtype != ML_F16)
-        ml_error(L, fn, "random draws need a float dtype, got %s", ml_dtype_names[t->dtype]);
     ml_host *h = ml_host_of(L);
     double a = 0, b = 1;
     uint64_t seed = h->seed, offset = h->rng_offset;
@@ -262,16 +236,11 @@ static int draw(lua_State *L, const char *fn, int normal)
         }
         lua_pop(L, 4);
     }
-    if (normal ? !(b >= 0) : !(a <= b))
-        ml_error(L, fn, normal ? "option 'std' must be >= 0, got %g" : "option 'lo' (%g) must not exceed 'hi'",
-                 normal ? b : a);
-    int64_t n = ml_numel(t);
-    ml_kctx ctx = ml_kctx_of(h);
-    ml_device dev = t->st->device;
-    ml_check_status(L, fn, normal ? ML_KCALL(h, dev, randn, t->dtype, ml_data(t), n, seed, offset, a, b, &ctx)
-                                  : ML_KCALL(h, dev, rand, t->dtype, ml_data(t), n, seed, offset, a, b, &ctx));
+    ml_err e;
+    ml_check_op(L, fn, normal ? ml_op_randn(h, t, seed, offset, a, b, &e)
+                              : ml_op_rand(h, t, seed, offset, a, b, &e), &e);
     if (!addressed)
-        h->rng_offset += (uint64_t)(n + 3) / 4;
+        h->rng_offset += (uint64_t)(ml_numel(t) + 3) / 4;
     return 1;
 }
 
@@ -442,7 +411,14 @@ static int l_tensor_is_tensor(lua_State *L)
     return 1;
 }
 
-/* ---- views --------------------------------------------------------------- */
+/* ---- views ------------------------------------------------------------------ */
+
+/* Raise for a view op's status: the pushed view stays empty on failure. */
+static int view_done(lua_State *L, const char *fn, ml_status s, const ml_err *e)
+{
+    ml_check_op(L, fn, s, e);
+    return 1;
+}
 
 static int l_tensor_narrow(lua_State *L)
 {
@@ -453,11 +429,8 @@ static int l_tensor_narrow(lua_State *L)
     if (start < 1 || len < 0 || start - 1 > t->shape[d] - len)
         ml_error(L, fn, "range [%lld, %lld] is outside dim %d of size %lld (1-based, inclusive)",
                  (long long)start, (long long)(start + len - 1), d + 1, (long long)t->shape[d]);
-    int64_t shape[ML_MAXDIM];
-    memcpy(shape, t->shape, sizeof shape);
-    shape[d] = len;
-    ml_pushview(L, t, t->offset + (start - 1) * t->stride[d], t->ndim, shape, t->stride);
-    return 1;
+    ml_err e;
+    return view_done(L, fn, ml_op_narrow(ml_pushtensor(L), t, d, start - 1, len, &e), &e);
 }
 
 static int l_tensor_select(lua_State *L)
@@ -466,28 +439,18 @@ static int l_tensor_select(lua_State *L)
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer i = luaL_checkinteger(L, 3);
-    if (i < 0)
-        i += t->shape[d] + 1;   /* -1 is the last */
-    if (i < 1 || i > t->shape[d])
+    int64_t i1 = i < 0 ? i + t->shape[d] + 1 : i;   /* -1 is the last */
+    if (i1 < 1 || i1 > t->shape[d])
         ml_error(L, fn, "index %lld is outside dim %d of size %lld (1-based, negative from the end)",
-                 (long long)luaL_checkinteger(L, 3), d + 1, (long long)t->shape[d]);
-    int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
-    int nd = 0;
-    for (int k = 0; k < t->ndim; k++) {
-        if (k == d)
-            continue;
-        shape[nd] = t->shape[k];
-        stride[nd++] = t->stride[k];
-    }
-    ml_pushview(L, t, t->offset + (i - 1) * t->stride[d], nd, shape, stride);
-    return 1;
+                 (long long)i, d + 1, (long long)t->shape[d]);
+    ml_err e;
+    return view_done(L, fn, ml_op_select(ml_pushtensor(L), t, d, i1 - 1, &e), &e);
 }
 
-/* A shape for a reshape of n elements; one -1 is inferred. */
-static int reshape_target(lua_State *L, int idx, const char *fn, int64_t n, int64_t *shape)
+/* The sizes of a shape given as a table {2, -1} or as integers from idx on. */
+static int shape_arg(lua_State *L, int idx, const char *fn, int64_t *shape)
 {
-    int ndim = 0, infer = -1;
-    int64_t known = 1;
+    int ndim = 0;
     if (lua_istable(L, idx)) {
         ndim = (int)luaL_len(L, idx);
         if (ndim > ML_MAXDIM)
@@ -497,34 +460,14 @@ static int reshape_target(lua_State *L, int idx, const char *fn, int64_t n, int6
             shape[i] = luaL_checkinteger(L, -1);
             lua_pop(L, 1);
         }
-    } else {
-        while (lua_type(L, idx + ndim) == LUA_TNUMBER) {
-            if (ndim == ML_MAXDIM)
-                ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
-            shape[ndim] = luaL_checkinteger(L, idx + ndim);
-            ndim++;
-        }
+        return ndim;
     }
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] == -1 && infer < 0) {
-            infer = i;
-        } else if (shape[i] < 0) {
-            ml_error(L, fn, "size %lld of dim %d is invalid", (long long)shape[i], i + 1);
-        } else {
-            if (shape[i] && known > INT64_MAX / shape[i])
-                ml_error(L, fn, "shape has too many elements");
-            known *= shape[i];
-        }
+    while (lua_type(L, idx + ndim) == LUA_TNUMBER) {
+        if (ndim == ML_MAXDIM)
+            ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
+        shape[ndim] = luaL_checkinteger(L, idx + ndim);
+        ndim++;
     }
-    if (infer >= 0) {
-        if (known == 0 || n % known)
-            ml_error(L, fn, "cannot infer dim %d: %lld elements do not divide by %lld", infer + 1,
-                     (long long)n, (long long)known);
-        shape[infer] = n / known;
-        known = n;
-    }
-    if (known != n)
-        ml_error(L, fn, "shape has %lld elements, the tensor has %lld", (long long)known, (long long)n);
     return ndim;
 }
 
@@ -532,24 +475,20 @@ static int l_tensor_view(lua_State *L)
 {
     static const char fn[] = "Tensor:view";
     ml_tensor *t = ml_checktensor(L, 1, fn);
-    if (!ml_is_contiguous(t))
-        ml_error(L, fn, "the tensor is not contiguous (use :reshape or :contiguous)");
     int64_t shape[ML_MAXDIM];
-    int nd = reshape_target(L, 2, fn, ml_numel(t), shape);
-    ml_tensor *v = ml_pushview(L, t, t->offset, nd, shape, t->stride);
-    ml_set_contiguous_strides(v);
-    return 1;
+    int nd = shape_arg(L, 2, fn, shape);
+    ml_err e;
+    return view_done(L, fn, ml_op_view(ml_pushtensor(L), t, nd, shape, &e), &e);
 }
 
 static int l_tensor_reshape(lua_State *L)
 {
     static const char fn[] = "Tensor:reshape";
-    ml_tensor *t = ml_contiguous_arg(L, 1, fn);
+    ml_tensor *t = ml_checktensor(L, 1, fn);
     int64_t shape[ML_MAXDIM];
-    int nd = reshape_target(L, 2, fn, ml_numel(t), shape);
-    ml_tensor *v = ml_pushview(L, t, t->offset, nd, shape, t->stride);
-    ml_set_contiguous_strides(v);
-    return 1;
+    int nd = shape_arg(L, 2, fn, shape);
+    ml_err e;
+    return view_done(L, fn, ml_op_reshape(ml_host_of(L), ml_pushtensor(L), t, nd, shape, &e), &e);
 }
 
 /* flat:view_at(offset, shape): the flat-unit layout's views, `offset`
@@ -558,19 +497,12 @@ static int l_tensor_view_at(lua_State *L)
 {
     static const char fn[] = "Tensor:view_at";
     ml_tensor *t = ml_checktensor(L, 1, fn);
-    if (!ml_is_contiguous(t))
-        ml_error(L, fn, "the tensor is not contiguous");
     lua_Integer off = luaL_checkinteger(L, 2);
     int64_t shape[ML_MAXDIM];
     int next;
     int nd = ml_checkshape(L, 3, fn, shape, &next);
-    int64_t n = ml_shape_numel(nd, shape), have = ml_numel(t);
-    if (off < 0 || off > have || n > have - off)
-        ml_error(L, fn, "%lld elements at offset %lld do not fit in %lld", (long long)n,
-                 (long long)off, (long long)have);
-    ml_tensor *v = ml_pushview(L, t, t->offset + off, nd, shape, t->stride);
-    ml_set_contiguous_strides(v);
-    return 1;
+    ml_err e;
+    return view_done(L, fn, ml_op_view_at(ml_pushtensor(L), t, off, nd, shape, &e), &e);
 }
 
 static int l_tensor_transpose(lua_State *L)
@@ -578,13 +510,8 @@ static int l_tensor_transpose(lua_State *L)
     static const char fn[] = "Tensor:transpose";
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int a = ml_checkdim(L, 2, fn, t->ndim), b = ml_checkdim(L, 3, fn, t->ndim);
-    int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
-    memcpy(shape, t->shape, sizeof shape);
-    memcpy(stride, t->stride, sizeof stride);
-    shape[a] = t->shape[b]; shape[b] = t->shape[a];
-    stride[a] = t->stride[b]; stride[b] = t->stride[a];
-    ml_pushview(L, t, t->offset, t->ndim, shape, stride);
-    return 1;
+    ml_err e;
+    return view_done(L, fn, ml_op_transpose(ml_pushtensor(L), t, a, b, &e), &e);
 }
 
 static int l_tensor_t(lua_State *L)
@@ -647,58 +574,24 @@ static int l_tensor_to(lua_State *L)
     return 1;
 }
 
-static void check_same_shape(lua_State *L, const char *fn, const ml_tensor *a, const ml_tensor *b)
-{
-    int same = a->ndim == b->ndim;
-    for (int i = 0; same && i < a->ndim; i++)
-        same = a->shape[i] == b->shape[i];
-    if (!same) {
-        char sa[128], sb[128];
-        ml_format_shape(a, sa, sizeof sa);
-        ml_format_shape(b, sb, sizeof sb);
-        ml_error(L, fn, "shapes %s and %s differ", sa, sb);
-    }
-}
-
 /* dst:copy_(src): same shape; converts dtype, crosses devices. */
 static int l_tensor_copy_(lua_State *L)
 {
     static const char fn[] = "Tensor:copy_";
     ml_tensor *dst = ml_checktensor(L, 1, fn), *src = ml_checktensor(L, 2, fn);
-    check_same_shape(L, fn, dst, src);
-    if (dst->st == src->st) {   /* views of one buffer may overlap: go through a copy */
-        ml_tensor *tmp = ml_newtensor(L, fn, src->st->device, src->dtype, src->ndim, src->shape);
-        ml_run_copy(L, fn, tmp, src);
-        src = tmp;
-    }
     ml_run_copy(L, fn, dst, src);
     lua_settop(L, 1);
     return 1;
 }
 
-/* t:fill_(v); a strided view is filled by the copy kernel from one value
- * broadcast with zero strides. */
 static int l_tensor_fill_(lua_State *L)
 {
     static const char fn[] = "Tensor:fill_";
     ml_tensor *t = ml_checktensor(L, 1, fn);
     double v = luaL_checknumber(L, 2);
     lua_settop(L, 1);
-    ml_host *h = ml_host_of(L);
-    ml_kctx ctx = ml_kctx_of(h);
-    ml_device dev = t->st->device;
-    ml_check_device(L, fn, dev);
-    if (ml_is_contiguous(t)) {
-        ml_check_status(L, fn, ML_KCALL(h, dev, fill, t->dtype, ml_data(t), v, ml_numel(t), &ctx));
-        return 1;
-    }
-    int64_t one = 1;
-    ml_tensor *s = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &one);
-    ml_check_status(L, fn, ML_KCALL(h, dev, fill, t->dtype, ml_data(s), v, 1, &ctx));
-    static const int64_t zero[ML_MAXDIM];
-    ml_check_status(L, fn, ML_KCALL(h, dev, copy, t->dtype, ml_data(t), t->stride, t->dtype, ml_data(s),
-                                    zero, t->ndim, t->shape, &ctx));
-    lua_settop(L, 1);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_fill(ml_host_of(L), t, v, &e), &e);
     return 1;
 }
 
@@ -841,16 +734,19 @@ static int l_tensor_tostring(lua_State *L)
         /* statistics where they cost no copy: contiguous float tensors */
         if ((t->dtype == ML_F32 || t->dtype == ML_F64) && contig && at < sizeof text) {
             ml_host *h = ml_host_of(L);
-            ml_check_device(L, fn, t->st->device);
-            ml_kctx ctx = ml_kctx_of(h);
             int64_t three = 3;
             ml_tensor *st = ml_newtensor(L, fn, t->st->device, t->dtype, 1, &three);
-            size_t esz = ml_dtype_size(t->dtype);
             static const ml_redop ops[3] = {ML_RMIN, ML_RMEAN, ML_RMAX};
-            for (int i = 0; i < 3; i++)
-                ml_check_status(L, fn, ML_KCALL(h, t->st->device, reduce_all, ops[i], t->dtype,
-                                                (char *)ml_data(st) + i * esz, NULL, ml_data(t), n,
-                                                &ctx));
+            ml_err e;
+            ml_status s = ML_OK;
+            for (int i = 0; i < 3 && s == ML_OK; i++) {
+                ml_tensor v = {0};   /* st[i], 0-dim */
+                s = ml_op_select(&v, st, 0, i, &e);
+                if (s == ML_OK)
+                    s = ml_op_reduce(h, &v, NULL, ops[i], t, -1, &e);
+                ml_tensor_drop(&v);
+            }
+            ml_check_op(L, fn, s, &e);
             ml_tensor *hs = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &three);
             ml_run_copy(L, fn, hs, st);
             const double *v = hs->st->data;
