@@ -23,6 +23,35 @@
 static int avail = -1;            /* -1: not asked yet */
 static char unavail_reason[256];
 
+/* The oldest compute capability the binary carries code for (Makefile
+ * NVFLAGS: sm_80, sm_90, compute_90 PTX). On an older GPU every launch
+ * would fail with "no kernel image", so the device is reported unavailable
+ * with a reason instead. */
+#define MIN_CC_MAJOR 8
+#define MIN_CC_MINOR 0
+
+static int capability_ok(void)
+{
+    int dev = 0;
+    struct cudaDeviceProp p;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaGetDeviceProperties(&p, dev);
+    if (e != cudaSuccess) {
+        snprintf(unavail_reason, sizeof unavail_reason, "%s (%d): %s",
+                 cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        cudaGetLastError();
+        return 0;
+    }
+    if (p.major < MIN_CC_MAJOR || (p.major == MIN_CC_MAJOR && p.minor < MIN_CC_MINOR)) {
+        snprintf(unavail_reason, sizeof unavail_reason,
+                 "%.120s has compute capability %d.%d; this build needs %d.%d or newer",
+                 p.name, p.major, p.minor, MIN_CC_MAJOR, MIN_CC_MINOR);
+        return 0;
+    }
+    return 1;
+}
+
 static int cuda_available(void)
 {
     if (avail >= 0)
@@ -38,7 +67,7 @@ static int cuda_available(void)
         snprintf(unavail_reason, sizeof unavail_reason, "no CUDA device found");
         avail = 0;
     } else {
-        avail = 1;
+        avail = capability_ok();
     }
     return avail;
 }
@@ -50,9 +79,7 @@ const char *ml_cuda_unavailable_reason(void)
 
 const char *ml_cuda_last_error(void)
 {
-    const char *cb = ml_cublas_load_error();
-    const char *e = ml_cuda_error_string();
-    return e[0] ? e : cb ? cb : "";
+    return ml_cuda_error_string();   /* a cuBLAS load failure is noted there too */
 }
 
 /* ---- caching allocator -------------------------------------------------- */
