@@ -144,6 +144,25 @@ static bucket *bucket_of(size_t size, int create)
     return b;
 }
 
+/* The cached block that serves a request of rounded size `size`: the
+ * smallest non-empty free list of size in [size, size + size/8] (best fit,
+ * at most 1/8 wasted; at most FIT_PROBES sizes are tried), or NULL. Before,
+ * only the identical size was reused, so a slightly larger request always
+ * went to cudaMalloc while a fitting block sat in the cache. Caller holds A.mu. */
+#define FIT_PROBES 64
+
+static bucket *best_fit(size_t size)
+{
+    size_t step = ml_cuda_round_size(size + 1) - size;   /* the rounding step at this size */
+    size_t limit = size + size / 8;
+    for (size_t k = 0, s = size; k < FIT_PROBES && s <= limit; k++, s += step) {
+        bucket *b = bucket_of(s, 0);
+        if (b && b->n)
+            return b;
+    }
+    return NULL;
+}
+
 /* Rehash, dropping tombstones; the table doubles only when live blocks
  * fill a quarter of it, so alloc/free churn does not grow it. */
 static int live_grow(void)
@@ -232,9 +251,10 @@ static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
         return NULL;
     pthread_mutex_lock(&A.mu);
     void *p = NULL;
-    bucket *b = bucket_of(size, 0);
-    if (b && b->n) {
+    bucket *b = best_fit(size);
+    if (b) {
         p = b->blocks[--b->n];
+        size = b->size;   /* the block keeps its size: it goes back to its own list */
         A.st.cached -= size;
         A.st.nhits++;
     } else {
@@ -275,6 +295,21 @@ static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
     report(lg);
     pthread_mutex_unlock(&A.mu);
     return p;
+}
+
+/* Bytes the budget is checked against (ml_memory.reserve_bytes): a new
+ * block's rounded size, but only nbytes when a cached block will serve the
+ * request (the reservation does not grow then; nbytes still counts against
+ * the category, which is charged nbytes). */
+static size_t cuda_reserve_bytes(size_t nbytes)
+{
+    size_t size = ml_cuda_round_size(nbytes);
+    if (size == SIZE_MAX)
+        return size;
+    pthread_mutex_lock(&A.mu);
+    int hit = best_fit(size) != NULL;
+    pthread_mutex_unlock(&A.mu);
+    return hit ? nbytes : size;
 }
 
 static void cuda_free(void *p, size_t nbytes, ml_ledger *lg)
@@ -448,7 +483,7 @@ static const ml_memory cuda_memory = {
     .available = cuda_available,
     .alloc = cuda_alloc,
     .free = cuda_free,
-    .reserve_bytes = ml_cuda_round_size,
+    .reserve_bytes = cuda_reserve_bytes,
     .memcpy = cuda_memcpy,
     .stream_new = cuda_stream_new,
     .stream_free = cuda_stream_free,
