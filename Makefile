@@ -25,8 +25,11 @@ BUILD   := build/cuda
 TARGET  := build/cuda/moelua
 override CFLAGS += -DML_WITH_CUDA -I/usr/local/cuda/include
 SRC     += host/runtime/backend_cuda.c
+# sm_80 (A100 and every 8.x) and sm_90 (H100/H200) binaries, plus compute_90
+# PTX that newer GPUs compile at load; backend_cuda.c refuses older ones.
 NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
-           -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+           -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+           -gencode arch=compute_90,code=compute_90
 # .cu objects get their own suffix: kernels/x.c and kernels/x.cu share a stem.
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.cu.o)
 # cudart static; cuBLAS is dlopen'ed on the first matmul (kernels/matmul.cu):

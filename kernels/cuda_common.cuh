@@ -1,8 +1,9 @@
 /*
  * kernels/cuda_common.cuh - what every CUDA kernel family shares: the
- * stream of a kernel context, grid sizing for grid-stride loops, and the
+ * stream of a kernel context, grid sizing for grid-stride loops, the
  * launch check that turns a CUDA error into ML_EDEVICE (kernels never
- * raise; the binding does, after the call returns).
+ * raise; the binding does, after the call returns), and stream-ordered
+ * temporaries.
  *
  * Not here: allocation (host/runtime/backend_cuda.c owns device memory) and any
  * kernel of a family. Include from .cu files only.
@@ -44,11 +45,36 @@ static inline ml_status ml_cuda_status(cudaError_t e)
     return ML_EDEVICE;
 }
 
-/* After a <<<>>> launch: a bad configuration shows up here; faults inside
- * the kernel show up at the next synchronising call (memcpy, synchronize). */
+/* After a <<<>>> launch (or a library call that launches): a bad
+ * configuration shows up here; faults inside the kernel show up at the
+ * next synchronising call (memcpy, synchronize), unless MOELUA_CUDA_SYNC=1
+ * (ml_cuda_sync_debug), which waits here so the launching call reports
+ * them. */
 static inline ml_status ml_cuda_launched(void)
 {
-    return ml_cuda_status(cudaGetLastError());
+    ml_status s = ml_cuda_status(cudaGetLastError());
+    if (s == ML_OK && ml_cuda_sync_debug())
+        s = ml_cuda_status(cudaDeviceSynchronize());
+    return s;
+}
+
+/* A temporary of n bytes ordered on stream st (cudaMallocAsync). Calls use
+ * these instead of module-level __device__ scratch, which two calls on two
+ * streams would share; the bytes go back in stream order, so a temporary
+ * freed right after the last kernel that uses it is safe. Small and
+ * short-lived: outside the ledger, like cuBLAS's workspace. */
+static inline ml_status ml_cuda_temp(void **p, size_t n, cudaStream_t st)
+{
+    *p = NULL;
+    return ml_cuda_status(cudaMallocAsync(p, n ? n : 1, st));
+}
+
+/* Give a temporary back (NULL: nothing). A failure here can only follow a
+ * device error the call already reports, so it is cleared, not recorded. */
+static inline void ml_cuda_temp_free(void *p, cudaStream_t st)
+{
+    if (p && cudaFreeAsync(p, st) != cudaSuccess)
+        cudaGetLastError();
 }
 
 /* Grid-stride loop over [0, n) with 64-bit indices. */

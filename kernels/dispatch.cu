@@ -2,24 +2,32 @@
  * kernels/dispatch.cu - the stable counting sort of kernels/dispatch.h on
  * CUDA; results are bitwise the CPU's (integers only).
  *
- *   histogram  every thread counts its assignments into counts[e] with
- *              integer atomics (exact, order-free)
- *   sort       one warp: lane 0 turns the counts into offsets (with the
- *              capacity), then the warp walks the assignments 32 at a time
- *              in (t, j) order; __match_any_sync groups the lanes of one
- *              expert, the group's lowest lane reads and advances that
- *              expert's cursor, and each lane's rank in its group gives its
- *              place: order within an expert is (t, j) order (stable), the
- *              first cap are kept, the rest are dropped in (t, j) order.
- * Limits: the sort is one warp's sequential walk, n/32 steps (about 0.1 ms
- * for n = 64K assignments on an H100-class GPU); the cursors live in shared
- * memory for E <= 6144 and in counts (global memory, slower) beyond.
+ * The n assignments are cut into B tiles of `tile` consecutive ids, one
+ * warp (one CUDA block) per tile, so the sort spreads over the GPU instead
+ * of one warp walking all n:
+ *   histogram  hist[b, e] = assignments of tile b routed to e (integer
+ *              atomics: exact, order-free)
+ *   scan       per expert, over tiles in order: hist[b, e] becomes the
+ *              rank within expert e of the tile's first e-assignment, and
+ *              counts[e] the kept total (capacity applied); each tile's
+ *              drops are counted from the same ranks. Then one thread turns
+ *              counts into offsets (expert order) and the drop counts into
+ *              each tile's first slot in the dropped region (tile order).
+ *   scatter    each warp walks its tile 32 at a time in (t, j) order;
+ *              __match_any_sync groups the lanes of one expert, the group's
+ *              lowest lane reads and advances the tile's cursor for that
+ *              expert, and each lane's rank in its group gives its place.
+ * So the place of an assignment within its expert is its rank in (t, j)
+ * order (stable), the first cap are kept, and the dropped ones follow in
+ * (t, j) order: the CPU's order exactly. The per-(tile, expert) ranks are
+ * a stream-ordered temporary of at most MAX_HIST entries (the tile grows
+ * with n·E to stay within it).
  *
  * ndropped is a host scalar on both backends: the call reads offsets[E]
- * back (synchronising the stream). find_bad and check_plan run on the
- * legacy default stream and synchronise; their result slot is __device__
- * module state (one host thread drives the device, as in topk.cu), and they
- * return ML_DISPATCH_EDEVICE when the device reported an error.
+ * back (synchronising the stream). find_bad and check_plan have no kernel
+ * context (dispatch.h), so they run on the legacy default stream, keep
+ * their result slots in a temporary of their own, synchronise, and return
+ * ML_DISPATCH_EDEVICE when the device reported an error.
  */
 #include "cuda_common.cuh"
 
@@ -27,40 +35,80 @@ extern "C" {
 #include "dispatch.h"
 }
 
-#define SHARED_CURSORS 6144   /* 48 KiB of int64 cursors */
+#define MIN_TILE 2048               /* 64 steps of one warp */
+#define MAX_HIST ((int64_t)1 << 22) /* (tile, expert) ranks: 32 MiB of int64 */
 
-__device__ unsigned long long dispatch_first;   /* find_bad / check_plan: first bad position */
-__device__ long long dispatch_offsets_bad;      /* check_plan: -1, or -2 - e */
-
-__global__ void histogram_kernel(unsigned long long *counts, const int64_t *idx, int64_t n)
+/* Tile length: MIN_TILE, or longer when n·E would need more than MAX_HIST ranks. */
+static int64_t tile_len(int64_t n, int64_t E)
 {
-    ML_CUDA_FOR(a, n)
-        atomicAdd(counts + idx[a], 1ull);
+    int64_t max_tiles = MAX_HIST / E > 0 ? MAX_HIST / E : 1;
+    int64_t t = (n + max_tiles - 1) / max_tiles;
+    return t > MIN_TILE ? t : MIN_TILE;
 }
 
-__global__ void sort_kernel(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
-                            const int64_t *idx, int64_t n, int64_t E, int64_t cap)
+__global__ void histogram_kernel(unsigned long long *hist, const int64_t *idx, int64_t n,
+                                 int64_t E, int64_t tile)
 {
-    extern __shared__ int64_t shared_cur[];
-    int64_t *cur = E <= SHARED_CURSORS ? shared_cur : counts;
+    ML_CUDA_FOR(a, n)
+        atomicAdd(hist + (a / tile) * E + idx[a], 1ull);
+}
+
+/* One thread per expert e, tiles in order: rank[b, e] (the tile's count on
+ * entry) becomes the number of e-assignments in tiles before b; counts[e]
+ * the kept total; drops[b] gains the tile's e-assignments past cap. */
+__global__ void expert_scan_kernel(int64_t *counts, int64_t *rank, unsigned long long *drops,
+                                   int64_t B, int64_t E, int64_t cap)
+{
+    ML_CUDA_FOR(e, E) {
+        int64_t run = 0;
+        for (int64_t b = 0; b < B; b++) {
+            int64_t c = rank[b * E + e];
+            rank[b * E + e] = run;
+            if (cap >= 0) {
+                int64_t before = run < cap ? run : cap, after = run + c < cap ? run + c : cap;
+                int64_t d = c - (after - before);
+                if (d)
+                    atomicAdd(drops + b, (unsigned long long)d);
+            }
+            run += c;
+        }
+        counts[e] = cap >= 0 && run > cap ? cap : run;
+    }
+}
+
+/* One thread, O(E + B): offsets from the kept counts in expert order; each
+ * tile's drop count becomes its first slot in order[] (the dropped region
+ * starts at offsets[E], tiles in order). */
+__global__ void offsets_kernel(int64_t *offsets, int64_t *drop_base, const int64_t *counts,
+                               int64_t B, int64_t E)
+{
+    offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++)
+        offsets[e + 1] = offsets[e] + counts[e];
+    int64_t run = offsets[E];
+    for (int64_t b = 0; b < B; b++) {
+        int64_t d = drop_base[b];
+        drop_base[b] = run;
+        run += d;
+    }
+}
+
+/* Block b (one warp) places the assignments of tile b; rank[b, .] are its
+ * cursors, touched by this warp only. */
+__global__ void scatter_kernel(int64_t *order, uint8_t *dropped, int64_t *rank,
+                               const int64_t *offsets, const int64_t *drop_base,
+                               const int64_t *idx, int64_t n, int64_t E, int64_t tile)
+{
     const unsigned full = 0xffffffffu;
     int lane = threadIdx.x;
-    if (lane == 0) {
-        offsets[0] = 0;
-        for (int64_t e = 0; e < E; e++) {
-            int64_t kept = cap >= 0 && counts[e] > cap ? cap : counts[e];
-            offsets[e + 1] = offsets[e] + kept;
-        }
-    }
-    __syncwarp();
-    for (int64_t e = lane; e < E; e += 32)
-        cur[e] = 0;
-    __syncwarp();
-    int64_t nkept = offsets[E], nd = 0;
     unsigned lt = (1u << lane) - 1u;
-    for (int64_t base = 0; base < n; base += 32) {
+    int64_t b = blockIdx.x;
+    int64_t *cur = rank + b * E;
+    int64_t nd = drop_base[b];
+    int64_t end = (b + 1) * tile < n ? (b + 1) * tile : n;
+    for (int64_t base = b * tile; base < end; base += 32) {
         int64_t a = base + lane;
-        int active = a < n;
+        int active = a < end;
         long long e = active ? (long long)idx[a] : -1;
         unsigned peers = __match_any_sync(full, e);
         int leader = __ffs(peers) - 1;
@@ -76,7 +124,7 @@ __global__ void sort_kernel(int64_t *offsets, int64_t *order, int64_t *counts, u
             order[offsets[e] + pos] = a;
             dropped[a] = 0;
         } else if (drop) {
-            order[nkept + nd + __popc(dm & lt)] = a;
+            order[nd + __popc(dm & lt)] = a;
             dropped[a] = 1;
         }
         if (active && lane == leader)
@@ -84,8 +132,38 @@ __global__ void sort_kernel(int64_t *offsets, int64_t *order, int64_t *counts, u
         nd += __popc(dm);
         __syncwarp();   /* the cursor writes are seen by the next step's leaders */
     }
-    for (int64_t e = lane; e < E; e += 32)
-        counts[e] = offsets[e + 1] - offsets[e];
+}
+
+/* The four kernels on st; rank is [B, E] then drops [B], zeroed here. */
+static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
+                      const int64_t *idx, int64_t n, int64_t E, int64_t cap, int64_t tile,
+                      int64_t B, int64_t *rank, cudaStream_t st)
+{
+    int64_t *drops = rank + B * E;
+    ml_status s = ml_cuda_status(cudaMemsetAsync(rank, 0, (size_t)(B * E + B) * sizeof *rank, st));
+    if (s != ML_OK)
+        return s;
+    if (n > 0) {
+        histogram_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            (unsigned long long *)rank, idx, n, E, tile);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    if (E > 0) {
+        expert_scan_kernel<<<ml_cuda_blocks(E, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            counts, rank, (unsigned long long *)drops, B, E, cap);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    offsets_kernel<<<1, 1, 0, st>>>(offsets, drops, counts, B, E);
+    if ((s = ml_cuda_launched()) != ML_OK)
+        return s;
+    if (B > 0) {
+        scatter_kernel<<<(unsigned)B, 32, 0, st>>>(order, dropped, rank, offsets, drops, idx, n, E,
+                                                   tile);
+        s = ml_cuda_launched();
+    }
+    return s;
 }
 
 extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts,
@@ -95,18 +173,14 @@ extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t 
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    ml_status s = ml_cuda_status(cudaMemsetAsync(counts, 0, (size_t)E * sizeof(int64_t), st));
+    int64_t tile = tile_len(n, E > 0 ? E : 1);
+    int64_t B = (n + tile - 1) / tile;
+    int64_t *rank = NULL;
+    ml_status s = ml_cuda_temp((void **)&rank, (size_t)(B * E + B) * sizeof *rank, st);
+    if (s == ML_OK)
+        s = sort(offsets, order, counts, dropped, idx, n, E, cap, tile, B, rank, st);
+    ml_cuda_temp_free(rank, st);
     if (s != ML_OK)
-        return s;
-    if (n > 0) {
-        histogram_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            (unsigned long long *)counts, idx, n);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-    }
-    size_t shm = E <= SHARED_CURSORS ? (size_t)E * sizeof(int64_t) : 0;
-    sort_kernel<<<1, 32, shm, st>>>(offsets, order, counts, dropped, idx, n, E, cap);
-    if ((s = ml_cuda_launched()) != ML_OK)
         return s;
     int64_t kept = 0;
     s = ml_cuda_status(cudaMemcpyAsync(&kept, offsets + E, sizeof kept, cudaMemcpyDeviceToHost, st));
@@ -120,42 +194,21 @@ extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t 
 
 /* ---- validation ------------------------------------------------------------ */
 
-__global__ void find_bad_kernel(const int64_t *idx, int64_t n, int64_t E)
+/* The result slots of one validation call, in a temporary of its own. */
+typedef struct {
+    unsigned long long first;   /* first bad position, ~0: none */
+    long long offsets_bad;      /* check_plan: -1, or -2 - e */
+} check_slots;
+
+__global__ void find_bad_kernel(check_slots *r, const int64_t *idx, int64_t n, int64_t E)
 {
     ML_CUDA_FOR(a, n)
         if (idx[a] < 0 || idx[a] >= E)
-            atomicMin(&dispatch_first, (unsigned long long)a);
-}
-
-/* Reset the result slots, run, read back. */
-static int64_t first_bad(void)
-{
-    unsigned long long first = 0;
-    if (ml_cuda_status(cudaMemcpyFromSymbol(&first, dispatch_first, sizeof first)) != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    return first == ~0ull ? -1 : (int64_t)first;
-}
-
-static ml_status reset_first(void)
-{
-    unsigned long long none = ~0ull;
-    return ml_cuda_status(cudaMemcpyToSymbol(dispatch_first, &none, sizeof none));
-}
-
-extern "C" int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E)
-{
-    if (n <= 0)
-        return -1;
-    if (reset_first() != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    find_bad_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(idx, n, E);
-    if (ml_cuda_launched() != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    return first_bad();
+            atomicMin(&r->first, (unsigned long long)a);
 }
 
 /* One thread: the offsets, in the CPU's order. */
-__global__ void check_offsets_kernel(const int64_t *offsets, int64_t n, int64_t E)
+__global__ void check_offsets_kernel(check_slots *r, const int64_t *offsets, int64_t n, int64_t E)
 {
     long long bad = -1;
     if (offsets[0] != 0) {
@@ -167,15 +220,15 @@ __global__ void check_offsets_kernel(const int64_t *offsets, int64_t n, int64_t 
                 break;
             }
     }
-    dispatch_offsets_bad = bad;
+    r->offsets_bad = bad;
 }
 
 /* Every kept position p: order[p] in [0, n) and routed to the expert whose
  * range holds p (the last e with offsets[e] <= p, by binary search). */
-__global__ void check_positions_kernel(const int64_t *offsets, const int64_t *order,
+__global__ void check_positions_kernel(check_slots *r, const int64_t *offsets, const int64_t *order,
                                        const int64_t *idx, int64_t n, int64_t E)
 {
-    if (dispatch_offsets_bad != -1)
+    if (r->offsets_bad != -1)
         return;
     int64_t kept = offsets[E];
     ML_CUDA_FOR(p, kept) {
@@ -190,26 +243,59 @@ __global__ void check_positions_kernel(const int64_t *offsets, const int64_t *or
         int64_t a = order[p];
         /* strictly increasing within the expert's range: no assignment twice */
         if (a < 0 || a >= n || idx[a] != lo || (p > offsets[lo] && order[p - 1] >= a))
-            atomicMin(&dispatch_first, (unsigned long long)p);
+            atomicMin(&r->first, (unsigned long long)p);
     }
+}
+
+/* Run find_bad (offsets NULL) or check_plan on the legacy default stream
+ * and read the verdict back (synchronising). */
+static ml_status run_check(check_slots *r, check_slots *out, const int64_t *offsets,
+                           const int64_t *order, const int64_t *idx, int64_t n, int64_t E)
+{
+    ml_status s = ml_cuda_status(cudaMemsetAsync(&r->first, 0xff, sizeof r->first, 0));
+    if (s != ML_OK)
+        return s;
+    if (!offsets) {
+        find_bad_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(r, idx, n, E);
+        s = ml_cuda_launched();
+    } else {
+        check_offsets_kernel<<<1, 1>>>(r, offsets, n, E);
+        s = ml_cuda_launched();
+        if (s == ML_OK && n > 0) {
+            check_positions_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(
+                r, offsets, order, idx, n, E);
+            s = ml_cuda_launched();
+        }
+    }
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaMemcpy(out, r, sizeof *out, cudaMemcpyDeviceToHost));
+    return s;
+}
+
+static int64_t check(const int64_t *offsets, const int64_t *order, const int64_t *idx,
+                     int64_t n, int64_t E)
+{
+    check_slots *r = NULL, out;
+    ml_status s = ml_cuda_temp((void **)&r, sizeof *r, 0);
+    if (s == ML_OK)
+        s = run_check(r, &out, offsets, order, idx, n, E);
+    ml_cuda_temp_free(r, 0);
+    if (s != ML_OK)
+        return ML_DISPATCH_EDEVICE;
+    if (offsets && out.offsets_bad != -1)
+        return (int64_t)out.offsets_bad;
+    return out.first == ~0ull ? -1 : (int64_t)out.first;
+}
+
+extern "C" int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E)
+{
+    if (n <= 0)
+        return -1;
+    return check(NULL, NULL, idx, n, E);
 }
 
 extern "C" int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
                                                const int64_t *idx, int64_t n, int64_t E)
 {
-    if (reset_first() != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    check_offsets_kernel<<<1, 1>>>(offsets, n, E);
-    if (ml_cuda_launched() != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    if (n > 0) {
-        check_positions_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(
-            offsets, order, idx, n, E);
-        if (ml_cuda_launched() != ML_OK)
-            return ML_DISPATCH_EDEVICE;
-    }
-    long long bad = 0;
-    if (ml_cuda_status(cudaMemcpyFromSymbol(&bad, dispatch_offsets_bad, sizeof bad)) != ML_OK)
-        return ML_DISPATCH_EDEVICE;
-    return bad != -1 ? (int64_t)bad : first_bad();
+    return check(offsets, order, idx, n, E);
 }

@@ -8,7 +8,9 @@
  *
  * cuBLAS is opened with dlopen on first use (libcublas.so.13, then
  * libcublas.so): the binary starts on a machine without it, and matmul
- * then returns ML_EUNSUPPORTED with ml_cublas_load_error() saying why. The
+ * then returns ML_EDEVICE with the recorded error (ml_cuda_error_string)
+ * saying why, e.g. the dlopen text "libcublas.so.13: cannot open shared
+ * object file" (not ML_EUNSUPPORTED, which reads "dtype not supported"). The
  * handle uses CUBLAS_DEFAULT_MATH (no TF32), so f32 GEMMs are f32 GEMMs;
  * the order of the k-sum is cuBLAS's, hence normwise tolerances in tests.
  */
@@ -52,13 +54,15 @@ static int cublas_load(void)
         return cb.lib ? 0 : -1;
     cb.tried = 1;
     const char *names[] = {"libcublas.so.13", "libcublas.so"};
-    for (size_t i = 0; i < sizeof names / sizeof *names && !cb.lib; i++)
+    for (size_t i = 0; i < sizeof names / sizeof *names && !cb.lib; i++) {
         cb.lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-    if (!cb.lib) {
-        const char *e = dlerror();
-        snprintf(cb.error, sizeof cb.error, "cannot load cuBLAS: %s", e ? e : "libcublas.so.13 not found");
-        return -1;
+        const char *e = cb.lib ? NULL : dlerror();
+        if (i == 0 && e)   /* the first name's failure says which library is missing */
+            snprintf(cb.error, sizeof cb.error, "cannot load cuBLAS: %s", e);
     }
+    if (!cb.lib)
+        return -1;
+    cb.error[0] = 0;   /* the fallback name loaded */
 #define SYM(field, name)                                                             \
     if (!(*(void **)&cb.field = dlsym(cb.lib, name))) {                              \
         snprintf(cb.error, sizeof cb.error, "cuBLAS lacks %s", name);                \
@@ -75,11 +79,6 @@ static int cublas_load(void)
 #undef SYM
     *(void **)&cb.status_string = dlsym(cb.lib, "cublasGetStatusString");  /* optional */
     return 0;
-}
-
-extern "C" const char *ml_cublas_load_error(void)
-{
-    return cb.error[0] ? cb.error : NULL;
 }
 
 extern "C" void ml_cublas_release(void)
@@ -99,8 +98,11 @@ extern "C" ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const v
         return ML_OK;
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
-    if (cublas_load() != 0)
-        return ML_EUNSUPPORTED;
+    if (cublas_load() != 0) {
+        /* noted on every call: a later CUDA error may have replaced the text */
+        ml_cuda_note_text(cb.error[0] ? cb.error : "cannot load cuBLAS");
+        return ML_EDEVICE;
+    }
     ml_status st;
     if (!cb.handle) {
         if ((st = cublas_status(cb.create(&cb.handle))) != ML_OK) {

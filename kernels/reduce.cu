@@ -5,13 +5,15 @@
  *   - over a dim: one thread per output, sequential in f64 along the dim
  *     (coalesced across threads when inner > 1);
  *   - everything: one thread per ML_REDUCE_BLOCK block summing it
- *     sequentially in f64, one CUDA block per super block of SUPER blocks
- *     whose partials thread 0 adds in block order, then one thread adds the
- *     super partials in order;
+ *     sequentially in f64 (a grid sized from the SM count, so the blocks of
+ *     one super block spread over the GPU instead of sharing one SM), then
+ *     one thread per super block of SUPER blocks adds their partials in
+ *     block order, and one thread adds the super partials in order; PASS
+ *     super blocks at a time, the running result carried between passes;
  *   - cumsum: one thread per column, sequential.
- * The super partials live in a fixed __device__ scratch array (no
- * allocation in kernels/); calls on concurrent streams would share it, and
- * the host drives one stream.
+ * The block partials and the running result live in a stream-ordered
+ * temporary of the call (about 1 MiB), not in __device__ module state that
+ * calls on two streams would share.
  */
 #include "cuda_common.cuh"
 
@@ -20,7 +22,8 @@ extern "C" {
 }
 
 #define SUPER 1024           /* must equal kernels/reduce.c's SUPER */
-#define SCRATCH 4096         /* super partials per pass: 2^34 elements */
+#define PASS 64              /* super blocks per pass: 2^28 elements */
+#define BLOCK_THREADS 64     /* small CUDA blocks: more SMs share few partials */
 
 __device__ __forceinline__ double at(ml_dtype dt, const void *p, int64_t i)
 {
@@ -82,75 +85,79 @@ extern "C" ml_status ml_reduce_cuda(ml_redop op, ml_dtype dt, void *out, int64_t
 
 /* ---- everything ---------------------------------------------------------- */
 
-__device__ double super_part[SCRATCH];
-__device__ int64_t super_idx[SCRATCH];
-__device__ double run_acc;     /* running result across passes */
-__device__ int64_t run_idx;
+/* One pass's block partials ([PASS * SUPER]; positions for max / min) and
+ * the running result across passes. */
+typedef struct {
+    double part[PASS * SUPER];
+    int64_t pidx[PASS * SUPER];
+    double acc;
+    int64_t idx;
+} all_ws;
 
-/* Block s of the grid reduces super block `first + s` of the input. */
-__global__ void __launch_bounds__(SUPER)
-all_super_kernel(ml_redop op, ml_dtype dt, const void *in, int64_t n, int64_t first)
+/* Thread j: block first_block + j of the input, sequentially (the CPU's block sum). */
+__global__ void all_blocks_kernel(ml_redop op, ml_dtype dt, all_ws *ws, const void *in, int64_t n,
+                                  int64_t first_block, int64_t nb)
 {
-    __shared__ double part[SUPER];
-    __shared__ int64_t pidx[SUPER];
-    int64_t sbase = (first + blockIdx.x) * (int64_t)SUPER * ML_REDUCE_BLOCK;
-    int64_t s = sbase + (int64_t)threadIdx.x * ML_REDUCE_BLOCK;
-    if (s < n) {
+    ML_CUDA_FOR(j, nb) {
+        int64_t s = (first_block + j) * ML_REDUCE_BLOCK;
         int64_t e = s + ML_REDUCE_BLOCK < n ? s + ML_REDUCE_BLOCK : n;
         if (op == ML_RMAX || op == ML_RMIN) {
             double best = at(dt, in, s);
             int64_t bi = s;
             for (int64_t i = s + 1; i < e; i++)
                 ext_step(op, at(dt, in, i), i, &best, &bi);
-            part[threadIdx.x] = best;
-            pidx[threadIdx.x] = bi;
+            ws->part[j] = best;
+            ws->pidx[j] = bi;
         } else {
             double acc = 0;
             for (int64_t i = s; i < e; i++)
                 acc += at(dt, in, i);
-            part[threadIdx.x] = acc;
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int64_t left = n - sbase, nblocks = (left + ML_REDUCE_BLOCK - 1) / ML_REDUCE_BLOCK;
-        if (nblocks > SUPER)
-            nblocks = SUPER;
-        if (op == ML_RMAX || op == ML_RMIN) {
-            double best = part[0];
-            int64_t bi = pidx[0];
-            for (int64_t b = 1; b < nblocks; b++)
-                ext_step(op, part[b], pidx[b], &best, &bi);
-            super_part[blockIdx.x] = best;
-            super_idx[blockIdx.x] = bi;
-        } else {
-            double sacc = 0;
-            for (int64_t b = 0; b < nblocks; b++)
-                sacc += part[b];
-            super_part[blockIdx.x] = sacc;
+            ws->part[j] = acc;
         }
     }
 }
 
-/* One thread folds this pass's super partials into the running result in
- * order, starting like the CPU (sum 0; max/min from element 0, position
- * 0); the last pass writes out (and idx). ext_step keeps the first NaN or
- * else the first extremum, so folding per super block and then across
- * super blocks selects what the CPU's flat fold selects. */
-__global__ void all_fold_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                                int64_t nsup, int first_pass, int last_pass, int64_t n)
+/* One block of PASS threads: thread s adds super block s's partials in
+ * block order (as the CPU's super partial), then thread 0 folds the super
+ * partials into the running result in order, starting like the CPU (sum 0;
+ * max/min from element 0, position 0); the last pass writes out (and idx).
+ * ext_step keeps the first NaN or else the first extremum, so folding per
+ * block, per super block and then across super blocks selects what the
+ * CPU's flat fold selects. */
+__global__ void __launch_bounds__(PASS)
+all_combine_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *idx, all_ws *ws, const void *in,
+                   int64_t nsup, int64_t nb, int first_pass, int last_pass, int64_t n)
 {
+    __shared__ double spart[PASS];
+    __shared__ int64_t sidx[PASS];
     int ext = op == ML_RMAX || op == ML_RMIN;
-    double acc = !first_pass ? run_acc : !ext ? 0.0 : n ? at(dt, in, 0) : NAN;
-    int64_t bi = first_pass ? 0 : run_idx;
+    int64_t t = threadIdx.x;
+    if (t < nsup) {
+        int64_t b0 = t * SUPER, b1 = b0 + SUPER < nb ? b0 + SUPER : nb;
+        double acc = ext ? ws->part[b0] : 0.0;
+        int64_t bi = ext ? ws->pidx[b0] : 0;
+        for (int64_t b = ext ? b0 + 1 : b0; b < b1; b++) {
+            if (ext)
+                ext_step(op, ws->part[b], ws->pidx[b], &acc, &bi);
+            else
+                acc += ws->part[b];
+        }
+        spart[t] = acc;
+        sidx[t] = bi;
+    }
+    __syncthreads();
+    if (t != 0)
+        return;
+    double acc = !first_pass ? ws->acc : !ext ? 0.0 : n ? at(dt, in, 0) : NAN;
+    int64_t bi = first_pass ? 0 : ws->idx;
     for (int64_t s = 0; s < nsup; s++) {
         if (ext)
-            ext_step(op, super_part[s], super_idx[s], &acc, &bi);
+            ext_step(op, spart[s], sidx[s], &acc, &bi);
         else
-            acc += super_part[s];
+            acc += spart[s];
     }
-    run_acc = acc;
-    run_idx = bi;
+    ws->acc = acc;
+    ws->idx = bi;
     if (last_pass) {
         if (op == ML_RMEAN)
             acc = n ? acc / (double)n : NAN;
@@ -160,32 +167,53 @@ __global__ void all_fold_kernel(ml_redop op, ml_dtype dt, void *out, int64_t *id
     }
 }
 
+/* Grid of the block pass: enough small CUDA blocks to cover nb partials,
+ * at most 8 per SM (grid-stride beyond). */
+static unsigned blocks_grid(int64_t nb)
+{
+    unsigned g = ml_cuda_blocks(nb, BLOCK_THREADS), cap = 8u * (unsigned)ml_cuda_sm_count();
+    return g < cap ? g : cap;
+}
+
+static ml_status all_passes(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
+                            int64_t n, all_ws *ws, const ml_kctx *ctx)
+{
+    cudaStream_t st = ml_cuda_stream(ctx);
+    int64_t nblocks = (n + ML_REDUCE_BLOCK - 1) / ML_REDUCE_BLOCK;
+    int64_t nsuper = (nblocks + SUPER - 1) / SUPER;
+    ml_status s;
+    if (nsuper == 0) {   /* empty: sum 0, mean / max / min NaN at 0, as on the CPU */
+        all_combine_kernel<<<1, PASS, 0, st>>>(op, dt, out, idx, ws, in, 0, 0, 1, 1, 0);
+        return ml_cuda_launched();
+    }
+    for (int64_t first = 0; first < nsuper; first += PASS) {
+        if (ml_kctx_interrupted(ctx))
+            return ML_EINTERRUPTED;
+        int64_t count = nsuper - first < PASS ? nsuper - first : PASS;
+        int64_t b0 = first * SUPER, nb = nblocks - b0 < count * SUPER ? nblocks - b0 : count * SUPER;
+        all_blocks_kernel<<<blocks_grid(nb), BLOCK_THREADS, 0, st>>>(op, dt, ws, in, n, b0, nb);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        all_combine_kernel<<<1, PASS, 0, st>>>(op, dt, out, idx, ws, in, count, nb, first == 0,
+                                               first + count == nsuper, n);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    return ML_OK;
+}
+
 extern "C" ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
                                         int64_t n, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int64_t super_elems = (int64_t)SUPER * ML_REDUCE_BLOCK;
-    int64_t nsuper = n > 0 ? (n + super_elems - 1) / super_elems : 0;
-    if (nsuper == 0) {   /* empty: sum 0, mean / max / min NaN at 0, as on the CPU */
-        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, in, 0, 1, 1, 0);
-        return ml_cuda_launched();
-    }
-    for (int64_t first = 0; first < nsuper; first += SCRATCH) {
-        if (ml_kctx_interrupted(ctx))
-            return ML_EINTERRUPTED;
-        int64_t count = nsuper - first < SCRATCH ? nsuper - first : SCRATCH;
-        all_super_kernel<<<(unsigned)count, SUPER, 0, st>>>(op, dt, in, n, first);
-        ml_status s = ml_cuda_launched();
-        if (s != ML_OK)
-            return s;
-        all_fold_kernel<<<1, 1, 0, st>>>(op, dt, out, idx, in, count, first == 0,
-                                         first + count == nsuper, n);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-    }
-    return ML_OK;
+    all_ws *ws = NULL;
+    ml_status s = ml_cuda_temp((void **)&ws, sizeof *ws, st);
+    if (s == ML_OK)
+        s = all_passes(op, dt, out, idx, in, n, ws, ctx);
+    ml_cuda_temp_free(ws, st);
+    return s;
 }
 
 /* ---- cumsum -------------------------------------------------------------- */

@@ -11,24 +11,33 @@
  *   token      one thread per token: lse, scores (the same Philox counters),
  *              softmax, p', entropy, top-k and weights (forward) or dL/dl
  *              (backward): router_ops.h, the CPU's code, in f64.
- *   forward    phase B: one thread per expert adds psum and counts over the
- *              chunk's tokens in token order; one thread adds zsum and entropy
- *              in token order (carried across chunks in __device__ memory).
+ *   forward    phase B: counts by integer atomics over the chunk's n·k ids
+ *              (exact); psum, zsum and entropy in fixed segments of SEG
+ *              tokens aligned to the token index t: one thread per (segment
+ *              piece, quantity) adds its tokens in token order (a segment cut
+ *              by a chunk boundary continues from its open partial), then one
+ *              thread per quantity adds the finished segments in order. The
+ *              order depends on T only, so the sums are deterministic and
+ *              bitwise invariant to the chunk size, and the work is spread
+ *              over (segments x quantities) threads instead of E threads
+ *              scanning n·k ids and one thread adding two scalars.
  *   backward   dx: one thread per (token, column) sums experts in order;
  *              dwg: one thread per (expert, column) adds the chunk's tokens in
  *              token order into the f64 accumulator at the end of the scratch.
- * No float atomics: every sum has the CPU's order, so logits, selection and
- * the token-order sums are bitwise the CPU's wherever the inputs of exp/log
- * are. CUDA's f64 exp/log/cos are within 1-2 ulp of glibc's (not correctly
+ * No float atomics: logits, selection, dx and dwg have the CPU's order, so
+ * they are bitwise the CPU's wherever the inputs of exp/log are; psum,
+ * zsum and entropy are added by segments (above), a fixed order of their
+ * own. CUDA's f64 exp/log/cos are within 1-2 ulp of glibc's (not correctly
  * rounded), so p, w, psum, entropy, zsum, dx, dwg may differ from the CPU by
  * a few ulp (tests: 1e-12 relative, normwise); selection differs only if two
  * keys are within that distance.
  *
- * A NaN logit sets a __device__ flag (module state, like topk.cu: the host
- * drives one stream); later kernels of the call see it and do nothing, and
- * the call returns ML_ENAN after reading it back. zsum and entropy are host
- * scalars on both backends, so each call synchronises its stream once at the
- * end. The interrupt flag is polled between chunks.
+ * A NaN logit sets a flag in the call's own stream-ordered temporary (not
+ * __device__ module state, which calls on two streams would share); later
+ * kernels of the call see it and do nothing, and the call returns ML_ENAN
+ * after reading it back. zsum and entropy are host scalars on both
+ * backends, so each call synchronises its stream once at the end. The
+ * interrupt flag is polled between chunks.
  */
 #include "cuda_common.cuh"
 
@@ -40,17 +49,20 @@ extern "C" {
 #include <math.h>
 
 #define TOKEN_THREADS 128
+#define SEG 64   /* tokens per segment of the forward's psum / zsum / entropy */
 
-__device__ int router_nan;           /* a NaN was seen in this call */
-__device__ int router_stop;          /* ... in an earlier chunk: later chunks do nothing */
-__device__ double router_acc[2];     /* zsum, entropy carried across chunks */
+typedef struct {
+    int nan;     /* a NaN was seen in this call */
+    int stop;    /* ... in an earlier chunk: later chunks do nothing */
+} router_flags;
+static_assert(sizeof(router_flags) <= sizeof(double), "the flags take the temporary's first slot");
 
 /* ---- logits: 8 lanes per dot ------------------------------------------------ */
 
-__global__ void logits_kernel(ml_dtype dt, double *rows, const void *x, const void *wg,
-                              int64_t c0, int64_t n, int64_t D, int64_t E)
+__global__ void logits_kernel(const router_flags *f, ml_dtype dt, double *rows, const void *x,
+                              const void *wg, int64_t c0, int64_t n, int64_t D, int64_t E)
 {
-    if (router_stop)
+    if (f->stop)
         return;
     int64_t G = n * E;                                   /* dots in this chunk */
     int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -86,27 +98,28 @@ __global__ void logits_kernel(ml_dtype dt, double *rows, const void *x, const vo
 
 /* router_ops.h's lse, scores and p for token t from the logits already in
  * its row; NaN (and the flag) on a NaN logit or score. */
-__device__ double recompute(const ml_router_cfg &cfg, int64_t t, int64_t E, double *row)
+__device__ double recompute(router_flags *f, const ml_router_cfg &cfg, int64_t t, int64_t E,
+                            double *row)
 {
     double lse = ml_router_probs(&cfg, t, E, row);
     if (isnan(lse))
-        router_nan = 1;   /* a plain store of a constant: no race on the outcome */
+        f->nan = 1;   /* a plain store of a constant: no race on the outcome */
     return lse;
 }
 
 /* ---- forward ------------------------------------------------------------------ */
 
-__global__ void forward_token_kernel(ml_dtype dt, ml_router_cfg cfg, int64_t *idx, void *w,
-                                     ml_dtype bias_dt, const void *bias, double *rows,
+__global__ void forward_token_kernel(router_flags *f, ml_dtype dt, ml_router_cfg cfg, int64_t *idx,
+                                     void *w, ml_dtype bias_dt, const void *bias, double *rows,
                                      int64_t c0, int64_t n, int64_t E)
 {
-    if (router_stop)
+    if (f->stop)
         return;
     int64_t k = cfg.k;
     ML_CUDA_FOR(r, n) {
         int64_t t = c0 + r;
         double *row = rows + r * ml_router_row_width(E);
-        double lse = recompute(cfg, t, E, row);
+        double lse = recompute(f, cfg, t, E, row);
         if (isnan(lse))
             continue;
         ml_router_token_forward(dt, idx + t * k, w, (size_t)(t * k), row, lse, bias_dt, bias, E,
@@ -114,69 +127,190 @@ __global__ void forward_token_kernel(ml_dtype dt, ml_router_cfg cfg, int64_t *id
     }
 }
 
-/* Phase B, per expert: psum and counts over the chunk in token order. */
-__global__ void forward_sums_kernel(int64_t *counts, double *psum, const int64_t *idx,
-                                    const double *rows, int64_t c0, int64_t n, int64_t E, int64_t k)
+/* Phase B: counts[e] += the chunk's assignments to e (integer atomics: exact). */
+__global__ void forward_counts_kernel(const router_flags *f, unsigned long long *counts,
+                                      const int64_t *idx, int64_t c0, int64_t n, int64_t k)
 {
-    if (router_nan)
+    if (f->nan)
         return;
-    int64_t rw = ml_router_row_width(E);
-    ML_CUDA_FOR(e, E) {
-        double p = psum[e];
-        int64_t c = 0;
-        for (int64_t r = 0; r < n; r++) {
-            p += rows[r * rw + 2 * E + e];
-            const int64_t *ix = idx + (c0 + r) * k;
-            for (int64_t j = 0; j < k; j++)
-                c += ix[j] == e;
+    ML_CUDA_FOR(a, n * k)
+        atomicAdd(counts + idx[c0 * k + a], 1ull);
+}
+
+/* The forward's sums in segments: quantity q < E is psum[q], E the z term,
+ * E + 1 the entropy term. acc[q] holds the start value plus every finished
+ * segment (in order), open[q] the partial of a segment a chunk boundary
+ * cut, part[p, q] this chunk's piece p of segment c0 / SEG + p. */
+typedef struct {
+    double *acc, *open, *part;   /* [E + 2], [E + 2], [pieces, E + 2] */
+} sums_ws;
+
+__device__ double sum_term(const double *row, int64_t q, int64_t E)
+{
+    return q < E ? row[2 * E + q] : row[4 * E + (q - E)];
+}
+
+/* Segments touched by tokens [c0, c0 + n). */
+__host__ __device__ int64_t pieces(int64_t c0, int64_t n)
+{
+    return (c0 + n - 1) / SEG - c0 / SEG + 1;
+}
+
+/* A piece's end token (exclusive). */
+__device__ int64_t piece_end(int64_t c0, int64_t n, int64_t p)
+{
+    int64_t e = (c0 / SEG + p + 1) * SEG;
+    return e < c0 + n ? e : c0 + n;
+}
+
+/* One thread per (piece, quantity): the piece's tokens in token order; the
+ * first piece continues the open partial when the chunk starts mid-segment. */
+__global__ void sums_piece_kernel(const router_flags *f, sums_ws ws, const double *rows,
+                                  int64_t c0, int64_t n, int64_t E)
+{
+    if (f->nan)
+        return;
+    int64_t V = E + 2, rw = ml_router_row_width(E);
+    ML_CUDA_FOR(i, pieces(c0, n) * V) {
+        int64_t p = i / V, q = i % V;
+        int64_t t0 = (c0 / SEG + p) * SEG, t1 = piece_end(c0, n, p);
+        double a = 0;
+        if (t0 < c0) {
+            t0 = c0;
+            a = ws.open[q];
         }
-        psum[e] = p;
-        counts[e] += c;
+        for (int64_t t = t0; t < t1; t++)
+            a += sum_term(rows + (t - c0) * rw, q, E);
+        ws.part[i] = a;
     }
 }
 
-/* Phase B, one thread: zsum and entropy in token order. The chunk's last
- * kernel: a NaN seen in it stops the later chunks. */
-__global__ void forward_scalars_kernel(const double *rows, int64_t n, int64_t E)
+/* One thread per quantity: finished segments into acc in order; a piece cut
+ * by the chunk's end becomes the open partial. The chunk's last kernel: a
+ * NaN seen in it stops the later chunks. */
+__global__ void sums_fold_kernel(router_flags *f, sums_ws ws, int64_t c0, int64_t n, int64_t E)
 {
-    if (router_nan) {
-        router_stop = 1;
+    if (f->nan) {
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            f->stop = 1;
         return;
     }
-    int64_t rw = ml_router_row_width(E);
-    double z = router_acc[0], h = router_acc[1];
-    for (int64_t r = 0; r < n; r++) {
-        z += rows[r * rw + 4 * E];
-        h += rows[r * rw + 4 * E + 1];
+    int64_t V = E + 2, np = pieces(c0, n);
+    ML_CUDA_FOR(q, V) {
+        double a = ws.acc[q];
+        for (int64_t p = 0; p < np; p++) {
+            if (piece_end(c0, n, p) % SEG == 0)
+                a += ws.part[p * V + q];
+            else
+                ws.open[q] = ws.part[p * V + q];
+        }
+        ws.acc[q] = a;
     }
-    router_acc[0] = z;
-    router_acc[1] = h;
 }
 
-__global__ void init_kernel(double z, double h)
+/* Start values: psum's, and the host's zsum and entropy; no open segment. */
+__global__ void sums_init_kernel(sums_ws ws, const double *psum, double z, double h, int64_t E)
 {
-    router_nan = 0;
-    router_stop = 0;
-    router_acc[0] = z;
-    router_acc[1] = h;
+    ML_CUDA_FOR(q, E + 2) {
+        ws.acc[q] = q < E ? psum[q] : q == E ? z : h;
+        ws.open[q] = 0;
+    }
 }
 
-/* Read the flag (and the accumulators) back; synchronises the stream. */
-static ml_status finish(cudaStream_t st, int *nan, double acc[2])
+/* The last open segment (T not a multiple of SEG) closes; psum gets its
+ * result, acc[E], acc[E + 1] hold zsum and entropy for the host. */
+__global__ void sums_finish_kernel(const router_flags *f, sums_ws ws, double *psum, int64_t T,
+                                   int64_t E)
 {
-    ml_status s = ml_cuda_status(cudaMemcpyFromSymbolAsync(nan, router_nan, sizeof *nan, 0,
-                                                           cudaMemcpyDeviceToHost, st));
+    if (f->nan)
+        return;
+    ML_CUDA_FOR(q, E + 2) {
+        double a = T % SEG ? ws.acc[q] + ws.open[q] : ws.acc[q];
+        ws.acc[q] = a;
+        if (q < E)
+            psum[q] = a;
+    }
+}
+
+/* Read the flag (and zsum, entropy) back; synchronises the stream. */
+static ml_status finish(cudaStream_t st, const router_flags *f, int *nan, const double *zh,
+                        double acc[2])
+{
+    ml_status s = ml_cuda_status(cudaMemcpyAsync(nan, &f->nan, sizeof *nan,
+                                                 cudaMemcpyDeviceToHost, st));
     if (s == ML_OK && acc)
-        s = ml_cuda_status(cudaMemcpyFromSymbolAsync(acc, router_acc, 2 * sizeof(double), 0,
-                                                     cudaMemcpyDeviceToHost, st));
+        s = ml_cuda_status(cudaMemcpyAsync(acc, zh, 2 * sizeof(double), cudaMemcpyDeviceToHost, st));
     if (s == ML_OK)
         s = ml_cuda_status(cudaStreamSynchronize(st));
+    return s;
+}
+
+/* The call's flags, then (forward) the sums' workspace, in one temporary. */
+static ml_status state_new(router_flags **f, sums_ws *ws, int64_t chunk, int64_t E,
+                           cudaStream_t st)
+{
+    int64_t V = E + 2, np = chunk / SEG + 2;   /* a chunk touches at most this many segments */
+    size_t nd = ws ? (size_t)(2 * V + np * V) : 0;
+    void *p = NULL;
+    ml_status s = ml_cuda_temp(&p, sizeof(double) + nd * sizeof(double), st);
+    *f = (router_flags *)p;
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaMemsetAsync(p, 0, sizeof(router_flags), st));
+    if (ws && p) {
+        ws->acc = (double *)p + 1;
+        ws->open = ws->acc + V;
+        ws->part = ws->open + V;
+    }
     return s;
 }
 
 static unsigned logit_blocks(int64_t n, int64_t E)
 {
     return ml_cuda_blocks(n * E * 8, ML_CUDA_THREADS);
+}
+
+/* Every chunk's kernels, then the sums' close and the read-back of the
+ * flag and of zsum, entropy (acc[E], acc[E + 1]) into zh. */
+static ml_status forward_run(router_flags *f, sums_ws ws, ml_dtype dt, int64_t *idx, void *w,
+                             int64_t *counts, double *psum, const void *x, const void *wg,
+                             ml_dtype bias_dt, const void *bias, int64_t T, int64_t D, int64_t E,
+                             const ml_router_cfg *cfg, double *rows, int64_t chunk,
+                             const ml_kctx *ctx, int *nan, double zh[2])
+{
+    cudaStream_t st = ml_cuda_stream(ctx);
+    int64_t k = cfg->k, V = E + 2;
+    ml_status s;
+    sums_init_kernel<<<ml_cuda_blocks(V, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(ws, psum, zh[0],
+                                                                                 zh[1], E);
+    if ((s = ml_cuda_launched()) != ML_OK)
+        return s;
+    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+        if (ml_kctx_interrupted(ctx))
+            return ML_EINTERRUPTED;
+        int64_t n = T - c0 < chunk ? T - c0 : chunk;
+        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(f, dt, rows, x, wg, c0, n, D, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        forward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
+            f, dt, *cfg, idx, w, bias_dt, bias, rows, c0, n, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        forward_counts_kernel<<<ml_cuda_blocks(n * k, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            f, (unsigned long long *)counts, idx, c0, n, k);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        sums_piece_kernel<<<ml_cuda_blocks(pieces(c0, n) * V, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
+            f, ws, rows, c0, n, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        sums_fold_kernel<<<ml_cuda_blocks(V, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(f, ws, c0, n, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    sums_finish_kernel<<<ml_cuda_blocks(V, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(f, ws, psum, T, E);
+    if ((s = ml_cuda_launched()) != ML_OK)
+        return s;
+    return finish(st, f, nan, ws.acc + E, zh);
 }
 
 extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, int64_t *counts,
@@ -193,56 +327,39 @@ extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, 
     if (T <= 0)
         return ML_OK;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int64_t chunk = ml_router_chunk_rows(T, cfg->chunk), k = cfg->k;
-    double *rows = (double *)scratch;
-    ml_status s;
-    init_kernel<<<1, 1, 0, st>>>(*zsum, *entropy);
-    if ((s = ml_cuda_launched()) != ML_OK)
-        return s;
-    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
-        if (ml_kctx_interrupted(ctx))
-            return ML_EINTERRUPTED;
-        int64_t n = T - c0 < chunk ? T - c0 : chunk;
-        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(dt, rows, x, wg, c0, n, D, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        forward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
-            dt, *cfg, idx, w, bias_dt, bias, rows, c0, n, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        forward_sums_kernel<<<ml_cuda_blocks(E, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
-            counts, psum, idx, rows, c0, n, E, k);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        forward_scalars_kernel<<<1, 1, 0, st>>>(rows, n, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-    }
+    int64_t chunk = ml_router_chunk_rows(T, cfg->chunk);
+    router_flags *f = NULL;
+    sums_ws ws;
     int nan = 0;
-    double acc[2];
-    if ((s = finish(st, &nan, acc)) != ML_OK)
+    double zh[2] = {*zsum, *entropy};
+    ml_status s = state_new(&f, &ws, chunk, E, st);
+    if (s == ML_OK)
+        s = forward_run(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E, cfg,
+                        (double *)scratch, chunk, ctx, &nan, zh);
+    ml_cuda_temp_free(f, st);
+    if (s != ML_OK)
         return s;
     if (nan)
         return ML_ENAN;
-    *zsum = acc[0];
-    *entropy = acc[1];
+    *zsum = zh[0];
+    *entropy = zh[1];
     return ML_OK;
 }
 
 /* ---- backward ----------------------------------------------------------------- */
 
 /* Per token: dL/dl into L (row[0, E)); row[4E] = 1 for a NaN token, else 0. */
-__global__ void backward_token_kernel(ml_dtype dt, ml_router_cfg cfg, const int64_t *sidx,
-                                      const void *dw, const double *aux, double gz, double *rows,
-                                      int64_t c0, int64_t n, int64_t E)
+__global__ void backward_token_kernel(router_flags *f, ml_dtype dt, ml_router_cfg cfg,
+                                      const int64_t *sidx, const void *dw, const double *aux,
+                                      double gz, double *rows, int64_t c0, int64_t n, int64_t E)
 {
-    if (router_stop)
+    if (f->stop)
         return;
     int64_t k = cfg.k;
     ML_CUDA_FOR(r, n) {
         int64_t t = c0 + r;
         double *row = rows + r * ml_router_row_width(E);
-        double lse = recompute(cfg, t, E, row);
+        double lse = recompute(f, cfg, t, E, row);
         row[4 * E] = isnan(lse) ? 1.0 : 0.0;
         if (isnan(lse))
             continue;
@@ -251,10 +368,10 @@ __global__ void backward_token_kernel(ml_dtype dt, ml_router_cfg cfg, const int6
 }
 
 /* dx[t, d] += sum_e dl_te wg[e, d], experts in order (f64). */
-__global__ void backward_dx_kernel(ml_dtype dt, void *dx, const void *wg, const double *rows,
-                                   int64_t c0, int64_t n, int64_t D, int64_t E)
+__global__ void backward_dx_kernel(const router_flags *f, ml_dtype dt, void *dx, const void *wg,
+                                   const double *rows, int64_t c0, int64_t n, int64_t D, int64_t E)
 {
-    if (router_stop)
+    if (f->stop)
         return;
     int64_t rw = ml_router_row_width(E);
     ML_CUDA_FOR(i, n * D) {
@@ -282,12 +399,12 @@ __global__ void backward_dx_kernel(ml_dtype dt, void *dx, const void *wg, const 
  * The chunk's last kernel: a NaN seen in it stops the later chunks (the
  * CPU returns before this phase; dx of the chunk's other tokens is added,
  * as on the CPU). */
-__global__ void backward_dwg_kernel(ml_dtype dt, double *acc, const void *x, const double *rows,
-                                    int64_t c0, int64_t n, int64_t D, int64_t E)
+__global__ void backward_dwg_kernel(router_flags *f, ml_dtype dt, double *acc, const void *x,
+                                    const double *rows, int64_t c0, int64_t n, int64_t D, int64_t E)
 {
-    if (router_nan) {
+    if (f->nan) {
         if (blockIdx.x == 0 && threadIdx.x == 0)
-            router_stop = 1;
+            f->stop = 1;
         return;
     }
     int64_t rw = ml_router_row_width(E);
@@ -307,9 +424,10 @@ __global__ void backward_dwg_kernel(ml_dtype dt, double *acc, const void *x, con
     }
 }
 
-__global__ void add_acc_kernel(ml_dtype dt, void *dwg, const double *acc, int64_t ne)
+__global__ void add_acc_kernel(const router_flags *f, ml_dtype dt, void *dwg, const double *acc,
+                               int64_t ne)
 {
-    if (router_nan)
+    if (f->nan)
         return;
     ML_CUDA_FOR(i, ne) {
         if (dt == ML_F32) {
@@ -319,6 +437,45 @@ __global__ void add_acc_kernel(ml_dtype dt, void *dwg, const double *acc, int64_
             ((double *)dwg)[i] += acc[i];
         }
     }
+}
+
+/* Every chunk's kernels, the accumulator's add and the flag's read-back. */
+static ml_status backward_run(router_flags *f, ml_dtype dt, void *dx, void *dwg, const int64_t *idx,
+                              const void *dw, const double *aux, double gz, const void *x,
+                              const void *wg, int64_t T, int64_t D, int64_t E,
+                              const ml_router_cfg *cfg, double *rows, int64_t chunk,
+                              const ml_kctx *ctx, int *nan)
+{
+    cudaStream_t st = ml_cuda_stream(ctx);
+    double *acc = rows + (size_t)chunk * (size_t)ml_router_row_width(E);
+    ml_status s;
+    if ((s = ml_cuda_status(cudaMemsetAsync(acc, 0, (size_t)(E * D) * sizeof(double), st))) != ML_OK)
+        return s;
+    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+        if (ml_kctx_interrupted(ctx))
+            return ML_EINTERRUPTED;
+        int64_t n = T - c0 < chunk ? T - c0 : chunk;
+        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(f, dt, rows, x, wg, c0, n, D, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        backward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
+            f, dt, *cfg, idx, dw, aux, gz, rows, c0, n, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        backward_dx_kernel<<<ml_cuda_blocks(n * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            f, dt, dx, wg, rows, c0, n, D, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+        backward_dwg_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            f, dt, acc, x, rows, c0, n, D, E);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    add_acc_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+        f, dt, dwg, acc, E * D);
+    if ((s = ml_cuda_launched()) != ML_OK)
+        return s;
+    return finish(st, f, nan, NULL, NULL);
 }
 
 extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, const int64_t *idx,
@@ -334,39 +491,14 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
         return ML_OK;
     cudaStream_t st = ml_cuda_stream(ctx);
     int64_t chunk = ml_router_chunk_rows(T, cfg->chunk);
-    double *rows = (double *)scratch;
-    double *acc = rows + (size_t)chunk * (size_t)ml_router_row_width(E);
-    ml_status s;
-    init_kernel<<<1, 1, 0, st>>>(0.0, 0.0);
-    if ((s = ml_cuda_launched()) != ML_OK)
-        return s;
-    if ((s = ml_cuda_status(cudaMemsetAsync(acc, 0, (size_t)(E * D) * sizeof(double), st))) != ML_OK)
-        return s;
-    for (int64_t c0 = 0; c0 < T; c0 += chunk) {
-        if (ml_kctx_interrupted(ctx))
-            return ML_EINTERRUPTED;
-        int64_t n = T - c0 < chunk ? T - c0 : chunk;
-        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(dt, rows, x, wg, c0, n, D, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        backward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
-            dt, *cfg, idx, dw, aux, gz, rows, c0, n, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        backward_dx_kernel<<<ml_cuda_blocks(n * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            dt, dx, wg, rows, c0, n, D, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-        backward_dwg_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            dt, acc, x, rows, c0, n, D, E);
-        if ((s = ml_cuda_launched()) != ML_OK)
-            return s;
-    }
-    add_acc_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(dt, dwg, acc, E * D);
-    if ((s = ml_cuda_launched()) != ML_OK)
-        return s;
+    router_flags *f = NULL;
     int nan = 0;
-    if ((s = finish(st, &nan, NULL)) != ML_OK)
+    ml_status s = state_new(&f, NULL, chunk, E, st);
+    if (s == ML_OK)
+        s = backward_run(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg, (double *)scratch,
+                         chunk, ctx, &nan);
+    ml_cuda_temp_free(f, st);
+    if (s != ML_OK)
         return s;
     return nan ? ML_ENAN : ML_OK;
 }

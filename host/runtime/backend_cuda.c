@@ -23,6 +23,35 @@
 static int avail = -1;            /* -1: not asked yet */
 static char unavail_reason[256];
 
+/* The oldest compute capability the binary carries code for (Makefile
+ * NVFLAGS: sm_80, sm_90, compute_90 PTX). On an older GPU every launch
+ * would fail with "no kernel image", so the device is reported unavailable
+ * with a reason instead. */
+#define MIN_CC_MAJOR 8
+#define MIN_CC_MINOR 0
+
+static int capability_ok(void)
+{
+    int dev = 0;
+    struct cudaDeviceProp p;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaGetDeviceProperties(&p, dev);
+    if (e != cudaSuccess) {
+        snprintf(unavail_reason, sizeof unavail_reason, "%s (%d): %s",
+                 cudaGetErrorName(e), (int)e, cudaGetErrorString(e));
+        cudaGetLastError();
+        return 0;
+    }
+    if (p.major < MIN_CC_MAJOR || (p.major == MIN_CC_MAJOR && p.minor < MIN_CC_MINOR)) {
+        snprintf(unavail_reason, sizeof unavail_reason,
+                 "%.120s has compute capability %d.%d; this build needs %d.%d or newer",
+                 p.name, p.major, p.minor, MIN_CC_MAJOR, MIN_CC_MINOR);
+        return 0;
+    }
+    return 1;
+}
+
 static int cuda_available(void)
 {
     if (avail >= 0)
@@ -38,7 +67,7 @@ static int cuda_available(void)
         snprintf(unavail_reason, sizeof unavail_reason, "no CUDA device found");
         avail = 0;
     } else {
-        avail = 1;
+        avail = capability_ok();
     }
     return avail;
 }
@@ -50,9 +79,7 @@ const char *ml_cuda_unavailable_reason(void)
 
 const char *ml_cuda_last_error(void)
 {
-    const char *cb = ml_cublas_load_error();
-    const char *e = ml_cuda_error_string();
-    return e[0] ? e : cb ? cb : "";
+    return ml_cuda_error_string();   /* a cuBLAS load failure is noted there too */
 }
 
 /* ---- caching allocator -------------------------------------------------- */
@@ -115,6 +142,25 @@ static bucket *bucket_of(size_t size, int create)
     b->next = A.heads[h];
     A.heads[h] = b;
     return b;
+}
+
+/* The cached block that serves a request of rounded size `size`: the
+ * smallest non-empty free list of size in [size, size + size/8] (best fit,
+ * at most 1/8 wasted; at most FIT_PROBES sizes are tried), or NULL. Before,
+ * only the identical size was reused, so a slightly larger request always
+ * went to cudaMalloc while a fitting block sat in the cache. Caller holds A.mu. */
+#define FIT_PROBES 64
+
+static bucket *best_fit(size_t size)
+{
+    size_t step = ml_cuda_round_size(size + 1) - size;   /* the rounding step at this size */
+    size_t limit = size + size / 8;
+    for (size_t k = 0, s = size; k < FIT_PROBES && s <= limit; k++, s += step) {
+        bucket *b = bucket_of(s, 0);
+        if (b && b->n)
+            return b;
+    }
+    return NULL;
 }
 
 /* Rehash, dropping tombstones; the table doubles only when live blocks
@@ -205,9 +251,10 @@ static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
         return NULL;
     pthread_mutex_lock(&A.mu);
     void *p = NULL;
-    bucket *b = bucket_of(size, 0);
-    if (b && b->n) {
+    bucket *b = best_fit(size);
+    if (b) {
         p = b->blocks[--b->n];
+        size = b->size;   /* the block keeps its size: it goes back to its own list */
         A.st.cached -= size;
         A.st.nhits++;
     } else {
@@ -248,6 +295,21 @@ static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
     report(lg);
     pthread_mutex_unlock(&A.mu);
     return p;
+}
+
+/* Bytes the budget is checked against (ml_memory.reserve_bytes): a new
+ * block's rounded size, but only nbytes when a cached block will serve the
+ * request (the reservation does not grow then; nbytes still counts against
+ * the category, which is charged nbytes). */
+static size_t cuda_reserve_bytes(size_t nbytes)
+{
+    size_t size = ml_cuda_round_size(nbytes);
+    if (size == SIZE_MAX)
+        return size;
+    pthread_mutex_lock(&A.mu);
+    int hit = best_fit(size) != NULL;
+    pthread_mutex_unlock(&A.mu);
+    return hit ? nbytes : size;
 }
 
 static void cuda_free(void *p, size_t nbytes, ml_ledger *lg)
@@ -421,7 +483,7 @@ static const ml_memory cuda_memory = {
     .available = cuda_available,
     .alloc = cuda_alloc,
     .free = cuda_free,
-    .reserve_bytes = ml_cuda_round_size,
+    .reserve_bytes = cuda_reserve_bytes,
     .memcpy = cuda_memcpy,
     .stream_new = cuda_stream_new,
     .stream_free = cuda_stream_free,
