@@ -23,11 +23,12 @@
  * by reordering (normwise ~1e-6). Deterministic: each output element is
  * written by one thread, in a fixed order.
  *
- * Shared memory: 2 tiles [AT_B, hd] (forward) or 4 (backward) plus two
- * [AT_B, AT_B]: at f32, at most 35 KiB forward, and backward up to hd =
- * 128; hd = 256 backward (68 KiB) and f64 above hd = 128 forward, 64
- * backward (up to 133 KiB) need the opt-in above 48 KiB, granted per kernel
- * for ML_ATT_HD_MAX with cudaFuncSetAttribute before each launch.
+ * Shared memory, dynamic and sized by hd: 2 tiles [AT_B, hd | 1] (forward)
+ * or 4 (backward) plus up to two [AT_B, AT_B]. f32 and bf16: forward at
+ * most 35 KiB; backward within 48 KiB up to hd = 176, 66 KiB at hd = 256.
+ * f64: within 48 KiB up to hd = 160 forward and 80 backward, 133 KiB at
+ * most. Beyond 48 KiB needs the opt-in: each kernel is granted its size at
+ * ML_ATT_HD_MAX with cudaFuncSetAttribute before each launch.
  *
  * The caller's scratch is not used. The interrupt flag is polled before each
  * launch.
