@@ -47,8 +47,12 @@
  * Scratch: the caller passes ml_attention_scratch_bytes(hd, ctx->nthreads)
  * bytes (8-aligned), for either dtype.
  *
- * Not here: allocation, Lua, RoPE (kernels/rope.h). CPU only so far (CUDA
- * twins: suffix _cuda).
+ * CUDA (kernels/attention.cu): the same arguments and the f64 path's
+ * summation order in 16 x 16 tiles, for f32, f64 and bf16 (bf16 in and out,
+ * f32 accumulation; lse and drow stay f64). The CUDA kernels do not use
+ * `scratch` (tiles live in shared memory); it may be NULL.
+ *
+ * Not here: allocation, Lua, RoPE (kernels/rope.h).
  */
 #ifndef ML_KERNELS_ATTENTION_H
 #define ML_KERNELS_ATTENTION_H
@@ -77,5 +81,15 @@ ml_status ml_attention_backward_cpu(ml_dtype dt, void *dq, void *dk, void *dv, d
                                     const void *dout, const void *q, const void *k, const void *v,
                                     const void *out, const double *lse, int64_t S, int64_t H,
                                     int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx);
+
+#ifdef ML_WITH_CUDA
+ml_status ml_attention_forward_cuda(ml_dtype dt, void *out, double *lse, const void *q,
+                                    const void *k, const void *v, int64_t S, int64_t H,
+                                    int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx);
+ml_status ml_attention_backward_cuda(ml_dtype dt, void *dq, void *dk, void *dv, double *drow,
+                                     const void *dout, const void *q, const void *k, const void *v,
+                                     const void *out, const double *lse, int64_t S, int64_t H,
+                                     int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx);
+#endif
 
 #endif

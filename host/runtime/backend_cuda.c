@@ -514,6 +514,8 @@ static int cuda_supports(ml_op op, ml_dtype dt)
         return dt == ML_I64;
     case ML_OP_RANDOM:
         return flt || dt == ML_BF16 || dt == ML_F16;
+    case ML_OP_ATTENTION:
+        return flt || dt == ML_BF16;
     default:
         return 0;
     }
@@ -547,6 +549,8 @@ static const ml_kernels cuda_kernels = {
     .dispatch_check_plan = ml_dispatch_check_plan_cuda,
     .experts_forward = ml_experts_forward_cuda,
     .experts_backward = ml_experts_backward_cuda,
+    .attention_forward = ml_attention_forward_cuda,
+    .attention_backward = ml_attention_backward_cuda,
 };
 
 const ml_backend ml_backend_cuda = {"cuda", &cuda_memory, &cuda_kernels};
