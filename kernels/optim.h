@@ -12,7 +12,8 @@
  * in f64 per fixed block of ML_OPTIM_BLOCK elements and add the block
  * partials in block order, so they are bit-identical too. CUDA keeps both
  * orders and rounds in the buffers' dtype with the same per-step scalars
- * (ml_adamw_coef_of, on the host), so it matches the CPU bit for bit.
+ * (ml_adamw_coef_of, on the host), so it is built to match the CPU bit for
+ * bit (tests/spec/gpu_optim_spec.lua checks it within stated bounds).
  *
  * Host and device memory: the tensor data (p, m, v, g, buf, x, the [S]
  * buffers m[e] and v[e] point at, and slice_norms' norms) is on the
