@@ -512,6 +512,8 @@ static int cuda_supports(ml_op op, ml_dtype dt)
         return flt;
     case ML_OP_DISPATCH:
         return dt == ML_I64;
+    case ML_OP_OPTIM:
+        return flt;
     case ML_OP_RANDOM:
         return flt || dt == ML_BF16 || dt == ML_F16;
     case ML_OP_ATTENTION:
@@ -551,6 +553,12 @@ static const ml_kernels cuda_kernels = {
     .experts_backward = ml_experts_backward_cuda,
     .attention_forward = ml_attention_forward_cuda,
     .attention_backward = ml_attention_backward_cuda,
+    .adamw = ml_adamw_cuda,
+    .lazy_adamw = ml_lazy_adamw_cuda,
+    .sgd = ml_sgd_cuda,
+    .sumsq = ml_sumsq_cuda,
+    .slice_norms = ml_slice_norms_cuda,
+    .scale_slices = ml_scale_slices_cuda,
 };
 
 const ml_backend ml_backend_cuda = {"cuda", &cuda_memory, &cuda_kernels};
