@@ -29,30 +29,8 @@ static ml_kctx uninterruptible(const ml_kctx *ctx)
 
 /* ---- AdamW ---------------------------------------------------------------- */
 
-/* Per-step scalars, computed in double as PyTorch computes them in Python. */
-typedef struct {
-    double decay, w, b2, c2, bc2_sqrt, eps, neg_step;
-    int low;              /* lerp branch: |w| < 0.5 */
-} adam_coef;
-
-static adam_coef adam_coef_of(const ml_adamw_hp *hp, int64_t t)
-{
-    adam_coef c;
-    c.decay = 1.0 - hp->lr * hp->weight_decay;
-    c.w = 1.0 - hp->beta1;
-    c.b2 = hp->beta2;
-    c.c2 = 1.0 - hp->beta2;
-    double bc1 = 1.0 - pow(hp->beta1, (double)t);
-    double bc2 = 1.0 - pow(hp->beta2, (double)t);
-    c.bc2_sqrt = sqrt(bc2);
-    c.eps = hp->eps;
-    c.neg_step = -(hp->lr / bc1);
-    c.low = fabs(c.w) < 0.5;
-    return c;
-}
-
 static void adam_f32(float *p, float *m, float *v, const float *g, int64_t lo, int64_t hi,
-                     const adam_coef *c)
+                     const ml_adamw_coef *c)
 {
     const float decay = (float)c->decay, w = (float)c->w, w1 = 1.0f - w, b2 = (float)c->b2;
     const float c2 = (float)c->c2, bs = (float)c->bc2_sqrt, eps = (float)c->eps;
@@ -70,7 +48,7 @@ static void adam_f32(float *p, float *m, float *v, const float *g, int64_t lo, i
 }
 
 static void adam_f64(double *p, double *m, double *v, const double *g, int64_t lo, int64_t hi,
-                     const adam_coef *c)
+                     const ml_adamw_coef *c)
 {
     const double decay = c->decay, w = c->w, w1 = 1.0 - w, b2 = c->b2;
     const double c2 = c->c2, bs = c->bc2_sqrt, eps = c->eps, ns = c->neg_step;
@@ -87,7 +65,7 @@ static void adam_f64(double *p, double *m, double *v, const double *g, int64_t l
 }
 
 static void adam_range(ml_dtype dt, void *p, void *m, void *v, const void *g, int64_t lo,
-                       int64_t hi, const adam_coef *c)
+                       int64_t hi, const ml_adamw_coef *c)
 {
     if (dt == ML_F32)
         adam_f32(p, m, v, g, lo, hi, c);
@@ -99,7 +77,7 @@ typedef struct {
     ml_dtype dt;
     void *p, *m, *v;
     const void *g;
-    adam_coef c;
+    ml_adamw_coef c;
 } adam_arg;
 
 static void adam_tile(void *arg, int64_t lo, int64_t hi)
@@ -113,7 +91,7 @@ ml_status ml_adamw_cpu(ml_dtype dt, void *p, void *m, void *v, const void *g, in
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    adam_arg a = {dt, p, m, v, g, adam_coef_of(hp, hp->step)};
+    adam_arg a = {dt, p, m, v, g, ml_adamw_coef_of(hp, hp->step)};
     ml_kctx c = uninterruptible(ctx);
     return ml_parallel_tiles(n, TILE, 8, &c, adam_tile, &a);
 }
@@ -142,22 +120,12 @@ static void lazy_tile(void *arg, int64_t lo, int64_t hi)
         int64_t end = (e + 1) * a->slice < hi ? (e + 1) * a->slice : hi;
         if (a->active[e]) {
             size_t j = (size_t)(lo - e * a->slice) * a->es, at = (size_t)lo * a->es;
-            adam_coef c = adam_coef_of(a->hp, a->steps[e] + 1);
+            ml_adamw_coef c = ml_adamw_coef_of(a->hp, a->steps[e] + 1);
             adam_range(a->dt, a->p + at, (char *)a->m[e] + j, (char *)a->v[e] + j, a->g + at, 0,
                        end - lo, &c);
         }
         lo = end;
     }
-}
-
-/* Every active expert has both states (checked before anything moves). */
-static int lazy_states_present(void *const *m, void *const *v, const uint8_t *active,
-                               int64_t E)
-{
-    for (int64_t e = 0; e < E; e++)
-        if (active[e] && (!m[e] || !v[e]))
-            return 0;
-    return 1;
 }
 
 ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *const *m, void *const *v,
@@ -167,7 +135,7 @@ ml_status ml_lazy_adamw_cpu(ml_dtype dt, void *p, void *const *m, void *const *v
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    if (E < 1 || n % E != 0 || !lazy_states_present(m, v, active, E))
+    if (E < 1 || n % E != 0 || !ml_lazy_states_present(m, v, active, E))
         return ML_EUNSUPPORTED;
     lazy_arg a = {dt, p, g, m, v, hp, steps, active, n / E, ml_dtype_size(dt)};
     ml_kctx c = uninterruptible(ctx);
