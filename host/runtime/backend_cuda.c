@@ -452,6 +452,10 @@ static int cuda_supports(ml_op op, ml_dtype dt)
         return dt == ML_I64;
     case ML_OP_RANDOM:
         return flt || dt == ML_BF16 || dt == ML_F16;
+    case ML_OP_RMSNORM: case ML_OP_ROPE: case ML_OP_EMBEDDING:
+        return flt || dt == ML_BF16;
+    case ML_OP_CROSSENTROPY:
+        return flt;         /* cuBLAS logits: no bf16 GEMM */
     default:
         return 0;
     }
@@ -485,6 +489,14 @@ static const ml_kernels cuda_kernels = {
     .dispatch_check_plan = ml_dispatch_check_plan_cuda,
     .experts_forward = ml_experts_forward_cuda,
     .experts_backward = ml_experts_backward_cuda,
+    .rmsnorm_forward = ml_rmsnorm_forward_cuda,
+    .rmsnorm_backward = ml_rmsnorm_backward_cuda,
+    .rope_forward = ml_rope_forward_cuda,
+    .rope_backward = ml_rope_backward_cuda,
+    .embedding_forward = ml_embedding_forward_cuda,
+    .embedding_backward = ml_embedding_backward_cuda,
+    .ce_forward = ml_ce_forward_cuda,
+    .ce_backward = ml_ce_backward_cuda,
 };
 
 const ml_backend ml_backend_cuda = {"cuda", &cuda_memory, &cuda_kernels};
