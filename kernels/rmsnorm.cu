@@ -8,10 +8,12 @@
  * 1 / sqrt(sum / D + eps) in f64 from the compute-type sum. The CPU sums in
  * f64 in column order, so parity is a normwise tolerance, not bitwise.
  *
- * dw (+=) needs no float atomics and no scratch: one thread per column adds
- * dy * x * rstd over the rows in row order in f64, exactly the CPU's terms
- * and order (bf16: dy and x widened exactly). That pass has D threads only;
- * it reads each of dy and x once, coalesced across columns.
+ * dw (+=) needs no float atomics and no scratch: a block owns 32 columns
+ * and splits the rows into 32 contiguous slices; thread (slice, column)
+ * adds dy * x * rstd, the CPU's terms in f64 (bf16 widened exactly), over
+ * its slice in row order, and the 32 partials of a column are then added in
+ * slice order. A fixed order, so deterministic; not the CPU's single
+ * sequence, which would leave the pass with D threads only.
  */
 #include "cuda_float.cuh"
 
@@ -20,7 +22,8 @@ extern "C" {
 }
 
 #define RMS_THREADS 256
-#define RMS_COL_THREADS 128
+#define RMS_COLS 32     /* columns per block of the dw pass */
+#define RMS_SLICES 32   /* row slices per column; RMS_COLS * RMS_SLICES threads */
 
 template <typename T>
 __global__ void __launch_bounds__(RMS_THREADS)
@@ -72,17 +75,30 @@ rms_bwd_rows_kernel(T *dx, const T *dy, const T *x, const T *w, const double *rs
     }
 }
 
-/* dw[d] += sum_n dy[n, d] * x[n, d] * rstd[n], one thread per column, f64 */
+/* dw[d] += sum_n dy[n, d] * x[n, d] * rstd[n] in f64: slices of rows in
+ * row order, then the slices' partials in slice order */
 template <typename T>
-__global__ void __launch_bounds__(RMS_COL_THREADS)
+__global__ void __launch_bounds__(RMS_COLS * RMS_SLICES)
 rms_bwd_cols_kernel(T *dw, const T *dy, const T *x, const double *rstd, int64_t N, int64_t D)
 {
     typedef ml_float<T> F;
-    ML_CUDA_FOR(d, D) {
+    __shared__ double part[RMS_SLICES][RMS_COLS];
+    int c = threadIdx.x % RMS_COLS, s = threadIdx.x / RMS_COLS;
+    int64_t per = (N + RMS_SLICES - 1) / RMS_SLICES;
+    int64_t n0 = s * per, n1 = n0 + per < N ? n0 + per : N;
+    for (int64_t d0 = (int64_t)blockIdx.x * RMS_COLS; d0 < D; d0 += (int64_t)gridDim.x * RMS_COLS) {
+        int64_t d = d0 + c;
         double acc = 0;
-        for (int64_t n = 0; n < N; n++)
+        for (int64_t n = n0; d < D && n < n1; n++)
             acc += (double)F::load(dy[n * D + d]) * (double)F::load(x[n * D + d]) * rstd[n];
-        dw[d] = F::store((typename F::acc)((double)F::load(dw[d]) + acc));
+        part[s][c] = acc;
+        __syncthreads();
+        if (s == 0 && d < D) {
+            for (int k = 1; k < RMS_SLICES; k++)
+                acc += part[k][c];
+            dw[d] = F::store((typename F::acc)((double)F::load(dw[d]) + acc));
+        }
+        __syncthreads();   /* part is rewritten by the next columns */
     }
 }
 
@@ -127,7 +143,7 @@ static ml_status bwd_launch(void *dx, void *dw, const void *dy, const void *x, c
     ml_status s = ml_cuda_launched();
     if (s != ML_OK)
         return s;
-    rms_bwd_cols_kernel<T><<<ml_cuda_blocks(D, RMS_COL_THREADS), RMS_COL_THREADS, 0, st>>>(
+    rms_bwd_cols_kernel<T><<<ml_cuda_blocks(D, RMS_COLS), RMS_COLS * RMS_SLICES, 0, st>>>(
         (T *)dw, (const T *)dy, (const T *)x, rstd, N, D);
     return ml_cuda_launched();
 }

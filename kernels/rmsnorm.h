@@ -10,9 +10,9 @@
  *
  * CUDA (suffix _cuda, same arguments, every pointer on the device): f32,
  * f64 and bf16 (bf16 in and out, f32 inside; rstd stays f64). A row's sums
- * run in the compute type in a fixed tree (rmsnorm.cu); dw is the CPU's
- * column sum in row order in f64. Deterministic; parity with the CPU is a
- * normwise tolerance.
+ * run in the compute type in a fixed tree; dw sums the CPU's f64 terms in
+ * 32 row slices, then the slices in order (rmsnorm.cu). Deterministic;
+ * parity with the CPU is a normwise tolerance.
  *
  * Not here: allocation, Lua.
  */
