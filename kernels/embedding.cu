@@ -6,15 +6,15 @@
  *
  * The backward uses no float atomics and no scratch (the signature has
  * none): block b owns the vocabulary rows [b*EMB_ROWS, (b+1)*EMB_ROWS) and
- * scans every id, a tile of EMB_THREADS ids at a time. The tokens of a
- * tile that hit its rows are compacted, in token order, into a shared list
- * (the tile's segment of a stable sort by id, restricted to the block's
- * rows); then each thread, for the columns it owns, walks the list in order
- * and adds dout[t] into a register, writing dW[v] back when the row
- * changes. So dW[v, d] receives its tokens in token order, starting from
- * its old value, one add at a time in dt: the CPU's operations exactly, so
- * f32 and f64 are bitwise equal to kernels/embedding.c. bf16 adds in f32 and
- * rounds into dW once per run of consecutive hits of a row in a tile.
+ * scans every id, a tile of EMB_THREADS ids at a time. Each token of the
+ * tile that hits its rows takes its stable rank by (row, token) in a shared
+ * list: the tile's segments of a sort by id, tokens in order within each.
+ * Then each thread, for the columns it owns, walks the segments, adding
+ * dout[t] into a register that starts from dW[v] and goes back to dW[v] at
+ * the segment's end. So dW[v, d] receives its tokens in token order, one
+ * add at a time in dt: the CPU's operations exactly, so f32 and f64 are
+ * bitwise equal to kernels/embedding.c. bf16 adds in f32 and rounds into dW
+ * once per tile that hits the row.
  *
  * Cost: every block reads all T ids, ceil(V / EMB_ROWS) * T * 8 bytes in
  * all (about 0.6 GB, from L2, for V = 150k and T = 32k); dout is read once.
@@ -29,7 +29,6 @@ extern "C" {
 }
 
 #define EMB_THREADS 256
-#define EMB_WARPS (EMB_THREADS / 32)
 #define EMB_ROWS 64
 
 template <typename T>
@@ -47,45 +46,40 @@ emb_bwd_kernel(T *dW, const T *dout, const int64_t *ids, int64_t T_, int64_t V, 
 {
     typedef ml_float<T> F;
     typedef typename F::acc A;
-    __shared__ int64_t hit_t[EMB_THREADS];   /* token of the j-th hit of the tile */
-    __shared__ int64_t hit_v[EMB_THREADS];   /* its row */
-    __shared__ int wcount[EMB_WARPS];
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    __shared__ int64_t tile_v[EMB_THREADS];   /* the tile's rows; -1: not the block's */
+    __shared__ int64_t seg_t[EMB_THREADS];    /* hits sorted by (row, token): the token */
+    __shared__ int64_t seg_v[EMB_THREADS];    /* and its row */
     for (int64_t v0 = (int64_t)blockIdx.x * EMB_ROWS; v0 < V; v0 += (int64_t)gridDim.x * EMB_ROWS) {
         int64_t v1 = v0 + EMB_ROWS < V ? v0 + EMB_ROWS : V;
         for (int64_t t0 = 0; t0 < T_; t0 += EMB_THREADS) {
-            /* compact the tile's hits in token order: warp counts, then ranks */
             int64_t t = t0 + threadIdx.x, v = t < T_ ? ids[t] : -1;
             int hit = v >= v0 && v < v1;
-            unsigned mask = __ballot_sync(0xffffffffu, hit);
-            if (lane == 0)
-                wcount[warp] = __popc(mask);
-            __syncthreads();
-            int before = 0, n = 0;
-            for (int k = 0; k < EMB_WARPS; k++) {
-                before += k < warp ? wcount[k] : 0;
-                n += wcount[k];
-            }
+            tile_v[threadIdx.x] = hit ? v : -1;
+            int n = __syncthreads_count(hit);
             if (hit) {
-                int j = before + __popc(mask & ((1u << lane) - 1u));
-                hit_t[j] = t;
-                hit_v[j] = v;
+                int rank = 0;
+                for (int k = 0; k < EMB_THREADS; k++) {
+                    int64_t u = tile_v[k];
+                    rank += u >= 0 && (u < v || (u == v && k < (int)threadIdx.x));
+                }
+                seg_t[rank] = t;
+                seg_v[rank] = v;
             }
             __syncthreads();
             for (int64_t d = threadIdx.x; n > 0 && d < D; d += EMB_THREADS) {
-                int64_t cur = hit_v[0];
+                int64_t cur = seg_v[0];
                 A acc = F::load(dW[cur * D + d]);
                 for (int j = 0; j < n; j++) {
-                    if (hit_v[j] != cur) {
+                    if (seg_v[j] != cur) {
                         dW[cur * D + d] = F::store(acc);
-                        cur = hit_v[j];
+                        cur = seg_v[j];
                         acc = F::load(dW[cur * D + d]);
                     }
-                    acc += F::load(dout[hit_t[j] * D + d]);
+                    acc += F::load(dout[seg_t[j] * D + d]);
                 }
                 dW[cur * D + d] = F::store(acc);
             }
-            __syncthreads();   /* the lists and counts are rewritten by the next tile */
+            __syncthreads();   /* the tile's lists are rewritten by the next tile */
         }
     }
 }

@@ -8,9 +8,9 @@
  *
  * CUDA (suffix _cuda, same arguments, pointers on the device): f32, f64
  * and bf16. The backward, without atomics or scratch, gives each block a
- * range of vocabulary rows that scans the ids in order (embedding.cu): the
- * same adds in the same order as the CPU, so f32 and f64 are bitwise equal
- * to it; bf16 adds in f32.
+ * range of vocabulary rows that scans the ids in order and sorts each tile
+ * of them by id (embedding.cu): the same adds in the same order as the
+ * CPU, so f32 and f64 are bitwise equal to it; bf16 adds in f32.
  *
  * Not here: allocation, Lua, range checks.
  */
