@@ -19,8 +19,14 @@
  * sizes; they agree to a normwise tolerance (the specs state it). Everything
  * after the logits is f64.
  *
+ * CUDA (suffix _cuda, same arguments; every pointer on the device except
+ * loss, a host pointer): f32 and f64, the same chunks with cuBLAS logits.
+ * The running log-sum-exp is kept in lse itself and the target logit is a
+ * fixed-order f64 dot rounded to dt (crossentropy.cu); the forward waits
+ * for the stream to add the loss on the host. Parity with the CPU is a
+ * normwise tolerance.
+ *
  * Not here: allocation, Lua, range checks of targets (the binding does).
- * CPU only so far (CUDA twins: suffix _cuda).
  */
 #ifndef ML_KERNELS_CROSSENTROPY_H
 #define ML_KERNELS_CROSSENTROPY_H
@@ -40,6 +46,9 @@ int64_t ml_ce_scratch_elems(int64_t S, int64_t V, int64_t rows, int64_t vchunk);
 ml_status ml_ce_forward_cpu(ml_dtype dt, double *loss, double *lse, const void *h, const void *W,
                             const int64_t *targets, int64_t S, int64_t V, int64_t D, int64_t rows,
                             int64_t vchunk, void *scratch, const ml_kctx *ctx);
+ml_status ml_ce_forward_cuda(ml_dtype dt, double *loss, double *lse, const void *h, const void *W,
+                             const int64_t *targets, int64_t S, int64_t V, int64_t D, int64_t rows,
+                             int64_t vchunk, void *scratch, const ml_kctx *ctx);
 
 /* Backward of loss scaled by dloss.
  *   dh [S, D] dt   =   dloss/S * (softmax - onehot) W
@@ -49,5 +58,9 @@ ml_status ml_ce_backward_cpu(ml_dtype dt, void *dh, void *dW, double dloss, cons
                              const void *W, const int64_t *targets, const double *lse, int64_t S,
                              int64_t V, int64_t D, int64_t rows, int64_t vchunk, void *scratch,
                              const ml_kctx *ctx);
+ml_status ml_ce_backward_cuda(ml_dtype dt, void *dh, void *dW, double dloss, const void *h,
+                              const void *W, const int64_t *targets, const double *lse, int64_t S,
+                              int64_t V, int64_t D, int64_t rows, int64_t vchunk, void *scratch,
+                              const ml_kctx *ctx);
 
 #endif

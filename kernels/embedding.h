@@ -6,8 +6,13 @@
  * vocabulary rows and scans the tokens in order, so dW[v] receives its
  * tokens' gradients in token order whatever the thread count (bitwise).
  *
- * Not here: allocation, Lua, range checks. CPU only so far; the CUDA twins
- * will take the same arguments with the suffix _cuda.
+ * CUDA (suffix _cuda, same arguments, pointers on the device): f32, f64
+ * and bf16. The backward, without atomics or scratch, gives each block a
+ * range of vocabulary rows that scans the ids in order and sorts each tile
+ * of them by id (embedding.cu): the same adds in the same order as the
+ * CPU, so f32 and f64 are bitwise equal to it; bf16 adds in f32.
+ *
+ * Not here: allocation, Lua, range checks.
  */
 #ifndef ML_KERNELS_EMBEDDING_H
 #define ML_KERNELS_EMBEDDING_H
@@ -18,10 +23,14 @@
  * ids [T] int64, W [V, D] dt */
 ml_status ml_embedding_forward_cpu(ml_dtype dt, void *out, const int64_t *ids, const void *W,
                                    int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
+ml_status ml_embedding_forward_cuda(ml_dtype dt, void *out, const int64_t *ids, const void *W,
+                                    int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
 
 /* dW [V, D] dt  +=  sum over t with ids[t] == v of dout[t], in token order
  * dout [T, D] dt, ids [T] int64 */
 ml_status ml_embedding_backward_cpu(ml_dtype dt, void *dW, const void *dout, const int64_t *ids,
                                     int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
+ml_status ml_embedding_backward_cuda(ml_dtype dt, void *dW, const void *dout, const int64_t *ids,
+                                     int64_t T, int64_t V, int64_t D, const ml_kctx *ctx);
 
 #endif

@@ -11,7 +11,12 @@
  * the middle dim. y may alias x (in place). Output is bitwise identical for
  * every thread count.
  *
- * Not here: allocation, Lua. CPU only so far (CUDA twins: suffix _cuda).
+ * CPU: f32, f64. CUDA (suffix _cuda, same arguments, pointers on the
+ * device): f32, f64 and bf16 (cos and sin rounded to f32, the rotation in
+ * f64, rounded to f32 and then to bf16); CUDA's pow/cos/sin differ from
+ * glibc's by an ulp or two, so parity is a normwise tolerance.
+ *
+ * Not here: allocation, Lua.
  */
 #ifndef ML_KERNELS_ROPE_H
 #define ML_KERNELS_ROPE_H
@@ -21,9 +26,13 @@
 /* y [S, heads, hd] dt  =  rotate(x [S, heads, hd] dt); hd even. */
 ml_status ml_rope_forward_cpu(ml_dtype dt, void *y, const void *x, int64_t S, int64_t heads,
                               int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
+ml_status ml_rope_forward_cuda(ml_dtype dt, void *y, const void *x, int64_t S, int64_t heads,
+                               int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
 
 /* dx [S, heads, hd] dt  =  rotate^-1(dy [S, heads, hd] dt) */
 ml_status ml_rope_backward_cpu(ml_dtype dt, void *dx, const void *dy, int64_t S, int64_t heads,
                                int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
+ml_status ml_rope_backward_cuda(ml_dtype dt, void *dx, const void *dy, int64_t S, int64_t heads,
+                                int64_t hd, int64_t offset, double theta, const ml_kctx *ctx);
 
 #endif

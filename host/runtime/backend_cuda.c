@@ -516,8 +516,10 @@ static int cuda_supports(ml_op op, ml_dtype dt)
         return flt;
     case ML_OP_RANDOM:
         return flt || dt == ML_BF16 || dt == ML_F16;
-    case ML_OP_ATTENTION:
+    case ML_OP_ATTENTION: case ML_OP_RMSNORM: case ML_OP_ROPE: case ML_OP_EMBEDDING:
         return flt || dt == ML_BF16;
+    case ML_OP_CROSSENTROPY:
+        return flt;         /* cuBLAS logits: no bf16 GEMM */
     default:
         return 0;
     }
@@ -559,6 +561,14 @@ static const ml_kernels cuda_kernels = {
     .sumsq = ml_sumsq_cuda,
     .slice_norms = ml_slice_norms_cuda,
     .scale_slices = ml_scale_slices_cuda,
+    .rmsnorm_forward = ml_rmsnorm_forward_cuda,
+    .rmsnorm_backward = ml_rmsnorm_backward_cuda,
+    .rope_forward = ml_rope_forward_cuda,
+    .rope_backward = ml_rope_backward_cuda,
+    .embedding_forward = ml_embedding_forward_cuda,
+    .embedding_backward = ml_embedding_backward_cuda,
+    .ce_forward = ml_ce_forward_cuda,
+    .ce_backward = ml_ce_backward_cuda,
 };
 
 const ml_backend ml_backend_cuda = {"cuda", &cuda_memory, &cuda_kernels};
