@@ -180,13 +180,14 @@ static ml_adamw_hp adam_opts(lua_State *L, int idx, int argn, const char *fn, in
     return hp;
 }
 
-static ml_sgd_hp sgd_opts(lua_State *L, int idx, int argn, const char *fn, int with_step)
+/* step: NULL when opts carry none (step_all's jobs), else gets opts.step. */
+static ml_sgd_hp sgd_opts(lua_State *L, int idx, int argn, const char *fn, int64_t *step)
 {
     static const char *const with[] = {"lr", "momentum", "dampening", "weight_decay",
                                        "nesterov", "step", NULL};
     static const char *const without[] = {"lr", "momentum", "dampening", "weight_decay",
                                           "nesterov", NULL};
-    opts_table(L, idx, argn, fn, with_step ? with : without);
+    opts_table(L, idx, argn, fn, step ? with : without);
     ml_sgd_hp hp;
     require_opt(L, idx, fn, "lr");
     hp.lr = ml_opt_number(L, idx, fn, "lr", 0);
@@ -194,7 +195,9 @@ static ml_sgd_hp sgd_opts(lua_State *L, int idx, int argn, const char *fn, int w
     hp.dampening = ml_opt_number(L, idx, fn, "dampening", 0);
     hp.weight_decay = ml_opt_number(L, idx, fn, "weight_decay", 0);
     hp.nesterov = ml_opt_bool(L, idx, fn, "nesterov", 0);
-    hp.first = with_step ? opt_step(L, idx, fn) == 1 : 0;
+    hp.first = 0;                      /* the op sets it from the step */
+    if (step)
+        *step = opt_step(L, idx, fn);
     return hp;
 }
 
@@ -209,7 +212,6 @@ static void prep_adamw(lua_State *L, int base, int args, const char *fn, ml_opti
     j->exp_avg = arg_tensor(L, base + 2, args ? 3 : 0, fn, "exp_avg");
     j->exp_avg_sq = arg_tensor(L, base + 3, args ? 4 : 0, fn, "exp_avg_sq");
     j->adamw = adam_opts(L, base + 4, args ? 5 : 0, fn, args);
-    j->step = j->adamw.step - 1;     /* step_all sets it from the job's count */
 }
 
 /* p, g, m, v, active, steps, E, opts; ptrs: room for 2 E tensor pointers
@@ -232,7 +234,7 @@ static void prep_lazy(lua_State *L, int base, int args, const char *fn, ml_tenso
     j->adamw = adam_opts(L, base + 7, args ? 8 : 0, fn, 0);
 }
 
-/* p, g, buf (or nil), opts */
+/* p, g, buf (or nil), opts (with args: opts.step into j->step) */
 static void prep_sgd(lua_State *L, int base, int args, const char *fn, ml_optim_job *j)
 {
     j->kind = ML_OPTIM_SGD;
@@ -240,8 +242,7 @@ static void prep_sgd(lua_State *L, int base, int args, const char *fn, ml_optim_
     j->grads = arg_tensor(L, base + 1, args ? 2 : 0, fn, "grads");
     j->momentum_buffer = lua_isnoneornil(L, base + 2) ? NULL
                          : arg_tensor(L, base + 2, args ? 3 : 0, fn, "momentum_buffer");
-    j->sgd = sgd_opts(L, base + 3, args ? 4 : 0, fn, args);
-    j->step = j->sgd.first ? 0 : 1;
+    j->sgd = sgd_opts(L, base + 3, args ? 4 : 0, fn, args ? &j->step : NULL);
 }
 
 static int l_optim_adamw_step(lua_State *L)
@@ -277,7 +278,7 @@ static int l_optim_sgd_step(lua_State *L)
     prep_sgd(L, 1, 1, fn, &j);
     ml_err e;
     ml_check_op(L, fn, ml_op_sgd_step(ml_host_of(L), j.params, j.grads, j.momentum_buffer,
-                                      &j.sgd, &e), &e);
+                                      &j.sgd, j.step, &e), &e);
     return 0;
 }
 

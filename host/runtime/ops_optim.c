@@ -288,10 +288,12 @@ ml_status ml_op_lazy_adamw_step(ml_host *h, ml_tensor *p, const ml_tensor *g,
 }
 
 ml_status ml_op_sgd_step(ml_host *h, ml_tensor *p, const ml_tensor *g, ml_tensor *buf,
-                         const ml_sgd_hp *hp, ml_err *e)
+                         const ml_sgd_hp *hp, int64_t step, ml_err *e)
 {
+    if (step < 1)
+        return ml_err_set(e, ML_EINVAL, "step must be >= 1 (1-based), got %lld", (long long)step);
     ml_optim_job j = {.kind = ML_OPTIM_SGD, .params = p, .grads = g, .momentum_buffer = buf,
-                      .sgd = *hp, .step = hp->first ? 0 : 1};
+                      .sgd = *hp, .step = step - 1};
     return run_one(h, &j, NULL, e);
 }
 

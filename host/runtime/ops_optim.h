@@ -50,9 +50,10 @@ ml_status ml_op_lazy_adamw_unstated(ml_host *h, const ml_tensor *active, ml_tens
                                     int64_t E, int64_t *out, int64_t *k, ml_err *e);
 
 /* SGD (torch.optim.SGD): p [n] and buf [n] updated, g read; buf may be
- * NULL when hp->momentum == 0 (it is then not touched). */
+ * NULL when hp->momentum == 0 (it is then not touched). step: the 1-based
+ * step (1 initialises buf; hp->first is ignored). */
 ml_status ml_op_sgd_step(ml_host *h, ml_tensor *p, const ml_tensor *g, ml_tensor *buf,
-                         const ml_sgd_hp *hp, ml_err *e);
+                         const ml_sgd_hp *hp, int64_t step, ml_err *e);
 
 /* One group's update in a multi-group step. */
 typedef enum { ML_OPTIM_ADAMW, ML_OPTIM_LAZY_ADAMW, ML_OPTIM_SGD } ml_optim_kind;

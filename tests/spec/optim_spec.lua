@@ -875,6 +875,8 @@ describe("optimizer bad input", function()
   it("sgd_step checks the momentum buffer and nesterov", function()
     e(function() C.sgd_step(f32, f32, nil, {lr = 0.1, momentum = 0.9, step = 1}) end,
       "moelua.optim_c.sgd_step: momentum 0.9 needs a momentum_buffer, got none")
+    e(function() C.sgd_step(f32, f32, nil, {lr = 0.1, step = 0}) end,
+      "moelua.optim_c.sgd_step: step must be >= 1 (1-based), got 0")
     e(function() C.sgd_step(f32, f32, f32, {lr = 0.1, nesterov = true, step = 1}) end,
       "moelua.optim_c.sgd_step: nesterov needs momentum > 0 and dampening = 0 (got momentum 0, dampening 0)")
     e(function() C.sgd_step(f32, f32, f64, {lr = 0.1, momentum = 0.5, step = 1}) end,
