@@ -453,6 +453,47 @@ describe("gradient norms and clipping", function()
     assert_close(g, v, 1e-12, "clipped gradients")
   end)
 
+  it("clip_grad_norm_ (one op) is grad_norm then scale_, bit for bit", function()
+    local a, b = randn(100, "f32"), randn(30, "f64")
+    local a2, b2 = a:clone(), b:clone()
+    local total = C.clip_grad_norm_({a, b}, 0.5)
+    local ref = C.grad_norm({a2, b2})
+    assert.are.equal(ref, total)
+    local coef = 0.5 / (ref + 1e-6)
+    C.scale_(a2, coef)
+    C.scale_(b2, coef)
+    assert.is_true(same_bits(a, a2) and same_bits(b, b2))
+    local c = a:clone()
+    assert.are.equal(C.grad_norm({a}), C.clip_grad_norm_({a}, math.huge))   -- no bound
+    assert.is_true(same_bits(a, c))
+  end)
+
+  it("clips and updates more experts than one kernel call takes (E = 130), bit for bit", function()
+    local E, S = 130, 3
+    local function slice(t, e) return t:narrow(1, (e - 1) * S + 1, S) end
+    local g = randn(E * S, "f32")
+    local ref, bounds = g:clone(), {}
+    for e = 1, E do bounds[e] = e % 2 == 0 and 0.1 or 100 end
+    local pre = C.slice_norms(ref, E):totable()
+    local norms = C.clip_slices_(g, E, bounds):totable()
+    for e = 1, E do
+      assert.are.equal(pre[e], norms[e])
+      local f = bounds[e] / (pre[e] + 1e-6)
+      if f < 1 then C.scale_(slice(ref, e), f) end
+    end
+    assert.is_true(same_bits(g, ref))
+    local p, gr = randn(E * S, "f32"), randn(E * S, "f32")
+    local p2, ms, vs, mask = p:clone(), {}, {}, {}
+    for e = 1, E do ms[e], vs[e], mask[e] = m.zeros({S}), m.zeros({S}), e % 2 end
+    local steps = m.zeros({E}, {dtype = "i64"})
+    assert.are.equal(65, C.lazy_adamw_step(p, gr, ms, vs, u8(mask), steps, E, {lr = 0.1}))
+    for e = 1, E, 2 do
+      C.adamw_step(slice(p2, e), slice(gr, e), m.zeros({S}), m.zeros({S}), {lr = 0.1, step = 1})
+    end
+    assert.is_true(same_bits(p, p2))
+    assert.are.same(mask, steps:totable())
+  end)
+
   it("returns a non-finite total without scaling", function()
     local g = m.tensor({1, 0 / 0, 3})
     local total = optim.clip_grad_norm({{params = m.zeros({3}), grads = g}}, 1.0)
@@ -762,21 +803,21 @@ describe("optimizer bad input", function()
 
   it("adamw_step checks tensors and options", function()
     e(function() C.adamw_step(f32, f64, f32, f32, hp) end,
-      "moelua.optim_c.adamw_step: argument #2 (grads): dtype f64 differs from params's f32")
+      "moelua.optim_c.adamw_step: grads is f64 but params is f32 (same dtype expected)")
     e(function() C.adamw_step(f32, m.zeros({9}), f32, f32, hp) end,
-      "moelua.optim_c.adamw_step: argument #2 (grads): 9 elements, params has 8")
+      "moelua.optim_c.adamw_step: grads has 9 elements but must have 8")
     e(function() C.adamw_step(f32, f32, m.zeros({4, 2}):t(), f32, hp) end,
-      "moelua.optim_c.adamw_step: argument #3 (exp_avg): expected a contiguous tensor")
+      "moelua.optim_c.adamw_step: exp_avg must be contiguous (call :contiguous())")
     e(function() C.adamw_step(m.zeros({8}, {dtype = "i32"}), f32, f32, f32, hp) end,
-      "moelua.optim_c.adamw_step: argument #1 (params): expected dtype f32 or f64, got i32")
+      "moelua.optim_c.adamw_step: params must be f32 or f64, got i32")
     e(function() C.adamw_step(f32, f32, f32, "v", hp) end,
       "moelua.optim_c.adamw_step: argument #4 (exp_avg_sq): expected a tensor, got string")
     e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1}) end,
-      "moelua.optim_c.adamw_step: option 'step' is required (the 1-based step number)")
+      "moelua.optim_c.adamw_step: option 'step' is required")
     e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 0}) end,
-      "moelua.optim_c.adamw_step: option 'step' must be an integer >= 1, got 0")
+      "moelua.optim_c.adamw_step: step must be >= 1 (1-based), got 0")
     e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 1, beta1 = 1}) end,
-      "moelua.optim_c.adamw_step: option 'beta1' must be in [0, 1), got 1")
+      "moelua.optim_c.adamw_step: beta1 must be in [0, 1), got 1")
     e(function() C.adamw_step(f32, f32, f32, f32, {step = 1}) end,
       "moelua.optim_c.adamw_step: option 'lr' is required")
     e(function() C.adamw_step(f32, f32, f32, f32, {lr = 0.1, step = 1, betas = {}}) end,
@@ -790,30 +831,30 @@ describe("optimizer bad input", function()
     local o = {lr = 0.1}
     local fn = "moelua.optim_c.lazy_adamw_step: "
     e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 3, o) end,
-      fn .. "argument #7 (E): 3 experts do not divide 8 elements")
+      fn .. "E = 3 does not divide the 8 elements of params")
     e(function() C.lazy_adamw_step(f32, f32, {}, {}, m.zeros({4}), s, 4, o) end,
-      fn .. "argument #5 (active): expected dtype u8, got f32")
+      fn .. "active must be u8, got f32")
     e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, m.zeros({2}, {dtype = "i64"}), 4, o) end,
-      fn .. "argument #6 (steps): expected 4 elements, got 2")
+      fn .. "steps has 2 elements but must have 4")
     e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 4, {lr = 0.1, step = 2}) end,
       fn .. "unknown option 'step' (expected one of: lr, beta1, beta2, eps, weight_decay)")
     e(function() C.lazy_adamw_step(f32, f32, {}, {}, a, s, 0, o) end,
-      fn .. "argument #7 (E): expected an integer >= 1, got 0")
+      fn .. "E must be >= 1, got 0")
     e(function() C.lazy_adamw_step(f32, f32, f32, {}, a, s, 4, o) end,
       fn .. "argument #3 (exp_avg): expected a table {[expert] = tensor}, got userdata")
     e(function() C.lazy_adamw_step(f32, f32, {[5] = m.zeros({2})}, {}, a, s, 4, o) end,
       fn .. "argument #3 (exp_avg): keys must be experts 1..4, got 5")
     e(function() C.lazy_adamw_step(f32, f32, {}, {nil, m.zeros({3})}, a, s, 4, o) end,
-      fn .. "argument #4 (exp_avg_sq[2]): expected 2 elements, got 3")
+      fn .. "exp_avg_sq[2] has 3 elements but must have 2")
     e(function() C.lazy_adamw_step(f32, f32, {}, {m.zeros({2}, {dtype = "f64"})}, a, s, 4, o) end,
-      fn .. "argument #4 (exp_avg_sq[1]): expected dtype f32, got f64")
+      fn .. "exp_avg_sq[1] is f64 but params is f32 (same dtype expected)")
     local p = randn(8, "f32")
     local p0 = p:clone()
     local act = u8({0, 1, 0, 0})
     e(function() C.lazy_adamw_step(p, f32, {}, {}, act, s, 4, o) end,
-      fn .. "argument #3 (exp_avg[2]): expert 2 is active but has no state")
+      fn .. "exp_avg[2]: expert 2 is active but has no state")
     e(function() C.lazy_adamw_step(p, f32, {nil, m.zeros({2})}, {}, act, s, 4, o) end,
-      fn .. "argument #4 (exp_avg_sq[2]): expert 2 is active but has no state")
+      fn .. "exp_avg_sq[2]: expert 2 is active but has no state")
     assert.is_true(same_bits(p0, p))
     assert.are.same({0, 0, 0, 0}, s:totable())
     -- the states of idle experts may be absent; an active one is updated
@@ -823,7 +864,7 @@ describe("optimizer bad input", function()
     assert.is_true(same_bits(p0:narrow(1, 1, 2), p:narrow(1, 1, 2)))
     assert.is_false(same_bits(p0:narrow(1, 3, 2), p:narrow(1, 3, 2)))
     e(function() C.unstated(m.zeros({4}), {}, {}) end,
-      "moelua.optim_c.unstated: argument #1 (active): expected dtype u8, got f32")
+      "moelua.optim_c.unstated: active must be u8, got f32")
     e(function() C.unstated(a, f32, {}) end,
       "moelua.optim_c.unstated: argument #2 (states): expected a table {[expert] = tensor}, got userdata")
     local out = {}
@@ -833,11 +874,13 @@ describe("optimizer bad input", function()
 
   it("sgd_step checks the momentum buffer and nesterov", function()
     e(function() C.sgd_step(f32, f32, nil, {lr = 0.1, momentum = 0.9, step = 1}) end,
-      "moelua.optim_c.sgd_step: argument #3 (momentum_buffer): momentum 0.9 needs a buffer, got nil")
+      "moelua.optim_c.sgd_step: momentum 0.9 needs a momentum_buffer, got none")
+    e(function() C.sgd_step(f32, f32, nil, {lr = 0.1, step = 0}) end,
+      "moelua.optim_c.sgd_step: step must be >= 1 (1-based), got 0")
     e(function() C.sgd_step(f32, f32, f32, {lr = 0.1, nesterov = true, step = 1}) end,
       "moelua.optim_c.sgd_step: nesterov needs momentum > 0 and dampening = 0 (got momentum 0, dampening 0)")
     e(function() C.sgd_step(f32, f32, f64, {lr = 0.1, momentum = 0.5, step = 1}) end,
-      "moelua.optim_c.sgd_step: argument #3 (momentum_buffer): dtype f64 differs from params's f32")
+      "moelua.optim_c.sgd_step: momentum_buffer is f64 but params is f32 (same dtype expected)")
   end)
 
   it("norm and clip functions check their arguments", function()
@@ -845,16 +888,20 @@ describe("optimizer bad input", function()
       "moelua.optim_c.grad_norm: argument #1 (tensor 2): expected a tensor, got string")
     e(function() C.grad_norm(f32) end,
       "moelua.optim_c.grad_norm: argument #1: expected a table of tensors, got userdata")
+    e(function() C.clip_grad_norm_({f32}, -1) end,
+      "moelua.optim_c.clip_grad_norm_: max_norm must be >= 0, got -1")
+    e(function() C.clip_grad_norm_({f32, m.zeros({2}, {dtype = "i32"})}, 1) end,
+      "moelua.optim_c.clip_grad_norm_: tensor 2 must be f32 or f64, got i32")
     e(function() C.slice_norms(f32, 3) end,
-      "moelua.optim_c.slice_norms: argument #2 (E): 3 experts do not divide 8 elements")
+      "moelua.optim_c.slice_norms: E = 3 does not divide the 8 elements of x")
     e(function() C.slice_norms(f32, 4, m.zeros({4})) end,
-      "moelua.optim_c.slice_norms: argument #3 (out): expected dtype f64, got f32")
+      "moelua.optim_c.slice_norms: norms must be f64, got f32")
     e(function() C.scale_(f32, math.huge) end,
-      "moelua.optim_c.scale_: argument #2 (factor): expected a finite number, got inf")
+      "moelua.optim_c.scale_: factor must be finite, got inf")
     e(function() optim.clip_expert_norms(f32, 4, {1, 2, 3}) end,
       "moelua.optim_c.clip_slices_: argument #3 (bounds): expected 4 bounds, got 3")
     e(function() optim.clip_expert_norms(f32, 2, {1, -1}) end,
-      "moelua.optim_c.clip_slices_: argument #3 (bounds): bound 2 must be a finite number >= 0, got -1")
+      "moelua.optim_c.clip_slices_: bounds[2] must be finite and >= 0, got -1")
     e(function() optim.clip_grad_norm({{params = f32}}, 1) end,
       "moelua.optim.clip_grad_norm: group 1 has no 'grads' tensor")
   end)
@@ -868,7 +915,7 @@ describe("optimizer bad input", function()
                  step = 0, hp = {lr = 0.1}}
     local counters = {t = 0, skipped_expert_steps = 0}
     e(function() C.step_all({good, bad}, counters) end,
-      "moelua.optim_c.step_all: job 2 (sgd): argument #2 (grads): dtype f64 differs from params's f32")
+      "moelua.optim_c.step_all: job 2 (sgd): grads is f64 but params is f32 (same dtype expected)")
     assert.is_true(same_bits(p0, p))
     assert.are.equal(0, good.step)
     assert.are.equal(0, counters.t)
@@ -876,14 +923,14 @@ describe("optimizer bad input", function()
                   exp_avg_sq = {}, active = u8({0, 1}), steps = m.zeros({2}, {dtype = "i64"}),
                   experts = 2, hp = {lr = 0.1}}
     e(function() C.step_all({good, lazy}, counters) end,
-      "moelua.optim_c.step_all: job 2 (lazy_adamw): argument #3 (exp_avg[2]): expert 2 is active but has no state")
+      "moelua.optim_c.step_all: job 2 (lazy_adamw): exp_avg[2]: expert 2 is active but has no state")
     assert.is_true(same_bits(p0, p))
     e(function() C.step_all({{op = "adam"}}, counters) end,
       "moelua.optim_c.step_all: job 1: field 'op' must be \"adamw\", \"lazy_adamw\" or \"sgd\", got adam")
     C.step_all({good}, counters, 0)
     e(function() C.step_all({{op = "adamw", params = p, grads = g, exp_avg = good.exp_avg,
       exp_avg_sq = good.exp_avg_sq, step = -1, hp = {lr = 0.1}}}, counters) end,
-      "moelua.optim_c.step_all: job 1 (adamw): field 'step' must be an integer >= 0 (completed steps), got -1")
+      "moelua.optim_c.step_all: job 1 (adamw): step must be >= 0 (completed steps), got -1")
     assert.are.equal(1, good.step)     -- the first call ran
     assert.are.equal(1, counters.t)
   end)
