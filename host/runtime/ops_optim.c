@@ -131,7 +131,7 @@ static ml_status check_states(ml_tensor *const *s, const char *name, ml_device d
 
 /* Every active expert has both states. Reads the mask back, so not in a
  * plan (where the kernel is skipped anyway). */
-static ml_status check_active_states(ml_host *h, ml_device dev, const ml_optim_job *j, ml_err *e)
+static ml_status check_active_states(ml_host *h, const ml_optim_job *j, ml_err *e)
 {
     if (h->planning)
         return ML_OK;
@@ -139,7 +139,7 @@ static ml_status check_active_states(ml_host *h, ml_device dev, const ml_optim_j
     uint8_t a[CHUNK];
     for (int64_t e0 = 0; e0 < j->experts; e0 += CHUNK) {
         int64_t k = min64(CHUNK, j->experts - e0);
-        ML_TRY(read_back(h, dev, a, active + e0, (size_t)k, e));
+        ML_TRY(read_back(h, ML_CPU, a, active + e0, (size_t)k, e));
         for (int64_t i = 0; i < k; i++) {
             int64_t x = e0 + i;
             if (a[i] && (!j->expert_avg[x] || !j->expert_avg_sq[x]))
@@ -155,12 +155,14 @@ static ml_status check_lazy(ml_host *h, ml_device dev, const ml_optim_job *j, ml
 {
     int64_t E = j->experts;
     ML_TRY(check_slices(j->params, "params", E, e));
-    ML_TRY(check_small(j->active, "active", dev, ML_U8, E, e));
-    ML_TRY(check_small(j->steps, "steps", dev, ML_I64, E, e));
+    /* host counters on every device: the kernels read them on the host
+     * (kernels/optim.h) and launch once per active expert */
+    ML_TRY(check_small(j->active, "active", ML_CPU, ML_U8, E, e));
+    ML_TRY(check_small(j->steps, "steps", ML_CPU, ML_I64, E, e));
     ML_TRY(check_states(j->expert_avg, "exp_avg", dev, j->params, E, e));
     ML_TRY(check_states(j->expert_avg_sq, "exp_avg_sq", dev, j->params, E, e));
     ML_TRY(check_adamw_hp(&j->adamw, e));
-    return check_active_states(h, dev, j, e);
+    return check_active_states(h, j, e);
 }
 
 static ml_status check_step(int64_t step, ml_err *e)

@@ -36,7 +36,8 @@ ml_status ml_op_adamw_step(ml_host *h, ml_tensor *p, const ml_tensor *g, ml_tens
 /* Lazy AdamW over the E experts of p [n] = [E, n/E]: m[e], v[e] are expert
  * e's states ([n/E] each, NULL where it has none, which only an inactive
  * expert may), active [E] u8, steps [E] i64 (each active expert's count
- * advances). hp->step is ignored. *nactive (may be NULL): the experts
+ * advances; both cpu tensors on every device: host counters, as
+ * kernels/optim.h says). hp->step is ignored. *nactive (may be NULL): the experts
  * updated. */
 ml_status ml_op_lazy_adamw_step(ml_host *h, ml_tensor *p, const ml_tensor *g,
                                 ml_tensor *const *m, ml_tensor *const *v,

@@ -329,16 +329,6 @@ function optim.AdamW(groups, opts)
   return self
 end
 
--- A dry run (moelua.mem.plan) reads masks as zeros: its worst case is every
--- expert active, so every expert still without states is listed in fresh.
-local function every_unstated(st, E, fresh)
-  local k = 0
-  for e = 1, E do
-    if not st.exp_avg[e] then k = k + 1; fresh[k] = e end
-  end
-  return k
-end
-
 -- The states of sparse group g's experts fresh[1..k] (active, none yet),
 -- and the group's step counts with its first active expert. Cold path.
 local function add_expert_states(st, g, fresh, k)
@@ -374,8 +364,8 @@ function AdamW:step(lr, active_masks)
                tensor.is_tensor(mask) and (mask:dtype() .. " [" .. mask:numel() .. "]") or type(mask))
         end
         st.active = mask
-        local k = mem.planning() and every_unstated(st, g.experts, self.fresh)
-                  or C.unstated(mask, st.exp_avg, self.fresh)   -- experts active for the first time
+        -- experts active for the first time (in a plan: every expert without states, the worst case)
+        local k = C.unstated(mask, st.exp_avg, self.fresh)
         if k > 0 then add_expert_states(st, g, self.fresh, k) end
         if not st.steps then
           run, idle = false, idle + g.experts                  -- no expert ever active
