@@ -5,7 +5,7 @@
  * Row-major: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b], where op(A)
  * is [m, k] (A stored [m, k] with leading dim lda, or [k, m] when ta), op(B)
  * is [k, n]; batch b at offsets b*sa, b*sb, b*sc elements. C accumulates
- * when beta != 0. f32, f64 (f64 on the CPU only). Not bitwise stable across
+ * when beta != 0. f32, f64 on both backends. Not bitwise stable across
  * thread counts or M (DESIGN.md): tests use normwise tolerances.
  */
 #ifndef ML_KERNELS_MATMUL_H

@@ -11,9 +11,11 @@
  * arguments, suffix _cuda; every pointer on the device except zsum and
  * entropy, which are host scalars on both backends, so the CUDA forward
  * synchronises its stream); both call the per-token math of router_ops.h.
- * CUDA computes the same sums in the same order (logits and selection
- * bitwise); its f64 exp/log/cos may differ from
- * glibc's by an ulp or two, so p, w and the sums agree to ~1e-12 relative.
+ * CUDA computes logits, selection, dx and dwg in the CPU's order (bitwise),
+ * and psum, zsum and entropy in fixed 64-token segments (deterministic and
+ * chunk-invariant, not the CPU's order); its f64 exp/log/cos may differ
+ * from glibc's by an ulp or two, so p, w and the sums agree to ~1e-12
+ * relative.
  *
  * Shapes: x [T, D] and wg [E, D] (the Hugging Face Linear layout), both of
  * dtype dt (ML_F32 for training, ML_F64 for reference paths and gradient

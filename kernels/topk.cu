@@ -17,10 +17,9 @@ extern "C" {
 
 #define KBUF 64   /* row buffer for k <= 64; larger k re-reads the input, as on the CPU */
 
-__device__ int topk_nan;
-
+/* nan: a per-call flag (ml_cuda_temp), set when a row held a NaN. */
 __global__ void topk_kernel(ml_dtype dt, void *values, int64_t *indices, const void *in,
-                            int64_t rows, int64_t cols, int64_t k)
+                            int64_t rows, int64_t cols, int64_t k, int *nan)
 {
     ML_CUDA_FOR(r, rows) {
         int64_t *ix = indices + r * k;
@@ -58,7 +57,7 @@ __global__ void topk_kernel(ml_dtype dt, void *values, int64_t *indices, const v
         for (int64_t q = 0; q < k; q++)
             ml_store(dt, values, (size_t)(r * k + q), ml_load(dt, in, in0 + (size_t)ix[q]));
         if (saw_nan)
-            topk_nan = 1;   /* plain store of a constant: no race on the outcome */
+            *nan = 1;   /* plain store of a constant: no race on the outcome */
     }
 }
 
@@ -74,18 +73,20 @@ extern "C" ml_status ml_topk_cuda(ml_dtype dt, void *values, int64_t *indices, c
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int zero = 0, nan = 0;
-    ml_status s = ml_cuda_status(cudaMemcpyToSymbolAsync(topk_nan, &zero, sizeof zero, 0,
-                                                         cudaMemcpyHostToDevice, st));
-    if (s != ML_OK)
-        return s;
-    topk_kernel<<<ml_cuda_blocks(rows, 128), 128, 0, st>>>(dt, values, indices, in, rows, cols, k);
-    if ((s = ml_cuda_launched()) != ML_OK)
-        return s;
-    s = ml_cuda_status(cudaMemcpyFromSymbolAsync(&nan, topk_nan, sizeof nan, 0,
-                                                 cudaMemcpyDeviceToHost, st));
+    int nan = 0, *dnan = NULL;
+    ml_status s = ml_cuda_temp((void **)&dnan, sizeof *dnan, st);
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaMemsetAsync(dnan, 0, sizeof *dnan, st));
+    if (s == ML_OK) {
+        topk_kernel<<<ml_cuda_blocks(rows, 128), 128, 0, st>>>(dt, values, indices, in, rows, cols, k,
+                                                               dnan);
+        s = ml_cuda_launched();
+    }
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaMemcpyAsync(&nan, dnan, sizeof nan, cudaMemcpyDeviceToHost, st));
     if (s == ML_OK)
         s = ml_cuda_status(cudaStreamSynchronize(st));
+    ml_cuda_temp_free(dnan, st);
     if (s != ML_OK)
         return s;
     return nan ? ML_ENAN : ML_OK;

@@ -37,15 +37,6 @@ ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
     return c;
 }
 
-void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
-                     const ml_tensor *fresh)
-{
-    ml_check_op(L, fn, s, e);
-    size_t nbytes = fresh ? ml_nbytes(fresh) : 0;
-    if (nbytes >= ((size_t)64 << 10))
-        lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
-}
-
 /* ---- creation ------------------------------------------------------------ */
 
 static const char *const CREATE_OPTS[] = {"dtype", "device", NULL};

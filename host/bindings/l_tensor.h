@@ -13,10 +13,6 @@ void ml_run_copy(lua_State *L, const char *fn, ml_tensor *dst, const ml_tensor *
 /* The tensor at idx, replaced in its stack slot by a contiguous copy when
  * it is not contiguous (so the copy is owned by the stack). */
 ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn);
-/* ml_check_op, then tell the collector about the bytes of `fresh`, an
- * output the op has just allocated (NULL: none), as ml_newtensor does. */
-void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
-                     const ml_tensor *fresh);
 /* Adds the math methods to the method table on the stack top, and the
  * math functions to the library table just below it. */
 void ml_tensor_math_register(lua_State *L);

@@ -198,14 +198,22 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     ml_host *h = ml_host_of(L);
     ml_tensor *t = ml_pushtensor(L);   /* safe empty state first: an error below leaks nothing */
     ml_err e;
-    ml_check_op(L, fn, ml_tensor_alloc(h, t, dev, dt, ndim, shape, &e), &e);
-    /* The collector sees a small userdata, not the bytes behind it: tell it
-     * (in KiB) so garbage tensors are collected at the pace they are made,
-     * as Torch7's heap tracking did. */
-    size_t nbytes = ml_nbytes(t);
+    ml_check_op_new(L, fn, ml_tensor_alloc(h, t, dev, dt, ndim, shape, &e), &e, t);
+    return t;
+}
+
+void ml_gc_account(lua_State *L, const ml_tensor *t)
+{
+    size_t nbytes = t && t->st ? ml_nbytes(t) : 0;
     if (nbytes >= ((size_t)64 << 10))
         lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
-    return t;
+}
+
+void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
+                     const ml_tensor *fresh)
+{
+    ml_check_op(L, fn, s, e);
+    ml_gc_account(L, fresh);
 }
 
 ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,

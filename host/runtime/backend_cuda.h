@@ -7,7 +7,8 @@
  * The allocator is process-wide (one device, driven by the thread that
  * owns the Lua state). Sizes are rounded (512 B up to 1 MiB, then 2 MiB
  * steps); freed blocks wait in per-size free lists and are reused by the
- * next request of the same rounded size. When cudaMalloc fails, every
+ * next request whose rounded size is within 1/8 below the block's (best
+ * fit). When cudaMalloc fails, every
  * cached block is released and the call retried once. Blocks are reused
  * in stream order: kernels run on one stream.
  */
