@@ -5,13 +5,41 @@
 
 #include <math.h>
 
+/* The device an op runs on: its first input's (a freed one is refused by
+ * ml_check_input, whatever device is named here). */
+static ml_device device_of(const ml_tensor *t)
+{
+    return t->st ? t->st->device : ML_CPU;
+}
+
+/* Every entry of ids (i64, contiguous) in [0, hi), else "name[i] = v is out
+ * of range [0, hi)" with i counted from 1, as in Lua. The bad value is read
+ * back from the device; inside a plan nothing is checked (nothing was
+ * computed). */
+static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, int64_t hi,
+                           ml_err *e)
+{
+    ml_device dev = ids->st->device;
+    const int64_t *p = ml_data(ids);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi);
+    if (bad == ML_DISPATCH_EDEVICE)
+        return ml_kernel_status(ML_EDEVICE, e);
+    if (bad < 0)
+        return ML_OK;
+    int64_t v;
+    ML_TRY(ml_kernel_status(h->mem[dev]->memcpy(&v, p + bad, sizeof v,
+                                                dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H, NULL), e));
+    return ml_err_set(e, ML_EINVAL, "%s[%lld] = %lld is out of range [0, %lld)", name,
+                      (long long)(bad + 1), (long long)v, (long long)hi);
+}
+
 /* ---- rmsnorm ------------------------------------------------------------------ */
 
 /* x [..., D] and w [D] on x's device, one float dtype; N rows. */
 static ml_status rmsnorm_args(const ml_tensor *x, const ml_tensor *w, int64_t *N, int64_t *D,
                               ml_err *e)
 {
-    ml_device dev = x->st ? x->st->device : ML_CPU;
+    ml_device dev = device_of(x);
     ML_TRY(ml_check_input(x, "x", dev, ML_DT_FLOAT, -1, 1, e));
     ML_TRY(ml_check_input(w, "w", dev, ML_DT_FLOAT, 1, 1, e));
     ML_TRY(ml_check_same_dtype(w, "w", "x", x->dtype, e));
@@ -57,4 +85,251 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
     ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, rmsnorm_backward, x->dtype, ml_data(dx), ml_data(dw),
                                      ml_data(dy), ml_data(x), ml_data(w), ml_data(rstd), N, D, &c), e);
+}
+
+/* ---- embedding ---------------------------------------------------------------- */
+
+ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *ids,
+                                  const ml_tensor *W, ml_err *e)
+{
+    ml_device dev = device_of(ids);
+    ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
+    ML_TRY(ml_check_input(W, "W", dev, ML_DT_FLOAT, 2, 1, e));
+    int64_t T = ids->shape[0], V = W->shape[0], D = W->shape[1], so[2] = {T, D};
+    ML_TRY(check_ids(h, ids, "ids", V, e));
+    ML_TRY(ml_prepare_output(h, out, "out", dev, W->dtype, 2, so, e));
+    ml_kctx c = ml_host_kctx(h);
+    return ml_kernel_status(ML_KCALL(h, dev, embedding_forward, W->dtype, ml_data(out), ml_data(ids),
+                                     ml_data(W), T, V, D, &c), e);
+}
+
+ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *dout,
+                                   const ml_tensor *ids, int64_t V, ml_err *e)
+{
+    ml_device dev = device_of(dout);
+    ML_TRY(ml_check_input(dout, "dout", dev, ML_DT_FLOAT, 2, 1, e));
+    ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
+    int64_t T = ids->shape[0], D = dout->shape[1], sd[2] = {T, D};
+    ML_TRY(ml_check_shape(dout, "dout", 2, sd, e));
+    if (dW->st) {
+        ML_TRY(ml_check_input(dW, "dW", dev, ML_DT_FLOAT, 2, 1, e));
+        ML_TRY(ml_check_same_dtype(dW, "dW", "dout", dout->dtype, e));
+        V = dW->shape[0];
+    } else if (V < 1) {
+        return ml_err_set(e, ML_EINVAL, "V must be a positive integer, got %lld", (long long)V);
+    }
+    int64_t sw[2] = {V, D};
+    ML_TRY(check_ids(h, ids, "ids", V, e));
+    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, dout->dtype, 2, sw, e));
+    ml_kctx c = ml_host_kctx(h);
+    return ml_kernel_status(ML_KCALL(h, dev, embedding_backward, dout->dtype, ml_data(dW),
+                                     ml_data(dout), ml_data(ids), T, V, D, &c), e);
+}
+
+/* ---- cross-entropy ------------------------------------------------------------ */
+
+/* hs [S, D], W [V, D] (one float dtype) and targets [S] i64 on hs's device,
+ * V, D >= 1, rows and chunk in range. The targets' range is checked by the
+ * caller, last (it reads the device). */
+static ml_status ce_args(const ml_tensor *hs, const ml_tensor *W, const ml_tensor *tg,
+                         int64_t rows, int64_t chunk, ml_err *e)
+{
+    ml_device dev = device_of(hs);
+    ML_TRY(ml_check_input(hs, "h", dev, ML_DT_FLOAT, 2, 1, e));
+    ML_TRY(ml_check_input(W, "W", dev, ML_DT_FLOAT, 2, 1, e));
+    ML_TRY(ml_check_input(tg, "targets", dev, ML_DT(ML_I64), 1, 1, e));
+    ML_TRY(ml_check_same_dtype(W, "W", "h", hs->dtype, e));
+    int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0], sw[2] = {V, D};
+    ML_TRY(ml_check_shape(W, "W", 2, sw, e));
+    ML_TRY(ml_check_shape(tg, "targets", 1, &S, e));
+    if (V < 1)
+        return ml_err_set(e, ML_EINVAL, "W is empty: at least one vocabulary row expected");
+    if (D < 1)
+        return ml_err_set(e, ML_EINVAL, "h has no columns: the hidden size must be >= 1");
+    if (rows < 1 || rows > ML_CE_MAX_ROWS)
+        return ml_err_set(e, ML_EINVAL, "rows must be in [1, %d], got %lld", ML_CE_MAX_ROWS,
+                          (long long)rows);
+    if (chunk < 1)
+        return ml_err_set(e, ML_EINVAL, "chunk must be >= 1, got %lld", (long long)chunk);
+    return ML_OK;
+}
+
+/* The [rows, chunk] logits block, in hs's dtype on its device. */
+static ml_status ce_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *hs, int64_t V,
+                            int64_t rows, int64_t chunk, ml_err *e)
+{
+    int64_t n = ml_ce_scratch_elems(hs->shape[0], V, rows, chunk);
+    return ml_tensor_alloc(h, scr, hs->st->device, hs->dtype, 1, &n, e);
+}
+
+ml_status ml_op_cross_entropy_forward(ml_host *h, double *loss, ml_tensor *lse,
+                                      const ml_tensor *hs, const ml_tensor *W,
+                                      const ml_tensor *targets, int64_t rows, int64_t chunk,
+                                      ml_err *e)
+{
+    *loss = 0;
+    ML_TRY(ce_args(hs, W, targets, rows, chunk, e));
+    ml_device dev = hs->st->device;
+    int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0];
+    ML_TRY(check_ids(h, targets, "targets", V, e));
+    ML_TRY(ml_prepare_output(h, lse, "lse", dev, ML_F64, 1, &S, e));
+    ml_tensor scr = {0};
+    ML_TRY(ce_scratch(h, &scr, hs, V, rows, chunk, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status s = ML_KCALL(h, dev, ce_forward, hs->dtype, loss, ml_data(lse), ml_data(hs),
+                           ml_data(W), ml_data(targets), S, V, D, rows, chunk, ml_data(&scr), &c);
+    ml_tensor_drop(&scr);
+    if (s == ML_ENAN)
+        return ml_err_set(e, s, "NaN in the logits");
+    return ml_kernel_status(s, e);
+}
+
+ml_status ml_op_cross_entropy_backward(ml_host *h, ml_tensor *dh, ml_tensor *dW, double dloss,
+                                       const ml_tensor *hs, const ml_tensor *W,
+                                       const ml_tensor *targets, const ml_tensor *lse,
+                                       int64_t rows, int64_t chunk, ml_err *e)
+{
+    ML_TRY(ce_args(hs, W, targets, rows, chunk, e));
+    ml_device dev = hs->st->device;
+    int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0];
+    if (!isfinite(dloss))
+        return ml_err_set(e, ML_EINVAL, "dloss must be finite, got %g", dloss);
+    ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 1, 1, e));
+    ML_TRY(ml_check_shape(lse, "lse", 1, &S, e));
+    if (dW->st)
+        ML_TRY(ml_check_same_dtype(dW, "dW", "h", hs->dtype, e));
+    ML_TRY(check_ids(h, targets, "targets", V, e));
+    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, hs->dtype, 2, W->shape, e));
+    ML_TRY(ml_prepare_output(h, dh, "dh", dev, hs->dtype, 2, hs->shape, e));
+    ml_tensor scr = {0};
+    ML_TRY(ce_scratch(h, &scr, hs, V, rows, chunk, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status s = ML_KCALL(h, dev, ce_backward, hs->dtype, ml_data(dh), ml_data(dW), dloss,
+                           ml_data(hs), ml_data(W), ml_data(targets), ml_data(lse), S, V, D, rows,
+                           chunk, ml_data(&scr), &c);
+    ml_tensor_drop(&scr);
+    return ml_kernel_status(s, e);
+}
+
+/* ---- rope --------------------------------------------------------------------- */
+
+/* y = rotate(x) (inverse: the backward); yname, xname name them in messages. */
+static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *yname,
+                      const char *xname, int64_t offset, double theta, int inverse, ml_err *e)
+{
+    ml_device dev = device_of(x);
+    ML_TRY(ml_check_input(x, xname, dev, ML_DT_FLOAT, 3, 1, e));
+    int64_t S = x->shape[0], heads = x->shape[1], hd = x->shape[2];
+    if (hd < 2 || hd % 2)
+        return ml_err_set(e, ML_EINVAL, "%s: head dim %lld must be even and >= 2", xname,
+                          (long long)hd);
+    if (!(theta > 1) || !isfinite(theta))
+        return ml_err_set(e, ML_EINVAL, "theta must be finite and > 1, got %g", theta);
+    if (offset < 0 || offset > ML_ROPE_OFFSET_MAX)
+        return ml_err_set(e, ML_EINVAL, "offset must be in [0, %lld], got %lld",
+                          (long long)ML_ROPE_OFFSET_MAX, (long long)offset);
+    ML_TRY(ml_prepare_output(h, y, yname, dev, x->dtype, 3, x->shape, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status s = inverse
+        ? ML_KCALL(h, dev, rope_backward, x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset,
+                   theta, &c)
+        : ML_KCALL(h, dev, rope_forward, x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset,
+                   theta, &c);
+    return ml_kernel_status(s, e);
+}
+
+ml_status ml_op_rope_forward(ml_host *h, ml_tensor *y, const ml_tensor *x, int64_t offset,
+                             double theta, ml_err *e)
+{
+    return rope(h, y, x, "y", "x", offset, theta, 0, e);
+}
+
+ml_status ml_op_rope_backward(ml_host *h, ml_tensor *dx, const ml_tensor *dy, int64_t offset,
+                              double theta, ml_err *e)
+{
+    return rope(h, dx, dy, "dx", "dy", offset, theta, 1, e);
+}
+
+/* ---- attention ---------------------------------------------------------------- */
+
+/* q [S, H, hd], k, v [S, KV, hd] on q's device, one float dtype; H % KV == 0,
+ * hd in [1, ML_ATT_HD_MAX]. */
+static ml_status qkv_args(const ml_tensor *q, const ml_tensor *k, const ml_tensor *v, ml_err *e)
+{
+    ml_device dev = device_of(q);
+    ML_TRY(ml_check_input(q, "q", dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_input(k, "k", dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_input(v, "v", dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_same_dtype(k, "k", "q", q->dtype, e));
+    ML_TRY(ml_check_same_dtype(v, "v", "q", q->dtype, e));
+    int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1];
+    int64_t sk[3] = {S, KV, hd};
+    ML_TRY(ml_check_shape(k, "k", 3, sk, e));
+    ML_TRY(ml_check_shape(v, "v", 3, sk, e));
+    if (KV < 1 || H % KV)
+        return ml_err_set(e, ML_EINVAL, "q has %lld heads, not a multiple of k's %lld kv heads",
+                          (long long)H, (long long)KV);
+    if (hd < 1 || hd > ML_ATT_HD_MAX)
+        return ml_err_set(e, ML_EINVAL, "head dim %lld must be in [1, %d]", (long long)hd,
+                          ML_ATT_HD_MAX);
+    return ML_OK;
+}
+
+/* The kernels' per-thread blocks (f64, so 8-aligned) for c's thread count. */
+static ml_status attention_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *q,
+                                   const ml_kctx *c, ml_err *e)
+{
+    int64_t n = (int64_t)(ml_attention_scratch_bytes(q->shape[2], c->nthreads) / sizeof(double));
+    return ml_tensor_alloc(h, scr, q->st->device, ML_F64, 1, &n, e);
+}
+
+ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, const ml_tensor *q,
+                                  const ml_tensor *k, const ml_tensor *v, ml_err *e)
+{
+    ML_TRY(qkv_args(q, k, v, e));
+    ml_device dev = q->st->device;
+    int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
+    ML_TRY(ml_prepare_output(h, out, "out", dev, q->dtype, 3, q->shape, e));
+    ML_TRY(ml_prepare_output(h, lse, "lse", dev, ML_F64, 2, sl, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_tensor scr = {0};
+    ML_TRY(attention_scratch(h, &scr, q, &c, e));
+    ml_status s = ML_KCALL(h, dev, attention_forward, q->dtype, ml_data(out), ml_data(lse),
+                           ml_data(q), ml_data(k), ml_data(v), S, H, KV, hd, ml_data(&scr), &c);
+    ml_tensor_drop(&scr);
+    return ml_kernel_status(s, e);
+}
+
+ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_tensor *dv,
+                                   const ml_tensor *dout, const ml_tensor *q, const ml_tensor *k,
+                                   const ml_tensor *v, const ml_tensor *out, const ml_tensor *lse,
+                                   ml_err *e)
+{
+    ML_TRY(qkv_args(q, k, v, e));
+    ml_device dev = q->st->device;
+    int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
+    ML_TRY(ml_check_input(dout, "dout", dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_input(out, "out", dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 2, 1, e));
+    ML_TRY(ml_check_same_dtype(dout, "dout", "q", q->dtype, e));
+    ML_TRY(ml_check_same_dtype(out, "out", "q", q->dtype, e));
+    ML_TRY(ml_check_shape(dout, "dout", 3, q->shape, e));
+    ML_TRY(ml_check_shape(out, "out", 3, q->shape, e));
+    ML_TRY(ml_check_shape(lse, "lse", 2, sl, e));
+    ML_TRY(ml_prepare_output(h, dq, "dq", dev, q->dtype, 3, q->shape, e));
+    ML_TRY(ml_prepare_output(h, dk, "dk", dev, q->dtype, 3, k->shape, e));
+    ML_TRY(ml_prepare_output(h, dv, "dv", dev, q->dtype, 3, v->shape, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_tensor drow = {0}, scr = {0};
+    ml_status s = ml_tensor_alloc(h, &drow, dev, ML_F64, 2, sl, e);
+    if (s == ML_OK)
+        s = attention_scratch(h, &scr, q, &c, e);
+    if (s == ML_OK)
+        s = ml_kernel_status(ML_KCALL(h, dev, attention_backward, q->dtype, ml_data(dq), ml_data(dk),
+                                      ml_data(dv), ml_data(&drow), ml_data(dout), ml_data(q),
+                                      ml_data(k), ml_data(v), ml_data(out), ml_data(lse), S, H, KV,
+                                      hd, ml_data(&scr), &c), e);
+    ml_tensor_drop(&scr);
+    ml_tensor_drop(&drow);
+    return s;
 }

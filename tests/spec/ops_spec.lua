@@ -272,11 +272,18 @@ describe("moelua.ops embedding", function()
     has(errmsg(ops.embedding_forward, ids({1, 7}), W),
         "moelua.ops.embedding_forward: ids[2] = 7 is out of range [0, 7)")
     has(errmsg(ops.embedding_forward, ids({-1}), W), "ids[1] = -1 is out of range")
-    has(errmsg(ops.embedding_forward, m.tensor({1, 2}, {dtype = "i32"}), W), "argument #1 (ids) must be i64, got i32")
+    has(errmsg(ops.embedding_forward, m.tensor({1, 2}, {dtype = "i32"}), W), "moelua.ops.embedding_forward: ids must be i64, got i32")
     has(errmsg(ops.embedding_backward, m.randn({2, D}), ids({1, 2, 3}), V), "dout is [2,5] but must be [3,5]")
     has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({9}), V), "ids[1] = 9 is out of range [0, 7)")
     has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({1}), m.zeros({V, D}, {dtype = "f64"})), "same dtype expected")
-    has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({1}), "x"), "argument #3 (dW)")
+    has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({1}), "x"),
+        "moelua.ops.embedding_backward: argument #3 (dW): expected a tensor or a vocabulary size, got string")
+    has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({1}), 0),
+        "moelua.ops.embedding_backward: V must be a positive integer, got 0")
+    has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({1}), m.zeros({V, D - 1})),
+        "moelua.ops.embedding_backward: dW is [7,4] but must be [7,5]")
+    has(errmsg(ops.embedding_backward, m.randn({1, D}), ids({V}), m.zeros({V, D})),
+        "moelua.ops.embedding_backward: ids[1] = 7 is out of range [0, 7)")
   end)
 end)
 
@@ -342,9 +349,20 @@ describe("moelua.ops cross_entropy", function()
     has(errmsg(ops.cross_entropy_forward, m.randn({2, 0}), m.randn({5, 0}), ids({0, 1})), "hidden size must be >= 1")
     local _, lse = ops.cross_entropy_forward(h, W, ids(tl))
     has(errmsg(ops.cross_entropy_backward, "1", h, W, ids(tl), lse), "argument #1 (dloss) must be a number")
-    has(errmsg(ops.cross_entropy_backward, 1, h, W, ids(tl), m.zeros({S})), "argument #5 (lse) must be f64")
+    has(errmsg(ops.cross_entropy_backward, 1, h, W, ids(tl), m.zeros({S})), "moelua.ops.cross_entropy_backward: lse must be f64, got f32")
     has(errmsg(ops.cross_entropy_backward, 1, h, W, ids(tl), lse, {dW = m.zeros({V, D + 1})}),
-        "option 'dW' is [11,5] but must be [11,4]")
+        "moelua.ops.cross_entropy_backward: dW is [11,5] but must be [11,4]")
+    has(errmsg(ops.cross_entropy_backward, 1, h, W, ids(tl), lse, {dW = m.zeros({V, D}, {dtype = "f64"})}),
+        "moelua.ops.cross_entropy_backward: dW is f64 but h is f32 (same dtype expected)")
+    has(errmsg(ops.cross_entropy_backward, 1 / 0, h, W, ids(tl), lse),
+        "moelua.ops.cross_entropy_backward: dloss must be finite, got inf")
+    has(errmsg(ops.cross_entropy_backward, 1, h, W, ids({0, 1, 2, 3, 4, -2}), lse),
+        "moelua.ops.cross_entropy_backward: targets[6] = -2 is out of range [0, 11)")
+    has(errmsg(ops.cross_entropy_forward, h, W, ids(tl), {dW = W}),
+        "moelua.ops.cross_entropy_forward: option 'dW' belongs to cross_entropy_backward")
+    has(errmsg(ops.cross_entropy_forward, h, W, ids(tl), 3), fn .. "options must be a table, got number")
+    has(errmsg(ops.cross_entropy_forward, m.randn({0, D}), m.randn({0, D}), ids({}, 0)),
+        fn .. "W is empty: at least one vocabulary row expected")
   end)
 end)
 
@@ -379,11 +397,13 @@ describe("moelua.ops rope", function()
   end)
 
   it("rejects bad arguments", function()
-    has(errmsg(ops.rope_forward, m.randn({2, 3, 5})), "moelua.ops.rope_forward: argument #1 (x): head dim 5 must be even")
-    has(errmsg(ops.rope_forward, m.randn({2, 6})), "argument #1 (x) must have 3 dims, got 2")
+    has(errmsg(ops.rope_forward, m.randn({2, 3, 5})), "moelua.ops.rope_forward: x: head dim 5 must be even and >= 2")
+    has(errmsg(ops.rope_forward, m.randn({2, 6})), "moelua.ops.rope_forward: x must have 3 dims, got 2")
     has(errmsg(ops.rope_forward, m.randn({2, 1, 4}), {offset = -1}), "option 'offset' must be in [0,")
-    has(errmsg(ops.rope_backward, m.randn({2, 1, 4}), {theta = 0.5}), "moelua.ops.rope_backward: option 'theta' must be > 1")
+    has(errmsg(ops.rope_backward, m.randn({2, 1, 4}), {theta = 0.5}), "moelua.ops.rope_backward: theta must be finite and > 1, got 0.5")
     has(errmsg(ops.rope_forward, m.randn({2, 1, 4}), {thetta = 2}), "thetta")
+    has(errmsg(ops.rope_backward, m.randn({2, 1, 4}):to("i32")),
+        "moelua.ops.rope_backward: dy must be f32 or f64, got i32")
   end)
 end)
 
@@ -476,11 +496,11 @@ describe("moelua.ops attention", function()
     has(errmsg(ops.attention_forward, q, k:to("f64"), k), "k is f64 but q is f32")
     has(errmsg(ops.attention_forward, m.randn({2, 1, 300}), m.randn({2, 1, 300}), m.randn({2, 1, 300})),
         "head dim 300 must be in [1, 256]")
-    has(errmsg(ops.attention_forward, q, k, k:transpose(1, 2)), "argument #3 (v)")
+    has(errmsg(ops.attention_forward, q, k, k:transpose(1, 2)), "moelua.ops.attention_forward: v must be contiguous")
     local out, lse = ops.attention_forward(q, k, k)
     has(errmsg(ops.attention_backward, out, q, k, k, out, m.zeros({4, 3}, {dtype = "f64"})),
         "moelua.ops.attention_backward: lse is [4,3] but must be [4,4]")
-    has(errmsg(ops.attention_backward, out, q, k, k, out, m.zeros({4, 4})), "argument #6 (lse) must be f64, got f32")
+    has(errmsg(ops.attention_backward, out, q, k, k, out, m.zeros({4, 4})), "moelua.ops.attention_backward: lse must be f64, got f32")
     has(errmsg(ops.attention_backward, m.randn({4, 4, 7}), q, k, k, out, lse), "dout is [4,4,7] but must be [4,4,8]")
   end)
 end)
