@@ -32,7 +32,7 @@ ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
         return t;
     ml_tensor *c = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_contiguous(ml_host_of(L), c, t, &e), &e, c);
+    ml_check_op(L, fn, ml_op_contiguous(ml_host_of(L), c, t, &e), &e);
     lua_replace(L, idx);   /* the copy takes the argument's place and is owned by the stack */
     return c;
 }
@@ -116,7 +116,7 @@ static int l_tensor_arange(lua_State *L)
     ml_dtype dt = ml_opt_dtype(L, opt, fn, ML_F32);
     ml_tensor *t = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_arange(ml_host_of(L), t, dev, dt, start, stop, step, &e), &e, t);
+    ml_check_op(L, fn, ml_op_arange(ml_host_of(L), t, dev, dt, start, stop, step, &e), &e);
     return 1;
 }
 

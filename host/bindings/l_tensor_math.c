@@ -35,12 +35,11 @@ static int binary(lua_State *L, ml_binop op, int inplace)
                      luaL_typename(L, si));
         double s = lua_tonumber(L, si);
         ml_tensor *out = inplace ? t : ml_pushtensor(L);
-        ml_check_op_new(L, fn, ml_op_binary_scalar(h, out, op, t, s, !ta, &e), &e,
-                        inplace ? NULL : out);
+        ml_check_op(L, fn, ml_op_binary_scalar(h, out, op, t, s, !ta, &e), &e);
     } else {
         ml_tensor *a = ml_checktensor(L, 1, fn), *b = ml_checktensor(L, 2, fn);
         ml_tensor *out = inplace ? a : ml_pushtensor(L);
-        ml_check_op_new(L, fn, ml_op_binary(h, out, op, a, b, &e), &e, inplace ? NULL : out);
+        ml_check_op(L, fn, ml_op_binary(h, out, op, a, b, &e), &e);
     }
     if (inplace)
         lua_settop(L, 1);
@@ -72,7 +71,7 @@ static int unary(lua_State *L, ml_unop op, int inplace)
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = inplace ? t : ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_unary(ml_host_of(L), out, op, t, &e), &e, inplace ? NULL : out);
+    ml_check_op(L, fn, ml_op_unary(ml_host_of(L), out, op, t, &e), &e);
     return 1;
 }
 
@@ -102,7 +101,7 @@ static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int wan
     ml_tensor *out = values ? ml_pushtensor(L) : NULL;
     ml_tensor *idx = want_idx ? ml_pushtensor(L) : NULL;
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_reduce(ml_host_of(L), out, idx, op, t, d, &e), &e, out ? out : idx);
+    ml_check_op(L, fn, ml_op_reduce(ml_host_of(L), out, idx, op, t, d, &e), &e);
     return values + want_idx;
 }
 
@@ -120,7 +119,7 @@ static int l_tensor_cumsum(lua_State *L)
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_cumsum(ml_host_of(L), out, t, d, &e), &e, out);
+    ml_check_op(L, fn, ml_op_cumsum(ml_host_of(L), out, t, d, &e), &e);
     return 1;
 }
 
@@ -132,7 +131,7 @@ static int softmax(lua_State *L, const char *fn, int log)
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_softmax(ml_host_of(L), out, t, log, &e), &e, out);
+    ml_check_op(L, fn, ml_op_softmax(ml_host_of(L), out, t, log, &e), &e);
     return 1;
 }
 
@@ -148,7 +147,7 @@ static int l_tensor_topk(lua_State *L)
     lua_Integer k = luaL_checkinteger(L, 2);
     ml_tensor *vals = ml_pushtensor(L), *idx = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_topk(ml_host_of(L), vals, idx, t, k, &e), &e, vals);
+    ml_check_op(L, fn, ml_op_topk(ml_host_of(L), vals, idx, t, k, &e), &e);
     return 2;
 }
 
@@ -163,7 +162,7 @@ static int l_tensor_index_select(lua_State *L)
     ml_tensor *idx = ml_checktensor(L, 3, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_index_select(ml_host_of(L), out, t, d, idx, &e), &e, out);
+    ml_check_op(L, fn, ml_op_index_select(ml_host_of(L), out, t, d, idx, &e), &e);
     return 1;
 }
 
@@ -176,7 +175,7 @@ static int l_tensor_gather(lua_State *L)
     ml_tensor *idx = ml_checktensor(L, 3, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_gather(ml_host_of(L), out, t, d, idx, &e), &e, out);
+    ml_check_op(L, fn, ml_op_gather(ml_host_of(L), out, t, d, idx, &e), &e);
     return 1;
 }
 
@@ -203,7 +202,7 @@ static int l_tensor_bincount(lua_State *L)
     lua_Integer nbins = luaL_checkinteger(L, 2);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_bincount(ml_host_of(L), out, idx, nbins, &e), &e, out);
+    ml_check_op(L, fn, ml_op_bincount(ml_host_of(L), out, idx, nbins, &e), &e);
     return 1;
 }
 
@@ -233,8 +232,7 @@ static int l_tensor_matmul(lua_State *L)
     if (!given)
         c = ml_pushtensor(L);
     ml_err e;
-    ml_check_op_new(L, fn, ml_op_matmul(ml_host_of(L), c, a, b, alpha, beta, &e), &e,
-                    given ? NULL : c);
+    ml_check_op(L, fn, ml_op_matmul(ml_host_of(L), c, a, b, alpha, beta, &e), &e);
     return 1;
 }
 

@@ -18,7 +18,16 @@ static const char HOST_KEY[] = "moelua.host";
 /* h->reclaim for the op layer: the allocator's cache and a full collection. */
 static void reclaim_hook(ml_host *h, ml_device dev)
 {
-    ml_reclaim(h->reclaim_ud, h, dev);
+    ml_reclaim(h->hook_ud, h, dev);
+}
+
+/* h->allocated: the collector sees a small userdata, not the bytes behind
+ * it: tell it (in KiB) so garbage tensors are collected at the pace they
+ * are made, as Torch7's heap tracking did. */
+static void allocated_hook(ml_host *h, size_t nbytes)
+{
+    if (nbytes >= ((size_t)64 << 10))
+        lua_gc(h->hook_ud, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
 }
 
 void ml_host_register(lua_State *L, ml_host *h)
@@ -26,7 +35,8 @@ void ml_host_register(lua_State *L, ml_host *h)
     lua_pushlightuserdata(L, h);
     lua_setfield(L, LUA_REGISTRYINDEX, HOST_KEY);
     h->reclaim = reclaim_hook;
-    h->reclaim_ud = L;
+    h->allocated = allocated_hook;
+    h->hook_ud = L;
 }
 
 ml_host *ml_host_of(lua_State *L)
@@ -198,22 +208,8 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     ml_host *h = ml_host_of(L);
     ml_tensor *t = ml_pushtensor(L);   /* safe empty state first: an error below leaks nothing */
     ml_err e;
-    ml_check_op_new(L, fn, ml_tensor_alloc(h, t, dev, dt, ndim, shape, &e), &e, t);
+    ml_check_op(L, fn, ml_tensor_alloc(h, t, dev, dt, ndim, shape, &e), &e);
     return t;
-}
-
-void ml_gc_account(lua_State *L, const ml_tensor *t)
-{
-    size_t nbytes = t && t->st ? ml_nbytes(t) : 0;
-    if (nbytes >= ((size_t)64 << 10))
-        lua_gc(L, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
-}
-
-void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
-                     const ml_tensor *fresh)
-{
-    ml_check_op(L, fn, s, e);
-    ml_gc_account(L, fresh);
 }
 
 ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,

@@ -110,15 +110,6 @@ void ml_check_status(lua_State *L, const char *fn, ml_status s);
 /* Raise for a non-OK op status (host/runtime/op.h): "<position>fn: e->msg",
  * or the interrupt error. The caller has released what it holds. */
 void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e);
-/* The collector sees a small userdata, not the bytes behind it: tell it
- * (in KiB) about t's bytes, so garbage tensors are collected at the pace
- * they are made, as Torch7's heap tracking did. Every binding that pushes
- * a tensor an op allocated calls it (ml_newtensor does). */
-void ml_gc_account(lua_State *L, const ml_tensor *t);
-/* ml_check_op, then ml_gc_account(fresh), an output the op has just
- * allocated (NULL: none). */
-void ml_check_op_new(lua_State *L, const char *fn, ml_status s, const ml_err *e,
-                     const ml_tensor *fresh);
 ml_kctx ml_kctx_of(ml_host *h);
 /* An error naming fn unless dev is built in (inside a plan every device is). */
 void ml_check_device(lua_State *L, const char *fn, ml_device dev);

@@ -102,6 +102,8 @@ ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, 
     t->ndim = ndim;
     memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
     ml_set_contiguous_strides(t);
+    if (h->allocated)
+        h->allocated(h, nbytes);
     return ML_OK;
 }
 

@@ -42,7 +42,11 @@ struct ml_kernels;
  *
  * `reclaim`, when set, is called once before an allocation that the ledger
  * or the system refused is retried: the Lua bindings collect garbage there
- * (host/bindings/l_util.c), so dead tensors give their bytes back. */
+ * (host/bindings/l_util.c), so dead tensors give their bytes back;
+ * `allocated` after every allocation, so they collect at the pace tensors
+ * are made. Both may run Lua finalizers: an op holds its inputs and outputs
+ * in the caller's references, and its scratch in C structs no finalizer
+ * sees. */
 typedef struct ml_host {
     ml_ledger books[ML_NDEVICES];         /* the real account books */
     ml_ledger plan_books[ML_NDEVICES];    /* mem.plan's virtual books */
@@ -58,7 +62,10 @@ typedef struct ml_host {
     int planning;                         /* inside moelua.mem.plan */
     size_t plan_live;                     /* storages and pools charged to plan_books */
     void (*reclaim)(struct ml_host *h, ml_device dev);
-    void *reclaim_ud;
+    /* Called after each allocation of the op layer (ml_tensor_alloc) with
+     * its bytes: the Lua bindings step their collector there. */
+    void (*allocated)(struct ml_host *h, size_t nbytes);
+    void *hook_ud;                        /* what reclaim and allocated need (a lua_State) */
 } ml_host;
 
 typedef struct ml_storage {
