@@ -18,8 +18,8 @@
  * (default 0), noise (default 0), gumbel (default false), seed, step, layer,
  * token_offset (default 0: the noise counter of x's first row, router.h),
  * bias (f32/f64 [E]: selection only), pool (a moelua.pool that lends the
- * outputs and the scratch; otherwise it is allocated under the current category
- * and freed before returning).
+ * outputs and the scratch; otherwise they come from the ledger under the
+ * current category and the scratch is freed before returning).
  *
  * backward takes the forward's opts: the noise options (noise, gumbel, seed,
  * step, layer), temperature, eps, mode and renorm must be the forward's, so
