@@ -469,7 +469,7 @@ static ml_status ex_tensor(const ml_tensor *t, const char *name, ml_device dev, 
     ml_format_shape(t, have, sizeof have);
     if (!dims && t->ndim != ndim)
         return ml_err_set(e, ML_EINVAL, "%s: expected %d dims, got %s", name, ndim, have);
-    if (dims && ml_check_shape(t, name, ndim, dims, NULL) != ML_OK) {
+    if (dims && ml_check_shape(t, name, ndim, dims, NULL) != ML_OK) {   /* a test: own wording */
         ml_format_dims(ndim, dims, want, sizeof want);
         return ml_err_set(e, ML_EINVAL, "%s: expected shape %s, got %s", name, want, have);
     }
