@@ -397,7 +397,7 @@ describe("experts bad input", function()
         m.zeros({3, 3, 4}), P.idx, P.w, plan)
     err("w [6,3] does not match idx [6,2]", ex.forward, P.x, P.gate_up, P.down, P.idx, m.zeros({6, 3}), plan)
     err("dtype f64 does not match x's f32", ex.forward, P.x, P.gate_up:to("f64"), P.down, P.idx, P.w, plan)
-    err("argument #1 (x): expected 2 dims, got [24]", ex.forward, P.x:reshape({24}), P.gate_up, P.down, P.idx, P.w, plan)
+    err("x: expected 2 dims, got [24]", ex.forward, P.x:reshape({24}), P.gate_up, P.down, P.idx, P.w, plan)
   end)
 
   it("refuses a plan that does not belong to idx", function()
@@ -413,7 +413,7 @@ describe("experts bad input", function()
   end)
 
   it("refuses a tile whose scratch overflows and clamps a long one to T·k", function()
-    err("option 'tile' = 576460752303423488 is out of range", ex.forward, P.x, P.gate_up, P.down,
+    err("tile = 576460752303423488 is out of range", ex.forward, P.x, P.gate_up, P.down,
         P.idx, P.w, plan, {tile = 1 << 59})
     local y1, s1 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 1 << 40})
     local y2 = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, {tile = 12})
@@ -425,7 +425,7 @@ describe("experts bad input", function()
     local g2 = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, s2)}
     for i = 1, 4 do assert.are.same(vals(g2[i]), vals(g1[i])) end
     s1.tile = 1 << 59
-    err("option 'tile' = 576460752303423488 is out of range", ex.backward, dy, P.x, P.gate_up,
+    err("tile = 576460752303423488 is out of range", ex.backward, dy, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, s1)
   end)
 
@@ -450,16 +450,16 @@ describe("experts bad input", function()
   it("refuses grads that share storage with an input or with each other", function()
     local _, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan)
     local dy = m.ones({6, 4})
-    err("grads.dw shares storage with argument #6 (w)", ex.backward, dy, P.x, P.gate_up,
+    err("grads.dw shares storage with w (outputs must not alias inputs)", ex.backward, dy, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, saved, nil, {dw = P.w})
-    err("grads.dx shares storage with argument #1 (dy)", ex.backward, dy, P.x, P.gate_up,
+    err("grads.dx shares storage with dy (outputs must not alias inputs)", ex.backward, dy, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, saved, nil, {dx = dy})
-    err("grads.dx shares storage with argument #2 (x)", ex.backward, dy, P.x, P.gate_up,
+    err("grads.dx shares storage with x (outputs must not alias inputs)", ex.backward, dy, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, saved, nil, {dx = P.x})
-    err("grads.ddown shares storage with argument #4 (down)", ex.backward, dy, P.x, P.gate_up,
+    err("grads.ddown shares storage with down (outputs must not alias inputs)", ex.backward, dy, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, saved, nil, {ddown = P.down})
     local g = m.zeros({6, 4})
-    err("grads.dx shares storage with argument #1 (dy)", ex.backward, g, P.x, P.gate_up,
+    err("grads.dx shares storage with dy (outputs must not alias inputs)", ex.backward, g, P.x, P.gate_up,
         P.down, P.idx, P.w, plan, saved, nil, {dx = g})
     local w0 = vals(P.w)
     assert.are.same(w0, vals(P.w))

@@ -577,11 +577,11 @@ describe("router memory", function()
     assert.are.equal(ps.used + a64(T * D * 4) + a64(E * D * 4), p:stats().used)   -- + dx, dwg
     local small = m.pool.new(1024)
     has(errmsg(router.forward, x, wg, {k = 2, pool = small}),
-        "moelua.pool: pool full: need 7.81 KiB, 1.00 KiB free of 1.00 KiB (grow=false)")
+        "moelua.router.forward: pool full: idx needs 7.81 KiB, 0 B of 1.00 KiB are in use (grow=false)")
     assert.are.equal(0, small:stats().used)
     local roomy = m.pool.new(a64(T * 2 * 8) + a64(T * 2 * 4) + 2 * a64(E * 8))   -- outputs fit, scratch does not
     has(errmsg(router.forward, x, wg, {k = 2, pool = roomy}),
-        "moelua.router.forward: option 'pool': pool full: the router scratch needs 132.81 KiB")
+        "moelua.router.forward: pool full: the router scratch needs 132.81 KiB")
     roomy:close()
     small:close()
     has(errmsg(router.forward, x, wg, {k = 2, pool = small}), "moelua.router.forward: option 'pool': the pool is closed")
@@ -598,9 +598,9 @@ describe("router bad input", function()
   it("checks x and wg", function()
     has(errmsg(router.forward, "x", wg, {k = 1}), F .. "argument #1: expected a tensor, got string")
     has(errmsg(router.forward, x, nil, {k = 1}), F .. "argument #2: expected a tensor, got nil")
-    has(errmsg(router.forward, m.zeros({4}), wg, {k = 1}), F .. "argument #1 (x) must be 2-dim, got 1 dims")
+    has(errmsg(router.forward, m.zeros({4}), wg, {k = 1}), F .. "x must be 2-dim, got 1 dims")
     has(errmsg(router.forward, m.zeros({4, 3}, {dtype = "i64"}), wg, {k = 1}),
-        F .. "argument #1 (x) must be f32 or f64, got i64")
+        F .. "x must be f32 or f64, got i64")
     has(errmsg(router.forward, x, wg:to("f64"), {k = 1}), F .. "x is f32 but wg is f64")
     has(errmsg(router.forward, x, m.zeros({2, 5}), {k = 1}), F .. "x is [4,3] but wg is [2,5]: wg must be [E, 3]")
     has(errmsg(router.forward, x, m.zeros({0, 3}), {k = 1}), "at least one expert")
@@ -626,12 +626,12 @@ describe("router bad input", function()
       {{k = 1, mode = "sparse"}, "option 'mode': unknown mode 'sparse' (softmax_topk, topk_softmax)"},
       {{k = 1, mode = 1}, "option 'mode' must be a string, got number"},
       {{k = 1, renorm = 1}, "option 'renorm' must be a boolean, got number"},
-      {{k = 1, temperature = 0}, "option 'temperature' must be > 0, got 0"},
+      {{k = 1, temperature = 0}, "temperature must be finite and > 0, got 0"},
       {{k = 1, temperature = "hot"}, "option 'temperature' must be a number, got string"},
       {{k = 1, temperature = math.huge}, "option 'temperature' must be finite"},
-      {{k = 1, eps = 1}, "option 'eps' must be in [0, 1), got 1"},
-      {{k = 1, eps = -0.1}, "option 'eps' must be in [0, 1), got -0.1"},
-      {{k = 1, noise = -1}, "option 'noise' must be >= 0, got -1"},
+      {{k = 1, eps = 1}, "eps must be in [0, 1), got 1"},
+      {{k = 1, eps = -0.1}, "eps must be in [0, 1), got -0.1"},
+      {{k = 1, noise = -1}, "noise must be finite and >= 0, got -1"},
       {{k = 1, noise = {}}, "option 'noise' must be a number, got table"},
       {{k = 1, gumbel = "yes"}, "option 'gumbel' must be a boolean, got string"},
       {{k = 1, seed = -1}, "option 'seed' must be >= 0, got -1"},
@@ -641,9 +641,9 @@ describe("router bad input", function()
       {{k = 1, layer = -1}, "option 'layer' must be >= 0, got -1"},
       {{k = 1, layer = 2 ^ 31}, "option 'layer' must be <= 2147483647"},
       {{k = 1, bias = {0, 0}}, "option 'bias' must be a tensor, got table"},
-      {{k = 1, bias = m.zeros({3})}, "option 'bias' is [3] but must be [2] (one value per expert)"},
-      {{k = 1, bias = m.zeros({2}, {dtype = "i64"})}, "option 'bias' must be f32 or f64, got i64"},
-      {{k = 1, bias = m.tensor({0, 0 / 0})}, "option 'bias' has a non-finite value at expert 1"},
+      {{k = 1, bias = m.zeros({3})}, "bias is [3] but must be [2] (one value per expert)"},
+      {{k = 1, bias = m.zeros({2}, {dtype = "i64"})}, "bias must be f32 or f64, got i64"},
+      {{k = 1, bias = m.tensor({0, 0 / 0})}, "bias has a non-finite value at expert 1"},
       {{k = 1, pool = {}}, "option 'pool' must be a moelua.pool, got table"},
     }
     for _, c in ipairs(BAD) do
@@ -685,12 +685,12 @@ describe("router bad input", function()
   it("checks update_bias and scratch_bytes", function()
     local U = "moelua.router.update_bias: "
     local c = m.zeros({2}, {dtype = "i64"})
-    has(errmsg(router.update_bias, m.zeros({2}, {dtype = "i64"}), c, 0.1), U .. "argument #1 (bias) must be f32 or f64, got i64")
-    has(errmsg(router.update_bias, m.zeros({2, 1}), c, 0.1), U .. "argument #1 (bias) must be 1-dim [E], got 2 dims")
-    has(errmsg(router.update_bias, m.zeros({2}), m.zeros({2}), 0.1), U .. "argument #2 (counts) must be i64, got f32")
+    has(errmsg(router.update_bias, m.zeros({2}, {dtype = "i64"}), c, 0.1), U .. "bias must be f32 or f64, got i64")
+    has(errmsg(router.update_bias, m.zeros({2, 1}), c, 0.1), U .. "bias must be 1-dim [E], got 2 dims")
+    has(errmsg(router.update_bias, m.zeros({2}), m.zeros({2}), 0.1), U .. "counts must be i64, got f32")
     has(errmsg(router.update_bias, m.zeros({3}), c, 0.1), U .. "bias is [3] but counts is [2]")
     has(errmsg(router.update_bias, m.zeros({2}), c, "x"), U .. "argument #3 (gamma) must be a number, got string")
-    has(errmsg(router.update_bias, m.zeros({2}), c, -1), U .. "argument #3 (gamma) must be finite and >= 0, got -1")
+    has(errmsg(router.update_bias, m.zeros({2}), c, -1), U .. "gamma must be finite and >= 0, got -1")
     has(errmsg(router.update_bias, nil, c, 1), U .. "argument #1: expected a tensor, got nil")
     local S = "moelua.router.scratch_bytes: "
     has(errmsg(router.scratch_bytes, 1, 2, 3, 0), S .. "argument #4 (chunk) is out of range: 0")

@@ -1,0 +1,705 @@
+/*
+ * host/runtime/ops_moe.c - the MoE layer's ops (host/runtime/ops_moe.h):
+ * router, dispatch and experts, with their pool-or-ledger outputs and
+ * scratch.
+ */
+#include "ops_moe.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- pool or ledger ------------------------------------------------------------- */
+
+/* t is live: not freed and not a view of a rewound pool frame (op.h's
+ * message for either). */
+static ml_status live(const ml_tensor *t, const char *name, ml_err *e)
+{
+    if (t->st && (!t->st->pool || ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id)))
+        return ML_OK;
+    return ml_check_input(t, name, ML_CPU, 0, -1, 0, e);
+}
+
+static ml_status check_pool(const ml_pool *p, ml_device dev, ml_err *e)
+{
+    if (!p || p->device == dev)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "pool is on %s but the other operands are on %s (one device "
+                      "expected)", ml_device_names[p->device], ml_device_names[dev]);
+}
+
+/* A slot of nbytes in p for `what`; when the ledger or the system refuses
+ * to grow the pool, h->reclaim runs once and the slot is asked again. On
+ * ML_OK the caller holds one more reference to p (a view keeps it; scratch
+ * drops it after its rewind), so a pool closed meanwhile outlives the slot. */
+static ml_status pool_slot(ml_host *h, ml_pool *p, size_t nbytes, const char *what, void **data,
+                           size_t *slot, uint64_t *id, ml_err *e)
+{
+    ml_alloc_status as;
+    ml_pool_retain(p);
+    ml_pool_status ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
+    if (h->reclaim && ((ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL ||
+                                                 as == ML_ALLOC_OVER_CATEGORY)) ||
+                       as == ML_ALLOC_NOMEM)) {
+        h->reclaim(h, p->device);
+        ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
+    }
+    if (ps == ML_POOL_OK)
+        return ML_OK;
+    char need[32], used[32], cap[32];
+    ml_format_bytes(nbytes > SIZE_MAX - 63 ? nbytes : (nbytes + 63) & ~(size_t)63, need, sizeof need);
+    ml_format_bytes(p->used, used, sizeof used);
+    ml_format_bytes(p->capacity, cap, sizeof cap);
+    ml_pool_release(p);
+    if (ps == ML_POOL_FULL)
+        return ml_err_set(e, ML_EALLOC, "pool full: %s needs %s, %s of %s are in use (grow=false)",
+                          what, need, used, cap);
+    return ml_err_set(e, ML_EALLOC, "growing the pool by %s for %s was refused (%s)", need, what,
+                      ps == ML_POOL_LEDGER ? "ledger budget"
+                      : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
+                      : "out of memory");
+}
+
+/* A new contiguous tensor in *t (storage NULL): a view in a new slot of p,
+ * charged to the pool's category. */
+static ml_status pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
+                             int ndim, const int64_t *dims, ml_err *e)
+{
+    int64_t n = ml_shape_numel(ndim, dims);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
+        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
+    size_t nbytes = (size_t)n * ml_dtype_size(dt), slot;
+    uint64_t id;
+    void *data;
+    ML_TRY(pool_slot(h, p, nbytes, name, &data, &slot, &id, e));
+    ml_storage *st = calloc(1, sizeof *st);
+    if (!st) {
+        ml_pool_rewind(p, slot);   /* the top slot: give it back */
+        ml_pool_release(p);
+        return ml_err_set(e, ML_EALLOC, "out of memory for a tensor header");
+    }
+    *st = (ml_storage){.data = data, .nbytes = nbytes, .device = p->device, .cat = ML_CAT_POOL,
+                       .refs = 1, .host = p->host, .pool = p, .slot = slot, .id = id};
+    t->st = st;   /* the reference pool_slot took is the view's */
+    t->offset = 0;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
+    ml_set_contiguous_strides(t);
+    return ML_OK;
+}
+
+/* An output: a given one is checked, an empty one allocated in the pool
+ * (when there is one) or by the ledger; zero: a += output, zeros when
+ * allocated. */
+static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_device dev,
+                        ml_dtype dt, int ndim, const int64_t *dims, int zero, ml_err *e)
+{
+    if (t->st || !p)
+        return (zero ? ml_prepare_accumulator : ml_prepare_output)(h, t, name, dev, dt, ndim, dims, e);
+    ML_TRY(pool_tensor(h, p, t, name, dt, ndim, dims, e));
+    if (!zero || ml_numel(t) == 0)
+        return ML_OK;
+    ml_kctx c = ml_host_kctx(h);
+    c.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
+}
+
+/* One kernel call's scratch: a pool slot rewound after, or a ledger tensor
+ * dropped after. */
+typedef struct {
+    ml_tensor t;
+    ml_pool *pool;
+    size_t mark;
+} scratch;
+
+static ml_status scratch_take(ml_host *h, ml_pool *p, ml_device dev, size_t nbytes,
+                              const char *what, scratch *s, void **data, ml_err *e)
+{
+    memset(s, 0, sizeof *s);
+    if (!p) {
+        int64_t n = (int64_t)((nbytes + 7) / 8);
+        ML_TRY(ml_tensor_alloc(h, &s->t, dev, ML_F64, 1, &n, e));
+        *data = ml_data(&s->t);
+        return ML_OK;
+    }
+    size_t slot;
+    uint64_t id;
+    s->mark = ml_pool_mark(p);
+    ML_TRY(pool_slot(h, p, nbytes ? nbytes : 1, what, data, &slot, &id, e));
+    s->pool = p;
+    return ML_OK;
+}
+
+static void scratch_give(scratch *s)
+{
+    if (s->pool) {
+        ml_pool_rewind(s->pool, s->mark);
+        ml_pool_release(s->pool);
+        s->pool = NULL;
+    }
+    ml_tensor_drop(&s->t);
+}
+
+/* Elements [i0, i0 + n) of the contiguous t into buf: a copy back from the
+ * device (never inside a plan: nothing was computed there). */
+static ml_status read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, void *buf,
+                           ml_err *e)
+{
+    size_t es = ml_dtype_size(t->dtype);
+    ml_device dev = t->st->device;
+    return ml_kernel_status(h->mem[dev]->memcpy(buf, (const char *)ml_data(t) + (size_t)i0 * es,
+                                                (size_t)n * es,
+                                                dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H, NULL), e);
+}
+
+/* Host-side reads go through this many elements at a time. */
+#define READ_BLOCK 256
+
+/* ---- router ------------------------------------------------------------------------ */
+
+/* x or wg: a live contiguous f32/f64 matrix. */
+static ml_status router_matrix(const ml_tensor *t, const char *name, ml_err *e)
+{
+    ML_TRY(live(t, name, e));
+    if (t->dtype != ML_F32 && t->dtype != ML_F64)
+        return ml_err_set(e, ML_EINVAL, "%s must be f32 or f64, got %s", name, ml_dtype_names[t->dtype]);
+    if (t->ndim != 2)
+        return ml_err_set(e, ML_EINVAL, "%s must be 2-dim, got %d dims", name, t->ndim);
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s must be contiguous", name);
+    return ML_OK;
+}
+
+/* x [T, D] and wg [E, D] of one dtype on one device, E >= 1. */
+static ml_status router_x_wg(const ml_tensor *x, const ml_tensor *wg, ml_err *e)
+{
+    ML_TRY(router_matrix(x, "x", e));
+    ML_TRY(router_matrix(wg, "wg", e));
+    if (wg->st->device != x->st->device)
+        return ml_err_set(e, ML_EINVAL, "x is on %s but wg is on %s (one device expected)",
+                          ml_device_names[x->st->device], ml_device_names[wg->st->device]);
+    char sx[64], sw[64];
+    ml_format_shape(x, sx, sizeof sx);
+    ml_format_shape(wg, sw, sizeof sw);
+    if (x->dtype != wg->dtype)
+        return ml_err_set(e, ML_EINVAL, "x is %s but wg is %s (same dtype expected)",
+                          ml_dtype_names[x->dtype], ml_dtype_names[wg->dtype]);
+    if (x->shape[1] != wg->shape[1])
+        return ml_err_set(e, ML_EINVAL, "x is %s but wg is %s: wg must be [E, %lld]", sx, sw,
+                          (long long)x->shape[1]);
+    if (wg->shape[0] < 1)
+        return ml_err_set(e, ML_EINVAL, "wg is %s: at least one expert expected", sw);
+    return ML_OK;
+}
+
+static ml_status on_device(const ml_tensor *t, const char *what, ml_device dev, ml_err *e)
+{
+    if (t->st->device == dev)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "%s is on %s but the other operands are on %s (one device "
+                      "expected)", what, ml_device_names[t->st->device], ml_device_names[dev]);
+}
+
+/* One value per expert: a live contiguous [E] tensor on dev, f64 or (when
+ * !f64_only) f32. */
+static ml_status router_vector(const ml_tensor *t, const char *what, int64_t E, int f64_only,
+                               ml_device dev, ml_err *e)
+{
+    ML_TRY(live(t, what, e));
+    ML_TRY(on_device(t, what, dev, e));
+    if (f64_only ? t->dtype != ML_F64 : t->dtype != ML_F32 && t->dtype != ML_F64)
+        return ml_err_set(e, ML_EINVAL, "%s must be %s, got %s", what, f64_only ? "f64" : "f32 or f64",
+                          ml_dtype_names[t->dtype]);
+    if (t->ndim != 1 || t->shape[0] != E) {
+        char s[64];
+        ml_format_shape(t, s, sizeof s);
+        return ml_err_set(e, ML_EINVAL, "%s is %s but must be [%lld] (one value per expert)", what,
+                          s, (long long)E);
+    }
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s must be contiguous", what);
+    return ML_OK;
+}
+
+/* cfg for T tokens over E experts, and the optional bias (finite values:
+ * read back, except inside a plan). */
+static ml_status router_cfg_check(ml_host *h, const ml_router_cfg *c, const ml_tensor *bias,
+                                  int64_t T, int64_t E, ml_device dev, ml_err *e)
+{
+    if (c->k < 1)
+        return ml_err_set(e, ML_EINVAL, "k must be >= 1, got %lld", (long long)c->k);
+    if (c->k > E)
+        return ml_err_set(e, ML_EINVAL, "k = %lld exceeds the number of experts (%lld)",
+                          (long long)c->k, (long long)E);
+    if (c->chunk < 1)
+        return ml_err_set(e, ML_EINVAL, "chunk must be >= 1, got %lld", (long long)c->chunk);
+    if (c->mode != ML_ROUTER_SOFTMAX_TOPK && c->mode != ML_ROUTER_TOPK_SOFTMAX)
+        return ml_err_set(e, ML_EINVAL, "mode %d is not a router mode", (int)c->mode);
+    if (!(c->temperature > 0) || !isfinite(c->temperature))
+        return ml_err_set(e, ML_EINVAL, "temperature must be finite and > 0, got %g", c->temperature);
+    if (!(c->eps >= 0 && c->eps < 1))
+        return ml_err_set(e, ML_EINVAL, "eps must be in [0, 1), got %g", c->eps);
+    if (!(c->noise >= 0) || !isfinite(c->noise))
+        return ml_err_set(e, ML_EINVAL, "noise must be finite and >= 0, got %g", c->noise);
+    if (c->step > 0xffffffffu || c->layer > 0x7fffffffu)
+        return ml_err_set(e, ML_EINVAL, "step must be < 2^32 and layer < 2^31, got %llu and %llu",
+                          (unsigned long long)c->step, (unsigned long long)c->layer);
+    /* The noise counter c0 = token_offset + t must fit in 32 bits. */
+    if ((c->noise > 0 || c->gumbel) &&
+        (T > 0xffffffffLL || c->token_offset > (uint64_t)(0xffffffffLL - T)))
+        return ml_err_set(e, ML_EINVAL, "noise is keyed by a 32-bit token index: token_offset + T = "
+                          "%llu + %lld exceeds 2^32 - 1", (unsigned long long)c->token_offset,
+                          (long long)T);
+    if (!bias)
+        return ML_OK;
+    ML_TRY(router_vector(bias, "bias", E, 0, dev, e));
+    if (h->planning)
+        return ML_OK;
+    double buf[READ_BLOCK];
+    for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
+        int64_t nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
+        ML_TRY(read_back(h, bias, e0, nb, buf, e));
+        for (int64_t i = 0; i < nb; i++)
+            if (!isfinite(ml_load(bias->dtype, buf, (size_t)i)))
+                return ml_err_set(e, ML_EINVAL, "bias has a non-finite value at expert %lld",
+                                  (long long)(e0 + i));
+    }
+    return ML_OK;
+}
+
+static ml_status router_status(ml_status s, ml_err *e)
+{
+    if (s == ML_ENAN)
+        return ml_err_set(e, s, "NaN in router logits");
+    return ml_kernel_status(s, e);
+}
+
+/* sum_e C_e P_e and max_e C_e from counts and psum, read back; inside a
+ * plan 0 and the worst case T. */
+static ml_status router_sums(ml_host *h, ml_router_stats *st, int64_t T, int64_t E, ml_err *e)
+{
+    st->cp = 0;
+    st->max_count = h->planning ? T : 0;
+    for (int64_t e0 = 0; e0 < E && !h->planning; e0 += READ_BLOCK) {
+        int64_t cv[READ_BLOCK], nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
+        double pv[READ_BLOCK];
+        ML_TRY(read_back(h, st->counts, e0, nb, cv, e));
+        ML_TRY(read_back(h, st->psum, e0, nb, pv, e));
+        for (int64_t i = 0; i < nb; i++) {
+            st->cp += (double)cv[i] * pv[i];
+            st->max_count = cv[i] > st->max_count ? cv[i] : st->max_count;
+        }
+    }
+    return ML_OK;
+}
+
+ml_status ml_op_router_forward(ml_host *h, ml_tensor *idx, ml_tensor *w, ml_router_stats *st,
+                               const ml_tensor *x, const ml_tensor *wg, const ml_router_cfg *cfg,
+                               const ml_tensor *bias, ml_pool *pool, ml_err *e)
+{
+    ML_TRY(router_x_wg(x, wg, e));
+    int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0];
+    ml_device dev = x->st->device;
+    ML_TRY(router_cfg_check(h, cfg, bias, T, E, dev, e));
+    ML_TRY(check_pool(pool, dev, e));
+    int64_t sk[2] = {T, cfg->k};
+    ML_TRY(output(h, pool, idx, "idx", dev, ML_I64, 2, sk, 0, e));
+    ML_TRY(output(h, pool, w, "w", dev, x->dtype, 2, sk, 0, e));
+    ML_TRY(output(h, pool, st->counts, "counts", dev, ML_I64, 1, &E, 1, e));
+    ML_TRY(output(h, pool, st->psum, "psum", dev, ML_F64, 1, &E, 1, e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 0),
+                        "the router scratch", &s, &buf, e));
+    st->z = st->entropy = 0;
+    ml_kctx c = ml_host_kctx(h);
+    ml_status ks = ML_KCALL(h, dev, router_forward, x->dtype, ml_data(idx), ml_data(w),
+                            ml_data(st->counts), ml_data(st->psum), &st->z, &st->entropy,
+                            ml_data(x), ml_data(wg), bias ? bias->dtype : ML_F64,
+                            bias ? ml_data(bias) : NULL, T, D, E, cfg, buf, &c);
+    scratch_give(&s);
+    ML_TRY(router_status(ks, e));
+    return router_sums(h, st, T, E, e);
+}
+
+/* grads->dx or dwg when given: contiguous, on dev, x's dtype, [a, b]. */
+static ml_status router_grad(const ml_tensor *t, const char *what, ml_dtype dt, int64_t a,
+                             int64_t b, ml_device dev, ml_err *e)
+{
+    if (!t->st)
+        return ML_OK;   /* the op allocates it */
+    ML_TRY(live(t, what, e));
+    if (t->st->device != dev)
+        return ml_err_set(e, ML_EINVAL, "%s is on %s but x is on %s (one device expected)", what,
+                          ml_device_names[t->st->device], ml_device_names[dev]);
+    if (t->dtype != dt)
+        return ml_err_set(e, ML_EINVAL, "%s is %s but x is %s", what, ml_dtype_names[t->dtype],
+                          ml_dtype_names[dt]);
+    const int64_t dims[2] = {a, b};
+    ML_TRY(ml_check_shape(t, what, 2, dims, e));
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s must be contiguous", what);
+    return ML_OK;
+}
+
+/* dw or idx of the backward: contiguous [T, k] on dev. */
+static ml_status router_tk(const ml_tensor *t, const char *what, const ml_tensor *x, int64_t k,
+                           ml_device dev, ml_err *e)
+{
+    ML_TRY(live(t, what, e));
+    ML_TRY(on_device(t, what, dev, e));
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s must be contiguous", what);
+    int64_t T = x->shape[0];
+    if (t->ndim == 2 && t->shape[0] == T && t->shape[1] == k)
+        return ML_OK;
+    char s[64], sx[64];
+    ml_format_shape(t, s, sizeof s);
+    ml_format_shape(x, sx, sizeof sx);
+    return ml_err_set(e, ML_EINVAL, "%s is %s but x is %s and k = %lld: %s must be [%lld,%lld]",
+                      what, s, sx, (long long)k, what, (long long)T, (long long)k);
+}
+
+ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_tensor *dw,
+                                const ml_tensor *x, const ml_tensor *wg, const ml_tensor *idx,
+                                const ml_router_cfg *cfg, const ml_tensor *bias, ml_pool *pool,
+                                ml_err *e)
+{
+    ML_TRY(router_x_wg(x, wg, e));
+    int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0], k = cfg->k;
+    ml_device dev = x->st->device;
+    ML_TRY(router_cfg_check(h, cfg, bias, T, E, dev, e));
+    ML_TRY(check_pool(pool, dev, e));
+    ML_TRY(live(dw, "dw", e));
+    if (dw->dtype != x->dtype)
+        return ml_err_set(e, ML_EINVAL, "dw is %s but x is %s (same dtype expected)",
+                          ml_dtype_names[dw->dtype], ml_dtype_names[x->dtype]);
+    ML_TRY(router_tk(dw, "dw", x, k, dev, e));
+    ML_TRY(live(idx, "idx", e));
+    if (idx->dtype != ML_I64)
+        return ml_err_set(e, ML_EINVAL, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
+    ML_TRY(router_tk(idx, "idx", x, k, dev, e));
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        return ml_kernel_status(ML_EDEVICE, e);
+    if (bad >= 0) {
+        int64_t v;
+        ML_TRY(read_back(h, idx, bad, 1, &v, e));
+        return ml_err_set(e, ML_EINVAL, "idx: expert %lld at position %lld is outside [0, %lld) "
+                          "(ids are 0-based)", (long long)v, (long long)bad, (long long)E);
+    }
+    if (g->aux)
+        ML_TRY(router_vector(g->aux, "grads.aux", E, 1, dev, e));
+    if (!isfinite(g->z))
+        return ml_err_set(e, ML_EINVAL, "grads.z must be finite, got %g", g->z);
+    ML_TRY(router_grad(g->dx, "grads.dx", x->dtype, T, D, dev, e));
+    ML_TRY(router_grad(g->dwg, "grads.dwg", x->dtype, E, D, dev, e));
+    if ((g->dx->st && g->dx->st == x->st) || (g->dwg->st && g->dwg->st == wg->st) ||
+        (g->dx->st && g->dx->st == g->dwg->st))
+        return ml_err_set(e, ML_EINVAL, "grads.dx and grads.dwg must not share storage with x, wg "
+                          "or each other");
+    int64_t sxd[2] = {T, D}, swd[2] = {E, D};
+    ML_TRY(output(h, pool, g->dx, "grads.dx", dev, x->dtype, 2, sxd, 1, e));
+    ML_TRY(output(h, pool, g->dwg, "grads.dwg", dev, x->dtype, 2, swd, 1, e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 1),
+                        "the router scratch", &s, &buf, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status ks = ML_KCALL(h, dev, router_backward, x->dtype, ml_data(g->dx), ml_data(g->dwg),
+                            ml_data(idx), ml_data(dw), g->aux ? ml_data(g->aux) : NULL, g->z,
+                            ml_data(x), ml_data(wg), T, D, E, cfg, buf, &c);
+    scratch_give(&s);
+    return router_status(ks, e);
+}
+
+ml_status ml_op_router_update_bias(ml_host *h, ml_tensor *bias, const ml_tensor *counts,
+                                   double gamma, ml_err *e)
+{
+    ML_TRY(live(bias, "bias", e));
+    if (bias->ndim != 1)
+        return ml_err_set(e, ML_EINVAL, "bias must be 1-dim [E], got %d dims", bias->ndim);
+    int64_t E = bias->shape[0];
+    ml_device dev = bias->st->device;
+    ML_TRY(router_vector(bias, "bias", E, 0, dev, e));
+    ML_TRY(live(counts, "counts", e));
+    ML_TRY(on_device(counts, "counts", dev, e));
+    if (counts->dtype != ML_I64)
+        return ml_err_set(e, ML_EINVAL, "counts must be i64, got %s", ml_dtype_names[counts->dtype]);
+    if (counts->ndim != 1 || counts->shape[0] != E) {
+        char sb[64], sc[64];
+        ml_format_shape(bias, sb, sizeof sb);
+        ml_format_shape(counts, sc, sizeof sc);
+        return ml_err_set(e, ML_EINVAL, "bias is %s but counts is %s (one count per expert)", sb, sc);
+    }
+    if (!ml_is_contiguous(counts))
+        return ml_err_set(e, ML_EINVAL, "counts must be contiguous");
+    if (!isfinite(gamma) || gamma < 0)
+        return ml_err_set(e, ML_EINVAL, "gamma must be finite and >= 0, got %g", gamma);
+    ml_kctx c = ml_host_kctx(h);
+    return ml_kernel_status(ML_KCALL(h, dev, router_update_bias, bias->dtype, ml_data(bias),
+                                     ml_data(counts), E, gamma, &c), e);
+}
+
+/* ---- dispatch and experts: operand checks ----------------------------------------- */
+
+#define EX_FLOAT (-1)   /* f32 or f64 */
+#define EX_ANY (-2)
+
+/* A live contiguous tensor named `name` on dev, of dtype dt (or EX_FLOAT,
+ * EX_ANY), with shape [dims...] or, when dims is NULL, ndim dims. */
+static ml_status ex_tensor(const ml_tensor *t, const char *name, ml_device dev, int dt, int ndim,
+                           const int64_t *dims, ml_err *e)
+{
+    ML_TRY(live(t, name, e));
+    if (dt >= 0 && t->dtype != (ml_dtype)dt)
+        return ml_err_set(e, ML_EINVAL, "%s: expected dtype %s, got %s", name, ml_dtype_names[dt],
+                          ml_dtype_names[t->dtype]);
+    if (dt == EX_FLOAT && t->dtype != ML_F32 && t->dtype != ML_F64)
+        return ml_err_set(e, ML_EINVAL, "%s: expected dtype f32 or f64, got %s", name,
+                          ml_dtype_names[t->dtype]);
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "%s: expected a contiguous tensor (call :contiguous())", name);
+    if (t->st->device != dev)
+        return ml_err_set(e, ML_EINVAL, "%s: a %s tensor but the other operands are on %s (one "
+                          "device expected)", name, ml_device_names[t->st->device],
+                          ml_device_names[dev]);
+    char have[96], want[96];
+    ml_format_shape(t, have, sizeof have);
+    if (!dims && t->ndim != ndim)
+        return ml_err_set(e, ML_EINVAL, "%s: expected %d dims, got %s", name, ndim, have);
+    if (dims && ml_check_shape(t, name, ndim, dims, NULL) != ML_OK) {   /* a test: own wording */
+        ml_format_dims(ndim, dims, want, sizeof want);
+        return ml_err_set(e, ML_EINVAL, "%s: expected shape %s, got %s", name, want, have);
+    }
+    return ML_OK;
+}
+
+/* "what: an [a,b] does not match bn [c,d]" */
+static ml_status mismatch(const char *what, const ml_tensor *a, const char *an, const ml_tensor *b,
+                          const char *bn, ml_err *e)
+{
+    char sa[96], sb[96];
+    ml_format_shape(a, sa, sizeof sa);
+    ml_format_shape(b, sb, sizeof sb);
+    return ml_err_set(e, ML_EINVAL, "%s: %s %s does not match %s %s", what, an, sa, bn, sb);
+}
+
+/* Do the element ranges of two views of one storage intersect? */
+static int overlaps(const ml_tensor *a, const ml_tensor *b)
+{
+    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
+        return 0;
+    int64_t ae = a->offset, be = b->offset;
+    for (int i = 0; i < a->ndim; i++)
+        ae += (a->shape[i] - 1) * a->stride[i];
+    for (int i = 0; i < b->ndim; i++)
+        be += (b->shape[i] - 1) * b->stride[i];
+    return a->offset <= be && b->offset <= ae;
+}
+
+ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
+                         int64_t capacity, ml_pool *pool, ml_err *e)
+{
+    ML_TRY(live(idx, "idx", e));
+    ml_device dev = idx->st->device;
+    ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
+    if (E < 1)
+        return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
+    ML_TRY(check_pool(pool, dev, e));
+    int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        return ml_kernel_status(ML_EDEVICE, e);
+    if (bad >= 0) {
+        int64_t v;
+        ML_TRY(read_back(h, idx, bad, 1, &v, e));
+        return ml_err_set(e, ML_EINVAL, "idx: expert id %lld at token %lld, slot %lld (0-based) is "
+                          "outside [0, %lld)", (long long)v, (long long)(bad / k),
+                          (long long)(bad % k), (long long)E);
+    }
+    int64_t e1 = E + 1, tk[2] = {T, k};
+    ML_TRY(output(h, pool, plan->offsets, "plan.offsets", dev, ML_I64, 1, &e1, 0, e));
+    ML_TRY(output(h, pool, plan->order, "plan.order", dev, ML_I64, 1, &n, 0, e));
+    ML_TRY(output(h, pool, plan->counts, "plan.counts", dev, ML_I64, 1, &E, 0, e));
+    ML_TRY(output(h, pool, plan->dropped, "plan.dropped", dev, ML_U8, 2, tk, 0, e));
+    plan->ndropped = 0;
+    ml_kctx c = ml_host_kctx(h);
+    return ml_kernel_status(ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
+                                     ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
+                                     ml_data(idx), n, E, capacity < 0 ? -1 : capacity, &c), e);
+}
+
+/* The operands forward and backward share, checked against each other;
+ * fills cfg's dims. */
+static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate_up,
+                           const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
+                           const ml_dispatch_plan *plan, ml_experts_cfg *c, ml_err *e)
+{
+    ML_TRY(live(x, "x", e));
+    ml_device dev = x->st->device;
+    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    ML_TRY(ex_tensor(gate_up, "gate_up", dev, EX_ANY, 3, NULL, e));
+    ML_TRY(ex_tensor(down, "down", dev, EX_ANY, 3, NULL, e));
+    ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
+    ML_TRY(ex_tensor(w, "w", dev, EX_ANY, 2, NULL, e));
+    const char *names[] = {"gate_up", "down", "w"};
+    const ml_tensor *ts[] = {gate_up, down, w};
+    for (int i = 0; i < 3; i++)
+        if (ts[i]->dtype != x->dtype)
+            return ml_err_set(e, ML_EINVAL, "%s: dtype %s does not match x's %s", names[i],
+                              ml_dtype_names[ts[i]->dtype], ml_dtype_names[x->dtype]);
+    c->T = x->shape[0];
+    c->D = x->shape[1];
+    c->E = gate_up->shape[0];
+    c->F = gate_up->shape[1] / 2;
+    c->k = idx->shape[1];
+    if (gate_up->shape[2] != c->D || gate_up->shape[1] % 2 != 0)
+        return mismatch("expected gate_up [E, 2F, D]", gate_up, "gate_up", x, "x [T, D]", e);
+    if (c->E < 1 || c->F < 1)
+        return ml_err_set(e, ML_EINVAL, "gate_up: needs E >= 1 experts and F >= 1");
+    if (down->shape[0] != c->E || down->shape[1] != c->D || down->shape[2] != c->F)
+        return mismatch("expected down [E, D, F]", down, "down", gate_up, "gate_up [E, 2F, D]", e);
+    if (idx->shape[0] != c->T)
+        return mismatch("expected idx [T, k]", idx, "idx", x, "x [T, D]", e);
+    if (c->k < 1)
+        return ml_err_set(e, ML_EINVAL, "idx: needs k >= 1 slots per token");
+    if (w->shape[0] != c->T || w->shape[1] != c->k)
+        return mismatch("expected w [T, k]", w, "w", idx, "idx", e);
+
+    int64_t n = c->T * c->k, e1 = c->E + 1;
+    ML_TRY(ex_tensor(plan->offsets, "plan.offsets", dev, ML_I64, 1, &e1, e));
+    ML_TRY(ex_tensor(plan->order, "plan.order", dev, ML_I64, 1, &n, e));
+    int64_t bad = ML_KCHECK(h, dev, dispatch_check_plan, ml_data(plan->offsets),
+                            ml_data(plan->order), ml_data(idx), n, c->E);
+    if (bad == ML_DISPATCH_EDEVICE)
+        return ml_kernel_status(ML_EDEVICE, e);
+    if (bad <= -2)
+        return ml_err_set(e, ML_EINVAL, "plan: offsets are not a plan for %lld assignments "
+                          "(offsets[%lld] is out of order or range)", (long long)n,
+                          (long long)(-2 - bad));
+    if (bad >= 0)
+        return ml_err_set(e, ML_EINVAL, "plan: order[%lld] does not match idx (a plan from other "
+                          "routing?)", (long long)bad);
+    return ML_OK;
+}
+
+/* The run's cfg: tile clamped to max(T·k, 1) rows, refused when its
+ * scratch, tile·(2D + 4F) elements, cannot be counted in int64; nsaved in
+ * [0, T·k]. */
+static ml_status ex_run_cfg(const ml_experts_cfg *c, ml_experts_cfg *run, ml_err *e)
+{
+    int64_t row = 2 * c->D + 4 * c->F;   /* D, F come from allocated tensors: no overflow */
+    int64_t n = c->T * c->k;
+    if (c->tile < 1 || c->tile > INT64_MAX / row)
+        return ml_err_set(e, ML_EINVAL, "tile = %lld is out of range (the scratch of tile·(2D + 4F) "
+                          "elements must fit in int64: tile <= %lld)", (long long)c->tile,
+                          (long long)(INT64_MAX / row));
+    if (c->nsaved < 0 || c->nsaved > n)
+        return ml_err_set(e, ML_EINVAL, "nsaved = %lld is outside [0, T·k = %lld]",
+                          (long long)c->nsaved, (long long)n);
+    *run = *c;
+    run->tile = c->tile < n ? c->tile : n > 1 ? n : 1;
+    return ML_OK;
+}
+
+/* Scratch bytes from the kernels' element count (-1: overflow). */
+static ml_status ex_scratch_bytes(int64_t ne, ml_dtype dt, size_t *nb, ml_err *e)
+{
+    size_t es = ml_dtype_size(dt);
+    if (ne < 0 || (uint64_t)ne > SIZE_MAX / es)
+        return ml_err_set(e, ML_EINVAL, "tile: the scratch size overflows int64");
+    *nb = (size_t)ne * es;
+    return ML_OK;
+}
+
+ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, const ml_tensor *x,
+                                const ml_tensor *gate_up, const ml_tensor *down,
+                                const ml_tensor *idx, const ml_tensor *w,
+                                const ml_dispatch_plan *plan, ml_experts_cfg *cfg, ml_pool *pool,
+                                ml_err *e)
+{
+    ML_TRY(ex_common(h, x, gate_up, down, idx, w, plan, cfg, e));
+    ml_experts_cfg run;
+    ML_TRY(ex_run_cfg(cfg, &run, e));
+    size_t nb = 0;
+    ML_TRY(ex_scratch_bytes(ml_experts_forward_scratch(&run), x->dtype, &nb, e));
+    ml_device dev = x->st->device;
+    ML_TRY(check_pool(pool, dev, e));
+    int64_t yshape[2] = {run.T, run.D}, hshape[2] = {run.nsaved, 2 * run.F};
+    ML_TRY(output(h, pool, y, "y", dev, x->dtype, 2, yshape, 0, e));
+    if (run.nsaved > 0)
+        ML_TRY(output(h, pool, saved_h, "saved.h", dev, x->dtype, 2, hshape, 0, e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, nb, "the experts scratch", &s, &buf, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status ks = ML_KCALL(h, dev, experts_forward, x->dtype, ml_data(y),
+                            run.nsaved > 0 ? ml_data(saved_h) : NULL, buf, ml_data(x), ml_data(w),
+                            ml_data(plan->order), ml_data(plan->offsets), ml_data(gate_up),
+                            ml_data(down), &run, &c);
+    scratch_give(&s);
+    return ml_kernel_status(ks, e);
+}
+
+ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml_tensor *dy,
+                                 const ml_tensor *x, const ml_tensor *gate_up,
+                                 const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
+                                 const ml_dispatch_plan *plan, const ml_tensor *saved_h,
+                                 ml_experts_cfg *cfg, ml_pool *pool, ml_err *e)
+{
+    ML_TRY(ex_common(h, x, gate_up, down, idx, w, plan, cfg, e));
+    ml_device dev = x->st->device;
+    ml_dtype dt = x->dtype;
+    ML_TRY(ex_tensor(dy, "dy", dev, EX_ANY, 2, NULL, e));
+    if (dy->dtype != dt)
+        return ml_err_set(e, ML_EINVAL, "dy: dtype %s does not match x's %s",
+                          ml_dtype_names[dy->dtype], ml_dtype_names[dt]);
+    if (dy->shape[0] != cfg->T || dy->shape[1] != cfg->D)
+        return mismatch("expected dy [T, D]", dy, "dy", x, "x", e);
+    ml_experts_cfg run;
+    ML_TRY(ex_run_cfg(cfg, &run, e));
+    int64_t hshape[2] = {run.nsaved, 2 * run.F};
+    if (run.nsaved > 0)
+        ML_TRY(ex_tensor(saved_h, "saved.h", dev, dt, 2, hshape, e));
+    ML_TRY(check_pool(pool, dev, e));
+
+    static const char *const gnames[] = {"grads.dx", "grads.dgate_up", "grads.ddown", "grads.dw",
+                                         "grads.touched"};
+    ml_tensor *gt[5] = {g->dx, g->dgate_up, g->ddown, g->dw, g->touched};
+    int64_t shapes[5][3] = {{run.T, run.D}, {run.E, 2 * run.F, run.D}, {run.E, run.D, run.F},
+                            {run.T, run.k}, {run.E}};
+    const int ndims[5] = {2, 3, 3, 2, 1}, zero[5] = {1, 1, 1, 0, 0};
+    const ml_dtype dts[5] = {dt, dt, dt, dt, ML_U8};
+    /* outputs the kernel zeroes or writes while it reads the inputs */
+    const ml_tensor *ins[] = {dy, x, gate_up, down, idx, w, run.nsaved > 0 ? saved_h : NULL};
+    static const char *const inn[] = {"dy", "x", "gate_up", "down", "idx", "w", "saved.h"};
+    for (int i = 0; i < 5; i++) {
+        if (!gt[i]->st)
+            continue;
+        ML_TRY(ex_tensor(gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], e));
+        for (int j = 0; j < 7; j++)
+            if (ins[j] && overlaps(gt[i], ins[j]))
+                return ml_err_set(e, ML_EINVAL, "%s shares storage with %s (outputs must not alias "
+                                  "inputs)", gnames[i], inn[j]);
+        for (int j = 0; j < i; j++)
+            if (overlaps(gt[i], gt[j]))
+                return ml_err_set(e, ML_EINVAL, "%s shares storage with %s", gnames[i], gnames[j]);
+    }
+    size_t nb = 0;
+    ML_TRY(ex_scratch_bytes(ml_experts_backward_scratch(&run), dt, &nb, e));
+    for (int i = 0; i < 5; i++)
+        ML_TRY(output(h, pool, gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], zero[i], e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, nb, "the experts scratch", &s, &buf, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status ks = ML_KCALL(h, dev, experts_backward, dt, ml_data(g->dx), ml_data(g->dgate_up),
+                            ml_data(g->ddown), ml_data(g->dw), ml_data(g->touched), buf,
+                            run.nsaved > 0 ? ml_data(saved_h) : NULL, ml_data(dy), ml_data(x),
+                            ml_data(w), ml_data(plan->order), ml_data(plan->offsets),
+                            ml_data(gate_up), ml_data(down), &run, &c);
+    scratch_give(&s);
+    return ml_kernel_status(ks, e);
+}

@@ -1,0 +1,222 @@
+/*
+ * tests/c/test_ops_moe.c - the MoE layer's ops (host/runtime/ops_moe.c)
+ * from C, with no Lua state, on a host built by ml_host_init (CPU, f64),
+ * printing TAP.
+ *
+ * Covers: routing 6 tokens over E = 4 experts (k = 2) with a gate set by
+ * hand so the top-2 is known; dispatch; the experts forward against a
+ * SwiGLU computed here; the backward against a finite difference; the same
+ * route with a pool (scratch given back, outputs kept); a refused argument
+ * (status, message, nothing allocated); the ledger back to zero. Not here:
+ * the Lua bindings (tests/spec/router_spec.lua, experts_spec.lua).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ops_moe.h"
+#include "tap.h"
+
+enum { T = 6, D = 4, E = 4, K = 2, F = 2 };
+
+static volatile sig_atomic_t no_interrupt;
+
+/* A new f64 tensor [dims...] filled from v (NULL: f(i)). */
+static void mk(ml_host *h, ml_tensor *t, int ndim, const int64_t *dims, const double *v,
+               double (*f)(int))
+{
+    ml_err e;
+    memset(t, 0, sizeof *t);
+    if (ml_tensor_alloc(h, t, ML_CPU, ML_F64, ndim, dims, &e) != ML_OK) {
+        printf("Bail out! %s\n", e.msg);
+        return;
+    }
+    double *p = ml_data(t);
+    for (int64_t i = 0; i < ml_numel(t); i++)
+        p[i] = v ? v[i] : f((int)i);
+}
+
+static double weight(int i) { return 0.5 * sin(0.7 * i + 0.3); }
+static double grad_y(int i) { return 0.25 * cos(0.9 * i) + 0.1; }
+
+/* Each row's top two (expert 0..3) from a gate wg = 2·I: the largest x. */
+static const double X[T * D] = {3, 2, 0, -1,   0, 1, 3, 2,   2, -1, 0, 3,
+                                -1, 3, 2, 0,   1, 0, -2, 2,  0, 2, 1, -3};
+static const int64_t TOP2[T * K] = {0, 1, 2, 3, 3, 0, 1, 2, 3, 0, 1, 2};
+
+typedef struct {
+    ml_tensor x, wg, idx, w, counts, psum, off, order, cnt, drop, gu, dn;
+    ml_router_stats st;
+    ml_dispatch_plan plan;
+    ml_router_cfg rc;
+} moe;
+
+static double silu(double g) { return g / (1 + exp(-g)); }
+
+/* y[t] = sum_j w[t,j] · down[e] (silu(W1 x) * W3 x), e = idx[t,j]. */
+static void swiglu_row(const moe *m, int t, double *y)
+{
+    const double *x = (const double *)ml_data(&m->x) + t * D, *gu = ml_data(&m->gu);
+    const double *dn = ml_data(&m->dn), *w = ml_data(&m->w);
+    const int64_t *idx = ml_data(&m->idx);
+    for (int d = 0; d < D; d++)
+        y[d] = 0;
+    for (int j = 0; j < K; j++) {
+        int64_t ex = idx[t * K + j];
+        double a[F];
+        for (int f = 0; f < F; f++) {
+            double g = 0, u = 0;
+            for (int d = 0; d < D; d++) {
+                g += gu[(ex * 2 * F + f) * D + d] * x[d];
+                u += gu[(ex * 2 * F + F + f) * D + d] * x[d];
+            }
+            a[f] = silu(g) * u;
+        }
+        for (int d = 0; d < D; d++)
+            for (int f = 0; f < F; f++)
+                y[d] += w[t * K + j] * dn[(ex * D + d) * F + f] * a[f];
+    }
+}
+
+/* sum_t,d dy · y of one forward with the current weights. */
+static double loss(ml_host *h, moe *m, const ml_tensor *dy, ml_experts_cfg *c)
+{
+    ml_tensor y = {0}, hs = {0};
+    ml_err e;
+    double L = NAN;
+    if (ml_op_experts_forward(h, &y, &hs, &m->x, &m->gu, &m->dn, &m->idx, &m->w, &m->plan, c,
+                              NULL, &e) == ML_OK) {
+        L = 0;
+        for (int i = 0; i < T * D; i++)
+            L += ((double *)ml_data(dy))[i] * ((double *)ml_data(&y))[i];
+    }
+    ml_tensor_drop(&y);
+    ml_tensor_drop(&hs);
+    return L;
+}
+
+static void test_route_dispatch_experts(ml_host *h)
+{
+    moe m;
+    memset(&m, 0, sizeof m);
+    int64_t xd[2] = {T, D}, wgd[2] = {E, D}, gud[3] = {E, 2 * F, D}, dnd[3] = {E, D, F};
+    double gate[E * D] = {0};
+    for (int e = 0; e < E; e++)
+        gate[e * D + e] = 2;
+    mk(h, &m.x, 2, xd, X, NULL);
+    mk(h, &m.wg, 2, wgd, gate, NULL);
+    m.rc = (ml_router_cfg){.k = K, .chunk = 4, .mode = ML_ROUTER_SOFTMAX_TOPK, .renorm = 1,
+                           .temperature = 1};
+    m.st = (ml_router_stats){.counts = &m.counts, .psum = &m.psum};
+    ml_err e;
+    ml_status s = ml_op_router_forward(h, &m.idx, &m.w, &m.st, &m.x, &m.wg, &m.rc, NULL, NULL, &e);
+    ok(s == ML_OK, "router forward: %s", s == ML_OK ? "ok" : e.msg);
+    ok(memcmp(ml_data(&m.idx), TOP2, sizeof TOP2) == 0, "router forward: the known top-2 per token");
+    double w00 = ((double *)ml_data(&m.w))[0];
+    ok(fabs(w00 - 1 / (1 + exp(-2.0))) < 1e-14, "router forward: renormalised weight %.17g", w00);
+    const int64_t *cnt = ml_data(&m.counts);
+    ok(cnt[0] == 3 && cnt[1] == 3 && cnt[2] == 3 && cnt[3] == 3 && m.st.max_count == 3,
+       "router forward: counts 3 per expert, max_count 3");
+    double psum = 0;
+    for (int i = 0; i < E; i++)
+        psum += ((double *)ml_data(&m.psum))[i];
+    ok(fabs(psum - T) < 1e-12 && fabs(m.st.cp - 3 * psum) < 1e-12, "router forward: psum and cp");
+
+    m.plan = (ml_dispatch_plan){&m.off, &m.order, &m.cnt, &m.drop, -1};
+    s = ml_op_dispatch(h, &m.plan, &m.idx, E, -1, NULL, &e);
+    const int64_t *off = ml_data(&m.off);
+    ok(s == ML_OK && m.plan.ndropped == 0 && off[0] == 0 && off[1] == 3 && off[4] == T * K,
+       "dispatch: dropless, 3 assignments per expert");
+
+    mk(h, &m.gu, 3, gud, NULL, weight);
+    mk(h, &m.dn, 3, dnd, NULL, weight);
+    ml_experts_cfg c = {.tile = 2, .nsaved = T * K / 2};   /* tiles of 2; half of h saved */
+    ml_tensor y = {0}, hs = {0}, dy;
+    s = ml_op_experts_forward(h, &y, &hs, &m.x, &m.gu, &m.dn, &m.idx, &m.w, &m.plan, &c, NULL, &e);
+    ok(s == ML_OK && c.T == T && c.F == F && hs.shape[0] == T * K / 2,
+       "experts forward: %s", s == ML_OK ? "ok" : e.msg);
+    for (int t = 0; t < T; t += 5) {
+        double want[D], err = 0;
+        swiglu_row(&m, t, want);
+        for (int d = 0; d < D; d++)
+            err = fmax(err, fabs(((double *)ml_data(&y))[t * D + d] - want[d]));
+        ok(err < 1e-14, "experts forward: row %d is the SwiGLU computed here (max err %.2g)", t, err);
+    }
+
+    mk(h, &dy, 2, xd, NULL, grad_y);
+    ml_tensor gt[5] = {{0}};
+    ml_experts_grads g = {&gt[0], &gt[1], &gt[2], &gt[3], &gt[4]};
+    s = ml_op_experts_backward(h, &g, &dy, &m.x, &m.gu, &m.dn, &m.idx, &m.w, &m.plan, &hs, &c,
+                               NULL, &e);
+    ok(s == ML_OK, "experts backward: %s", s == ML_OK ? "ok" : e.msg);
+    /* dL/dgate_up[e=2, row F+1 (w3), d=1] by a central difference */
+    double *p = (double *)ml_data(&m.gu) + (2 * 2 * F + F + 1) * D + 1, p0 = *p, eps = 1e-6;
+    *p = p0 + eps;
+    double lp = loss(h, &m, &dy, &c);
+    *p = p0 - eps;
+    double lm = loss(h, &m, &dy, &c);
+    *p = p0;
+    double fd = (lp - lm) / (2 * eps), an = ((double *)ml_data(&gt[1]))[p - (double *)ml_data(&m.gu)];
+    ok(fabs(fd - an) <= 1e-7 * fmax(1, fabs(an)) && an != 0,
+       "experts backward: dgate_up %.12g matches the finite difference %.12g", an, fd);
+    const uint8_t *touched = ml_data(&gt[4]);
+    ok(touched[0] && touched[1] && touched[2] && touched[3], "experts backward: every expert touched");
+
+    /* a refused argument: a status and a message, no output allocated */
+    ml_router_cfg bad = m.rc;
+    bad.k = 5;
+    ml_tensor idx2 = {0}, w2 = {0}, c2 = {0}, p2 = {0};
+    ml_router_stats st2 = {.counts = &c2, .psum = &p2};
+    s = ml_op_router_forward(h, &idx2, &w2, &st2, &m.x, &m.wg, &bad, NULL, NULL, &e);
+    ok(s == ML_EINVAL && strcmp(e.msg, "k = 5 exceeds the number of experts (4)") == 0 && !idx2.st,
+       "bad k: ML_EINVAL, \"%s\", nothing allocated", e.msg);
+    ml_tensor wrong;
+    int64_t wd[2] = {T, 3};
+    mk(h, &wrong, 2, wd, NULL, weight);
+    s = ml_op_experts_forward(h, &y, &hs, &m.x, &m.gu, &m.dn, &m.idx, &wrong, &m.plan, &c, NULL, &e);
+    ok(s == ML_EINVAL && strcmp(e.msg, "expected w [T, k]: w [6,3] does not match idx [6,2]") == 0,
+       "bad w: \"%s\"", e.msg);
+
+    ml_tensor *all[] = {&m.x, &m.wg, &m.idx, &m.w, &m.counts, &m.psum, &m.off, &m.order, &m.cnt,
+                        &m.drop, &m.gu, &m.dn, &y, &hs, &dy, &wrong, &gt[0], &gt[1], &gt[2],
+                        &gt[3], &gt[4]};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ml_tensor_drop(all[i]);
+}
+
+/* Outputs in the pool, the scratch given back: the pool holds the outputs only. */
+static void test_pool(ml_host *h)
+{
+    ml_pool *p;
+    ml_alloc_status as;
+    ml_pool_new(h, ML_CPU, 1 << 16, 0, &p, &as);
+    ml_tensor x, wg, idx = {0}, w = {0}, counts = {0}, psum = {0};
+    int64_t xd[2] = {T, D}, wgd[2] = {E, D};
+    mk(h, &x, 2, xd, X, NULL);
+    mk(h, &wg, 2, wgd, NULL, weight);
+    size_t before = h->books[ML_CPU].total;
+    ml_router_cfg rc = {.k = K, .chunk = 4, .renorm = 1, .temperature = 1};
+    ml_router_stats st = {.counts = &counts, .psum = &psum};
+    ml_err e;
+    ml_status s = ml_op_router_forward(h, &idx, &w, &st, &x, &wg, &rc, NULL, p, &e);
+    ok(s == ML_OK && idx.st->pool == p && h->books[ML_CPU].total == before,
+       "pool: the outputs are pool views, nothing from the ledger");
+    ok(p->nslots == 4 && p->used == 2 * 128 + 2 * 64 && p->high_water > p->used,
+       "pool: the scratch slot was rewound (used %zu, high water %zu)", p->used, p->high_water);
+    ml_tensor *all[] = {&x, &wg, &idx, &w, &counts, &psum};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ml_tensor_drop(all[i]);
+    ml_pool_release(p);
+}
+
+int main(void)
+{
+    ml_host h;
+    ml_host_init(&h);
+    h.interrupt = &no_interrupt;
+    test_route_dispatch_experts(&h);
+    test_pool(&h);
+    ok(h.books[ML_CPU].total == 0, "the ledger is back to zero (%zu bytes)", h.books[ML_CPU].total);
+    ml_host_free(&h);
+    return tap_done();
+}
