@@ -161,11 +161,17 @@ if not plan then
                       mem.stats()[opts.device].budget_total / 2^20, opts.budget_gib,
                       opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
 end
-print(string.format("memory plan (%s): peak %.1f MiB of a %.2f GiB budget (params %.1f, grads %.1f, optim %.1f, " ..
-                    "acts %.1f, pool %.1f MiB at the peak)", opts.device, plan.total_peak / 2^20, plan.budget_total / 2^30,
+print(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
+                    "acts %.1f, pool %.1f MiB at the peak)", opts.device, plan.total_peak / 2^20,
+                    plan.budget_total > 0 and string.format(" of a %.2f GiB budget", plan.budget_total / 2^30)
+                      or ", no budget",
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
 
+if opts.device == "cuda" then
+  local ok, why_not = moelua.cuda_available()
+  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. "); the plan above is what the run needs") end
+end
 run.model, run.optimizer, run.groups = build()
 run.plan = plan   -- the model's pool is taken at the planned size: the first step grows nothing
 -- --attach: answer `moelua attach RUN_DIR` at the job's safe points.

@@ -303,11 +303,18 @@ static int l_tensor_threads(lua_State *L)
     return 1;
 }
 
+/* cuda_available() -> true, or false and why not */
 static int l_tensor_cuda_available(lua_State *L)
 {
-    const ml_memory *mem = ml_host_of(L)->device_mem[ML_CUDA];
-    lua_pushboolean(L, mem && mem->available());
-    return 1;
+    ml_host *h = ml_host_of(L);
+    const ml_memory *mem = h->device_mem[ML_CUDA];
+    if (mem && mem->available()) {
+        lua_pushboolean(L, 1);
+        return 1;
+    }
+    lua_pushboolean(L, 0);
+    lua_pushstring(L, ml_device_unavailable_reason(h, ML_CUDA));
+    return 2;
 }
 
 /* ---- metadata ------------------------------------------------------------ */

@@ -247,4 +247,18 @@ describe("recipes/longctx.lua", function()
     assert.is_nil(io.open(dir .. "/run/metrics.jsonl"))   -- nothing started
     support.remove_dir(dir)
   end)
+
+  it("--device cuda plans the GPU run on any machine, then names why it cannot run here", function()
+    if m.cuda_available() then return end   -- a GPU machine trains instead (tests/spec/gpu_train_spec.lua)
+    local dir = support.make_tmpdir()
+    local p = assert(io.popen(support.host_command({"recipes/longctx.lua", "--device", "cuda", "--seq-len", "256",
+                                                   "--run-dir", dir .. "/run"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are_not.equal(0, code)
+    assert.matches("memory plan %(cuda%): peak [%d.]+ MiB, no budget %(params [%d.]+, grads", out)
+    assert.matches("%-%-device cuda: no usable GPU %(.+%); the plan above is what the run needs", out)
+    assert.is_nil(out:find("stack traceback", 1, true))   -- a user error
+    assert.is_nil(io.open(dir .. "/run/metrics.jsonl"))
+    support.remove_dir(dir)
+  end)
 end)
