@@ -123,6 +123,20 @@ function support.shell_quote(s)
   return "'" .. s:gsub("'", "'\\''") .. "'"
 end
 
+-- Writes a corpus that is the same on every machine to path and returns
+-- path: n words of a small vocabulary drawn by a linear congruential
+-- generator from seed, so a model can learn it.
+function support.write_corpus(path, seed, n)
+  local words = {"alpha ", "beta ", "gamma ", "delta ", "expert ", "router ", "token ", "\n"}
+  local out, x = {}, seed
+  for i = 1, n do
+    x = (1103515245 * x + 12345) % 2147483648
+    out[i] = words[(x >> 16) % #words + 1]
+  end
+  support.write_file(path, table.concat(out))
+  return path
+end
+
 -- Makes a new empty directory under the system's temporary directory and
 -- returns its path; remove_dir removes it and everything in it.
 function support.make_tmpdir()

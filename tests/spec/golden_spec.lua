@@ -16,20 +16,6 @@ local support = require "tests.support"
 
 local SEQ = 32
 
--- A corpus that is the same on every machine: a Philox-free linear
--- congruential byte stream over a small alphabet, so the model can learn.
-local function write_corpus(path)
-  local words = {"alpha ", "beta ", "gamma ", "delta ", "expert ", "router ", "token ", "\n"}
-  local out, x = {}, 12345
-  for i = 1, 3000 do
-    x = (1103515245 * x + 12345) % 2147483648
-    out[i] = words[(x >> 16) % #words + 1]
-  end
-  local f = assert(io.open(path, "wb"))
-  f:write(table.concat(out))
-  f:close()
-end
-
 -- Recorded on the CPU (f32) at commit dddfec9, before the refactor.
 local GOLDEN = {5.5917890, 5.5050578, 5.3058093, 5.3097683, 5.1596015, 5.0505278, 4.9509629, 5.0078742}
 
@@ -39,7 +25,7 @@ describe("golden tiny-model trajectory", function()
   after_each(function() support.remove_dir(dir) end)
 
   it("repeats the recorded losses of 8 AdamW steps", function()
-    write_corpus(dir .. "/corpus.txt")
+    support.write_corpus(dir .. "/corpus.txt", 12345, 3000)   -- the same on every machine
     m.manual_seed(7)
     local model = nn.Transformer.new{vocab = 256, dim = 32, layers = 2, heads = 4, kv_heads = 2,
                                      ffn = 48, experts = 4, topk = 2, seed = 7, checkpoint = "moe"}

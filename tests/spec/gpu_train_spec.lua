@@ -35,16 +35,7 @@ end
 local SEQ, STEPS, LOSS_TOL, MARGIN = 64, 5, 1e-3, 1e-4
 
 local function corpus(dir)
-  local words = {"alpha ", "beta ", "gamma ", "delta ", "expert ", "router ", "token ", "\n"}
-  local out, x = {}, 4242
-  for i = 1, 4000 do
-    x = (1103515245 * x + 12345) % 2147483648
-    out[i] = words[(x >> 16) % #words + 1]
-  end
-  local f = assert(io.open(dir .. "/corpus.txt", "wb"))
-  f:write(table.concat(out))
-  f:close()
-  return dir .. "/corpus.txt"
+  return support.write_corpus(dir .. "/corpus.txt", 4242, 4000)
 end
 
 local function build(device, checkpoint)
