@@ -185,6 +185,13 @@ typedef struct ml_backend {
 } ml_backend;
 
 extern const ml_backend ml_backend_cpu;
+/* The streams and events of a memory that has none (the CPU, a plan):
+ * handles are NULL and work is done in program order (backend_cpu.c). */
+ml_status ml_no_handle_new(void **handle);
+void ml_no_handle_free(void *handle);
+ml_status ml_no_event_record(void *event, void *stream);
+ml_status ml_no_stream_wait(void *stream, void *event);
+ml_status ml_no_synchronize(void *stream);
 #ifdef ML_WITH_CUDA
 extern const ml_backend ml_backend_cuda;
 #endif

@@ -32,13 +32,11 @@ static ml_status cpu_memcpy(void *dst, const void *src, size_t n, ml_copy_dir di
     return ML_OK;
 }
 
-/* The CPU has no streams or events: handles are NULL and work is done in
- * program order. */
-static ml_status cpu_handle_new(void **handle) { *handle = NULL; return ML_OK; }
-static void cpu_handle_free(void *handle) { (void)handle; }
-static ml_status cpu_event_record(void *event, void *stream) { (void)event; (void)stream; return ML_OK; }
-static ml_status cpu_stream_wait(void *stream, void *event) { (void)stream; (void)event; return ML_OK; }
-static ml_status cpu_synchronize(void *stream) { (void)stream; return ML_OK; }
+ml_status ml_no_handle_new(void **handle) { *handle = NULL; return ML_OK; }
+void ml_no_handle_free(void *handle) { (void)handle; }
+ml_status ml_no_event_record(void *event, void *stream) { (void)event; (void)stream; return ML_OK; }
+ml_status ml_no_stream_wait(void *stream, void *event) { (void)stream; (void)event; return ML_OK; }
+ml_status ml_no_synchronize(void *stream) { (void)stream; return ML_OK; }
 
 static const ml_memory cpu_memory = {
     .name = "cpu",
@@ -46,13 +44,13 @@ static const ml_memory cpu_memory = {
     .alloc = cpu_alloc,
     .free = cpu_free,
     .memcpy = cpu_memcpy,
-    .stream_new = cpu_handle_new,
-    .stream_free = cpu_handle_free,
-    .event_new = cpu_handle_new,
-    .event_free = cpu_handle_free,
-    .event_record = cpu_event_record,
-    .stream_wait = cpu_stream_wait,
-    .synchronize = cpu_synchronize,
+    .stream_new = ml_no_handle_new,
+    .stream_free = ml_no_handle_free,
+    .event_new = ml_no_handle_new,
+    .event_free = ml_no_handle_free,
+    .event_record = ml_no_event_record,
+    .stream_wait = ml_no_stream_wait,
+    .synchronize = ml_no_synchronize,
 };
 
 static int cpu_supports(ml_op op, ml_dtype dt)

@@ -55,12 +55,6 @@ static ml_status plan_memcpy(void *dst, const void *src, size_t n, ml_copy_dir d
     return ML_OK;
 }
 
-static ml_status plan_handle_new(void **handle) { *handle = NULL; return ML_OK; }
-static void plan_handle_free(void *handle) { (void)handle; }
-static ml_status plan_event_record(void *event, void *stream) { (void)event; (void)stream; return ML_OK; }
-static ml_status plan_stream_wait(void *stream, void *event) { (void)stream; (void)event; return ML_OK; }
-static ml_status plan_synchronize(void *stream) { (void)stream; return ML_OK; }
-
 size_t ml_cuda_round_size(size_t n)
 {
     const size_t small_max = (size_t)1 << 20, small_step = 512, large_step = (size_t)2 << 20;
@@ -73,35 +67,17 @@ size_t ml_cuda_round_size(size_t n)
     return (n + large_step - 1) / large_step * large_step;
 }
 
-static const ml_memory plan_cpu = {
-    .name = "plan",
-    .available = plan_available,
-    .alloc = plan_alloc,
-    .free = plan_free,
-    .memcpy = plan_memcpy,
-    .stream_new = plan_handle_new,
-    .stream_free = plan_handle_free,
-    .event_new = plan_handle_new,
-    .event_free = plan_handle_free,
-    .event_record = plan_event_record,
-    .stream_wait = plan_stream_wait,
-    .synchronize = plan_synchronize,
-};
+/* The two tables differ in how they charge what they hand out. */
+#define PLAN_MEMORY(alloc_, free_, reserve_bytes_) {                                   \
+    .name = "plan", .available = plan_available, .alloc = alloc_, .free = free_,      \
+    .reserve_bytes = reserve_bytes_, .memcpy = plan_memcpy,                           \
+    .stream_new = ml_no_handle_new, .stream_free = ml_no_handle_free,                 \
+    .event_new = ml_no_handle_new, .event_free = ml_no_handle_free,                   \
+    .event_record = ml_no_event_record, .stream_wait = ml_no_stream_wait,             \
+    .synchronize = ml_no_synchronize,                                                 \
+}
 
-static const ml_memory plan_cuda = {
-    .name = "plan",
-    .available = plan_available,
-    .alloc = plan_cuda_alloc,
-    .free = plan_cuda_free,
-    .reserve_bytes = ml_cuda_round_size,
-    .memcpy = plan_memcpy,
-    .stream_new = plan_handle_new,
-    .stream_free = plan_handle_free,
-    .event_new = plan_handle_new,
-    .event_free = plan_handle_free,
-    .event_record = plan_event_record,
-    .stream_wait = plan_stream_wait,
-    .synchronize = plan_synchronize,
-};
+static const ml_memory plan_cpu = PLAN_MEMORY(plan_alloc, plan_free, NULL);
+static const ml_memory plan_cuda = PLAN_MEMORY(plan_cuda_alloc, plan_cuda_free, ml_cuda_round_size);
 
 const ml_memory *const ml_memory_plan[ML_NDEVICES] = {&plan_cpu, &plan_cuda};
