@@ -189,57 +189,6 @@ static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
     return data;
 }
 
-void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
-                              int pool_idx, size_t nbytes, ml_pool_scratch *s)
-{
-    s->t = NULL;
-    s->pool = NULL;
-    s->mark = 0;
-    if (!pool_idx) {
-        int64_t n = (int64_t)((nbytes + 7) / 8);
-        s->t = ml_newtensor(L, fn, dev, ML_F64, 1, &n);
-        return ml_data(s->t);
-    }
-    pool_idx = lua_absindex(L, pool_idx);
-    ml_pool *p = ml_checkpool(L, pool_idx, fn, "option 'pool'");
-    void *data = NULL;
-    size_t slot;
-    uint64_t id;
-    ml_alloc_status as;
-    size_t mark = ml_pool_mark(p);
-    ml_pool_status ps = alloc_retry(L, fn, check_pool_ud(L, pool_idx), nbytes ? nbytes : 1,
-                                    &data, &slot, &id, &as);
-    if (ps != ML_POOL_OK) {
-        char need[32], cap[32], used[32];
-        ml_format_bytes(nbytes, need, sizeof need);
-        ml_format_bytes(p->capacity, cap, sizeof cap);
-        ml_format_bytes(p->used, used, sizeof used);
-        if (ps == ML_POOL_FULL)
-            ml_error(L, fn, "option 'pool': pool full: %s needs %s, %s of %s are in use "
-                     "(grow=false)", what, need, used, cap);
-        ml_error(L, fn, "option 'pool': growing the pool by %s for %s was refused (%s)", need,
-                 what, ps == ML_POOL_LEDGER ? "ledger budget"
-                       : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
-                       : "out of memory");
-    }
-    s->pool = p;
-    s->mark = mark;
-    lua_pushnil(L);   /* one value either way */
-    return data;
-}
-
-void ml_pool_scratch_release(ml_pool_scratch *s)
-{
-    if (s->pool)
-        ml_pool_rewind(s->pool, s->mark);
-    else if (s->t && s->t->st) {
-        ml_storage_release(s->t->st);   /* free now, not at the next GC */
-        s->t->st = NULL;
-    }
-    s->pool = NULL;
-    s->t = NULL;
-}
-
 ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
                               const int64_t *shape)
 {

@@ -80,7 +80,7 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
 
 /* The open pool of the moelua.Pool at idx (host/bindings/l_pool.c), for bindings
- * that take scratch from a pool through host/runtime/pool.h directly; an error
+ * whose op takes outputs and scratch from a pool (option 'pool'); an error
  * naming fn and `what` when it is not a pool or is closed. */
 struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
 /* Push a new contiguous tensor that is a view into the pool at pool_idx
@@ -88,22 +88,6 @@ struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *
  * ledger table, as for ml_newtensor. */
 ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
                               const int64_t *shape);
-
-/* Scratch for one kernel call: a slot of the pool at pool_idx (0: none),
- * with the reclaim-and-retry of pool growth, or else a ledger tensor (with
- * the collect-and-retry of ml_newtensor). Pushes one value (the ledger
- * tensor, or nil with a pool); `what` names the scratch in errors ("the
- * router scratch"). release gives the memory back at once (rewinds the pool
- * to its depth before the slot, or frees the tensor's storage); it never
- * raises and never calls Lua, so it runs before a kernel status is raised. */
-typedef struct {
-    ml_tensor *t;           /* without a pool: the tensor holding the scratch */
-    struct ml_pool *pool;   /* with one: the pool, and its depth before the slot */
-    size_t mark;
-} ml_pool_scratch;
-void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
-                              int pool_idx, size_t nbytes, ml_pool_scratch *s);
-void ml_pool_scratch_release(ml_pool_scratch *s);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
