@@ -6,7 +6,6 @@
 #include "ops_moe.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* ---- pool or ledger ------------------------------------------------------------- */
@@ -28,67 +27,6 @@ static ml_status check_pool(const ml_pool *p, ml_device dev, ml_err *e)
                       "expected)", ml_device_names[p->device], ml_device_names[dev]);
 }
 
-/* A slot of nbytes in p for `what`; when the ledger or the system refuses
- * to grow the pool, h->reclaim runs once and the slot is asked again. On
- * ML_OK the caller holds one more reference to p (a view keeps it; scratch
- * drops it after its rewind), so a pool closed meanwhile outlives the slot. */
-static ml_status pool_slot(ml_host *h, ml_pool *p, size_t nbytes, const char *what, void **data,
-                           size_t *slot, uint64_t *id, ml_err *e)
-{
-    ml_alloc_status as;
-    ml_pool_retain(p);
-    ml_pool_status ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
-    if (h->reclaim && ((ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL ||
-                                                 as == ML_ALLOC_OVER_CATEGORY)) ||
-                       as == ML_ALLOC_NOMEM)) {
-        h->reclaim(h, p->device);
-        ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
-    }
-    if (ps == ML_POOL_OK)
-        return ML_OK;
-    char need[32], used[32], cap[32];
-    ml_format_bytes(nbytes > SIZE_MAX - 63 ? nbytes : (nbytes + 63) & ~(size_t)63, need, sizeof need);
-    ml_format_bytes(p->used, used, sizeof used);
-    ml_format_bytes(p->capacity, cap, sizeof cap);
-    ml_pool_release(p);
-    if (ps == ML_POOL_FULL)
-        return ml_err_set(e, ML_EALLOC, "pool full: %s needs %s, %s of %s are in use (grow=false)",
-                          what, need, used, cap);
-    return ml_err_set(e, ML_EALLOC, "growing the pool by %s for %s was refused (%s)", need, what,
-                      ps == ML_POOL_LEDGER ? "ledger budget"
-                      : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
-                      : "out of memory");
-}
-
-/* A new contiguous tensor in *t (storage NULL): a view in a new slot of p,
- * charged to the pool's category. */
-static ml_status pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
-                             int ndim, const int64_t *dims, ml_err *e)
-{
-    int64_t n = ml_shape_numel(ndim, dims);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
-    size_t nbytes = (size_t)n * ml_dtype_size(dt), slot;
-    uint64_t id;
-    void *data;
-    ML_TRY(pool_slot(h, p, nbytes, name, &data, &slot, &id, e));
-    ml_storage *st = calloc(1, sizeof *st);
-    if (!st) {
-        ml_pool_rewind(p, slot);   /* the top slot: give it back */
-        ml_pool_release(p);
-        return ml_err_set(e, ML_EALLOC, "out of memory for a tensor header");
-    }
-    *st = (ml_storage){.data = data, .nbytes = nbytes, .device = p->device, .cat = ML_CAT_POOL,
-                       .refs = 1, .host = p->host, .pool = p, .slot = slot, .id = id};
-    t->st = st;   /* the reference pool_slot took is the view's */
-    t->offset = 0;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
-    ml_set_contiguous_strides(t);
-    return ML_OK;
-}
-
 /* An output: a given one is checked, an empty one allocated in the pool
  * (when there is one) or by the ledger; zero: a += output, zeros when
  * allocated. */
@@ -97,7 +35,7 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
 {
     if (t->st || !p)
         return (zero ? ml_prepare_accumulator : ml_prepare_output)(h, t, name, dev, dt, ndim, dims, e);
-    ML_TRY(pool_tensor(h, p, t, name, dt, ndim, dims, e));
+    ML_TRY(ml_pool_tensor(h, p, t, name, dt, ndim, dims, e));
     if (!zero || ml_numel(t) == 0)
         return ML_OK;
     ml_kctx c = ml_host_kctx(h);
@@ -105,8 +43,8 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
     return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
 }
 
-/* One kernel call's scratch: a pool slot rewound after, or a ledger tensor
- * dropped after. */
+/* One kernel call's scratch: a tensor in a pool slot rewound after, or a
+ * ledger tensor; dropped after either way. */
 typedef struct {
     ml_tensor t;
     ml_pool *pool;
@@ -120,14 +58,13 @@ static ml_status scratch_take(ml_host *h, ml_pool *p, ml_device dev, size_t nbyt
     if (!p) {
         int64_t n = (int64_t)((nbytes + 7) / 8);
         ML_TRY(ml_tensor_alloc(h, &s->t, dev, ML_F64, 1, &n, e));
-        *data = ml_data(&s->t);
-        return ML_OK;
+    } else {
+        int64_t n = nbytes ? (int64_t)nbytes : 1;
+        s->mark = ml_pool_mark(p);
+        ML_TRY(ml_pool_tensor(h, p, &s->t, what, ML_U8, 1, &n, e));
+        s->pool = p;
     }
-    size_t slot;
-    uint64_t id;
-    s->mark = ml_pool_mark(p);
-    ML_TRY(pool_slot(h, p, nbytes ? nbytes : 1, what, data, &slot, &id, e));
-    s->pool = p;
+    *data = ml_data(&s->t);
     return ML_OK;
 }
 
@@ -135,7 +72,6 @@ static void scratch_give(scratch *s)
 {
     if (s->pool) {
         ml_pool_rewind(s->pool, s->mark);
-        ml_pool_release(s->pool);
         s->pool = NULL;
     }
     ml_tensor_drop(&s->t);
