@@ -464,15 +464,3 @@ int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
                  (long long)luaL_checkinteger(L, idx), ndim);
     return (int)d - 1;
 }
-
-int ml_overlaps(const ml_tensor *a, const ml_tensor *b)
-{
-    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
-        return 0;
-    int64_t ae = a->offset, be = b->offset;
-    for (int i = 0; i < a->ndim; i++)
-        ae += (a->shape[i] - 1) * a->stride[i];
-    for (int i = 0; i < b->ndim; i++)
-        be += (b->shape[i] - 1) * b->stride[i];
-    return a->offset <= be && b->offset <= ae;
-}

@@ -43,10 +43,6 @@ ml_tensor *ml_testtensor(lua_State *L, int idx);
 /* Additionally: contiguous, and of dtype dt (dt < 0: any). */
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
 
-/* Do the element ranges two views may touch intersect? (Same storage only;
- * bounds from offset and strides, so two interleaved views count as one.) */
-int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
-
 /* t must be [dims...] (ndim of them), else an error in one of two wordings:
  * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
  * "what: expected shape [4], got [5]". */

@@ -422,19 +422,6 @@ static ml_status mismatch(const char *what, const ml_tensor *a, const char *an, 
     return ml_err_set(e, ML_EINVAL, "%s: %s %s does not match %s %s", what, an, sa, bn, sb);
 }
 
-/* Do the element ranges of two views of one storage intersect? */
-static int overlaps(const ml_tensor *a, const ml_tensor *b)
-{
-    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
-        return 0;
-    int64_t ae = a->offset, be = b->offset;
-    for (int i = 0; i < a->ndim; i++)
-        ae += (a->shape[i] - 1) * a->stride[i];
-    for (int i = 0; i < b->ndim; i++)
-        be += (b->shape[i] - 1) * b->stride[i];
-    return a->offset <= be && b->offset <= ae;
-}
-
 ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
                          int64_t capacity, ml_pool *pool, ml_err *e)
 {
@@ -616,11 +603,11 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
             continue;
         ML_TRY(ex_tensor(gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], e));
         for (int j = 0; j < 7; j++)
-            if (ins[j] && overlaps(gt[i], ins[j]))
+            if (ins[j] && ml_tensors_overlap(gt[i], ins[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s (outputs must not alias "
                                   "inputs)", gnames[i], inn[j]);
         for (int j = 0; j < i; j++)
-            if (overlaps(gt[i], gt[j]))
+            if (ml_tensors_overlap(gt[i], gt[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s", gnames[i], gnames[j]);
     }
     size_t nb = 0;
