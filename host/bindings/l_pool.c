@@ -112,22 +112,12 @@ static int l_pool_new(lua_State *L)
     return 1;
 }
 
-ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
-                              const int64_t *shape)
-{
-    ml_pool *p = ml_checkpool(L, pool_idx, fn, "the pool");
-    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first */
-    ml_err e;
-    ml_check_op(L, fn, ml_pool_tensor(ml_host_of(L), p, t, "the tensor", dt, ndim, shape, &e), &e);
-    return t;
-}
-
 /* p:tensor(shape, {dtype=}) -> a view in a new slot of the pool */
 static int l_pool_tensor(lua_State *L)
 {
     static const char fn[] = "Pool:tensor";
     static const char *const opts[] = {"dtype", NULL};
-    check_pool(L, 1, fn);
+    ml_pool *p = check_pool(L, 1, fn);
     int64_t shape[ML_MAXDIM];
     int next;
     int ndim = ml_checkshape(L, 2, fn, shape, &next);
@@ -136,7 +126,10 @@ static int l_pool_tensor(lua_State *L)
         ml_error(L, fn, "argument #%d: expected an options table, got %s", next,
                  luaL_typename(L, next));
     ml_check_opts(L, optidx, fn, opts);
-    ml_pool_pushtensor(L, fn, 1, ml_opt_dtype(L, optidx, fn, ML_F32), ndim, shape);
+    ml_dtype dt = ml_opt_dtype(L, optidx, fn, ML_F32);
+    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first */
+    ml_err e;
+    ml_check_op(L, fn, ml_pool_tensor(ml_host_of(L), p, t, "the tensor", dt, ndim, shape, &e), &e);
     return 1;
 }
 

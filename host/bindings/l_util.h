@@ -59,13 +59,6 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
  * that contains the ledger table. */
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
                         int ndim, const int64_t *shape);
-/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
- * stack index pool_idx (0: none; contents undefined) or else a ledger
- * tensor (ml_newtensor). ml_newzeros also fills it with zeros. */
-ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                     int ndim, const int64_t *shape);
-ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                       int ndim, const int64_t *shape);
 /* t[key] = v for the table on the stack top. */
 void ml_setfield_int(lua_State *L, const char *key, lua_Integer v);
 /* Push the device's account book as text (with the untracked remainder on
@@ -79,18 +72,12 @@ void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
  * whose op takes outputs and scratch from a pool (option 'pool'); an error
  * naming fn and `what` when it is not a pool or is closed. */
 struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
-/* Push a new contiguous tensor that is a view into the pool at pool_idx
- * (category `pool`); growth refused by the ledger is an error with the
- * ledger table, as for ml_newtensor. */
-ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
-                              const int64_t *shape);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
 /* Raise for a non-OK op status (host/runtime/op.h): "<position>fn: e->msg",
  * or the interrupt error. The caller has released what it holds. */
 void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e);
-ml_kctx ml_kctx_of(ml_host *h);
 /* An error naming fn unless dev is built in (inside a plan every device is). */
 void ml_check_device(lua_State *L, const char *fn, ml_device dev);
 
