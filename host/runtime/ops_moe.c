@@ -316,7 +316,8 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
     if (idx->dtype != ML_I64)
         return ml_err_set(e, ML_EINVAL, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
     ML_TRY(router_tk(idx, "idx", x, k, dev, e));
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad >= 0) {
@@ -342,7 +343,6 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
     void *buf;
     ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 1),
                         "the router scratch", &s, &buf, e));
-    ml_kctx c = ml_host_kctx(h);
     ml_status ks = ML_KCALL(h, dev, router_backward, x->dtype, ml_data(g->dx), ml_data(g->dwg),
                             ml_data(idx), ml_data(dw), g->aux ? ml_data(g->aux) : NULL, g->z,
                             ml_data(x), ml_data(wg), T, D, E, cfg, buf, &c);
@@ -432,7 +432,8 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
         return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
     ML_TRY(check_pool(pool, dev, e));
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad >= 0) {
@@ -448,7 +449,6 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
     ML_TRY(output(h, pool, plan->counts, "plan.counts", dev, ML_I64, 1, &E, 0, e));
     ML_TRY(output(h, pool, plan->dropped, "plan.dropped", dev, ML_U8, 2, tk, 0, e));
     plan->ndropped = 0;
-    ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
                                      ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
                                      ml_data(idx), n, E, capacity < 0 ? -1 : capacity, &c), e);
@@ -494,8 +494,9 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate
     int64_t n = c->T * c->k, e1 = c->E + 1;
     ML_TRY(ex_tensor(plan->offsets, "plan.offsets", dev, ML_I64, 1, &e1, e));
     ML_TRY(ex_tensor(plan->order, "plan.order", dev, ML_I64, 1, &n, e));
+    ml_kctx kc = ml_host_kctx(h);
     int64_t bad = ML_KCHECK(h, dev, dispatch_check_plan, ml_data(plan->offsets),
-                            ml_data(plan->order), ml_data(idx), n, c->E);
+                            ml_data(plan->order), ml_data(idx), n, c->E, &kc);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad <= -2)

@@ -21,7 +21,8 @@ static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, i
 {
     ml_device dev = ids->st->device;
     const int64_t *p = ml_data(ids);
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad < 0)
