@@ -29,7 +29,7 @@ ml_status ml_kernel_status(ml_status s, ml_err *e)
     case ML_OK:           return s;
     case ML_EINTERRUPTED: return ml_err_set(e, s, "interrupted");
     case ML_ENAN:         return ml_err_set(e, s, "NaN in the input");
-    case ML_EUNSUPPORTED: return ml_err_set(e, s, "dtype not supported by this operation");
+    case ML_EUNSUPPORTED: return ml_err_set(e, s, "not supported on this device for this dtype");
 #ifdef ML_WITH_CUDA
     case ML_EDEVICE:      return ml_err_set(e, s, "the device reported an error: %s", ml_cuda_last_error());
 #else

@@ -37,8 +37,9 @@ typedef struct {
 ml_status ml_err_set(ml_err *e, ml_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Fill e->msg for a kernel's status ("dtype not supported by this
- * operation", the device's error text, ...) and return it. ML_EINTERRUPTED
+/* Fill e->msg for a kernel's status ("not supported on this device for
+ * this dtype": a dtype the kernel lacks or a family the device lacks; the
+ * device's error text, ...) and return it. ML_EINTERRUPTED
  * reads "interrupted": a binding turns it into the interrupt error. */
 ml_status ml_kernel_status(ml_status s, ml_err *e);
 
