@@ -39,8 +39,9 @@ ml_status ml_dispatch_cpu(int64_t *offsets, int64_t *order, int64_t *counts, uin
     return ML_OK;
 }
 
-int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E)
+int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx)
 {
+    (void)ctx;   /* sequential: a scan is cheaper than forking */
     for (int64_t a = 0; a < n; a++)
         if (idx[a] < 0 || idx[a] >= E)
             return a;
@@ -48,8 +49,9 @@ int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E)
 }
 
 int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
-                                   const int64_t *idx, int64_t n, int64_t E)
+                                   const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx)
 {
+    (void)ctx;   /* sequential */
     if (offsets[0] != 0)
         return -2;
     for (int64_t e = 0; e < E; e++)

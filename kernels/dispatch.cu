@@ -24,10 +24,10 @@
  * with n·E to stay within it).
  *
  * ndropped is a host scalar on both backends: the call reads offsets[E]
- * back (synchronising the stream). find_bad and check_plan have no kernel
- * context (dispatch.h), so they run on the legacy default stream, keep
- * their result slots in a temporary of their own, synchronise, and return
- * ML_DISPATCH_EDEVICE when the device reported an error.
+ * back (synchronising the stream). find_bad and check_plan run on ctx's
+ * stream too, keep their result slots in a temporary of their own,
+ * synchronise that stream, and return ML_DISPATCH_EDEVICE when the device
+ * reported an error.
  */
 #include "cuda_common.cuh"
 
@@ -247,39 +247,43 @@ __global__ void check_positions_kernel(check_slots *r, const int64_t *offsets, c
     }
 }
 
-/* Run find_bad (offsets NULL) or check_plan on the legacy default stream
- * and read the verdict back (synchronising). */
+/* Run find_bad (offsets NULL) or check_plan on st and read the verdict
+ * back (synchronising st). */
 static ml_status run_check(check_slots *r, check_slots *out, const int64_t *offsets,
-                           const int64_t *order, const int64_t *idx, int64_t n, int64_t E)
+                           const int64_t *order, const int64_t *idx, int64_t n, int64_t E,
+                           cudaStream_t st)
 {
-    ml_status s = ml_cuda_status(cudaMemsetAsync(&r->first, 0xff, sizeof r->first, 0));
+    ml_status s = ml_cuda_status(cudaMemsetAsync(&r->first, 0xff, sizeof r->first, st));
     if (s != ML_OK)
         return s;
     if (!offsets) {
-        find_bad_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(r, idx, n, E);
+        find_bad_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(r, idx, n, E);
         s = ml_cuda_launched();
     } else {
-        check_offsets_kernel<<<1, 1>>>(r, offsets, n, E);
+        check_offsets_kernel<<<1, 1, 0, st>>>(r, offsets, n, E);
         s = ml_cuda_launched();
         if (s == ML_OK && n > 0) {
-            check_positions_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS>>>(
+            check_positions_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
                 r, offsets, order, idx, n, E);
             s = ml_cuda_launched();
         }
     }
     if (s == ML_OK)
-        s = ml_cuda_status(cudaMemcpy(out, r, sizeof *out, cudaMemcpyDeviceToHost));
+        s = ml_cuda_status(cudaMemcpyAsync(out, r, sizeof *out, cudaMemcpyDeviceToHost, st));
+    if (s == ML_OK)
+        s = ml_cuda_status(cudaStreamSynchronize(st));
     return s;
 }
 
 static int64_t check(const int64_t *offsets, const int64_t *order, const int64_t *idx,
-                     int64_t n, int64_t E)
+                     int64_t n, int64_t E, const ml_kctx *ctx)
 {
+    cudaStream_t st = ml_cuda_stream(ctx);
     check_slots *r = NULL, out;
-    ml_status s = ml_cuda_temp((void **)&r, sizeof *r, 0);
+    ml_status s = ml_cuda_temp((void **)&r, sizeof *r, st);
     if (s == ML_OK)
-        s = run_check(r, &out, offsets, order, idx, n, E);
-    ml_cuda_temp_free(r, 0);
+        s = run_check(r, &out, offsets, order, idx, n, E, st);
+    ml_cuda_temp_free(r, st);
     if (s != ML_OK)
         return ML_DISPATCH_EDEVICE;
     if (offsets && out.offsets_bad != -1)
@@ -287,15 +291,17 @@ static int64_t check(const int64_t *offsets, const int64_t *order, const int64_t
     return out.first == ~0ull ? -1 : (int64_t)out.first;
 }
 
-extern "C" int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E)
+extern "C" int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E,
+                                             const ml_kctx *ctx)
 {
     if (n <= 0)
         return -1;
-    return check(NULL, NULL, idx, n, E);
+    return check(NULL, NULL, idx, n, E, ctx);
 }
 
 extern "C" int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
-                                               const int64_t *idx, int64_t n, int64_t E)
+                                               const int64_t *idx, int64_t n, int64_t E,
+                                               const ml_kctx *ctx)
 {
-    return check(offsets, order, idx, n, E);
+    return check(offsets, order, idx, n, E, ctx);
 }

@@ -16,8 +16,10 @@
  * CPU: dispatch.c; CUDA: dispatch.cu (same arguments, suffix _cuda, every
  * array on the device, bitwise the CPU's results; ndropped is a host
  * scalar on both backends, so the CUDA sort synchronises its stream). The
- * CUDA find_bad / check_plan return ML_DISPATCH_EDEVICE when the device
- * reported an error (ml_cuda_error_string says which).
+ * CUDA find_bad / check_plan run on ctx's stream (so they see what earlier
+ * kernels on it wrote), read their verdict back synchronising that stream,
+ * and return ML_DISPATCH_EDEVICE when the device reported an error
+ * (ml_cuda_error_string says which).
  *
  * Not here: routing (kernels/router.*), the expert computation
  * (kernels/experts.*), allocation: every output is passed in.
@@ -44,7 +46,7 @@ ml_status ml_dispatch_cpu(int64_t *offsets, int64_t *order, int64_t *counts, uin
                           int64_t cap, const ml_kctx *ctx);
 
 /* The first position a of idx [n] whose id is outside [0, E), or -1. */
-int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E);
+int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
 
 /* Checks that a plan (offsets [E+1], order [n]) is one ml_dispatch could
  * have produced for idx [n]: offsets start at 0, never decrease and end at
@@ -55,7 +57,7 @@ int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E);
  * consistent; otherwise the first bad offset index e (as -2 - e) or the
  * first bad position p (as p >= 0). Kernels that read a plan rely on it. */
 int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
-                                   const int64_t *idx, int64_t n, int64_t E);
+                                   const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
 
 /* What the CUDA find_bad / check_plan return on a device error. */
 #define ML_DISPATCH_EDEVICE INT64_MIN
@@ -64,8 +66,8 @@ int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
 ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
                            int64_t *ndropped, const int64_t *idx, int64_t n, int64_t E,
                            int64_t cap, const ml_kctx *ctx);
-int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E);
+int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
 int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
-                                    const int64_t *idx, int64_t n, int64_t E);
+                                    const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
 
 #endif

@@ -28,8 +28,6 @@
 #include "../runtime/pool.h"
 
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 /* The userdata: the pool's Lua reference, NULL once closed. */
 typedef struct {
@@ -60,37 +58,13 @@ ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what)
     return u->p;
 }
 
-/* Raise for a pool status other than OK and FULL: a refused or failed
- * request for new pool memory, with the ledger when a budget refused it.
- * `what` says what the bytes were for ("allocating a pool of 4.00 KiB"). */
+/* Raise for a pool status other than OK and FULL (host/runtime/op.h:
+ * ml_pool_refusal). */
 static void raise_alloc(lua_State *L, const char *fn, ml_host *h, ml_device dev,
                         ml_pool_status ps, ml_alloc_status as, const char *what)
 {
-    char limit[32];
-    const ml_ledger *lg = h->ledger[dev];
-    if (ps == ML_POOL_OUTSIDE_PLAN)
-        ml_error(L, fn, "%s: this pool was made outside moelua.mem.plan, which cannot give it "
-                 "real memory (build the pool inside the planned function)", what);
-    if (as == ML_ALLOC_NODEVICE)
-        ml_error(L, fn, "device %s is not available (%s)", ml_device_names[dev],
-                 ml_device_unavailable_reason(h, dev));
-    if (ps == ML_POOL_NOMEM || as == ML_ALLOC_NOMEM)
-        ml_error(L, fn, "out of memory %s on %s", what, ml_device_names[dev]);
-    int total = as == ML_ALLOC_OVER_TOTAL;
-    ml_format_bytes(total ? lg->budget_total : lg->budget[ML_CAT_POOL], limit, sizeof limit);
-    luaL_where(L, 1);
-    lua_pushfstring(L, "%s: %s on %s would exceed the %s budget of %s\n", fn, what,
-                    ml_device_names[dev], total ? "total" : "pool", limit);
-    ml_push_ledger_report(L, h, dev);
-    lua_concat(L, 3);
-    lua_error(L);
-}
-
-/* A refusal that freeing memory might fix: a budget, or the device allocator. */
-static int worth_retrying(ml_pool_status ps, ml_alloc_status as)
-{
-    return (ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL || as == ML_ALLOC_OVER_CATEGORY)) ||
-           as == ML_ALLOC_NOMEM;
+    ml_err e;
+    ml_check_op(L, fn, ml_pool_refusal(h, dev, ps, as, what, &e), &e);
 }
 
 /* opts.grow: a boolean, false when absent. */
@@ -125,7 +99,7 @@ static int l_pool_new(lua_State *L)
     luaL_setmetatable(L, ML_POOL_MT);
     ml_alloc_status as;
     ml_pool_status ps = ml_pool_new(h, dev, (size_t)bytes, grow, &u->p, &as);
-    if (worth_retrying(ps, as)) {
+    if (ml_pool_may_retry(ps, as)) {
         ml_reclaim(L, h, dev);
         ps = ml_pool_new(h, dev, (size_t)bytes, grow, &u->p, &as);
     }
@@ -138,152 +112,12 @@ static int l_pool_new(lua_State *L)
     return 1;
 }
 
-/* Free bytes in the block the next slot is carved from. */
-static size_t top_free(const ml_pool *p)
-{
-    const ml_pool_block *b = &p->blocks[p->nslots ? p->slots[p->nslots - 1].block : 0];
-    return b->size - b->used;
-}
-
-/* One slot of nbytes in u's pool, reclaiming memory once and retrying when
- * growing is refused; the status of the last try. Raises only when a
- * finalizer closed the pool meanwhile. */
-static ml_pool_status alloc_retry(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
-                                  void **data, size_t *slot, uint64_t *id, ml_alloc_status *as)
-{
-    ml_pool *p = u->p;
-    ml_pool_status ps = ml_pool_alloc(p, nbytes, data, slot, id, as);
-    if (worth_retrying(ps, *as)) {
-        ml_pool_retain(p);             /* a finalizer might close the pool meanwhile */
-        ml_reclaim(L, p->host, p->device);
-        int closed = u->p == NULL;
-        if (!closed)
-            ps = ml_pool_alloc(p, nbytes, data, slot, id, as);
-        ml_pool_release(p);
-        if (closed)
-            ml_error(L, fn, "the pool was closed by a finalizer");
-    }
-    return ps;
-}
-
-/* One slot of nbytes in u's pool (alloc_retry); raise on failure. */
-static void *alloc_slot(lua_State *L, const char *fn, l_pool *u, size_t nbytes,
-                        size_t *slot, uint64_t *id)
-{
-    ml_pool *p = u->p;
-    void *data = NULL;
-    ml_alloc_status as;
-    size_t free_before = top_free(p);
-    ml_pool_status ps = alloc_retry(L, fn, u, nbytes, &data, slot, id, &as);
-    char need[32], avail[32], cap[32];
-    ml_format_bytes((nbytes + 63) & ~(size_t)63, need, sizeof need);
-    ml_format_bytes(free_before, avail, sizeof avail);
-    ml_format_bytes(p->capacity, cap, sizeof cap);
-    if (ps == ML_POOL_FULL)
-        ml_error(L, "moelua.pool", "pool full: need %s, %s free of %s (grow=false)", need, avail, cap);
-    if (ps != ML_POOL_OK) {
-        char what[160];
-        snprintf(what, sizeof what, "growing the pool (need %s, %s free of %s)", need, avail, cap);
-        raise_alloc(L, fn, p->host, p->device, ps, as, what);
-    }
-    return data;
-}
-
-void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
-                              int pool_idx, size_t nbytes, ml_pool_scratch *s)
-{
-    s->t = NULL;
-    s->pool = NULL;
-    s->mark = 0;
-    if (!pool_idx) {
-        int64_t n = (int64_t)((nbytes + 7) / 8);
-        s->t = ml_newtensor(L, fn, dev, ML_F64, 1, &n);
-        return ml_data(s->t);
-    }
-    pool_idx = lua_absindex(L, pool_idx);
-    ml_pool *p = ml_checkpool(L, pool_idx, fn, "option 'pool'");
-    void *data = NULL;
-    size_t slot;
-    uint64_t id;
-    ml_alloc_status as;
-    size_t mark = ml_pool_mark(p);
-    ml_pool_status ps = alloc_retry(L, fn, check_pool_ud(L, pool_idx), nbytes ? nbytes : 1,
-                                    &data, &slot, &id, &as);
-    if (ps != ML_POOL_OK) {
-        char need[32], cap[32], used[32];
-        ml_format_bytes(nbytes, need, sizeof need);
-        ml_format_bytes(p->capacity, cap, sizeof cap);
-        ml_format_bytes(p->used, used, sizeof used);
-        if (ps == ML_POOL_FULL)
-            ml_error(L, fn, "option 'pool': pool full: %s needs %s, %s of %s are in use "
-                     "(grow=false)", what, need, used, cap);
-        ml_error(L, fn, "option 'pool': growing the pool by %s for %s was refused (%s)", need,
-                 what, ps == ML_POOL_LEDGER ? "ledger budget"
-                       : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
-                       : "out of memory");
-    }
-    s->pool = p;
-    s->mark = mark;
-    lua_pushnil(L);   /* one value either way */
-    return data;
-}
-
-void ml_pool_scratch_release(ml_pool_scratch *s)
-{
-    if (s->pool)
-        ml_pool_rewind(s->pool, s->mark);
-    else if (s->t && s->t->st) {
-        ml_storage_release(s->t->st);   /* free now, not at the next GC */
-        s->t->st = NULL;
-    }
-    s->pool = NULL;
-    s->t = NULL;
-}
-
-ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
-                              const int64_t *shape)
-{
-    pool_idx = lua_absindex(L, pool_idx);
-    ml_pool *p = ml_checkpool(L, pool_idx, fn, "the pool");
-    l_pool *u = check_pool_ud(L, pool_idx);
-    int64_t n = ml_shape_numel(ndim, shape);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        ml_error(L, fn, "shape has a negative size or too many elements");
-    size_t nbytes = (size_t)n * ml_dtype_size(dt);
-
-    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first */
-    size_t slot;
-    uint64_t id;
-    void *data = alloc_slot(L, fn, u, nbytes, &slot, &id);
-    ml_storage *st = calloc(1, sizeof *st);
-    if (!st) {
-        ml_pool_rewind(p, slot);       /* give the slot back: it is the top one */
-        ml_error(L, fn, "out of memory for a tensor header");
-    }
-    st->data = data;
-    st->nbytes = nbytes;
-    st->device = p->device;
-    st->cat = ML_CAT_POOL;
-    st->refs = 1;
-    st->host = p->host;
-    st->pool = p;
-    st->slot = slot;
-    st->id = id;
-    ml_pool_retain(p);
-    t->st = st;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
-    ml_set_contiguous_strides(t);
-    return t;
-}
-
 /* p:tensor(shape, {dtype=}) -> a view in a new slot of the pool */
 static int l_pool_tensor(lua_State *L)
 {
     static const char fn[] = "Pool:tensor";
     static const char *const opts[] = {"dtype", NULL};
-    check_pool(L, 1, fn);
+    ml_pool *p = check_pool(L, 1, fn);
     int64_t shape[ML_MAXDIM];
     int next;
     int ndim = ml_checkshape(L, 2, fn, shape, &next);
@@ -292,7 +126,10 @@ static int l_pool_tensor(lua_State *L)
         ml_error(L, fn, "argument #%d: expected an options table, got %s", next,
                  luaL_typename(L, next));
     ml_check_opts(L, optidx, fn, opts);
-    ml_pool_pushtensor(L, fn, 1, ml_opt_dtype(L, optidx, fn, ML_F32), ndim, shape);
+    ml_dtype dt = ml_opt_dtype(L, optidx, fn, ML_F32);
+    ml_tensor *t = ml_pushtensor(L);   /* safe empty state first */
+    ml_err e;
+    ml_check_op(L, fn, ml_pool_tensor(ml_host_of(L), p, t, "the tensor", dt, ndim, shape, &e), &e);
     return 1;
 }
 
@@ -332,7 +169,7 @@ static int l_pool_reserve(lua_State *L)
         ml_error(L, fn, "argument #2: size must be >= 0 bytes, got %lld", (long long)bytes);
     ml_alloc_status as;
     ml_pool_status ps = ml_pool_reserve(p, (size_t)bytes, &as);
-    if (worth_retrying(ps, as)) {
+    if (ml_pool_may_retry(ps, as)) {
         ml_reclaim(L, p->host, p->device);
         ps = ml_pool_reserve(p, (size_t)bytes, &as);
     }

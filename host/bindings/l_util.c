@@ -212,28 +212,6 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
     return t;
 }
 
-ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                     int ndim, const int64_t *shape)
-{
-    if (pool_idx)
-        return ml_pool_pushtensor(L, fn, pool_idx, dt, ndim, shape);
-    return ml_newtensor(L, fn, dev, dt, ndim, shape);
-}
-
-ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                       int ndim, const int64_t *shape)
-{
-    ml_host *h = ml_host_of(L);
-    ml_check_device(L, fn, dev);
-    ml_tensor *t = ml_newbuf(L, fn, dev, pool_idx, dt, ndim, shape);
-    int64_t n = ml_shape_numel(ndim, shape);
-    ml_kctx ctx = ml_kctx_of(h);
-    ctx.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
-    if (n > 0)
-        ml_check_status(L, fn, ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, n, &ctx));
-    return t;
-}
-
 void ml_setfield_int(lua_State *L, const char *key, lua_Integer v)
 {
     lua_pushinteger(L, v);
@@ -270,11 +248,6 @@ void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e)
     lua_pushstring(L, e->msg);
     lua_concat(L, 4);
     lua_error(L);
-}
-
-ml_kctx ml_kctx_of(ml_host *h)
-{
-    return ml_host_kctx(h);
 }
 
 void ml_check_device(lua_State *L, const char *fn, ml_device dev)
@@ -463,16 +436,4 @@ int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
         ml_error(L, fn, "dim %lld out of range for a %d-dim tensor (dims are 1-based)",
                  (long long)luaL_checkinteger(L, idx), ndim);
     return (int)d - 1;
-}
-
-int ml_overlaps(const ml_tensor *a, const ml_tensor *b)
-{
-    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
-        return 0;
-    int64_t ae = a->offset, be = b->offset;
-    for (int i = 0; i < a->ndim; i++)
-        ae += (a->shape[i] - 1) * a->stride[i];
-    for (int i = 0; i < b->ndim; i++)
-        be += (b->shape[i] - 1) * b->stride[i];
-    return a->offset <= be && b->offset <= ae;
 }

@@ -43,10 +43,6 @@ ml_tensor *ml_testtensor(lua_State *L, int idx);
 /* Additionally: contiguous, and of dtype dt (dt < 0: any). */
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
 
-/* Do the element ranges two views may touch intersect? (Same storage only;
- * bounds from offset and strides, so two interleaved views count as one.) */
-int ml_overlaps(const ml_tensor *a, const ml_tensor *b);
-
 /* t must be [dims...] (ndim of them), else an error in one of two wordings:
  * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
  * "what: expected shape [4], got [5]". */
@@ -63,13 +59,6 @@ ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int n
  * that contains the ledger table. */
 ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt,
                         int ndim, const int64_t *shape);
-/* Push a new contiguous tensor on dev: a view in a new slot of the pool at
- * stack index pool_idx (0: none; contents undefined) or else a ledger
- * tensor (ml_newtensor). ml_newzeros also fills it with zeros. */
-ml_tensor *ml_newbuf(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                     int ndim, const int64_t *shape);
-ml_tensor *ml_newzeros(lua_State *L, const char *fn, ml_device dev, int pool_idx, ml_dtype dt,
-                       int ndim, const int64_t *shape);
 /* t[key] = v for the table on the stack top. */
 void ml_setfield_int(lua_State *L, const char *key, lua_Integer v);
 /* Push the device's account book as text (with the untracked remainder on
@@ -80,37 +69,15 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);
 
 /* The open pool of the moelua.Pool at idx (host/bindings/l_pool.c), for bindings
- * that take scratch from a pool through host/runtime/pool.h directly; an error
+ * whose op takes outputs and scratch from a pool (option 'pool'); an error
  * naming fn and `what` when it is not a pool or is closed. */
 struct ml_pool *ml_checkpool(lua_State *L, int idx, const char *fn, const char *what);
-/* Push a new contiguous tensor that is a view into the pool at pool_idx
- * (category `pool`); growth refused by the ledger is an error with the
- * ledger table, as for ml_newtensor. */
-ml_tensor *ml_pool_pushtensor(lua_State *L, const char *fn, int pool_idx, ml_dtype dt, int ndim,
-                              const int64_t *shape);
-
-/* Scratch for one kernel call: a slot of the pool at pool_idx (0: none),
- * with the reclaim-and-retry of pool growth, or else a ledger tensor (with
- * the collect-and-retry of ml_newtensor). Pushes one value (the ledger
- * tensor, or nil with a pool); `what` names the scratch in errors ("the
- * router scratch"). release gives the memory back at once (rewinds the pool
- * to its depth before the slot, or frees the tensor's storage); it never
- * raises and never calls Lua, so it runs before a kernel status is raised. */
-typedef struct {
-    ml_tensor *t;           /* without a pool: the tensor holding the scratch */
-    struct ml_pool *pool;   /* with one: the pool, and its depth before the slot */
-    size_t mark;
-} ml_pool_scratch;
-void *ml_pool_scratch_acquire(lua_State *L, const char *fn, const char *what, ml_device dev,
-                              int pool_idx, size_t nbytes, ml_pool_scratch *s);
-void ml_pool_scratch_release(ml_pool_scratch *s);
 
 /* Raise for a non-OK kernel status. */
 void ml_check_status(lua_State *L, const char *fn, ml_status s);
 /* Raise for a non-OK op status (host/runtime/op.h): "<position>fn: e->msg",
  * or the interrupt error. The caller has released what it holds. */
 void ml_check_op(lua_State *L, const char *fn, ml_status s, const ml_err *e);
-ml_kctx ml_kctx_of(ml_host *h);
 /* An error naming fn unless dev is built in (inside a plan every device is). */
 void ml_check_device(lua_State *L, const char *fn, ml_device dev);
 

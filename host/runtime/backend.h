@@ -110,7 +110,8 @@ typedef struct ml_kernels {
 
     /* The MoE layer (kernels/router.h, dispatch.h, experts.h). Host scalars
      * (zsum, entropy, ndropped) stay host pointers on every backend; the
-     * validators return a position, -1, or ML_DISPATCH_EDEVICE. */
+     * validators return a position, -1, or ML_DISPATCH_EDEVICE, and run on
+     * the context's stream like every kernel. */
     ml_status (*router_forward)(ml_dtype, int64_t *, void *, int64_t *, double *, double *, double *,
                                 const void *, const void *, ml_dtype, const void *,
                                 int64_t, int64_t, int64_t, const ml_router_cfg *, void *,
@@ -123,8 +124,9 @@ typedef struct ml_kernels {
                                     const ml_kctx *);
     ml_status (*dispatch)(int64_t *, int64_t *, int64_t *, uint8_t *, int64_t *, const int64_t *,
                           int64_t, int64_t, int64_t, const ml_kctx *);
-    int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t);
-    int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t);
+    int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t, const ml_kctx *);
+    int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
+                                   const ml_kctx *);
     ml_status (*experts_forward)(ml_dtype, void *, void *, void *, const void *, const void *,
                                  const int64_t *, const int64_t *, const void *, const void *,
                                  const ml_experts_cfg *, const ml_kctx *);

@@ -1,14 +1,15 @@
 /*
  * host/runtime/op.c - the op layer's common part (host/runtime/op.h):
- * messages, allocation with the reclaim-and-retry rule, argument checks.
+ * messages, allocation (ledger tensors and pool views) with the
+ * reclaim-and-retry rule, argument checks.
  */
 #include "op.h"
-#include "pool.h"
 #ifdef ML_WITH_CUDA
 #include "backend_cuda.h"
 #endif
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 ml_status ml_err_set(ml_err *e, ml_status s, const char *fmt, ...)
@@ -28,7 +29,7 @@ ml_status ml_kernel_status(ml_status s, ml_err *e)
     case ML_OK:           return s;
     case ML_EINTERRUPTED: return ml_err_set(e, s, "interrupted");
     case ML_ENAN:         return ml_err_set(e, s, "NaN in the input");
-    case ML_EUNSUPPORTED: return ml_err_set(e, s, "dtype not supported by this operation");
+    case ML_EUNSUPPORTED: return ml_err_set(e, s, "not supported on this device for this dtype");
 #ifdef ML_WITH_CUDA
     case ML_EDEVICE:      return ml_err_set(e, s, "the device reported an error: %s", ml_cuda_last_error());
 #else
@@ -104,6 +105,80 @@ ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, 
     ml_set_contiguous_strides(t);
     if (h->allocated)
         h->allocated(h, nbytes);
+    return ML_OK;
+}
+
+int ml_pool_may_retry(ml_pool_status ps, ml_alloc_status as)
+{
+    return (ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL || as == ML_ALLOC_OVER_CATEGORY)) ||
+           as == ML_ALLOC_NOMEM;
+}
+
+ml_status ml_pool_refusal(const ml_host *h, ml_device dev, ml_pool_status ps, ml_alloc_status as,
+                          const char *what, ml_err *e)
+{
+    if (ps == ML_POOL_OUTSIDE_PLAN)
+        return ml_err_set(e, ML_EALLOC, "%s: this pool was made outside moelua.mem.plan, which "
+                          "cannot give it real memory (build the pool inside the planned function)",
+                          what);
+    if (as == ML_ALLOC_NODEVICE)
+        return ml_err_set(e, ML_EINVAL, "device %s is not available (%s)", ml_device_names[dev],
+                          ml_device_unavailable_reason(h, dev));
+    if (ps != ML_POOL_LEDGER || as == ML_ALLOC_NOMEM)
+        return ml_err_set(e, ML_EALLOC, "out of memory %s on %s", what, ml_device_names[dev]);
+    char limit[32], report[2048];
+    const ml_ledger *lg = h->ledger[dev];
+    int total = as == ML_ALLOC_OVER_TOTAL;
+    ml_format_bytes(total ? lg->budget_total : lg->budget[ML_CAT_POOL], limit, sizeof limit);
+    ml_host_ledger_report(h, dev, report, sizeof report);
+    return ml_err_set(e, ML_EALLOC, "%s on %s would exceed the %s budget of %s\n%s", what,
+                      ml_device_names[dev], total ? "total" : "pool", limit, report);
+}
+
+ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
+                         int ndim, const int64_t *dims, ml_err *e)
+{
+    int64_t n = ml_shape_numel(ndim, dims);
+    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
+        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
+    size_t nbytes = (size_t)n * ml_dtype_size(dt), slot;
+    uint64_t id;
+    void *data;
+    ml_alloc_status as;
+    ml_pool_retain(p);   /* the view's reference; h->reclaim might close the pool meanwhile */
+    ml_pool_status ps = ml_pool_alloc(p, nbytes, &data, &slot, &id, &as);
+    if (h->reclaim && ml_pool_may_retry(ps, as)) {
+        h->reclaim(h, p->device);
+        ps = ml_pool_alloc(p, nbytes, &data, &slot, &id, &as);
+    }
+    if (ps != ML_POOL_OK) {
+        char need[32], used[32], cap[32], what[160];
+        ml_format_bytes(nbytes > SIZE_MAX - 63 ? nbytes : (nbytes + 63) & ~(size_t)63, need,
+                        sizeof need);
+        ml_format_bytes(p->used, used, sizeof used);
+        ml_format_bytes(p->capacity, cap, sizeof cap);
+        ml_pool_release(p);
+        if (ps == ML_POOL_FULL)
+            return ml_err_set(e, ML_EALLOC, "pool full: %s needs %s, %s of %s are in use "
+                              "(grow=false)", name, need, used, cap);
+        snprintf(what, sizeof what, "growing the pool for %s (needs %s, %s of %s in use)", name,
+                 need, used, cap);
+        return ml_pool_refusal(h, p->device, ps, as, what, e);
+    }
+    ml_storage *st = calloc(1, sizeof *st);
+    if (!st) {
+        ml_pool_rewind(p, slot);   /* the top slot: give it back */
+        ml_pool_release(p);
+        return ml_err_set(e, ML_EALLOC, "out of memory for a tensor header");
+    }
+    *st = (ml_storage){.data = data, .nbytes = nbytes, .device = p->device, .cat = ML_CAT_POOL,
+                       .refs = 1, .host = p->host, .pool = p, .slot = slot, .id = id};
+    t->st = st;
+    t->offset = 0;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
+    ml_set_contiguous_strides(t);
     return ML_OK;
 }
 

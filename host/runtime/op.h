@@ -24,6 +24,7 @@
 #include <stdarg.h>
 
 #include "backend.h"
+#include "pool.h"
 #include "tensor.h"
 
 /* An op's message: "w is [5] but must be [4]". A budget refusal carries
@@ -36,8 +37,9 @@ typedef struct {
 ml_status ml_err_set(ml_err *e, ml_status s, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Fill e->msg for a kernel's status ("dtype not supported by this
- * operation", the device's error text, ...) and return it. ML_EINTERRUPTED
+/* Fill e->msg for a kernel's status ("not supported on this device for
+ * this dtype": a dtype the kernel lacks or a family the device lacks; the
+ * device's error text, ...) and return it. ML_EINTERRUPTED
  * reads "interrupted": a binding turns it into the interrupt error. */
 ml_status ml_kernel_status(ml_status s, ml_err *e);
 
@@ -57,6 +59,25 @@ void ml_tensor_drop(ml_tensor *t);
 void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len);
 /* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
 const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev);
+
+/* ---- pools (host/runtime/pool.h) ---- */
+
+/* A pool refusal that freeing memory might fix: a budget, or the system. */
+int ml_pool_may_retry(ml_pool_status ps, ml_alloc_status as);
+/* The message for a pool that could not get new memory (any status but OK
+ * and FULL) on dev; `what` says what for ("reserving 4.00 MiB"). A budget
+ * refusal carries the budget and the device's ledger table. ML_EALLOC, or
+ * ML_EINVAL when dev is not available. */
+ml_status ml_pool_refusal(const ml_host *h, ml_device dev, ml_pool_status ps, ml_alloc_status as,
+                          const char *what, ml_err *e);
+/* A new contiguous tensor in *t (whose storage must be NULL): a view in a
+ * new slot of p, charged to the pool's category; `name` says what it is
+ * for in messages ("pool full: idx needs 7.81 KiB, ..."). When the ledger
+ * or the system refuses to grow the pool, h->reclaim runs once and the
+ * slot is asked again. The view holds a reference to p, so a pool closed
+ * meanwhile outlives it. */
+ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
+                         int ndim, const int64_t *dims, ml_err *e);
 
 /* ---- argument checks: ML_OK, or ML_EINVAL with a message naming `name` ---- */
 

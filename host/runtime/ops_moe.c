@@ -6,7 +6,6 @@
 #include "ops_moe.h"
 
 #include <math.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* ---- pool or ledger ------------------------------------------------------------- */
@@ -28,67 +27,6 @@ static ml_status check_pool(const ml_pool *p, ml_device dev, ml_err *e)
                       "expected)", ml_device_names[p->device], ml_device_names[dev]);
 }
 
-/* A slot of nbytes in p for `what`; when the ledger or the system refuses
- * to grow the pool, h->reclaim runs once and the slot is asked again. On
- * ML_OK the caller holds one more reference to p (a view keeps it; scratch
- * drops it after its rewind), so a pool closed meanwhile outlives the slot. */
-static ml_status pool_slot(ml_host *h, ml_pool *p, size_t nbytes, const char *what, void **data,
-                           size_t *slot, uint64_t *id, ml_err *e)
-{
-    ml_alloc_status as;
-    ml_pool_retain(p);
-    ml_pool_status ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
-    if (h->reclaim && ((ps == ML_POOL_LEDGER && (as == ML_ALLOC_OVER_TOTAL ||
-                                                 as == ML_ALLOC_OVER_CATEGORY)) ||
-                       as == ML_ALLOC_NOMEM)) {
-        h->reclaim(h, p->device);
-        ps = ml_pool_alloc(p, nbytes, data, slot, id, &as);
-    }
-    if (ps == ML_POOL_OK)
-        return ML_OK;
-    char need[32], used[32], cap[32];
-    ml_format_bytes(nbytes > SIZE_MAX - 63 ? nbytes : (nbytes + 63) & ~(size_t)63, need, sizeof need);
-    ml_format_bytes(p->used, used, sizeof used);
-    ml_format_bytes(p->capacity, cap, sizeof cap);
-    ml_pool_release(p);
-    if (ps == ML_POOL_FULL)
-        return ml_err_set(e, ML_EALLOC, "pool full: %s needs %s, %s of %s are in use (grow=false)",
-                          what, need, used, cap);
-    return ml_err_set(e, ML_EALLOC, "growing the pool by %s for %s was refused (%s)", need, what,
-                      ps == ML_POOL_LEDGER ? "ledger budget"
-                      : ps == ML_POOL_OUTSIDE_PLAN ? "a pool made outside moelua.mem.plan"
-                      : "out of memory");
-}
-
-/* A new contiguous tensor in *t (storage NULL): a view in a new slot of p,
- * charged to the pool's category. */
-static ml_status pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
-                             int ndim, const int64_t *dims, ml_err *e)
-{
-    int64_t n = ml_shape_numel(ndim, dims);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
-    size_t nbytes = (size_t)n * ml_dtype_size(dt), slot;
-    uint64_t id;
-    void *data;
-    ML_TRY(pool_slot(h, p, nbytes, name, &data, &slot, &id, e));
-    ml_storage *st = calloc(1, sizeof *st);
-    if (!st) {
-        ml_pool_rewind(p, slot);   /* the top slot: give it back */
-        ml_pool_release(p);
-        return ml_err_set(e, ML_EALLOC, "out of memory for a tensor header");
-    }
-    *st = (ml_storage){.data = data, .nbytes = nbytes, .device = p->device, .cat = ML_CAT_POOL,
-                       .refs = 1, .host = p->host, .pool = p, .slot = slot, .id = id};
-    t->st = st;   /* the reference pool_slot took is the view's */
-    t->offset = 0;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
-    ml_set_contiguous_strides(t);
-    return ML_OK;
-}
-
 /* An output: a given one is checked, an empty one allocated in the pool
  * (when there is one) or by the ledger; zero: a += output, zeros when
  * allocated. */
@@ -97,7 +35,7 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
 {
     if (t->st || !p)
         return (zero ? ml_prepare_accumulator : ml_prepare_output)(h, t, name, dev, dt, ndim, dims, e);
-    ML_TRY(pool_tensor(h, p, t, name, dt, ndim, dims, e));
+    ML_TRY(ml_pool_tensor(h, p, t, name, dt, ndim, dims, e));
     if (!zero || ml_numel(t) == 0)
         return ML_OK;
     ml_kctx c = ml_host_kctx(h);
@@ -105,8 +43,8 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
     return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
 }
 
-/* One kernel call's scratch: a pool slot rewound after, or a ledger tensor
- * dropped after. */
+/* One kernel call's scratch: a tensor in a pool slot rewound after, or a
+ * ledger tensor; dropped after either way. */
 typedef struct {
     ml_tensor t;
     ml_pool *pool;
@@ -120,14 +58,13 @@ static ml_status scratch_take(ml_host *h, ml_pool *p, ml_device dev, size_t nbyt
     if (!p) {
         int64_t n = (int64_t)((nbytes + 7) / 8);
         ML_TRY(ml_tensor_alloc(h, &s->t, dev, ML_F64, 1, &n, e));
-        *data = ml_data(&s->t);
-        return ML_OK;
+    } else {
+        int64_t n = nbytes ? (int64_t)nbytes : 1;
+        s->mark = ml_pool_mark(p);
+        ML_TRY(ml_pool_tensor(h, p, &s->t, what, ML_U8, 1, &n, e));
+        s->pool = p;
     }
-    size_t slot;
-    uint64_t id;
-    s->mark = ml_pool_mark(p);
-    ML_TRY(pool_slot(h, p, nbytes ? nbytes : 1, what, data, &slot, &id, e));
-    s->pool = p;
+    *data = ml_data(&s->t);
     return ML_OK;
 }
 
@@ -135,7 +72,6 @@ static void scratch_give(scratch *s)
 {
     if (s->pool) {
         ml_pool_rewind(s->pool, s->mark);
-        ml_pool_release(s->pool);
         s->pool = NULL;
     }
     ml_tensor_drop(&s->t);
@@ -380,7 +316,8 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
     if (idx->dtype != ML_I64)
         return ml_err_set(e, ML_EINVAL, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
     ML_TRY(router_tk(idx, "idx", x, k, dev, e));
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad >= 0) {
@@ -406,7 +343,6 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
     void *buf;
     ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 1),
                         "the router scratch", &s, &buf, e));
-    ml_kctx c = ml_host_kctx(h);
     ml_status ks = ML_KCALL(h, dev, router_backward, x->dtype, ml_data(g->dx), ml_data(g->dwg),
                             ml_data(idx), ml_data(dw), g->aux ? ml_data(g->aux) : NULL, g->z,
                             ml_data(x), ml_data(wg), T, D, E, cfg, buf, &c);
@@ -486,19 +422,6 @@ static ml_status mismatch(const char *what, const ml_tensor *a, const char *an, 
     return ml_err_set(e, ML_EINVAL, "%s: %s %s does not match %s %s", what, an, sa, bn, sb);
 }
 
-/* Do the element ranges of two views of one storage intersect? */
-static int overlaps(const ml_tensor *a, const ml_tensor *b)
-{
-    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
-        return 0;
-    int64_t ae = a->offset, be = b->offset;
-    for (int i = 0; i < a->ndim; i++)
-        ae += (a->shape[i] - 1) * a->stride[i];
-    for (int i = 0; i < b->ndim; i++)
-        be += (b->shape[i] - 1) * b->stride[i];
-    return a->offset <= be && b->offset <= ae;
-}
-
 ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
                          int64_t capacity, ml_pool *pool, ml_err *e)
 {
@@ -509,7 +432,8 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
         return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
     ML_TRY(check_pool(pool, dev, e));
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad >= 0) {
@@ -525,7 +449,6 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
     ML_TRY(output(h, pool, plan->counts, "plan.counts", dev, ML_I64, 1, &E, 0, e));
     ML_TRY(output(h, pool, plan->dropped, "plan.dropped", dev, ML_U8, 2, tk, 0, e));
     plan->ndropped = 0;
-    ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
                                      ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
                                      ml_data(idx), n, E, capacity < 0 ? -1 : capacity, &c), e);
@@ -571,8 +494,9 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate
     int64_t n = c->T * c->k, e1 = c->E + 1;
     ML_TRY(ex_tensor(plan->offsets, "plan.offsets", dev, ML_I64, 1, &e1, e));
     ML_TRY(ex_tensor(plan->order, "plan.order", dev, ML_I64, 1, &n, e));
+    ml_kctx kc = ml_host_kctx(h);
     int64_t bad = ML_KCHECK(h, dev, dispatch_check_plan, ml_data(plan->offsets),
-                            ml_data(plan->order), ml_data(idx), n, c->E);
+                            ml_data(plan->order), ml_data(idx), n, c->E, &kc);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad <= -2)
@@ -680,11 +604,11 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
             continue;
         ML_TRY(ex_tensor(gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], e));
         for (int j = 0; j < 7; j++)
-            if (ins[j] && overlaps(gt[i], ins[j]))
+            if (ins[j] && ml_tensors_overlap(gt[i], ins[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s (outputs must not alias "
                                   "inputs)", gnames[i], inn[j]);
         for (int j = 0; j < i; j++)
-            if (overlaps(gt[i], gt[j]))
+            if (ml_tensors_overlap(gt[i], gt[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s", gnames[i], gnames[j]);
     }
     size_t nb = 0;

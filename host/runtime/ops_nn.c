@@ -12,6 +12,18 @@ static ml_device device_of(const ml_tensor *t)
     return t->st ? t->st->device : ML_CPU;
 }
 
+/* The dtypes dev runs family `op` in: f32 and f64, and bf16 where the
+ * device's kernel table says so. Inside a plan for a device this build has
+ * no table for (CUDA planned on a CPU-only build), bf16 too: every family
+ * that asks runs bf16 on CUDA (cross-entropy, which does not, stays
+ * ML_DT_FLOAT). Statistics (rstd, lse) stay f64 in every case. */
+static unsigned float_dtypes(const ml_host *h, ml_device dev, ml_op op)
+{
+    const ml_kernels *k = h->kern[dev];
+    int bf16 = k ? k->supports(op, ML_BF16) : h->planning;
+    return ML_DT_FLOAT | (bf16 ? ML_DT(ML_BF16) : 0u);
+}
+
 /* Every entry of ids (i64, contiguous) in [0, hi), else "name[i] = v is out
  * of range [0, hi)" with i counted from 1, as in Lua. The bad value is read
  * back from the device; inside a plan nothing is checked (nothing was
@@ -21,7 +33,8 @@ static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, i
 {
     ml_device dev = ids->st->device;
     const int64_t *p = ml_data(ids);
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi);
+    ml_kctx c = ml_host_kctx(h);
+    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi, &c);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad < 0)
@@ -35,13 +48,15 @@ static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, i
 
 /* ---- rmsnorm ------------------------------------------------------------------ */
 
-/* x [..., D] and w [D] on x's device, one float dtype; N rows. */
-static ml_status rmsnorm_args(const ml_tensor *x, const ml_tensor *w, int64_t *N, int64_t *D,
-                              ml_err *e)
+/* x [..., D] and w [D] on x's device, one float dtype the device runs
+ * rmsnorm in; N rows. */
+static ml_status rmsnorm_args(const ml_host *h, const ml_tensor *x, const ml_tensor *w, int64_t *N,
+                              int64_t *D, ml_err *e)
 {
     ml_device dev = device_of(x);
-    ML_TRY(ml_check_input(x, "x", dev, ML_DT_FLOAT, -1, 1, e));
-    ML_TRY(ml_check_input(w, "w", dev, ML_DT_FLOAT, 1, 1, e));
+    unsigned dts = float_dtypes(h, dev, ML_OP_RMSNORM);
+    ML_TRY(ml_check_input(x, "x", dev, dts, -1, 1, e));
+    ML_TRY(ml_check_input(w, "w", dev, dts, 1, 1, e));
     ML_TRY(ml_check_same_dtype(w, "w", "x", x->dtype, e));
     *D = x->shape[x->ndim - 1];
     *N = *D ? ml_numel(x) / *D : 0;
@@ -55,7 +70,7 @@ ml_status ml_op_rmsnorm_forward(ml_host *h, ml_tensor *y, ml_tensor *rstd, const
                                 const ml_tensor *w, double eps, ml_err *e)
 {
     int64_t N, D;
-    ML_TRY(rmsnorm_args(x, w, &N, &D, e));
+    ML_TRY(rmsnorm_args(h, x, w, &N, &D, e));
     if (!(eps >= 0) || !isfinite(eps))
         return ml_err_set(e, ML_EINVAL, "eps must be finite and >= 0, got %g", eps);
     ml_device dev = x->st->device;
@@ -71,9 +86,9 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
                                  ml_err *e)
 {
     int64_t N, D;
-    ML_TRY(rmsnorm_args(x, w, &N, &D, e));
+    ML_TRY(rmsnorm_args(h, x, w, &N, &D, e));
     ml_device dev = x->st->device;
-    ML_TRY(ml_check_input(dy, "dy", dev, ML_DT_FLOAT, -1, 1, e));
+    ML_TRY(ml_check_input(dy, "dy", dev, float_dtypes(h, dev, ML_OP_RMSNORM), -1, 1, e));
     ML_TRY(ml_check_input(rstd, "rstd", dev, ML_DT(ML_F64), 1, 1, e));
     ML_TRY(ml_check_same_dtype(dy, "dy", "x", x->dtype, e));
     ML_TRY(ml_check_shape(dy, "dy", x->ndim, x->shape, e));
@@ -94,7 +109,7 @@ ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *i
 {
     ml_device dev = device_of(ids);
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
-    ML_TRY(ml_check_input(W, "W", dev, ML_DT_FLOAT, 2, 1, e));
+    ML_TRY(ml_check_input(W, "W", dev, float_dtypes(h, dev, ML_OP_EMBEDDING), 2, 1, e));
     int64_t T = ids->shape[0], V = W->shape[0], D = W->shape[1], so[2] = {T, D};
     ML_TRY(check_ids(h, ids, "ids", V, e));
     ML_TRY(ml_prepare_output(h, out, "out", dev, W->dtype, 2, so, e));
@@ -107,12 +122,13 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
                                    const ml_tensor *ids, int64_t V, ml_err *e)
 {
     ml_device dev = device_of(dout);
-    ML_TRY(ml_check_input(dout, "dout", dev, ML_DT_FLOAT, 2, 1, e));
+    unsigned dts = float_dtypes(h, dev, ML_OP_EMBEDDING);
+    ML_TRY(ml_check_input(dout, "dout", dev, dts, 2, 1, e));
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
     int64_t T = ids->shape[0], D = dout->shape[1], sd[2] = {T, D};
     ML_TRY(ml_check_shape(dout, "dout", 2, sd, e));
     if (dW->st) {
-        ML_TRY(ml_check_input(dW, "dW", dev, ML_DT_FLOAT, 2, 1, e));
+        ML_TRY(ml_check_input(dW, "dW", dev, dts, 2, 1, e));
         ML_TRY(ml_check_same_dtype(dW, "dW", "dout", dout->dtype, e));
         V = dW->shape[0];
     } else if (V < 1) {
@@ -218,7 +234,7 @@ static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *
                       const char *xname, int64_t offset, double theta, int inverse, ml_err *e)
 {
     ml_device dev = device_of(x);
-    ML_TRY(ml_check_input(x, xname, dev, ML_DT_FLOAT, 3, 1, e));
+    ML_TRY(ml_check_input(x, xname, dev, float_dtypes(h, dev, ML_OP_ROPE), 3, 1, e));
     int64_t S = x->shape[0], heads = x->shape[1], hd = x->shape[2];
     if (hd < 2 || hd % 2)
         return ml_err_set(e, ML_EINVAL, "%s: head dim %lld must be even and >= 2", xname,
@@ -252,14 +268,16 @@ ml_status ml_op_rope_backward(ml_host *h, ml_tensor *dx, const ml_tensor *dy, in
 
 /* ---- attention ---------------------------------------------------------------- */
 
-/* q [S, H, hd], k, v [S, KV, hd] on q's device, one float dtype; H % KV == 0,
- * hd in [1, ML_ATT_HD_MAX]. */
-static ml_status qkv_args(const ml_tensor *q, const ml_tensor *k, const ml_tensor *v, ml_err *e)
+/* q [S, H, hd], k, v [S, KV, hd] on q's device, one float dtype the
+ * device runs attention in; H % KV == 0, hd in [1, ML_ATT_HD_MAX]. */
+static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor *k,
+                          const ml_tensor *v, ml_err *e)
 {
     ml_device dev = device_of(q);
-    ML_TRY(ml_check_input(q, "q", dev, ML_DT_FLOAT, 3, 1, e));
-    ML_TRY(ml_check_input(k, "k", dev, ML_DT_FLOAT, 3, 1, e));
-    ML_TRY(ml_check_input(v, "v", dev, ML_DT_FLOAT, 3, 1, e));
+    unsigned dts = float_dtypes(h, dev, ML_OP_ATTENTION);
+    ML_TRY(ml_check_input(q, "q", dev, dts, 3, 1, e));
+    ML_TRY(ml_check_input(k, "k", dev, dts, 3, 1, e));
+    ML_TRY(ml_check_input(v, "v", dev, dts, 3, 1, e));
     ML_TRY(ml_check_same_dtype(k, "k", "q", q->dtype, e));
     ML_TRY(ml_check_same_dtype(v, "v", "q", q->dtype, e));
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1];
@@ -286,7 +304,7 @@ static ml_status attention_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *
 ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, const ml_tensor *q,
                                   const ml_tensor *k, const ml_tensor *v, ml_err *e)
 {
-    ML_TRY(qkv_args(q, k, v, e));
+    ML_TRY(qkv_args(h, q, k, v, e));
     ml_device dev = q->st->device;
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
     ML_TRY(ml_prepare_output(h, out, "out", dev, q->dtype, 3, q->shape, e));
@@ -305,11 +323,12 @@ ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_
                                    const ml_tensor *v, const ml_tensor *out, const ml_tensor *lse,
                                    ml_err *e)
 {
-    ML_TRY(qkv_args(q, k, v, e));
+    ML_TRY(qkv_args(h, q, k, v, e));
     ml_device dev = q->st->device;
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
-    ML_TRY(ml_check_input(dout, "dout", dev, ML_DT_FLOAT, 3, 1, e));
-    ML_TRY(ml_check_input(out, "out", dev, ML_DT_FLOAT, 3, 1, e));
+    unsigned dts = float_dtypes(h, dev, ML_OP_ATTENTION);
+    ML_TRY(ml_check_input(dout, "dout", dev, dts, 3, 1, e));
+    ML_TRY(ml_check_input(out, "out", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 2, 1, e));
     ML_TRY(ml_check_same_dtype(dout, "dout", "q", q->dtype, e));
     ML_TRY(ml_check_same_dtype(out, "out", "q", q->dtype, e));

@@ -2,7 +2,10 @@
  * host/runtime/ops_nn.h - the op layer of the dense model's kernel families
  * (kernels/rmsnorm.h, embedding.h, crossentropy.h, rope.h, attention.h have
  * the semantics): each op checks its tensors (one device, the first
- * input's; one float dtype; contiguous; matching shapes; ids in range),
+ * input's; one float dtype: f32 or f64, and bf16 where the device's kernel
+ * table supports the family in bf16 (CUDA: rmsnorm, rope, embedding,
+ * attention; cross-entropy stays f32/f64); contiguous; matching shapes; ids
+ * in range),
  * allocates the outputs it is given empty and its scratch (host/runtime/op.h),
  * calls the device's kernel through ML_KCALL and releases the scratch
  * before returning, on every path. A device whose kernel table lacks a

@@ -163,18 +163,6 @@ ml_status ml_op_transpose(ml_tensor *out, const ml_tensor *t, int a, int b, ml_e
     return set_view(out, t, t->offset, t->ndim, shape, stride);
 }
 
-int ml_tensors_overlap(const ml_tensor *a, const ml_tensor *b)
-{
-    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
-        return 0;
-    int64_t ae = a->offset, be = b->offset;
-    for (int i = 0; i < a->ndim; i++)
-        ae += (a->shape[i] - 1) * a->stride[i];
-    for (int i = 0; i < b->ndim; i++)
-        be += (b->shape[i] - 1) * b->stride[i];
-    return a->offset <= be && b->offset <= ae;
-}
-
 /* ---- copies ------------------------------------------------------------------ */
 
 /* The copy kernel of their (common) device: any strides, any dtypes. */

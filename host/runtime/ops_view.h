@@ -36,10 +36,6 @@ ml_status ml_op_view_at(ml_tensor *out, const ml_tensor *t, int64_t offset, int 
 /* Dims a and b swapped (strides only). */
 ml_status ml_op_transpose(ml_tensor *out, const ml_tensor *t, int a, int b, ml_err *e);
 
-/* Do the element ranges two views may touch intersect? (Same storage only;
- * bounds from offset and strides, so two interleaved views count as one.) */
-int ml_tensors_overlap(const ml_tensor *a, const ml_tensor *b);
-
 /* ---- data ---- */
 
 /* dst = src (same shape, any strides), converting dtype; across devices

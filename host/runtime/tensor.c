@@ -131,6 +131,18 @@ int ml_is_contiguous(const ml_tensor *t)
     return 1;
 }
 
+int ml_tensors_overlap(const ml_tensor *a, const ml_tensor *b)
+{
+    if (!a->st || a->st != b->st || ml_numel(a) == 0 || ml_numel(b) == 0)
+        return 0;
+    int64_t ae = a->offset, be = b->offset;
+    for (int i = 0; i < a->ndim; i++)
+        ae += (a->shape[i] - 1) * a->stride[i];
+    for (int i = 0; i < b->ndim; i++)
+        be += (b->shape[i] - 1) * b->stride[i];
+    return a->offset <= be && b->offset <= ae;
+}
+
 void ml_format_shape(const ml_tensor *t, char *buf, size_t len)
 {
     size_t at = 0;

@@ -117,6 +117,9 @@ int64_t ml_numel(const ml_tensor *t);
 size_t ml_nbytes(const ml_tensor *t);
 int ml_is_contiguous(const ml_tensor *t);
 void ml_set_contiguous_strides(ml_tensor *t);
+/* Do the element ranges two views may touch intersect? (Same storage only;
+ * bounds from offset and strides, so two interleaved views count as one.) */
+int ml_tensors_overlap(const ml_tensor *a, const ml_tensor *b);
 /* Number of elements of a shape, or -1 when it overflows int64 or has a negative size. */
 int64_t ml_shape_numel(int ndim, const int64_t *shape);
 static inline void *ml_data(const ml_tensor *t)

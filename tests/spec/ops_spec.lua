@@ -504,3 +504,25 @@ describe("moelua.ops attention", function()
     has(errmsg(ops.attention_backward, m.randn({4, 4, 7}), q, k, k, out, lse), "dout is [4,4,7] but must be [4,4,8]")
   end)
 end)
+
+-- ---- dtypes by device ------------------------------------------------------------
+
+describe("moelua.ops dtypes", function()
+  it("refuses bf16 on the CPU, naming the dtypes the CPU accepts", function()
+    local function b(shape) return m.randn(shape):to("bf16") end
+    local cases = {
+      {"rmsnorm_forward", "x", ops.rmsnorm_forward, b({3, 4}), b({4})},
+      {"rope_forward", "x", ops.rope_forward, b({2, 1, 4})},
+      {"rope_backward", "dy", ops.rope_backward, b({2, 1, 4})},
+      {"embedding_forward", "W", ops.embedding_forward, ids({0, 1}), b({3, 4})},
+      {"embedding_backward", "dout", ops.embedding_backward, b({2, 4}), ids({0, 1}), 3},
+      {"attention_forward", "q", ops.attention_forward, b({2, 1, 4}), b({2, 1, 4}), b({2, 1, 4})},
+      {"cross_entropy_forward", "h", ops.cross_entropy_forward, b({2, 4}), b({3, 4}), ids({0, 1})},
+    }
+    for _, c in ipairs(cases) do
+      local name, arg, op = c[1], c[2], c[3]
+      assert.are.equal("moelua.ops." .. name .. ": " .. arg .. " must be f32 or f64, got bf16",
+                       errmsg(op, table.unpack(c, 4)), name)
+    end
+  end)
+end)

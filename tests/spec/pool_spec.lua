@@ -158,10 +158,10 @@ describe("mark and rewind", function()
 end)
 
 describe("overflow", function()
-  it("with grow=false is an error saying what was needed and what was free", function()
+  it("with grow=false is an error saying what was needed and what was in use", function()
     local p = pool.new(256, {grow = false})
     local a = p:tensor({48}):fill_(3)              -- 192 bytes
-    assert.are.equal("moelua.pool: pool full: need 128 B, 64 B free of 256 B (grow=false)",
+    assert.are.equal("Pool:tensor: pool full: the tensor needs 128 B, 192 B of 256 B are in use (grow=false)",
                      errmsg(p.tensor, p, {20}))
     local s = p:stats()
     assert.are.equal(1, s.overflows)
@@ -207,7 +207,7 @@ describe("overflow", function()
     local refused = mem.stats().cpu.refused
     local msg = errmsg(p.tensor, p, {1})
     mem.budget{pool = old.pool}
-    has(msg, "Pool:tensor: growing the pool (need 64 B, 0 B free of 256 B) on cpu would exceed the pool budget of 300 B\n")
+    has(msg, "Pool:tensor: growing the pool for the tensor (needs 64 B, 256 B of 256 B in use) on cpu would exceed the pool budget of 300 B\n")
     has(msg, "memory ledger (cpu)")
     has(msg, "at peak")
     assert.is_true(mem.stats().cpu.refused > refused)
