@@ -271,14 +271,20 @@ ml_status ml_prepare_output(ml_host *h, ml_tensor *t, const char *name, ml_devic
     return ml_check_shape(t, name, ndim, dims, e);
 }
 
+ml_status ml_tensor_zero(ml_host *h, ml_tensor *t, ml_err *e)
+{
+    if (ml_numel(t) == 0)
+        return ML_OK;
+    ml_kctx c = ml_host_kctx(h);
+    c.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
+    return ml_kernel_status(ML_KCALL(h, t->st->device, fill, t->dtype, ml_data(t), 0.0, ml_numel(t), &c),
+                            e);
+}
+
 ml_status ml_prepare_accumulator(ml_host *h, ml_tensor *t, const char *name, ml_device dev,
                                  ml_dtype dt, int ndim, const int64_t *dims, ml_err *e)
 {
     int fresh = !t->st;
     ML_TRY(ml_prepare_output(h, t, name, dev, dt, ndim, dims, e));
-    if (!fresh || ml_numel(t) == 0)
-        return ML_OK;
-    ml_kctx c = ml_host_kctx(h);
-    c.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
-    return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
+    return fresh ? ml_tensor_zero(h, t, e) : ML_OK;
 }

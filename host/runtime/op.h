@@ -53,6 +53,8 @@ ml_kctx ml_host_kctx(const ml_host *h);
  * a shape that overflows. */
 ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
                           const int64_t *shape, ml_err *e);
+/* Fill the contiguous tensor t with zeros (not interrupted: it is short). */
+ml_status ml_tensor_zero(ml_host *h, ml_tensor *t, ml_err *e);
 /* Release t's storage now (idempotent; never fails). */
 void ml_tensor_drop(ml_tensor *t);
 /* The device's ledger as text, with the untracked remainder on the CPU. */

@@ -36,11 +36,7 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
     if (t->st || !p)
         return (zero ? ml_prepare_accumulator : ml_prepare_output)(h, t, name, dev, dt, ndim, dims, e);
     ML_TRY(ml_pool_tensor(h, p, t, name, dt, ndim, dims, e));
-    if (!zero || ml_numel(t) == 0)
-        return ML_OK;
-    ml_kctx c = ml_host_kctx(h);
-    c.interrupt = NULL;   /* a fill is short; Ctrl-C is seen by the kernel that follows */
-    return ml_kernel_status(ML_KCALL(h, dev, fill, dt, ml_data(t), 0.0, ml_numel(t), &c), e);
+    return zero ? ml_tensor_zero(h, t, e) : ML_OK;
 }
 
 /* One kernel call's scratch: a tensor in a pool slot rewound after, or a
