@@ -44,8 +44,8 @@ local function median(t)
   local n = #t
   return n % 2 == 1 and t[(n + 1) // 2] or (t[n // 2] + t[n // 2 + 1]) / 2
 end
-print("| seq_len | tokens/s this | tokens/s other | ratio (median of rounds) | peak RSS ratio | ledger peak this / other (MiB) |")
-print("|---:|---:|---:|---:|---:|---:|")
+print("| seq_len | tokens/s this | tokens/s other | ratio (median of rounds) | per round | peak RSS ratio | ledger peak this / other (MiB) |")
+print("|---:|---:|---:|---:|---|---:|---:|")
 local seqs = {}
 for S in pairs(rows) do seqs[#seqs + 1] = S end
 table.sort(seqs)
@@ -60,7 +60,9 @@ for _, S in ipairs(seqs) do
       lt[#lt + 1], lo[#lo + 1] = a.peak_ledger_bytes.total, b.peak_ledger_bytes.total
     end
   end
-  print(string.format("| %d | %.0f | %.0f | %.3f | %.3f | %.1f / %.1f |", S, median(tt), median(to), median(rt),
-                      median(rr), median(lt) / 2^20, median(lo) / 2^20))
+  local each = {}
+  for i, r in ipairs(rt) do each[i] = string.format("%.2f", r) end
+  print(string.format("| %d | %.0f | %.0f | %.3f | %s | %.3f | %.1f / %.1f |", S, median(tt), median(to),
+                      median(rt), table.concat(each, ", "), median(rr), median(lt) / 2^20, median(lo) / 2^20))
 end
 LUA
