@@ -23,7 +23,7 @@
 
 #include <string.h>
 
-#include "../runtime/backend.h"
+#include "../runtime/plan.h"
 
 static ml_device opt_device(lua_State *L, int idx, const char *fn)
 {
@@ -307,76 +307,26 @@ static int l_mem_empty_cache(lua_State *L)
     return 0;
 }
 
-/* ---- planning (DESIGN.md, The memory ledger) ----------------------------------
+/* ---- planning (host/runtime/plan.h) ---------------------------------------------
  *
- * mem.plan(fn, ...) runs fn(...) with the CPU's kernels skipped and its
- * allocations made from address space and charged to a virtual book that
- * starts as a copy of the real one (its live bytes and budgets), so the
- * same step code that trains predicts the peak, and an allocation that
- * would cross a budget is the same Lua error, raised before anything real
- * was allocated. Tensor contents inside a plan are meaningless; code whose
- * sizes depend on data asks mem.planning() and takes its worst case. The
- * host's seed, RNG counter, thread count and category are restored
- * afterwards, so planning does not change the run it plans. Objects made
- * outside the plan keep their real memory: a pool made outside cannot grow
- * inside it (an error), and a plan whose tensors are still referenced when
- * it ends fails. CUDA tensors are not planned (the device is absent inside
- * a plan). */
-
-static void enter_plan(ml_host *h)
-{
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        const ml_ledger *real = &h->books[d];
-        ml_ledger *v = &h->plan_books[d];
-        ml_ledger_free(v);
-        ml_ledger_init(v, real->device);
-        for (int c = 0; c < ML_NCAT; c++) {
-            v->cur[c] = v->peak[c] = v->at_peak[c] = real->cur[c];
-            v->budget[c] = real->budget[c];
-        }
-        v->total = v->total_peak = real->total;
-        v->caching = real->caching;
-        v->reserved = v->reserved_peak = real->reserved;
-        v->budget_total = real->budget_total;
-        h->ledger[d] = v;
-        h->mem[d] = ml_memory_plan[d];
-    }
-    h->planning = 1;
-}
-
-static void leave_plan(ml_host *h)
-{
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        h->ledger[d] = &h->books[d];
-        h->mem[d] = h->device_mem[d];
-    }
-    h->planning = 0;
-}
+ * mem.plan(fn, ...) runs fn(...) inside a plan: the same code, every
+ * kernel skipped, allocations charged to virtual books. Tensor contents
+ * inside a plan are meaningless; code whose sizes depend on data asks
+ * mem.planning() and takes its worst case. A plan whose tensors are still
+ * referenced when it ends fails. */
 
 static int l_mem_plan(lua_State *L)
 {
     static const char fn[] = "moelua.mem.plan";
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TFUNCTION);
-    if (h->planning)
-        ml_error(L, fn, "plans do not nest");
-    lua_gc(L, LUA_GCCOLLECT);
-    if (h->plan_live)
-        ml_error(L, fn, "%zu tensors or pools of an earlier plan are still alive "
-                 "(a plan's function must not keep them)", h->plan_live);
-    uint64_t seed = h->seed, rng_offset = h->rng_offset;
-    int nthreads = h->nthreads;
-    ml_category cat = h->category;
-    enter_plan(h);
+    if (!h->planning)
+        lua_gc(L, LUA_GCCOLLECT);   /* an earlier plan's garbage returns to its book */
+    ml_plan_saved saved;
+    ml_err e;
+    ml_check_op(L, fn, ml_plan_begin(h, &saved, &e), &e);
     int err = lua_pcall(L, lua_gettop(L) - 1, 0, 0);
-    leave_plan(h);
-    h->seed = seed;
-    h->rng_offset = rng_offset;
-    h->category = cat;
-    if (h->nthreads != nthreads) {
-        h->nthreads = nthreads;
-        ml_matmul_set_threads_cpu(nthreads);
-    }
+    ml_plan_end(h, &saved);
     /* the plan's tensors are garbage now: return them to the virtual book
      * (two passes: finalizers of the first may free more) */
     lua_gc(L, LUA_GCCOLLECT);
