@@ -296,8 +296,7 @@ static int l_tensor_threads(lua_State *L)
         lua_Integer n = luaL_checkinteger(L, 1);
         if (n < 1 || n > 1024)
             ml_error(L, "moelua.threads", "thread count must be in 1..1024, got %lld", (long long)n);
-        h->nthreads = (int)n;
-        ml_matmul_set_threads_cpu((int)n);
+        ml_host_set_threads(h, (int)n);
     }
     lua_pushinteger(L, h->nthreads);
     return 1;

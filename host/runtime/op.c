@@ -47,6 +47,12 @@ ml_kctx ml_host_kctx(const ml_host *h)
     return c;
 }
 
+void ml_host_set_threads(ml_host *h, int n)
+{
+    h->nthreads = n;
+    ml_matmul_set_threads_cpu(n);
+}
+
 void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len)
 {
     size_t rss = dev == ML_CPU ? ml_process_rss() : 0;

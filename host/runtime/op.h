@@ -45,6 +45,8 @@ ml_status ml_kernel_status(ml_status s, ml_err *e);
 
 /* The kernel context of the host now: its thread count and Ctrl-C flag. */
 ml_kctx ml_host_kctx(const ml_host *h);
+/* The CPU threads of every kernel and of BLAS (n >= 1). */
+void ml_host_set_threads(ml_host *h, int n);
 
 /* A new contiguous tensor in *t (whose storage must be NULL), on dev,
  * charged to the current category. A refusal by the ledger or the system

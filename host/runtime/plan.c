@@ -41,8 +41,6 @@ void ml_plan_end(ml_host *h, const ml_plan_saved *saved)
     h->seed = saved->seed;
     h->rng_offset = saved->rng_offset;
     h->category = saved->category;
-    if (h->nthreads != saved->nthreads) {
-        h->nthreads = saved->nthreads;
-        ml_matmul_set_threads_cpu(saved->nthreads);
-    }
+    if (h->nthreads != saved->nthreads)
+        ml_host_set_threads(h, saved->nthreads);
 }
