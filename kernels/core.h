@@ -38,7 +38,8 @@ typedef enum {
     ML_EDEVICE,       /* the device reported an error */
     /* Op layer only (host/runtime/op.h); the ml_err says more: */
     ML_EINVAL,        /* an argument's dtype, shape, device or value is wrong */
-    ML_EALLOC         /* the ledger or the system refused an allocation */
+    ML_EALLOC,        /* the ledger or the system refused an allocation */
+    ML_EIO            /* a file could not be read or written */
 } ml_status;
 
 /* Per-call context. `interrupt` points at the host's Ctrl-C flag; kernels

@@ -4,6 +4,12 @@
  *
  *   io.save(path, {["w"] = t, ...} [, {key = "value", ...}])
  *   local tensors, metadata = io.load(path)
+ *   local r <close> = io.open(path)   -- an open file, read entry by entry:
+ *   r:entries()                       -- {name = {dtype = "f32", shape = {...}}, ...}
+ *   r:metadata()                      -- {key = value, ...}
+ *   r:read_into(name, dst)            -- entry -> dst (any device; float dtypes convert),
+ *                                        through bounded host stages (host/runtime/ops_io.h)
+ *   r:close()
  *
  * save takes tensors of any dtype, layout and device (non-contiguous ones
  * are copied to contiguous temporaries on their device first; device bytes
@@ -14,12 +20,11 @@
  * nothing temporary is unowned: copies are Lua userdata, and the open file
  * is a to-be-closed userdata ("moelua.io.Reader").
  *
- * Not here: checkpoint directories, sharded files, loading onto a device,
- * conversion between dtypes.
+ * Not here: checkpoint directories, sharded files.
  */
 #include "l_tensor.h"
+#include "../runtime/ops_io.h"
 #include "../runtime/pool.h"
-#include "../runtime/safetensors.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -172,6 +177,78 @@ static int l_io_reader_close(lua_State *L)
     return 0;
 }
 
+/* The open reader at idx (closed: an error naming fn). */
+static ml_st_file *check_reader(lua_State *L, int idx, const char *fn)
+{
+    ml_st_file *f = luaL_checkudata(L, idx, READER_MT);
+    if (f->fd < 0)
+        ml_error(L, fn, "the file is closed");
+    return f;
+}
+
+/* io.open(path) -> reader */
+static int l_io_open(lua_State *L)
+{
+    static const char fn[] = "moelua.io.open";
+    const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
+    char err[1024];
+    ml_st_file *f = lua_newuserdatauv(L, sizeof *f, 0);
+    ml_st_init(f);                                                /* the safe state first */
+    luaL_setmetatable(L, READER_MT);
+    if (ml_st_open(f, path, err, sizeof err))
+        ml_error(L, fn, "%s", err);
+    return 1;
+}
+
+static int l_io_reader_entries(lua_State *L)
+{
+    ml_st_file *f = check_reader(L, 1, "Reader:entries");
+    lua_createtable(L, 0, f->nentries > INT_MAX ? INT_MAX : (int)f->nentries);
+    for (size_t i = 0; i < f->nentries; i++) {
+        const ml_st_entry *e = &f->entries[i];
+        lua_createtable(L, 0, 2);
+        lua_pushstring(L, ml_dtype_names[e->dtype]);
+        lua_setfield(L, -2, "dtype");
+        lua_createtable(L, e->ndim, 0);
+        for (int d = 0; d < e->ndim; d++) {
+            lua_pushinteger(L, (lua_Integer)e->shape[d]);
+            lua_rawseti(L, -2, d + 1);
+        }
+        lua_setfield(L, -2, "shape");
+        lua_setfield(L, -2, e->name);
+    }
+    return 1;
+}
+
+static int l_io_reader_metadata(lua_State *L)
+{
+    ml_st_file *f = check_reader(L, 1, "Reader:metadata");
+    lua_createtable(L, 0, f->nmeta > INT_MAX ? INT_MAX : (int)f->nmeta);
+    for (size_t i = 0; i < f->nmeta; i++) {
+        lua_pushstring(L, f->meta[i].value);
+        lua_setfield(L, -2, f->meta[i].key);
+    }
+    return 1;
+}
+
+/* r:read_into(name, dst) -> dst */
+static int l_io_reader_read_into(lua_State *L)
+{
+    static const char fn[] = "Reader:read_into";
+    ml_st_file *f = check_reader(L, 1, fn);
+    const char *name = check_cstring(L, 2, fn, "argument #1 (name)");
+    ml_tensor *dst = ml_checktensor_named(L, 3, fn, "argument #2 (dst)");
+    size_t i = 0;
+    while (i < f->nentries && strcmp(f->entries[i].name, name) != 0)
+        i++;
+    if (i == f->nentries)
+        ml_error(L, fn, "%s has no tensor '%s'", f->label, name);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_read_entry(ml_host_of(L), dst, f, i, &e), &e);
+    lua_settop(L, 3);
+    return 1;
+}
+
 /* io.load(path) -> tensors, metadata */
 static int l_io_load(lua_State *L)
 {
@@ -207,6 +284,15 @@ static int l_io_load(lua_State *L)
 static const luaL_Reg io_functions[] = {
     {"save", l_io_save},
     {"load", l_io_load},
+    {"open", l_io_open},
+    {NULL, NULL}
+};
+
+static const luaL_Reg reader_methods[] = {
+    {"entries", l_io_reader_entries},
+    {"metadata", l_io_reader_metadata},
+    {"read_into", l_io_reader_read_into},
+    {"close", l_io_reader_close},
     {NULL, NULL}
 };
 
@@ -221,6 +307,8 @@ int luaopen_moelua_io(lua_State *L)
     ml_host_of(L);  /* refuse to load outside the host */
     luaL_newmetatable(L, READER_MT);
     luaL_setfuncs(L, reader_meta, 0);
+    luaL_newlib(L, reader_methods);
+    lua_setfield(L, -2, "__index");
     lua_pop(L, 1);
     luaL_newlib(L, io_functions);
     return 1;

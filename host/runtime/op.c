@@ -35,7 +35,7 @@ ml_status ml_kernel_status(ml_status s, ml_err *e)
 #else
     case ML_EDEVICE:      return ml_err_set(e, s, "the device reported an error");
 #endif
-    case ML_EINVAL: case ML_EALLOC:
+    case ML_EINVAL: case ML_EALLOC: case ML_EIO:
         return s;         /* an op's own status: its message is already set */
     }
     return ml_err_set(e, s, "unknown status %d", (int)s);

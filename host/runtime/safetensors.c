@@ -874,6 +874,15 @@ bad:
 
 int ml_st_read(const ml_st_file *f, size_t i, void *dst, char *err, size_t errlen)
 {
+    if (f->fd >= 0 && i < f->nentries)
+        return ml_st_read_range(f, i, 0, (size_t)(f->entries[i].end - f->entries[i].begin), dst, err,
+                                errlen);
+    return ml_st_read_range(f, i, 0, 0, dst, err, errlen);
+}
+
+int ml_st_read_range(const ml_st_file *f, size_t i, uint64_t off, size_t n, void *dst, char *err,
+                     size_t errlen)
+{
     char nb[NAME_SHOWN + 8];
     const char *label = f->label ? f->label : "safetensors";
     if (f->fd < 0)
@@ -881,10 +890,13 @@ int ml_st_read(const ml_st_file *f, size_t i, void *dst, char *err, size_t errle
     if (i >= f->nentries)
         return fail(err, errlen, "%s: no tensor #%zu", label, i);
     const ml_st_entry *e = &f->entries[i];
-    size_t n = (size_t)(e->end - e->begin);
+    if (off > e->end - e->begin || n > e->end - e->begin - off)
+        return fail(err, errlen, "%s: tensor '%s': bytes [%llu, +%zu) are outside its %llu", label,
+                    shown(e->name, nb, sizeof nb), (unsigned long long)off, n,
+                    (unsigned long long)(e->end - e->begin));
     if (n == 0)
         return 0;
-    ssize_t r = pread_full(f->fd, dst, n, f->data_start + e->begin);
+    ssize_t r = pread_full(f->fd, dst, n, f->data_start + e->begin + off);
     if (r != (ssize_t)n)
         return fail(err, errlen, "%s: tensor '%s': cannot read its data: %s", label,
                     shown(e->name, nb, sizeof nb),

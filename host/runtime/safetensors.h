@@ -81,6 +81,9 @@ int ml_st_parse(ml_st_file *f, const char *label, const void *buf, size_t len,
                 char *err, size_t errlen);
 /* Read entry i's end - begin bytes into dst (an opened file only). */
 int ml_st_read(const ml_st_file *f, size_t i, void *dst, char *err, size_t errlen);
+/* Read bytes [off, off + n) of entry i into dst (inside the entry). */
+int ml_st_read_range(const ml_st_file *f, size_t i, uint64_t off, size_t n, void *dst, char *err,
+                     size_t errlen);
 /* Release everything; idempotent; a zeroed struct with fd -1 is closed. */
 void ml_st_close(ml_st_file *f);
 /* Zero *f with fd -1: the state ml_st_close accepts. */

@@ -4,9 +4,11 @@
 --                         optim = {[name] = {exp_avg =, exp_avg_sq =}} or nil,
 --                         optim_steps = {[name] = i64 [E]} or nil,
 --                         trainer = {...}}, {keep = K})        -- -> root/step-000123
---   local c = ckpt.load(root_or_dir)   -- {model = {name -> tensor}, names =, config =,
---                                      --  optim =, optim_steps =, trainer =, dir =,
---                                      --  dtypes = {name -> dtype on disk}}
+--   local c = ckpt.load(root_or_dir)   -- {model = {name -> source}, names =, config =,
+--                                      --  optim =, optim_steps =, trainer =, dir =}
+--   src:dtype(), src:shape(), src:numel()   -- a source: one tensor of the checkpoint, on disk
+--   src:read_into(dst)                      -- into a tensor on any device (float dtypes convert)
+--   src:read()                              -- a new CPU tensor (f32 for BF16/F16 on disk)
 --   ckpt.latest(root), ckpt.last_good(root), ckpt.mark_good(root, dir), ckpt.list(root)
 --
 -- A save writes root/step-NNNNNN.tmp/ (model.safetensors with metadata
@@ -27,8 +29,12 @@
 --
 -- Load verifies MANIFEST.sha256 (required for a moelua checkpoint, one with
 -- trainer.json; checked when present otherwise), accepts a sharded model
--- (model.safetensors.index.json with a weight_map) and converts BF16/F16
--- tensors to f32. Everything read is untrusted: a missing, corrupted or
+-- (model.safetensors.index.json with a weight_map), and reads no tensor:
+-- each is a source, read when its destination asks (src:read_into(dst),
+-- straight into a unit's view on any device through bounded host stages,
+-- DESIGN.md: never a whole-model host copy; BF16/F16 convert to the
+-- destination's dtype). Its files stay open until the checkpoint table is
+-- collected. Everything read is untrusted: a missing, corrupted or
 -- truncated file is an error naming it.
 --
 -- Not here: what to save (the trainer builds the tables), Mixtral name and
@@ -410,16 +416,43 @@ local function verify_manifest(dir, required)
   if n == 0 then fail("load", "'%s' is empty", path) end
 end
 
-local function load_st(path)
-  local ok, t = pcall(mio.load, path)
-  if not ok then fail("load", "%s", tostring(t)) end
-  return t
+-- A source: one tensor of an open checkpoint file, read on demand.
+local Source = {}
+Source.__index = Source
+
+function Source:dtype() return self.entry.dtype end
+
+function Source:shape() return {table.unpack(self.entry.shape)} end
+
+function Source:numel()
+  local n = 1
+  for _, s in ipairs(self.entry.shape) do n = n * s end
+  return n
 end
 
-local function to_f32(t)
-  local d = t:dtype()
-  if d == "bf16" or d == "f16" then return t:to("f32") end
-  return t
+function Source:read_into(dst)
+  local ok, err = pcall(self.reader.read_into, self.reader, self.name, dst)
+  if not ok then fail("load", "%s", tostring(err)) end
+  return dst
+end
+
+function Source:read()
+  local d = self:dtype()
+  local dt = (d == "bf16" or d == "f16") and "f32" or d
+  return self:read_into(require("moelua.tensor").empty(self:shape(), {dtype = dt}))
+end
+
+function ckpt.is_source(v) return getmetatable(v) == Source end
+
+-- The sources of the safetensors file at path, by name.
+local function open_st(path)
+  local ok, reader = pcall(mio.open, path)
+  if not ok then fail("load", "%s", tostring(reader)) end
+  local out = {}
+  for name, entry in pairs(reader:entries()) do
+    out[name] = setmetatable({reader = reader, name = name, entry = entry}, Source)
+  end
+  return out
 end
 
 local function safe_name(rel, what)
@@ -432,9 +465,9 @@ end
 local function load_model(dir)
   local single = join(dir, "model.safetensors")
   local index = join(dir, "model.safetensors.index.json")
-  local model, dtypes = {}, {}
+  local model = {}
   if exists(single) then
-    for k, t in pairs(load_st(single)) do dtypes[k] = t:dtype(); model[k] = to_f32(t) end
+    model = open_st(single)
   elseif exists(index) then
     local idx = decode(assert(read_all(index)), index, "load")
     if type(idx) ~= "table" or type(idx.weight_map) ~= "table" then
@@ -450,17 +483,16 @@ local function load_model(dir)
     for file, names in pairs(shards) do
       local p = join(dir, file)
       if not exists(p) then fail("load", "'%s': shard '%s' is missing", index, p) end
-      local ts = load_st(p)
+      local ts = open_st(p)
       for _, name in ipairs(names) do
         if not ts[name] then fail("load", "'%s': tensor '%s' is not in shard '%s'", index, name, p) end
-        dtypes[name] = ts[name]:dtype()
-        model[name] = to_f32(ts[name])
+        model[name] = ts[name]
       end
     end
   else
     fail("load", "'%s' has neither model.safetensors nor model.safetensors.index.json", dir)
   end
-  return model, dtypes
+  return model
 end
 
 -- ckpt.load(root_or_dir)
@@ -487,7 +519,7 @@ function ckpt.load(path)
   end
   verify_manifest(dir, exists(join(dir, "trainer.json")))
   local c = {dir = dir}
-  c.model, c.dtypes = load_model(dir)
+  c.model = load_model(dir)
   c.names = {}
   for k in pairs(c.model) do c.names[#c.names + 1] = k end
   table.sort(c.names)
@@ -497,7 +529,7 @@ function ckpt.load(path)
   c.trainer = tr and decode(tr, join(dir, "trainer.json"), "load") or nil
   local ea = join(dir, "optim/exp_avg.safetensors")
   if exists(ea) then
-    local a, b = load_st(ea), load_st(join(dir, "optim/exp_avg_sq.safetensors"))
+    local a, b = open_st(ea), open_st(join(dir, "optim/exp_avg_sq.safetensors"))
     c.optim = {}
     for name, t in pairs(a) do
       if not b[name] then fail("load", "optim: exp_avg_sq has no '%s'", name) end
@@ -505,7 +537,7 @@ function ckpt.load(path)
     end
   end
   local sp = join(dir, "optim/steps.safetensors")
-  if exists(sp) then c.optim_steps = load_st(sp) end
+  if exists(sp) then c.optim_steps = open_st(sp) end
   return c
 end
 

@@ -240,10 +240,16 @@ local function check_expert_states(fn, i, g, gs)
 end
 
 -- Copies sd's tensor src (any device) into st[k] (allocated under "optim"
--- on `device` when absent), or frees st[k] when src is nil.
-local function load_state(st, k, src, dt, device)
+-- on `device` when absent; with adopt, src itself becomes st[k] when it
+-- is a flat, contiguous tensor of that dtype and device), or frees st[k]
+-- when src is nil.
+local function load_state(st, k, src, dt, device, adopt)
   if src ~= nil then
     local n = src:numel()
+    if st[k] == nil and adopt and src:dim() == 1 and src:is_contiguous() and src:dtype() == dt
+       and src:device() == device then
+      st[k] = src
+    end
     if st[k] == nil then st[k] = zeros_optim(n, dt, device) end
     if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
   elseif st[k] ~= nil then
@@ -254,8 +260,11 @@ end
 
 -- Copies sd's states into this optimizer's (allocating them under "optim"
 -- where needed); states absent from sd are freed. sd is checked whole before
--- anything changes.
-function Base:load_state_dict(sd)
+-- anything changes. opts.adopt: where this optimizer has no state yet, take
+-- sd's tensor itself when it fits (no copy: a loader that built sd for
+-- this call hands its tensors over instead of holding them twice).
+function Base:load_state_dict(sd, opts)
+  local adopt = opts and opts.adopt
   local fn = self.kind .. ":load_state_dict"
   if type(sd) ~= "table" or type(sd.groups) ~= "table" then
     fail(fn, "expected a table from state_dict(), got %s", type(sd))
@@ -286,11 +295,11 @@ function Base:load_state_dict(sd)
     local dt, dev = g.params:dtype(), g.params:device()
     for _, k in ipairs(STATE_TENSORS) do
       if g.experts and EXPERT_STATES[k] then
-        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt, dev) end
+        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt, dev, adopt) end
       elseif k == "steps" then
-        load_state(st, k, gs[k], "i64", "cpu")
+        load_state(st, k, gs[k], "i64", "cpu", adopt)
       else
-        load_state(st, k, gs[k], dt, dev)
+        load_state(st, k, gs[k], dt, dev, adopt)
       end
     end
     st.step = gs.step

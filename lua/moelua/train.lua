@@ -196,8 +196,19 @@ local function optim_by_name(self)
 end
 
 -- The inverse: rebuild the per-group state_dict from a checkpoint's named
--- states (a sparse group's per expert: only the experts named get states).
+-- states (a sparse group's per expert: only the experts named get states),
+-- read straight from the files into state tensors on the parameters'
+-- device: the optimizer's own where it has them (a rollback), new ones
+-- under "optim" that load_state_dict adopts otherwise, so no state is ever
+-- held twice or staged through a host copy.
 local function load_optim(self, c, meta)
+  local live = self.optimizer:state_dict().groups
+  local function receiver(gi, k, e, n, dt, dev)   -- zeros: what no name covers stays 0
+    local cur = live[gi][k]
+    if e then cur = cur and cur[e] end
+    if cur then return cur:zero_() end
+    return mem.scope("optim", tensor.zeros, {n}, {dtype = dt, device = dev})
+  end
   local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
               groups = {}}
   for gi, g in ipairs(self.groups) do
@@ -214,17 +225,18 @@ local function load_optim(self, c, meta)
         local dst, at = gs, off
         if S then dst, at = gs[k], off - (off // S) * S end   -- expert off // S + 1's own
         local key = S and off // S + 1 or k
-        dst[key] = dst[key] or tensor.zeros({S or g.params:numel()}, {dtype = g.params:dtype()})
-        dst[key]:view_at(at, p.tensor:shape()):copy_(o[k])
+        dst[key] = dst[key] or receiver(gi, k, S and key, S or g.params:numel(), g.params:dtype(),
+                                        g.params:device())
+        o[k]:read_into(dst[key]:view_at(at, p.tensor:shape()))
       end
     end
     local st = c.optim_steps and c.optim_steps[p.name]
     if st and g.experts then
-      gs.steps = gs.steps or tensor.zeros({g.experts}, {dtype = "i64"})
-      gs.steps:narrow(1, off // S + 1, 1):copy_(st)
+      gs.steps = gs.steps or receiver(gi, "steps", nil, g.experts, "i64", "cpu")
+      st:read_into(gs.steps:narrow(1, off // S + 1, 1))
     end
   end
-  self.optimizer:load_state_dict(sd)
+  self.optimizer:load_state_dict(sd, {adopt = true})
 end
 
 -- The trainer's state in checkpoints: everything a resumed run needs to
@@ -277,7 +289,7 @@ end
 
 -- The model's weights from checkpoint c (ckpt.load's table), all checked first.
 local function load_weights(model, c)
-  model:load_named(c.model, {dtypes = c.dtypes, config = c.config, source = c.dir})
+  model:load_named(c.model, {config = c.config, source = c.dir})
 end
 
 -- train.init_from(model, dir): load a Mixtral-format checkpoint's weights

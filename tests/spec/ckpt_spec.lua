@@ -41,10 +41,10 @@ describe("moelua.ckpt", function()
     assert.equal(dir, ckpt.latest(root))
     local c = ckpt.load(root)
     assert.equal(dir, c.dir)
-    for _, e in ipairs(st.model) do assert.same(e.tensor:totable(), c.model[e.name]:totable()) end
+    for _, e in ipairs(st.model) do assert.same(e.tensor:totable(), c.model[e.name]:read():totable()) end
     local o = c.optim["model.embed_tokens.weight"]
-    assert.same(st.optim["model.embed_tokens.weight"].exp_avg_sq:totable(), o.exp_avg_sq:totable())
-    assert.same({3, 0, 7, 1}, c.optim_steps["model.layers.0.block_sparse_moe.experts.0.w1.weight"]:totable())
+    assert.same(st.optim["model.embed_tokens.weight"].exp_avg_sq:totable(), o.exp_avg_sq:read():totable())
+    assert.same({3, 0, 7, 1}, c.optim_steps["model.layers.0.block_sparse_moe.experts.0.w1.weight"]:read():totable())
     assert.equal("mixtral", c.config.model_type)
     assert.is_false(c.config.tie_word_embeddings)
     assert.equal(math.maxinteger, c.trainer.rng.seed)
@@ -144,7 +144,7 @@ describe("moelua.ckpt", function()
     local st9 = state(4, 9)
     st9.model[1].tensor:fill_(0.5)
     ckpt.save(root, 4, st9, {keep = 2})
-    assert.same(st9.model[1].tensor:totable(), ckpt.load(root).model[st9.model[1].name]:totable())
+    assert.same(st9.model[1].tensor:totable(), ckpt.load(root).model[st9.model[1].name]:read():totable())
     -- a rollback to step 4: step 5 belonged to the abandoned run and goes first
     steps = {}
     for _, e in ipairs(ckpt.list(root)) do steps[#steps + 1] = e.step end
@@ -172,6 +172,32 @@ describe("moelua.ckpt", function()
     has(errmsg(ckpt.load, root), "does not name a step directory")
   end)
 
+  it("loads a model straight into its units: no host copy of the model, bounded stages to convert", function()
+    local nn, train, mem = require "moelua.nn", require "moelua.train", require "moelua.mem"
+    local function model()
+      return nn.Transformer.new{vocab = 256, dim = 64, layers = 2, heads = 4, kv_heads = 2, ffn = 96,
+                                experts = 4, topk = 2, seed = 3}
+    end
+    local a, b = model(), model()
+    local named = {}
+    for _, p in ipairs(a:named_parameters()) do
+      p.tensor:add_(0.5)   -- differ from b's weights
+      named[#named + 1] = {name = p.name, tensor = p.tensor}
+    end
+    ckpt.save(root, 1, {model = named, config = a:config()})
+    local bytes = 0
+    for _, p in ipairs(b:named_parameters()) do bytes = bytes + 4 * p.tensor:numel() end
+    collectgarbage()
+    mem.reset_peak()
+    local before = mem.stats().cpu.total
+    train.init_from(b, root)
+    assert.is_true(mem.stats().cpu.total_peak - before < 64 * 1024,
+                   string.format("loading %d bytes of weights took %d more", bytes, mem.stats().cpu.total_peak - before))
+    for i, p in ipairs(b:named_parameters()) do
+      assert.are.equal(0, p.tensor:sub(a:named_parameters()[i].tensor):abs():max():item(), p.name)
+    end
+  end)
+
   it("loads sharded and BF16/F16 Hugging Face checkpoints as f32", function()
     local dir = root .. "/hf"
     fs.mkdir_p(dir)
@@ -185,9 +211,10 @@ describe("moelua.ckpt", function()
   "b.weight": "model-00002-of-00002.safetensors"}}]])
     support.write_file(dir .. "/config.json", '{"model_type": "mixtral", "num_local_experts": 8}')
     local c = ckpt.load(dir)
-    assert.equal("f32", c.model["a.weight"]:dtype())
-    assert.same(a:totable(), c.model["a.weight"]:totable())
-    assert.same(b:totable(), c.model["b.weight"]:totable())
+    assert.equal("bf16", c.model["a.weight"]:dtype())          -- the source: as on disk
+    assert.equal("f32", c.model["a.weight"]:read():dtype())    -- read: converted
+    assert.same(a:totable(), c.model["a.weight"]:read():totable())
+    assert.same(b:totable(), c.model["b.weight"]:read():totable())
     assert.is_nil(c.model.extra)
     assert.same({"a.weight", "b.weight"}, c.names)
     assert.equal(8, c.config.num_local_experts)

@@ -34,6 +34,7 @@ local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local pool = require "moelua.pool"
 local moe = require "moelua.moe"
+local ckpt = require "moelua.ckpt"
 local Embedding = require "moelua.nn.embedding"
 local RMSNorm = require "moelua.nn.rmsnorm"
 local Attention = require "moelua.nn.attention"
@@ -601,11 +602,12 @@ local CONFIG_KEYS = {
 local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
 
 -- model:load_named(tensors [, opts]): copy a checkpoint's tensors
--- {HF name -> tensor} into the parameters. Everything is checked before
--- anything is copied: opts.config (a MixtralConfig table, when given)
--- against the model's shape keys; every parameter present, no other
--- tensor, equal shapes, floating dtypes (F32, BF16, F16, F64; opts.dtypes
--- maps a name to its on-disk dtype when the loader converted it).
+-- {HF name -> tensor or moelua.ckpt source} into the parameters (a source
+-- is read straight into the parameter's view, on the model's device).
+-- Everything is checked before anything is copied: opts.config (a
+-- MixtralConfig table, when given) against the model's shape keys; every
+-- parameter present, no other tensor, equal shapes, floating dtypes (F32,
+-- BF16, F16, F64).
 -- opts.source names the checkpoint in errors. One error lists every
 -- mismatch (the first 8). Used by --init-from and by resume.
 function Transformer:load_named(tensors, opts)
@@ -630,10 +632,10 @@ function Transformer:load_named(tensors, opts)
     local t = tensors[p.name]
     if t == nil then
       bad("missing tensor '%s' (shape %s)", p.name, shape_str(p.tensor:shape()))
-    elseif not tensor.is_tensor(t) then
+    elseif not (tensor.is_tensor(t) or ckpt.is_source(t)) then
       bad("'%s' is a %s, not a tensor", p.name, type(t))
     else
-      local dt = opts.dtypes and opts.dtypes[p.name] or t:dtype()
+      local dt = t:dtype()
       if not LOAD_DTYPES[dt] then
         bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
       end
@@ -656,7 +658,10 @@ function Transformer:load_named(tensors, opts)
     error(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
                         table.concat(shown, "; "), more), 2)
   end
-  for _, p in ipairs(params) do p.tensor:copy_(tensors[p.name]) end
+  for _, p in ipairs(params) do
+    local t = tensors[p.name]
+    if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
+  end
 end
 
 -- model:config(): a MixtralConfig table (config.json's keys).
@@ -725,12 +730,12 @@ end
 -- checkpoint (ckpt.load: a step directory, a root with `latest`, or a
 -- Mixtral directory) rebuilt from its config.json (from_config, extra as
 -- there) with its weights loaded by name (load_named). c is ckpt.load's
--- table without c.model (dir, config, dtypes, trainer, ...).
+-- table without c.model (dir, config, trainer, ...).
 function Transformer.from_checkpoint(dir, extra)
-  local c = require("moelua.ckpt").load(dir)
+  local c = ckpt.load(dir)
   if not c.config then error("moelua.nn.Transformer.from_checkpoint: " .. c.dir .. " has no config.json", 2) end
   local model = Transformer.from_config(c.config, extra)
-  model:load_named(c.model, {dtypes = c.dtypes, source = c.dir})
+  model:load_named(c.model, {source = c.dir})
   c.model = nil
   collectgarbage()
   return model, c
