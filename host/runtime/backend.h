@@ -54,8 +54,10 @@ typedef struct ml_memory {
      * bytes to lg. */
     void *(*alloc)(size_t nbytes, ml_ledger *lg);
     void (*free)(void *p, size_t nbytes, ml_ledger *lg);
-    /* Bytes the device reserves for a block of nbytes (a caching allocator
-     * rounds up); NULL: nbytes. Budgets are checked against this. */
+    /* Bytes the device's reservation grows by for a request of nbytes
+     * (caching: the rounded size, 0 when a cached block serves it; NULL:
+     * nbytes): the total budget of a caching ledger is checked against
+     * reserved + this (ml_ledger_check). */
     size_t (*reserve_bytes)(size_t nbytes);
     /* Byte copy in direction dir, ordered on stream (NULL: the default
      * stream; the call returns when the bytes are there). */

@@ -297,10 +297,8 @@ static void *cuda_alloc(size_t nbytes, ml_ledger *lg)
     return p;
 }
 
-/* Bytes the budget is checked against (ml_memory.reserve_bytes): a new
- * block's rounded size, but only nbytes when a cached block will serve the
- * request (the reservation does not grow then; nbytes still counts against
- * the category, which is charged nbytes). */
+/* What the reservation grows by (ml_memory.reserve_bytes): a new block's
+ * rounded size, 0 when a cached block will serve the request. */
 static size_t cuda_reserve_bytes(size_t nbytes)
 {
     size_t size = ml_cuda_round_size(nbytes);
@@ -309,7 +307,7 @@ static size_t cuda_reserve_bytes(size_t nbytes)
     pthread_mutex_lock(&A.mu);
     int hit = best_fit(size) != NULL;
     pthread_mutex_unlock(&A.mu);
-    return hit ? nbytes : size;
+    return hit ? 0 : size;
 }
 
 static void cuda_free(void *p, size_t nbytes, ml_ledger *lg)

@@ -38,14 +38,21 @@ void ml_ledger_free(ml_ledger *lg)
     lg->cap = lg->nsamples = 0;
 }
 
-ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n)
+/* held + add > limit, without wrapping */
+static int exceeds(size_t held, size_t add, size_t limit)
+{
+    return add > limit || held > limit - add;
+}
+
+ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n, size_t grow)
 {
     /* A caching allocator's budget bounds what it holds (DESIGN.md): a
-     * refusal makes the caller release the cache and try again. */
-    size_t held = lg->caching && lg->reserved > lg->total ? lg->reserved : lg->total;
-    if (lg->budget_total && (n > lg->budget_total || held > lg->budget_total - n))
+     * refusal makes the caller release the cache and try again. A request
+     * that a cached block serves holds nothing more (grow 0). */
+    if (lg->budget_total && (exceeds(lg->total, n, lg->budget_total) ||
+                             (lg->caching && exceeds(lg->reserved, grow, lg->budget_total))))
         return ML_LEDGER_OVER_TOTAL;
-    if (lg->budget[cat] && (n > lg->budget[cat] || lg->cur[cat] > lg->budget[cat] - n))
+    if (lg->budget[cat] && exceeds(lg->cur[cat], n, lg->budget[cat]))
         return ML_LEDGER_OVER_CATEGORY;
     return ML_LEDGER_OK;
 }

@@ -4,8 +4,9 @@
  *
  * The ledger counts; it does not allocate. host/runtime/tensor.c (ml_storage_new)
  * and host/runtime/pool.c ask it for permission (ml_ledger_check), allocate, charge
- * (ml_ledger_charge) and give the bytes back with ml_ledger_credit. Budgets are checked before anything is allocated, so a
- * refused request leaves every existing tensor intact.
+ * (ml_ledger_charge) and give the bytes back with ml_ledger_credit. Budgets are
+ * checked before anything is allocated, so a refused request leaves every
+ * existing tensor intact.
  */
 #ifndef ML_LEDGER_H
 #define ML_LEDGER_H
@@ -53,8 +54,11 @@ void ml_ledger_init(ml_ledger *lg, const char *device);
 void ml_ledger_free(ml_ledger *lg);
 
 /* Would `n` more bytes of category `cat` fit the budgets? Counts nothing.
- * The total budget bounds max(total, reserved) on a caching ledger. */
-ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n);
+ * The category budget bounds cur[cat] + n. The total budget bounds what the
+ * device holds afterwards: total + n, or on a caching ledger
+ * max(total + n, reserved + grow), where grow is what the reservation grows
+ * by (ml_memory.reserve_bytes: 0 when a cached block serves the request). */
+ml_ledger_verdict ml_ledger_check(const ml_ledger *lg, ml_category cat, size_t n, size_t grow);
 /* Account n bytes (the caller has already checked and allocated). */
 void ml_ledger_charge(ml_ledger *lg, ml_category cat, size_t n);
 void ml_ledger_credit(ml_ledger *lg, ml_category cat, size_t n);

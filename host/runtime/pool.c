@@ -22,6 +22,18 @@ static int outside_plan(const ml_pool *p)
     return p->host->planning && !ml_is_plan_ledger(p->host, p->lg);
 }
 
+/* What the device's reservation grows by for a new block of `bytes`. */
+static size_t reserve_growth(const ml_memory *mem, size_t bytes)
+{
+    return mem->reserve_bytes ? mem->reserve_bytes(bytes) : bytes;
+}
+
+/* a - b, or 0 when b >= a */
+static size_t sub_floor(size_t a, size_t b)
+{
+    return a > b ? a - b : 0;
+}
+
 /* A new block of `bytes` charged to the ledger under `pool`. */
 static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astatus)
 {
@@ -34,7 +46,7 @@ static ml_pool_status add_block(ml_pool *p, size_t bytes, ml_alloc_status *astat
         *astatus = ML_ALLOC_NODEVICE;
         return ML_POOL_LEDGER;
     }
-    switch (ml_ledger_check(lg, ML_CAT_POOL, mem->reserve_bytes ? mem->reserve_bytes(bytes) : bytes)) {
+    switch (ml_ledger_check(lg, ML_CAT_POOL, bytes, reserve_growth(mem, bytes))) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
     case ML_LEDGER_OK:            break;
@@ -161,13 +173,12 @@ ml_pool_status ml_pool_reserve(ml_pool *p, size_t bytes, ml_alloc_status *astatu
     bytes = align_up(bytes);
     if (p->nblocks == 1 && p->capacity == bytes)
         return ML_POOL_OK;
-    /* asked as if the old blocks were returned already, so that a refusal
-     * keeps them (in the device's reserved bytes, as add_block asks) */
-    size_t want = p->mem && p->mem->reserve_bytes ? p->mem->reserve_bytes(bytes) : bytes;
-    size_t have = 0;
-    for (size_t i = 0; i < p->nblocks; i++)
-        have += p->mem && p->mem->reserve_bytes ? p->mem->reserve_bytes(p->blocks[i].size) : p->blocks[i].size;
-    switch (ml_ledger_check(p->lg, ML_CAT_POOL, want > have ? want - have : 0)) {
+    /* Asked as if the old blocks were returned already, so that a refusal
+     * keeps them. They hold at least their own sizes of the device's
+     * reservation (a caching allocator rounds up), so a reserve that passes
+     * here fits once they are given back. */
+    switch (ml_ledger_check(p->lg, ML_CAT_POOL, sub_floor(bytes, p->capacity),
+                            sub_floor(reserve_growth(p->mem, bytes), p->capacity))) {
     case ML_LEDGER_OVER_TOTAL:    p->lg->nrefused++; *astatus = ML_ALLOC_OVER_TOTAL; return ML_POOL_LEDGER;
     case ML_LEDGER_OVER_CATEGORY: p->lg->nrefused++; *astatus = ML_ALLOC_OVER_CATEGORY; return ML_POOL_LEDGER;
     case ML_LEDGER_OK:            break;

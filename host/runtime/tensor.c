@@ -43,7 +43,8 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     *out = NULL;
     if (!mem || !mem->available())
         return ML_ALLOC_NODEVICE;
-    switch (ml_ledger_check(lg, h->category, mem->reserve_bytes ? mem->reserve_bytes(nbytes) : nbytes)) {
+    size_t grow = mem->reserve_bytes ? mem->reserve_bytes(nbytes) : nbytes;
+    switch (ml_ledger_check(lg, h->category, nbytes, grow)) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
     case ML_LEDGER_OK:            break;

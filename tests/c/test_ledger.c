@@ -4,8 +4,9 @@
  *
  * Covers: charge/credit counts, per-category and total peaks, the breakdown
  * at the total peak, total and per-category budgets (including requests near
- * SIZE_MAX that would wrap a naive sum), reset_peak, reserved bytes with and
- * without a caching allocator, the
+ * SIZE_MAX that would wrap a naive sum; on a caching ledger the total budget
+ * also bounds reserved + the reservation's growth, 0 for a cache hit),
+ * reset_peak, reserved bytes with and without a caching allocator, the
  * timeline (cap, interval, dropped samples, off), the text report, byte
  * formatting, and the abort on a credit underflow. Not here: allocation
  * (host/runtime/tensor.c, host/runtime/pool.c) and the Lua face (tests/spec/mem_spec.lua).
@@ -121,44 +122,91 @@ static void test_budgets(void)
 {
     ml_ledger lg;
     ml_ledger_init(&lg, "cpu");
-    ok(ml_ledger_check(&lg, ML_CAT_OTHER, SIZE_MAX) == ML_LEDGER_OK, "budget: none set, anything fits");
+    ok(ml_ledger_check(&lg, ML_CAT_OTHER, SIZE_MAX, SIZE_MAX) == ML_LEDGER_OK,
+       "budget: none set, anything fits");
 
     lg.budget_total = 1000;
     ml_ledger_charge(&lg, ML_CAT_PARAMS, 900);
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 100) == ML_LEDGER_OK, "budget total: exactly up to the budget fits");
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 101) == ML_LEDGER_OVER_TOTAL, "budget total: one byte over is refused");
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX) == ML_LEDGER_OVER_TOTAL,
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 100, 100) == ML_LEDGER_OK, "budget total: exactly up to the budget fits");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 101, 101) == ML_LEDGER_OVER_TOTAL, "budget total: one byte over is refused");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX, SIZE_MAX) == ML_LEDGER_OVER_TOTAL,
        "budget total: SIZE_MAX is refused");
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 850) == ML_LEDGER_OVER_TOTAL,
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 850, SIZE_MAX - 850) == ML_LEDGER_OVER_TOTAL,
        "budget total: a request that wraps total + n is refused");
     ok(lg.total == 900 && lg.cur[ML_CAT_ACTS] == 0, "budget: check counts nothing");
 
     lg.budget[ML_CAT_PARAMS] = 950;
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 50) == ML_LEDGER_OK, "budget category: up to it fits");
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 51) == ML_LEDGER_OVER_CATEGORY,
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 50, 50) == ML_LEDGER_OK, "budget category: up to it fits");
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 51, 51) == ML_LEDGER_OVER_CATEGORY,
        "budget category: over the category, under the total");
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 51) == ML_LEDGER_OK,
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 51, 51) == ML_LEDGER_OK,
        "budget category: other categories are not limited by it");
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 200) == ML_LEDGER_OVER_TOTAL,
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, 200, 200) == ML_LEDGER_OVER_TOTAL,
        "budget: over both reports the total");
 
     lg.budget_total = 0;
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 100) == ML_LEDGER_OVER_CATEGORY,
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 100, SIZE_MAX - 100) == ML_LEDGER_OVER_CATEGORY,
        "budget category: a request that wraps cur + n is refused");
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX) == ML_LEDGER_OVER_CATEGORY,
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX, SIZE_MAX) == ML_LEDGER_OVER_CATEGORY,
        "budget category: SIZE_MAX is refused");
     lg.budget[ML_CAT_PARAMS] = SIZE_MAX;
-    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 900) == ML_LEDGER_OK &&
-       ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 899) == ML_LEDGER_OVER_CATEGORY,
+    ok(ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 900, SIZE_MAX - 900) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_PARAMS, SIZE_MAX - 899, SIZE_MAX - 899) == ML_LEDGER_OVER_CATEGORY,
        "budget category: a SIZE_MAX budget is exact at its edge");
     lg.budget_total = SIZE_MAX - 1;
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 901) == ML_LEDGER_OK &&
-       ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 900) == ML_LEDGER_OVER_TOTAL,
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 901, SIZE_MAX - 901) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, SIZE_MAX - 900, SIZE_MAX - 900) == ML_LEDGER_OVER_TOTAL,
        "budget total: a budget near SIZE_MAX is exact at its edge");
     lg.budget_total = 500;   /* already above a lowered budget */
-    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 0) == ML_LEDGER_OVER_TOTAL &&
-       ml_ledger_check(&lg, ML_CAT_ACTS, 1) == ML_LEDGER_OVER_TOTAL,
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 0, 0) == ML_LEDGER_OVER_TOTAL &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 1, 1) == ML_LEDGER_OVER_TOTAL,
        "budget total: lowered below the current total, nothing more fits");
+    ml_ledger_free(&lg);
+}
+
+/* A caching ledger: the total budget bounds max(total + n, reserved + grow). */
+static void test_budgets_caching(void)
+{
+    ml_ledger lg;
+    ml_ledger_init(&lg, "cuda");
+    lg.caching = 1;
+    ml_ledger_set_reserved(&lg, 8192);            /* two 4 KiB blocks, one cached */
+    ml_ledger_charge(&lg, ML_CAT_ACTS, 4000);
+    lg.budget_total = 10000;
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 4000, 0) == ML_LEDGER_OK,
+       "budget caching: a request a cached block serves fits (max(total, reserved) + n would not)");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 4000, 4096) == ML_LEDGER_OVER_TOTAL,
+       "budget caching: the same request needing a new block is refused");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 100, 1808) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 100, 1809) == ML_LEDGER_OVER_TOTAL,
+       "budget caching: reserved + grow is exact at the budget");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 6000, 0) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 6001, 0) == ML_LEDGER_OVER_TOTAL,
+       "budget caching: total + n still bounds a request a cached block serves");
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 0, SIZE_MAX) == ML_LEDGER_OVER_TOTAL &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 0, SIZE_MAX - 4000) == ML_LEDGER_OVER_TOTAL,
+       "budget caching: a growth that wraps reserved + grow is refused");
+    lg.budget_total = SIZE_MAX - 1;
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 0, SIZE_MAX - 8193) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 0, SIZE_MAX - 8192) == ML_LEDGER_OVER_TOTAL,
+       "budget caching: a total budget near SIZE_MAX is exact at its edge");
+    lg.budget_total = 10000;
+    lg.budget[ML_CAT_ACTS] = 5000;
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 1000, 0) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 1001, 0) == ML_LEDGER_OVER_CATEGORY,
+       "budget caching: the category budget bounds n, a cache hit or not");
+    lg.budget_total = 0;
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 1000, SIZE_MAX) == ML_LEDGER_OK,
+       "budget caching: grow counts against no category budget");
+    ml_ledger_credit(&lg, ML_CAT_ACTS, 4000);
+    ml_ledger_free(&lg);
+
+    ml_ledger_init(&lg, "cpu");
+    ml_ledger_charge(&lg, ML_CAT_ACTS, 900);
+    lg.budget_total = 1000;
+    ok(ml_ledger_check(&lg, ML_CAT_ACTS, 100, SIZE_MAX) == ML_LEDGER_OK &&
+       ml_ledger_check(&lg, ML_CAT_ACTS, 101, 0) == ML_LEDGER_OVER_TOTAL,
+       "budget: a non-caching ledger bounds total + n and ignores grow");
     ml_ledger_free(&lg);
 }
 
@@ -262,6 +310,7 @@ int main(void)
     test_reserved_caching();
     test_peaks();
     test_budgets();
+    test_budgets_caching();
     test_timeline();
     test_format();
     test_underflow_aborts();
