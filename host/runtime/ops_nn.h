@@ -5,10 +5,9 @@
  * input's; one float dtype: f32 or f64, and bf16 where the device's kernel
  * table supports the family in bf16 (CUDA: rmsnorm, rope, embedding,
  * attention; cross-entropy stays f32/f64); contiguous; matching shapes; ids
- * in range),
- * allocates the outputs it is given empty and its scratch (host/runtime/op.h),
- * calls the device's kernel through ML_KCALL and releases the scratch
- * before returning, on every path. A device whose kernel table lacks a
+ * in range), allocates the outputs it is given empty and its scratch
+ * (host/runtime/op.h), calls the device's kernel through ML_KCALL and
+ * releases the scratch before returning, on every path. A device whose kernel table lacks a
  * family answers ML_EUNSUPPORTED.
  *
  * Not here: Lua and options tables (host/bindings/l_ops.c binds these as
