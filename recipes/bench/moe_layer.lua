@@ -1,15 +1,23 @@
--- recipes/bench/moe_layer.lua: forward + backward of one MoE layer (f32, CPU).
+-- recipes/bench/moe_layer.lua: forward + backward of one MoE layer (f32, CPU or CUDA).
 --   moelua recipes/bench/moe_layer.lua --tokens 32768            one config
+--   moelua recipes/bench/moe_layer.lua --device cuda --tokens 32768 --dim 4096 --ffn 14336
 --   moelua recipes/bench/moe_layer.lua --suite issue             the issue's configs
 --   moelua recipes/bench/moe_layer.lua --router-memory 1         router memory vs T (E = 64)
 -- Options: --tokens --dim --ffn --experts --topk --chunk --tile --save
--- (save | recompute | a partial_recompute fraction) --reps.
+-- (save | recompute | a partial_recompute fraction) --reps --device (cpu | cuda).
 -- One JSON object per config: the config, fwd_ms and bwd_ms (medians over
 -- reps after one warm-up step), gemm_gflops (expert GEMM FLOPs / time),
 -- floor_pct (time the expert GEMMs would take at this run's raw sgemm rate /
 -- measured time), peak bytes (ledger total and per category, and the
--- process's peak RSS). The PyTorch baselines are moe_layer_torch.py beside it.
+-- process's peak RSS). On cuda the line also holds "device":"cuda": the
+-- layer, x and dy live on the GPU (x and dy drawn on the CPU and copied),
+-- each clock read waits for the GPU's queued work, the peaks are the cuda
+-- ledger's (peak_reserved_bytes: its caching allocator's reservation), and
+-- sgemm_gflops / floor_pct are null (the floor is a CPU BLAS figure). The
+-- PyTorch baselines are moe_layer_torch.py (CPU) and moe_layer_torch_gpu.py
+-- (CUDA, f32 and bf16) beside it.
 local moelua = require "moelua"
+local errors = require "moelua.errors"
 local moe = require "moelua.moe"
 local options = require "moelua.options"
 local measure = require "moelua.measure"
@@ -22,7 +30,18 @@ local opts = options.parse(arg, {
   {"tile", 256, "expert GEMM tile rows"}, {"save", "save", "save | recompute | a partial_recompute fraction"},
   {"reps", 3, "timed repetitions (medians)"}, {"suite", "", "issue: the issue's configs"},
   {"router-memory", 0, "1: router memory against T (E = 64)"},
+  {"device", "cpu", "where the layer runs: cpu or cuda"},
 }, "usage: moelua recipes/bench/moe_layer.lua [options]")
+
+local device = opts.device
+if device ~= "cpu" and device ~= "cuda" then
+  errors.user(string.format("--device must be cpu or cuda, got '%s'", device))
+end
+if device == "cuda" then
+  local ok, why_not = moelua.cuda_available()
+  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. ")") end
+  if opts.router_memory ~= 0 then errors.user("--router-memory measures the CPU ledger: run it with --device cpu") end
+end
 
 -- Raw sgemm rate on the experts' main shape (a 2048-row block of tokens
 -- through the gate_up projection), measured in this run.
@@ -48,6 +67,8 @@ local function json(t, order)
       v = '"' .. v .. '"'
     elseif math.type(v) == "float" then
       v = string.format("%.4g", v)
+    elseif v == nil then
+      v = "null"
     end
     parts[#parts + 1] = string.format('"%s":%s', k, tostring(v))
   end
@@ -56,12 +77,17 @@ end
 
 local function run(c)
   local layer_opts = {dim = c.dim, ffn = c.ffn, experts = c.experts, topk = c.topk, chunk = c.chunk,
-                      tile = c.tile, init_std = 0.02, aux_weight = 0.01, z_weight = 1e-3}
+                      tile = c.tile, init_std = 0.02, aux_weight = 0.01, z_weight = 1e-3, device = device}
   if tonumber(c.save) then layer_opts.partial_recompute = tonumber(c.save) else layer_opts.save = c.save end
   local layer = moe.new(layer_opts)
   local x = moelua.randn({c.tokens, c.dim}, {seed = 1})
   local dy = moelua.randn({c.tokens, c.dim}, {seed = 2})
-  local rate = sgemm_gflops(c.dim, c.ffn)
+  if device ~= "cpu" then
+    local hx, hdy = x, dy
+    x, dy = hx:to(device), hdy:to(device)
+    hx:free(); hdy:free()
+  end
+  local rate = device == "cpu" and sgemm_gflops(c.dim, c.ffn) or nil
   layer:forward(x, 0)                           -- warm-up: the pool grows once
   layer:backward(dy)
   collectgarbage()
@@ -69,30 +95,36 @@ local function run(c)
   local fwd, bwd = {}, {}
   for r = 1, c.reps do
     layer:zero_grad()
-    local t0 = bench.now()
+    local t0 = bench.now(device)
     layer:forward(x, r)
-    local t1 = bench.now()
+    local t1 = bench.now(device)
     layer:backward(dy)
-    local t2 = bench.now()
+    local t2 = bench.now(device)
     fwd[r], bwd[r] = t1 - t0, t2 - t1
   end
-  local st = mem.stats().cpu
+  local st = mem.stats()[device]
   -- expert GEMMs: forward 2*T*k*3*D*F, backward twice that (recompute adds one gate_up GEMM)
   local flops = 6 * c.tokens * c.topk * 3 * c.dim * c.ffn
   local f, b = median(fwd), median(bwd)
   return {
-    bench = "moe_layer", impl = "moelua", tokens = c.tokens, dim = c.dim, ffn = c.ffn,
+    bench = "moe_layer", impl = "moelua", device = device ~= "cpu" and device or nil,
+    tokens = c.tokens, dim = c.dim, ffn = c.ffn,
     experts = c.experts, topk = c.topk, chunk = c.chunk, tile = c.tile, recompute = tostring(c.save),
     threads = moelua.threads(), reps = c.reps, fwd_ms = 1e3 * f, bwd_ms = 1e3 * b,
     gemm_gflops = flops / (f + b) / 1e9, sgemm_gflops = rate,
-    floor_pct = 100 * (flops / (rate * 1e9)) / (f + b),
+    floor_pct = rate and 100 * (flops / (rate * 1e9)) / (f + b),
     peak_bytes = st.total_peak, peak_by_category = st.peak, peak_rss_bytes = peak_rss(),
+    peak_reserved_bytes = device ~= "cpu" and st.reserved_peak or nil,
   }
 end
 
 local ORDER = {"bench", "impl", "tokens", "dim", "ffn", "experts", "topk", "chunk", "tile", "recompute",
                "threads", "reps", "fwd_ms", "bwd_ms", "gemm_gflops", "sgemm_gflops", "floor_pct",
                "peak_bytes", "peak_by_category", "peak_rss_bytes"}
+if device ~= "cpu" then   -- the CPU line stays as it was
+  table.insert(ORDER, 3, "device")
+  ORDER[#ORDER + 1] = "peak_reserved_bytes"   -- the caching allocator's, as torch's max_memory_reserved
+end
 
 local function config(over)
   local c = {}

@@ -19,6 +19,11 @@
 -- current optim bytes, the optimizer's skipped_expert_steps and the process's
 -- peak RSS (VmHWM, warm-up included, as for the PyTorch baseline), and the
 -- plan's predicted ledger peak and acts+pool peak.
+-- With --device cuda the model, its pool and activations live on the GPU
+-- (the data loader's tokens are copied over), every clock read waits for
+-- the GPU's queued work, and the peaks and plan are the cuda ledger's; the
+-- line then also holds "device":"cuda". Every line holds params and
+-- active_params (the experts counted at topk/experts), for MFU.
 -- The baseline is train_torch.py beside it; train_compare.sh interleaves both.
 local moelua = require "moelua"
 local nn = require "moelua.nn"
@@ -26,6 +31,7 @@ local optim = require "moelua.optim"
 local sched = require "moelua.sched"
 local data = require "moelua.data"
 local options = require "moelua.options"
+local errors = require "moelua.errors"
 local json = require "dkjson"
 local measure = require "moelua.measure"
 local mem, bench = moelua.mem, moelua.bench
@@ -52,21 +58,31 @@ local opts = options.parse(arg, {
   {"data", "/usr/include/**/*.h", "corpus glob"},
   {"seed", 0, "seed"},
   {"threads", 2, "CPU threads"},
+  {"device", "cpu", "where the model trains: cpu or cuda"},
 }, "usage: moelua recipes/bench/train.lua [options]")
+
+local device = opts.device
+if device ~= "cpu" and device ~= "cuda" then
+  errors.user(string.format("--device must be cpu or cuda, got '%s'", device))
+end
+if device == "cuda" then
+  local ok, why_not = moelua.cuda_available()
+  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. ")") end
+end
 
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 
 local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}
 local lr = sched.constant(opts.lr)
-local now = bench.now
+local function now() return bench.now(device) end
 
 local function build()
   local model = nn.Transformer.new{
     vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save},
+    moe = {save = opts.save}, device = device,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0, sparse = opts.sparse}
   local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
@@ -114,11 +130,11 @@ end
 local plan = assert(mem.plan(function()
   local model, groups, opt = build()
   run(model, groups, opt, 1)
-end)).cpu
+end))[device]
 local model, groups, opt = build()
 local w, times, phases, losses = run(model, groups, opt, opts.steps)
 
-local st = mem.stats().cpu
+local st = mem.stats()[device]
 local peak = {total = st.total_peak}
 for k, v in pairs(st.peak) do peak[k] = v end
 local at_peak = {}
@@ -127,9 +143,17 @@ local S = opts.seq_len
 local step_s = median(times)
 local ph = {}
 for k, v in pairs(phases) do ph[k] = median(v) * 1e3 end
+-- parameters, and those a token uses (topk of the experts)
+local params, active = 0, 0
+for _, u in ipairs(model.units) do
+  local n = u.params:numel()
+  params = params + n
+  active = active + (u.kind == "experts" and n * opts.topk / opts.experts or n)
+end
 
 local out = {
-  impl = "moelua", seq_len = S, dim = opts.dim, layers = opts.layers, heads = opts.heads,
+  impl = "moelua", device = device ~= "cpu" and device or nil,
+  seq_len = S, dim = opts.dim, layers = opts.layers, heads = opts.heads,
   kv_heads = opts.kv_heads, experts = opts.experts, topk = opts.topk, ffn = opts.ffn,
   checkpoint = opts.checkpoint, save = opts.save, sparse = opts.sparse, threads = moelua.threads(),
   steps = opts.steps, warmup = opts.warmup, warmup_ms = w.total * 1e3,
@@ -138,7 +162,7 @@ local out = {
   peak_ledger_bytes = peak, ledger_at_peak_bytes = at_peak,
   peak_acts_pool_bytes = (st.peak.acts or 0) + (st.peak.pool or 0),
   optim_bytes = (st.current or {}).optim, skipped_expert_steps = opt.skipped_expert_steps,
-  peak_rss_bytes = peak_rss(),
+  peak_rss_bytes = peak_rss(), params = params, active_params = math.floor(active + 0.5),
   planned_peak_ledger_bytes = plan.total_peak,
   planned_peak_acts_pool_bytes = plan.peak.acts + plan.peak.pool,
   -- the ledger charges the pool's capacity (blocks grow geometrically);

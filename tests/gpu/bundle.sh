@@ -11,6 +11,10 @@
 #                              (OpenBLAS, gfortran, readline, ...), not glibc
 #   gpu-bundle/busted          the busted runner script
 #   gpu-bundle/tests/spec/     every spec; gpu-bundle/run.sh runs them
+#   gpu-bundle/recipes/        the recipes and benchmarks; gpu-bundle/bench.sh
+#                              runs the GPU benchmarks (tests/gpu/bench.sh,
+#                              its summary tests/gpu/bench_summary.py)
+#   gpu-bundle/env.sh          the environment both scripts source
 #
 # cuBLAS is not carried (libcublas + libcublasLt are ~600 MB): moelua
 # dlopens libcublas.so.13 on the first GPU matmul, and run.sh finds it in
@@ -41,8 +45,10 @@ cp tests/support.lua "$OUTDIR/tests/support.lua"
 for d in tests/data tests/fixtures recipes; do
     [ -d "$d" ] && cp -r "$d" "$OUTDIR/$d"
 done
-cp tests/gpu/run.sh "$OUTDIR/run.sh"
-chmod +x "$OUTDIR/run.sh"
+cp tests/gpu/run.sh tests/gpu/bench.sh tests/gpu/env.sh "$OUTDIR/"
+mkdir -p "$OUTDIR/tests/gpu"
+cp tests/gpu/bench_summary.py "$OUTDIR/tests/gpu/"
+chmod +x "$OUTDIR/run.sh" "$OUTDIR/bench.sh"
 
 # busted and friends: Lua files (dereferencing Debian's 5.1 symlinks) and C modules
 cp -rL "$LUA_SHARE" "$OUTDIR/share/lua/5.4"

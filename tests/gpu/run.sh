@@ -5,54 +5,31 @@
 # Lua, busted or OpenBLAS: the bundle carries them.
 #
 # Writes per-spec TAP output, the device description and summary.txt into
-# $OUT when set, else ./results. gpu_spec runs first. About 4 minutes at
-# most: each spec has a timeout and the remaining specs are skipped once
-# the overall budget (RUN_BUDGET_S, default 210 s) is spent.
+# $OUT when set, else ./results. gpu_spec runs first, then the other
+# gpu_*_spec files, then the rest. About 4 minutes at most: each spec has
+# a timeout and the remaining specs are skipped once the overall budget
+# (RUN_BUDGET_S, default 210 s) is spent.
 # Exit status: 0 when every spec passed and CUDA was available.
 set -u
 cd "$(dirname "$0")"
-B=$PWD
+. ./env.sh
 RES=${OUT:-$B/results}
 mkdir -p "$RES"
 BUDGET=${RUN_BUDGET_S:-210}
 SPEC_TIMEOUT=${SPEC_TIMEOUT_S:-120}
 t_start=$(date +%s)
 
-# cuBLAS: the CUDA install first, then a pip wheel (PyTorch), then ldconfig
-cublas_dir=""
-for d in /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-    [ -e "$d/libcublas.so.13" ] && { cublas_dir=$d; break; }
-done
-if [ -z "$cublas_dir" ] && command -v python3 >/dev/null; then
-    for p in $(python3 -c 'import site,sys; print(" ".join(site.getsitepackages()+[site.getusersitepackages()]))' 2>/dev/null); do
-        for d in "$p"/nvidia/cublas/lib "$p"/nvidia/cu13/lib; do
-            [ -e "$d/libcublas.so.13" ] && { cublas_dir=$d; break 2; }
-        done
-    done
-fi
-if [ -z "$cublas_dir" ]; then
-    f=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.13 /{print $NF; exit}')
-    [ -n "$f" ] && cublas_dir=$(dirname "$f")
-fi
-
-export LD_LIBRARY_PATH="$B/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export MOELUA_LUA_DIR="$B/lua"
-export LUA_PATH="$B/share/lua/5.4/?.lua;$B/share/lua/5.4/?/init.lua"
-export LUA_CPATH="$B/lib/lua/5.4/?.so"
-unset LUA_PATH_5_4 LUA_CPATH_5_4
-
-{
-    echo "date: $(date -u +%FT%TZ)"
-    echo "host: $(uname -n) $(uname -r)"
-    echo "cublas: ${cublas_dir:-NOT FOUND (GPU matmul specs will fail)}"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    ./moelua -e 'local m = require "moelua"; print("moelua cuda_available: " .. tostring(m.cuda_available()))'
-} >"$RES/device.txt" 2>&1
+describe_device >"$RES/device.txt" 2>&1
 cat "$RES/device.txt"
 
+# gpu_spec first, then the other gpu_*_spec files, then the rest: the
+# budget may cut the tail, and the GPU specs are what this machine is for
 specs=(tests/spec/gpu_spec.lua)
-for s in tests/spec/*_spec.lua; do
+for s in tests/spec/gpu_*_spec.lua; do
     [ "$s" = tests/spec/gpu_spec.lua ] || specs+=("$s")
+done
+for s in tests/spec/*_spec.lua; do
+    case $s in tests/spec/gpu_*) ;; *) specs+=("$s") ;; esac
 done
 
 passed=0 failed=0 skipped_specs=0
