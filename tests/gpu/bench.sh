@@ -72,7 +72,7 @@ step() {
 
 MOE=(--dim 4096 --ffn 14336 --experts 8 --topk 2)
 # the corpus: the bundle's Lua sources (the machine may lack /usr/include)
-LONGCTX=(--seq-len 32768 --steps 2 --warmup 1 --data 'lua/**/*.lua' --device cuda)
+TRAIN=(--seq-len 32768 --warmup 1 --data 'lua/**/*.lua' --device cuda)
 BENCHMODEL=(--dim 256 --layers 4 --heads 4 --kv-heads 2 --experts 8 --topk 2 --ffn 512)
 : >"$RES/peak.jsonl"; : >"$RES/moe.jsonl"; : >"$RES/train.jsonl"
 
@@ -82,8 +82,8 @@ for T in 16384 32768; do
     step "moe_torch_$T" 60 moe.jsonl "$PY" recipes/bench/moe_layer_torch_gpu.py --what moe --tokens "$T" "${MOE[@]}" \
         --dtype bf16,f32 --reps 3 --warmup 2
 done
-step train_longctx 60 train.jsonl ./moelua recipes/bench/train.lua "${LONGCTX[@]}"
-step train_benchmodel 60 train.jsonl ./moelua recipes/bench/train.lua "${LONGCTX[@]}" "${BENCHMODEL[@]}"
+step train_longctx 60 train.jsonl ./moelua recipes/bench/train.lua "${TRAIN[@]}" --steps 2
+step train_benchmodel 90 train.jsonl ./moelua recipes/bench/train.lua "${TRAIN[@]}" --steps 1 "${BENCHMODEL[@]}"
 step moe_moelua_32768_tile4096 60 moe.jsonl ./moelua recipes/bench/moe_layer.lua --device cuda --tokens 32768 "${MOE[@]}" \
     --tile 4096 --reps 3
 step moe_torch_32768_grouped_mm 45 moe.jsonl "$PY" recipes/bench/moe_layer_torch_gpu.py --what moe --tokens 32768 "${MOE[@]}" \
