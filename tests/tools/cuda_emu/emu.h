@@ -1,9 +1,38 @@
 /*
- * tests/tools/cuda_emu/emu.h - the emulator's runtime (block scheduling,
- * shared memory, diagnostics) and what the family tests share: seeded
- * inputs, dtype conversion, normwise comparison, a pass/fail tally. A
- * family test (test_<family>.cpp) includes the rewritten .cu first, then
- * this file. See run.sh for what is emulated and what is not.
+ * tests/tools/cuda_emu/emu.h - README of the CUDA emulator, and its runtime
+ * (block scheduler, diagnostics) plus what the family tests share.
+ *
+ * What: runs kernels/<family>.cu on the CPU, unchanged, against the CPU
+ * kernels (kernels/<family>.c) with the tolerances of the GPU specs, under
+ * ASan + UBSan. A developer tool (like tests/tools/mixtral_check.sh), not
+ * part of `make test`. Build and run, from the repository root:
+ *     tests/tools/cuda_emu/run.sh [family ...]
+ * launch.py rewrites each `k<<<g, b, s, st>>>(args)` into emu_launch();
+ * include/cuda_runtime.h stands in for the CUDA headers; test_<family>.cpp
+ * includes the rewritten .cu and compares.
+ *
+ * Emulated: threadIdx/blockIdx/blockDim/gridDim (3-D), every block of a
+ * grid in turn, each CUDA thread a fiber (ucontext) of one OS thread that
+ * runs until it waits at a barrier; __syncthreads (and _count) checked for
+ * divergence (one call site per phase) and deadlock; warp primitives
+ * (__shfl*_sync, __ballot_sync, __match_any_sync, __syncwarp) as a
+ * meeting of the lanes in mask, masks checked; static __shared__ arrays
+ * refilled with 0xff (NaN, -1) before every block; atomics;
+ * cudaMallocAsync (garbage-filled, leaks counted), cudaFreeAsync,
+ * cudaMemcpyAsync, cudaMemsetAsync, synchronisation (host memory, one
+ * stream); launch limits (block <= 1024 threads, grid y/z <= 65535,
+ * non-empty grid). Threads run in thread order, or reversed with
+ * EMU_REVERSE=1 (run.sh runs both): a read of shared data that another
+ * thread writes with no barrier between sees garbage in one of the orders.
+ *
+ * Not emulated: the memory model (no caching or reordering; races between
+ * blocks, which run one after another, and within a warp between
+ * primitives go unseen); real warp scheduling (lanes meet only at the
+ * primitives); extern __shared__ (attention.cu's dynamic shared memory:
+ * the earlier harness in /work/wt/attemu-example covers it); the device's
+ * libm (glibc's exp/log/pow/sin/cos, CUDA's differ by 1-2 ulp); cuBLAS
+ * (crossentropy and experts link ml_matmul_cpu as ml_matmul_cuda); the
+ * static shared-memory limit per block; streams and events as such.
  */
 #ifndef EMU_H
 #define EMU_H

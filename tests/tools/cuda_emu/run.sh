@@ -1,10 +1,11 @@
-#!/bin/sh
+#!/bin/bash
 # CUDA kernels on the CPU: builds each kernels/<family>.cu as C++ against an
 # emulated CUDA runtime (README at the top of emu.h) with ASan + UBSan, and
-# runs it against the CPU kernels (kernels/*.c). A developer tool, not part
+# runs it against the CPU kernels (kernels/*.c), threads in order and
+# reversed; prints the FAIL lines and each run's summary. A developer tool, not part
 # of `make test`. Usage, from the repository root:
 #   tests/tools/cuda_emu/run.sh [family ...]     (default: every family)
-set -e
+set -eo pipefail
 cd "$(dirname "$0")/../../.."
 T=tests/tools/cuda_emu
 B=build/cuda_emu
@@ -28,6 +29,9 @@ for f in $fams; do
     g++ -std=c++20 -ffp-contract=off -Wall -Wextra -Wno-unused-parameter $SAN -I$T/include -Ikernels \
         -I$B/gen $T/test_$f.cpp $objs -lopenblas -fopenmp -lm -pthread -o $B/test_$f
     echo "== $f"
-    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 $B/test_$f || status=1
+    for rev in 0 1; do
+        EMU_REVERSE=$rev ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 $B/test_$f \
+            | grep -v '^ok' || status=1
+    done
 done
 exit $status
