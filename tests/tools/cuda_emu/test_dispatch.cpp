@@ -1,0 +1,63 @@
+/* kernels/dispatch.cu under the emulator against kernels/dispatch.c:
+ * bitwise (integers), dropless and capacity-drop paths, several tiles */
+#include "cuda_util.cu.cpp"
+#include "dispatch.cu.cpp"
+#include "emu.h"
+
+static std::vector<double> dv(const std::vector<int64_t> &v) { return std::vector<double>(v.begin(), v.end()); }
+
+static void run(int64_t n, int64_t E, int64_t cap, bool skewed)
+{
+    std::vector<int64_t> idx(n + 1);
+    std::uniform_int_distribution<int64_t> u(0, E - 1);
+    for (int64_t a = 0; a < n; a++)
+        idx[a] = skewed && a % 3 ? 0 : u(emu_rng);
+    std::vector<int64_t> o1(E + 1, -5), o2(E + 1, -5), r1(n + 1, -5), r2(n + 1, -5), c1(E + 1, -5), c2(E + 1, -5);
+    std::vector<uint8_t> d1(n + 1, 7), d2(n + 1, 9);
+    int64_t nd1 = -1, nd2 = -2;
+    ml_dispatch_cpu(o1.data(), r1.data(), c1.data(), d1.data(), &nd1, idx.data(), n, E, cap, &emu_ctx);
+    check_status("dispatch", ml_dispatch_cuda(o2.data(), r2.data(), c2.data(), d2.data(), &nd2, idx.data(), n, E,
+                                              cap, &emu_ctx), ML_OK);
+    char nm[96];
+    snprintf(nm, sizeof nm, "dispatch n=%ld E=%ld cap=%ld%s", (long)n, (long)E, (long)cap, skewed ? " skewed" : "");
+    std::string s = nm;
+    check(s + " offsets", dv(o2), dv(o1), 0);
+    check(s + " order", dv(r2), dv(r1), 0);
+    check(s + " counts", dv(c2), dv(c1), 0);
+    check(s + " dropped", std::vector<double>(d2.begin(), d2.end() - 1), std::vector<double>(d1.begin(), d1.end() - 1), 0);
+    check(s + " ndropped", {(double)nd2}, {(double)nd1}, 0);
+    check(s + " check_plan", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)},
+          {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+    if (o1[E] > 2) {   /* a broken plan: two kept entries swapped, then a bad offset */
+        std::swap(r1[0], r1[o1[E] - 1]);
+        check(s + " check_plan swapped", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E,
+                                                                               &emu_ctx)},
+              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+        o1[E / 2] = n + 1;
+        check(s + " check_plan offsets", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E,
+                                                                               &emu_ctx)},
+              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+    }
+    check(s + " find_bad", {(double)ml_dispatch_find_bad_cuda(idx.data(), n, E, &emu_ctx)},
+          {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, &emu_ctx)}, 0);
+    if (n > 10) {
+        idx[n - 3] = E;
+        idx[n - 7] = -1;
+        check(s + " find_bad (bad ids)", {(double)ml_dispatch_find_bad_cuda(idx.data(), n, E, &emu_ctx)},
+              {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, &emu_ctx)}, 0);
+    }
+}
+
+int main()
+{
+    run(0, 4, -1, false);
+    run(1, 1, -1, false);
+    run(37, 3, -1, false);
+    run(37, 3, 5, false);
+    run(37, 3, 0, false);
+    run(5000, 7, -1, false);          /* three tiles, E not a power of two */
+    run(5000, 7, 600, true);          /* drops in every tile */
+    run(4097, 64, 70, false);
+    run(6000, 1, 2500, false);
+    return emu_finish();
+}
