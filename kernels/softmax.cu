@@ -37,7 +37,7 @@ softmax_kernel(int log_out, ml_dtype dt, void *out, const void *in, int64_t rows
         }
         red[threadIdx.x] = mx;
         __syncthreads();
-        for (int w = SM_THREADS / 2; w > 0; w >>= 1) {
+        for (unsigned w = SM_THREADS / 2; w > 0; w >>= 1) {
             if (threadIdx.x < w)
                 red[threadIdx.x] = nanmax(red[threadIdx.x], red[threadIdx.x + w]);
             __syncthreads();
@@ -49,7 +49,7 @@ softmax_kernel(int log_out, ml_dtype dt, void *out, const void *in, int64_t rows
             sum += exp(ml_load(dt, in, base + (size_t)j) - mx);
         red[threadIdx.x] = sum;
         __syncthreads();
-        for (int w = SM_THREADS / 2; w > 0; w >>= 1) {
+        for (unsigned w = SM_THREADS / 2; w > 0; w >>= 1) {
             if (threadIdx.x < w)
                 red[threadIdx.x] += red[threadIdx.x + w];
             __syncthreads();
