@@ -4,17 +4,22 @@
  * of R rows) with each step a kernel or a cuBLAS GEMM (ml_matmul_cuda, the
  * dlopen'ed cuBLAS of kernels/matmul.cu) on the context's stream.
  *
- * Per tile, forward: gather -> GEMM h -> silu·mul -> GEMM out -> add into y.
- * Backward: gather x and dy -> h (saved or recomputed) -> GEMM dact_u =
- * dyt·down[e] -> one warp per row (act, dw = <dact_u, act> in f64 lanes
- * combined by a fixed xor tree, dh) -> scale dyt by w -> GEMMs ddown +=
- * doutᵀ·act, dgate_up += dhᵀ·xt, dxt = dh·gate_up[e] -> add into dx.
+ * Per tile, forward (3 kernels, 2 GEMMs): gather -> GEMM h -> silu·mul ->
+ * GEMM out -> combine into y. Backward (3 kernels, 4 GEMMs, 5 when h is
+ * recomputed): gather x and dy in one launch -> h (saved or recomputed) ->
+ * GEMM dact_u = dyt·down[e] -> one warp per row (act, dw = <dact_u, act>
+ * in f64 lanes combined by a fixed xor tree, dh, and dyt scaled by w) ->
+ * GEMMs ddown += doutᵀ·act, dgate_up += dhᵀ·xt, dxt = dh·gate_up[e] ->
+ * combine into dx.
  *
- * Determinism: the combine adds a tile's rows into y (dx) one row after
- * another, one thread per column, so a token's sum is over its experts in
- * ascending expert index, as on the CPU; no float atomics. cuBLAS orders
- * its k-sums its own way (deterministic for a fixed GPU and shapes), so
- * results equal the CPU's within a normwise tolerance, not bitwise.
+ * Determinism: the combine runs over (row, column) in parallel, yet every
+ * output element gets its tile's rows in row order, as on the CPU: the
+ * block of a token's first row in the tile adds all of that token's rows
+ * (a token may pick an expert twice), the blocks of its later rows add
+ * nothing. So a token's sum is over its experts in ascending expert index;
+ * no float atomics. cuBLAS orders its k-sums its own way (deterministic
+ * for a fixed GPU and shapes), so results equal the CPU's within a
+ * normwise tolerance, not bitwise.
  *
  * The tile walk needs the plan's offsets on the host: they are read back in
  * blocks of 256 experts into a stack buffer (one synchronising copy per
@@ -33,23 +38,18 @@ extern "C" {
 
 /* ---- kernels ------------------------------------------------------------------- */
 
-/* dst [r, D] <- rows pos[i] / k of src [T, D] */
+/* dst [r, D] <- rows pos[i] / k of src [T, D], and likewise dst2 from src2
+ * unless dst2 is NULL (backward gathers x and dy in one launch) */
 template <typename F>
-__global__ void gather_kernel(F *dst, const F *src, const int64_t *pos, int64_t r, int64_t D,
-                              int64_t k)
+__global__ void gather_kernel(F *dst, const F *src, F *dst2, const F *src2, const int64_t *pos,
+                              int64_t r, int64_t D, int64_t k)
 {
     ML_CUDA_FOR(i, r * D) {
-        int64_t row = i / D, c = i % D;
-        dst[i] = src[(pos[row] / k) * D + c];
+        int64_t row = i / D, c = i % D, from = (pos[row] / k) * D + c;
+        dst[i] = src[from];
+        if (dst2)
+            dst2[i] = src2[from];
     }
-}
-
-/* dst [r, D] *= w[pos[i]] per row (dout = w · dy) */
-template <typename F>
-__global__ void scale_kernel(F *dst, const F *w, const int64_t *pos, int64_t r, int64_t D)
-{
-    ML_CUDA_FOR(i, r * D)
-        dst[i] *= w[pos[i / D]];
 }
 
 __device__ inline float ml_expm(float x) { return expf(x); }
@@ -67,11 +67,12 @@ __global__ void swiglu_fwd_kernel(F *act, const F *h, int64_t r, int64_t Fd)
 }
 
 /* One warp per row: act, dw[a] = <dact_u, act> (f64 lane sums over f = lane,
- * lane+32, ..., then xor 16, 8, 4, 2, 1), and dh = [dg, du] with dact =
- * w·dact_u (dh may be h: each element is read before it is written). */
+ * lane+32, ..., then xor 16, 8, 4, 2, 1), dh = [dg, du] with dact =
+ * w·dact_u (dh may be h: each element is read before it is written), and
+ * dout [r, D] *= w[a] (dout = w · dy, for the weight GEMMs that follow). */
 template <typename F>
-__global__ void swiglu_bwd_kernel(F *act, F *dh, F *dw, const F *h, const F *dact_u, const F *w,
-                                  const int64_t *pos, int64_t r, int64_t Fd)
+__global__ void swiglu_bwd_kernel(F *act, F *dh, F *dw, F *dout, const F *h, const F *dact_u,
+                                  const F *w, const int64_t *pos, int64_t r, int64_t Fd, int64_t D)
 {
     int lane = threadIdx.x & 31;
     int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -98,22 +99,41 @@ __global__ void swiglu_bwd_kernel(F *act, F *dh, F *dw, const F *h, const F *dac
             dot += __shfl_xor_sync(0xffffffffu, dot, o);
         if (lane == 0)
             dw[a] = (F)dot;
+        for (int64_t c = lane; c < D; c += 32)
+            dout[row * D + c] *= wa;
     }
 }
 
-/* acc[pos[i] / k, c] += (scaled ? w[pos[i]] : 1) · rows[i, c]: one thread
- * per column, rows in order (a token twice in a tile adds in row order). */
+/* acc[t, c] += (scaled ? w[a] : 1) · rows[i, c], a = pos[i], t = a / k.
+ * Blocks stride over rows (x) and column blocks (y). A row's block first
+ * looks for the row's token elsewhere in the tile: if an earlier row has
+ * it, that row's block owns the token and this one adds nothing; else it
+ * adds row i and, only when a later row has the token too, those rows
+ * after it, in row order. acc is read and written once per element. */
 template <typename F>
-__global__ void add_rows_kernel(F *acc, const F *rows, const F *w, const int64_t *pos, int64_t r,
-                                int64_t D, int64_t k, int scaled)
+__global__ void combine_kernel(F *acc, const F *rows, const F *w, const int64_t *pos, int64_t r,
+                               int64_t D, int64_t k, int scaled)
 {
-    ML_CUDA_FOR(c, D) {
-        for (int64_t i = 0; i < r; i++) {
-            int64_t a = pos[i], t = a / k;
-            if (scaled)
-                acc[t * D + c] += w[a] * rows[i * D + c];
-            else
-                acc[t * D + c] += rows[i * D + c];
+    for (int64_t i = blockIdx.x; i < r; i += gridDim.x) {
+        int64_t t = pos[i] / k;
+        int earlier = 0, later = 0;
+        for (int64_t j = threadIdx.x; j < r; j += blockDim.x)
+            if (j != i && pos[j] / k == t) {
+                earlier |= j < i;
+                later |= j > i;
+            }
+        if (__syncthreads_count(earlier))
+            continue;   /* the same outcome for every thread of the block */
+        int64_t last = __syncthreads_count(later) ? r : i + 1;
+        for (int64_t c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; c < D;
+             c += (int64_t)gridDim.y * blockDim.x) {
+            F v = acc[t * D + c];
+            for (int64_t j = i; j < last; j++) {
+                int64_t a = pos[j];
+                if (a / k == t)
+                    v += scaled ? w[a] * rows[j * D + c] : rows[j * D + c];
+            }
+            acc[t * D + c] = v;
         }
     }
 }
@@ -137,20 +157,24 @@ static ml_status gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_
     return ml_matmul_cuda(dt, c, a, b, &s, ctx);
 }
 
+/* dst2 NULL: dst only */
 template <typename F>
-static ml_status gather(F *dst, const void *src, const int64_t *pos, int64_t r, int64_t D,
-                        int64_t k, cudaStream_t st)
+static ml_status gather(F *dst, const void *src, F *dst2, const void *src2, const int64_t *pos,
+                        int64_t r, int64_t D, int64_t k, cudaStream_t st)
 {
-    gather_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dst, (const F *)src, pos, r, D, k);
+    gather_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dst, (const F *)src, dst2,
+                                                                    (const F *)src2, pos, r, D, k);
     return ml_cuda_launched();
 }
 
 template <typename F>
-static ml_status add_rows(void *acc, const F *rows, const void *w, const int64_t *pos, int64_t r,
-                          int64_t D, int64_t k, int scaled, cudaStream_t st)
+static ml_status combine(void *acc, const F *rows, const void *w, const int64_t *pos, int64_t r,
+                         int64_t D, int64_t k, int scaled, cudaStream_t st)
 {
-    add_rows_kernel<F><<<blocks_of(D), ML_CUDA_THREADS, 0, st>>>((F *)acc, rows, (const F *)w, pos,
-                                                                  r, D, k, scaled);
+    unsigned rb = ml_cuda_blocks(r, 1), cb = ml_cuda_blocks(D, ML_CUDA_THREADS);
+    dim3 grid(rb, cb < 65535 ? cb : 65535);   /* grid y is at most 65535 */
+    combine_kernel<F><<<grid, ML_CUDA_THREADS, 0, st>>>((F *)acc, rows, (const F *)w, pos, r, D, k,
+                                                         scaled);
     return ml_cuda_launched();
 }
 
@@ -195,12 +219,12 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
                 int64_t r = p1 - p0 < R ? p1 - p0 : R;
                 F *h = p0 + r <= c->nsaved ? (F *)h_saved + p0 * 2 * Fd : hbuf;
                 const int64_t *pos = order + p0;
-                TRY(gather<F>(xt, x, pos, r, D, c->k, st));
+                TRY(gather<F>(xt, x, NULL, NULL, pos, r, D, c->k, st));
                 TRY(gemm(dt, h, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
                 swiglu_fwd_kernel<F><<<blocks_of(r * Fd), ML_CUDA_THREADS, 0, st>>>(act, h, r, Fd);
                 TRY(ml_cuda_launched());
                 TRY(gemm(dt, xt, act, dn, r, D, Fd, 0, 1, Fd, Fd, D, 0.0, ctx));
-                TRY(add_rows<F>(y, xt, w, pos, r, D, c->k, 1, st));
+                TRY(combine<F>(y, xt, w, pos, r, D, c->k, 1, st));
             }
         }
     }
@@ -255,16 +279,13 @@ static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, vo
                 int64_t r = p1 - p0 < R ? p1 - p0 : R;
                 const F *h = p0 + r <= c->nsaved ? (const F *)h_saved + p0 * 2 * Fd : hbuf;
                 const int64_t *pos = order + p0;
-                TRY(gather<F>(xt, x, pos, r, D, c->k, st));
-                TRY(gather<F>(dyt, dy, pos, r, D, c->k, st));
+                TRY(gather<F>(xt, x, dyt, dy, pos, r, D, c->k, st));
                 if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
                     TRY(gemm(dt, hbuf, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
                 /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
                 TRY(gemm(dt, dact, dyt, dn, r, Fd, D, 0, 0, D, Fd, Fd, 0.0, ctx));
                 swiglu_bwd_kernel<F><<<ml_cuda_blocks(r * 32, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-                    act, hbuf, (F *)dw, h, dact, (const F *)w, pos, r, Fd);
-                TRY(ml_cuda_launched());
-                scale_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dyt, (const F *)w, pos, r, D);
+                    act, hbuf, (F *)dw, dyt, h, dact, (const F *)w, pos, r, Fd, D);
                 TRY(ml_cuda_launched());
                 /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
                 TRY(gemm(dt, ddn, dyt, act, D, Fd, r, 1, 0, D, Fd, Fd, 1.0, ctx));
@@ -272,7 +293,7 @@ static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, vo
                 TRY(gemm(dt, dgu, hbuf, xt, 2 * Fd, D, r, 1, 0, 2 * Fd, D, D, 1.0, ctx));
                 /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D], into dyt (dout is consumed) */
                 TRY(gemm(dt, dyt, hbuf, gu, r, D, 2 * Fd, 0, 0, 2 * Fd, D, D, 0.0, ctx));
-                TRY(add_rows<F>(dx, dyt, w, pos, r, D, c->k, 0, st));
+                TRY(combine<F>(dx, dyt, w, pos, r, D, c->k, 0, st));
             }
         }
     }
