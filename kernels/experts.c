@@ -264,7 +264,8 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
     char *xt = scratch;                              /* [R, D], then out [R, D] */
     char *hbuf = xt + (size_t)(R * D) * es;          /* [R, 2F] */
     char *act = hbuf + (size_t)(R * 2 * F) * es;     /* [R, F] */
-    memset(y, 0, (size_t)(c->T * D) * es);
+    if (c->T * D > 0)   /* y may be NULL when it holds nothing (memset(NULL, 0, 0) is UB) */
+        memset(y, 0, (size_t)(c->T * D) * es);
     int nt = nthreads_of(ctx), blas_threads = openblas_get_num_threads(), stop = 0;
     openblas_set_num_threads(1);
     #pragma omp parallel num_threads(nt) if (nt > 1)
