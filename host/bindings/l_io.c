@@ -99,10 +99,18 @@ static const char **check_metadata(lua_State *L, int idx, const char *fn, size_t
     return kv;
 }
 
+/* Files hold real bytes: inside a memory plan nothing was computed. */
+static void refuse_in_plan(lua_State *L, const char *fn)
+{
+    if (ml_host_of(L)->planning)
+        ml_error(L, fn, "files are not read or written inside a memory plan (moelua.mem.plan)");
+}
+
 /* io.save(path, tensors [, metadata]) */
 static int l_io_save(lua_State *L)
 {
     static const char fn[] = "moelua.save";
+    refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     if (!lua_istable(L, 2) || ml_testtensor(L, 2))
         ml_error(L, fn, "argument #2: expected a table of name = tensor, got %s",
@@ -150,7 +158,7 @@ static int l_io_save(lua_State *L)
         ts[i].ndim = t->ndim;
         ts[i].shape = t->shape;
         ts[i].data = ml_numel(t) > 0 ? ml_data(t) : NULL;
-        ts[i].mem = t->st->device == ML_CPU ? NULL : ml_host_of(L)->mem[t->st->device];
+        ts[i].mem = t->st->device == ML_CPU ? NULL : t->st->mem;
         i++;
     }
     if (i != n)
@@ -190,6 +198,7 @@ static ml_st_file *check_reader(lua_State *L, int idx, const char *fn)
 static int l_io_open(lua_State *L)
 {
     static const char fn[] = "moelua.io.open";
+    refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     char err[1024];
     ml_st_file *f = lua_newuserdatauv(L, sizeof *f, 0);
@@ -253,6 +262,7 @@ static int l_io_reader_read_into(lua_State *L)
 static int l_io_load(lua_State *L)
 {
     static const char fn[] = "moelua.load";
+    refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     char err[1024];
     lua_settop(L, 1);

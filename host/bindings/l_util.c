@@ -120,10 +120,9 @@ ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const cha
     ml_tensor *t = ml_testtensor(L, idx);
     if (!t)
         ml_error(L, fn, "%s: expected a tensor, got %s", what, luaL_typename(L, idx));
-    if (!t->st)
-        ml_error(L, fn, "%s: the tensor was freed", what);
-    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        ml_error(L, fn, "%s: stale pool view (its frame was rewound)", what);
+    const char *why = ml_storage_unusable(t->st);
+    if (why)
+        ml_error(L, fn, "%s: %s", what, why);
     return t;
 }
 

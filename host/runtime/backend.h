@@ -217,8 +217,11 @@ size_t ml_cuda_round_size(size_t n);
      : !(h)->kern[dev] || !(h)->kern[dev]->family ? ML_EUNSUPPORTED                     \
      : (h)->kern[dev]->family(__VA_ARGS__))
 /* The same for the validators that return a position or -1 ("nothing bad"):
- * a plan has nothing to validate. */
-#define ML_KCHECK(h, dev, family, ...) \
-    ((h)->planning || !(h)->kern[dev] ? (int64_t)-1 : (h)->kern[dev]->family(__VA_ARGS__))
+ * a plan has nothing to validate; a device without the validator answers
+ * ML_DISPATCH_EDEVICE (kernels/dispatch.h), never "nothing bad". */
+#define ML_KCHECK(h, dev, family, ...)                                                  \
+    ((h)->planning ? (int64_t)-1                                                        \
+     : !(h)->kern[dev] || !(h)->kern[dev]->family ? (int64_t)ML_DISPATCH_EDEVICE        \
+     : (h)->kern[dev]->family(__VA_ARGS__))
 
 #endif

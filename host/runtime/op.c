@@ -72,12 +72,22 @@ const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev)
     return "no device present";
 }
 
+/* The element count of a shape to allocate: at most ML_MAXDIM dims, sizes
+ * >= 0, bytes that fit a size_t for any dtype. */
+static ml_status alloc_numel(int ndim, const int64_t *dims, int64_t *n, ml_err *e)
+{
+    *n = ndim >= 0 && ndim <= ML_MAXDIM ? ml_shape_numel(ndim, dims) : -1;
+    if (*n < 0 || (uint64_t)*n > SIZE_MAX / 16)
+        return ml_err_set(e, ML_EINVAL, "shape has more than %d dims, a negative size or too many "
+                          "elements", ML_MAXDIM);
+    return ML_OK;
+}
+
 ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
                           const int64_t *shape, ml_err *e)
 {
-    int64_t n = ml_shape_numel(ndim, shape);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
+    int64_t n;
+    ML_TRY(alloc_numel(ndim, shape, &n, e));
     size_t nbytes = (size_t)n * ml_dtype_size(dt);
     ml_storage *st = NULL;
     ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
@@ -144,9 +154,8 @@ ml_status ml_pool_refusal(const ml_host *h, ml_device dev, ml_pool_status ps, ml
 ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, ml_dtype dt,
                          int ndim, const int64_t *dims, ml_err *e)
 {
-    int64_t n = ml_shape_numel(ndim, dims);
-    if (n < 0 || (uint64_t)n > SIZE_MAX / 16)
-        return ml_err_set(e, ML_EINVAL, "shape has a negative size or too many elements");
+    int64_t n;
+    ML_TRY(alloc_numel(ndim, dims, &n, e));
     size_t nbytes = (size_t)n * ml_dtype_size(dt), slot;
     uint64_t id;
     void *data;
@@ -196,16 +205,6 @@ void ml_tensor_drop(ml_tensor *t)
     }
 }
 
-void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
-{
-    size_t at = 0;
-    at += (size_t)snprintf(buf, len, "[");
-    for (int i = 0; i < ndim && at < len; i++)
-        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
-    if (at < len)
-        snprintf(buf + at, len - at, "]");
-}
-
 /* "f32 or f64" for a dtype mask. */
 static void format_dtypes(unsigned dtypes, char *buf, size_t len)
 {
@@ -224,10 +223,9 @@ static void format_dtypes(unsigned dtypes, char *buf, size_t len)
 ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,
                          int ndim, int contig, ml_err *e)
 {
-    if (!t->st)
-        return ml_err_set(e, ML_EINVAL, "%s: the tensor was freed", name);
-    if (t->st->pool && !ml_pool_view_valid(t->st->pool, t->st->slot, t->st->id))
-        return ml_err_set(e, ML_EINVAL, "%s: stale pool view (its frame was rewound)", name);
+    const char *why = ml_storage_unusable(t->st);
+    if (why)
+        return ml_err_set(e, ML_EINVAL, "%s: %s", name, why);
     if (t->st->device != dev)
         return ml_err_set(e, ML_EINVAL, "%s is on %s but the op runs on %s", name,
                           ml_device_names[t->st->device], ml_device_names[dev]);
@@ -243,6 +241,38 @@ ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, un
     if (contig && !ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "%s must be contiguous (call :contiguous())", name);
     return ML_OK;
+}
+
+ml_status ml_check_live(const ml_tensor *t, const char *name, ml_err *e)
+{
+    return ml_check_input(t, name, ml_tensor_device(t), ML_DT_ANY, t->ndim, 0, e);
+}
+
+ml_status ml_check_dim(const ml_tensor *t, int d, ml_err *e)
+{
+    if (d < 0 || d >= t->ndim)
+        return ml_err_set(e, ML_EINVAL, "dim %d out of range for a %d-dim tensor (0-based)", d,
+                          t->ndim);
+    return ML_OK;
+}
+
+ml_status ml_read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, void *buf, ml_err *e)
+{
+    size_t es = ml_dtype_size(t->dtype);
+    ml_device dev = t->st->device;
+    return ml_kernel_status(h->mem[dev]->memcpy(buf, (const char *)ml_data(t) + (size_t)i0 * es,
+                                                (size_t)n * es, dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H,
+                                                NULL), e);
+}
+
+ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
+                            int64_t *value, ml_err *e)
+{
+    ml_kctx c = ml_host_kctx(h);
+    *pos = ML_KCHECK(h, idx->st->device, dispatch_find_bad, ml_data(idx), ml_numel(idx), hi, &c);
+    if (*pos == ML_DISPATCH_EDEVICE)
+        return ml_kernel_status(ML_EDEVICE, e);
+    return *pos >= 0 ? ml_read_back(h, idx, *pos, 1, value, e) : ML_OK;
 }
 
 ml_status ml_check_shape(const ml_tensor *t, const char *name, int ndim, const int64_t *dims,

@@ -88,6 +88,28 @@ ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name,
 /* Which dtypes an argument accepts. */
 #define ML_DT(dt) (1u << (dt))
 #define ML_DT_FLOAT (ML_DT(ML_F32) | ML_DT(ML_F64))
+#define ML_DT_ANY ((1u << ML_NDTYPES) - 1)
+
+/* t's device (CPU for a freed tensor: the check that follows names it). */
+static inline ml_device ml_tensor_device(const ml_tensor *t)
+{
+    return t->st ? t->st->device : ML_CPU;
+}
+
+/* t is usable (ml_storage_unusable), of any dtype, rank and layout. */
+ml_status ml_check_live(const ml_tensor *t, const char *name, ml_err *e);
+/* d (0-based) is one of t's dims. */
+ml_status ml_check_dim(const ml_tensor *t, int d, ml_err *e);
+/* Elements [i0, i0 + n) of the contiguous tensor t into the host buffer buf
+ * (a copy back from the device; a plain copy on the CPU). Never inside a
+ * plan: there, nothing was computed. */
+ml_status ml_read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, void *buf, ml_err *e);
+/* The first entry of the contiguous i64 tensor idx outside [0, hi), found
+ * on idx's device (the dispatch validator): *pos = its position and *value
+ * its value, or *pos = -1 (always inside a plan). The caller words the
+ * error. */
+ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
+                            int64_t *value, ml_err *e);
 
 /* t is live (storage not freed), on dev, of a dtype in `dtypes`, with ndim
  * dims (ndim < 0: at least 1) and, when `contig`, contiguous. */
@@ -106,8 +128,6 @@ ml_status ml_prepare_output(ml_host *h, ml_tensor *t, const char *name, ml_devic
 /* The same, filled with zeros when the op allocates it (for += outputs). */
 ml_status ml_prepare_accumulator(ml_host *h, ml_tensor *t, const char *name, ml_device dev,
                                  ml_dtype dt, int ndim, const int64_t *dims, ml_err *e);
-/* "[2,3]" into buf. */
-void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
 
 /* Return early with the status of a check or a call that is not ML_OK. */
 #define ML_TRY(call) do { ml_status ml_try_s_ = (call); if (ml_try_s_ != ML_OK) return ml_try_s_; } while (0)

@@ -49,7 +49,10 @@ ml_status ml_op_read_entry(ml_host *h, ml_tensor *dst, const ml_st_file *f, size
     const ml_st_entry *en = &f->entries[i];
     if (!dst->st)
         return ml_err_set(e, ML_EINVAL, "'%s': the destination was freed", en->name);
-    ML_TRY(ml_check_input(dst, "the destination", dst->st->device, ~0u, dst->ndim, 1, e));
+    ML_TRY(ml_check_live(dst, "the destination", e));
+    if (!ml_is_contiguous(dst))   /* a copy would receive the data, not dst */
+        return ml_err_set(e, ML_EINVAL, "'%s': the destination must be contiguous (a view of "
+                          "contiguous storage; read into it, then copy)", en->name);
     int64_t n = ml_shape_numel(en->ndim, en->shape);
     if (n != ml_numel(dst))
         return ml_err_set(e, ML_EINVAL, "'%s' has %lld elements, the destination %lld", en->name,

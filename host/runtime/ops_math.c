@@ -8,14 +8,7 @@
 #include <math.h>
 #include <string.h>
 
-#define ML_DT_ANY ((1u << ML_NDTYPES) - 1)
 #define ML_DT_INT (ML_DT(ML_I32) | ML_DT(ML_I64))
-
-/* t is live (not freed, not a stale pool view), of any dtype and rank. */
-static ml_status check_live(const ml_tensor *t, const char *name, ml_err *e)
-{
-    return ml_check_input(t, name, t->st ? t->st->device : ML_CPU, ML_DT_ANY, t->ndim, 0, e);
-}
 
 static ml_status check_same_device(const ml_tensor *a, const ml_tensor *b, ml_err *e)
 {
@@ -37,14 +30,6 @@ static ml_status check_dtype_in(const ml_tensor *t, unsigned dtypes, ml_err *e)
 {
     if (!(dtypes & ML_DT(t->dtype)))
         return ml_err_set(e, ML_EINVAL, "not defined for dtype %s", ml_dtype_names[t->dtype]);
-    return ML_OK;
-}
-
-static ml_status check_dim(const ml_tensor *t, int d, ml_err *e)
-{
-    if (d < 0 || d >= t->ndim)
-        return ml_err_set(e, ML_EINVAL, "dim %d out of range for a %d-dim tensor (0-based)", d,
-                          t->ndim);
     return ML_OK;
 }
 
@@ -75,8 +60,8 @@ static ml_status binary_args(const ml_tensor *out, ml_binop op, const ml_tensor 
                              const ml_tensor *b, const ml_tensor **big, ml_err *e)
 {
     int inplace = out == a;
-    ML_TRY(check_live(a, "a", e));
-    ML_TRY(check_live(b, "b", e));
+    ML_TRY(ml_check_live(a, "a", e));
+    ML_TRY(ml_check_live(b, "b", e));
     ML_TRY(check_same_device(a, b, e));
     if (a->dtype != b->dtype)
         return ml_err_set(e, ML_EINVAL, "dtypes differ (%s and %s): convert one with :to()",
@@ -127,7 +112,7 @@ ml_status ml_op_binary_scalar(ml_host *h, ml_tensor *out, ml_binop op, const ml_
                               double s, int scalar_first, ml_err *e)
 {
     int inplace = out == t;
-    ML_TRY(check_live(t, "a", e));
+    ML_TRY(ml_check_live(t, "a", e));
     if (inplace)
         ML_TRY(ml_check_input(t, "a", t->st->device, ML_DT_ANY, t->ndim, 1, e));
     int is_int = (ML_DT_INT & ML_DT(t->dtype)) != 0;
@@ -155,7 +140,7 @@ ml_status ml_op_binary_scalar(ml_host *h, ml_tensor *out, ml_binop op, const ml_
 ml_status ml_op_unary(ml_host *h, ml_tensor *out, ml_unop op, const ml_tensor *t, ml_err *e)
 {
     int inplace = out == t;
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     if (inplace)
         ML_TRY(ml_check_input(t, "t", t->st->device, ML_DT_ANY, t->ndim, 1, e));
     ML_TRY(check_dtype_in(t, ML_DT_FLOAT | (op == ML_NEG || op == ML_ABS ? ML_DT_INT : 0), e));
@@ -204,13 +189,13 @@ static ml_status reduce_run(ml_host *h, ml_tensor *out, ml_tensor *idx, ml_redop
 ml_status ml_op_reduce(ml_host *h, ml_tensor *out, ml_tensor *idx, ml_redop op,
                        const ml_tensor *t, int d, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     ML_TRY(check_float(t, e));
     int extremum = op == ML_RMAX || op == ML_RMIN;
     if (extremum && d < 0 && ml_numel(t) == 0)
         return ml_err_set(e, ML_EINVAL, "reduction of an empty tensor has no identity");
     if (d >= 0) {
-        ML_TRY(check_dim(t, d, e));
+        ML_TRY(ml_check_dim(t, d, e));
         if (extremum && t->shape[d] == 0)
             return ml_err_set(e, ML_EINVAL, "reduction over an empty dim has no identity");
     }
@@ -225,8 +210,8 @@ ml_status ml_op_reduce(ml_host *h, ml_tensor *out, ml_tensor *idx, ml_redop op,
 
 ml_status ml_op_cumsum(ml_host *h, ml_tensor *out, const ml_tensor *t, int d, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, d, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, d, e));
     ML_TRY(check_dtype_in(t, ML_DT_FLOAT | ML_DT_INT, e));
     ml_tensor ct = {0};
     ml_status s = ml_op_contiguous(h, &ct, t, e);
@@ -245,7 +230,7 @@ ml_status ml_op_cumsum(ml_host *h, ml_tensor *out, const ml_tensor *t, int d, ml
 
 ml_status ml_op_softmax(ml_host *h, ml_tensor *out, const ml_tensor *t, int log, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     ML_TRY(check_float(t, e));
     if (t->ndim == 0)
         return ml_err_set(e, ML_EINVAL, "expected at least one dim");
@@ -266,7 +251,7 @@ ml_status ml_op_softmax(ml_host *h, ml_tensor *out, const ml_tensor *t, int log,
 ml_status ml_op_topk(ml_host *h, ml_tensor *vals, ml_tensor *idx, const ml_tensor *t, int64_t k,
                      ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     ML_TRY(check_float(t, e));
     if (t->ndim == 0)
         return ml_err_set(e, ML_EINVAL, "expected at least one dim");
@@ -300,35 +285,20 @@ ml_status ml_op_topk(ml_host *h, ml_tensor *vals, ml_tensor *idx, const ml_tenso
 /* idx is i64 on t's device. */
 static ml_status check_index_tensor(const ml_tensor *t, const ml_tensor *idx, ml_err *e)
 {
-    ML_TRY(check_live(idx, "idx", e));
+    ML_TRY(ml_check_live(idx, "idx", e));
     ML_TRY(check_same_device(t, idx, e));
     return ml_check_input(idx, "idx", idx->st->device, ML_DT(ML_I64), idx->ndim, 0, e);
 }
 
-/* Every index of idx (contiguous) in [0, bound); device indices are read
- * on a host copy. Nothing to read inside a plan. */
+/* Every index of idx (contiguous) in [0, bound), checked on its device. */
 static ml_status check_index_values(ml_host *h, const ml_tensor *idx, int64_t bound, ml_err *e)
 {
-    if (h->planning)
+    int64_t bad, v;
+    ML_TRY(ml_find_bad_index(h, idx, bound, &bad, &v, e));
+    if (bad < 0)
         return ML_OK;
-    ml_tensor hc = {0};
-    const ml_tensor *p = idx;
-    ml_status s = ML_OK;
-    if (idx->st->device != ML_CPU) {
-        s = ml_tensor_alloc(h, &hc, ML_CPU, ML_I64, idx->ndim, idx->shape, e);
-        if (s == ML_OK)
-            s = ml_op_copy(h, &hc, idx, e);
-        p = &hc;
-    }
-    const int64_t *v = s == ML_OK ? ml_data(p) : NULL;
-    for (int64_t i = 0, n = ml_numel(p); v && i < n; i++)
-        if (v[i] < 0 || v[i] >= bound) {
-            s = ml_err_set(e, ML_EINVAL, "idx: index %lld at position %lld is outside [0, %lld) "
-                           "(indices are 0-based)", (long long)v[i], (long long)i, (long long)bound);
-            break;
-        }
-    ml_tensor_drop(&hc);
-    return s;
+    return ml_err_set(e, ML_EINVAL, "idx: index %lld at position %lld is outside [0, %lld) "
+                      "(indices are 0-based)", (long long)v, (long long)bad, (long long)bound);
 }
 
 /* idx must match t in every dim but d. */
@@ -388,8 +358,8 @@ static ml_status index_run(ml_host *h, index_kind kind, ml_tensor *out, const ml
 ml_status ml_op_index_select(ml_host *h, ml_tensor *out, const ml_tensor *t, int d,
                              const ml_tensor *idx, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, d, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, d, e));
     ML_TRY(check_index_tensor(t, idx, e));
     if (idx->ndim != 1)
         return ml_err_set(e, ML_EINVAL, "idx must be 1-dim, got %d dims", idx->ndim);
@@ -399,8 +369,8 @@ ml_status ml_op_index_select(ml_host *h, ml_tensor *out, const ml_tensor *t, int
 ml_status ml_op_gather(ml_host *h, ml_tensor *out, const ml_tensor *t, int d,
                        const ml_tensor *idx, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, d, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, d, e));
     ML_TRY(check_index_tensor(t, idx, e));
     ML_TRY(check_index_shape(t, idx, d, e));
     return index_run(h, INDEX_GATHER, out, t, d, idx, NULL, e);
@@ -409,11 +379,11 @@ ml_status ml_op_gather(ml_host *h, ml_tensor *out, const ml_tensor *t, int d,
 ml_status ml_op_scatter_add(ml_host *h, ml_tensor *t, int d, const ml_tensor *idx,
                             const ml_tensor *src, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     ML_TRY(ml_check_input(t, "t", t->st->device, ML_DT_ANY, t->ndim, 1, e));
-    ML_TRY(check_dim(t, d, e));
-    ML_TRY(check_live(idx, "idx", e));
-    ML_TRY(check_live(src, "src", e));
+    ML_TRY(ml_check_dim(t, d, e));
+    ML_TRY(ml_check_live(idx, "idx", e));
+    ML_TRY(ml_check_live(src, "src", e));
     ML_TRY(check_same_device(t, idx, e));
     ML_TRY(check_same_device(t, src, e));
     if (src->dtype != t->dtype)
@@ -437,7 +407,7 @@ ml_status ml_op_scatter_add(ml_host *h, ml_tensor *t, int d, const ml_tensor *id
 ml_status ml_op_bincount(ml_host *h, ml_tensor *out, const ml_tensor *idx, int64_t nbins,
                          ml_err *e)
 {
-    ML_TRY(check_live(idx, "idx", e));
+    ML_TRY(ml_check_live(idx, "idx", e));
     if (nbins < 0)
         return ml_err_set(e, ML_EINVAL, "nbins must be >= 0, got %lld", (long long)nbins);
     if (idx->ndim != 1)
@@ -495,8 +465,8 @@ static ml_status blas_operand(ml_host *h, const ml_tensor *t, ml_tensor *tmp,
 
 static ml_status matmul_args(const ml_tensor *a, const ml_tensor *b, ml_gemm_shape *g, ml_err *e)
 {
-    ML_TRY(check_live(a, "a", e));
-    ML_TRY(check_live(b, "b", e));
+    ML_TRY(ml_check_live(a, "a", e));
+    ML_TRY(ml_check_live(b, "b", e));
     ML_TRY(check_same_device(a, b, e));
     if (a->dtype != b->dtype)
         return ml_err_set(e, ML_EINVAL, "dtypes differ (%s and %s)", ml_dtype_names[a->dtype],

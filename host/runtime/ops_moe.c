@@ -73,18 +73,6 @@ static void scratch_give(scratch *s)
     ml_tensor_drop(&s->t);
 }
 
-/* Elements [i0, i0 + n) of the contiguous t into buf: a copy back from the
- * device (never inside a plan: nothing was computed there). */
-static ml_status read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, void *buf,
-                           ml_err *e)
-{
-    size_t es = ml_dtype_size(t->dtype);
-    ml_device dev = t->st->device;
-    return ml_kernel_status(h->mem[dev]->memcpy(buf, (const char *)ml_data(t) + (size_t)i0 * es,
-                                                (size_t)n * es,
-                                                dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H, NULL), e);
-}
-
 /* Host-side reads go through this many elements at a time. */
 #define READ_BLOCK 256
 
@@ -191,7 +179,7 @@ static ml_status router_cfg_check(ml_host *h, const ml_router_cfg *c, const ml_t
     double buf[READ_BLOCK];
     for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
         int64_t nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
-        ML_TRY(read_back(h, bias, e0, nb, buf, e));
+        ML_TRY(ml_read_back(h, bias, e0, nb, buf, e));
         for (int64_t i = 0; i < nb; i++)
             if (!isfinite(ml_load(bias->dtype, buf, (size_t)i)))
                 return ml_err_set(e, ML_EINVAL, "bias has a non-finite value at expert %lld",
@@ -216,8 +204,8 @@ static ml_status router_sums(ml_host *h, ml_router_stats *st, int64_t T, int64_t
     for (int64_t e0 = 0; e0 < E && !h->planning; e0 += READ_BLOCK) {
         int64_t cv[READ_BLOCK], nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
         double pv[READ_BLOCK];
-        ML_TRY(read_back(h, st->counts, e0, nb, cv, e));
-        ML_TRY(read_back(h, st->psum, e0, nb, pv, e));
+        ML_TRY(ml_read_back(h, st->counts, e0, nb, cv, e));
+        ML_TRY(ml_read_back(h, st->psum, e0, nb, pv, e));
         for (int64_t i = 0; i < nb; i++) {
             st->cp += (double)cv[i] * pv[i];
             st->max_count = cv[i] > st->max_count ? cv[i] : st->max_count;
@@ -313,12 +301,9 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
         return ml_err_set(e, ML_EINVAL, "idx must be i64, got %s", ml_dtype_names[idx->dtype]);
     ML_TRY(router_tk(idx, "idx", x, k, dev, e));
     ml_kctx c = ml_host_kctx(h);
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), T * k, E, &c);
-    if (bad == ML_DISPATCH_EDEVICE)
-        return ml_kernel_status(ML_EDEVICE, e);
+    int64_t bad, v;
+    ML_TRY(ml_find_bad_index(h, idx, E, &bad, &v, e));
     if (bad >= 0) {
-        int64_t v;
-        ML_TRY(read_back(h, idx, bad, 1, &v, e));
         return ml_err_set(e, ML_EINVAL, "idx: expert %lld at position %lld is outside [0, %lld) "
                           "(ids are 0-based)", (long long)v, (long long)bad, (long long)E);
     }
@@ -429,12 +414,9 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
     ML_TRY(check_pool(pool, dev, e));
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
     ml_kctx c = ml_host_kctx(h);
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, E, &c);
-    if (bad == ML_DISPATCH_EDEVICE)
-        return ml_kernel_status(ML_EDEVICE, e);
+    int64_t bad, v;
+    ML_TRY(ml_find_bad_index(h, idx, E, &bad, &v, e));
     if (bad >= 0) {
-        int64_t v;
-        ML_TRY(read_back(h, idx, bad, 1, &v, e));
         return ml_err_set(e, ML_EINVAL, "idx: expert id %lld at token %lld, slot %lld (0-based) is "
                           "outside [0, %lld)", (long long)v, (long long)(bad / k),
                           (long long)(bad % k), (long long)E);
@@ -529,7 +511,7 @@ static ml_status ex_scratch_bytes(int64_t ne, ml_dtype dt, size_t *nb, ml_err *e
 {
     size_t es = ml_dtype_size(dt);
     if (ne < 0 || (uint64_t)ne > SIZE_MAX / es)
-        return ml_err_set(e, ML_EINVAL, "tile: the scratch size overflows int64");
+        return ml_err_set(e, ML_EINVAL, "tile: the scratch size overflows (too many elements or bytes)");
     *nb = (size_t)ne * es;
     return ML_OK;
 }

@@ -7,11 +7,6 @@
 
 /* The device an op runs on: its first input's (a freed one is refused by
  * ml_check_input, whatever device is named here). */
-static ml_device device_of(const ml_tensor *t)
-{
-    return t->st ? t->st->device : ML_CPU;
-}
-
 /* The dtypes dev runs family `op` in: f32 and f64, and bf16 where the
  * device's kernel table says so. Inside a plan for a device this build has
  * no table for (CUDA planned on a CPU-only build), bf16 too: every family
@@ -31,17 +26,10 @@ static unsigned float_dtypes(const ml_host *h, ml_device dev, ml_op op)
 static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, int64_t hi,
                            ml_err *e)
 {
-    ml_device dev = ids->st->device;
-    const int64_t *p = ml_data(ids);
-    ml_kctx c = ml_host_kctx(h);
-    int64_t bad = ML_KCHECK(h, dev, dispatch_find_bad, p, ml_numel(ids), hi, &c);
-    if (bad == ML_DISPATCH_EDEVICE)
-        return ml_kernel_status(ML_EDEVICE, e);
+    int64_t bad, v;
+    ML_TRY(ml_find_bad_index(h, ids, hi, &bad, &v, e));
     if (bad < 0)
         return ML_OK;
-    int64_t v;
-    ML_TRY(ml_kernel_status(h->mem[dev]->memcpy(&v, p + bad, sizeof v,
-                                                dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H, NULL), e));
     return ml_err_set(e, ML_EINVAL, "%s[%lld] = %lld is out of range [0, %lld)", name,
                       (long long)(bad + 1), (long long)v, (long long)hi);
 }
@@ -53,7 +41,7 @@ static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, i
 static ml_status rmsnorm_args(const ml_host *h, const ml_tensor *x, const ml_tensor *w, int64_t *N,
                               int64_t *D, ml_err *e)
 {
-    ml_device dev = device_of(x);
+    ml_device dev = ml_tensor_device(x);
     unsigned dts = float_dtypes(h, dev, ML_OP_RMSNORM);
     ML_TRY(ml_check_input(x, "x", dev, dts, -1, 1, e));
     ML_TRY(ml_check_input(w, "w", dev, dts, 1, 1, e));
@@ -107,7 +95,7 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
 ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *ids,
                                   const ml_tensor *W, ml_err *e)
 {
-    ml_device dev = device_of(ids);
+    ml_device dev = ml_tensor_device(ids);
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
     ML_TRY(ml_check_input(W, "W", dev, float_dtypes(h, dev, ML_OP_EMBEDDING), 2, 1, e));
     int64_t T = ids->shape[0], V = W->shape[0], D = W->shape[1], so[2] = {T, D};
@@ -121,7 +109,7 @@ ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *i
 ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *dout,
                                    const ml_tensor *ids, int64_t V, ml_err *e)
 {
-    ml_device dev = device_of(dout);
+    ml_device dev = ml_tensor_device(dout);
     unsigned dts = float_dtypes(h, dev, ML_OP_EMBEDDING);
     ML_TRY(ml_check_input(dout, "dout", dev, dts, 2, 1, e));
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
@@ -150,7 +138,7 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
 static ml_status ce_args(const ml_tensor *hs, const ml_tensor *W, const ml_tensor *tg,
                          int64_t rows, int64_t chunk, ml_err *e)
 {
-    ml_device dev = device_of(hs);
+    ml_device dev = ml_tensor_device(hs);
     ML_TRY(ml_check_input(hs, "h", dev, ML_DT_FLOAT, 2, 1, e));
     ML_TRY(ml_check_input(W, "W", dev, ML_DT_FLOAT, 2, 1, e));
     ML_TRY(ml_check_input(tg, "targets", dev, ML_DT(ML_I64), 1, 1, e));
@@ -233,7 +221,7 @@ ml_status ml_op_cross_entropy_backward(ml_host *h, ml_tensor *dh, ml_tensor *dW,
 static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *yname,
                       const char *xname, int64_t offset, double theta, int inverse, ml_err *e)
 {
-    ml_device dev = device_of(x);
+    ml_device dev = ml_tensor_device(x);
     ML_TRY(ml_check_input(x, xname, dev, float_dtypes(h, dev, ML_OP_ROPE), 3, 1, e));
     int64_t S = x->shape[0], heads = x->shape[1], hd = x->shape[2];
     if (hd < 2 || hd % 2)
@@ -273,7 +261,7 @@ ml_status ml_op_rope_backward(ml_host *h, ml_tensor *dx, const ml_tensor *dy, in
 static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor *k,
                           const ml_tensor *v, ml_err *e)
 {
-    ml_device dev = device_of(q);
+    ml_device dev = ml_tensor_device(q);
     unsigned dts = float_dtypes(h, dev, ML_OP_ATTENTION);
     ML_TRY(ml_check_input(q, "q", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(k, "k", dev, dts, 3, 1, e));

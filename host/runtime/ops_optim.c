@@ -16,23 +16,9 @@
 
 static const char *const KIND_NAMES[] = {"adamw", "lazy_adamw", "sgd"};
 
-static ml_device device_of(const ml_tensor *t)
-{
-    return t->st ? t->st->device : ML_CPU;
-}
-
 static int64_t min64(int64_t a, int64_t b)
 {
     return a < b ? a : b;
-}
-
-/* n bytes of dev memory at src into the host buffer dst (a plain copy on
- * the CPU). Never inside a plan: there, nothing was computed. */
-static ml_status read_back(ml_host *h, ml_device dev, void *dst, const void *src, size_t n,
-                           ml_err *e)
-{
-    ml_copy_dir dir = dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2H;
-    return ml_kernel_status(h->mem[dev]->memcpy(dst, src, n, dir, NULL), e);
 }
 
 /* ---- argument checks -------------------------------------------------------- */
@@ -135,11 +121,10 @@ static ml_status check_active_states(ml_host *h, const ml_optim_job *j, ml_err *
 {
     if (h->planning)
         return ML_OK;
-    const uint8_t *active = ml_data(j->active);
     uint8_t a[CHUNK];
     for (int64_t e0 = 0; e0 < j->experts; e0 += CHUNK) {
         int64_t k = min64(CHUNK, j->experts - e0);
-        ML_TRY(read_back(h, ML_CPU, a, active + e0, (size_t)k, e));
+        ML_TRY(ml_read_back(h, j->active, e0, k, a, e));
         for (int64_t i = 0; i < k; i++) {
             int64_t x = e0 + i;
             if (a[i] && (!j->expert_avg[x] || !j->expert_avg_sq[x]))
@@ -257,7 +242,7 @@ static ml_status run_job(ml_host *h, ml_device dev, const ml_optim_job *j, int64
 /* A single-job op: check, run, report. */
 static ml_status run_one(ml_host *h, const ml_optim_job *j, int64_t *nactive, ml_err *e)
 {
-    ml_device dev = device_of(j->params);
+    ml_device dev = ml_tensor_device(j->params);
     ML_TRY(check_job(h, dev, j, e));
     ml_kctx c = ml_host_kctx(h);
     int64_t k;
@@ -303,16 +288,15 @@ ml_status ml_op_lazy_adamw_unstated(ml_host *h, const ml_tensor *active, ml_tens
                                     int64_t E, int64_t *out, int64_t *k, ml_err *e)
 {
     *k = 0;
-    ml_device dev = device_of(active);
+    ml_device dev = ml_tensor_device(active);
     ML_TRY(check_small(active, "active", dev, ML_U8, E, e));
-    const uint8_t *src = ml_data(active);
     uint8_t a[CHUNK];
     for (int64_t e0 = 0; e0 < E; e0 += CHUNK) {
         int64_t n = min64(CHUNK, E - e0);
         if (h->planning)
             memset(a, 1, sizeof a);   /* the mask was never computed: every expert */
         else
-            ML_TRY(read_back(h, dev, a, src + e0, (size_t)n, e));
+            ML_TRY(ml_read_back(h, active, e0, n, a, e));
         for (int64_t i = 0; i < n; i++)
             if (a[i] && !m[e0 + i])
                 out[(*k)++] = e0 + i;
@@ -340,7 +324,7 @@ ml_status ml_op_optim_step_all(ml_host *h, ml_optim_job *jobs, int64_t n, int64_
 {
     if (skipped)
         *skipped = 0;
-    ml_device dev = n > 0 ? device_of(jobs[0].params) : ML_CPU;
+    ml_device dev = n > 0 ? ml_tensor_device(jobs[0].params) : ML_CPU;
     for (int64_t i = 0; i < n; i++) {   /* 1. check everything: a refusal changes nothing */
         if ((unsigned)jobs[i].kind > ML_OPTIM_SGD)
             return ml_err_set(e, ML_EINVAL, "job %lld: unknown optimizer kind %d",
@@ -374,7 +358,7 @@ ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, doub
                           ml_err *e)
 {
     *norm = 0;
-    ml_device dev = n > 0 ? device_of(t[0]) : ML_CPU;
+    ml_device dev = n > 0 ? ml_tensor_device(t[0]) : ML_CPU;
     char name[32];
     for (int64_t i = 0; i < n; i++) {   /* check all before computing any */
         snprintf(name, sizeof name, "tensor %lld", (long long)i + 1);
@@ -418,7 +402,7 @@ ml_status ml_op_clip_grad_norm(ml_host *h, ml_tensor *const *t, int64_t n, doubl
 ml_status ml_op_slice_norms(ml_host *h, ml_tensor *norms, const ml_tensor *x, int64_t E,
                             ml_err *e)
 {
-    ml_device dev = device_of(x);
+    ml_device dev = ml_tensor_device(x);
     ML_TRY(check_flat(x, "x", dev, e));
     ML_TRY(check_slices(x, "x", E, e));
     ML_TRY(ml_prepare_output(h, norms, "norms", dev, ML_F64, 1, &E, e));
@@ -429,7 +413,7 @@ ml_status ml_op_slice_norms(ml_host *h, ml_tensor *norms, const ml_tensor *x, in
 
 ml_status ml_op_scale(ml_host *h, ml_tensor *x, double factor, ml_err *e)
 {
-    ML_TRY(check_flat(x, "x", device_of(x), e));
+    ML_TRY(check_flat(x, "x", ml_tensor_device(x), e));
     if (!isfinite(factor))
         return ml_err_set(e, ML_EINVAL, "factor must be finite, got %g", factor);
     ml_kctx c = ml_host_kctx(h);
@@ -439,7 +423,7 @@ ml_status ml_op_scale(ml_host *h, ml_tensor *x, double factor, ml_err *e)
 ml_status ml_op_clip_slices(ml_host *h, ml_tensor *x, int64_t E, const double *bounds,
                             ml_tensor *norms, ml_err *e)
 {
-    ml_device dev = device_of(x);
+    ml_device dev = ml_tensor_device(x);
     ML_TRY(check_flat(x, "x", dev, e));
     ML_TRY(check_slices(x, "x", E, e));
     for (int64_t i = 0; i < E; i++)
@@ -451,12 +435,11 @@ ml_status ml_op_clip_slices(ml_host *h, ml_tensor *x, int64_t E, const double *b
         return ML_OK;                   /* no norms to read */
     int64_t S = ml_numel(x) / E;
     size_t es = ml_dtype_size(x->dtype);
-    const double *src = ml_data(norms);
     double nrm[CHUNK], f[CHUNK];
     ml_kctx c = ml_host_kctx(h);
     for (int64_t e0 = 0; e0 < E; e0 += CHUNK) {
         int64_t k = min64(CHUNK, E - e0);
-        ML_TRY(read_back(h, dev, nrm, src + e0, (size_t)k * sizeof *nrm, e));
+        ML_TRY(ml_read_back(h, norms, e0, k, nrm, e));
         for (int64_t i = 0; i < k; i++) {
             double q = bounds[e0 + i] / (nrm[i] + ML_CLIP_EPS);
             f[i] = isfinite(nrm[i]) && q < 1.0 ? q : 1.0;   /* a non-finite norm: the caller's */

@@ -7,22 +7,7 @@
 #include <math.h>
 #include <string.h>
 
-#define ML_DT_ANY ((1u << ML_NDTYPES) - 1)
 #define ML_DT_RANDOM (ML_DT_FLOAT | ML_DT(ML_BF16) | ML_DT(ML_F16))
-
-/* t is a live tensor (not freed, not a stale pool view), of any dtype and rank. */
-static ml_status check_live(const ml_tensor *t, const char *name, ml_err *e)
-{
-    return ml_check_input(t, name, t->st ? t->st->device : ML_CPU, ML_DT_ANY, t->ndim, 0, e);
-}
-
-static ml_status check_dim(const ml_tensor *t, int d, ml_err *e)
-{
-    if (d < 0 || d >= t->ndim)
-        return ml_err_set(e, ML_EINVAL, "dim %d out of range for a %d-dim tensor (0-based)", d,
-                          t->ndim);
-    return ML_OK;
-}
 
 /* out becomes a view of t's storage; stride NULL: contiguous strides. */
 static ml_status set_view(ml_tensor *out, const ml_tensor *t, int64_t offset, int ndim,
@@ -46,8 +31,8 @@ static ml_status set_view(ml_tensor *out, const ml_tensor *t, int64_t offset, in
 ml_status ml_op_narrow(ml_tensor *out, const ml_tensor *t, int d, int64_t start, int64_t len,
                        ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, d, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, d, e));
     if (start < 0 || len < 0 || start > t->shape[d] - len)
         return ml_err_set(e, ML_EINVAL, "%lld entries from %lld are outside dim %d of size %lld "
                           "(0-based)", (long long)len, (long long)start, d, (long long)t->shape[d]);
@@ -59,8 +44,8 @@ ml_status ml_op_narrow(ml_tensor *out, const ml_tensor *t, int d, int64_t start,
 
 ml_status ml_op_select(ml_tensor *out, const ml_tensor *t, int d, int64_t i, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, d, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, d, e));
     if (i < 0 || i >= t->shape[d])
         return ml_err_set(e, ML_EINVAL, "index %lld is outside dim %d of size %lld (0-based)",
                           (long long)i, d, (long long)t->shape[d]);
@@ -111,7 +96,7 @@ static ml_status reshape_target(int64_t n, int ndim, const int64_t *want, int64_
 
 ml_status ml_op_view(ml_tensor *out, const ml_tensor *t, int ndim, const int64_t *shape, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     if (!ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "the tensor is not contiguous (use :reshape or :contiguous)");
     int64_t s[ML_MAXDIM];
@@ -122,7 +107,7 @@ ml_status ml_op_view(ml_tensor *out, const ml_tensor *t, int ndim, const int64_t
 ml_status ml_op_reshape(ml_host *h, ml_tensor *out, const ml_tensor *t, int ndim,
                         const int64_t *shape, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     int64_t s[ML_MAXDIM];
     ML_TRY(reshape_target(ml_numel(t), ndim, shape, s, e));
     /* out holds t's storage or a contiguous copy of it, then takes the shape */
@@ -136,7 +121,7 @@ ml_status ml_op_reshape(ml_host *h, ml_tensor *out, const ml_tensor *t, int ndim
 ml_status ml_op_view_at(ml_tensor *out, const ml_tensor *t, int64_t offset, int ndim,
                         const int64_t *shape, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     if (!ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "the tensor is not contiguous");
     if (ndim < 0 || ndim > ML_MAXDIM)
@@ -152,9 +137,9 @@ ml_status ml_op_view_at(ml_tensor *out, const ml_tensor *t, int64_t offset, int 
 
 ml_status ml_op_transpose(ml_tensor *out, const ml_tensor *t, int a, int b, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
-    ML_TRY(check_dim(t, a, e));
-    ML_TRY(check_dim(t, b, e));
+    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_dim(t, a, e));
+    ML_TRY(ml_check_dim(t, b, e));
     int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];
     memcpy(shape, t->shape, sizeof shape);
     memcpy(stride, t->stride, sizeof stride);
@@ -213,8 +198,8 @@ static ml_status copy_across(ml_host *h, ml_tensor *dst, const ml_tensor *src, m
 
 ml_status ml_op_copy(ml_host *h, ml_tensor *dst, const ml_tensor *src, ml_err *e)
 {
-    ML_TRY(check_live(dst, "dst", e));
-    ML_TRY(check_live(src, "src", e));
+    ML_TRY(ml_check_live(dst, "dst", e));
+    ML_TRY(ml_check_live(src, "src", e));
     int same = dst->ndim == src->ndim;
     for (int i = 0; same && i < dst->ndim; i++)
         same = dst->shape[i] == src->shape[i];
@@ -238,7 +223,7 @@ ml_status ml_op_copy(ml_host *h, ml_tensor *dst, const ml_tensor *src, ml_err *e
 
 ml_status ml_op_contiguous(ml_host *h, ml_tensor *out, const ml_tensor *t, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     if (ml_is_contiguous(t))
         return set_view(out, t, t->offset, t->ndim, t->shape, t->stride);
     return copy_new(h, out, t, t->dtype, e);
@@ -248,7 +233,7 @@ ml_status ml_op_contiguous(ml_host *h, ml_tensor *out, const ml_tensor *t, ml_er
 
 ml_status ml_op_fill(ml_host *h, ml_tensor *t, double v, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     ml_device dev = t->st->device;
     ml_kctx c = ml_host_kctx(h);
     if (ml_is_contiguous(t))
@@ -286,7 +271,7 @@ ml_status ml_op_arange(ml_host *h, ml_tensor *out, ml_device dev, ml_dtype dt, d
 static ml_status draw(ml_host *h, ml_tensor *t, int normal, uint64_t seed, uint64_t offset,
                       double a, double b, ml_err *e)
 {
-    ML_TRY(check_live(t, "t", e));
+    ML_TRY(ml_check_live(t, "t", e));
     if (!(ML_DT_RANDOM & ML_DT(t->dtype)))
         return ml_err_set(e, ML_EINVAL, "random draws need a float dtype, got %s",
                           ml_dtype_names[t->dtype]);

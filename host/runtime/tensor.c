@@ -69,6 +69,18 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     return ML_ALLOC_OK;
 }
 
+const char *ml_storage_unusable(const ml_storage *st)
+{
+    if (!st)
+        return "the tensor was freed";
+    if (st->pool && !ml_pool_view_valid(st->pool, st->slot, st->id))
+        return "stale pool view (its frame was rewound)";
+    const ml_ledger *lg = st->pool ? st->pool->lg : st->lg;
+    if (!st->host->planning && ml_is_plan_ledger(st->host, lg))
+        return "the tensor was made inside a memory plan that has ended (it holds no memory)";
+    return NULL;
+}
+
 void ml_storage_retain(ml_storage *st)
 {
     st->refs++;
@@ -144,12 +156,17 @@ int ml_tensors_overlap(const ml_tensor *a, const ml_tensor *b)
     return a->offset <= be && b->offset <= ae;
 }
 
-void ml_format_shape(const ml_tensor *t, char *buf, size_t len)
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len)
 {
     size_t at = 0;
     at += (size_t)snprintf(buf, len, "[");
-    for (int i = 0; i < t->ndim && at < len; i++)
-        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)t->shape[i]);
+    for (int i = 0; i < ndim && at < len; i++)
+        at += (size_t)snprintf(buf + at, len - at, i ? ",%lld" : "%lld", (long long)dims[i]);
     if (at < len)
         snprintf(buf + at, len - at, "]");
+}
+
+void ml_format_shape(const ml_tensor *t, char *buf, size_t len)
+{
+    ml_format_dims(t->ndim, t->shape, buf, len);
 }

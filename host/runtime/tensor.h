@@ -110,6 +110,10 @@ static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
 }
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
+/* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), a
+ * view of a rewound pool frame, or made inside a memory plan that has
+ * ended (address space that holds nothing, on no device). */
+const char *ml_storage_unusable(const ml_storage *st);
 void ml_storage_retain(ml_storage *st);
 void ml_storage_release(ml_storage *st);
 
@@ -127,7 +131,8 @@ static inline void *ml_data(const ml_tensor *t)
     return (char *)t->st->data + (size_t)t->offset * ml_dtype_size(t->dtype);
 }
 
-/* "[2,3]" into buf. */
+/* "[2,3]" into buf: a shape, or t's. */
+void ml_format_dims(int ndim, const int64_t *dims, char *buf, size_t len);
 void ml_format_shape(const ml_tensor *t, char *buf, size_t len);
 
 #endif

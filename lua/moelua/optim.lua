@@ -16,8 +16,8 @@
 --   opt:step(lr, {[4] = active_mask})     -- active_mask: u8 [8], nonzero = got tokens
 --   opt:zero_grad()
 --
--- Groups: params and grads are flat contiguous cpu tensors (f32 or f64) of
--- one dtype and size. lr_mult scales the step's lr; weight_decay overrides
+-- Groups: params and grads are flat contiguous tensors (f32 or f64) of one
+-- dtype, size and device; the states live on that device. lr_mult scales the step's lr; weight_decay overrides
 -- the optimizer's (which groups get none, e.g. norms and embeddings, is the
 -- recipe's choice); a frozen group is never touched and gets no state.
 --

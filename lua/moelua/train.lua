@@ -201,7 +201,31 @@ end
 -- device: the optimizer's own where it has them (a rollback), new ones
 -- under "optim" that load_state_dict adopts otherwise, so no state is ever
 -- held twice or staged through a host copy.
+-- Every named state of checkpoint c fits its parameter: the shape, and a
+-- step count beside a sparse group's states. Checked before load_optim
+-- changes anything, since it reads into the optimizer's live states.
+local function check_optim(self, c)
+  local function shape(t) return "[" .. table.concat(t, ",") .. "]" end
+  for _, p in ipairs(self.model:named_parameters()) do
+    local gi = locate(p.tensor, self.groups)
+    local o = c.optim and c.optim[p.name]
+    if o then
+      for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
+        if shape(o[k]:shape()) ~= shape(p.tensor:shape()) then
+          errors.user(string.format("moelua.train: %s: optim %s of '%s' has shape %s, the parameter %s", c.dir,
+                                    k, p.name, shape(o[k]:shape()), shape(p.tensor:shape())))
+        end
+      end
+      if self.groups[gi].experts and not (c.optim_steps and c.optim_steps[p.name]) then
+        errors.user(string.format("moelua.train: %s: '%s' has optimizer states but no step count in " ..
+                                  "optim/steps.safetensors", c.dir, p.name))
+      end
+    end
+  end
+end
+
 local function load_optim(self, c, meta)
+  check_optim(self, c)
   local live = self.optimizer:state_dict().groups
   local function receiver(gi, k, e, n, dt, dev)   -- zeros: what no name covers stays 0
     local cur = live[gi][k]

@@ -533,7 +533,7 @@ describe("moelua.io.open", function()
     has(errmsg(r.read_into, r, "zz", T.zeros({4})), "Reader:read_into: " .. path .. " has no tensor 'zz'")
     has(errmsg(r.read_into, r, "a", T.zeros({4})), "'a' has 15 elements, the destination 4")
     has(errmsg(r.read_into, r, "i", T.zeros({3})), "'i' is i64 in the file and cannot be converted to f32")
-    has(errmsg(r.read_into, r, "a", T.zeros({5, 3}):t()), "the destination must be contiguous")
+    has(errmsg(r.read_into, r, "a", T.zeros({5, 3}):t()), "'a': the destination must be contiguous")
     has(errmsg(r.read_into, r, "a", "x"), "argument #2 (dst): expected a tensor, got string")
     r:close()
     r:close()                                              -- idempotent

@@ -72,6 +72,29 @@ describe("train.run", function()
     end
   end)
 
+  it("refuses a checkpoint whose optimizer states do not fit the parameters, naming the tensor", function()
+    local fs, mio = require "moelua.fs", require "moelua.io"
+    run{run_dir = dir .. "/a", ckpt_every = 3, keep = 5}
+    local step = dir .. "/a/ckpt/step-000002"
+    -- transpose one state and write the manifest again, so only the shape is wrong
+    local name = "model.layers.0.self_attn.k_proj.weight"   -- [8, 16]
+    for _, f in ipairs({"optim/exp_avg.safetensors"}) do
+      local t = mio.load(step .. "/" .. f)
+      t[name] = t[name]:t():contiguous()
+      mio.save(step .. "/" .. f, t, {format = "pt"})
+    end
+    local lines = {}
+    for line in io.lines(step .. "/MANIFEST.sha256") do
+      local rel = line:match("^%x+  (.+)$")
+      lines[#lines + 1] = fs.sha256(step .. "/" .. rel) .. "  " .. rel
+    end
+    support.write_file(step .. "/MANIFEST.sha256", table.concat(lines, "\n") .. "\n")
+    local model, ds, groups, opt = pieces()
+    local msg = support.errmsg(train.run, {model = model, data = ds, optimizer = opt, groups = groups,
+                                          seq_len = SEQ, steps = 4, run_dir = dir .. "/b", resume = step})
+    support.has(msg, "optim exp_avg of '" .. name .. "' has shape [16,8], the parameter [8,16]")
+  end)
+
   it("skips a step with a non-finite loss and counts it", function()
     local r = run{hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}
     assert.are.equal(1, r.skipped)
