@@ -1,7 +1,8 @@
 -- recipes/longctx.lua: train a small Mixtral-style MoE language model at long
 -- context on real text (the C headers under /usr/include, read as bytes),
--- on the CPU or a GPU (--device cuda), within a memory budget. Everything a researcher tunes is here:
--- edit this file and run it again, no rebuild; the per-step hooks below
+-- on the CPU or a GPU (--device cuda), within a memory budget. Everything a
+-- researcher tunes is here: edit this file and run it again, no rebuild;
+-- the per-step hooks below
 -- can even be edited while it runs (taken at the next step).
 --
 --   ./moelua recipes/longctx.lua                       # defaults below
@@ -105,9 +106,7 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
-if opts.device ~= "cpu" and opts.device ~= "cuda" then
-  errors.user(string.format("--device must be cpu or cuda, got '%s'", opts.device))
-end
+options.device(opts.device)
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then
@@ -168,10 +167,7 @@ print(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f,
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
 
-if opts.device == "cuda" then
-  local ok, why_not = moelua.cuda_available()
-  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. "); the plan above is what the run needs") end
-end
+options.need_device(opts.device, "; the plan above is what the run needs")
 run.model, run.optimizer, run.groups = build()
 run.plan = plan   -- the model's pool is taken at the planned size: the first step grows nothing
 -- --attach: answer `moelua attach RUN_DIR` at the job's safe points.

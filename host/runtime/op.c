@@ -83,6 +83,17 @@ static ml_status alloc_numel(int ndim, const int64_t *dims, int64_t *n, ml_err *
     return ML_OK;
 }
 
+/* t becomes all of st, contiguous [dims...] of dt. */
+static void set_contiguous(ml_tensor *t, ml_storage *st, ml_dtype dt, int ndim, const int64_t *dims)
+{
+    t->st = st;
+    t->offset = 0;
+    t->dtype = dt;
+    t->ndim = ndim;
+    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
+    ml_set_contiguous_strides(t);
+}
+
 ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
                           const int64_t *shape, ml_err *e)
 {
@@ -113,12 +124,7 @@ ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, 
                           want, cat, ml_device_names[dev], s == ML_ALLOC_OVER_TOTAL ? "total" : cat,
                           limit, report);
     }
-    t->st = st;
-    t->offset = 0;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
-    ml_set_contiguous_strides(t);
+    set_contiguous(t, st, dt, ndim, shape);
     if (h->allocated)
         h->allocated(h, nbytes);
     return ML_OK;
@@ -188,12 +194,7 @@ ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name,
     }
     *st = (ml_storage){.data = data, .nbytes = nbytes, .device = p->device, .cat = ML_CAT_POOL,
                        .refs = 1, .host = p->host, .pool = p, .slot = slot, .id = id};
-    t->st = st;
-    t->offset = 0;
-    t->dtype = dt;
-    t->ndim = ndim;
-    memcpy(t->shape, dims, (size_t)ndim * sizeof *dims);
-    ml_set_contiguous_strides(t);
+    set_contiguous(t, st, dt, ndim, dims);
     return ML_OK;
 }
 

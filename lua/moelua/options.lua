@@ -97,4 +97,20 @@ function options.parse(argv, spec, usage)
   return values
 end
 
+-- --device's value, checked: "cpu" or "cuda" (a user error otherwise).
+function options.device(value)
+  if value ~= "cpu" and value ~= "cuda" then fail("--device must be cpu or cuda, got '%s'", tostring(value)) end
+  return value
+end
+
+-- A user error unless the device can run now: for cuda, a GPU this build
+-- can use (the error says why not, then `extra`).
+function options.need_device(value, extra)
+  if options.device(value) == "cuda" then
+    local ok, why_not = require("moelua.tensor").cuda_available()
+    if not ok then fail("--device cuda: no usable GPU (%s)%s", why_not, extra or "") end
+  end
+  return value
+end
+
 return options

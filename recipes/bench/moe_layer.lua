@@ -33,14 +33,9 @@ local opts = options.parse(arg, {
   {"device", "cpu", "where the layer runs: cpu or cuda"},
 }, "usage: moelua recipes/bench/moe_layer.lua [options]")
 
-local device = opts.device
-if device ~= "cpu" and device ~= "cuda" then
-  errors.user(string.format("--device must be cpu or cuda, got '%s'", device))
-end
-if device == "cuda" then
-  local ok, why_not = moelua.cuda_available()
-  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. ")") end
-  if opts.router_memory ~= 0 then errors.user("--router-memory measures the CPU ledger: run it with --device cpu") end
+local device = options.need_device(opts.device)
+if device == "cuda" and opts.router_memory ~= 0 then
+  errors.user("--router-memory measures the CPU ledger: run it with --device cpu")
 end
 
 -- Raw sgemm rate on the experts' main shape (a 2048-row block of tokens

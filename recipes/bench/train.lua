@@ -31,7 +31,6 @@ local optim = require "moelua.optim"
 local sched = require "moelua.sched"
 local data = require "moelua.data"
 local options = require "moelua.options"
-local errors = require "moelua.errors"
 local json = require "dkjson"
 local measure = require "moelua.measure"
 local mem, bench = moelua.mem, moelua.bench
@@ -61,14 +60,7 @@ local opts = options.parse(arg, {
   {"device", "cpu", "where the model trains: cpu or cuda"},
 }, "usage: moelua recipes/bench/train.lua [options]")
 
-local device = opts.device
-if device ~= "cpu" and device ~= "cuda" then
-  errors.user(string.format("--device must be cpu or cuda, got '%s'", device))
-end
-if device == "cuda" then
-  local ok, why_not = moelua.cuda_available()
-  if not ok then errors.user("--device cuda: no usable GPU (" .. why_not .. ")") end
-end
+local device = options.need_device(opts.device)
 
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
