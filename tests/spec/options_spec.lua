@@ -1,0 +1,31 @@
+-- moelua.options (lua/moelua/options.lua): recipe options, parsed and
+-- checked, and the --device checks every recipe shares. Errors are user
+-- errors: their text names the option and the value.
+local m = require "moelua"
+local options = require "moelua.options"
+local support = require "tests.support"
+
+local SPEC = {{"steps", 5, "optimizer steps", min = 1}, {"device", "cpu", "cpu or cuda"}}
+
+describe("moelua.options", function()
+  it("parses values of the defaults' types and checks bounds", function()
+    local o = options.parse({"--steps", "7"}, SPEC, "usage")
+    assert.are.equal(7, o.steps)
+    assert.are.equal("cpu", o.device)
+    support.raises("option --steps must be at least 1, got 0", options.parse, {"--steps", "0"}, SPEC, "usage")
+    support.raises("option --device needs a value", options.parse, {"--device"}, SPEC, "usage")
+  end)
+
+  it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
+    assert.are.equal("cpu", options.device("cpu"))
+    assert.are.equal("cuda", options.device("cuda"))
+    support.raises("--device must be cpu or cuda, got 'tpu'", options.device, "tpu")
+    assert.are.equal("cpu", options.need_device("cpu"))
+    local ok, why = m.cuda_available()
+    if ok then
+      assert.are.equal("cuda", options.need_device("cuda"))
+    else
+      support.raises("--device cuda: no usable GPU (" .. why .. "); more", options.need_device, "cuda", "; more")
+    end
+  end)
+end)
