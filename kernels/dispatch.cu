@@ -20,12 +20,13 @@
  * So the place of an assignment within its expert is its rank in (t, j)
  * order (stable), the first cap are kept, and the dropped ones follow in
  * (t, j) order: the CPU's order exactly. The per-(tile, expert) ranks are
- * a stream-ordered temporary of at most MAX_HIST entries (the tile grows
- * with n·E to stay within it).
+ * the caller's scratch (ml_dispatch_scratch_bytes_cuda: at most 2^22
+ * entries, 32 MiB; the tile, ml_dispatch_cuda_tile, grows with n·E to stay
+ * within it).
  *
  * ndropped is a host scalar on both backends: the call reads offsets[E]
  * back (synchronising the stream). find_bad and check_plan run on ctx's
- * stream too, keep their result slots in a temporary of their own,
+ * stream too, keep their result slots in the caller's scratch,
  * synchronise that stream, and return ML_DISPATCH_EDEVICE when the device
  * reported an error.
  */
@@ -33,17 +34,6 @@
 
 extern "C" {
 #include "dispatch.h"
-}
-
-#define MIN_TILE 2048               /* 64 steps of one warp */
-#define MAX_HIST ((int64_t)1 << 22) /* (tile, expert) ranks: 32 MiB of int64 */
-
-/* Tile length: MIN_TILE, or longer when n·E would need more than MAX_HIST ranks. */
-static int64_t tile_len(int64_t n, int64_t E)
-{
-    int64_t max_tiles = MAX_HIST / E > 0 ? MAX_HIST / E : 1;
-    int64_t t = (n + max_tiles - 1) / max_tiles;
-    return t > MIN_TILE ? t : MIN_TILE;
 }
 
 __global__ void histogram_kernel(unsigned long long *hist, const int64_t *idx, int64_t n,
@@ -139,8 +129,10 @@ static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t
                       const int64_t *idx, int64_t n, int64_t E, int64_t cap, int64_t tile,
                       int64_t B, int64_t *rank, cudaStream_t st)
 {
-    int64_t *drops = rank + B * E;
-    ml_status s = ml_cuda_status(cudaMemsetAsync(rank, 0, (size_t)(B * E + B) * sizeof *rank, st));
+    /* n = 0: no tiles, and the scratch (0 bytes) may be NULL */
+    int64_t *drops = B > 0 ? rank + B * E : NULL;
+    ml_status s = B > 0 ? ml_cuda_status(cudaMemsetAsync(rank, 0, (size_t)(B * E + B) * sizeof *rank, st))
+                        : ML_OK;
     if (s != ML_OK)
         return s;
     if (n > 0) {
@@ -168,18 +160,15 @@ static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t
 
 extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts,
                                       uint8_t *dropped, int64_t *ndropped, const int64_t *idx,
-                                      int64_t n, int64_t E, int64_t cap, const ml_kctx *ctx)
+                                      int64_t n, int64_t E, int64_t cap, void *scratch,
+                                      const ml_kctx *ctx)
 {
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int64_t tile = tile_len(n, E > 0 ? E : 1);
+    int64_t tile = ml_dispatch_cuda_tile(n, E);
     int64_t B = (n + tile - 1) / tile;
-    int64_t *rank = NULL;
-    ml_status s = ml_cuda_temp((void **)&rank, (size_t)(B * E + B) * sizeof *rank, st);
-    if (s == ML_OK)
-        s = sort(offsets, order, counts, dropped, idx, n, E, cap, tile, B, rank, st);
-    ml_cuda_temp_free(rank, st);
+    ml_status s = sort(offsets, order, counts, dropped, idx, n, E, cap, tile, B, (int64_t *)scratch, st);
     if (s != ML_OK)
         return s;
     int64_t kept = 0;
@@ -194,11 +183,13 @@ extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t 
 
 /* ---- validation ------------------------------------------------------------ */
 
-/* The result slots of one validation call, in a temporary of its own. */
+/* The result slots of one validation call, in the caller's scratch. */
 typedef struct {
     unsigned long long first;   /* first bad position, ~0: none */
     long long offsets_bad;      /* check_plan: -1, or -2 - e */
 } check_slots;
+static_assert(sizeof(check_slots) == 2 * sizeof(int64_t),
+              "ml_dispatch_scratch_bytes_cuda(n, E, 1) sizes the slots");
 
 __global__ void find_bad_kernel(check_slots *r, const int64_t *idx, int64_t n, int64_t E)
 {
@@ -276,14 +267,10 @@ static ml_status run_check(check_slots *r, check_slots *out, const int64_t *offs
 }
 
 static int64_t check(const int64_t *offsets, const int64_t *order, const int64_t *idx,
-                     int64_t n, int64_t E, const ml_kctx *ctx)
+                     int64_t n, int64_t E, check_slots *r, const ml_kctx *ctx)
 {
-    cudaStream_t st = ml_cuda_stream(ctx);
-    check_slots *r = NULL, out;
-    ml_status s = ml_cuda_temp((void **)&r, sizeof *r, st);
-    if (s == ML_OK)
-        s = run_check(r, &out, offsets, order, idx, n, E, st);
-    ml_cuda_temp_free(r, st);
+    check_slots out;
+    ml_status s = run_check(r, &out, offsets, order, idx, n, E, ml_cuda_stream(ctx));
     if (s != ML_OK)
         return ML_DISPATCH_EDEVICE;
     if (offsets && out.offsets_bad != -1)
@@ -292,16 +279,16 @@ static int64_t check(const int64_t *offsets, const int64_t *order, const int64_t
 }
 
 extern "C" int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E,
-                                             const ml_kctx *ctx)
+                                             void *scratch, const ml_kctx *ctx)
 {
     if (n <= 0)
         return -1;
-    return check(NULL, NULL, idx, n, E, ctx);
+    return check(NULL, NULL, idx, n, E, (check_slots *)scratch, ctx);
 }
 
 extern "C" int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
                                                const int64_t *idx, int64_t n, int64_t E,
-                                               const ml_kctx *ctx)
+                                               void *scratch, const ml_kctx *ctx)
 {
-    return check(offsets, order, idx, n, E, ctx);
+    return check(offsets, order, idx, n, E, (check_slots *)scratch, ctx);
 }

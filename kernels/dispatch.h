@@ -21,8 +21,14 @@
  * and return ML_DISPATCH_EDEVICE when the device reported an error
  * (ml_cuda_error_string says which).
  *
+ * Scratch: the CUDA twins need device scratch (the sort's per-tile ranks,
+ * the validators' result slots), passed in like every output, so the
+ * ledger counts it; ml_dispatch_scratch_bytes_<device> says how much. The
+ * CPU's need none (they take the argument and ignore it).
+ *
  * Not here: routing (kernels/router.*), the expert computation
- * (kernels/experts.*), allocation: every output is passed in.
+ * (kernels/experts.*), allocation: every output and the scratch are passed
+ * in.
  */
 #ifndef ML_KERNELS_DISPATCH_H
 #define ML_KERNELS_DISPATCH_H
@@ -43,10 +49,11 @@
  * behaviour here). Sequential O(n + E); cap < 0: dropless. */
 ml_status ml_dispatch_cpu(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
                           int64_t *ndropped, const int64_t *idx, int64_t n, int64_t E,
-                          int64_t cap, const ml_kctx *ctx);
+                          int64_t cap, void *scratch, const ml_kctx *ctx);
 
 /* The first position a of idx [n] whose id is outside [0, E), or -1. */
-int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
+int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E, void *scratch,
+                                 const ml_kctx *ctx);
 
 /* Checks that a plan (offsets [E+1], order [n]) is one ml_dispatch could
  * have produced for idx [n]: offsets start at 0, never decrease and end at
@@ -57,17 +64,31 @@ int64_t ml_dispatch_find_bad_cpu(const int64_t *idx, int64_t n, int64_t E, const
  * consistent; otherwise the first bad offset index e (as -2 - e) or the
  * first bad position p (as p >= 0). Kernels that read a plan rely on it. */
 int64_t ml_dispatch_check_plan_cpu(const int64_t *offsets, const int64_t *order,
-                                   const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
+                                   const int64_t *idx, int64_t n, int64_t E, void *scratch,
+                                   const ml_kctx *ctx);
 
 /* What the CUDA find_bad / check_plan return on a device error. */
 #define ML_DISPATCH_EDEVICE INT64_MIN
 
-/* The CUDA twins (dispatch.cu; `make CUDA=1` builds only). */
+/* Bytes of 8-aligned device scratch the CUDA twins need for n assignments
+ * and E experts: the sort's (check = 0) or a validator's (check = 1).
+ * Plain C (dispatch.c, every build), so a plan of a CUDA run books it on a
+ * machine without CUDA. The CPU kernels need none. */
+size_t ml_dispatch_scratch_bytes_cuda(int64_t n, int64_t E, int check);
+/* The CUDA sort's tile length (consecutive assignments per tile): the
+ * sizing above and dispatch.cu agree through it. */
+int64_t ml_dispatch_cuda_tile(int64_t n, int64_t E);
+
+/* The CUDA twins (dispatch.cu; `make CUDA=1` builds only), with a scratch
+ * of ml_dispatch_scratch_bytes_cuda(n, E, 0) bytes (sort) or (n, E, 1)
+ * (validators). */
 ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
                            int64_t *ndropped, const int64_t *idx, int64_t n, int64_t E,
-                           int64_t cap, const ml_kctx *ctx);
-int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
+                           int64_t cap, void *scratch, const ml_kctx *ctx);
+int64_t ml_dispatch_find_bad_cuda(const int64_t *idx, int64_t n, int64_t E, void *scratch,
+                                  const ml_kctx *ctx);
 int64_t ml_dispatch_check_plan_cuda(const int64_t *offsets, const int64_t *order,
-                                    const int64_t *idx, int64_t n, int64_t E, const ml_kctx *ctx);
+                                    const int64_t *idx, int64_t n, int64_t E, void *scratch,
+                                    const ml_kctx *ctx);
 
 #endif

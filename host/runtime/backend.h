@@ -81,6 +81,12 @@ typedef struct ml_memory {
 typedef struct ml_kernels {
     int (*supports)(ml_op op, ml_dtype dt);
 
+    /* Bytes of the scratch (8-aligned, on the device) a family's kernels
+     * take from their caller, who allocates it in the ledger
+     * (ML_KSCRATCH); NULL: none. dispatch: (n, E, check) as
+     * ml_dispatch_scratch_bytes_cuda. */
+    size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
+
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);
     ml_status (*binary)(ml_binop, ml_dtype, void *, const void *, const void *,
@@ -125,10 +131,10 @@ typedef struct ml_kernels {
     ml_status (*router_update_bias)(ml_dtype, void *, const int64_t *, int64_t, double,
                                     const ml_kctx *);
     ml_status (*dispatch)(int64_t *, int64_t *, int64_t *, uint8_t *, int64_t *, const int64_t *,
-                          int64_t, int64_t, int64_t, const ml_kctx *);
-    int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t, const ml_kctx *);
+                          int64_t, int64_t, int64_t, void *, const ml_kctx *);
+    int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t, void *, const ml_kctx *);
     int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
-                                   const ml_kctx *);
+                                   void *, const ml_kctx *);
     ml_status (*experts_forward)(ml_dtype, void *, void *, void *, const void *, const void *,
                                  const int64_t *, const int64_t *, const void *, const void *,
                                  const ml_experts_cfg *, const ml_kctx *);
@@ -216,6 +222,15 @@ size_t ml_cuda_round_size(size_t n);
     ((h)->planning ? ML_OK                                                              \
      : !(h)->kern[dev] || !(h)->kern[dev]->family ? ML_EUNSUPPORTED                     \
      : (h)->kern[dev]->family(__VA_ARGS__))
+/* The scratch bytes of `family` (the table's family##_scratch_bytes) on dev,
+ * asked of the device's table, also inside a plan, so the plan books what
+ * the kernels will take. A plan of CUDA on a build without it has no CUDA
+ * table: the CUDA sizing of kernels/ (plain C, ml_<family>_scratch_bytes_cuda)
+ * answers. */
+#define ML_KSCRATCH(h, dev, family, ...)                                                \
+    ((h)->kern[dev] ? ((h)->kern[dev]->family##_scratch_bytes                             \
+                       ? (h)->kern[dev]->family##_scratch_bytes(__VA_ARGS__) : (size_t)0)  \
+     : (dev) == ML_CUDA ? ml_##family##_scratch_bytes_cuda(__VA_ARGS__) : (size_t)0)
 /* The same for the validators that return a position or -1 ("nothing bad"):
  * a plan has nothing to validate; a device without the validator answers
  * ML_DISPATCH_EDEVICE (kernels/dispatch.h), never "nothing bad". */

@@ -269,8 +269,17 @@ ml_status ml_read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, vo
 ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
                             int64_t *value, ml_err *e)
 {
+    ml_device dev = idx->st->device;
+    int64_t n = ml_numel(idx);
+    /* the validator's result slots: a ledger tensor, none where it needs none */
+    int64_t nscr = (int64_t)((ML_KSCRATCH(h, dev, dispatch, n, hi, 1) + 7) / 8);
+    ml_tensor scr = {0};
+    if (nscr > 0)
+        ML_TRY(ml_tensor_alloc(h, &scr, dev, ML_F64, 1, &nscr, e));
     ml_kctx c = ml_host_kctx(h);
-    *pos = ML_KCHECK(h, idx->st->device, dispatch_find_bad, ml_data(idx), ml_numel(idx), hi, &c);
+    *pos = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, hi,
+                     scr.st ? ml_data(&scr) : NULL, &c);
+    ml_tensor_drop(&scr);
     if (*pos == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     return *pos >= 0 ? ml_read_back(h, idx, *pos, 1, value, e) : ML_OK;

@@ -40,7 +40,7 @@ static ml_status output(ml_host *h, ml_pool *p, ml_tensor *t, const char *name, 
 }
 
 /* One kernel call's scratch: a tensor in a pool slot rewound after, or a
- * ledger tensor; dropped after either way. */
+ * ledger tensor; dropped after either way. None (NULL) for 0 bytes. */
 typedef struct {
     ml_tensor t;
     ml_pool *pool;
@@ -51,11 +51,14 @@ static ml_status scratch_take(ml_host *h, ml_pool *p, ml_device dev, size_t nbyt
                               const char *what, scratch *s, void **data, ml_err *e)
 {
     memset(s, 0, sizeof *s);
+    *data = NULL;
+    if (!nbytes)
+        return ML_OK;
     if (!p) {
         int64_t n = (int64_t)((nbytes + 7) / 8);
         ML_TRY(ml_tensor_alloc(h, &s->t, dev, ML_F64, 1, &n, e));
     } else {
-        int64_t n = nbytes ? (int64_t)nbytes : 1;
+        int64_t n = (int64_t)nbytes;
         s->mark = ml_pool_mark(p);
         ML_TRY(ml_pool_tensor(h, p, &s->t, what, ML_U8, 1, &n, e));
         s->pool = p;
@@ -427,9 +430,15 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
     ML_TRY(output(h, pool, plan->counts, "plan.counts", dev, ML_I64, 1, &E, 0, e));
     ML_TRY(output(h, pool, plan->dropped, "plan.dropped", dev, ML_U8, 2, tk, 0, e));
     plan->ndropped = 0;
-    return ml_kernel_status(ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
-                                     ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
-                                     ml_data(idx), n, E, capacity < 0 ? -1 : capacity, &c), e);
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, ML_KSCRATCH(h, dev, dispatch, n, E, 0),
+                        "the dispatch scratch", &s, &buf, e));
+    ml_status ks = ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
+                            ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
+                            ml_data(idx), n, E, capacity < 0 ? -1 : capacity, buf, &c);
+    scratch_give(&s);
+    return ml_kernel_status(ks, e);
 }
 
 /* The operands forward and backward share, checked against each other;
@@ -472,9 +481,14 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate
     int64_t n = c->T * c->k, e1 = c->E + 1;
     ML_TRY(ex_tensor(plan->offsets, "plan.offsets", dev, ML_I64, 1, &e1, e));
     ML_TRY(ex_tensor(plan->order, "plan.order", dev, ML_I64, 1, &n, e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, NULL, dev, ML_KSCRATCH(h, dev, dispatch, n, c->E, 1),
+                        "the plan check's scratch", &s, &buf, e));
     ml_kctx kc = ml_host_kctx(h);
     int64_t bad = ML_KCHECK(h, dev, dispatch_check_plan, ml_data(plan->offsets),
-                            ml_data(plan->order), ml_data(idx), n, c->E, &kc);
+                            ml_data(plan->order), ml_data(idx), n, c->E, buf, &kc);
+    scratch_give(&s);
     if (bad == ML_DISPATCH_EDEVICE)
         return ml_kernel_status(ML_EDEVICE, e);
     if (bad <= -2)

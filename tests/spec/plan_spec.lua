@@ -133,6 +133,29 @@ describe("mem.plan", function()
       assert.has_error(function() m.zeros({3}, {device = "cuda"}) end)
     end
   end)
+
+  it("books the scratch a CUDA dispatch takes from the ledger (its per-tile ranks)", function()
+    local experts = require "moelua.experts"
+    -- n = 2^21 assignments over E = 2048 experts: tiles of 2048 (at most 2^22
+    -- ranks), B = 1024 tiles, int64 ranks [B, E] and drops [B]: 16 MiB + 8 KiB
+    local T, k, E = 1 << 20, 2, 2048
+    local n = T * k
+    local B = n // 2048
+    local scratch = (B * E + B) * 8
+    local books = mem.plan(function()
+      local idx = m.zeros({T, k}, {dtype = "i64", device = "cuda"})
+      experts.dispatch(idx, E)
+    end)
+    -- idx, then offsets, order, counts, dropped, and the scratch while the sort runs
+    local outputs = (E + 1) * 8 + n * 8 + E * 8 + n
+    assert.are.equal(n * 8 + outputs + scratch, books.cuda.total_peak)
+    assert.are.equal(0, books.cuda.total)
+    -- the CPU sort needs no scratch: its peak is the tensors alone
+    books = mem.plan(function()
+      experts.dispatch(m.zeros({T, k}, {dtype = "i64"}), E)
+    end)
+    assert.are.equal(n * 8 + outputs, books.cpu.total_peak - mem.stats().cpu.total)
+  end)
 end)
 
 -- The tiny model of train_spec, built by a function as recipes do.

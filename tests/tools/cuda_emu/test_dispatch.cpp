@@ -6,6 +6,24 @@
 
 static std::vector<double> dv(const std::vector<int64_t> &v) { return std::vector<double>(v.begin(), v.end()); }
 
+/* A scratch of exactly ml_dispatch_scratch_bytes_cuda bytes, garbage-filled
+ * (ASan sees any use past it); NULL for 0 bytes, as the op passes. */
+struct scratch {
+    std::vector<unsigned char> b;
+    scratch(int64_t n, int64_t E, int check) : b(ml_dispatch_scratch_bytes_cuda(n, E, check), 0xa5) {}
+    void *p() { return b.empty() ? nullptr : b.data(); }
+};
+
+static int64_t find_bad_cuda(const int64_t *idx, int64_t n, int64_t E)
+{
+    return ml_dispatch_find_bad_cuda(idx, n, E, scratch(n, E, 1).p(), &emu_ctx);
+}
+
+static int64_t check_plan_cuda(const int64_t *o, const int64_t *r, const int64_t *idx, int64_t n, int64_t E)
+{
+    return ml_dispatch_check_plan_cuda(o, r, idx, n, E, scratch(n, E, 1).p(), &emu_ctx);
+}
+
 static void run(int64_t n, int64_t E, int64_t cap, bool skewed)
 {
     std::vector<int64_t> idx(n + 1);
@@ -15,9 +33,9 @@ static void run(int64_t n, int64_t E, int64_t cap, bool skewed)
     std::vector<int64_t> o1(E + 1, -5), o2(E + 1, -5), r1(n + 1, -5), r2(n + 1, -5), c1(E + 1, -5), c2(E + 1, -5);
     std::vector<uint8_t> d1(n + 1, 7), d2(n + 1, 9);
     int64_t nd1 = -1, nd2 = -2;
-    ml_dispatch_cpu(o1.data(), r1.data(), c1.data(), d1.data(), &nd1, idx.data(), n, E, cap, &emu_ctx);
+    ml_dispatch_cpu(o1.data(), r1.data(), c1.data(), d1.data(), &nd1, idx.data(), n, E, cap, nullptr, &emu_ctx);
     check_status("dispatch", ml_dispatch_cuda(o2.data(), r2.data(), c2.data(), d2.data(), &nd2, idx.data(), n, E,
-                                              cap, &emu_ctx), ML_OK);
+                                              cap, scratch(n, E, 0).p(), &emu_ctx), ML_OK);
     char nm[96];
     snprintf(nm, sizeof nm, "dispatch n=%ld E=%ld cap=%ld%s", (long)n, (long)E, (long)cap, skewed ? " skewed" : "");
     std::string s = nm;
@@ -26,25 +44,23 @@ static void run(int64_t n, int64_t E, int64_t cap, bool skewed)
     check(s + " counts", dv(c2), dv(c1), 0);
     check(s + " dropped", std::vector<double>(d2.begin(), d2.end() - 1), std::vector<double>(d1.begin(), d1.end() - 1), 0);
     check(s + " ndropped", {(double)nd2}, {(double)nd1}, 0);
-    check(s + " check_plan", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)},
-          {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+    check(s + " check_plan", {(double)check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E)},
+          {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, nullptr, &emu_ctx)}, 0);
     if (o1[E] > 2) {   /* a broken plan: two kept entries swapped, then a bad offset */
         std::swap(r1[0], r1[o1[E] - 1]);
-        check(s + " check_plan swapped", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E,
-                                                                               &emu_ctx)},
-              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+        check(s + " check_plan swapped", {(double)check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E)},
+              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, nullptr, &emu_ctx)}, 0);
         o1[E / 2] = n + 1;
-        check(s + " check_plan offsets", {(double)ml_dispatch_check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E,
-                                                                               &emu_ctx)},
-              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, &emu_ctx)}, 0);
+        check(s + " check_plan offsets", {(double)check_plan_cuda(o1.data(), r1.data(), idx.data(), n, E)},
+              {(double)ml_dispatch_check_plan_cpu(o1.data(), r1.data(), idx.data(), n, E, nullptr, &emu_ctx)}, 0);
     }
-    check(s + " find_bad", {(double)ml_dispatch_find_bad_cuda(idx.data(), n, E, &emu_ctx)},
-          {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, &emu_ctx)}, 0);
+    check(s + " find_bad", {(double)find_bad_cuda(idx.data(), n, E)},
+          {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, nullptr, &emu_ctx)}, 0);
     if (n > 10) {
         idx[n - 3] = E;
         idx[n - 7] = -1;
-        check(s + " find_bad (bad ids)", {(double)ml_dispatch_find_bad_cuda(idx.data(), n, E, &emu_ctx)},
-              {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, &emu_ctx)}, 0);
+        check(s + " find_bad (bad ids)", {(double)find_bad_cuda(idx.data(), n, E)},
+              {(double)ml_dispatch_find_bad_cpu(idx.data(), n, E, nullptr, &emu_ctx)}, 0);
     }
 }
 

@@ -46,7 +46,7 @@ static void run(ml_dtype dt, int64_t T, int64_t k, int64_t D, int64_t F, int64_t
     for (auto &i : idx)
         i = u(emu_rng);
     int64_t nd = 0;
-    ml_dispatch_cpu(off.data(), order.data(), counts.data(), dropped.data(), &nd, idx.data(), n, E, cap, &emu_ctx);
+    ml_dispatch_cpu(off.data(), order.data(), counts.data(), dropped.data(), &nd, idx.data(), n, E, cap, nullptr, &emu_ctx);
     int64_t S = save == 0 ? 0 : save == 1 ? off[E] : off[E] / 2;
     ml_experts_cfg c = {T, k, D, F, E, tile, S};
     auto x = as_dt(dt, randn(T * D)), w = as_dt(dt, randn(n)), gu = as_dt(dt, randn(E * 2 * F * D, 0.2));
