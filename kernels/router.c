@@ -32,6 +32,16 @@ size_t ml_router_scratch_bytes(int64_t T, int64_t D, int64_t E, int64_t chunk, i
     return n * sizeof(double);
 }
 
+size_t ml_router_scratch_bytes_cuda(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward)
+{
+    size_t nd = 1;   /* the flags */
+    if (!backward) {
+        int64_t V = E + 2, np = ml_router_chunk_rows(T, chunk) / ML_ROUTER_CUDA_SEG + 2;
+        nd += (size_t)(2 * V + np * V);
+    }
+    return ml_router_scratch_bytes(T, D, E, chunk, backward) + nd * sizeof(double);
+}
+
 typedef struct {
     ml_dtype dt;
     const ml_router_cfg *cfg;

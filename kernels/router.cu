@@ -32,7 +32,7 @@
  * a few ulp (tests: 1e-12 relative, normwise); selection differs only if two
  * keys are within that distance.
  *
- * A NaN logit sets a flag in the call's own stream-ordered temporary (not
+ * A NaN logit sets a flag in the call's scratch, after the rows (not
  * __device__ module state, which calls on two streams would share); later
  * kernels of the call see it and do nothing, and the call returns ML_ENAN
  * after reading it back. zsum and entropy are host scalars on both
@@ -49,13 +49,13 @@ extern "C" {
 #include <math.h>
 
 #define TOKEN_THREADS 128
-#define SEG 64   /* tokens per segment of the forward's psum / zsum / entropy */
+#define SEG ML_ROUTER_CUDA_SEG   /* tokens per segment of the forward's psum / zsum / entropy */
 
 typedef struct {
     int nan;     /* a NaN was seen in this call */
     int stop;    /* ... in an earlier chunk: later chunks do nothing */
 } router_flags;
-static_assert(sizeof(router_flags) <= sizeof(double), "the flags take the temporary's first slot");
+static_assert(sizeof(router_flags) <= sizeof(double), "the flags take one f64 slot of the scratch");
 
 /* ---- logits: 8 lanes per dot ------------------------------------------------ */
 
@@ -245,23 +245,18 @@ static ml_status finish(cudaStream_t st, const router_flags *f, int *nan, const 
     return s;
 }
 
-/* The call's flags, then (forward) the sums' workspace, in one temporary. */
-static ml_status state_new(router_flags **f, sums_ws *ws, int64_t chunk, int64_t E,
-                           cudaStream_t st)
+/* The call's flags, then (forward) the sums' workspace, at p: the scratch
+ * past the CPU's part (ml_router_scratch_bytes_cuda); the flags cleared. */
+static ml_status state_init(router_flags **f, sums_ws *ws, double *p, int64_t E, cudaStream_t st)
 {
-    int64_t V = E + 2, np = chunk / SEG + 2;   /* a chunk touches at most this many segments */
-    size_t nd = ws ? (size_t)(2 * V + np * V) : 0;
-    void *p = NULL;
-    ml_status s = ml_cuda_temp(&p, sizeof(double) + nd * sizeof(double), st);
+    int64_t V = E + 2;
     *f = (router_flags *)p;
-    if (s == ML_OK)
-        s = ml_cuda_status(cudaMemsetAsync(p, 0, sizeof(router_flags), st));
-    if (ws && p) {
-        ws->acc = (double *)p + 1;
+    if (ws) {   /* a chunk touches at most chunk / SEG + 2 segments: part's rows */
+        ws->acc = p + 1;
         ws->open = ws->acc + V;
         ws->part = ws->open + V;
     }
-    return s;
+    return ml_cuda_status(cudaMemsetAsync(p, 0, sizeof(router_flags), st));
 }
 
 static unsigned logit_blocks(int64_t n, int64_t E)
@@ -332,11 +327,12 @@ extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, 
     sums_ws ws;
     int nan = 0;
     double zh[2] = {*zsum, *entropy};
-    ml_status s = state_new(&f, &ws, chunk, E, st);
+    double *rows = (double *)scratch;
+    ml_status s = state_init(&f, &ws, rows + ml_router_scratch_bytes(T, D, E, cfg->chunk, 0) /
+                             sizeof(double), E, st);
     if (s == ML_OK)
-        s = forward_run(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E, cfg,
-                        (double *)scratch, chunk, ctx, &nan, zh);
-    ml_cuda_temp_free(f, st);
+        s = forward_run(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E, cfg, rows,
+                        chunk, ctx, &nan, zh);
     if (s != ML_OK)
         return s;
     if (nan)
@@ -493,11 +489,12 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
     int64_t chunk = ml_router_chunk_rows(T, cfg->chunk);
     router_flags *f = NULL;
     int nan = 0;
-    ml_status s = state_new(&f, NULL, chunk, E, st);
+    double *rows = (double *)scratch;
+    ml_status s = state_init(&f, NULL, rows + ml_router_scratch_bytes(T, D, E, cfg->chunk, 1) /
+                             sizeof(double), E, st);
     if (s == ML_OK)
-        s = backward_run(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg, (double *)scratch,
-                         chunk, ctx, &nan);
-    ml_cuda_temp_free(f, st);
+        s = backward_run(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg, rows, chunk, ctx,
+                         &nan);
     if (s != ML_OK)
         return s;
     return nan ? ML_ENAN : ML_OK;

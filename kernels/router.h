@@ -97,6 +97,13 @@ typedef struct {
 /* Bytes of the scratch a call needs: chunk rows of 4E + 2 f64, plus (for
  * the backward) the [E, D] f64 accumulator of dwg. chunk is clamped to T. */
 size_t ml_router_scratch_bytes(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
+/* Tokens per segment of the CUDA forward's psum / zsum / entropy (router.cu). */
+#define ML_ROUTER_CUDA_SEG 64
+/* The same for the CUDA twins: the CPU's bytes, then the call's flags (one
+ * f64 slot) and, for the forward, the segment sums' workspace ((E + 2)·(2
+ * + chunk / ML_ROUTER_CUDA_SEG + 2) f64). Plain C (router.c, every build),
+ * so a plan of a CUDA run books it without CUDA. */
+size_t ml_router_scratch_bytes_cuda(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
 
 /* Forward.
  *   idx    [T, k] int64   =   expert ids, descending key order
@@ -139,7 +146,8 @@ ml_status ml_router_backward_cpu(ml_dtype dt, void *dx, void *dwg, const int64_t
 ml_status ml_router_update_bias_cpu(ml_dtype dt, void *bias, const int64_t *counts, int64_t E,
                                     double gamma, const ml_kctx *ctx);
 
-/* The CUDA twins (router.cu; `make CUDA=1` builds only). */
+/* The CUDA twins (router.cu; `make CUDA=1` builds only), with a scratch of
+ * ml_router_scratch_bytes_cuda bytes. */
 ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, int64_t *counts,
                                  double *psum, double *zsum, double *entropy,
                                  const void *x, const void *wg, ml_dtype bias_dt, const void *bias,

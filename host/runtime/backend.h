@@ -84,8 +84,9 @@ typedef struct ml_kernels {
     /* Bytes of the scratch (8-aligned, on the device) a family's kernels
      * take from their caller, who allocates it in the ledger
      * (ML_KSCRATCH); NULL: none. dispatch: (n, E, check) as
-     * ml_dispatch_scratch_bytes_cuda. */
+     * ml_dispatch_scratch_bytes_cuda; router: as ml_router_scratch_bytes. */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
+    size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);

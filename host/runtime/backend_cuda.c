@@ -526,6 +526,7 @@ static int cuda_supports(ml_op op, ml_dtype dt)
 static const ml_kernels cuda_kernels = {
     .supports = cuda_supports,
     .dispatch_scratch_bytes = ml_dispatch_scratch_bytes_cuda,
+    .router_scratch_bytes = ml_router_scratch_bytes_cuda,
     .fill = ml_fill_cuda,
     .arange = ml_arange_cuda,
     .binary = ml_binary_cuda,

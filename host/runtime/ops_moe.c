@@ -233,7 +233,7 @@ ml_status ml_op_router_forward(ml_host *h, ml_tensor *idx, ml_tensor *w, ml_rout
     ML_TRY(output(h, pool, st->psum, "psum", dev, ML_F64, 1, &E, 1, e));
     scratch s;
     void *buf;
-    ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 0),
+    ML_TRY(scratch_take(h, pool, dev, ML_KSCRATCH(h, dev, router, T, D, E, cfg->chunk, 0),
                         "the router scratch", &s, &buf, e));
     st->z = st->entropy = 0;
     ml_kctx c = ml_host_kctx(h);
@@ -325,7 +325,7 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
     ML_TRY(output(h, pool, g->dwg, "grads.dwg", dev, x->dtype, 2, swd, 1, e));
     scratch s;
     void *buf;
-    ML_TRY(scratch_take(h, pool, dev, ml_router_scratch_bytes(T, D, E, cfg->chunk, 1),
+    ML_TRY(scratch_take(h, pool, dev, ML_KSCRATCH(h, dev, router, T, D, E, cfg->chunk, 1),
                         "the router scratch", &s, &buf, e));
     ml_status ks = ML_KCALL(h, dev, router_backward, x->dtype, ml_data(g->dx), ml_data(g->dwg),
                             ml_data(idx), ml_data(dw), g->aux ? ml_data(g->aux) : NULL, g->z,

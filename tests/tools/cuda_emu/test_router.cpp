@@ -28,7 +28,7 @@ static void forward(ml_dtype dt, int64_t T, int64_t D, int64_t E)
         for (int wb = 0; wb < 2; wb++) {
             int64_t k = c.k;
             std::vector<unsigned char> s1(ml_router_scratch_bytes(T, D, E, c.chunk, 0) + 8),
-                s2(ml_router_scratch_bytes(T, D, E, c.chunk, 0) + 8);
+                s2(ml_router_scratch_bytes_cuda(T, D, E, c.chunk, 0), 0xa5);
             std::vector<int64_t> i1(T * k, -1), i2(T * k, -1), n1(E, 3), n2(E, 3);
             std::vector<unsigned char> w1(T * k * 8), w2(T * k * 8, 0xff);
             std::vector<double> p1(E, 0.5), p2(E, 0.5);
@@ -60,7 +60,7 @@ static void backward(ml_dtype dt, int64_t T, int64_t D, int64_t E)
         ci++;
         int64_t k = c.k;
         std::vector<unsigned char> s1(ml_router_scratch_bytes(T, D, E, c.chunk, 1) + 8),
-            s2(ml_router_scratch_bytes(T, D, E, c.chunk, 1) + 8);
+            s2(ml_router_scratch_bytes_cuda(T, D, E, c.chunk, 1), 0xa5);
         std::vector<int64_t> idx(T * k), n(E);
         std::vector<unsigned char> w(T * k * 8);
         std::vector<double> p(E);
