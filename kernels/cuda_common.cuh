@@ -2,11 +2,11 @@
  * kernels/cuda_common.cuh - what every CUDA kernel family shares: the
  * stream of a kernel context, grid sizing for grid-stride loops, the
  * launch check that turns a CUDA error into ML_EDEVICE (kernels never
- * raise; the binding does, after the call returns), and stream-ordered
- * temporaries.
+ * raise; the binding does, after the call returns).
  *
- * Not here: allocation (host/runtime/backend_cuda.c owns device memory) and any
- * kernel of a family. Include from .cu files only.
+ * Not here: allocation (host/runtime/backend_cuda.c owns device memory; a
+ * kernel's scratch is passed in by its caller, so the ledger counts it) and
+ * any kernel of a family. Include from .cu files only.
  */
 #ifndef ML_KERNELS_CUDA_COMMON_CUH
 #define ML_KERNELS_CUDA_COMMON_CUH
@@ -56,25 +56,6 @@ static inline ml_status ml_cuda_launched(void)
     if (s == ML_OK && ml_cuda_sync_debug())
         s = ml_cuda_status(cudaDeviceSynchronize());
     return s;
-}
-
-/* A temporary of n bytes ordered on stream st (cudaMallocAsync). Calls use
- * these instead of module-level __device__ scratch, which two calls on two
- * streams would share; the bytes go back in stream order, so a temporary
- * freed right after the last kernel that uses it is safe. Small and
- * short-lived: outside the ledger, like cuBLAS's workspace. */
-static inline ml_status ml_cuda_temp(void **p, size_t n, cudaStream_t st)
-{
-    *p = NULL;
-    return ml_cuda_status(cudaMallocAsync(p, n ? n : 1, st));
-}
-
-/* Give a temporary back (NULL: nothing). A failure here can only follow a
- * device error the call already reports, so it is cleared, not recorded. */
-static inline void ml_cuda_temp_free(void *p, cudaStream_t st)
-{
-    if (p && cudaFreeAsync(p, st) != cudaSuccess)
-        cudaGetLastError();
 }
 
 /* Grid-stride loop over [0, n) with 64-bit indices. */

@@ -146,7 +146,7 @@ ml_status ml_block_sum_cpu(ml_dtype dt, double *out, const void *x, int64_t n, i
 }
 
 ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                            int64_t n, const ml_kctx *ctx)
+                            int64_t n, void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -186,4 +186,11 @@ ml_status ml_cumsum_cpu(ml_dtype dt, void *out, const void *in,
         return ML_EUNSUPPORTED;
     cum_arg g = {dt, out, in, r, inner};
     return ml_parallel_tiles(outer * inner, 256, r > 0 ? r : 1, ctx, cumsum_tile, &g);
+}
+
+/* The CUDA twin's workspace (reduce.cu's all_ws): f64 partials and int64
+ * positions of PASS super blocks, then the running result and position. */
+size_t ml_reduce_all_scratch_bytes_cuda(int64_t n)
+{
+    return ((size_t)ML_REDUCE_CUDA_PASS * SUPER + 1) * (sizeof(double) + sizeof(int64_t));
 }

@@ -11,9 +11,9 @@
  *     block order, and one thread adds the super partials in order; PASS
  *     super blocks at a time, the running result carried between passes;
  *   - cumsum: one thread per column, sequential.
- * The block partials and the running result live in a stream-ordered
- * temporary of the call (about 1 MiB), not in __device__ module state that
- * calls on two streams would share.
+ * The block partials and the running result live in the caller's scratch
+ * (about 1 MiB, ml_reduce_all_scratch_bytes_cuda), not in __device__
+ * module state that calls on two streams would share.
  */
 #include "cuda_common.cuh"
 
@@ -22,7 +22,7 @@ extern "C" {
 }
 
 #define SUPER 1024           /* must equal kernels/reduce.c's SUPER */
-#define PASS 64              /* super blocks per pass: 2^28 elements */
+#define PASS ML_REDUCE_CUDA_PASS   /* super blocks per pass: 2^28 elements */
 #define BLOCK_THREADS 64     /* small CUDA blocks: more SMs share few partials */
 
 __device__ __forceinline__ double at(ml_dtype dt, const void *p, int64_t i)
@@ -93,6 +93,8 @@ typedef struct {
     double acc;
     int64_t idx;
 } all_ws;
+static_assert(sizeof(all_ws) == ((size_t)PASS * SUPER + 1) * 16,
+              "ml_reduce_all_scratch_bytes_cuda (reduce.c) sizes it");
 
 /* Thread j: block first_block + j of the input, sequentially (the CPU's block sum). */
 __global__ void all_blocks_kernel(ml_redop op, ml_dtype dt, all_ws *ws, const void *in, int64_t n,
@@ -203,17 +205,11 @@ static ml_status all_passes(ml_redop op, ml_dtype dt, void *out, int64_t *idx, c
 }
 
 extern "C" ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                                        int64_t n, const ml_kctx *ctx)
+                                        int64_t n, void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    cudaStream_t st = ml_cuda_stream(ctx);
-    all_ws *ws = NULL;
-    ml_status s = ml_cuda_temp((void **)&ws, sizeof *ws, st);
-    if (s == ML_OK)
-        s = all_passes(op, dt, out, idx, in, n, ws, ctx);
-    ml_cuda_temp_free(ws, st);
-    return s;
+    return all_passes(op, dt, out, idx, in, n, (all_ws *)scratch, ctx);
 }
 
 /* ---- cumsum -------------------------------------------------------------- */

@@ -28,10 +28,19 @@ ml_status ml_reduce_cuda(ml_redop op, ml_dtype dt, void *out, int64_t *idx, cons
                          int64_t outer, int64_t r, int64_t inner, const ml_kctx *ctx);
 
 /* out[0] = op over all n elements (idx as above, may be NULL). f32, f64. */
+/* scratch: ml_reduce_all_scratch_bytes_cuda(n) bytes on CUDA (the block
+ * partials of one pass and the running result), none on the CPU. */
 ml_status ml_reduce_all_cpu(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                            int64_t n, const ml_kctx *ctx);
+                            int64_t n, void *scratch, const ml_kctx *ctx);
 ml_status ml_reduce_all_cuda(ml_redop op, ml_dtype dt, void *out, int64_t *idx, const void *in,
-                             int64_t n, const ml_kctx *ctx);
+                             int64_t n, void *scratch, const ml_kctx *ctx);
+
+/* Super blocks per pass of the CUDA total (reduce.cu). */
+#define ML_REDUCE_CUDA_PASS 64
+/* Bytes of 8-aligned device scratch ml_reduce_all_cuda needs (about 1 MiB,
+ * whatever n). Plain C (reduce.c, every build), so a plan of a CUDA run
+ * books it. */
+size_t ml_reduce_all_scratch_bytes_cuda(int64_t n);
 
 /* *out = sum of x[i] (square: of x[i]^2) over n elements in f64, in the
  * fixed blocks above: the deterministic total every whole-tensor sum and

@@ -56,7 +56,7 @@ static void topk_tile(void *p, int64_t lo, int64_t hi)
 }
 
 ml_status ml_topk_cpu(ml_dtype dt, void *values, int64_t *indices, const void *in,
-                      int64_t rows, int64_t cols, int64_t k, const ml_kctx *ctx)
+                      int64_t rows, int64_t cols, int64_t k, void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -65,4 +65,10 @@ ml_status ml_topk_cpu(ml_dtype dt, void *values, int64_t *indices, const void *i
     topk_arg g = {dt, values, indices, in, cols, k, 0};
     ml_status s = ml_parallel_tiles(rows, 64, cols * (k < 8 ? k : 8), ctx, topk_tile, &g);
     return s != ML_OK ? s : g.nan ? ML_ENAN : ML_OK;
+}
+
+/* The CUDA twin's NaN flag (topk.cu), one 8-aligned slot. */
+size_t ml_topk_scratch_bytes_cuda(int64_t rows, int64_t cols, int64_t k)
+{
+    return sizeof(int64_t);
 }

@@ -5,9 +5,8 @@
  * for routing (cols = experts, small k): a row with very many columns is
  * one thread's sequential scan.
  *
- * A NaN sets a __device__ flag that the call reads back, so ml_topk_cuda
- * synchronises its stream and returns ML_ENAN like the CPU. The flag is
- * module state; the host drives one stream.
+ * A NaN sets a flag in the caller's scratch that the call reads back, so
+ * ml_topk_cuda synchronises its stream and returns ML_ENAN like the CPU.
  */
 #include "cuda_common.cuh"
 
@@ -17,7 +16,7 @@ extern "C" {
 
 #define KBUF 64   /* row buffer for k <= 64; larger k re-reads the input, as on the CPU */
 
-/* nan: a per-call flag (ml_cuda_temp), set when a row held a NaN. */
+/* nan: the call's flag (its scratch), set when a row held a NaN. */
 __global__ void topk_kernel(ml_dtype dt, void *values, int64_t *indices, const void *in,
                             int64_t rows, int64_t cols, int64_t k, int *nan)
 {
@@ -62,7 +61,8 @@ __global__ void topk_kernel(ml_dtype dt, void *values, int64_t *indices, const v
 }
 
 extern "C" ml_status ml_topk_cuda(ml_dtype dt, void *values, int64_t *indices, const void *in,
-                                  int64_t rows, int64_t cols, int64_t k, const ml_kctx *ctx)
+                                  int64_t rows, int64_t cols, int64_t k, void *scratch,
+                                  const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -73,10 +73,8 @@ extern "C" ml_status ml_topk_cuda(ml_dtype dt, void *values, int64_t *indices, c
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    int nan = 0, *dnan = NULL;
-    ml_status s = ml_cuda_temp((void **)&dnan, sizeof *dnan, st);
-    if (s == ML_OK)
-        s = ml_cuda_status(cudaMemsetAsync(dnan, 0, sizeof *dnan, st));
+    int nan = 0, *dnan = (int *)scratch;
+    ml_status s = ml_cuda_status(cudaMemsetAsync(dnan, 0, sizeof *dnan, st));
     if (s == ML_OK) {
         topk_kernel<<<ml_cuda_blocks(rows, 128), 128, 0, st>>>(dt, values, indices, in, rows, cols, k,
                                                                dnan);
@@ -86,7 +84,6 @@ extern "C" ml_status ml_topk_cuda(ml_dtype dt, void *values, int64_t *indices, c
         s = ml_cuda_status(cudaMemcpyAsync(&nan, dnan, sizeof nan, cudaMemcpyDeviceToHost, st));
     if (s == ML_OK)
         s = ml_cuda_status(cudaStreamSynchronize(st));
-    ml_cuda_temp_free(dnan, st);
     if (s != ML_OK)
         return s;
     return nan ? ML_ENAN : ML_OK;

@@ -8,10 +8,16 @@
 
 #include "core.h"
 
-/* values [rows, k] (dtype dt), indices [rows, k] (0-based) overwritten. f32, f64. */
+/* values [rows, k] (dtype dt), indices [rows, k] (0-based) overwritten.
+ * f32, f64. scratch: ml_topk_scratch_bytes_cuda bytes on CUDA (the NaN
+ * flag), none on the CPU. */
 ml_status ml_topk_cpu(ml_dtype dt, void *values, int64_t *indices, const void *in,
-                      int64_t rows, int64_t cols, int64_t k, const ml_kctx *ctx);
+                      int64_t rows, int64_t cols, int64_t k, void *scratch, const ml_kctx *ctx);
 ml_status ml_topk_cuda(ml_dtype dt, void *values, int64_t *indices, const void *in,
-                       int64_t rows, int64_t cols, int64_t k, const ml_kctx *ctx);
+                       int64_t rows, int64_t cols, int64_t k, void *scratch, const ml_kctx *ctx);
+
+/* Bytes of 8-aligned device scratch ml_topk_cuda needs: its NaN flag.
+ * Plain C (topk.c, every build), so a plan of a CUDA run books it. */
+size_t ml_topk_scratch_bytes_cuda(int64_t rows, int64_t cols, int64_t k);
 
 #endif

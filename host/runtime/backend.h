@@ -84,9 +84,12 @@ typedef struct ml_kernels {
     /* Bytes of the scratch (8-aligned, on the device) a family's kernels
      * take from their caller, who allocates it in the ledger
      * (ML_KSCRATCH); NULL: none. dispatch: (n, E, check) as
-     * ml_dispatch_scratch_bytes_cuda; router: as ml_router_scratch_bytes. */
+     * ml_dispatch_scratch_bytes_cuda; router: as ml_router_scratch_bytes;
+     * topk: (rows, cols, k); reduce_all: (n). */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
     size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
+    size_t (*topk_scratch_bytes)(int64_t rows, int64_t cols, int64_t k);
+    size_t (*reduce_all_scratch_bytes)(int64_t n);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);
@@ -99,12 +102,12 @@ typedef struct ml_kernels {
                       int, const int64_t *, const ml_kctx *);
     ml_status (*reduce)(ml_redop, ml_dtype, void *, int64_t *, const void *,
                         int64_t, int64_t, int64_t, const ml_kctx *);
-    ml_status (*reduce_all)(ml_redop, ml_dtype, void *, int64_t *, const void *, int64_t,
+    ml_status (*reduce_all)(ml_redop, ml_dtype, void *, int64_t *, const void *, int64_t, void *,
                             const ml_kctx *);
     ml_status (*cumsum)(ml_dtype, void *, const void *, int64_t, int64_t, int64_t, const ml_kctx *);
     ml_status (*softmax)(int, ml_dtype, void *, const void *, int64_t, int64_t, const ml_kctx *);
     ml_status (*topk)(ml_dtype, void *, int64_t *, const void *, int64_t, int64_t, int64_t,
-                      const ml_kctx *);
+                      void *, const ml_kctx *);
     ml_status (*index_select)(ml_dtype, void *, const void *, const int64_t *,
                               int64_t, int64_t, int64_t, int64_t, const ml_kctx *);
     ml_status (*gather)(ml_dtype, void *, const void *, const int64_t *,

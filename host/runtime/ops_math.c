@@ -8,6 +8,14 @@
 #include <math.h>
 #include <string.h>
 
+/* A kernel's scratch of nbytes (ML_KSCRATCH) on dev, a ledger tensor of
+ * f64 slots; none (t stays empty) for 0 bytes. */
+static ml_status kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbytes, ml_err *e)
+{
+    int64_t n = (int64_t)((nbytes + 7) / 8);
+    return n > 0 ? ml_tensor_alloc(h, t, dev, ML_F64, 1, &n, e) : ML_OK;
+}
+
 #define ML_DT_INT (ML_DT(ML_I32) | ML_DT(ML_I64))
 
 static ml_status check_same_device(const ml_tensor *a, const ml_tensor *b, ml_err *e)
@@ -177,9 +185,14 @@ static ml_status reduce_run(ml_host *h, ml_tensor *out, ml_tensor *idx, ml_redop
         ML_TRY(ml_prepare_output(h, idx, "idx", dev, ML_I64, nd, shape, e));
     ml_kctx c = ml_host_kctx(h);
     void *pi = idx ? ml_data(idx) : NULL;
-    if (d < 0)
-        return ml_kernel_status(ML_KCALL(h, dev, reduce_all, op, t->dtype, ml_data(out), pi, ml_data(t),
-                                ml_numel(t), &c), e);
+    if (d < 0) {
+        ml_tensor scr = {0};
+        ML_TRY(kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, reduce_all, ml_numel(t)), e));
+        ml_status s = ML_KCALL(h, dev, reduce_all, op, t->dtype, ml_data(out), pi, ml_data(t),
+                               ml_numel(t), scr.st ? ml_data(&scr) : NULL, &c);
+        ml_tensor_drop(&scr);
+        return ml_kernel_status(s, e);
+    }
     int64_t outer, r, inner;
     split_dims(t, d, &outer, &r, &inner);
     return ml_kernel_status(ML_KCALL(h, dev, reduce, op, t->dtype, ml_data(out), pi, ml_data(t), outer, r,
@@ -269,13 +282,17 @@ ml_status ml_op_topk(ml_host *h, ml_tensor *vals, ml_tensor *idx, const ml_tenso
         s = ml_prepare_output(h, vals, "vals", dev, t->dtype, t->ndim, shape, e);
     if (s == ML_OK)
         s = ml_prepare_output(h, idx, "idx", dev, ML_I64, t->ndim, shape, e);
+    ml_tensor scr = {0};
+    if (s == ML_OK)
+        s = kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, topk, rows, cols, k), e);
     if (s == ML_OK) {
         ml_kctx c = ml_host_kctx(h);
         s = ML_KCALL(h, dev, topk, t->dtype, ml_data(vals), ml_data(idx), ml_data(&ct), rows, cols,
-                     k, &c);
+                     k, scr.st ? ml_data(&scr) : NULL, &c);
         s = s == ML_ENAN ? ml_err_set(e, s, "NaN in the input (top-k refuses NaN scores)")
                          : ml_kernel_status(s, e);
     }
+    ml_tensor_drop(&scr);
     ml_tensor_drop(&ct);
     return s;
 }

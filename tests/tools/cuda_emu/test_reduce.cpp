@@ -45,8 +45,10 @@ static void all(ml_dtype dt, int64_t n, int nan_at)
         double a[2] = {0, 0}, b[2] = {0, 0};
         int64_t ia = -7, ib = -9;
         int ext = op >= ML_RMAX;
-        ml_reduce_all_cpu((ml_redop)op, dt, a, ext ? &ia : nullptr, x.data(), n, &emu_ctx);
-        check_status("reduce_all", ml_reduce_all_cuda((ml_redop)op, dt, b, ext ? &ib : nullptr, x.data(), n, &emu_ctx),
+        std::vector<unsigned char> scr(ml_reduce_all_scratch_bytes_cuda(n), 0xa5);
+        ml_reduce_all_cpu((ml_redop)op, dt, a, ext ? &ia : nullptr, x.data(), n, nullptr, &emu_ctx);
+        check_status("reduce_all", ml_reduce_all_cuda((ml_redop)op, dt, b, ext ? &ib : nullptr, x.data(), n, scr.data(),
+                                                      &emu_ctx),
                      ML_OK);
         char nm[96];
         snprintf(nm, sizeof nm, "all %s %s n=%ld nan@%d", opn[op], dtn(dt), (long)n, nan_at);

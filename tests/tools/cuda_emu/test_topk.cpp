@@ -17,11 +17,12 @@ static void run(ml_dtype dt, int64_t rows, int64_t cols, int64_t k, int ties, in
     size_t n = rows * k;
     std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
     std::vector<int64_t> ia(n + 1, -7), ib(n + 1, -9);
-    ml_status want = ml_topk_cpu(dt, a.data(), ia.data(), x.data(), rows, cols, k, &emu_ctx);
+    std::vector<unsigned char> scr(ml_topk_scratch_bytes_cuda(rows, cols, k), 0xa5);
+    ml_status want = ml_topk_cpu(dt, a.data(), ia.data(), x.data(), rows, cols, k, nullptr, &emu_ctx);
     char nm[96];
     snprintf(nm, sizeof nm, "topk %s [%ld,%ld] k=%ld ties=%d nan@%d", dtn(dt), (long)rows, (long)cols, (long)k,
              ties, nan_at);
-    check_status(nm, ml_topk_cuda(dt, b.data(), ib.data(), x.data(), rows, cols, k, &emu_ctx), want);
+    check_status(nm, ml_topk_cuda(dt, b.data(), ib.data(), x.data(), rows, cols, k, scr.data(), &emu_ctx), want);
     check(nm, to_d(dt, b.data(), n), to_d(dt, a.data(), n), 0);
     check(std::string(nm) + " idx", std::vector<double>(ib.begin(), ib.begin() + n),
           std::vector<double>(ia.begin(), ia.begin() + n), 0);
