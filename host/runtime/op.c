@@ -266,16 +266,19 @@ ml_status ml_read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, vo
                                                 NULL), e);
 }
 
+ml_status ml_kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbytes, ml_err *e)
+{
+    int64_t n = (int64_t)((nbytes + 7) / 8);
+    return n > 0 ? ml_tensor_alloc(h, t, dev, ML_F64, 1, &n, e) : ML_OK;
+}
+
 ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
                             int64_t *value, ml_err *e)
 {
     ml_device dev = idx->st->device;
     int64_t n = ml_numel(idx);
-    /* the validator's result slots: a ledger tensor, none where it needs none */
-    int64_t nscr = (int64_t)((ML_KSCRATCH(h, dev, dispatch, n, hi, 1) + 7) / 8);
-    ml_tensor scr = {0};
-    if (nscr > 0)
-        ML_TRY(ml_tensor_alloc(h, &scr, dev, ML_F64, 1, &nscr, e));
+    ml_tensor scr = {0};   /* the validator's result slots */
+    ML_TRY(ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, dispatch, n, hi, 1), e));
     ml_kctx c = ml_host_kctx(h);
     *pos = ML_KCHECK(h, dev, dispatch_find_bad, ml_data(idx), n, hi,
                      scr.st ? ml_data(&scr) : NULL, &c);

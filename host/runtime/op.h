@@ -104,6 +104,9 @@ ml_status ml_check_dim(const ml_tensor *t, int d, ml_err *e);
  * (a copy back from the device; a plain copy on the CPU). Never inside a
  * plan: there, nothing was computed. */
 ml_status ml_read_back(ml_host *h, const ml_tensor *t, int64_t i0, int64_t n, void *buf, ml_err *e);
+/* A kernel's scratch of nbytes (ML_KSCRATCH) on dev: a ledger tensor of f64
+ * slots (8-byte aligned), or none (t stays empty) for 0 bytes. */
+ml_status ml_kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbytes, ml_err *e);
 /* The first entry of the contiguous i64 tensor idx outside [0, hi), found
  * on idx's device (the dispatch validator): *pos = its position and *value
  * its value, or *pos = -1 (always inside a plan). The caller words the

@@ -8,14 +8,6 @@
 #include <math.h>
 #include <string.h>
 
-/* A kernel's scratch of nbytes (ML_KSCRATCH) on dev, a ledger tensor of
- * f64 slots; none (t stays empty) for 0 bytes. */
-static ml_status kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbytes, ml_err *e)
-{
-    int64_t n = (int64_t)((nbytes + 7) / 8);
-    return n > 0 ? ml_tensor_alloc(h, t, dev, ML_F64, 1, &n, e) : ML_OK;
-}
-
 #define ML_DT_INT (ML_DT(ML_I32) | ML_DT(ML_I64))
 
 static ml_status check_same_device(const ml_tensor *a, const ml_tensor *b, ml_err *e)
@@ -187,7 +179,7 @@ static ml_status reduce_run(ml_host *h, ml_tensor *out, ml_tensor *idx, ml_redop
     void *pi = idx ? ml_data(idx) : NULL;
     if (d < 0) {
         ml_tensor scr = {0};
-        ML_TRY(kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, reduce_all, ml_numel(t)), e));
+        ML_TRY(ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, reduce_all, ml_numel(t)), e));
         ml_status s = ML_KCALL(h, dev, reduce_all, op, t->dtype, ml_data(out), pi, ml_data(t),
                                ml_numel(t), scr.st ? ml_data(&scr) : NULL, &c);
         ml_tensor_drop(&scr);
@@ -284,7 +276,7 @@ ml_status ml_op_topk(ml_host *h, ml_tensor *vals, ml_tensor *idx, const ml_tenso
         s = ml_prepare_output(h, idx, "idx", dev, ML_I64, t->ndim, shape, e);
     ml_tensor scr = {0};
     if (s == ML_OK)
-        s = kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, topk, rows, cols, k), e);
+        s = ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, topk, rows, cols, k), e);
     if (s == ML_OK) {
         ml_kctx c = ml_host_kctx(h);
         s = ML_KCALL(h, dev, topk, t->dtype, ml_data(vals), ml_data(idx), ml_data(&ct), rows, cols,
