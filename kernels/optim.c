@@ -213,14 +213,15 @@ ml_status ml_sgd_cpu(ml_dtype dt, void *p, void *buf, const void *g, int64_t n,
 
 /* ---- norms and scaling ---------------------------------------------------- */
 
-ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx)
+ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, void *scratch,
+                       const ml_kctx *ctx)
 {
     ml_kctx c = uninterruptible(ctx);
     return ml_block_sum_cpu(dt, out, x, n, 1, &c);   /* reduce.c's fixed blocks */
 }
 
 ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,
-                             const ml_kctx *ctx)
+                             void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -230,12 +231,28 @@ ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t 
     size_t es = ml_dtype_size(dt);
     for (int64_t e = 0; e < E; e++) {
         double ss;
-        ml_status s = ml_sumsq_cpu(dt, &ss, (const char *)x + (size_t)(e * S) * es, S, ctx);
+        ml_status s = ml_sumsq_cpu(dt, &ss, (const char *)x + (size_t)(e * S) * es, S, NULL, ctx);
         if (s != ML_OK)
             return s;
         norms[e] = sqrt(ss);
     }
     return ML_OK;
+}
+
+/* optim.cu's layout: slice e's super partials at e * nsup (+ 1 for sumsq,
+ * whose total comes first). */
+size_t ml_slice_norms_scratch_bytes_cuda(int64_t n, int64_t E)
+{
+    if (E < 1 || n % E != 0)
+        return 0;
+    int64_t super_elems = (int64_t)ML_OPTIM_SUPER * ML_OPTIM_BLOCK;
+    int64_t nsup = (n / E + super_elems - 1) / super_elems;
+    return (size_t)(E * nsup) * sizeof(double);
+}
+
+size_t ml_sumsq_scratch_bytes_cuda(int64_t n)
+{
+    return sizeof(double) + ml_slice_norms_scratch_bytes_cuda(n, 1);
 }
 
 typedef struct {

@@ -14,9 +14,10 @@
  *     sequentially, one CUDA block per super block of SUPER blocks whose
  *     partials thread 0 adds in block order, then one thread per slice adds
  *     the super partials in order: kernels/reduce.c's order exactly.
- * The super partials live in a buffer from cudaMallocAsync on ctx->stream,
- * freed with cudaFreeAsync on the same stream after its last reader: no
- * module-level scratch, so calls on concurrent streams do not collide.
+ * The super partials (and sumsq's total) live in the caller's scratch
+ * (ml_sumsq_scratch_bytes_cuda, ml_slice_norms_scratch_bytes_cuda, in
+ * optim.c): no module-level state, so calls on concurrent streams do not
+ * collide, and no allocation outside the ledger.
  *
  * Never polls ctx->interrupt: an optimizer step is not interruptible.
  */
@@ -26,7 +27,7 @@ extern "C" {
 #include "optim.h"
 }
 
-#define SUPER 1024           /* must equal kernels/reduce.c's SUPER */
+#define SUPER ML_OPTIM_SUPER /* must equal kernels/reduce.c's SUPER */
 #define SUPER_ELEMS ((int64_t)SUPER * ML_OPTIM_BLOCK)
 #define MAX_GRID_Y 65535     /* CUDA's limit on gridDim.y */
 
@@ -248,19 +249,14 @@ __global__ void sumsq_fold_kernel(double *dst, const double *part, int64_t nsup,
 }
 
 /* dst[e] (device memory) = the sum of squares of slice e of x, E slices of
- * S elements (root: the L2 norm). dt is f32 or f64 (the callers check). */
+ * S elements (root: the L2 norm), with the super partials in part ([E,
+ * nsup] doubles). dt is f32 or f64 (the callers check). */
 static ml_status sumsq_slices(ml_dtype dt, double *dst, const void *x, int64_t S, int64_t E,
-                              int root, cudaStream_t st)
+                              int root, double *part, cudaStream_t st)
 {
     int64_t nsup = (S + SUPER_ELEMS - 1) / SUPER_ELEMS;
     if (nsup > INT32_MAX)
         return ML_EUNSUPPORTED;
-    double *part = NULL;
-    if (nsup > 0) {
-        cudaError_t ce = cudaMallocAsync((void **)&part, (size_t)(E * nsup) * sizeof(double), st);
-        if (ce != cudaSuccess)
-            return call_failed(ce);
-    }
     ml_status s = ML_OK;
     for (int64_t e0 = 0; nsup > 0 && e0 < E && s == ML_OK; e0 += MAX_GRID_Y) {
         int64_t ne = E - e0 < MAX_GRID_Y ? E - e0 : MAX_GRID_Y;
@@ -273,31 +269,22 @@ static ml_status sumsq_slices(ml_dtype dt, double *dst, const void *x, int64_t S
             dst, part, nsup, E, root);
         s = ml_cuda_launched();
     }
-    if (part) {
-        cudaError_t ce = cudaFreeAsync(part, st);
-        if (ce != cudaSuccess && s == ML_OK)
-            s = call_failed(ce);
-    }
     return s;
 }
 
-/* The total lands in a device double, comes back on the stream, and the
- * call waits for it: out is host memory. */
+/* The total lands in the scratch's first double, comes back on the
+ * stream, and the call waits for it: out is host memory. */
 extern "C" ml_status ml_sumsq_cuda(ml_dtype dt, double *out, const void *x, int64_t n,
-                                   const ml_kctx *ctx)
+                                   void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     cudaStream_t st = ml_cuda_stream(ctx);
-    double *total = NULL;
-    cudaError_t ce = cudaMallocAsync((void **)&total, sizeof(double), st);
-    if (ce != cudaSuccess)
-        return call_failed(ce);
-    ml_status s = sumsq_slices(dt, total, x, n, 1, 0, st);
+    double *total = (double *)scratch;
+    ml_status s = sumsq_slices(dt, total, x, n, 1, 0, total + 1, st);
+    cudaError_t ce;
     if (s == ML_OK && (ce = cudaMemcpyAsync(out, total, sizeof(double), cudaMemcpyDeviceToHost,
                                             st)) != cudaSuccess)
-        s = call_failed(ce);
-    if ((ce = cudaFreeAsync(total, st)) != cudaSuccess && s == ML_OK)
         s = call_failed(ce);
     if (s == ML_OK && (ce = cudaStreamSynchronize(st)) != cudaSuccess)
         s = call_failed(ce);
@@ -305,13 +292,13 @@ extern "C" ml_status ml_sumsq_cuda(ml_dtype dt, double *out, const void *x, int6
 }
 
 extern "C" ml_status ml_slice_norms_cuda(ml_dtype dt, double *norms, const void *x, int64_t n,
-                                         int64_t E, const ml_kctx *ctx)
+                                         int64_t E, void *scratch, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     if (E < 1 || n % E != 0)
         return ML_EUNSUPPORTED;
-    return sumsq_slices(dt, norms, x, n / E, E, 1, ml_cuda_stream(ctx));
+    return sumsq_slices(dt, norms, x, n / E, E, 1, (double *)scratch, ml_cuda_stream(ctx));
 }
 
 /* ---- scaling ------------------------------------------------------------------ */

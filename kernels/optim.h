@@ -27,9 +27,10 @@
  * Not interruptible: the optimizer step cannot be interrupted (DESIGN.md,
  * Layers). These functions never poll ctx->interrupt; a Ctrl-C during a
  * step is seen by the next interruptible kernel, so parameters and states
- * are never left half-updated. No allocation on the CPU; CUDA's norms take
- * their partial sums from cudaMallocAsync on ctx->stream (stream-ordered,
- * no module-level scratch, so concurrent streams are safe).
+ * are never left half-updated. No allocation: CUDA's norms keep their
+ * partial sums in the caller's scratch (ml_sumsq_scratch_bytes_cuda,
+ * ml_slice_norms_scratch_bytes_cuda), which the caller takes from the
+ * ledger, so plans book it; the CPU needs none (scratch may be NULL).
  *
  * Not here: parameter groups, lazy (per-expert) state allocation,
  * clipping policy (lua/moelua/optim.lua), argument checks (their caller,
@@ -43,6 +44,7 @@
 #include <math.h>
 
 #define ML_OPTIM_BLOCK 4096   /* = ML_REDUCE_BLOCK: norms use ml_block_sum_cpu */
+#define ML_OPTIM_SUPER 1024   /* blocks per CUDA super block of the norms (optim.cu) */
 
 /* AdamW hyperparameters; step is the 1-based step the bias correction
  * uses (ignored by the lazy variant, which reads per-expert counts). */
@@ -132,16 +134,28 @@ ml_status ml_sgd_cuda(ml_dtype dt, void *p, void *buf, const void *g, int64_t n,
                       const ml_sgd_hp *hp, const ml_kctx *ctx);
 
 /* *out = sum of x[i]^2 over [n], in f64 (blocks in order, see above);
- * out is host memory (CUDA waits for ctx->stream before it returns). */
-ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx);
-ml_status ml_sumsq_cuda(ml_dtype dt, double *out, const void *x, int64_t n, const ml_kctx *ctx);
+ * out is host memory (CUDA waits for ctx->stream before it returns).
+ * scratch: ml_sumsq_scratch_bytes_cuda(n) bytes on CUDA (the total and the
+ * super block partials), none on the CPU. */
+ml_status ml_sumsq_cpu(ml_dtype dt, double *out, const void *x, int64_t n, void *scratch,
+                       const ml_kctx *ctx);
+ml_status ml_sumsq_cuda(ml_dtype dt, double *out, const void *x, int64_t n, void *scratch,
+                        const ml_kctx *ctx);
 
 /* norms[e] = L2 norm of slice e of [n] viewed as [E, n/E]; f64 out [E],
- * device memory (CUDA does not wait). */
+ * device memory (CUDA does not wait). scratch: as sumsq's, with
+ * ml_slice_norms_scratch_bytes_cuda(n, E) bytes (every slice's partials). */
 ml_status ml_slice_norms_cpu(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,
-                             const ml_kctx *ctx);
+                             void *scratch, const ml_kctx *ctx);
 ml_status ml_slice_norms_cuda(ml_dtype dt, double *norms, const void *x, int64_t n, int64_t E,
-                              const ml_kctx *ctx);
+                              void *scratch, const ml_kctx *ctx);
+
+/* Bytes of 8-aligned device scratch the CUDA norms need: 8 per super
+ * block of ML_OPTIM_SUPER * ML_OPTIM_BLOCK elements of each slice, and
+ * sumsq's total (0 where slice_norms refuses n, E). Plain C (optim.c, every
+ * build), so a plan of a CUDA run books it. */
+size_t ml_sumsq_scratch_bytes_cuda(int64_t n);
+size_t ml_slice_norms_scratch_bytes_cuda(int64_t n, int64_t E);
 
 /* x[i] *= factors[i / (n/E)] (E = 1: one factor for the whole buffer);
  * the factor is rounded to the dtype once. factors: [E] host memory. */

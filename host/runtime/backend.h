@@ -85,11 +85,14 @@ typedef struct ml_kernels {
      * take from their caller, who allocates it in the ledger
      * (ML_KSCRATCH); NULL: none. dispatch: (n, E, check) as
      * ml_dispatch_scratch_bytes_cuda; router: as ml_router_scratch_bytes;
-     * topk: (rows, cols, k); reduce_all: (n). */
+     * topk: (rows, cols, k); reduce_all: (n); sumsq: (n); slice_norms:
+     * (n, E). */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
     size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
     size_t (*topk_scratch_bytes)(int64_t rows, int64_t cols, int64_t k);
     size_t (*reduce_all_scratch_bytes)(int64_t n);
+    size_t (*sumsq_scratch_bytes)(int64_t n);
+    size_t (*slice_norms_scratch_bytes)(int64_t n, int64_t E);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);
@@ -185,8 +188,9 @@ typedef struct ml_kernels {
                             int64_t *, const ml_kctx *);
     ml_status (*sgd)(ml_dtype, void *, void *, const void *, int64_t, const ml_sgd_hp *,
                      const ml_kctx *);
-    ml_status (*sumsq)(ml_dtype, double *, const void *, int64_t, const ml_kctx *);
-    ml_status (*slice_norms)(ml_dtype, double *, const void *, int64_t, int64_t, const ml_kctx *);
+    ml_status (*sumsq)(ml_dtype, double *, const void *, int64_t, void *, const ml_kctx *);
+    ml_status (*slice_norms)(ml_dtype, double *, const void *, int64_t, int64_t, void *,
+                             const ml_kctx *);
     ml_status (*scale_slices)(ml_dtype, void *, const double *, int64_t, int64_t,
                               const ml_kctx *);
 } ml_kernels;

@@ -364,16 +364,25 @@ ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, doub
         snprintf(name, sizeof name, "tensor %lld", (long long)i + 1);
         ML_TRY(check_flat(t[i], name, dev, e));
     }
+    int64_t most = 0;                   /* one scratch, sized for the largest */
+    for (int64_t i = 0; i < n; i++)
+        if (ml_numel(t[i]) > most)
+            most = ml_numel(t[i]);
+    ml_tensor scr = {0};
+    ML_TRY(ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, sumsq, most), e));
     ml_kctx c = ml_host_kctx(h);
     double total = 0;
-    for (int64_t i = 0; i < n; i++) {
+    ml_status s = ML_OK;
+    for (int64_t i = 0; i < n && s == ML_OK; i++) {
         double ss = 0;                  /* stays 0 in a plan */
-        ML_TRY(ml_kernel_status(ML_KCALL(h, dev, sumsq, t[i]->dtype, &ss, ml_data(t[i]),
-                                         ml_numel(t[i]), &c), e));
+        s = ML_KCALL(h, dev, sumsq, t[i]->dtype, &ss, ml_data(t[i]), ml_numel(t[i]),
+                     scr.st ? ml_data(&scr) : NULL, &c);
         total += ss;
     }
-    *norm = sqrt(total);
-    return ML_OK;
+    ml_tensor_drop(&scr);
+    if (s == ML_OK)
+        *norm = sqrt(total);
+    return ml_kernel_status(s, e);
 }
 
 /* x *= f, f rounded to x's dtype once (one slice). */
@@ -406,9 +415,13 @@ ml_status ml_op_slice_norms(ml_host *h, ml_tensor *norms, const ml_tensor *x, in
     ML_TRY(check_flat(x, "x", dev, e));
     ML_TRY(check_slices(x, "x", E, e));
     ML_TRY(ml_prepare_output(h, norms, "norms", dev, ML_F64, 1, &E, e));
+    ml_tensor scr = {0};
+    ML_TRY(ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, slice_norms, ml_numel(x), E), e));
     ml_kctx c = ml_host_kctx(h);
-    return ml_kernel_status(ML_KCALL(h, dev, slice_norms, x->dtype, ml_data(norms), ml_data(x),
-                                     ml_numel(x), E, &c), e);
+    ml_status s = ML_KCALL(h, dev, slice_norms, x->dtype, ml_data(norms), ml_data(x),
+                           ml_numel(x), E, scr.st ? ml_data(&scr) : NULL, &c);
+    ml_tensor_drop(&scr);
+    return ml_kernel_status(s, e);
 }
 
 ml_status ml_op_scale(ml_host *h, ml_tensor *x, double factor, ml_err *e)

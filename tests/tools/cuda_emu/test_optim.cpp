@@ -82,12 +82,15 @@ static void norms(ml_dtype dt, int64_t n, int64_t E)
     auto x = as_dt(dt, randn(n));
     double a = -1, b = -2;
     std::string nm = std::string(dtn(dt)) + " n=" + std::to_string(n) + " E=" + std::to_string(E);
-    ml_sumsq_cpu(dt, &a, x.data(), n, &emu_ctx);
-    check_status("sumsq", ml_sumsq_cuda(dt, &b, x.data(), n, &emu_ctx), ML_OK);
+    std::vector<unsigned char> scr(ml_sumsq_scratch_bytes_cuda(n), 0xa5);
+    ml_sumsq_cpu(dt, &a, x.data(), n, nullptr, &emu_ctx);
+    check_status("sumsq", ml_sumsq_cuda(dt, &b, x.data(), n, scr.data(), &emu_ctx), ML_OK);
     check("sumsq " + nm, {b}, {a}, n * EPS64);
     std::vector<double> cn(E, -1), gn(E, NAN), f(E);
-    ml_slice_norms_cpu(dt, cn.data(), x.data(), n, E, &emu_ctx);
-    check_status("slice_norms", ml_slice_norms_cuda(dt, gn.data(), x.data(), n, E, &emu_ctx), ML_OK);
+    std::vector<unsigned char> nscr(ml_slice_norms_scratch_bytes_cuda(n, E), 0xa5);
+    ml_slice_norms_cpu(dt, cn.data(), x.data(), n, E, nullptr, &emu_ctx);
+    check_status("slice_norms", ml_slice_norms_cuda(dt, gn.data(), x.data(), n, E, nscr.data(), &emu_ctx),
+                 ML_OK);
     check("slice_norms " + nm, gn, cn, n * EPS64);
     for (int64_t e = 0; e < E; e++)
         f[e] = 0.5 + e * 0.37;
