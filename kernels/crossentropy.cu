@@ -51,14 +51,6 @@ static ml_status logits_block(ml_dtype dt, void *blk, const void *h, const void 
                           (const char *)W + (size_t)(c0 * D) * es, &g, ctx);
 }
 
-/* NaN wins, as in a sequential max that starts from a NaN-free value and
- * keeps any NaN it meets. */
-__device__ __forceinline__ double nanmax(double a, double b)
-{
-    if (a != a) return a;
-    if (b != b) return b;
-    return b > a ? b : a;
-}
 
 /* One block per row r of the chunk: fold the block's logits into lse[r0+r]
  * (first: no earlier block, the running lse is -inf). */
@@ -72,16 +64,8 @@ ce_lse_kernel(double *lse, const T *blk, int64_t r0, int64_t nr, int64_t nc, int
         double old = first ? -INFINITY : lse[r0 + r];
         double mx = old;
         for (int64_t c = threadIdx.x; c < nc; c += CE_THREADS)
-            mx = nanmax(mx, (double)row[c]);
-        red[threadIdx.x] = mx;
-        __syncthreads();
-        for (unsigned w = CE_THREADS / 2; w > 0; w >>= 1) {
-            if (threadIdx.x < w)
-                red[threadIdx.x] = nanmax(red[threadIdx.x], red[threadIdx.x + w]);
-            __syncthreads();
-        }
-        mx = red[0];
-        __syncthreads();
+            mx = ml_nanmax(mx, (double)row[c]);
+        mx = ml_block_nanmax(red, mx);
         double sum = 0;
         for (int64_t c = threadIdx.x; c < nc; c += CE_THREADS)
             sum += exp((double)row[c] - mx);

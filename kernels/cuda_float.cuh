@@ -66,4 +66,29 @@ __device__ __forceinline__ A ml_block_sum(A *red, A v)
     return s;
 }
 
+/* NaN wins, as in a sequential max that starts from a NaN-free value and
+ * keeps any NaN it meets. */
+__device__ __forceinline__ double ml_nanmax(double a, double b)
+{
+    if (a != a) return a;
+    if (b != b) return b;
+    return b > a ? b : a;
+}
+
+/* The ml_nanmax of every thread's v, returned to every thread, in
+ * ml_block_sum's fixed tree; the same calling rules. */
+__device__ __forceinline__ double ml_block_nanmax(double *red, double v)
+{
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w)
+            red[threadIdx.x] = ml_nanmax(red[threadIdx.x], red[threadIdx.x + w]);
+        __syncthreads();
+    }
+    double m = red[0];
+    __syncthreads();
+    return m;
+}
+
 #endif

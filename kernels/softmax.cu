@@ -9,19 +9,13 @@
  * the CPU.
  */
 #include "cuda_common.cuh"
+#include "cuda_float.cuh"
 
 extern "C" {
 #include "softmax.h"
 }
 
 #define SM_THREADS 128
-
-__device__ __forceinline__ double nanmax(double a, double b)
-{
-    if (a != a) return a;
-    if (b != b) return b;
-    return b > a ? b : a;
-}
 
 __global__ void __launch_bounds__(SM_THREADS)
 softmax_kernel(int log_out, ml_dtype dt, void *out, const void *in, int64_t rows, int64_t cols)
@@ -35,32 +29,16 @@ softmax_kernel(int log_out, ml_dtype dt, void *out, const void *in, int64_t rows
             if (v > mx || v != v) mx = v;
             if (mx != mx) break;
         }
-        red[threadIdx.x] = mx;
-        __syncthreads();
-        for (unsigned w = SM_THREADS / 2; w > 0; w >>= 1) {
-            if (threadIdx.x < w)
-                red[threadIdx.x] = nanmax(red[threadIdx.x], red[threadIdx.x + w]);
-            __syncthreads();
-        }
-        mx = red[0];
-        __syncthreads();
+        mx = ml_block_nanmax(red, mx);
         double sum = 0;
         for (int64_t j = threadIdx.x; j < cols; j += SM_THREADS)
             sum += exp(ml_load(dt, in, base + (size_t)j) - mx);
-        red[threadIdx.x] = sum;
-        __syncthreads();
-        for (unsigned w = SM_THREADS / 2; w > 0; w >>= 1) {
-            if (threadIdx.x < w)
-                red[threadIdx.x] += red[threadIdx.x + w];
-            __syncthreads();
-        }
-        sum = red[0];
+        sum = ml_block_sum(red, sum);
         double lse = log(sum);
         for (int64_t j = threadIdx.x; j < cols; j += SM_THREADS) {
             double z = ml_load(dt, in, base + (size_t)j) - mx;
             ml_store(dt, out, base + (size_t)j, log_out ? z - lse : exp(z) / sum);
         }
-        __syncthreads();   /* red[] is reused by the next row */
     }
 }
 
