@@ -29,7 +29,7 @@
  * blocks, which run one after another, and within a warp between
  * primitives go unseen); real warp scheduling (lanes meet only at the
  * primitives); extern __shared__ (attention.cu's dynamic shared memory:
- * the earlier harness in /work/wt/attemu-example covers it); the device's
+ * attention was checked once with a separate, uncommitted harness); the device's
  * libm (glibc's exp/log/pow/sin/cos, CUDA's differ by 1-2 ulp); cuBLAS
  * (crossentropy and experts link ml_matmul_cpu as ml_matmul_cuda); the
  * static shared-memory limit per block; streams and events as such.
