@@ -153,30 +153,29 @@ static int l_tensor_topk(lua_State *L)
 
 /* ---- index ops ---------------------------------------------------------------------- */
 
-static int l_tensor_index_select(lua_State *L)
+/* t:<fn>(dim, idx) -> a new tensor, for the index ops of one signature. */
+static int index_op(lua_State *L, const char *fn,
+                    ml_status (*op)(ml_host *, ml_tensor *, const ml_tensor *, int, const ml_tensor *,
+                                    ml_err *))
 {
-    static const char fn[] = "Tensor:index_select";
     lua_settop(L, 3);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *idx = ml_checktensor(L, 3, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
-    ml_check_op(L, fn, ml_op_index_select(ml_host_of(L), out, t, d, idx, &e), &e);
+    ml_check_op(L, fn, op(ml_host_of(L), out, t, d, idx, &e), &e);
     return 1;
+}
+
+static int l_tensor_index_select(lua_State *L)
+{
+    return index_op(L, "Tensor:index_select", ml_op_index_select);
 }
 
 static int l_tensor_gather(lua_State *L)
 {
-    static const char fn[] = "Tensor:gather";
-    lua_settop(L, 3);
-    ml_tensor *t = ml_checktensor(L, 1, fn);
-    int d = ml_checkdim(L, 2, fn, t->ndim);
-    ml_tensor *idx = ml_checktensor(L, 3, fn);
-    ml_tensor *out = ml_pushtensor(L);
-    ml_err e;
-    ml_check_op(L, fn, ml_op_gather(ml_host_of(L), out, t, d, idx, &e), &e);
-    return 1;
+    return index_op(L, "Tensor:gather", ml_op_gather);
 }
 
 /* t:scatter_add_(dim, idx, src): t[.., idx[j], ..] += src[.., j, ..], in place. */
