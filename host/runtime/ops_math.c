@@ -108,6 +108,20 @@ ml_status ml_op_binary(ml_host *h, ml_tensor *out, ml_binop op, const ml_tensor 
     return s;
 }
 
+/* The operand of a one-input elementwise op writing out: t itself in place
+ * (out == t, checked contiguous by the caller), else a contiguous copy in
+ * *ct (the caller drops it) with out prepared in t's dtype and shape. */
+static ml_status elementwise_io(ml_host *h, ml_tensor *out, const ml_tensor *t, ml_tensor *ct,
+                                const ml_tensor **src, ml_err *e)
+{
+    *src = t;
+    if (out == t)
+        return ML_OK;
+    *src = ct;
+    ML_TRY(ml_op_contiguous(h, ct, t, e));
+    return ml_prepare_output(h, out, "out", t->st->device, t->dtype, t->ndim, t->shape, e);
+}
+
 ml_status ml_op_binary_scalar(ml_host *h, ml_tensor *out, ml_binop op, const ml_tensor *t,
                               double s, int scalar_first, ml_err *e)
 {
@@ -123,15 +137,13 @@ ml_status ml_op_binary_scalar(ml_host *h, ml_tensor *out, ml_binop op, const ml_
         return ml_err_set(e, ML_EINVAL, "integer division of a number by a tensor is not supported");
     if (op == ML_DIV && is_int && s == 0)
         return ml_err_set(e, ML_EINVAL, "integer division by zero");
-    ml_device dev = t->st->device;
     ml_tensor ct = {0};
-    ml_status st = inplace ? ML_OK : ml_op_contiguous(h, &ct, t, e);
-    if (st == ML_OK && !inplace)
-        st = ml_prepare_output(h, out, "out", dev, t->dtype, t->ndim, t->shape, e);
+    const ml_tensor *src;
+    ml_status st = elementwise_io(h, out, t, &ct, &src, e);
     if (st == ML_OK) {
         ml_kctx c = ml_host_kctx(h);
-        st = ml_kernel_status(ML_KCALL(h, dev, binary_scalar, op, t->dtype, ml_data(out),
-                              ml_data(inplace ? t : &ct), s, scalar_first, ml_numel(t), &c), e);
+        st = ml_kernel_status(ML_KCALL(h, t->st->device, binary_scalar, op, t->dtype, ml_data(out),
+                              ml_data(src), s, scalar_first, ml_numel(t), &c), e);
     }
     ml_tensor_drop(&ct);
     return st;
@@ -144,14 +156,12 @@ ml_status ml_op_unary(ml_host *h, ml_tensor *out, ml_unop op, const ml_tensor *t
     if (inplace)
         ML_TRY(ml_check_input(t, "t", t->st->device, ML_DT_ANY, t->ndim, 1, e));
     ML_TRY(check_dtype_in(t, ML_DT_FLOAT | (op == ML_NEG || op == ML_ABS ? ML_DT_INT : 0), e));
-    ml_device dev = t->st->device;
     ml_tensor ct = {0};
-    ml_status s = inplace ? ML_OK : ml_op_contiguous(h, &ct, t, e);
-    if (s == ML_OK && !inplace)
-        s = ml_prepare_output(h, out, "out", dev, t->dtype, t->ndim, t->shape, e);
+    const ml_tensor *src;
+    ml_status s = elementwise_io(h, out, t, &ct, &src, e);
     if (s == ML_OK) {
         ml_kctx c = ml_host_kctx(h);
-        s = ml_kernel_status(ML_KCALL(h, dev, unary, op, t->dtype, ml_data(out), ml_data(inplace ? t : &ct),
+        s = ml_kernel_status(ML_KCALL(h, t->st->device, unary, op, t->dtype, ml_data(out), ml_data(src),
                              ml_numel(t), &c), e);
     }
     ml_tensor_drop(&ct);
