@@ -133,23 +133,6 @@ ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
     return ml_checktensor_named(L, idx, fn, what);
 }
 
-void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
-                       int ndim, const int64_t *dims)
-{
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++)
-        ok = t->shape[i] == dims[i];
-    if (ok)
-        return;
-    char have[96], want[128];
-    ml_format_dims(t->ndim, t->shape, have, sizeof have);
-    ml_format_dims(ndim, dims, want, sizeof want);
-    size_t n = strlen(what);
-    if (n && what[n - 1] == ':')
-        ml_error(L, fn, "%s expected shape %s, got %s", what, want, have);
-    ml_error(L, fn, "%s is %s but must be %s", what, have, want);
-}
-
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt)
 {
     ml_tensor *t = ml_checktensor(L, idx, fn);
@@ -166,20 +149,6 @@ ml_tensor *ml_pushtensor(lua_State *L)
     ml_tensor *t = lua_newuserdatauv(L, sizeof *t, 0);
     memset(t, 0, sizeof *t);
     luaL_setmetatable(L, ML_TENSOR_MT);
-    return t;
-}
-
-ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
-                       const int64_t *shape, const int64_t *stride)
-{
-    ml_tensor *t = ml_pushtensor(L);
-    t->offset = offset;
-    t->ndim = ndim;
-    t->dtype = src->dtype;
-    memcpy(t->shape, shape, (size_t)ndim * sizeof *shape);
-    memcpy(t->stride, stride, (size_t)ndim * sizeof *stride);
-    t->st = src->st;
-    ml_storage_retain(t->st);
     return t;
 }
 

@@ -43,17 +43,8 @@ ml_tensor *ml_testtensor(lua_State *L, int idx);
 /* Additionally: contiguous, and of dtype dt (dt < 0: any). */
 ml_tensor *ml_checkcontig(lua_State *L, int idx, const char *fn, int dt);
 
-/* t must be [dims...] (ndim of them), else an error in one of two wordings:
- * "what is [5] but must be [4]", or, when `what` ends in ':' ("grads.dx:"),
- * "what: expected shape [4], got [5]". */
-void ml_check_shape_eq(lua_State *L, const char *fn, const char *what, const ml_tensor *t,
-                       int ndim, const int64_t *dims);
-
 /* A new tensor userdata pushed in the freed (safe) state; the caller fills it. */
 ml_tensor *ml_pushtensor(lua_State *L);
-/* Push a view sharing src's storage with the given geometry. */
-ml_tensor *ml_pushview(lua_State *L, const ml_tensor *src, int64_t offset, int ndim,
-                       const int64_t *shape, const int64_t *stride);
 /* Push a new contiguous tensor of the given shape, allocated through the
  * ledger. Over budget: collect garbage once, retry, then raise an error
  * that contains the ledger table. */
