@@ -217,6 +217,11 @@ extern const ml_backend ml_backend_cuda;
  * (address space only; CUDA's with the caching allocator's rounding, so a
  * CUDA run plans on a machine without a GPU). */
 extern const ml_memory *const ml_memory_plan[ML_NDEVICES];
+/* What a CUDA device runs (op, dtype), on every build; and the kernel
+ * table a plan of CUDA uses on a build without CUDA: supports and the
+ * scratch sizes, no kernels (a plan skips them). */
+int ml_cuda_supports(ml_op op, ml_dtype dt);
+extern const ml_kernels ml_kernels_cuda_plan;
 
 /* The caching allocator's block size for a request of n bytes (512 B steps
  * up to 1 MiB, then 2 MiB steps): what the CUDA allocator reserves and
@@ -232,13 +237,11 @@ size_t ml_cuda_round_size(size_t n);
      : (h)->kern[dev]->family(__VA_ARGS__))
 /* The scratch bytes of `family` (the table's family##_scratch_bytes) on dev,
  * asked of the device's table, also inside a plan, so the plan books what
- * the kernels will take. A plan of CUDA on a build without it has no CUDA
- * table: the CUDA sizing of kernels/ (plain C, ml_<family>_scratch_bytes_cuda)
- * answers. */
+ * the kernels will take (a plan of CUDA on a build without it asks
+ * ml_kernels_cuda_plan). No table or no entry: none. */
 #define ML_KSCRATCH(h, dev, family, ...)                                                \
-    ((h)->kern[dev] ? ((h)->kern[dev]->family##_scratch_bytes                             \
-                       ? (h)->kern[dev]->family##_scratch_bytes(__VA_ARGS__) : (size_t)0)  \
-     : (dev) == ML_CUDA ? ml_##family##_scratch_bytes_cuda(__VA_ARGS__) : (size_t)0)
+    ((h)->kern[dev] && (h)->kern[dev]->family##_scratch_bytes                           \
+     ? (h)->kern[dev]->family##_scratch_bytes(__VA_ARGS__) : (size_t)0)
 /* The same for the validators that return a position or -1 ("nothing bad"):
  * a plan has nothing to validate; a device without the validator answers
  * ML_DISPATCH_EDEVICE (kernels/dispatch.h), never "nothing bad". */

@@ -81,3 +81,46 @@ static const ml_memory plan_cpu = PLAN_MEMORY(plan_alloc, plan_free, NULL);
 static const ml_memory plan_cuda = PLAN_MEMORY(plan_cuda_alloc, plan_cuda_free, ml_cuda_round_size);
 
 const ml_memory *const ml_memory_plan[ML_NDEVICES] = {&plan_cpu, &plan_cuda};
+
+/* What a CUDA device runs, known on every build: the CUDA kernel table's
+ * `supports` (host/runtime/backend_cuda.c) and, in a plan of CUDA on a
+ * build without it, the questions ops ask of a table whose kernels a plan
+ * skips anyway. */
+int ml_cuda_supports(ml_op op, ml_dtype dt)
+{
+    int flt = dt == ML_F32 || dt == ML_F64;
+    int num = flt || dt == ML_I32 || dt == ML_I64;
+    switch (op) {
+    case ML_OP_FILL: case ML_OP_ARANGE: case ML_OP_COPY: case ML_OP_INDEX:
+        return 1;           /* scatter_add: f32, f64, i32, i64 (the kernel says) */
+    case ML_OP_BINARY: case ML_OP_CUMSUM:
+        return num;
+    case ML_OP_UNARY:
+        return num;         /* integers: neg and abs only (the kernel says) */
+    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_MATMUL:
+    case ML_OP_ROUTER: case ML_OP_EXPERTS:
+        return flt;
+    case ML_OP_DISPATCH:
+        return dt == ML_I64;
+    case ML_OP_OPTIM:
+        return flt;
+    case ML_OP_RANDOM:
+        return flt || dt == ML_BF16 || dt == ML_F16;
+    case ML_OP_ATTENTION: case ML_OP_RMSNORM: case ML_OP_ROPE: case ML_OP_EMBEDDING:
+        return flt || dt == ML_BF16;
+    case ML_OP_CROSSENTROPY:
+        return flt;         /* cuBLAS logits: no bf16 GEMM */
+    default:
+        return 0;
+    }
+}
+
+const ml_kernels ml_kernels_cuda_plan = {
+    .supports = ml_cuda_supports,
+    .dispatch_scratch_bytes = ml_dispatch_scratch_bytes_cuda,
+    .router_scratch_bytes = ml_router_scratch_bytes_cuda,
+    .topk_scratch_bytes = ml_topk_scratch_bytes_cuda,
+    .reduce_all_scratch_bytes = ml_reduce_all_scratch_bytes_cuda,
+    .sumsq_scratch_bytes = ml_sumsq_scratch_bytes_cuda,
+    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda,
+};

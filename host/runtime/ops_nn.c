@@ -5,17 +5,14 @@
 
 #include <math.h>
 
-/* The device an op runs on: its first input's (a freed one is refused by
- * ml_check_input, whatever device is named here). */
 /* The dtypes dev runs family `op` in: f32 and f64, and bf16 where the
- * device's kernel table says so. Inside a plan for a device this build has
- * no table for (CUDA planned on a CPU-only build), bf16 too: every family
- * that asks runs bf16 on CUDA (cross-entropy, which does not, stays
- * ML_DT_FLOAT). Statistics (rstd, lse) stay f64 in every case. */
+ * device's kernel table says so (in a plan of CUDA on a build without it,
+ * ml_kernels_cuda_plan answers). Statistics (rstd, lse) stay f64 in every
+ * case. */
 static unsigned float_dtypes(const ml_host *h, ml_device dev, ml_op op)
 {
     const ml_kernels *k = h->kern[dev];
-    int bf16 = k ? k->supports(op, ML_BF16) : h->planning;
+    int bf16 = k && k->supports(op, ML_BF16);
     return ML_DT_FLOAT | (bf16 ? ML_DT(ML_BF16) : 0u);
 }
 

@@ -10,7 +10,9 @@ ml_status ml_plan_begin(ml_host *h, ml_plan_saved *saved, ml_err *e)
     if (h->plan_live)
         return ml_err_set(e, ML_EINVAL, "%zu tensors or pools of an earlier plan are still alive "
                           "(a plan's function must not keep them)", h->plan_live);
-    *saved = (ml_plan_saved){h->seed, h->rng_offset, h->nthreads, h->category};
+    *saved = (ml_plan_saved){h->seed, h->rng_offset, h->nthreads, h->category, h->kern[ML_CUDA]};
+    if (!h->kern[ML_CUDA])
+        h->kern[ML_CUDA] = &ml_kernels_cuda_plan;
     for (int d = 0; d < ML_NDEVICES; d++) {
         const ml_ledger *real = &h->books[d];
         ml_ledger *v = &h->plan_books[d];
@@ -38,6 +40,7 @@ void ml_plan_end(ml_host *h, const ml_plan_saved *saved)
         h->mem[d] = h->device_mem[d];
     }
     h->planning = 0;
+    h->kern[ML_CUDA] = saved->cuda_kern;
     h->seed = saved->seed;
     h->rng_offset = saved->rng_offset;
     h->category = saved->category;

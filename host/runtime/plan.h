@@ -6,7 +6,8 @@
  * is the same refusal, before anything real was allocated.
  *
  * The virtual books start as copies of the real ones (live bytes and
- * budgets). What a plan changes in the host and plan_end restores: the
+ * budgets). On a build without CUDA, CUDA gets ml_kernels_cuda_plan for
+ * the plan, so a CUDA run plans with its real dtypes and scratch sizes. What a plan changes in the host and plan_end restores: the
  * seed, the RNG counter, the thread count and the category, so planning
  * does not change the run it plans. Objects made outside a plan keep
  * their real memory (tensor.c and pool.c return each to the book it was
@@ -25,6 +26,7 @@ typedef struct {
     uint64_t seed, rng_offset;
     int nthreads;
     ml_category category;
+    const struct ml_kernels *cuda_kern;   /* NULL on a build without CUDA */
 } ml_plan_saved;
 
 /* Enter a plan. ML_EINVAL when one is running (plans do not nest) or when
