@@ -9,6 +9,7 @@
 --   ./moelua recipes/longctx.lua --seq-len 32768 --steps 50
 --   ./moelua recipes/longctx.lua --resume runs/longctx/ckpt
 --   ./moelua recipes/longctx.lua --init-from path/to/mixtral-ckpt   # fine-tune its weights
+--   mpiexec -n 4 ./moelua recipes/longctx.lua --zero 3   # 4 processes, ZeRO-3
 --   ./moelua recipes/longctx.lua --help
 local moelua = require "moelua"
 local nn = require "moelua.nn"
@@ -18,7 +19,10 @@ local data = require "moelua.data"
 local train = require "moelua.train"
 local options = require "moelua.options"
 local errors = require "moelua.errors"
+local dist = require "moelua.dist"
+local zero = require "moelua.zero"
 local mem = moelua.mem
+local function say(...) if dist.rank() == 0 then print(...) end end   -- rank 0 speaks for the job
 
 local opts = options.parse(arg, {
   -- the model
@@ -61,6 +65,13 @@ local opts = options.parse(arg, {
   {"attach", false, "listen on RUN_DIR/attach/sock for `moelua attach RUN_DIR` (moelua.remote)"},
   {"init-from", "", "start from a Mixtral-format checkpoint's weights (model.safetensors or a " ..
                     "sharded index; F32/BF16/F16; shapes must match the model options)"},
+  -- several processes (mpiexec -n N ./moelua recipes/longctx.lua ...)
+  {"zero", 0, "ZeRO stage: 0 replicates, 1 shards optimizer states, 2 also gradients, 3 also parameters",
+   min = 0, max = 3},
+  {"prefetch", 1, "ZeRO-3: units gathered ahead of use", min = 0},
+  {"reduce-every", "micro", "ZeRO-2/3: reduce-scatter gradients every micro-batch or once per step (micro, step)"},
+  {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
+  {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
 
 -- Per-step settings. Temperature and eps preserve the order of the router
@@ -80,7 +91,7 @@ end
 -- more gently from the restored checkpoint.
 local function on_rollback(state, event)
   state.lr_scale = (state.lr_scale or 1.0) * 0.5
-  print(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
+  say(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
 end
 
 -- A balance alarm (moelua.train: hot, collapse, dead; loads against the
@@ -92,10 +103,10 @@ end
 local function on_alarm(state, alarm, model)
   if alarm.kind == "dead" then
     model:reinit_expert(alarm.layer, alarm.expert, alarm.busiest, 1e-3)
-    print(string.format("step %d: expert %d of layer %d had no tokens for %d steps: restarted from expert %d",
+    say(string.format("step %d: expert %d of layer %d had no tokens for %d steps: restarted from expert %d",
                         alarm.step, alarm.expert, alarm.layer, alarm.steps, alarm.busiest))
   elseif alarm.kind == "collapse" then
-    print(string.format("step %d: router collapse in layer %d: its %d busiest experts hold %.2f x their even " ..
+    say(string.format("step %d: router collapse in layer %d: its %d busiest experts hold %.2f x their even " ..
                         "share (threshold %.2f)", alarm.step, alarm.layer, opts.topk, alarm.ratio, alarm.threshold))
   end
 end
@@ -107,6 +118,9 @@ if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm =
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
 options.device(opts.device)
+dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
+local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every}
+zero.new(zero_opts)   -- its errors before anything is allocated
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then
@@ -125,7 +139,7 @@ local function build()
     vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save}, device = opts.device,
+    moe = {save = opts.save}, device = opts.device, zero = zero.new(zero_opts),
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
   local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
@@ -160,7 +174,7 @@ if not plan then
                       mem.stats()[opts.device].budget_total / 2^20, opts.budget_gib,
                       opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
 end
-print(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
+say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
                     "acts %.1f, pool %.1f MiB at the peak)", opts.device, plan.total_peak / 2^20,
                     plan.budget_total > 0 and string.format(" of a %.2f GiB budget", plan.budget_total / 2^30)
                       or ", no budget",
@@ -174,13 +188,13 @@ run.plan = plan   -- the model's pool is taken at the planned size: the first st
 local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps, model = run.model}) or nil
 run.attach = attached
 
-print(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
+say(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
                     opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
 local result = train.run(run)
 
-print(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
+say(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
                     result.first_loss, result.final_loss, result.first_step, opts.steps - 1,
                     result.skipped, result.rollbacks))
 if attached then attached:close() end
-print(mem.report())
-print("checkpoint: " .. tostring(result.checkpoint))
+say(mem.report())
+say("checkpoint: " .. tostring(result.checkpoint))

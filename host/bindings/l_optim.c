@@ -455,18 +455,23 @@ static ml_tensor **tensor_list(lua_State *L, int idx, const char *fn, int64_t *n
     return t;
 }
 
-static int l_optim_grad_norm(lua_State *L)
+/* grad_norm(list) / grad_sumsq(list): the L2 norm, or the sum of squares,
+ * of a list of flat tensors together. */
+static int grad_norm(lua_State *L, const char *fn, int squared)
 {
-    const char *fn = "moelua.optim_c.grad_norm";
     int64_t n;
     ml_tensor **t = tensor_list(L, 1, fn, &n);
     ml_err e;
-    double norm;
-    ml_check_op(L, fn, ml_op_grad_norm(ml_host_of(L), (const ml_tensor *const *)t, n, &norm, &e),
-                &e);
-    lua_pushnumber(L, norm);
+    double v;
+    const ml_tensor *const *ts = (const ml_tensor *const *)t;
+    ml_check_op(L, fn, squared ? ml_op_grad_sumsq(ml_host_of(L), ts, n, &v, &e)
+                               : ml_op_grad_norm(ml_host_of(L), ts, n, &v, &e), &e);
+    lua_pushnumber(L, v);
     return 1;
 }
+
+static int l_optim_grad_norm(lua_State *L) { return grad_norm(L, "moelua.optim_c.grad_norm", 0); }
+static int l_optim_grad_sumsq(lua_State *L) { return grad_norm(L, "moelua.optim_c.grad_sumsq", 1); }
 
 static int l_optim_clip_grad_norm_(lua_State *L)
 {
@@ -569,6 +574,7 @@ static const luaL_Reg optim_funcs[] = {
     {"step_all", l_optim_step_all},
     {"unstated", l_optim_unstated},
     {"grad_norm", l_optim_grad_norm},
+    {"grad_sumsq", l_optim_grad_sumsq},
     {"clip_grad_norm_", l_optim_clip_grad_norm_},
     {"slice_norms", l_optim_slice_norms},
     {"scale_", l_optim_scale_},

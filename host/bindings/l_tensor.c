@@ -200,11 +200,10 @@ static const char *const RAND_OPTS[] = {"dtype", "device", "lo", "hi", "mean", "
 
 /* A draw uses the host generator (advancing its counter) unless opts give
  * a seed and/or an offset (seed defaults to the host's, offset to 0), which
- * address a stream directly and advance nothing. */
-static int draw(lua_State *L, const char *fn, int normal)
+ * address a stream directly and advance nothing. t: the tensor drawn into;
+ * opt: the options' stack index (0: none). */
+static int draw_into(lua_State *L, const char *fn, ml_tensor *t, int opt, int normal)
 {
-    int opt;
-    ml_tensor *t = create(L, fn, 1, &opt, RAND_OPTS);
     ml_host *h = ml_host_of(L);
     double a = 0, b = 1;
     uint64_t seed = h->seed, offset = h->rng_offset;
@@ -233,6 +232,30 @@ static int draw(lua_State *L, const char *fn, int normal)
     if (!addressed)
         h->rng_offset += (uint64_t)(ml_numel(t) + 3) / 4;
     return 1;
+}
+
+static int draw(lua_State *L, const char *fn, int normal)
+{
+    int opt;
+    ml_tensor *t = create(L, fn, 1, &opt, RAND_OPTS);
+    return draw_into(L, fn, t, opt, normal);
+}
+
+/* t:normal_{mean =, std =, seed =, offset =}: t (contiguous) drawn in
+ * place, the numbers moelua.randn of its shape and dtype gives with the
+ * same options (a model draws its weights into its flat units). */
+static int l_tensor_normal_(lua_State *L)
+{
+    static const char fn[] = "Tensor:normal_";
+    static const char *const opts[] = {"mean", "std", "seed", "offset", NULL};
+    ml_tensor *t = ml_checktensor(L, 1, fn);
+    int opt = lua_isnoneornil(L, 2) ? 0 : 2;
+    if (opt)
+        luaL_checktype(L, 2, LUA_TTABLE);
+    ml_check_opts(L, opt, fn, opts);
+    lua_settop(L, opt ? 2 : 1);
+    lua_pushvalue(L, 1);
+    return draw_into(L, fn, t, opt, 1);
 }
 
 static int l_tensor_rand(lua_State *L) { return draw(L, "moelua.rand", 0); }
@@ -799,6 +822,7 @@ static const luaL_Reg tensor_methods[] = {
     {"to", l_tensor_to},
     {"copy_", l_tensor_copy_},
     {"fill_", l_tensor_fill_},
+    {"normal_", l_tensor_normal_},
     {"zero_", l_tensor_zero_},
     {"totable", l_tensor_totable},
     {"item", l_tensor_item},

@@ -354,10 +354,10 @@ ml_status ml_op_optim_step_all(ml_host *h, ml_optim_job *jobs, int64_t n, int64_
 
 /* ---- norms and clipping --------------------------------------------------------- */
 
-ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, double *norm,
-                          ml_err *e)
+ml_status ml_op_grad_sumsq(ml_host *h, const ml_tensor *const *t, int64_t n, double *sumsq,
+                           ml_err *e)
 {
-    *norm = 0;
+    *sumsq = 0;
     ml_device dev = n > 0 ? ml_tensor_device(t[0]) : ML_CPU;
     char name[32];
     for (int64_t i = 0; i < n; i++) {   /* check all before computing any */
@@ -381,8 +381,16 @@ ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, doub
     }
     ml_tensor_drop(&scr);
     if (s == ML_OK)
-        *norm = sqrt(total);
+        *sumsq = total;
     return ml_kernel_status(s, e);
+}
+
+ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, double *norm,
+                          ml_err *e)
+{
+    ML_TRY(ml_op_grad_sumsq(h, t, n, norm, e));
+    *norm = sqrt(*norm);
+    return ML_OK;
 }
 
 /* x *= f, f rounded to x's dtype once (one slice). */

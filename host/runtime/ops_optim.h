@@ -82,8 +82,12 @@ typedef struct {
 ml_status ml_op_optim_step_all(ml_host *h, ml_optim_job *jobs, int64_t n, int64_t *skipped,
                                ml_err *e);
 
-/* *norm = the L2 norm of all of t[0..n) together: squares summed in f64
- * per tensor in a fixed order, so the value is thread-count invariant. */
+/* *sumsq = the squares of all of t[0..n) summed: in f64 per tensor in a
+ * fixed order, so the value is thread-count invariant (a rank's part of a
+ * sharded gradient norm). */
+ml_status ml_op_grad_sumsq(ml_host *h, const ml_tensor *const *t, int64_t n, double *sumsq,
+                           ml_err *e);
+/* *norm = the L2 norm of all of t[0..n) together: the root of ml_op_grad_sumsq. */
 ml_status ml_op_grad_norm(ml_host *h, const ml_tensor *const *t, int64_t n, double *norm,
                           ml_err *e);
 /* The same, then every t[i] *= max_norm / (*norm + ML_CLIP_EPS) when that

@@ -41,6 +41,7 @@ local router = require "moelua.router"
 local experts = require "moelua.experts"
 local pool = require "moelua.pool"
 local mem = require "moelua.mem"
+local unit = require "moelua.unit"
 local now = require("moelua.bench").now
 
 local moe = {}
@@ -114,14 +115,13 @@ function moe.check_options(opts)
   return check_options(opts)
 end
 
--- Views of a flat buffer in the Parameters layout of DESIGN.md.
-local function unit_views(flat, E, D, F)
-  local n_wg, n_gu = E * D, E * 2 * F * D
-  return {
-    wg = flat:view_at(0, {E, D}),
-    gate_up = flat:view_at(n_wg, {E, 2 * F, D}),
-    down = flat:view_at(n_wg + n_gu, {E, D, F}),
-  }
+-- The experts' segments of the Parameters layout (DESIGN.md): gate_up
+-- [E, 2F, D] (per expert the F rows of w1, then the F rows of w3) and down
+-- [E, D, F], one contiguous slice per expert each. A model's experts unit
+-- is these two; a stand-alone layer puts the router's wg [E, D] first.
+function moe.expert_segments(E, D, F)
+  return {{name = "gate_up", shape = {E, 2 * F, D}, experts = E},
+          {name = "down", shape = {E, D, F}, experts = E}}
 end
 
 -- The layer's parameters as given views ({wg, gate_up, down} of params and
@@ -160,7 +160,8 @@ function moe.new(opts, units)
     self.params = check_views(units.params or {}, "units.params", o)
     self.grads = check_views(units.grads or {}, "units.grads", o)
   else
-    local n = E * D + E * 2 * F * D + E * D * F
+    local layout = unit.new("moe", {{name = "wg", shape = {E, D}}, table.unpack(moe.expert_segments(E, D, F))})
+    local n = layout:numel()
     local draw = {dtype = o.dtype, std = o.init_std, seed = o.init_seed, offset = 0}
     if o.device == "cpu" then
       self.flat = mem.scope("params", tensor.randn, {n}, draw)
@@ -170,8 +171,8 @@ function moe.new(opts, units)
       init:free()
     end
     self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype, device = o.device})
-    self.params = unit_views(self.flat, E, D, F)
-    self.grads = unit_views(self.grad_flat, E, D, F)
+    self.params = layout:views(self.flat)
+    self.grads = layout:views(self.grad_flat)
   end
   if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
     self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype, device = o.device})

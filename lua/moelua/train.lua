@@ -111,8 +111,6 @@
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local bench = require "moelua.bench"
-local optim = require "moelua.optim"
-local optim_c = require "moelua.optim_c"
 local fs = require "moelua.fs"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
@@ -128,25 +126,63 @@ local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps
 local function now(device) return bench.now(device) end
 
 -- Gradient flats of every unit, scaled in place (accumulation -> mean).
-local function scale_grads(model, s)
-  if s == 1 then return end
-  for _, u in ipairs(model.units) do optim_c.scale_(u.grads, s) end
-end
-
-local function ledger_peaks()
+-- This rank's ledger peaks; with more ranks, ranks = every rank's total
+-- peak (rank 0's log carries them all).
+local function ledger_peaks(z)
   local st = mem.stats().cpu
   local peaks = {total = st.total_peak}
   for k, v in pairs(st.peak) do peaks[k] = v end
+  if z.world > 1 then
+    local mine = {}
+    for r = 1, z.world do mine[r] = r == z.rank + 1 and st.total_peak or 0 end
+    peaks.ranks = z.dist.all_reduce_numbers(mine, "sum", "ledger peaks")
+  end
   return peaks
 end
 
-local function expert_loads(stats)
+-- The means over ranks of a step's numbers (each rank's over its micro-batches).
+local function mean_over_ranks(z, ...)
+  if z.world == 1 then return ... end
+  local v = z.dist.all_reduce_numbers({...}, "sum", "losses")
+  for i = 1, #v do v[i] = v[i] / z.world end
+  return table.unpack(v)
+end
+
+-- Each MoE layer's load of the last micro-batch, over all ranks: counts
+-- summed, max_share of the summed counts, entropy averaged, drops summed.
+local function expert_loads(z, stats)
   local loads = {}
   for i, l in ipairs(stats.layers or {}) do
-    loads[i] = {counts = l.counts:totable(), max_share = l.max_share, entropy = l.entropy,
-                dropped = l.dropped}
+    local counts, max_share, entropy, dropped = l.counts:totable(), l.max_share, l.entropy, l.dropped
+    if z.world > 1 then
+      local E = #counts
+      local v = {table.unpack(counts)}
+      v[E + 1], v[E + 2] = entropy / z.world, dropped or 0
+      v = z.dist.all_reduce_numbers(v, "sum", "expert loads of layer " .. (i - 1))
+      local total, most = 0, 0
+      for e = 1, E do
+        counts[e] = math.tointeger(v[e]) or v[e]
+        total, most = total + v[e], math.max(most, v[e])
+      end
+      max_share, entropy, dropped = total > 0 and most / total or 0, v[E + 1], math.tointeger(v[E + 2]) or v[E + 2]
+    end
+    loads[i] = {counts = counts, max_share = max_share, entropy = entropy, dropped = dropped}
   end
   return loads
+end
+
+-- Lazy Adam's masks (an expert active on any rank is active on all).
+local function active_masks(z, masks)
+  if z.world == 1 then return masks end
+  local keys = {}
+  for gi in pairs(masks) do keys[#keys + 1] = gi end
+  table.sort(keys)   -- the same collectives in the same order on every rank
+  for _, gi in ipairs(keys) do
+    local m = masks[gi]
+    local v = z.dist.all_reduce_numbers(m:totable(), "max", "active experts")
+    for e, x in ipairs(v) do m:view_at(e - 1, {1}):fill_(x) end
+  end
+  return masks
 end
 
 -- Which optimizer group holds view t, and where (elements from the group's start).
@@ -480,7 +516,7 @@ end
 -- line is cleared, so nothing is glued to it (redraw() shows it again).
 -- keep: end it with a newline instead (the run ends; its last line stays).
 function Trainer:end_line(keep)
-  if self.line_open then
+  if self.line_open and not self.silent then
     io.stdout:write(keep and "\n" or "\r\27[K")
     io.stdout:flush()
     self.line_open = false
@@ -489,6 +525,7 @@ end
 
 -- The progress line (a terminal's) as last drawn, on a line of its own.
 function Trainer:draw(line)
+  if self.silent then return end
   self.shown = line
   io.stdout:write("\r", line, "\27[K")
   io.stdout:flush()
@@ -501,6 +538,7 @@ end
 
 -- A line of text on its own line (out: default stdout).
 function Trainer:message(text, out)
+  if self.silent then return end
   self:end_line()
   out = out or io.stdout
   out:write(text, "\n")
@@ -512,6 +550,7 @@ end
 -- progress line on a terminal, else a line at most every IN_STEP_EVERY s.
 local IN_STEP_EVERY = 30
 function Trainer:in_step(step, phase, layer)
+  if self.silent then return end
   local t = now()
   local started = self.step_started
   if t - started < self.progress_after then return end
@@ -557,26 +596,31 @@ function Trainer:step(step)
                         capacity_factor = ctl.capacity_factor}
   local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
   self.model:zero_grad()
-  local loss, ce, aux, z, last = 0, 0, 0, 0, nil
+  local loss, ce, aux, zl, last = 0, 0, 0, 0, nil
   local on_layer = srv and srv.on_layer
   self.model.safe_point = function(phase, layer)   -- between layers (set{} staged for the next step)
     self:in_step(step, phase, layer)
     if on_layer then on_layer(phase, layer) end
   end
   local dev = self.model.opts and self.model.opts.device   -- a phase ends when its device work does
+  local z = self.model.zero
+  local per_step = self.accum * z.world   -- micro-batches of all ranks
   for micro = 1, self.accum do
     if srv then srv:position(micro, self.accum) end
     local t0 = now(dev)
-    local tokens = self.data:batch((step + self.data_offset) * self.accum + micro - 1)
+    -- one global data order: rank r's micro-batches follow rank r-1's, so
+    -- N ranks x A micro-batches see the batches of 1 rank x N A
+    local at = z.rank * self.accum + micro - 1
+    local tokens = self.data:batch((step + self.data_offset) * per_step + at)
     local t1 = now(dev)
     -- the gate noise is keyed by (seed, step, layer, token): give each
     -- micro-batch its own key, or they would all draw the same noise
-    local l, st = self.model:forward(tokens, step * self.accum + micro - 1)
+    local l, st = self.model:forward(tokens, step * per_step + at)
     local t2 = now(dev)
     self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
     local t3 = now(dev)
     t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
-    ce, aux, z = ce + st.ce / self.accum, aux + st.aux / self.accum, z + st.z / self.accum
+    ce, aux, zl = ce + st.ce / self.accum, aux + st.aux / self.accum, zl + st.z / self.accum
     loss = loss + (l + ctl.aux_weight * st.aux + ctl.z_weight * st.z) / self.accum
     last = st
     if srv then srv:safe_point("micro-batch") end
@@ -585,12 +629,13 @@ function Trainer:step(step)
   local t4 = now(dev)
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
-  scale_grads(self.model, 1 / self.accum)
-  local norm = optim.clip_grad_norm(self.optimizer, self.clip or math.huge)
-  local loads = expert_loads(last)
+  z:reduce_grads(1 / per_step)
+  local norm = z:clip_grad_norm(self.optimizer.groups, self.clip or math.huge)
+  loss, ce, aux, zl = mean_over_ranks(z, loss, ce, aux, zl)
+  local loads = expert_loads(z, last)
   local max_share = 0
   for _, l in ipairs(loads) do max_share = math.max(max_share, l.max_share) end
-  local m = {step = step, loss = loss, ce = ce, aux = aux, z = z, lr = lr, grad_norm = norm,
+  local m = {step = step, loss = loss, ce = ce, aux = aux, z = zl, lr = lr, grad_norm = norm,
              loads = loads, max_share = max_share, overrides = overrides}
   for _, k in ipairs(CONTROLS) do m[k] = ctl[k] end
   if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
@@ -599,7 +644,8 @@ function Trainer:step(step)
     self.model:zero_grad()
   else
     self.skipped_run = 0
-    self.optimizer:step(lr, self.model:active_masks(self.groups))
+    self.optimizer:step(lr, active_masks(z, self.model:active_masks(self.groups)))
+    z:after_step()
   end
   t.optim = now(dev) - t4
   if prof then
@@ -611,7 +657,7 @@ function Trainer:step(step)
   local seconds = t.data + t.fwd + t.bwd + t.optim
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
-  m.ledger_peak = ledger_peaks()
+  m.ledger_peak = ledger_peaks(z)
   return m
 end
 
@@ -679,11 +725,17 @@ function Trainer:check_balance(m)
 end
 
 function Trainer:progress(m, step, last_step, t_start)
+  if self.silent then return end
   local elapsed = now() - t_start
   local done = step - self.first_step + 1
   local eta = elapsed / done * (last_step - step)
-  local peak = m.ledger_peak.total / 2^20
-  local line = string.format("step %d/%d  loss %.4f%s  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %.1f MiB%s",
+  local peak = string.format("%.1f MiB", m.ledger_peak.total / 2^20)
+  if m.ledger_peak.ranks then   -- every rank's, rank 0 first
+    local each = {}
+    for r, v in ipairs(m.ledger_peak.ranks) do each[r] = string.format("%.1f", v / 2^20) end
+    peak = "per rank " .. table.concat(each, "/") .. " MiB"
+  end
+  local line = string.format("step %d/%d  loss %.4f%s  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %s%s",
                              step, last_step, m.loss, self.val_loss and string.format("  val %.4f", self.val_loss) or "",
                              m.aux, m.lr, m.tokens_per_s, eta, peak, m.skipped and "  (skipped)" or "")
   if self.tty then
@@ -741,7 +793,10 @@ local function new_trainer(cfg)
   end
   self.rollback = settings(cfg, "rollback", DEFAULT_ROLLBACK)
   self.alarms = settings(cfg, "alarms", DEFAULT_ALARMS)
-  self.tokens_per_step = cfg.seq_len * self.accum
+  local z = self.model.zero
+  if not z then error("moelua.train.run: the model has no units placement (model.zero; nn.Transformer has one)", 3) end
+  self.silent = z.rank > 0   -- metrics, messages and the progress line come from rank 0
+  self.tokens_per_step = cfg.seq_len * self.accum * z.world
   -- a plan's high-water mark for the model's stack pool: taken at once, so
   -- the first step does not grow it (growth overshoots: blocks double)
   if cfg.plan and cfg.plan.pool_bytes and self.model.pool then self.model.pool:reserve(cfg.plan.pool_bytes) end
@@ -887,6 +942,9 @@ end
 function train.run(cfg)
   local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
+  local z = self.model.zero
+  -- every rank has checked the run directory before rank 0 changes it
+  if z.world > 1 then z.dist.barrier("run directory check") end
   if cfg.reload then setup_reload(self, cfg.reload) end
   if self.run_dir and self.optimizer.kind ~= "AdamW" then
     error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
@@ -903,7 +961,7 @@ function train.run(cfg)
     back, resumed_from = self:restore(cfg.resume)
     first = back + 1
   end
-  if self.run_dir then
+  if self.run_dir and not self.silent then
     if mode == "overwrite" then clear_run_dir(self.run_dir) end
     fs.mkdir_p(self.run_dir)
     self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", mode == "resume" and "a" or "w"))

@@ -11,10 +11,17 @@
 --   model:backward{aux_weight = 0.01, z_weight = 1e-3}    -- grads accumulate
 --
 -- Parameters (DESIGN.md, Parameters: flat units): model.units lists
--- {name, kind, params, grads}: "embed" [V*D]; per layer i (0-based)
+-- {name, kind, layout, params, grads, ...} (moelua.zero's units, laid out by
+-- a moelua.unit each): "embed" [V*D]; per layer i (0-based)
 -- "layers.i.dense" = q, k, v, o projections | input and post-attention norms
 -- | router wg, and "layers.i.experts" = gate_up [E, 2F, D] | down [E, D, F];
 -- "final" = lm_head [V, D] | norm [D]. Module weights are views.
+--
+-- Sharding: `zero = moelua.zero.new{...}` places the units on the ranks
+-- (ZeRO stages 0-3); forward and backward walk each unit through it
+-- (acquire before use, release after, after_backward once its gradient is
+-- final). Without it the model is one process at stage 0, where the walk
+-- does nothing.
 --
 -- Device: `device = "cuda"` puts the units, the pool and every activation on
 -- the GPU (initial weights are drawn on the CPU and copied, as moelua.moe
@@ -40,6 +47,8 @@ local RMSNorm = require "moelua.nn.rmsnorm"
 local Attention = require "moelua.nn.attention"
 local MoEBlock = require "moelua.nn.moe_block"
 local LMHead = require "moelua.nn.lm_head"
+local unit = require "moelua.unit"
+local zero = require "moelua.zero"
 
 local Transformer = {}
 Transformer.__index = Transformer
@@ -53,6 +62,7 @@ local OPTIONS = {
   experts = {"integer"}, topk = {"integer", 2}, rope_theta = {"number", 1e6},
   norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
   dtype = {"string", "f32"}, device = {"string", "cpu"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
+  zero = {"table", false},
   aux_weight = {"number", 0.02}, max_position = {"integer", 131072},
   ce_rows = {"integer", 256}, ce_chunk = {"integer", 4096},
 }
@@ -141,69 +151,68 @@ local function check_options(opts)
   return o
 end
 
--- Flat unit sizes and the offsets of the views (DESIGN.md, Parameters).
-local function dense_layout(o)
-  local D, H, KV, hd, E = o.dim, o.heads, o.kv_heads, o.head_dim, o.experts
-  local lay, n = {}, 0
-  local function add(name, shape)
-    local c = 1
-    for _, s in ipairs(shape) do c = c * s end
-    lay[#lay + 1] = {name = name, off = n, shape = shape, n = c}
-    lay[name] = lay[#lay]
-    n = n + c
-  end
-  add("q", {H * hd, D}); add("k", {KV * hd, D}); add("v", {KV * hd, D}); add("o", {D, H * hd})
-  add("input_layernorm", {D}); add("post_attention_layernorm", {D})
-  add("wg", {E, D})
-  return lay, n
-end
+-- The units' layouts (DESIGN.md, Parameters: flat units), written once.
+-- Each segment carries its optimizer group's label (param_groups):
+-- consecutive segments of one label form one group.
+local LABELS = {q = "attention", k = "attention", v = "attention", o = "attention",
+                input_layernorm = "norms", post_attention_layernorm = "norms", wg = "router",
+                gate_up = "experts.gate_up", down = "experts.down", embed = "embed",
+                lm_head = "lm_head", norm = "norm"}
 
-local function views(flat, lay)
-  local v = {}
-  for _, e in ipairs(lay) do v[e.name] = flat:view_at(e.off, e.shape) end
-  return v
+local function layouts(o, i)
+  local D, H, KV, hd = o.dim, o.heads, o.kv_heads, o.head_dim
+  local p = "layers." .. i .. "."
+  return unit.new(p .. "dense", {
+    {name = "q", shape = {H * hd, D}}, {name = "k", shape = {KV * hd, D}},
+    {name = "v", shape = {KV * hd, D}}, {name = "o", shape = {D, H * hd}},
+    {name = "input_layernorm", shape = {D}}, {name = "post_attention_layernorm", shape = {D}},
+    {name = "wg", shape = {o.experts, D}},
+  }), unit.new(p .. "experts", moe.expert_segments(o.experts, D, o.ffn))
 end
 
 function Transformer.new(opts)
   local o = check_options(opts)       -- every check before any allocation
   local self = setmetatable({opts = o}, Transformer)
-  local D, V, E, F, dt = o.dim, o.vocab, o.experts, o.ffn, o.dtype
+  local D, V, dt = o.dim, o.vocab, o.dtype
+  self.zero = o.zero or zero.new{}
   local draw_offset = 0
-  local function unit(name, kind, n, ones)   -- ones: {offset, count} ranges set to 1 (norms)
-    local params = mem.scope("params", tensor.randn, {n},
-                             {dtype = dt, std = o.init_std, seed = o.seed, offset = draw_offset})
-    draw_offset = draw_offset + (n + 3) // 4
-    if o.device ~= "cpu" then   -- drawn on the cpu (normals differ by an ulp across devices), then copied
-      local drawn = params
-      params = mem.scope("params", drawn.to, drawn, o.device)
-      drawn:free()
+  -- a unit of the layout, drawn N(0, init_std) from the model's seed at
+  -- the next offset of its stream (the same weights at any sharding and on
+  -- any device: drawn on the cpu, then copied), its norms set to 1
+  local function new_unit(name, kind, layout)
+    local n = layout:numel()
+    local function init(params)
+      local draw = {std = o.init_std, seed = o.seed, offset = draw_offset}
+      if o.device == "cpu" then
+        params:normal_(draw)
+      else   -- normals differ by an ulp across devices
+        local drawn <close> = tensor.empty({n}, {dtype = dt})
+        params:copy_(drawn:normal_(draw))
+      end
+      for _, seg in ipairs(layout:segments()) do
+        if LABELS[seg.name] == "norms" or seg.name == "norm" then params:view_at(seg.offset, {seg.numel}):fill_(1) end
+      end
     end
-    for _, r in ipairs(ones or {}) do params:view_at(r[1], {r[2]}):fill_(1) end
-    local grads = mem.scope("grads", tensor.zeros, {n}, {dtype = dt, device = o.device})
-    local u = {name = name, kind = kind, params = params, grads = grads}
-    self.units[#self.units + 1] = u
+    local u = self.zero:unit(name, kind, layout, {dtype = dt, device = o.device, init = init})
+    draw_offset = draw_offset + (n + 3) // 4
     return u
   end
-  self.units = {}
+  self.units = self.zero.units
   self.pool = pool.new(1 << 20, {grow = true, device = o.device})
   self.profile = {}
   self:reset_profile()
   -- embedding
-  local ue = unit("embed", "embed", V * D)
-  self.embed = Embedding.new{weight = ue.params:view({V, D}), grad = ue.grads:view({V, D})}
+  local ue = new_unit("embed", "embed", unit.new("embed", {{name = "embed", shape = {V, D}}}))
+  local pe, ge = ue.layout:views(ue.params), ue.layout:views(ue.grads)
+  self.embed = Embedding.new{weight = pe.embed, grad = ge.embed}
   -- blocks
-  local lay, ndense = dense_layout(o)
-  self.dense_layout = lay
   self.blocks = {}
   for i = 1, o.layers do
-    local ud = unit("layers." .. (i - 1) .. ".dense", "dense", ndense,
-                    {{lay.input_layernorm.off, D}, {lay.post_attention_layernorm.off, D}})
-    local ux = unit("layers." .. (i - 1) .. ".experts", "experts", E * 2 * F * D + E * D * F)
-    local p, g = views(ud.params, lay), views(ud.grads, lay)
-    local function xviews(flat)
-      return {gate_up = flat:view_at(0, {E, 2 * F, D}), down = flat:view_at(E * 2 * F * D, {E, D, F})}
-    end
-    local xp, xg = xviews(ux.params), xviews(ux.grads)
+    local ldense, lexperts = layouts(o, i - 1)
+    local ud = new_unit("layers." .. (i - 1) .. ".dense", "dense", ldense)
+    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts)
+    local p, g = ldense:views(ud.params), ldense:views(ud.grads)
+    local xp, xg = lexperts:views(ux.params), lexperts:views(ux.grads)
     local mo = {}
     for k, v in pairs(o.moe_opts) do mo[k] = v end
     mo.seed, mo.layer = o.seed, i - 1
@@ -225,13 +234,21 @@ function Transformer.new(opts)
     self.blocks[i].moe.layer.profile = self.profile
   end
   -- final norm + head
-  local uf = unit("final", "final", V * D + D, {{V * D, D}})
-  self.final_params = {lm_head = uf.params:view_at(0, {V, D}), norm = uf.params:view_at(V * D, {D})}
-  self.final_grads = {lm_head = uf.grads:view_at(0, {V, D}), norm = uf.grads:view_at(V * D, {D})}
+  local uf = new_unit("final", "final", unit.new("final", {{name = "lm_head", shape = {V, D}},
+                                                            {name = "norm", shape = {D}}}))
+  self.final_params, self.final_grads = uf.layout:views(uf.params), uf.layout:views(uf.grads)
   self.head = LMHead.new{weight = self.final_params.lm_head, grad = self.final_grads.lm_head,
                          rows = o.ce_rows, chunk = o.ce_chunk, profile = self.profile}
   self.norm = RMSNorm.new{weight = self.final_params.norm, grad = self.final_grads.norm,
                           eps = o.norm_eps}
+  -- the units in the order backward uses them
+  self.backward_order = {uf}
+  for i = o.layers, 1, -1 do
+    local b = self.blocks[i]
+    table.insert(self.backward_order, b.dense)
+    table.insert(self.backward_order, b.experts)
+  end
+  table.insert(self.backward_order, ue)
   self.layer_stats = {}
   return self
 end
@@ -311,7 +328,11 @@ function Transformer:forward(tokens, step)
     if tokens:device() ~= self.opts.device then tokens = tokens:to(self.opts.device) end
     local ids, targets = tokens:narrow(1, 1, S), tokens:narrow(1, 2, S)
     local st = {ids = ids, targets = targets, frames = {}, step = step, S = S}
+    local z, units = self.zero, self.units
+    z:begin("forward", units)
+    z:acquire(units[1])
     local e = self.embed:forward(ids)
+    z:release(units[1])
     local h = self.pool:tensor({S, D}, dt):copy_(e)
     e:free()
     st.h0 = h
@@ -321,10 +342,14 @@ function Transformer:forward(tokens, step)
       f.h1 = self.pool:tensor({S, D}, dt)
       f.h2 = self.pool:tensor({S, D}, dt)
       f.amark = self.pool:mark()
+      z:acquire(b.dense)
       local ac = attn_part(b, h, f.h1)
       if b.ck_attn then attn_release(b, ac); self.pool:rewind(f.amark) else f.attn = ac end
       f.mmark = self.pool:mark()
+      z:acquire(b.experts)
       local mc, s = moe_part(b, f.h1, f.h2, step)
+      z:release(b.experts)
+      z:release(b.dense)
       lstats[i] = self:_keep_stats(i, s)
       if b.ck_moe then mc.m:free(); mc.r2:free(); self.pool:rewind(f.mmark) else f.moe = mc end
       st.frames[i] = f
@@ -333,8 +358,11 @@ function Transformer:forward(tokens, step)
       if self.safe_point then self.safe_point("forward", i) end
     end
     st.hL = h
+    local uf = units[#units]
+    z:acquire(uf)
     st.hf, st.rf = self.norm:forward(h)
     local ce, lse = self.head:forward(st.hf, targets)
+    z:release(uf)
     st.lse = lse
     self.state = st
     local _, _, parts = moe.aux_loss(self:moe_layers(), 0, 0)
@@ -361,8 +389,12 @@ function Transformer:backward(w)
     local S, D, dt = st.S, self.opts.dim, {dtype = self.opts.dtype}
     local layers = self:moe_layers()
     local _, coefs = moe.aux_loss(layers, w.aux_weight or 0, w.z_weight or 0)
+    local z, units = self.zero, self.units
+    z:begin("backward", self.backward_order)
+    z:acquire(units[#units])
     local dhf = self.head:backward(st.hf, st.targets, st.lse, w.ce_weight or 1.0)
     local dx = self.norm:backward(dhf, st.hL, st.rf)
+    z:after_backward(units[#units])
     dhf:free(); st.hf:free(); st.rf:free(); st.lse:free()
     if not (self.dh and self.dh:size(1) == S) then
       if self.dh then self.dh:free() end
@@ -372,6 +404,8 @@ function Transformer:backward(w)
     dx:free()
     for i = #self.blocks, 1, -1 do
       local b, f = self.blocks[i], st.frames[i]
+      z:acquire(b.dense)
+      z:acquire(b.experts)
       -- moe half: dh is dL/dh2; dh1 = dh + norm2'(moe'(dh))
       local mc = f.moe
       if not mc then
@@ -380,6 +414,7 @@ function Transformer:backward(w)
         b.moe.layer.stats = kept
       end
       local dm = b.moe:backward(dh, coefs[i])
+      z:after_backward(b.experts)
       dx = b.norm2:backward(dm, f.h1, mc.r2)
       dh:add_(dx)
       dx:free(); mc.m:free(); mc.r2:free()
@@ -389,12 +424,15 @@ function Transformer:backward(w)
       if not ac then ac = attn_part(b, f.x, self.pool:tensor({S, D}, dt)) end
       local da = b.attn:backward(dh, ac.actx)
       dx = b.norm1:backward(da, f.x, ac.r1)
+      z:after_backward(b.dense)
       dh:add_(dx)
       dx:free(); attn_release(b, ac)
       self.pool:rewind(f.mark)
       if self.safe_point then self.safe_point("backward", i) end
     end
+    z:acquire(units[1])
     self.embed:backward(dh, st.ids)
+    z:after_backward(units[1])
   end)
   self.state = nil
   self.pool:reset()
@@ -402,7 +440,7 @@ end
 
 -- model:zero_grad(): gradients to 0 and a new profile (one step's worth).
 function Transformer:zero_grad()
-  for _, u in ipairs(self.units) do u.grads:zero_() end
+  self.zero:zero_grad()
   self:reset_profile()
 end
 
@@ -446,7 +484,8 @@ function Transformer:reinit_expert(layer, dead, from, std)
     error(string.format("moelua.nn.Transformer:reinit_expert: no layer %s (the model has %d)", tostring(layer),
                         #self.blocks), 2)
   end
-  b.moe.layer:reinit_expert(dead, from, std)
+  local z = self.zero
+  z:edit(b.dense, function() z:edit(b.experts, function() b.moe.layer:reinit_expert(dead, from, std) end) end)
 end
 
 -- model:set_router{temperature =, noise =, eps =, capacity_factor =}: the
@@ -514,32 +553,28 @@ function Transformer:param_groups(o)
                           tostring(k)), 2)
     end
   end
-  local groups, lay, E = {}, self.dense_layout, self.opts.experts
-  local function add(name, u, off, n, extra)
-    local g = {name = name, params = u.params:view_at(off, {n}), grads = u.grads:view_at(off, {n})}
-    for k, v in pairs(extra) do g[k] = v end
-    groups[#groups + 1] = g
+  local wd, E = o.weight_decay, self.opts.experts
+  local attrs = {   -- per group label: weight_decay, lr_mult, frozen, experts
+    embed = {weight_decay = 0}, attention = {weight_decay = wd, frozen = fr.attention or false},
+    norms = {weight_decay = 0}, router = {weight_decay = wd, lr_mult = o.router_lr_mult, frozen = fr.router or false},
+    lm_head = {weight_decay = wd}, norm = {weight_decay = 0},
+  }
+  attrs["experts.gate_up"] = {weight_decay = wd, frozen = fr.experts or false, experts = o.sparse and E or nil}
+  attrs["experts.down"] = attrs["experts.gate_up"]
+  for _, u in ipairs(self.units) do
+    local prefix = u.name:match("^(layers%.%d+%.)") or ""
+    local by_label = {}
+    u.groups = {}
+    for _, seg in ipairs(u.layout:segments()) do
+      local label = LABELS[seg.name]
+      if not by_label[label] then
+        by_label[label] = {name = prefix .. label}
+        for k, v in pairs(attrs[label]) do by_label[label][k] = v end
+      end
+      u.groups[seg.name] = by_label[label]
+    end
   end
-  local wd = o.weight_decay
-  local u1 = self.units[1]
-  add("embed", u1, 0, u1.params:numel(), {weight_decay = 0})
-  for i, b in ipairs(self.blocks) do
-    local p = "layers." .. (i - 1) .. "."
-    local na = lay.input_layernorm.off
-    add(p .. "attention", b.dense, 0, na, {weight_decay = wd, frozen = fr.attention or false})
-    add(p .. "norms", b.dense, na, 2 * self.opts.dim, {weight_decay = 0})
-    add(p .. "router", b.dense, lay.wg.off, lay.wg.n,
-        {weight_decay = wd, lr_mult = o.router_lr_mult, frozen = fr.router or false})
-    local ngu = b.xparams.gate_up:numel()
-    local xe = {weight_decay = wd, frozen = fr.experts or false, experts = o.sparse and E or nil}
-    add(p .. "experts.gate_up", b.experts, 0, ngu, xe)
-    add(p .. "experts.down", b.experts, ngu, b.xparams.down:numel(), xe)
-  end
-  local uf = self.units[#self.units]
-  local V, D = self.opts.vocab, self.opts.dim
-  add("lm_head", uf, 0, V * D, {weight_decay = wd})
-  add("norm", uf, V * D, D, {weight_decay = 0})
-  return groups
+  return self.zero:groups()
 end
 
 -- masks = model:active_masks(groups): {[gi] = u8 [E]} for the groups of
@@ -560,16 +595,20 @@ end
 -- (which = "params") or the gradients ("grads") of the flat units.
 local function named(self, which)
   local out = {}
-  local function add(n, t) out[#out + 1] = {name = n, tensor = t} end
+  local u
+  local function add(n, t) out[#out + 1] = {name = n, tensor = t, unit = u} end
   local F, grads = self.opts.ffn, which == "grads"
+  u = self.units[1]
   add("model.embed_tokens.weight", grads and self.embed.grad or self.embed.weight)
   for i, b in ipairs(self.blocks) do
     local p, xp = grads and b.grads or b.params, grads and b.xgrads or b.xparams
     local pre = "model.layers." .. (i - 1) .. "."
+    u = b.dense
     add(pre .. "input_layernorm.weight", p.input_layernorm)
     for _, k in ipairs{"q", "k", "v", "o"} do add(pre .. "self_attn." .. k .. "_proj.weight", p[k]) end
     add(pre .. "post_attention_layernorm.weight", p.post_attention_layernorm)
     add(pre .. "block_sparse_moe.gate.weight", p.wg)
+    u = b.experts
     for e = 1, self.opts.experts do
       local ep = pre .. "block_sparse_moe.experts." .. (e - 1) .. "."
       local gu = xp.gate_up:select(1, e)
@@ -579,6 +618,7 @@ local function named(self, which)
     end
   end
   local f = grads and self.final_grads or self.final_params
+  u = self.units[#self.units]
   add("model.norm.weight", f.norm)
   add("lm_head.weight", f.lm_head)
   return out
@@ -658,9 +698,18 @@ function Transformer:load_named(tensors, opts)
     error(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
                         table.concat(shown, "; "), more), 2)
   end
+  local by_unit = {}
   for _, p in ipairs(params) do
-    local t = tensors[p.name]
-    if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
+    by_unit[p.unit] = by_unit[p.unit] or {}
+    table.insert(by_unit[p.unit], p)
+  end
+  for _, u in ipairs(self.units) do   -- one unit's whole parameters at a time (ZeRO-3)
+    self.zero:edit(u, function()
+      for _, p in ipairs(by_unit[u]) do
+        local t = tensors[p.name]
+        if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
+      end
+    end)
   end
 end
 
@@ -748,7 +797,10 @@ function Transformer:last_logits()
   local st = self.state
   if not st then error("moelua.nn.Transformer:last_logits: no forward (or backward consumed it)", 2) end
   local h = st.hf:narrow(1, st.S, 1)
+  local uf = self.units[#self.units]
+  self.zero:acquire(uf)
   local out = tensor.matmul(h, self.final_params.lm_head:t())
+  self.zero:release(uf)
   return out:view({self.opts.vocab})
 end
 

@@ -1,0 +1,293 @@
+-- moelua.zero: where each flat unit's parameters, gradients and optimizer
+-- states live on the ranks of a data-parallel group (ZeRO stages 0-3), and
+-- the unit lifecycle the model walks (DESIGN.md, Parameters: flat units;
+-- One training step; Distribution).
+--
+--   local z = zero.new{stage = 3, prefetch = 1, reduce_every = "micro"}   -- rank, world: moelua.dist
+--   local model = nn.Transformer.new{..., zero = z}                        -- one process: zero.new{}
+--
+-- A unit of n elements is cut into world equal shards of s = ceil(n / world)
+-- elements (moelua.unit's partition; the last shards are padded); rank r
+-- owns [r s, r s + s). Per stage, on each rank:
+--
+--   stage  parameters                 gradients                      optimizer states
+--     0    whole                      whole, all-reduced             whole
+--     1    whole                      whole, reduce-scattered        the shard
+--     2    whole                      the shard (+ one unit's whole  the shard
+--                                     gradient during its backward)
+--     3    the shard (+ the units in  as stage 2                     the shard
+--          use, gathered just in time)
+--
+-- Lifecycle (the model calls it; one process at stage 0 does nothing):
+-- z:begin(phase, units) names the order of a forward or backward, z:acquire(u)
+-- before a unit is used (ZeRO-3 all-gathers it, waiting for a prefetch, then
+-- prefetches the next `prefetch` units of the order), z:release(u) after
+-- (ZeRO-3 returns the gathered bytes: a view used later is an error naming
+-- the unit), z:after_backward(u) once u's gradient of a micro-batch is final
+-- (ZeRO-2/3 with reduce_every "micro": reduce-scatter into the shard, then
+-- the whole gradient is returned). Gathered parameters and whole gradients
+-- of stages 2-3 are charged to the ledger's `comm` and `grads` while held.
+--
+-- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
+-- one world size give bitwise equal parameters (with reduce_every "micro"
+-- and accumulation > 1, stages 2-3 sum micro-batches after ranks; "step"
+-- keeps stage 0-1's order). The gradient norm is a sum over ranks in rank
+-- order of each rank's shard's squares, at every stage.
+local tensor = require "moelua.tensor"
+local mem = require "moelua.mem"
+local dist = require "moelua.dist"
+local errors = require "moelua.errors"
+local C = require "moelua.optim_c"
+
+local zero = {}
+
+local Zero = {}
+Zero.__index = Zero
+
+local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string"}
+
+-- z = zero.new{stage = 0..3, prefetch = N >= 0, reduce_every = "micro"|"step"}:
+-- checked before anything is allocated; each error names the option as a
+-- recipe's command line spells it.
+function zero.new(o)
+  o = o or {}
+  if type(o) ~= "table" then errors.user("moelua.zero.new: options must be a table, got " .. type(o)) end
+  for k, v in pairs(o) do
+    if not OPTIONS[k] then
+      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every)", tostring(k)))
+    end
+    local ok = OPTIONS[k] == "integer" and math.type(v) == "integer" or type(v) == OPTIONS[k]
+    if not ok then errors.user(string.format("moelua.zero.new: option '%s' must be %s, got %s", k, OPTIONS[k], type(v))) end
+  end
+  local stage, prefetch, every = o.stage or 0, o.prefetch or 1, o.reduce_every or "micro"
+  if stage < 0 or stage > 3 then errors.user(string.format("--zero %d: the ZeRO stage must be 0, 1, 2 or 3", stage)) end
+  if prefetch < 0 then errors.user(string.format("--prefetch %d: must be >= 0 (units gathered ahead)", prefetch)) end
+  if every ~= "micro" and every ~= "step" then
+    errors.user(string.format("--reduce-every %s: must be micro or step", every))
+  end
+  return setmetatable({
+    stage = stage, prefetch = prefetch, reduce_every = every, dist = dist,
+    rank = dist.rank(), world = dist.world(),
+    -- stages 2-3 reduce each unit right after its backward ("micro")
+    per_unit = stage >= 2 and every == "micro",
+    units = {}, order = {}, pos = {}, pending = {},
+  }, Zero)
+end
+
+-- A unit's shard of a flat buffer: elements [offset, offset + shard).
+local function shard_of(u, flat) return flat:view_at(u.part.offset, {u.part.shard}) end
+
+local function released(u, what)
+  return string.format("unit %s is released (ZeRO-3 holds its %s only while in use)", u.name, what)
+end
+
+-- u = z:unit(name, kind, layout, {dtype =, device =, init = function(params)})
+-- where layout is a moelua.unit; init fills the unit's whole parameters
+-- (a view of n elements), the same on every rank. Returns {name, kind,
+-- layout, numel, part, params, grads [, shard_params, shard_grads]}:
+-- params and grads are the whole buffers (padded) that module views point
+-- into; at stage 3, params holds memory only between acquire and release.
+function Zero:unit(name, kind, layout, o)
+  local n, part = layout:numel(), layout:partition(self.rank, self.world)
+  local u = {name = name, kind = kind, layout = layout, numel = n, part = part}
+  local dt = {dtype = o.dtype, device = o.device}
+  local function zeros(cat, count) return mem.scope(cat, tensor.zeros, {count}, dt) end
+  if self.stage < 3 then
+    u.params = zeros("params", part.padded)
+    o.init(u.params:view_at(0, {n}))
+  else   -- drawn whole (one unit at a time), then only the shard is kept
+    u.shard_params = zeros("params", part.shard)
+    u.params = zeros("comm", part.padded)
+    o.init(u.params:view_at(0, {n}))
+    u.shard_params:copy_(shard_of(u, u.params))
+    u.params:release_storage(released(u, "parameters"))
+  end
+  u.grads = zeros("grads", part.padded)
+  if self.stage >= 1 then u.shard_grads = zeros("grads", part.shard) end
+  if self.per_unit then u.grads:release_storage(released(u, "whole gradient")) end
+  self.units[#self.units + 1] = u
+  return u
+end
+
+-- ---- the lifecycle ----------------------------------------------------------
+
+function Zero:begin(phase, units)
+  self.phase, self.order, self.pos = phase, units, {}
+  for i, u in ipairs(units) do self.pos[u] = i end
+end
+
+-- ZeRO-3: start gathering u's parameters (its storage taken now).
+function Zero:_gather(u, blocking)
+  if not u.params:storage_released() or self.pending[u] then return end
+  u.params:acquire_storage()
+  local what = "unit " .. u.name
+  if blocking then
+    self.dist.all_gather(u.shard_params, u.params, what)
+  else
+    self.pending[u] = self.dist.iall_gather(u.shard_params, u.params, what)
+  end
+end
+
+-- ZeRO-3: u's parameters whole, from its prefetch or gathered now.
+function Zero:_ready(u)
+  local req = self.pending[u]
+  if req then
+    self.pending[u] = nil
+    req:wait()
+  else
+    self:_gather(u, true)
+  end
+end
+
+function Zero:acquire(u)
+  if self.stage == 3 then
+    self:_ready(u)
+    local at = self.pos[u]
+    for k = 1, at and self.prefetch or 0 do
+      local nxt = self.order[at + k]
+      if nxt then self:_gather(nxt, false) end
+    end
+  end
+  if self.per_unit and self.phase == "backward" and u.grads:storage_released() then
+    u.grads:acquire_storage()
+    u.grads:zero_()
+  end
+end
+
+function Zero:release(u)
+  if self.stage == 3 and not u.params:storage_released() then
+    local req = self.pending[u]   -- a prefetch still in flight completes first
+    if req then self.pending[u] = nil; req:wait() end
+    u.params:release_storage(released(u, "parameters"))
+  end
+end
+
+function Zero:after_backward(u)
+  if self.per_unit then
+    self.dist.reduce_scatter(u.grads, u.shard_grads, "gradient of unit " .. u.name, true)
+    u.grads:release_storage(released(u, "whole gradient"))
+  end
+  self:release(u)
+end
+
+-- z:edit(u, fn): fn() writes u's whole parameters outside a step (a
+-- checkpoint load, a recipe's reinit); at stage 3 the shard then takes them.
+function Zero:edit(u, fn)
+  if self.stage == 3 then self:_ready(u) end
+  fn()
+  if self.stage == 3 then u.shard_params:copy_(shard_of(u, u.params)) end
+  self:release(u)
+end
+
+-- Gradients to zero (the start of a step, or a skipped step).
+function Zero:zero_grad()
+  for _, u in ipairs(self.units) do
+    if not u.grads:storage_released() then u.grads:zero_() end
+    if u.shard_grads then u.shard_grads:zero_() end
+  end
+end
+
+-- ---- the step ---------------------------------------------------------------
+
+-- After the last micro-batch: every gradient summed over ranks (whole at
+-- stage 0, into the shard at 1-3) and scaled by `scale` (1 / the number of
+-- micro-batches of all ranks).
+function Zero:reduce_grads(scale)
+  for _, u in ipairs(self.units) do
+    local what = "gradient of unit " .. u.name
+    local g = u.grads
+    if self.stage == 0 then
+      if self.world > 1 then self.dist.all_reduce(g, what) end
+    else
+      if not self.per_unit then self.dist.reduce_scatter(g, u.shard_grads, what) end
+      g = u.shard_grads
+    end
+    if scale ~= 1 then C.scale_(g, scale) end
+  end
+end
+
+-- The groups' ranges of unit u over [off, off + len): consecutive segments
+-- with one group label merged (moelua.unit pieces), as {group, unit offset, n}.
+local function ranges(u, off, len)
+  local out = {}
+  if len <= 0 then return out end
+  for _, p in ipairs(u.layout:pieces(off, len)) do
+    local g = u.groups[p.segment]
+    local last = out[#out]
+    if last and last.group == g and last.offset + last.n == p.offset then
+      last.n = last.n + p.n
+    else
+      out[#out + 1] = {group = g, offset = p.offset, n = p.n}
+    end
+  end
+  return out
+end
+
+-- Optimizer groups in moelua.optim's format for the units, from each
+-- unit's u.groups (segment name -> {name, weight_decay, lr_mult, frozen,
+-- experts}, set by the model): stage 0 over the whole buffers, stages 1-3
+-- over this rank's shard. Each group's name is "<unit>.<label>" unless the
+-- label is absolute.
+function Zero:groups()
+  local out = {}
+  self.group_at = {}   -- per group: its unit and unit offset
+  for _, u in ipairs(self.units) do
+    local whole = self.stage == 0
+    local off, len = 0, u.numel
+    if not whole then off, len = u.part.offset, math.max(0, math.min(u.part.shard, u.numel - u.part.offset)) end
+    for _, r in ipairs(ranges(u, off, len)) do
+      local g, at = r.group, whole and r.offset or r.offset - off
+      if g.experts and not whole then
+        error(string.format("--zero %d: lazy Adam (sparse = true) keeps per-expert states; on sharded units " ..
+                            "it is not built yet: use --zero 0", self.stage), 0)
+      end
+      out[#out + 1] = {name = g.name,
+                       params = (whole and u.params or u.shard_params):view_at(at, {r.n}),
+                       grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
+                       weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen,
+                       experts = g.experts}
+      self.group_at[#out] = {unit = u, offset = r.offset}
+    end
+  end
+  return out
+end
+
+-- The global gradient norm (squares of each rank's shard, summed over
+-- ranks in rank order), and the clip of every group's gradient to max_norm
+-- (torch.nn.utils.clip_grad_norm_'s factor). groups: Zero:groups()'s.
+function Zero:clip_grad_norm(groups, max_norm)
+  local mine = {}
+  for i, g in ipairs(groups) do
+    if not g.frozen then
+      local at = self.group_at[i]
+      local u, lo, hi = at.unit, at.offset, at.offset + g.grads:numel()
+      if self.stage == 0 and self.world > 1 then   -- whole gradients: count the shard's part only
+        lo, hi = math.max(lo, u.part.offset), math.min(hi, u.part.offset + u.part.shard)
+        if hi > lo then mine[#mine + 1] = g.grads:view_at(lo - at.offset, {hi - lo}) end
+      else
+        mine[#mine + 1] = g.grads
+      end
+    end
+  end
+  local sum = self.dist.all_reduce_numbers({C.grad_sumsq(mine)}, "sum", "gradient norm")[1]
+  local total = math.sqrt(sum)
+  local coef = max_norm / (total + 1e-6)
+  if total == total and total < math.huge and coef < 1 then
+    for _, g in ipairs(groups) do
+      if not g.frozen then C.scale_(g.grads, coef) end
+    end
+  end
+  return total
+end
+
+-- After the optimizer: stages 1-2 all-gather the updated shards.
+function Zero:after_step()
+  if self.stage ~= 1 and self.stage ~= 2 then return end
+  for _, u in ipairs(self.units) do
+    local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
+    self.dist.all_gather(mine, u.params, "parameters of unit " .. u.name)
+    mine:free()
+  end
+end
+
+return zero

@@ -1,0 +1,127 @@
+-- tests/spec/zero_spec.lua - ZeRO stages 0-3 over MPI (moelua.zero, the
+-- distributed trainer): a tiny model trained by tests/tools/zero_run.lua
+-- under `mpiexec -n N`, one OpenMP and one OpenBLAS thread per rank.
+local support = require "tests.support"
+local zero = require "moelua.zero"
+local mio = require "moelua.io"
+
+local tmpdir, corpus
+
+-- Runs zero_run.lua on n ranks with the options; returns the exit code,
+-- the output, and per rank the parsed rank<R>.txt.
+local function mpirun(n, out, opts)
+  os.execute("mkdir -p " .. support.shell_quote(out))
+  local args = {"tests/tools/zero_run.lua", "--corpus", corpus, "--out", out}
+  for k, v in pairs(opts) do
+    args[#args + 1] = "--" .. k
+    args[#args + 1] = tostring(v)
+  end
+  local cmd = "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpiexec -n " .. n .. " " ..
+              support.host_command(args) .. " 2>&1"
+  local code, text = support.finish_child(assert(io.popen(cmd, "r")))
+  assert.are.equal(0, code, text)
+  local ranks = {}
+  for r = 0, n - 1 do
+    local rk = {loss = {}, cur = {}, peak = {}, units = {}}
+    for line in io.lines(string.format("%s/rank%d.txt", out, r)) do
+      local kind, a, b, c = line:match("^(%S+) (%S+) (%S+) ?(%S*)$")
+      if kind == "loss" then rk.loss[tonumber(a)] = tonumber(b)
+      elseif kind == "unit" then rk.units[#rk.units + 1] = {name = a, numel = tonumber(b), shard = tonumber(c)}
+      else rk[kind][a] = tonumber(b) end
+    end
+    ranks[r] = rk
+  end
+  return ranks
+end
+
+local function params(out, r)
+  return (mio.load(string.format("%s/params.rank%d.safetensors", out, r)))
+end
+
+local function max_diff(a, b)
+  local worst = 0
+  for name, t in pairs(a) do worst = math.max(worst, t:sub(b[name]):abs():max():item()) end
+  return worst
+end
+
+describe("moelua.zero", function()
+  setup(function()
+    tmpdir = support.make_tmpdir()
+    corpus = support.write_corpus(tmpdir .. "/corpus.txt", 7, 4000)
+  end)
+  teardown(function() support.remove_dir(tmpdir) end)
+
+  it("checks its options before anything is allocated, naming them", function()
+    support.raises("--zero 4", zero.new, {stage = 4})
+    support.raises("--prefetch -1", zero.new, {prefetch = -1})
+    support.raises("--reduce-every sometimes", zero.new, {reduce_every = "sometimes"})
+    support.raises("unknown option 'stages'", zero.new, {stages = 1})
+  end)
+
+  it("stages 0, 1, 2, 3 at N = 4 give bitwise equal losses and parameters (5 AdamW steps)", function()
+    local runs = {}
+    for stage = 0, 3 do
+      local out = string.format("%s/stage%d", tmpdir, stage)
+      runs[stage] = {ranks = mpirun(4, out, {stage = stage, steps = 5}), out = out}
+    end
+    for stage = 1, 3 do
+      for s = 0, 4 do
+        assert.are.equal(runs[0].ranks[0].loss[s], runs[stage].ranks[0].loss[s],
+                         string.format("stage %d, step %d", stage, s))
+      end
+      assert.are.equal(0, max_diff(params(runs[0].out, 0), params(runs[stage].out, 0)), "stage " .. stage)
+    end
+    for stage = 0, 3 do   -- and every rank holds the same model
+      for r = 1, 3 do
+        assert.are.equal(0, max_diff(params(runs[stage].out, 0), params(runs[stage].out, r)))
+      end
+    end
+  end)
+
+  it("N = 1, 2, 4 with N x accumulation = 4 train the same model", function()
+    for _, o in ipairs{{optim = "sgd", steps = 10, tol = 1e-5}, {optim = "adamw", steps = 10, tol = 2e-4}} do
+      local base
+      for _, n in ipairs{1, 2, 4} do
+        local out = string.format("%s/%s_n%d", tmpdir, o.optim, n)
+        local r0 = mpirun(n, out, {stage = n == 4 and 3 or 1, accum = 4 // n, steps = o.steps, optim = o.optim})[0]
+        if not base then
+          base = r0
+        else
+          for s = 0, o.steps - 1 do
+            local rel = math.abs(r0.loss[s] - base.loss[s]) / math.abs(base.loss[s])
+            assert.is_true(rel <= o.tol, string.format("%s N=%d step %d: %.3g", o.optim, n, s, rel))
+          end
+        end
+      end
+    end
+    -- one step: parameters within 1e-6
+    local one = {}
+    for _, n in ipairs{1, 4} do
+      local out = string.format("%s/one_n%d", tmpdir, n)
+      mpirun(n, out, {stage = 2, accum = 4 // n, steps = 1})
+      one[n] = params(out, 0)
+    end
+    assert.is_true(max_diff(one[1], one[4]) <= 1e-6)
+  end)
+
+  it("at stage 3 a rank holds 1/N of parameters, gradients and optimizer states, and gathers only units in use", function()
+    local out1, out4 = tmpdir .. "/mem1", tmpdir .. "/mem4"
+    local one = mpirun(1, out1, {stage = 0, steps = 2})[0]
+    local ranks = mpirun(4, out4, {stage = 3, steps = 2, prefetch = 1})
+    local pad, largest = 0, 0
+    for _, u in ipairs(ranks[0].units) do
+      pad = pad + (u.shard * 4 - u.numel)
+      largest = math.max(largest, u.numel)
+    end
+    for r = 0, 3 do
+      local c = ranks[r].cur
+      for _, k in ipairs{"params", "grads", "optim"} do
+        assert.is_true(c[k] <= one.cur[k] / 4 + pad * 4 * (k == "optim" and 2 or 1),
+                       string.format("rank %d %s: %d vs %d / 4", r, k, c[k], one.cur[k]))
+      end
+      -- gathered parameters: the units in use (a block's two) + the prefetched one
+      assert.is_true(ranks[r].peak.comm <= 3 * (largest + 4) * 4 + 2 * largest * 4,
+                     string.format("rank %d comm peak %d", r, ranks[r].peak.comm))
+    end
+  end)
+end)

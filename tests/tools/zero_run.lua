@@ -1,0 +1,57 @@
+-- tests/tools/zero_run.lua: a tiny model trained under moelua.zero, for
+-- tests/spec/zero_spec.lua (run by mpiexec -n N ./moelua). Options:
+--   --corpus PATH --out DIR --stage 0..3 --accum A --steps K --optim adamw|sgd
+--   --prefetch P --reduce-every micro|step --sparse --timeout S
+-- Writes DIR/rank<R>.txt: the losses of every step ("loss <step> %.17g"),
+-- the ledger's bytes per category after the run and at its peak
+-- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the unit elements and
+-- shards ("unit <name> <numel> <shard>"); and DIR/params.rank<R>.safetensors:
+-- every unit's whole parameters as this rank sees them after the run.
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local data = require "moelua.data"
+local train = require "moelua.train"
+local options = require "moelua.options"
+local dist = require "moelua.dist"
+local zero = require "moelua.zero"
+local tensor = require "moelua.tensor"
+local mem = require "moelua.mem"
+local mio = require "moelua.io"
+
+local o = options.parse(arg, {
+  {"corpus", ""}, {"out", ""}, {"stage", 0}, {"accum", 1}, {"steps", 5}, {"optim", "adamw"},
+  {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
+  {"seq-len", 32}, {"lr", 1e-2},
+})
+dist.init{timeout = o.timeout}
+require("moelua").threads(1)
+local model = nn.Transformer.new{
+  vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = 4, topk = 2,
+  seed = 3, checkpoint = "moe",
+  zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
+}
+local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
+local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
+  or optim.AdamW(groups, {lr = o.lr, weight_decay = 0.1})
+local ds = data.open{glob = o.corpus, seq_len = o.seq_len, seed = 1, holdout = 0}
+local result = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = o.seq_len,
+                         steps = o.steps, accum = o.accum, clip = 1.0, lr = function() return o.lr end,
+                         log_every = 1000}
+
+local rank = dist.rank()
+local lines = {}
+for s = 0, o.steps - 1 do lines[#lines + 1] = string.format("loss %d %.17g", s, result.losses[s]) end
+local st = mem.stats().cpu
+for k, v in pairs(st.current) do lines[#lines + 1] = string.format("cur %s %d", k, v) end
+for k, v in pairs(st.peak) do lines[#lines + 1] = string.format("peak %s %d", k, v) end
+local whole = {}
+for _, u in ipairs(model.units) do
+  lines[#lines + 1] = string.format("unit %s %d %d", u.name, u.numel, u.part.shard)
+  local t = tensor.zeros({u.part.padded})
+  if u.shard_params then dist.all_gather(u.shard_params, t, "test " .. u.name) else t:copy_(u.params) end
+  whole[u.name] = t:view_at(0, {u.numel})
+end
+mio.save(string.format("%s/params.rank%d.safetensors", o.out, rank), whole)
+local f = assert(io.open(string.format("%s/rank%d.txt", o.out, rank), "w"))
+f:write(table.concat(lines, "\n"), "\n")
+f:close()
