@@ -11,6 +11,12 @@
  * names, offsets that match their shapes, and a data section they tile
  * exactly. Data is read with pread into memory the caller owns.
  *
+ * Writing: the header is drafted once (checks, file order, JSON) for both
+ * ways to write: a whole file at once (a temporary file renamed into
+ * place), or by ranges (ml_st_layout parses its own draft with the reader's
+ * parser, so writers see exactly the entries a reader will; ranges are
+ * pwritten at their final offsets).
+ *
  * Not here: Lua, tensors, allocation of tensor data, general-purpose JSON
  * (true, false, null and fractions are recognised only to name them in
  * an error).
