@@ -367,15 +367,15 @@ static writer *check_writer(lua_State *L, int idx, const char *fn)
 static void check_spec(lua_State *L, const char *fn, lua_Integer i, ml_st_tensor *t,
                        int64_t *shape)
 {
-    char what[96], shape_fn[160];
+    char what[96], ctx[160];   /* "argument #2: tensors[i]", and a field of it */
     int spec = lua_gettop(L), next;
     snprintf(what, sizeof what, "argument #2: tensors[%lld]", (long long)i);
     if (!lua_istable(L, spec) || ml_testtensor(L, spec))
         ml_error(L, fn, "%s: expected a table {name =, dtype =, shape =}, got %s", what,
                  ml_testtensor(L, spec) ? "a tensor" : luaL_typename(L, spec));
     lua_getfield(L, spec, "name");
-    snprintf(shape_fn, sizeof shape_fn, "%s.name", what);
-    t->name = check_cstring(L, -1, fn, shape_fn);
+    snprintf(ctx, sizeof ctx, "%s.name", what);
+    t->name = check_cstring(L, -1, fn, ctx);
     lua_getfield(L, spec, "dtype");
     if (lua_type(L, -1) != LUA_TSTRING)
         ml_error(L, fn, "%s.dtype: expected a string, got %s", what, luaL_typename(L, -1));
@@ -387,8 +387,8 @@ static void check_spec(lua_State *L, const char *fn, lua_Integer i, ml_st_tensor
     if (!lua_istable(L, -1) || ml_testtensor(L, -1))
         ml_error(L, fn, "%s.shape: expected a table of sizes, got %s", what,
                  ml_testtensor(L, -1) ? "a tensor" : luaL_typename(L, -1));
-    snprintf(shape_fn, sizeof shape_fn, "%s: %s.shape", fn, what);
-    t->ndim = ml_checkshape(L, lua_gettop(L), shape_fn, shape, &next);
+    snprintf(ctx, sizeof ctx, "%s: %s.shape", fn, what);   /* ml_checkshape's "function" */
+    t->ndim = ml_checkshape(L, lua_gettop(L), ctx, shape, &next);
     t->dtype = (ml_dtype)dt;
     t->shape = shape;
     t->data = NULL;
