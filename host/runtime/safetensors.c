@@ -11,6 +11,12 @@
  * names, offsets that match their shapes, and a data section they tile
  * exactly. Data is read with pread into memory the caller owns.
  *
+ * Writing: the header is drafted once (checks, file order, JSON) for both
+ * ways to write: a whole file at once (a temporary file renamed into
+ * place), or by ranges (ml_st_layout parses its own draft with the reader's
+ * parser, so writers see exactly the entries a reader will; ranges are
+ * pwritten at their final offsets).
+ *
  * Not here: Lua, tensors, allocation of tensor data, general-purpose JSON
  * (true, false, null and fractions are recognised only to name them in
  * an error).
@@ -815,14 +821,15 @@ static ssize_t pread_full(int fd, void *dst, size_t n, uint64_t off)
     return (ssize_t)got;
 }
 
-int ml_st_open(ml_st_file *f, const char *path, char *err, size_t errlen)
+/* Open path with `flags` (O_RDONLY or O_RDWR) and validate it. */
+static int open_file(ml_st_file *f, const char *path, int flags, char *err, size_t errlen)
 {
     uint8_t lenbuf[8], *hdr = NULL;
     struct stat sb;
     ml_st_init(f);
     if (set_label(f, path, err, errlen))
         return -1;
-    if ((f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+    if ((f->fd = open(path, flags | O_CLOEXEC)) < 0) {
         fail(err, errlen, "%s: cannot open: %s", path, strerror(errno));
         goto bad;
     }
@@ -872,6 +879,38 @@ bad:
     return -1;
 }
 
+int ml_st_open(ml_st_file *f, const char *path, char *err, size_t errlen)
+{
+    return open_file(f, path, O_RDONLY, err, errlen);
+}
+
+int ml_st_open_rw(ml_st_file *f, const char *path, char *err, size_t errlen)
+{
+    if (open_file(f, path, O_RDWR, err, errlen))
+        return -1;
+    f->writable = 1;
+    return 0;
+}
+
+static const char *label_of(const ml_st_file *f)
+{
+    return f->label ? f->label : "safetensors";
+}
+
+/* Entry i of the open file f, or NULL with a message. */
+static const ml_st_entry *open_entry(const ml_st_file *f, size_t i, char *err, size_t errlen)
+{
+    if (f->fd < 0) {
+        fail(err, errlen, "%s: not an open file", label_of(f));
+        return NULL;
+    }
+    if (i >= f->nentries) {
+        fail(err, errlen, "%s: no tensor #%zu", label_of(f), i);
+        return NULL;
+    }
+    return &f->entries[i];
+}
+
 int ml_st_read(const ml_st_file *f, size_t i, void *dst, char *err, size_t errlen)
 {
     if (f->fd >= 0 && i < f->nentries)
@@ -884,12 +923,10 @@ int ml_st_read_range(const ml_st_file *f, size_t i, uint64_t off, size_t n, void
                      size_t errlen)
 {
     char nb[NAME_SHOWN + 8];
-    const char *label = f->label ? f->label : "safetensors";
-    if (f->fd < 0)
-        return fail(err, errlen, "%s: not an open file", label);
-    if (i >= f->nentries)
-        return fail(err, errlen, "%s: no tensor #%zu", label, i);
-    const ml_st_entry *e = &f->entries[i];
+    const char *label = label_of(f);
+    const ml_st_entry *e = open_entry(f, i, err, errlen);
+    if (!e)
+        return -1;
     if (off > e->end - e->begin || n > e->end - e->begin - off)
         return fail(err, errlen, "%s: tensor '%s': bytes [%llu, +%zu) are outside its %llu", label,
                     shown(e->name, nb, sizeof nb), (unsigned long long)off, n,
@@ -1017,9 +1054,10 @@ static int fsync_dir(const char *path)
     return r;
 }
 
-/* Refuse what the reader would refuse; fills each tensor's byte size. */
+/* Refuse what the reader would refuse (and, when need_data, a tensor
+ * without data); fills each tensor's byte size. */
 static int check_inputs(const char *path, const ml_st_tensor *ts, size_t n,
-                        const char *const *meta_kv, size_t nmeta, uint64_t *nbytes,
+                        const char *const *meta_kv, size_t nmeta, int need_data, uint64_t *nbytes,
                         char *err, size_t errlen)
 {
     char nb[NAME_SHOWN + 8];
@@ -1042,7 +1080,7 @@ static int check_inputs(const char *path, const ml_st_tensor *ts, size_t n,
         if (numel < 0 || (uint64_t)numel > (uint64_t)INT64_MAX / ml_dtype_size(t->dtype))
             return fail(err, errlen, "%s: tensor '%s': bad shape", path, nm);
         nbytes[i] = (uint64_t)numel * ml_dtype_size(t->dtype);
-        if (nbytes[i] && !t->data)
+        if (need_data && nbytes[i] && !t->data)
             return fail(err, errlen, "%s: tensor '%s': no data", path, nm);
     }
     for (size_t i = 0; i < 2 * nmeta; i++) {
@@ -1117,6 +1155,64 @@ static int write_data(int fd, const ml_st_tensor *t, size_t nbytes, void *stage,
     return 0;
 }
 
+static void put_le64(uint8_t *b, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* A file before its data: the tensors in file order, their byte sizes in
+ * that order, and the header JSON (padded). */
+typedef struct {
+    const ml_st_tensor **order;
+    uint64_t *nbytes;
+    sbuf json;
+} draft;
+
+static void draft_free(draft *d)
+{
+    free(d->order);
+    free(d->nbytes);
+    free(d->json.b);
+}
+
+/* Check the tensors and metadata and draft their file; *d is always left
+ * for draft_free. */
+static int draft_file(draft *d, const char *path, const ml_st_tensor *ts, size_t n,
+                      const char *const *meta_kv, size_t nmeta, int need_data, char *err,
+                      size_t errlen)
+{
+    uint64_t *nbytes = calloc(n ? n : 1, sizeof *nbytes);
+    int rc = -1;
+    memset(d, 0, sizeof *d);
+    d->order = calloc(n ? n : 1, sizeof *d->order);
+    d->nbytes = calloc(n ? n : 1, sizeof *d->nbytes);
+    if (!nbytes || !d->order || !d->nbytes) {
+        fail(err, errlen, "%s: out of memory", path);
+        goto done;
+    }
+    if (check_inputs(path, ts, n, meta_kv, nmeta, need_data, nbytes, err, errlen))
+        goto done;
+    for (size_t i = 0; i < n; i++)
+        d->order[i] = &ts[i];
+    qsort(d->order, n, sizeof *d->order, cmp_write_order);
+    for (size_t i = 0; i < n; i++)
+        d->nbytes[i] = nbytes[d->order[i] - ts];
+    if (build_header(&d->json, d->order, n, d->nbytes, meta_kv, nmeta)) {
+        fail(err, errlen, "%s: out of memory building the header", path);
+        goto done;
+    }
+    if (d->json.n > ML_ST_MAX_HEADER) {
+        fail(err, errlen, "%s: the header would be %zu bytes, over the limit of %u", path,
+             d->json.n, ML_ST_MAX_HEADER);
+        goto done;
+    }
+    rc = 0;
+done:
+    free(nbytes);
+    return rc;
+}
+
 int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
                 const char *const *meta_kv, size_t nmeta, char *err, size_t errlen)
 {
@@ -1127,18 +1223,11 @@ int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
                        const char *const *meta_kv, size_t nmeta, void *stage, size_t stage_len,
                        char *err, size_t errlen)
 {
-    uint64_t *nbytes = calloc(n ? n : 1, sizeof *nbytes);
-    const ml_st_tensor **order = calloc(n ? n : 1, sizeof *order);
-    uint64_t *sorted_bytes = calloc(n ? n : 1, sizeof *sorted_bytes);
-    char *tmp = malloc(strlen(path) + 5);
-    sbuf h = {NULL, 0, 0, 0};
+    draft d;
+    char *tmp = NULL;
     int fd = -1, rc = -1;
 
-    if (!nbytes || !order || !sorted_bytes || !tmp) {
-        fail(err, errlen, "%s: out of memory", path);
-        goto done;
-    }
-    if (check_inputs(path, ts, n, meta_kv, nmeta, nbytes, err, errlen))
+    if (draft_file(&d, path, ts, n, meta_kv, nmeta, 1, err, errlen))
         goto done;
     for (size_t i = 0; i < n; i++) {
         if (ts[i].mem && (!stage || !stage_len)) {
@@ -1146,21 +1235,11 @@ int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
                  ts[i].name);
             goto done;
         }
-        order[i] = &ts[i];
     }
-    qsort(order, n, sizeof *order, cmp_write_order);
-    for (size_t i = 0; i < n; i++)
-        sorted_bytes[i] = nbytes[order[i] - ts];
-    if (build_header(&h, order, n, sorted_bytes, meta_kv, nmeta)) {
-        fail(err, errlen, "%s: out of memory building the header", path);
+    if (!(tmp = malloc(strlen(path) + 5))) {
+        fail(err, errlen, "%s: out of memory", path);
         goto done;
     }
-    if (h.n > ML_ST_MAX_HEADER) {
-        fail(err, errlen, "%s: the header would be %zu bytes, over the limit of %u", path, h.n,
-             ML_ST_MAX_HEADER);
-        goto done;
-    }
-
     strcpy(tmp, path);
     strcat(tmp, ".tmp");
     if ((fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) < 0) {
@@ -1168,12 +1247,11 @@ int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
         goto done;
     }
     uint8_t lenbuf[8];
-    for (int i = 0; i < 8; i++)
-        lenbuf[i] = (uint8_t)((uint64_t)h.n >> (8 * i));
-    if (write_full(fd, lenbuf, 8) || write_full(fd, h.b, h.n))
+    put_le64(lenbuf, d.json.n);
+    if (write_full(fd, lenbuf, 8) || write_full(fd, d.json.b, d.json.n))
         goto io_error;
     for (size_t i = 0; i < n; i++)
-        if (sorted_bytes[i] && write_data(fd, order[i], (size_t)sorted_bytes[i], stage, stage_len))
+        if (d.nbytes[i] && write_data(fd, d.order[i], (size_t)d.nbytes[i], stage, stage_len))
             goto io_error;
     if (fsync(fd))
         goto io_error;
@@ -1200,10 +1278,124 @@ io_error:
     fd = -1;
     unlink(tmp);
 done:
-    free(h.b);
+    draft_free(&d);
     free(tmp);
-    free(sorted_bytes);
-    free(order);
-    free(nbytes);
     return rc;
+}
+
+/* ---- writing by ranges ------------------------------------------------- */
+
+int ml_st_layout(ml_st_file *f, uint8_t **header, const char *label, const ml_st_tensor *ts,
+                 size_t n, const char *const *meta_kv, size_t nmeta, char *err, size_t errlen)
+{
+    draft d;
+    uint64_t data_size = 0;
+    ml_st_init(f);
+    *header = NULL;
+    if (draft_file(&d, label, ts, n, meta_kv, nmeta, 0, err, errlen) ||
+        set_label(f, label, err, errlen))
+        goto bad;
+    for (size_t i = 0; i < n; i++) {
+        if (d.nbytes[i] > UINT64_MAX - data_size) {
+            fail(err, errlen, "%s: the tensors hold more than 2^64 bytes", label);
+            goto bad;
+        }
+        data_size += d.nbytes[i];
+    }
+    if (!(*header = malloc(8 + d.json.n))) {
+        fail(err, errlen, "%s: out of memory building the header", label);
+        goto bad;
+    }
+    put_le64(*header, d.json.n);
+    memcpy(*header + 8, d.json.b, d.json.n);
+    f->data_start = 8 + d.json.n;
+    f->data_size = data_size;
+    /* The entries come from the reader's own parser: what a reader will see. */
+    if (parse_header(f, label, *header + 8, d.json.n, data_size, err, errlen))
+        goto bad;
+    draft_free(&d);
+    return 0;
+bad:
+    draft_free(&d);
+    free(*header);
+    *header = NULL;
+    ml_st_close(f);
+    return -1;
+}
+
+int ml_st_create(ml_st_file *f, const char *path, const ml_st_tensor *ts, size_t n,
+                 const char *const *meta_kv, size_t nmeta, char *err, size_t errlen)
+{
+    uint8_t *header;
+    if (ml_st_layout(f, &header, path, ts, n, meta_kv, nmeta, err, errlen))
+        return -1;
+    if ((f->fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) < 0) {
+        fail(err, errlen, "%s: cannot create: %s", path, strerror(errno));
+        goto bad;
+    }
+    /* The final length at once, so that every writer can pwrite anywhere;
+     * the data is a hole until written, and reads as zeros. fallocate is
+     * not needed for correctness: it would only move a full disk's error
+     * from a range's write to here. */
+    if (write_full(f->fd, header, (size_t)f->data_start) ||
+        ftruncate(f->fd, (off_t)(f->data_start + f->data_size))) {
+        fail(err, errlen, "%s: writing the header failed: %s", path, strerror(errno));
+        goto bad;
+    }
+    f->writable = 1;
+    free(header);
+    return 0;
+bad:
+    free(header);
+    ml_st_close(f);
+    return -1;
+}
+
+/* pwrite all n bytes at off; -1 with errno. */
+static int pwrite_full(int fd, const void *src, size_t n, uint64_t off)
+{
+    size_t put = 0;
+    while (put < n) {
+        size_t chunk = n - put > (1u << 30) ? (1u << 30) : n - put;
+        ssize_t w = pwrite(fd, (const char *)src + put, chunk, (off_t)(off + put));
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            if (w == 0)
+                errno = EIO;   /* no progress: never loop forever */
+            return -1;
+        }
+        put += (size_t)w;
+    }
+    return 0;
+}
+
+int ml_st_write_range(const ml_st_file *f, size_t i, uint64_t off, uint64_t n, const void *src,
+                      char *err, size_t errlen)
+{
+    char nb[NAME_SHOWN + 8];
+    const ml_st_entry *e = open_entry(f, i, err, errlen);
+    if (!e)
+        return -1;
+    if (!f->writable)
+        return fail(err, errlen, "%s: not open for writing", label_of(f));
+    uint64_t es = ml_dtype_size(e->dtype), numel = (e->end - e->begin) / es;
+    if (off > numel || n > numel - off)
+        return fail(err, errlen, "%s: tensor '%s': elements [%llu, %llu) are outside its %llu",
+                    label_of(f), shown(e->name, nb, sizeof nb), (unsigned long long)off,
+                    (unsigned long long)(off + n), (unsigned long long)numel);
+    if (n && pwrite_full(f->fd, src, (size_t)(n * es), f->data_start + e->begin + off * es))
+        return fail(err, errlen, "%s: tensor '%s': writing elements [%llu, %llu) failed: %s",
+                    label_of(f), shown(e->name, nb, sizeof nb), (unsigned long long)off,
+                    (unsigned long long)(off + n), strerror(errno));
+    return 0;
+}
+
+int ml_st_sync(const ml_st_file *f, char *err, size_t errlen)
+{
+    if (f->fd < 0)
+        return fail(err, errlen, "%s: not an open file", label_of(f));
+    if (fsync(f->fd))
+        return fail(err, errlen, "%s: fsync failed: %s", label_of(f), strerror(errno));
+    return 0;
 }

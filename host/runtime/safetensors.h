@@ -13,8 +13,19 @@
  * each is aligned to its element size, and replaces the file atomically
  * (<path>.tmp, fsync, rename, fsync of the directory).
  *
+ * A file can also be written by element ranges, by several processes at
+ * once (a sharded checkpoint: each rank writes the ranges it owns):
+ * ml_st_layout computes the header up front from names, dtypes and shapes,
+ * one process creates the file at its final length (ml_st_create), and
+ * every writer, with its own open file (ml_st_create's or ml_st_open_rw's),
+ * pwrites ranges of entries at their final offsets, in any order
+ * (ml_st_write_range). Once every range is written the file is, byte for
+ * byte, the one ml_st_write writes for the same tensors and metadata: an
+ * ordinary safetensors file. Such a file is not replaced atomically: the
+ * caller makes the directory that holds it atomic.
+ *
  * Not here: Lua (host/bindings/l_io.c binds this), tensors and allocation of tensor
- * data (the caller reads into memory it owns), sharded checkpoints. Device
+ * data (the caller reads into memory it owns), which ranges a rank owns. Device
  * data is written through a host stage the caller owns (ml_st_write_staged),
  * never through a host copy of the whole tensor. The data bytes are the
  * host's, which must be little-endian, as the format is.
@@ -54,6 +65,7 @@ typedef struct {
     char *arena;                /* decoded strings */
     char *label;                /* the path, for messages */
     int fd;                     /* open file (ml_st_open), -1 otherwise */
+    int writable;               /* fd open for ml_st_write_range (ml_st_create, ml_st_open_rw) */
 } ml_st_file;
 
 struct ml_memory;
@@ -100,6 +112,29 @@ int ml_st_write(const char *path, const ml_st_tensor *ts, size_t n,
 int ml_st_write_staged(const char *path, const ml_st_tensor *ts, size_t n,
                        const char *const *meta_kv, size_t nmeta, void *stage, size_t stage_len,
                        char *err, size_t errlen);
+
+/* ---- writing by ranges ---- */
+
+/* The file ml_st_write would write for these tensors (their data is not
+ * used and may be NULL) and metadata, without its data: *f gets the
+ * entries as ml_st_open will read them back (sorted by data offset, fd -1,
+ * label `label`), *header (malloc'd, the caller frees it) the file's
+ * first f->data_start bytes. Refuses what ml_st_write refuses. */
+int ml_st_layout(ml_st_file *f, uint8_t **header, const char *label, const ml_st_tensor *ts,
+                 size_t n, const char *const *meta_kv, size_t nmeta, char *err, size_t errlen);
+/* Create (or truncate) path with the layout of ts and metadata, sized to
+ * its final length, and leave *f open on it for writing ranges (and
+ * reading them). Data not yet written reads as zeros. */
+int ml_st_create(ml_st_file *f, const char *path, const ml_st_tensor *ts, size_t n,
+                 const char *const *meta_kv, size_t nmeta, char *err, size_t errlen);
+/* Open an existing file, validated as ml_st_open validates it, for
+ * writing ranges (and reading). */
+int ml_st_open_rw(ml_st_file *f, const char *path, char *err, size_t errlen);
+/* Write elements [off, off + n) of entry i (in the entry's dtype) from src. */
+int ml_st_write_range(const ml_st_file *f, size_t i, uint64_t off, uint64_t n, const void *src,
+                      char *err, size_t errlen);
+/* fsync the open file. */
+int ml_st_sync(const ml_st_file *f, char *err, size_t errlen);
 
 /* "F32", "BF16", ... as the format spells them. */
 extern const char *const ml_st_dtype_names[ML_NDTYPES];

@@ -6,8 +6,13 @@
  * of malformed header with the message it must produce, a write/open/read
  * round trip with alignment, and a mutation sweep (every truncation, random
  * byte flips) that must end in an error or a self-consistent result, never a
- * crash (run under `make sanitize` for out-of-bounds reads). Not here: the
- * Lua binding (tests/spec/safetensors_spec.lua).
+ * crash (run under `make sanitize` for out-of-bounds reads). Files written
+ * by ranges: the layout's header is ml_st_write's, ranges written in
+ * shuffled order by several writers give ml_st_write's file byte for byte,
+ * ranges read back through the ops (ml_op_read_range, ml_op_write_range)
+ * equal their slices, with bf16 conversion in both directions, across more
+ * than one host stage, refusals, and nothing done inside a plan. Not here:
+ * the Lua binding (tests/spec/safetensors_spec.lua).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -16,6 +21,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "ops_io.h"
 #include "safetensors.h"
 #include "tap.h"
 
@@ -463,6 +469,309 @@ static void test_mutations(void)
     free(b);
 }
 
+/* The whole file at path (malloc'd), its length in *len; NULL if unreadable. */
+static unsigned char *slurp(const char *path, size_t *len)
+{
+    FILE *fp = fopen(path, "rb");
+    unsigned char *b = NULL;
+    if (fp && fseek(fp, 0, SEEK_END) == 0) {
+        long n = ftell(fp);
+        rewind(fp);
+        b = malloc(n > 0 ? (size_t)n : 1);
+        *len = b ? fread(b, 1, (size_t)n, fp) : 0;
+    }
+    if (fp)
+        fclose(fp);
+    return b;
+}
+
+static int same_file(const char *a, const char *b)
+{
+    size_t na = 0, nb = 0;
+    unsigned char *x = slurp(a, &na), *y = slurp(b, &nb);
+    int same = x && y && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+/* One piece to write: elements [off, off + n) of entry. */
+typedef struct {
+    size_t entry;
+    uint64_t off, n;
+} piece;
+
+static void test_ranges(void)
+{
+    char dir[] = "/tmp/test_st_ranges_XXXXXX", whole[64], ranged[64], err[512];
+    ok(mkdtemp(dir) != NULL, "temporary directory");
+    snprintf(whole, sizeof whole, "%s/whole.safetensors", dir);
+    snprintf(ranged, sizeof ranged, "%s/ranged.safetensors", dir);
+
+    uint8_t u8[7];
+    double f64[5];
+    float f32[24];
+    uint16_t bf16[9];
+    int64_t i64[1] = {-7};
+    for (int i = 0; i < 24; i++) {
+        f32[i] = (float)i * 0.5f - 3;
+        if (i < 7) u8[i] = (uint8_t)(200 + i);
+        if (i < 5) f64[i] = 1.0 / (i + 1);
+        if (i < 9) bf16[i] = (uint16_t)(0x3f80 + i);
+    }
+    int64_t s7[1] = {7}, s5[1] = {5}, s46[2] = {4, 6}, s9[1] = {9}, s0[2] = {0, 4};
+    ml_st_tensor ts[] = {
+        {"u", ML_U8, 1, s7, u8, NULL},
+        {"model.layers.0.w", ML_F32, 2, s46, f32, NULL},
+        {"b", ML_BF16, 1, s9, bf16, NULL},
+        {"d", ML_F64, 1, s5, f64, NULL},
+        {"scalar", ML_I64, 0, NULL, i64, NULL},
+        {"empty", ML_F16, 2, s0, NULL, NULL},
+    };
+    const size_t nts = sizeof ts / sizeof *ts;
+    const char *meta[] = {"step", "12", "format", "pt"};
+    int r = ml_st_write(whole, ts, nts, meta, 2, err, sizeof err);
+    ok(r == 0, "the reference file%s%s", r ? ": " : "", r ? err : "");
+
+    /* The layout: ml_st_write's header, and its entries as a reader sees them. */
+    ml_st_file lay, ref;
+    uint8_t *header = NULL;
+    r = ml_st_layout(&lay, &header, "layout", ts, nts, meta, 2, err, sizeof err);
+    ok(r == 0, "layout%s%s", r ? ": " : "", r ? err : "");
+    size_t nwhole = 0;
+    unsigned char *w = slurp(whole, &nwhole);
+    ok(r == 0 && w && lay.data_start + lay.data_size == nwhole &&
+       memcmp(header, w, (size_t)lay.data_start) == 0,
+       "the layout's header is ml_st_write's, byte for byte, and its size the file's");
+    free(w);
+    r = ml_st_open(&ref, whole, err, sizeof err);
+    int same = r == 0 && ref.nentries == lay.nentries && lay.fd == -1;
+    for (size_t i = 0; same && i < lay.nentries; i++)
+        same = strcmp(ref.entries[i].name, lay.entries[i].name) == 0 &&
+               ref.entries[i].begin == lay.entries[i].begin &&
+               ref.entries[i].end == lay.entries[i].end;
+    ok(same, "the layout's entries are the reader's, in data order");
+    free(header);
+    ml_st_close(&ref);
+    ml_st_close(&lay);
+    ts[0].data = NULL;
+    ok(ml_st_layout(&lay, &header, "layout", ts, 1, NULL, 0, err, sizeof err) == 0,
+       "a layout needs no data");
+    ml_st_close(&lay);
+    free(header);
+    ts[0].data = u8;
+
+    /* Created, then written in pieces of 1..4 elements, shuffled, by three
+     * writers with their own descriptors (the creator is one). */
+    ml_st_file wr[3];
+    r = ml_st_create(&wr[0], ranged, ts, nts, meta, 2, err, sizeof err);
+    ok(r == 0, "create%s%s", r ? ": " : "", r ? err : "");
+    for (int k = 1; k < 3; k++)
+        ok(ml_st_open_rw(&wr[k], ranged, err, sizeof err) == 0, "writer %d opens the created file%s%s",
+           k, err[0] ? ": " : "", err);
+    piece pieces[64];
+    size_t np = 0;
+    for (size_t i = 0; i < wr[0].nentries; i++) {
+        const ml_st_entry *en = &wr[0].entries[i];
+        uint64_t numel = (en->end - en->begin) / ml_dtype_size(en->dtype);
+        for (uint64_t at = 0, len = 1; at < numel; at += len, len = len % 4 + 1)
+            pieces[np++] = (piece){i, at, numel - at < len ? numel - at : len};
+    }
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (size_t i = np; i > 1; i--) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        size_t j = (size_t)(x % i);
+        piece t = pieces[i - 1];
+        pieces[i - 1] = pieces[j];
+        pieces[j] = t;
+    }
+    int all = 1;
+    for (size_t p = 0; p < np; p++) {
+        const ml_st_entry *en = &wr[0].entries[pieces[p].entry];
+        const ml_st_tensor *t = NULL;
+        for (size_t k = 0; k < nts; k++)
+            if (strcmp(ts[k].name, en->name) == 0)
+                t = &ts[k];
+        size_t es = ml_dtype_size(en->dtype);
+        all &= ml_st_write_range(&wr[p % 3], pieces[p].entry, pieces[p].off, pieces[p].n,
+                                 (const char *)t->data + pieces[p].off * es, err, sizeof err) == 0;
+    }
+    ok(all && np > 20, "%zu pieces written in shuffled order by three writers%s%s", np,
+       all ? "" : ": ", all ? "" : err);
+    ok(ml_st_sync(&wr[1], err, sizeof err) == 0, "sync");
+    for (int k = 0; k < 3; k++)
+        ml_st_close(&wr[k]);
+    ok(same_file(whole, ranged), "the file written by ranges is ml_st_write's, byte for byte");
+
+    /* Refusals. */
+    r = ml_st_open_rw(&wr[0], ranged, err, sizeof err);
+    size_t fi = 0;
+    while (fi < wr[0].nentries && strcmp(wr[0].entries[fi].name, "model.layers.0.w") != 0)
+        fi++;
+    ok(ml_st_write_range(&wr[0], fi, 20, 5, f32, err, sizeof err) != 0 &&
+       strstr(err, "tensor 'model.layers.0.w': elements [20, 25) are outside its 24"),
+       "a range past the entry is refused: %s", err);
+    ok(ml_st_write_range(&wr[0], fi, 25, 0, f32, err, sizeof err) != 0,
+       "an empty range that starts past the entry is refused");
+    ok(ml_st_write_range(&wr[0], 99, 0, 1, f32, err, sizeof err) != 0 && strstr(err, "no tensor #99"),
+       "a missing entry is refused");
+    ok(ml_st_write_range(&wr[0], fi, 24, 0, f32, err, sizeof err) == 0,
+       "an empty range at the end is accepted");
+    ml_st_close(&wr[0]);
+    ok(ml_st_write_range(&wr[0], 0, 0, 1, f32, err, sizeof err) != 0 && strstr(err, "not an open file"),
+       "a closed file is refused");
+    r = ml_st_open(&ref, ranged, err, sizeof err);
+    ok(r == 0 && ml_st_write_range(&ref, fi, 0, 1, f32, err, sizeof err) != 0 &&
+       strstr(err, "not open for writing"), "a file opened for reading is refused: %s", err);
+    ml_st_close(&ref);
+    ok(same_file(whole, ranged), "refused writes changed nothing");
+    char missing[96];
+    snprintf(missing, sizeof missing, "%s/none.safetensors", dir);
+    ok(ml_st_open_rw(&wr[0], missing, err, sizeof err) != 0 && strstr(err, "cannot open"),
+       "open_rw of a missing file fails: %s", err);
+    ok(ml_st_open_rw(&wr[0], dir, err, sizeof err) != 0 && strstr(err, "cannot open: Is a directory"),
+       "open_rw of a directory fails: %s", err);
+    FILE *fp = fopen(missing, "wb");
+    if (fp) {
+        fputs("not a safetensors file", fp);
+        fclose(fp);
+    }
+    ok(ml_st_open_rw(&wr[0], missing, err, sizeof err) != 0 && strstr(err, "header length"),
+       "open_rw of a corrupt file fails: %s", err);
+    ml_st_tensor dup[] = {{"x", ML_U8, 1, s7, NULL, NULL}, {"x", ML_F32, 1, s5, NULL, NULL}};
+    ok(ml_st_create(&wr[0], missing, dup, 2, NULL, 0, err, sizeof err) != 0 &&
+       strstr(err, "duplicate name 'x'") && wr[0].fd == -1, "create refuses what ml_st_write refuses");
+    unlink(missing);
+    unlink(whole);
+    unlink(ranged);
+    rmdir(dir);
+}
+
+static ml_host host;
+
+/* A new CPU tensor of dt and n elements. */
+static ml_tensor cpu_tensor(ml_dtype dt, int64_t n)
+{
+    ml_tensor t = {0};
+    ml_err e;
+    if (ml_tensor_alloc(&host, &t, ML_CPU, dt, 1, &n, &e) != ML_OK) {
+        fprintf(stderr, "test_safetensors: %s\n", e.msg);
+        exit(1);
+    }
+    return t;
+}
+
+/* The ops: f32 tensors written to a bf16 entry (converted, in more than
+ * one stage) and an f32 entry, read back by sub-ranges. */
+static void test_range_ops(void)
+{
+    char dir[] = "/tmp/test_st_ops_XXXXXX", path[64], err[512];
+    ok(mkdtemp(dir) != NULL, "temporary directory");
+    snprintf(path, sizeof path, "%s/m.safetensors", dir);
+    ml_host_init(&host);
+    const int64_t big = (int64_t)(ML_IO_STAGE_BYTES / 4) * 2 + 5;   /* three f32 stages */
+    int64_t sbig[1] = {big}, s10[1] = {10};
+    ml_st_tensor ts[] = {{"h", ML_BF16, 1, sbig, NULL, NULL}, {"f", ML_F32, 1, s10, NULL, NULL}};
+    ml_st_file f;
+    int r = ml_st_create(&f, path, ts, 2, NULL, 0, err, sizeof err);
+    ok(r == 0, "create%s%s", r ? ": " : "", r ? err : "");
+    size_t ih = strcmp(f.entries[0].name, "h") == 0 ? 0 : 1, iff = 1 - ih;
+
+    /* bf16 values as f32, written in two ranges, the first across stages. */
+    ml_tensor src = cpu_tensor(ML_F32, big);
+    float *sv = ml_data(&src);
+    for (int64_t i = 0; i < big; i++)
+        sv[i] = (float)((i % 512) - 256) * 0.25f;   /* exact in bf16 */
+    sv[3] = 1.0f + 1.0f / 512;                      /* rounds to 1 in bf16 */
+    ml_err e;
+    const int64_t cut = big - 7;
+    ml_tensor head = src, tail = src;
+    head.shape[0] = cut;
+    tail.shape[0] = big - cut;
+    tail.offset = src.offset + cut;
+    size_t before = host.books[ML_CPU].total;
+    ok(ml_op_write_range(&host, &f, ih, 0, &head, &e) == ML_OK &&
+       ml_op_write_range(&host, &f, ih, cut, &tail, &e) == ML_OK,
+       "f32 written to a bf16 entry in two ranges, the first over three stages");
+    ok(host.books[ML_CPU].total == before, "the stages are released");
+
+    /* Read back: a sub-range in f32 (converted) and in bf16 (in place). */
+    ml_tensor back = cpu_tensor(ML_F32, big - 2), raw = cpu_tensor(ML_BF16, 4);
+    ok(ml_op_read_range(&host, &back, &f, ih, 2, &e) == ML_OK, "a bf16 range read into f32");
+    const float *bv = ml_data(&back);
+    int exact = bv[1] == 1.0f;
+    for (int64_t i = 2; i < big - 2; i++)
+        exact &= bv[i] == sv[i + 2];
+    ok(exact, "the range read back equals its slice, 1 + 2^-9 rounded to 1");
+    uint32_t bits;
+    memcpy(&bits, &sv[4], 4);   /* exact in bf16: its upper half */
+    ok(ml_op_read_range(&host, &raw, &f, ih, 4, &e) == ML_OK &&
+       ((uint16_t *)ml_data(&raw))[0] == (uint16_t)(bits >> 16),
+       "a bf16 range read as bf16: the file's bytes");
+
+    /* The f32 entry, element by element, then every sub-range. */
+    ml_tensor ten = cpu_tensor(ML_F32, 10);
+    for (int i = 0; i < 10; i++)
+        ((float *)ml_data(&ten))[i] = (float)i + 0.5f;
+    int all = 1;
+    for (int64_t i = 9; i >= 0; i--) {
+        ml_tensor one = ten;
+        one.shape[0] = 1;
+        one.offset = ten.offset + i;
+        all &= ml_op_write_range(&host, &f, iff, i, &one, &e) == ML_OK;
+    }
+    ok(all, "an f32 entry written one element at a time, backwards");
+    int slices = 1;
+    for (int64_t a = 0; a <= 10; a++) {
+        for (int64_t b = a; b <= 10; b++) {
+            ml_tensor d = cpu_tensor(ML_F32, b - a);
+            slices &= ml_op_read_range(&host, &d, &f, iff, a, &e) == ML_OK &&
+                      (b == a || memcmp(ml_data(&d), (float *)ml_data(&ten) + a,
+                                        (size_t)(b - a) * 4) == 0);
+            ml_tensor_drop(&d);
+        }
+    }
+    ok(slices, "every sub-range [a, b) read back equals its slice");
+
+    /* Refusals, and nothing done inside a plan. */
+    ok(ml_op_write_range(&host, &f, iff, 8, &ten, &e) == ML_EINVAL &&
+       strstr(e.msg, "'f': 10 elements at element offset 8 do not fit in its 10"),
+       "a write past the entry: %s", e.msg);
+    ok(ml_op_read_range(&host, &ten, &f, iff, -1, &e) == ML_EINVAL &&
+       strstr(e.msg, "at element offset -1"), "a negative offset: %s", e.msg);
+    ml_tensor ints = cpu_tensor(ML_I32, 2);
+    ok(ml_op_write_range(&host, &f, iff, 0, &ints, &e) == ML_EINVAL &&
+       strstr(e.msg, "'f' is f32 in the file and cannot be converted from i32"), "%s", e.msg);
+    ml_tensor strided = ten;
+    strided.shape[0] = 5;
+    strided.stride[0] = 2;
+    ok(ml_op_write_range(&host, &f, iff, 0, &strided, &e) == ML_EINVAL &&
+       strstr(e.msg, "the source must be contiguous"), "%s", e.msg);
+    ok(ml_op_write_range(&host, &f, 7, 0, &ten, &e) == ML_EINVAL && strstr(e.msg, "no entry #7"),
+       "%s", e.msg);
+    ml_tensor zero = cpu_tensor(ML_F32, 10);
+    memset(ml_data(&zero), 0, 40);
+    host.planning = 1;
+    ok(ml_op_write_range(&host, &f, iff, 0, &zero, &e) == ML_OK &&
+       ml_op_write_range(&host, &f, iff, 1, &zero, &e) == ML_EINVAL,
+       "inside a plan a write is checked: %s", e.msg);
+    ok(ml_op_read_range(&host, &zero, &f, iff, 0, &e) == ML_OK &&
+       ((float *)ml_data(&zero))[9] == 0, "inside a plan a read reads nothing");
+    host.planning = 0;
+    ok(ml_op_read_range(&host, &zero, &f, iff, 0, &e) == ML_OK &&
+       memcmp(ml_data(&zero), ml_data(&ten), 40) == 0, "and the plan's write wrote nothing");
+    ml_st_close(&f);
+    ok(ml_op_write_range(&host, &f, 0, 0, &ten, &e) == ML_EINVAL, "a closed file has no entries");
+
+    ml_tensor *all_t[] = {&src, &back, &raw, &ten, &ints, &zero};
+    for (size_t i = 0; i < sizeof all_t / sizeof *all_t; i++)
+        ml_tensor_drop(all_t[i]);
+    ok(host.books[ML_CPU].total == 0, "the ledger is back to zero");
+    ml_host_free(&host);
+    unlink(path);
+    rmdir(dir);
+}
+
 int main(void)
 {
     test_valid();
@@ -471,5 +780,7 @@ int main(void)
     test_schema();
     test_roundtrip();
     test_mutations();
+    test_ranges();
+    test_range_ops();
     return tap_done();
 }

@@ -510,8 +510,8 @@ describe("moelua.io.open", function()
     io_.save(path, {a = a, h = h, i = T.tensor({1, 2, 3}, {dtype = "i64"})}, {note = "x"})
     local r <close> = io_.open(path)
     local e = r:entries()
-    assert.are.same({dtype = "f32", shape = {3, 5}}, e.a)
-    assert.are.same({dtype = "bf16", shape = {1000}}, e.h)
+    assert.are.same({name = "a", dtype = "f32", shape = {3, 5}, numel = 15}, e.a)
+    assert.are.same({name = "h", dtype = "bf16", shape = {1000}, numel = 1000}, e.h)
     assert.are.equal("x", r:metadata().note)
     local d = T.zeros({15})                                -- any shape with the entry's element count
     assert.are.equal(d, r:read_into("a", d))
@@ -539,5 +539,152 @@ describe("moelua.io.open", function()
     r:close()                                              -- idempotent
     has(errmsg(r.entries, r), "Reader:entries: the file is closed")
     has(errmsg(io_.open, base .. "_missing"), "cannot open")
+  end)
+end)
+
+describe("moelua.io files written by ranges", function()
+  after_each(function()
+    for i = 1, nfile do os.remove(string.format("%s_%d.safetensors", base, i)) end
+  end)
+
+  -- Elements [a, b) (0-based) of t, flat: a contiguous view.
+  local function slice(t, a, b) return t:view({t:numel()}):narrow(1, a + 1, b - a) end
+
+  local specs = {{name = "a", dtype = "f32", shape = {6, 5}},
+                 {name = "h", dtype = "bf16", shape = {7}},
+                 {name = "i", dtype = "i64", shape = {4}},
+                 {name = "s", dtype = "f64", shape = {}}}
+
+  it("4 writers, then io.load and reads by 3 ranges: io.save's file, byte for byte", function()
+    local path, ref = tmp(), tmp()
+    local before = cpu_total()
+    local src = {a = T.randn({6, 5}), h = T.randn({7}):to("bf16"),
+                 i = T.tensor({1, -2, 1 << 40, 7}, {dtype = "i64"}), s = T.tensor(1 / 3, {dtype = "f64"})}
+    io_.save(ref, src, {step = "12", note = "x"})
+    local ws = {io_.create(path, specs, {step = "12", note = "x"})}
+    for k = 2, 4 do ws[k] = io_.open_writer(path) end
+    local es = ws[1]:entries()
+    assert.are.same({name = "i", dtype = "i64", shape = {4}, numel = 4}, es[1])   -- file order
+    assert.are.same({name = "s", dtype = "f64", shape = {}, numel = 1}, es[2])
+    assert.are.same({name = "h", dtype = "bf16", shape = {7}, numel = 7}, es[4])
+    assert.are.same(es, ws[3]:entries())
+    for k = 4, 1, -1 do                          -- writer k owns the k-th quarter of each tensor
+      for _, e in ipairs(es) do
+        local a, b = (k - 1) * e.numel // 4, k * e.numel // 4
+        if e.name == "s" then a, b = k == 1 and 0 or 1, 1 end
+        if b > a then ws[k]:write_range(e.name, a, slice(src[e.name], a, b)) end
+      end
+    end
+    for _, w in ipairs(ws) do w:sync(); w:close() end
+    ws[1]:close()                                -- idempotent
+    assert.are.equal(slurp(ref), slurp(path))
+    local got, meta = io_.load(path)             -- an ordinary safetensors file
+    assert.are.same({format = "pt", step = "12", note = "x"}, meta)
+    for name, t in pairs(src) do assert.are.same(t:totable(), got[name]:totable()) end
+    got = nil
+
+    local r <close> = io_.open(path)
+    assert.are.same({name = "a", dtype = "f32", shape = {6, 5}, numel = 30}, r:entries().a)
+    for _, e in ipairs(es) do
+      local cuts = {0, e.numel // 3, 2 * e.numel // 3, e.numel}
+      for k = 1, 3 do
+        local a, b = cuts[k], cuts[k + 1]
+        local d = T.zeros({b - a}, {dtype = e.dtype})
+        assert.are.equal(d, r:read_range(e.name, a, d))
+        if b > a then assert.are.same(slice(src[e.name], a, b):totable(), d:totable()) end
+      end
+    end
+    local f = T.zeros({3})                       -- bf16 on disk into f32: converted
+    r:read_range("h", 2, f)
+    assert.are.same(slice(src.h, 2, 5):to("f32"):totable(), f:totable())
+    f, src = nil, nil
+    assert.are.equal(before, cpu_total())        -- the ledger is back: no stage left behind
+  end)
+
+  it("converts float tensors to the entry's dtype, and reads ranges of files io.save wrote", function()
+    local path = tmp()
+    local x = T.tensor({1, -2, 0.5, 1 + 2 ^ -9, 3.25}, {dtype = "f64"})
+    local before = cpu_total()
+    local w <close> = io_.create(path, {{name = "h", dtype = "bf16", shape = {5}}})
+    w:write_range("h", 0, slice(x, 0, 2))
+    w:write_range("h", 2, slice(x, 2, 5))
+    w:close()
+    assert.are.equal(before, cpu_total())        -- the conversion's stages are released
+    local got = io_.load(path).h
+    assert.are.equal("bf16", got:dtype())
+    assert.are.same({1, -2, 0.5, 1, 3.25}, got:to("f32"):totable())   -- 1 + 2^-9 rounds to 1
+    io_.save(path, {v = T.arange(10)})
+    local r <close> = io_.open(path)
+    local d = r:read_range("v", 7, T.zeros({3}))
+    assert.are.same({7, 8, 9}, d:totable())
+  end)
+
+  it("refuses bad input, naming the function, the argument and the values", function()
+    local path = tmp()
+    local w <close> = io_.create(path, specs)
+    local function bad(want, ...) has(errmsg(...), want) end
+    bad("Writer:write_range: " .. path .. " has no tensor 'zz'", w.write_range, w, "zz", 0, T.zeros({1}))
+    bad("Writer:write_range: 'a': 4 elements at element offset 28 do not fit in its 30",
+        w.write_range, w, "a", 28, T.zeros({4}))
+    bad("Writer:write_range: argument #2 (elem_offset) is negative (-1)", w.write_range, w, "a", -1, T.zeros({1}))
+    bad("Writer:write_range: argument #2 (elem_offset): expected an integer, got a fraction",
+        w.write_range, w, "a", 0.5, T.zeros({1}))
+    bad("Writer:write_range: argument #3 (t): expected a tensor, got string", w.write_range, w, "a", 0, "x")
+    bad("Writer:write_range: 'i' is i64 in the file and cannot be converted from f32",
+        w.write_range, w, "i", 0, T.zeros({2}))
+    bad("Writer:write_range: 'a': the source must be contiguous", w.write_range, w, "a", 0, T.zeros({3, 2}):t())
+    w:close()
+    bad("Writer:write_range: the writer is closed", w.write_range, w, "a", 0, T.zeros({1}))
+    bad("Writer:entries: the writer is closed", w.entries, w)
+    bad("Writer:sync: the writer is closed", w.sync, w)
+
+    local r <close> = io_.open(path)
+    bad("Reader:read_range: 'a': 31 elements at element offset 0 do not fit in its 30",
+        r.read_range, r, "a", 0, T.zeros({31}))
+    bad("Reader:read_range: " .. path .. " has no tensor 'q'", r.read_range, r, "q", 0, T.zeros({1}))
+    bad("Reader:read_range: 'i' is i64 in the file and cannot be converted to f32",
+        r.read_range, r, "i", 0, T.zeros({1}))
+    bad("Reader:read_range: argument #3 (dst): expected a tensor, got no value", r.read_range, r, "a", 0)
+
+    local c = io_.create
+    bad("moelua.io.create: argument #1 (path): expected a string, got nil", c, nil, specs)
+    bad("moelua.io.create: argument #2: expected a list of {name =, dtype =, shape =}, got number", c, path, 3)
+    bad("moelua.io.create: argument #2: tensors[1]: expected a table {name =, dtype =, shape =}, got string",
+        c, path, {"a"})
+    bad("moelua.io.create: argument #2: tensors[1].name: expected a string, got nil", c, path, {{dtype = "f32", shape = {1}}})
+    bad("moelua.io.create: argument #2: tensors[2].dtype: unknown dtype 'f8' (f32, f64, bf16, f16, i32, i64, u8)",
+        c, path, {specs[1], {name = "b", dtype = "f8", shape = {1}}})
+    bad("moelua.io.create: argument #2: tensors[1].shape: expected a table of sizes, got number",
+        c, path, {{name = "b", dtype = "f32", shape = 3}})
+    bad("moelua.io.create: argument #2: tensors[1].shape: size of dim 2 is negative (-1)",
+        c, path, {{name = "b", dtype = "f32", shape = {2, -1}}})
+    bad(path .. ": duplicate name 'a'", c, path, {specs[1], specs[1]})
+    bad("moelua.io.create: argument #3: metadata['k']: expected a string, got number", c, path, specs, {k = 1})
+    bad("moelua.io.create: " .. base .. "_none/x.safetensors: cannot create", c, base .. "_none/x.safetensors", specs)
+
+    bad("moelua.io.open_writer: " .. base .. "_missing: cannot open", io_.open_writer, base .. "_missing")
+    spit(path, "not a safetensors file")
+    bad("moelua.io.open_writer: " .. path .. ": header length", io_.open_writer, path)
+  end)
+
+  it("inside mem.plan checks its arguments and writes nothing", function()
+    local path = tmp()
+    local inside
+    local books = mem.plan(function()
+      local w <close> = io_.create(path, specs, {step = "1"})
+      w:write_range("a", 10, T.zeros({20}))
+      inside = {entries = #w:entries(), err = errmsg(w.write_range, w, "a", 20, T.zeros({20}))}
+      w:sync()
+      local o <close> = io_.open_writer(path)   -- knows no entries: checks offset and tensor only
+      o:write_range("a", 0, T.zeros({2}))
+      inside.blind = #o:entries()
+      inside.neg = errmsg(o.write_range, o, "a", -1, T.zeros({2}))
+    end)
+    assert.is_table(books)
+    assert.are.equal(4, inside.entries)
+    has(inside.err, "'a': 20 elements at element offset 20 do not fit in its 30")
+    assert.are.equal(0, inside.blind)
+    has(inside.neg, "argument #2 (elem_offset) is negative (-1)")
+    assert.is_nil(lfs.attributes(path))          -- no file was made
   end)
 end)
