@@ -695,11 +695,12 @@ static int l_tensor_release(lua_State *L)
  * in that state; a pool view's memory belongs to its pool, so releasing
  * one is an error. */
 
-/* Argument #1's storage, released or not; any other unusable tensor is an error. */
+/* Argument #1's storage in any state but freed: released, or (to release
+ * it) holding the address space of a plan that has ended. */
 static ml_storage *storage_arg(lua_State *L, const char *fn)
 {
     ml_tensor *t = ml_testtensor(L, 1);
-    if (t && t->st && t->st->released[0])
+    if (t && t->st)
         return t->st;
     return ml_checktensor(L, 1, fn)->st;
 }
