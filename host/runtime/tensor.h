@@ -112,9 +112,10 @@ static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
 }
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
-/* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), a
- * view of a rewound pool frame, or made inside a memory plan that has
- * ended (address space that holds nothing, on no device). */
+/* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), its
+ * memory released (the reason given), a view of a rewound pool frame, or
+ * made inside a memory plan that has ended (address space that holds
+ * nothing, on no device). */
 const char *ml_storage_unusable(const ml_storage *st);
 void ml_storage_retain(ml_storage *st);
 /* Drop a reference; the last one returns the memory (none when released)
