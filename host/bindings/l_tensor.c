@@ -1,6 +1,7 @@
 /*
  * host/bindings/l_tensor.c - the Lua library `moelua.tensor`: the moelua.Tensor
- * userdata, creation, views, copies between dtypes and devices, printing.
+ * userdata, creation, views, copies between dtypes and devices, releasing
+ * and re-acquiring a storage's memory (ZeRO-3's units), printing.
  * The math bindings (elementwise, reductions, matmul, ...) are in
  * host/bindings/l_tensor_math.c and are added to the same method table.
  *
@@ -707,6 +708,64 @@ static int l_tensor_release(lua_State *L)
     return 0;
 }
 
+/* ---- released storage (tensor.h: ml_storage_release_memory) ------------------
+ *
+ * t:release_storage(why) returns the memory of t's storage to the ledger
+ * and keeps the storage: every view of it, made before or after, is then
+ * an error that says `why` when used. t:acquire_storage() allocates it
+ * again (contents undefined) under the category it had, with the budget
+ * error of any allocation. Both do nothing when the storage is already
+ * in that state; a pool view's memory belongs to its pool, so releasing
+ * one is an error. */
+
+/* Argument #1's storage in any state but freed: released, or (to release
+ * it) holding the address space of a plan that has ended. */
+static ml_storage *storage_arg(lua_State *L, const char *fn)
+{
+    ml_tensor *t = ml_testtensor(L, 1);
+    if (t && t->st)
+        return t->st;
+    return ml_checktensor(L, 1, fn)->st;
+}
+
+static int l_tensor_release_storage(lua_State *L)
+{
+    static const char fn[] = "Tensor:release_storage";
+    ml_storage *st = storage_arg(L, fn);
+    const char *why = luaL_optstring(L, 2, NULL);
+    if (st->pool)
+        ml_error(L, fn, "a pool view's memory belongs to its pool (rewind the pool instead)");
+    ml_storage_release_memory(st, why);
+    return 0;
+}
+
+/* The memory comes from ml_tensor_alloc under the storage's category, so
+ * an acquire reclaims, retries and words a refusal like any allocation. */
+static int l_tensor_acquire_storage(lua_State *L)
+{
+    static const char fn[] = "Tensor:acquire_storage";
+    ml_storage *st = storage_arg(L, fn);
+    if (!st->released[0])
+        return 0;
+    ml_host *h = ml_host_of(L);
+    ml_tensor fresh = {0};
+    int64_t n = (int64_t)st->nbytes;
+    ml_category cat = h->category;
+    ml_err e;
+    h->category = st->cat;
+    ml_status s = ml_tensor_alloc(h, &fresh, st->device, ML_U8, 1, &n, &e);
+    h->category = cat;
+    ml_check_op(L, fn, s, &e);
+    ml_storage_adopt(st, fresh.st);
+    return 0;
+}
+
+static int l_tensor_storage_released(lua_State *L)
+{
+    lua_pushboolean(L, storage_arg(L, "Tensor:storage_released")->released[0] != 0);
+    return 1;
+}
+
 /* ---- printing --------------------------------------------------------------- */
 
 /* Metadata, up to 6 leading values and, for contiguous float tensors,
@@ -729,6 +788,11 @@ static int l_tensor_tostring(lua_State *L)
     }
     char shape[160], text[512];
     ml_format_shape(t, shape, sizeof shape);
+    if (t->st->released[0]) {
+        lua_pushfstring(L, "tensor(%s, %s, %s, released)", shape, ml_dtype_names[t->dtype],
+                        ml_device_names[t->st->device]);
+        return 1;
+    }
     size_t at = (size_t)snprintf(text, sizeof text, "tensor(%s, %s, %s", shape,
                                  ml_dtype_names[t->dtype], ml_device_names[t->st->device]);
     int64_t n = ml_numel(t);
@@ -827,6 +891,9 @@ static const luaL_Reg tensor_methods[] = {
     {"totable", l_tensor_totable},
     {"item", l_tensor_item},
     {"free", l_tensor_release},
+    {"release_storage", l_tensor_release_storage},
+    {"acquire_storage", l_tensor_acquire_storage},
+    {"storage_released", l_tensor_storage_released},
     {NULL, NULL}
 };
 

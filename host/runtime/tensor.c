@@ -36,35 +36,59 @@ void ml_host_free(ml_host *h)
     }
 }
 
-ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+/* Memory for st (st->nbytes of st->cat on st->device) from the host's
+ * current book and memory table: budgets checked first, then allocated and
+ * charged. */
+static ml_alloc_status take_memory(ml_storage *st)
 {
-    const ml_memory *mem = h->mem[dev];
-    ml_ledger *lg = h->ledger[dev];
-    *out = NULL;
+    ml_host *h = st->host;
+    const ml_memory *mem = h->mem[st->device];
+    ml_ledger *lg = h->ledger[st->device];
     if (!mem || !mem->available())
         return ML_ALLOC_NODEVICE;
-    size_t grow = mem->reserve_bytes ? mem->reserve_bytes(nbytes) : nbytes;
-    switch (ml_ledger_check(lg, h->category, nbytes, grow)) {
+    size_t grow = mem->reserve_bytes ? mem->reserve_bytes(st->nbytes) : st->nbytes;
+    switch (ml_ledger_check(lg, st->cat, st->nbytes, grow)) {
     case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
     case ML_LEDGER_OK:            break;
     }
+    void *data = NULL;
+    if (st->nbytes && !(data = mem->alloc(st->nbytes, lg)))
+        return ML_ALLOC_NOMEM;
+    st->data = data;
+    st->lg = lg;
+    st->mem = mem;
+    h->plan_live += h->planning;
+    ml_ledger_charge(lg, st->cat, st->nbytes);
+    return ML_ALLOC_OK;
+}
+
+/* st's memory back to the book and table it came from. */
+static void return_memory(ml_storage *st)
+{
+    ml_ledger_credit(st->lg, st->cat, st->nbytes);
+    if (st->data)
+        st->mem->free(st->data, st->nbytes, st->lg);
+    st->data = NULL;
+    st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
+}
+
+ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+{
+    *out = NULL;
     ml_storage *st = calloc(1, sizeof *st);
     if (!st)
         return ML_ALLOC_NOMEM;
-    if (nbytes && !(st->data = mem->alloc(nbytes, lg))) {
-        free(st);
-        return ML_ALLOC_NOMEM;
-    }
     st->nbytes = nbytes;
     st->device = dev;
     st->cat = h->category;
     st->refs = 1;
     st->host = h;
-    st->lg = lg;
-    st->mem = mem;
-    h->plan_live += h->planning;
-    ml_ledger_charge(lg, st->cat, nbytes);
+    ml_alloc_status s = take_memory(st);
+    if (s != ML_ALLOC_OK) {
+        free(st);
+        return s;
+    }
     *out = st;
     return ML_ALLOC_OK;
 }
@@ -73,6 +97,8 @@ const char *ml_storage_unusable(const ml_storage *st)
 {
     if (!st)
         return "the tensor was freed";
+    if (st->released[0])
+        return st->released;
     if (st->pool && !ml_pool_view_valid(st->pool, st->slot, st->id))
         return "stale pool view (its frame was rewound)";
     const ml_ledger *lg = st->pool ? st->pool->lg : st->lg;
@@ -90,15 +116,46 @@ void ml_storage_release(ml_storage *st)
 {
     if (--st->refs > 0)
         return;
-    if (st->pool) {
+    if (st->pool)
         ml_pool_release(st->pool);   /* a view: the pool owns the bytes */
-    } else {
-        ml_ledger_credit(st->lg, st->cat, st->nbytes);
-        if (st->data)
-            st->mem->free(st->data, st->nbytes, st->lg);
-        st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
-    }
+    else if (!st->released[0])
+        return_memory(st);
     free(st);
+}
+
+void ml_storage_release_memory(ml_storage *st, const char *why)
+{
+    if (st->pool || st->released[0])
+        return;
+    return_memory(st);
+    snprintf(st->released, sizeof st->released, "%s",
+             why && why[0] ? why : "its memory was released");
+}
+
+ml_alloc_status ml_storage_acquire(ml_storage *st)
+{
+    if (!st->released[0])
+        return ML_ALLOC_OK;
+    ml_alloc_status s = take_memory(st);
+    if (s == ML_ALLOC_OK)
+        st->released[0] = 0;
+    return s;
+}
+
+void ml_storage_adopt(ml_storage *st, ml_storage *fresh)
+{
+    if (!st->released[0] || st->pool || fresh->pool || fresh->refs != 1 ||
+        fresh->nbytes != st->nbytes || fresh->device != st->device || fresh->cat != st->cat) {
+        fprintf(stderr, "moelua: %s:%d: ml_storage_adopt: st is not released or fresh does "
+                "not match it\n", __FILE__, __LINE__);
+        abort();
+    }
+    /* fresh's charge (and plan_live count) pass to st with its memory */
+    st->data = fresh->data;
+    st->lg = fresh->lg;
+    st->mem = fresh->mem;
+    st->released[0] = 0;
+    free(fresh);
 }
 
 int64_t ml_shape_numel(int ndim, const int64_t *shape)

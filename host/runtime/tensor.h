@@ -4,9 +4,10 @@
  * reshape, transpose, a flat buffer at an offset).
  *
  * Every storage byte comes from ml_storage_new, which charges the device's
- * ledger under the host's current category. Pool views (host/runtime/pool.h) are
- * storages that borrow a pool's block and are valid only while their pool
- * slot still holds the same allocation id.
+ * ledger under the host's current category, or from ml_storage_acquire,
+ * which gives a released storage its memory back. Pool views
+ * (host/runtime/pool.h) are storages that borrow a pool's block and are
+ * valid only while their pool slot still holds the same allocation id.
  */
 #ifndef ML_TENSOR_H
 #define ML_TENSOR_H
@@ -80,6 +81,7 @@ typedef struct ml_storage {
     struct ml_pool *pool;     /* non-NULL: a pool view, freed with the pool */
     size_t slot;              /* pool slot and allocation id of that view */
     uint64_t id;
+    char released[128];       /* non-empty while its memory is released: why */
 } ml_storage;
 
 typedef struct ml_tensor {
@@ -110,12 +112,36 @@ static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
 }
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
-/* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), a
- * view of a rewound pool frame, or made inside a memory plan that has
- * ended (address space that holds nothing, on no device). */
+/* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), its
+ * memory released (the reason given), a view of a rewound pool frame, or
+ * made inside a memory plan that has ended (address space that holds
+ * nothing, on no device). */
 const char *ml_storage_unusable(const ml_storage *st);
 void ml_storage_retain(ml_storage *st);
+/* Drop a reference; the last one returns the memory (none when released)
+ * and frees the struct. */
 void ml_storage_release(ml_storage *st);
+
+/* Released storage (DESIGN.md, Parameters: ZeRO-3 holds a unit's full
+ * parameters only while in use). ml_storage_release_memory credits the
+ * book the storage was charged to, frees its memory and keeps the struct
+ * and its references: data becomes NULL and ml_storage_unusable returns
+ * `why` (copied, at most 127 chars; NULL or "" reads "its memory was
+ * released"), so every op refuses each of its views with that message.
+ * ml_storage_acquire allocates nbytes again like ml_storage_new does, but
+ * under st->cat: the host's current book and memory table (inside a plan
+ * the plan's, counted in h->plan_live until released or freed), the same
+ * budget checks and statuses. The contents after an acquire are
+ * undefined. Releasing a released storage or a pool view (its pool owns
+ * the bytes) does nothing; acquiring a storage that holds its memory
+ * returns ML_ALLOC_OK. */
+void ml_storage_release_memory(ml_storage *st, const char *why);
+ml_alloc_status ml_storage_acquire(ml_storage *st);
+/* The same for a caller that allocates through the op layer
+ * (ml_tensor_alloc: reclaim and retry, the budget message): the released
+ * st takes the memory of `fresh`, a storage of st's bytes, device and
+ * category with one reference, whose struct is freed. */
+void ml_storage_adopt(ml_storage *st, ml_storage *fresh);
 
 int64_t ml_numel(const ml_tensor *t);
 size_t ml_nbytes(const ml_tensor *t);
