@@ -344,7 +344,7 @@ static int l_tensor_cuda_available(lua_State *L)
 
 static int l_tensor_shape(lua_State *L)
 {
-    ml_tensor *t = ml_checktensor(L, 1, "Tensor:shape");
+    ml_tensor *t = ml_checkview(L, 1, "Tensor:shape");
     lua_createtable(L, t->ndim, 0);
     for (int i = 0; i < t->ndim; i++) {
         lua_pushinteger(L, t->shape[i]);
@@ -355,7 +355,7 @@ static int l_tensor_shape(lua_State *L)
 
 static int l_tensor_stride(lua_State *L)
 {
-    ml_tensor *t = ml_checktensor(L, 1, "Tensor:stride");
+    ml_tensor *t = ml_checkview(L, 1, "Tensor:stride");
     lua_createtable(L, t->ndim, 0);
     for (int i = 0; i < t->ndim; i++) {
         lua_pushinteger(L, t->stride[i]);
@@ -366,7 +366,7 @@ static int l_tensor_stride(lua_State *L)
 
 static int l_tensor_size(lua_State *L)
 {
-    ml_tensor *t = ml_checktensor(L, 1, "Tensor:size");
+    ml_tensor *t = ml_checkview(L, 1, "Tensor:size");
     if (lua_isnoneornil(L, 2))
         return l_tensor_shape(L);
     lua_pushinteger(L, t->shape[ml_checkdim(L, 2, "Tensor:size", t->ndim)]);
@@ -375,37 +375,37 @@ static int l_tensor_size(lua_State *L)
 
 static int l_tensor_dim(lua_State *L)
 {
-    lua_pushinteger(L, ml_checktensor(L, 1, "Tensor:dim")->ndim);
+    lua_pushinteger(L, ml_checkview(L, 1, "Tensor:dim")->ndim);
     return 1;
 }
 
 static int l_tensor_numel(lua_State *L)
 {
-    lua_pushinteger(L, ml_numel(ml_checktensor(L, 1, "Tensor:numel")));
+    lua_pushinteger(L, ml_numel(ml_checkview(L, 1, "Tensor:numel")));
     return 1;
 }
 
 static int l_tensor_dtype(lua_State *L)
 {
-    lua_pushstring(L, ml_dtype_names[ml_checktensor(L, 1, "Tensor:dtype")->dtype]);
+    lua_pushstring(L, ml_dtype_names[ml_checkview(L, 1, "Tensor:dtype")->dtype]);
     return 1;
 }
 
 static int l_tensor_device(lua_State *L)
 {
-    lua_pushstring(L, ml_device_names[ml_checktensor(L, 1, "Tensor:device")->st->device]);
+    lua_pushstring(L, ml_device_names[ml_checkview(L, 1, "Tensor:device")->st->device]);
     return 1;
 }
 
 static int l_tensor_category(lua_State *L)
 {
-    lua_pushstring(L, ml_category_names[ml_checktensor(L, 1, "Tensor:category")->st->cat]);
+    lua_pushstring(L, ml_category_names[ml_checkview(L, 1, "Tensor:category")->st->cat]);
     return 1;
 }
 
 static int l_tensor_is_contiguous(lua_State *L)
 {
-    lua_pushboolean(L, ml_is_contiguous(ml_checktensor(L, 1, "Tensor:is_contiguous")));
+    lua_pushboolean(L, ml_is_contiguous(ml_checkview(L, 1, "Tensor:is_contiguous")));
     return 1;
 }
 
@@ -413,15 +413,15 @@ static int l_tensor_is_contiguous(lua_State *L)
  * its storage (0-based), so a view's place in a flat unit can be found. */
 static int l_tensor_storage_offset(lua_State *L)
 {
-    lua_pushinteger(L, ml_checktensor(L, 1, "Tensor:storage_offset")->offset);
+    lua_pushinteger(L, ml_checkview(L, 1, "Tensor:storage_offset")->offset);
     return 1;
 }
 
 /* a:same_storage(b): are a and b views of one storage? */
 static int l_tensor_same_storage(lua_State *L)
 {
-    ml_tensor *a = ml_checktensor(L, 1, "Tensor:same_storage");
-    ml_tensor *b = ml_checktensor(L, 2, "Tensor:same_storage");
+    ml_tensor *a = ml_checkview(L, 1, "Tensor:same_storage");
+    ml_tensor *b = ml_checkview(L, 2, "Tensor:same_storage");
     lua_pushboolean(L, a->st == b->st);
     return 1;
 }
@@ -444,7 +444,7 @@ static int view_done(lua_State *L, const char *fn, ml_status s, const ml_err *e)
 static int l_tensor_narrow(lua_State *L)
 {
     static const char fn[] = "Tensor:narrow";
-    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
     if (start < 1 || len < 0 || start - 1 > t->shape[d] - len)
@@ -457,7 +457,7 @@ static int l_tensor_narrow(lua_State *L)
 static int l_tensor_select(lua_State *L)
 {
     static const char fn[] = "Tensor:select";
-    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer i = luaL_checkinteger(L, 3);
     int64_t i1 = i < 0 ? i + t->shape[d] + 1 : i;   /* -1 is the last */
@@ -495,7 +495,7 @@ static int shape_arg(lua_State *L, int idx, const char *fn, int64_t *shape)
 static int l_tensor_view(lua_State *L)
 {
     static const char fn[] = "Tensor:view";
-    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *t = ml_checkview(L, 1, fn);
     int64_t shape[ML_MAXDIM];
     int nd = shape_arg(L, 2, fn, shape);
     ml_err e;
@@ -517,7 +517,7 @@ static int l_tensor_reshape(lua_State *L)
 static int l_tensor_view_at(lua_State *L)
 {
     static const char fn[] = "Tensor:view_at";
-    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *t = ml_checkview(L, 1, fn);
     lua_Integer off = luaL_checkinteger(L, 2);
     int64_t shape[ML_MAXDIM];
     int next;
@@ -529,7 +529,7 @@ static int l_tensor_view_at(lua_State *L)
 static int l_tensor_transpose(lua_State *L)
 {
     static const char fn[] = "Tensor:transpose";
-    ml_tensor *t = ml_checktensor(L, 1, fn);
+    ml_tensor *t = ml_checkview(L, 1, fn);
     int a = ml_checkdim(L, 2, fn, t->ndim), b = ml_checkdim(L, 3, fn, t->ndim);
     ml_err e;
     return view_done(L, fn, ml_op_transpose(ml_pushtensor(L), t, a, b, &e), &e);
@@ -537,7 +537,7 @@ static int l_tensor_transpose(lua_State *L)
 
 static int l_tensor_t(lua_State *L)
 {
-    ml_tensor *t = ml_checktensor(L, 1, "Tensor:t");
+    ml_tensor *t = ml_checkview(L, 1, "Tensor:t");
     if (t->ndim != 2)
         ml_error(L, "Tensor:t", "expected a 2-dim tensor, got %d dims", t->ndim);
     lua_settop(L, 1);

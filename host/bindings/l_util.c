@@ -126,6 +126,17 @@ ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const cha
     return t;
 }
 
+ml_tensor *ml_checkview(lua_State *L, int idx, const char *fn)
+{
+    ml_tensor *t = ml_testtensor(L, idx);
+    if (!t)
+        ml_error(L, fn, "argument #%d: expected a tensor, got %s", idx, luaL_typename(L, idx));
+    const char *why = ml_storage_unviewable(t->st);
+    if (why)
+        ml_error(L, fn, "argument #%d: %s", idx, why);
+    return t;
+}
+
 ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)
 {
     char what[32];

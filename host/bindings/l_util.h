@@ -35,6 +35,9 @@ int ml_is_interrupt_error(lua_State *L, int idx);
 
 /* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
  * rewound pool frame; otherwise an error naming fn and the argument. */
+/* A tensor whose metadata or views are wanted: as ml_checktensor, but a
+ * tensor whose storage is released (a ZeRO-3 unit between uses) passes. */
+ml_tensor *ml_checkview(lua_State *L, int idx, const char *fn);
 ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn);
 /* The same checks for any value: `what` names it in errors ("option 'bias'",
  * "grads.dx", "argument #2 (x)"): "fn: what: the tensor was freed". */

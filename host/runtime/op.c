@@ -249,6 +249,12 @@ ml_status ml_check_live(const ml_tensor *t, const char *name, ml_err *e)
     return ml_check_input(t, name, ml_tensor_device(t), ML_DT_ANY, t->ndim, 0, e);
 }
 
+ml_status ml_check_view(const ml_tensor *t, const char *name, ml_err *e)
+{
+    const char *why = ml_storage_unviewable(t->st);
+    return why ? ml_err_set(e, ML_EINVAL, "%s: %s", name, why) : ML_OK;
+}
+
 ml_status ml_check_dim(const ml_tensor *t, int d, ml_err *e)
 {
     if (d < 0 || d >= t->ndim)

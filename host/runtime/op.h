@@ -98,6 +98,8 @@ static inline ml_device ml_tensor_device(const ml_tensor *t)
 
 /* t is usable (ml_storage_unusable), of any dtype, rank and layout. */
 ml_status ml_check_live(const ml_tensor *t, const char *name, ml_err *e);
+/* t can be viewed (metadata, a new view): live, or with its memory released. */
+ml_status ml_check_view(const ml_tensor *t, const char *name, ml_err *e);
 /* d (0-based) is one of t's dims. */
 ml_status ml_check_dim(const ml_tensor *t, int d, ml_err *e);
 /* Elements [i0, i0 + n) of the contiguous tensor t into the host buffer buf

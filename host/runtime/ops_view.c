@@ -31,7 +31,7 @@ static ml_status set_view(ml_tensor *out, const ml_tensor *t, int64_t offset, in
 ml_status ml_op_narrow(ml_tensor *out, const ml_tensor *t, int d, int64_t start, int64_t len,
                        ml_err *e)
 {
-    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_view(t, "t", e));
     ML_TRY(ml_check_dim(t, d, e));
     if (start < 0 || len < 0 || start > t->shape[d] - len)
         return ml_err_set(e, ML_EINVAL, "%lld entries from %lld are outside dim %d of size %lld "
@@ -44,7 +44,7 @@ ml_status ml_op_narrow(ml_tensor *out, const ml_tensor *t, int d, int64_t start,
 
 ml_status ml_op_select(ml_tensor *out, const ml_tensor *t, int d, int64_t i, ml_err *e)
 {
-    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_view(t, "t", e));
     ML_TRY(ml_check_dim(t, d, e));
     if (i < 0 || i >= t->shape[d])
         return ml_err_set(e, ML_EINVAL, "index %lld is outside dim %d of size %lld (0-based)",
@@ -96,7 +96,7 @@ static ml_status reshape_target(int64_t n, int ndim, const int64_t *want, int64_
 
 ml_status ml_op_view(ml_tensor *out, const ml_tensor *t, int ndim, const int64_t *shape, ml_err *e)
 {
-    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_view(t, "t", e));
     if (!ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "the tensor is not contiguous (use :reshape or :contiguous)");
     int64_t s[ML_MAXDIM];
@@ -121,7 +121,7 @@ ml_status ml_op_reshape(ml_host *h, ml_tensor *out, const ml_tensor *t, int ndim
 ml_status ml_op_view_at(ml_tensor *out, const ml_tensor *t, int64_t offset, int ndim,
                         const int64_t *shape, ml_err *e)
 {
-    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_view(t, "t", e));
     if (!ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "the tensor is not contiguous");
     if (ndim < 0 || ndim > ML_MAXDIM)
@@ -137,7 +137,7 @@ ml_status ml_op_view_at(ml_tensor *out, const ml_tensor *t, int64_t offset, int 
 
 ml_status ml_op_transpose(ml_tensor *out, const ml_tensor *t, int a, int b, ml_err *e)
 {
-    ML_TRY(ml_check_live(t, "t", e));
+    ML_TRY(ml_check_view(t, "t", e));
     ML_TRY(ml_check_dim(t, a, e));
     ML_TRY(ml_check_dim(t, b, e));
     int64_t shape[ML_MAXDIM], stride[ML_MAXDIM];

@@ -107,6 +107,11 @@ const char *ml_storage_unusable(const ml_storage *st)
     return NULL;
 }
 
+const char *ml_storage_unviewable(const ml_storage *st)
+{
+    return st && st->released[0] ? NULL : ml_storage_unusable(st);
+}
+
 void ml_storage_retain(ml_storage *st)
 {
     st->refs++;

@@ -117,6 +117,10 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
  * made inside a memory plan that has ended (address space that holds
  * nothing, on no device). */
 const char *ml_storage_unusable(const ml_storage *st);
+/* The same, except that released memory (ml_storage_release_memory) is
+ * fine: views and metadata of a released storage can be made and read;
+ * only a use of its elements needs the memory back. */
+const char *ml_storage_unviewable(const ml_storage *st);
 void ml_storage_retain(ml_storage *st);
 /* Drop a reference; the last one returns the memory (none when released)
  * and frees the struct. */

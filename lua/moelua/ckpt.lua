@@ -8,6 +8,7 @@
 --                                      --  optim =, optim_steps =, trainer =, dir =}
 --   src:dtype(), src:shape(), src:numel()   -- a source: one tensor of the checkpoint, on disk
 --   src:read_into(dst)                      -- into a tensor on any device (float dtypes convert)
+--   src:read_range(offset, dst)             -- numel(dst) elements from element offset
 --   src:read()                              -- a new CPU tensor (f32 for BF16/F16 on disk)
 --   ckpt.latest(root), ckpt.last_good(root), ckpt.mark_good(root, dir), ckpt.list(root)
 --
@@ -37,9 +38,19 @@
 -- collected. Everything read is untrusted: a missing, corrupted or
 -- truncated file is an error naming it.
 --
+-- Sharded saves (ZeRO, several ranks): state.sharded = {rank =, files =
+-- {[relative path] = {{name =, dtype =, shape =}, ...}}, write =
+-- function(dir), barrier = function(what)} in place of model/optim. Rank 0
+-- makes the directory and every file's header (moelua.io.create, the final
+-- size); after barrier, every rank's write(dir) writes its own ranges
+-- (moelua.io.open_writer + write_range); after the next barrier rank 0
+-- writes the JSON files and the manifest and renames as above; the ranks
+-- return after a last barrier, when the checkpoint is complete. The files
+-- are ordinary: load (and one-process tools) read them as any other.
+--
 -- Not here: what to save (the trainer builds the tables), Mixtral name and
--- shape checks against a config (the model loader does those), sharding
--- optimizer states over ranks.
+-- shape checks against a config (the model loader does those), which
+-- ranges a rank owns (moelua.zero).
 local fs = require "moelua.fs"
 local mio = require "moelua.io"
 local json = require "dkjson"
@@ -164,15 +175,39 @@ local function check_tensor(fn, what, t)
   return t   -- a device tensor is written through moelua.io's bounded host stage
 end
 
+local DTYPE_SIZE = {f64 = 8, i64 = 8, f32 = 4, i32 = 4, bf16 = 2, f16 = 2, u8 = 1}
+
+-- A sharded save's description (see ckpt.save); returns its bytes.
+local function check_sharded(sh)
+  local fn = "save"
+  if type(sh) ~= "table" or math.type(sh.rank) ~= "integer" or type(sh.files) ~= "table"
+     or type(sh.write) ~= "function" or type(sh.barrier) ~= "function" then
+    fail(fn, "sharded: expected {rank =, files =, write = function, barrier = function}")
+  end
+  local n = 0
+  for rel, entries in pairs(sh.files) do
+    if rel ~= "model.safetensors" and not rel:match("^optim/[%w_]+%.safetensors$") then
+      fail(fn, "sharded.files: '%s' is not a checkpoint file", tostring(rel))
+    end
+    for _, e in ipairs(entries) do
+      local c = DTYPE_SIZE[e.dtype] or 8
+      for _, d in ipairs(e.shape) do c = c * d end
+      n = n + c + 256
+    end
+  end
+  return n
+end
+
 -- Validate the state table; returns the safetensors tables to write.
 local function tables_of(state)
   local fn = "save"
   if type(state) ~= "table" then fail(fn, "argument #3: expected a state table, got %s", type(state)) end
   for k in pairs(state) do
-    if not ({model = 1, config = 1, optim = 1, optim_steps = 1, trainer = 1})[k] then
+    if not ({model = 1, config = 1, optim = 1, optim_steps = 1, trainer = 1, sharded = 1})[k] then
       fail(fn, "argument #3: unknown field '%s'", tostring(k))
     end
   end
+  if state.sharded then return check_sharded(state.sharded) end
   if type(state.model) ~= "table" or #state.model == 0 then
     fail(fn, "model: expected a non-empty list of {name =, tensor =}")
   end
@@ -210,11 +245,9 @@ local function tables_of(state)
 end
 
 local function nbytes(tensors)
+  if type(tensors) == "number" then return tensors end   -- a sharded save's
   local n = 0
-  for _, t in pairs(tensors or {}) do
-    local sz = ({f64 = 8, i64 = 8, f32 = 4, i32 = 4, bf16 = 2, f16 = 2, u8 = 1})[t:dtype()]
-    n = n + t:numel() * sz + 256
-  end
+  for _, t in pairs(tensors or {}) do n = n + t:numel() * DTYPE_SIZE[t:dtype()] + 256 end
   return n
 end
 
@@ -274,12 +307,25 @@ end
 
 -- The write phase, in dir (the temp directory). fail_at: a test hook naming
 -- a stage at which to raise as if the disk had failed.
-local function write_all(dir, model, config, exp_avg, exp_avg_sq, steps, trainer, fail_at)
+local function write_all(dir, model, config, exp_avg, exp_avg_sq, steps, trainer, fail_at, sh)
   local function stage(name)
     if fail_at == name then error("injected failure at stage '" .. name .. "'", 0) end
   end
   fs.mkdir_p(dir)
-  mio.save(join(dir, "model.safetensors"), model, {format = "pt"})
+  if sh then   -- the headers here, then every rank writes its ranges
+    local rels = {}
+    for rel in pairs(sh.files) do rels[#rels + 1] = rel end
+    table.sort(rels)
+    for _, rel in ipairs(rels) do
+      if rel:find("/") then fs.mkdir_p(join(dir, "optim")) end
+      mio.create(join(dir, rel), sh.files[rel], {format = "pt"}):close()
+    end
+    sh.barrier("checkpoint files created")
+    sh.write(dir)
+    sh.barrier("checkpoint ranges written")
+  else
+    mio.save(join(dir, "model.safetensors"), model, {format = "pt"})
+  end
   stage("model")
   write_file(join(dir, "config.json"), config)
   if exp_avg or steps then
@@ -329,6 +375,16 @@ function ckpt.save(root, step, state, opts)
   local model, _, exp_avg, exp_avg_sq, steps = tables_of(state)
   local config = encode(state.config or {}, "config", fn)
   local trainer = encode(state.trainer or {}, "trainer", fn)
+  local sh = state.sharded
+  local name = string.format("step-%06d", step)
+  local final, tmp = join(root, name), join(root, name .. ".tmp")
+  if sh and sh.rank > 0 then   -- rank 0 makes the directory and the files; this rank writes its ranges
+    sh.barrier("checkpoint files created")
+    sh.write(tmp)
+    sh.barrier("checkpoint ranges written")
+    sh.barrier("checkpoint saved")
+    return final
+  end
 
   fs.mkdir_p(root)
   for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
@@ -336,8 +392,6 @@ function ckpt.save(root, step, state, opts)
       fs.remove_tree(join(root, name))
     end
   end
-  local name = string.format("step-%06d", step)
-  local final, tmp = join(root, name), join(root, name .. ".tmp")
   local prev = read_pointer(root, "latest")
   local intact = prev and ("the previous checkpoint " .. prev .. " is intact") or "no previous checkpoint"
 
@@ -349,7 +403,7 @@ function ckpt.save(root, step, state, opts)
          "(+ min_free %d); nothing written, %s", root, step, free, need, min_free, intact)
   end
 
-  local ok, err = pcall(write_all, tmp, model, config, exp_avg, exp_avg_sq, steps, trainer, opts.fail_at)
+  local ok, err = pcall(write_all, tmp, model, config, exp_avg, exp_avg_sq, steps, trainer, opts.fail_at, sh)
   if ok and exists(final) then     -- re-saving a step (after a rollback): replace it
     local old = join(root, name .. ".replaced.tmp")
     ok, err = pcall(fs.rename, final, old)
@@ -386,6 +440,7 @@ function ckpt.save(root, step, state, opts)
       if not protect[kept[i].dir] then fs.remove_tree(kept[i].dir) end
     end
   end
+  if sh then sh.barrier("checkpoint saved") end
   return final
 end
 
@@ -432,6 +487,14 @@ end
 
 function Source:read_into(dst)
   local ok, err = pcall(self.reader.read_into, self.reader, self.name, dst)
+  if not ok then fail("load", "%s", tostring(err)) end
+  return dst
+end
+
+-- src:read_range(offset, dst): numel(dst) elements of the tensor from
+-- element offset (row-major), read alone (a rank's shard).
+function Source:read_range(offset, dst)
+  local ok, err = pcall(self.reader.read_range, self.reader, self.name, offset, dst)
   if not ok then fail("load", "%s", tostring(err)) end
   return dst
 end

@@ -110,6 +110,7 @@
 -- "syntax" | "load" | "call", error} (once per content of the file).
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
+local mio = require "moelua.io"
 local bench = require "moelua.bench"
 local fs = require "moelua.fs"
 local ckpt = require "moelua.ckpt"
@@ -271,8 +272,8 @@ local function load_optim(self, c, meta)
   end
   local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
               groups = {}}
-  for gi, g in ipairs(self.groups) do
-    sd.groups[gi] = {step = meta.group_steps[gi]}
+  for gi, g in ipairs(self.groups) do   -- a sharded save keeps only t: every unfrozen dense group's count
+    sd.groups[gi] = {step = meta.group_steps and meta.group_steps[gi] or (g.frozen and 0 or meta.t)}
     if g.experts then sd.groups[gi].exp_avg, sd.groups[gi].exp_avg_sq = {}, {} end
   end
   for _, p in ipairs(self.model:named_parameters()) do
@@ -296,6 +297,90 @@ local function load_optim(self, c, meta)
       st:read_into(gs.steps:narrow(1, off // S + 1, 1))
     end
   end
+  self.optimizer:load_state_dict(sd, {adopt = true})
+end
+
+-- ---- checkpoints of sharded units (moelua.zero; several ranks or a ZeRO stage) ----
+-- The same files as one process writes, under the same names: each rank
+-- writes the ranges of its shards (moelua.zero pieces) and reads only
+-- those back, so a checkpoint saved at any world size and stage resumes at
+-- any other. Frozen parameters have no optimizer states.
+
+local function sharded(self)
+  local z = self.model.zero
+  return z.world > 1 or z.stage >= 1
+end
+
+local function sharded_state(self)
+  local z, model = self.model.zero, self.model
+  local named = model:named_parameters()
+  local sd = self.optimizer:state_dict()
+  local entries, stated = {}, {}
+  for _, p in ipairs(named) do
+    entries[#entries + 1] = {name = p.name, dtype = model.opts.dtype, shape = p.tensor:shape()}
+    if not z:frozen(p) then stated[#stated + 1] = entries[#entries] end
+  end
+  local has_states = sd.t > 0   -- dense AdamW: every unfrozen group has states after its first step
+  local files = {["model.safetensors"] = entries}
+  if has_states then
+    files["optim/exp_avg.safetensors"], files["optim/exp_avg_sq.safetensors"] = stated, stated
+  end
+  local function write(dir)
+    local w = {model = mio.open_writer(dir .. "/model.safetensors")}
+    if has_states then
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do w[k] = mio.open_writer(dir .. "/optim/" .. k .. ".safetensors") end
+    end
+    for _, pc in ipairs(z:pieces(named)) do
+      w.model:write_range(pc.name, pc.at, z:param_view(pc))
+      if has_states and not pc.frozen then
+        local gi, off = z:group_of(pc)
+        for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+          w[k]:write_range(pc.name, pc.at, sd.groups[gi][k]:view_at(off, {pc.n}))
+        end
+      end
+    end
+    for _, f in pairs(w) do f:sync(); f:close() end
+  end
+  local function barrier(what) z.dist.barrier(what) end
+  return {rank = z.rank, files = files, write = write, barrier = barrier},
+         {t = sd.t, skipped_expert_steps = sd.skipped_expert_steps}
+end
+
+local function load_sharded(self, c, meta)
+  local z, model = self.model.zero, self.model
+  local named = model:check_named(c.model, {config = c.config, source = c.dir})
+  for _, p in ipairs(named) do
+    local o = c.optim and c.optim[p.name]
+    local want = table.concat(p.tensor:shape(), ",")
+    for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+      if o and table.concat(o[k]:shape(), ",") ~= want then
+        errors.user(string.format("moelua.train: %s: optim %s of '%s' has shape [%s], the parameter [%s]", c.dir,
+                                  k, p.name, table.concat(o[k]:shape(), ","), want))
+      end
+    end
+  end
+  local live = self.optimizer:state_dict().groups
+  local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
+              groups = {}}
+  for gi, g in ipairs(self.groups) do
+    local gs = {step = (g.frozen or not c.optim) and 0 or meta.t}
+    if gs.step > 0 then   -- what no name covers stays 0
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+        gs[k] = live[gi][k] and live[gi][k]:zero_()
+          or mem.scope("optim", tensor.zeros, {g.params:numel()}, {dtype = g.params:dtype(), device = g.params:device()})
+      end
+    end
+    sd.groups[gi] = gs
+  end
+  for _, pc in ipairs(z:pieces(named)) do
+    c.model[pc.name]:read_range(pc.at, z:param_view(pc))
+    local o = c.optim and c.optim[pc.name]
+    if o and not pc.frozen then
+      local gi, off = z:group_of(pc)
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do o[k]:read_range(pc.at, sd.groups[gi][k]:view_at(off, {pc.n})) end
+    end
+  end
+  z:gather_params()
   self.optimizer:load_state_dict(sd, {adopt = true})
 end
 
@@ -338,11 +423,16 @@ end
 function Trainer:save(step, tag)
   if not self.run_dir then return nil, 0 end
   local t0 = now()
-  local named, steps, meta = optim_by_name(self)
-  local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, {
-    model = self.model:named_parameters(), config = self.model:config(),
-    optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta),
-  }, {keep = self.keep})
+  local state
+  if sharded(self) then
+    local sh, meta = sharded_state(self)
+    state = {sharded = sh, config = self.model:config(), trainer = trainer_state(self, step, meta)}
+  else
+    local named, steps, meta = optim_by_name(self)
+    state = {model = self.model:named_parameters(), config = self.model:config(),
+             optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta)}
+  end
+  local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, state, {keep = self.keep})
   self:log({event = "checkpoint", step = step, dir = dir, reason = tag, seconds = now() - t0})
   return dir, held
 end
@@ -369,9 +459,13 @@ function Trainer:restore(dir, rollback)
     error("moelua.train: " .. c.dir .. " has no trainer.json: not a moelua training checkpoint " ..
           "(use init_from / --init-from to start from its weights)", 0)
   end
-  load_weights(self.model, c)
   local tr = c.trainer
-  load_optim(self, c, tr.optim)
+  if sharded(self) then
+    load_sharded(self, c, tr.optim)
+  else
+    load_weights(self.model, c)
+    load_optim(self, c, tr.optim)
+  end
   tensor.rng_state(tr.rng)
   self.data:set_state(tr.data)
   self.data_offset, self.skipped, self.ema = tr.data_offset or 0, tr.skipped or 0, tr.ema

@@ -230,23 +230,24 @@ end
 -- label is absolute.
 function Zero:groups()
   local out = {}
-  self.group_at = {}   -- per group: its unit and unit offset
+  self.group_at = {}   -- per group: its unit, unit offset and size
   for _, u in ipairs(self.units) do
     local whole = self.stage == 0
     local off, len = 0, u.numel
     if not whole then off, len = u.part.offset, math.max(0, math.min(u.part.shard, u.numel - u.part.offset)) end
     for _, r in ipairs(ranges(u, off, len)) do
       local g, at = r.group, whole and r.offset or r.offset - off
-      if g.experts and not whole then
-        error(string.format("--zero %d: lazy Adam (sparse = true) keeps per-expert states; on sharded units " ..
-                            "it is not built yet: use --zero 0", self.stage), 0)
+      if g.experts and (not whole or self.world > 1) then
+        errors.user(string.format("--zero %d over %d ranks: lazy Adam (sparse = true) keeps per-expert states, " ..
+                                  "which are not built for sharded units or several ranks yet: use one process " ..
+                                  "with --zero 0", self.stage, self.world))
       end
       out[#out + 1] = {name = g.name,
                        params = (whole and u.params or u.shard_params):view_at(at, {r.n}),
                        grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
                        weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen,
                        experts = g.experts}
-      self.group_at[#out] = {unit = u, offset = r.offset}
+      self.group_at[#out] = {unit = u, offset = r.offset, n = r.n}
     end
   end
   return out
@@ -282,12 +283,63 @@ end
 
 -- After the optimizer: stages 1-2 all-gather the updated shards.
 function Zero:after_step()
-  if self.stage ~= 1 and self.stage ~= 2 then return end
+  if self.stage == 1 or self.stage == 2 then self:gather_params() end
+end
+
+-- Every rank's whole parameters from each rank's shard (stages 0-2; a
+-- sharded checkpoint load reads only the shards).
+function Zero:gather_params()
+  if self.stage == 3 or self.world == 1 then return end
   for _, u in ipairs(self.units) do
     local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
     self.dist.all_gather(mine, u.params, "parameters of unit " .. u.name)
     mine:free()
   end
+end
+
+-- ---- checkpoints (DESIGN.md, Files and formats) ------------------------------
+-- A checkpoint holds whole tensors under Hugging Face names; each rank
+-- writes and reads only the elements of its own shards.
+
+-- This rank's pieces of the named parameters (model:named_parameters():
+-- {name, tensor = a view of its unit's params, unit}): {name, at (elements
+-- into the named tensor), n, unit, lo (offset in the unit)}.
+function Zero:pieces(named)
+  local out = {}
+  for _, p in ipairs(named) do
+    local u = p.unit
+    local start = p.tensor:storage_offset() - u.params:storage_offset()
+    local lo = math.max(start, u.part.offset)
+    local hi = math.min(start + p.tensor:numel(), u.part.offset + u.part.shard)
+    if hi > lo then
+      out[#out + 1] = {name = p.name, at = lo - start, n = hi - lo, unit = u, lo = lo, frozen = self:frozen(p)}
+    end
+  end
+  return out
+end
+
+-- A piece's parameters on this rank (a view of the shard at stage 3).
+function Zero:param_view(pc)
+  local u = pc.unit
+  if self.stage == 3 then return u.shard_params:view_at(pc.lo - u.part.offset, {pc.n}) end
+  return u.params:view_at(pc.lo, {pc.n})
+end
+
+-- The optimizer group (Zero:groups()'s index) holding a piece, and the
+-- piece's offset in it.
+function Zero:group_of(pc)
+  for i, at in ipairs(self.group_at) do
+    if at.unit == pc.unit and pc.lo >= at.offset and pc.lo + pc.n <= at.offset + at.n then
+      return i, pc.lo - at.offset
+    end
+  end
+end
+
+-- Is the named parameter p in a frozen group (param_groups' attributes)?
+function Zero:frozen(p)
+  local u = p.unit
+  local start = p.tensor:storage_offset() - u.params:storage_offset()
+  return u.groups[u.layout:pieces(start, 1)[1].segment].frozen or false
 end
 
 return zero

@@ -651,9 +651,30 @@ local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
 -- opts.source names the checkpoint in errors. One error lists every
 -- mismatch (the first 8). Used by --init-from and by resume.
 function Transformer:load_named(tensors, opts)
-  local fn = "moelua.nn.Transformer:load_named"
+  local params = self:check_named(tensors, opts, "load_named")
+  local by_unit = {}
+  for _, p in ipairs(params) do
+    by_unit[p.unit] = by_unit[p.unit] or {}
+    table.insert(by_unit[p.unit], p)
+  end
+  for _, u in ipairs(self.units) do   -- one unit's whole parameters at a time (ZeRO-3)
+    self.zero:edit(u, function()
+      for _, p in ipairs(by_unit[u]) do
+        local t = tensors[p.name]
+        if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
+      end
+    end)
+  end
+end
+
+-- params = model:check_named(tensors [, opts]): load_named's checks alone
+-- (a sharded resume reads each rank's ranges itself); returns
+-- named_parameters().
+function Transformer:check_named(tensors, opts, caller)
+  local fn = "moelua.nn.Transformer:" .. (caller or "check_named")
+  local level = caller and 3 or 2
   opts = opts or {}
-  if type(tensors) ~= "table" then error(fn .. ": argument #1: expected a table {name -> tensor}", 2) end
+  if type(tensors) ~= "table" then error(fn .. ": argument #1: expected a table {name -> tensor}", level) end
   local src = opts.source and (" (" .. opts.source .. ")") or ""
   local problems = {}
   local function bad(fmt, ...) problems[#problems + 1] = string.format(fmt, ...) end
@@ -696,21 +717,9 @@ function Transformer:load_named(tensors, opts)
     for i = 1, math.min(#problems, 8) do shown[i] = problems[i] end
     local more = #problems > 8 and string.format("; and %d more", #problems - 8) or ""
     error(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
-                        table.concat(shown, "; "), more), 2)
+                        table.concat(shown, "; "), more), level)
   end
-  local by_unit = {}
-  for _, p in ipairs(params) do
-    by_unit[p.unit] = by_unit[p.unit] or {}
-    table.insert(by_unit[p.unit], p)
-  end
-  for _, u in ipairs(self.units) do   -- one unit's whole parameters at a time (ZeRO-3)
-    self.zero:edit(u, function()
-      for _, p in ipairs(by_unit[u]) do
-        local t = tensors[p.name]
-        if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
-      end
-    end)
-  end
+  return params
 end
 
 -- model:config(): a MixtralConfig table (config.json's keys).
