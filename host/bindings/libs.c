@@ -17,5 +17,6 @@ const luaL_Reg ml_libs[] = {
     {"moelua.optim_c", luaopen_moelua_optim_c},
     {"moelua.attach", luaopen_moelua_attach},
     {"moelua.host", luaopen_moelua_host},
+    {"moelua.dist", luaopen_moelua_dist},
     {NULL, NULL}
 };

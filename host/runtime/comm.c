@@ -403,6 +403,9 @@ void ml_comm_abort(const char *msg)
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     fprintf(stderr, "rank %d: %s\n", rank, msg);
     fflush(stderr);
+    /* mpiexec forwards our stderr asynchronously and MPI_Abort kills every
+     * rank at once: give the message 0.2 s to get out */
+    nanosleep(&(struct timespec){0, 200000000}, NULL);
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 
@@ -441,20 +444,21 @@ static int same_call(const fingerprint *a, const fingerprint *b)
            a->hash == b->hash && a->seq == b->seq;
 }
 
-/* "all-gather of unit X (4096 elements of f32)", " as #18" when its
- * sequence number is not ref's. */
+/* "all-gather of unit X (4096 elements of f32)" ("barrier of X"), then
+ * " as #18" when its sequence number is not ref's. */
 static void describe_fingerprint(const fingerprint *f, const fingerprint *ref, char *buf, size_t len)
 {
     int op = f->op >= 0 && f->op < NOPS ? f->op : OP_SETUP;
     const char *dt = f->dtype >= 0 && f->dtype < ML_NDTYPES ? ml_dtype_names[f->dtype] : "?";
-    size_t at = (size_t)snprintf(buf, len, "%s%s%.*s (%lld elements of %s", op_names[op],
-                                 f->what[0] ? " of " : "", FP_WHAT_LEN, f->what,
-                                 (long long)f->count, dt);
+    size_t at = (size_t)snprintf(buf, len, "%s%s%.*s", op_names[op], f->what[0] ? " of " : "",
+                                 FP_WHAT_LEN, f->what);
+    if (at < len && op != OP_BARRIER)
+        at += (size_t)snprintf(buf + at, len - at, " (%lld elements of %s", (long long)f->count, dt);
     if (at < len && op == OP_BROADCAST)
         at += (size_t)snprintf(buf + at, len - at, ", root %lld", (long long)f->arg);
     if (at < len && op == OP_NUMBERS && f->arg >= 0 && f->arg <= ML_COMM_MIN)
         at += (size_t)snprintf(buf + at, len - at, ", %s", reduce_names[f->arg]);
-    if (at < len)
+    if (at < len && op != OP_BARRIER)
         at += (size_t)snprintf(buf + at, len - at, ")");
     if (at < len && f->seq != ref->seq)
         snprintf(buf + at, len - at, " as #%llu", (unsigned long long)f->seq);
