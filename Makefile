@@ -14,6 +14,10 @@ override CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -f
 # Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
 # term, system) resolve lua_* against the host.
 LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp -pthread
+# MPICH for the collectives (host/runtime/comm.c); it is called only under
+# mpiexec, so a plain ./moelua never starts MPI.
+override CFLAGS += $(shell pkg-config --cflags mpich 2>/dev/null)
+LDLIBS  += $(shell pkg-config --libs mpich 2>/dev/null)
 
 HOST_SRC    := $(filter-out host/runtime/backend_cuda.c,$(wildcard host/runtime/*.c host/bindings/*.c))
 KERNEL_SRC  := $(wildcard kernels/*.c)

@@ -45,6 +45,12 @@ for t in "$TEST_BUILD"/tests/test_*; do
     [ -x "$t" ] || continue
     run_suite "c/$(basename "$t")" "$t"
 done
+# The collectives again on 4 ranks, one OpenMP and one OpenBLAS thread each
+# (only rank 0 prints TAP; the other ranks' failures reach it).
+if [ -x "$TEST_BUILD/tests/test_comm" ]; then
+    run_suite "c/test_comm (mpiexec -n 4)" env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+        mpiexec -n 4 "$TEST_BUILD/tests/test_comm"
+fi
 for spec in tests/spec/*_spec.lua; do
     run_suite "spec/$(basename "$spec" .lua)" "$MOELUA" /usr/bin/busted --output=TAP "$spec"
 done

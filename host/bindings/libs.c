@@ -18,5 +18,6 @@ const luaL_Reg ml_libs[] = {
     {"moelua.attach", luaopen_moelua_attach},
     {"moelua.host", luaopen_moelua_host},
     {"moelua.unit", luaopen_moelua_unit},
+    {"moelua.dist", luaopen_moelua_dist},
     {NULL, NULL}
 };

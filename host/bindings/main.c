@@ -38,7 +38,10 @@
  * prompt (host/bindings/repl.c).
  *
  * Shutdown order (STYLE.md): close the Lua state (finalizers return every
- * tensor to the ledger), then check that every ledger is empty.
+ * tensor to the ledger), then check that every ledger is empty, then
+ * MPI_Finalize when moelua.dist started MPI. Under mpiexec with 2+ ranks,
+ * an error that ends the script ends the job (host/runtime/comm.h,
+ * ml_comm_abort).
  */
 #include <lauxlib.h>
 #include <lua.h>
@@ -55,6 +58,7 @@
 #include "l_host.h"
 #include "l_util.h"
 #include "repl.h"
+#include "../runtime/comm.h"
 #ifdef ML_WITH_CUDA
 #include "../runtime/backend_cuda.h"
 #endif
@@ -75,7 +79,7 @@ static void l_message(const char *pname, const char *msg)
     fflush(stderr);
 }
 
-static int report(lua_State *L, int status)
+static int print_error(lua_State *L, int status)
 {
     if (status != LUA_OK) {
         const char *msg = lua_tostring(L, -1);
@@ -83,6 +87,18 @@ static int report(lua_State *L, int status)
         lua_pop(L, 1);
     }
     return status;
+}
+
+/* An error that ends the run. Under mpiexec with 2+ ranks it ends the job
+ * (ml_comm_abort: "rank R: msg", MPI_Abort), so no other rank stays blocked
+ * in a collective; otherwise it is printed. */
+static int report(lua_State *L, int status)
+{
+    if (status != LUA_OK) {
+        const char *msg = lua_tostring(L, -1);
+        ml_comm_abort(msg ? msg : "(error object is not a string)");
+    }
+    return print_error(L, status);
 }
 
 /* Bugs get a traceback. A user error (an error object with __tostring, as
@@ -119,9 +135,10 @@ int ml_docall(lua_State *L, int narg, int nres)
     return status;
 }
 
+/* The REPL's errors: printed, the session goes on. */
 int ml_report(lua_State *L, int status)
 {
-    return report(L, status);
+    return print_error(L, status);
 }
 
 static int dochunk(lua_State *L, int status)
@@ -573,6 +590,7 @@ static int os_exit(lua_State *L)
         status = (int)luaL_optinteger(L, 1, EXIT_SUCCESS);
     if (lua_toboolean(L, 2) && !host_close(L) && status == EXIT_SUCCESS)
         status = EXIT_FAILURE;
+    ml_comm_finalize();
     exit(status);
 }
 
@@ -675,5 +693,6 @@ int main(int argc, char **argv)
     int result = lua_toboolean(L, -1);
     report(L, status);
     int clean = host_close(L);
+    ml_comm_finalize();   /* after Lua closed: its communicators are freed */
     return (result && status == LUA_OK && clean) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

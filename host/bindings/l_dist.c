@@ -1,0 +1,417 @@
+/*
+ * host/bindings/l_dist.c - the Lua library `moelua.dist`: the collectives
+ * of host/runtime/comm.h over the world communicator (ranks are 0-based).
+ *
+ *   dist.init{timeout = 300, debug = false}  the communicator (MPI starts
+ *                            here, only under mpiexec); returns dist. Again:
+ *                            returns dist, an option given with another
+ *                            value than the first call's is an error
+ *   dist.launched()          true under mpiexec (PMI_SIZE set); before init too
+ *   dist.rank(), dist.world()  0 and 1 before init and without mpiexec
+ *   dist.set_context(text)   a label ("step 3") in every later error
+ *   dist.all_gather(shard, full, what)          -> full
+ *   dist.iall_gather(shard, full, what)         -> req: req:test() -> done,
+ *                            req:wait(); __gc / __close wait silently
+ *   dist.reduce_scatter(full, shard, what [, accumulate])  -> shard
+ *   dist.all_reduce(t, what)                    -> t (sum, in place)
+ *   dist.all_reduce_numbers(values, "sum"|"max"|"min", what) -> a new table
+ *   dist.broadcast(t, root, what)               -> t
+ *   dist.all_to_all_v(send, send_rows, recv, recv_rows, what) -> recv
+ *                            (rows: tables of world integers)
+ *   dist.barrier(what)
+ *   dist.progress()          advance pending non-blocking collectives
+ *   dist.abort(msg)          under mpiexec with 2+ ranks: "rank R: msg" on
+ *                            stderr, MPI_Abort(1); otherwise error(msg)
+ *
+ * `what` names the data in error messages ("unit layers.0.dense"). A
+ * collective's error (a refused argument, a timeout, a mismatch in debug
+ * mode) is a Lua error "moelua.dist.<fn>: <message>". Collectives before
+ * dist.init are an error. Not here: the semantics and MPI
+ * (host/runtime/comm.c), ZeRO (lua/moelua).
+ */
+#include "libs.h"
+#include "l_util.h"
+#include "../runtime/comm.h"
+
+#include <limits.h>
+#include <string.h>
+
+#define COMM_MT "moelua.dist.Comm"
+#define REQ_MT "moelua.dist.Request"
+#define COMM_KEY "moelua.dist.comm"   /* registry: the communicator's userdata */
+#define DEFAULT_TIMEOUT 300.0
+
+typedef struct {
+    ml_comm *c;   /* NULL once freed */
+} l_comm;
+
+/* A request; its user value 1 is the l_comm, kept alive while it is. */
+typedef struct {
+    ml_comm_req *r;   /* NULL once freed */
+} l_req;
+
+/* The communicator, or NULL before dist.init. */
+static ml_comm *comm_of(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    l_comm *b = lua_touserdata(L, -1);
+    lua_pop(L, 1);   /* the registry keeps it */
+    return b ? b->c : NULL;
+}
+
+static ml_comm *check_comm(lua_State *L, const char *fn)
+{
+    ml_comm *c = comm_of(L);
+    if (!c)
+        ml_error(L, fn, "call moelua.dist.init first");
+    return c;
+}
+
+static const char *check_string(lua_State *L, int idx, const char *fn, const char *name)
+{
+    if (lua_type(L, idx) != LUA_TSTRING)
+        ml_error(L, fn, "argument #%d (%s) must be a string, got %s", idx, name,
+                 luaL_typename(L, idx));
+    return lua_tostring(L, idx);
+}
+
+/* __gc of the communicator: waits for pending operations (at most the
+ * timeout), never raises. */
+static int l_comm_gc(lua_State *L)
+{
+    l_comm *b = luaL_checkudata(L, 1, COMM_MT);
+    ml_comm_free(b->c);
+    b->c = NULL;
+    return 0;
+}
+
+static int l_dist_init(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.init";
+    static const char *const allowed[] = {"timeout", "debug", NULL};
+    lua_settop(L, 1);
+    ml_check_opts(L, 1, fn, allowed);
+    ml_comm *c = comm_of(L);
+    double timeout = ml_opt_number(L, 1, fn, "timeout", c ? ml_comm_timeout(c) : DEFAULT_TIMEOUT);
+    int debug = ml_opt_bool(L, 1, fn, "debug", c ? ml_comm_debug(c) : 0);
+    if (c && (timeout != ml_comm_timeout(c) || debug != ml_comm_debug(c)))
+        ml_error(L, fn, "already initialized with timeout = %g, debug = %s: a second call cannot "
+                 "change them", ml_comm_timeout(c), ml_comm_debug(c) ? "true" : "false");
+    if (!c) {
+        if (!(timeout > 0))
+            ml_error(L, fn, "option 'timeout' must be > 0 seconds, got %g", timeout);
+        l_comm *b = lua_newuserdatauv(L, sizeof *b, 0);
+        b->c = NULL;
+        luaL_setmetatable(L, COMM_MT);
+        ml_err e;
+        ml_check_op(L, fn, ml_comm_init(ml_host_of(L), timeout, debug, &b->c, &e), &e);
+        lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    }
+    lua_pushvalue(L, lua_upvalueindex(1));
+    return 1;
+}
+
+static int l_dist_launched(lua_State *L)
+{
+    lua_pushboolean(L, ml_comm_launched());
+    return 1;
+}
+
+static int l_dist_rank(lua_State *L)
+{
+    ml_comm *c = comm_of(L);
+    lua_pushinteger(L, c ? ml_comm_rank(c) : 0);
+    return 1;
+}
+
+static int l_dist_world(lua_State *L)
+{
+    ml_comm *c = comm_of(L);
+    lua_pushinteger(L, c ? ml_comm_world(c) : 1);
+    return 1;
+}
+
+static int l_dist_set_context(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.set_context";
+    ml_comm *c = check_comm(L, fn);
+    ml_comm_set_context(c, check_string(L, 1, fn, "context"));
+    return 0;
+}
+
+static int l_dist_all_gather(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.all_gather";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 3);
+    ml_tensor *shard = ml_checktensor_named(L, 1, fn, "argument #1 (shard)");
+    ml_tensor *full = ml_checktensor_named(L, 2, fn, "argument #2 (full)");
+    const char *what = check_string(L, 3, fn, "what");
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_all_gather(c, shard, full, what, NULL, &e), &e);
+    lua_settop(L, 2);
+    return 1;
+}
+
+static int l_dist_iall_gather(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.iall_gather";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 3);
+    ml_tensor *shard = ml_checktensor_named(L, 1, fn, "argument #1 (shard)");
+    ml_tensor *full = ml_checktensor_named(L, 2, fn, "argument #2 (full)");
+    const char *what = check_string(L, 3, fn, "what");
+    l_req *q = lua_newuserdatauv(L, sizeof *q, 1);
+    q->r = NULL;
+    luaL_setmetatable(L, REQ_MT);
+    lua_getfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+    lua_setiuservalue(L, -2, 1);
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_all_gather(c, shard, full, what, &q->r, &e), &e);
+    return 1;
+}
+
+/* The request at 1 and its communicator (NULL when freed at shutdown). */
+static l_req *check_req(lua_State *L, ml_comm **c)
+{
+    l_req *q = luaL_checkudata(L, 1, REQ_MT);
+    lua_getiuservalue(L, 1, 1);
+    l_comm *b = lua_touserdata(L, -1);
+    lua_pop(L, 1);
+    *c = b ? b->c : NULL;
+    return q;
+}
+
+static int l_req_test(lua_State *L)
+{
+    ml_comm *c;
+    l_req *q = check_req(L, &c);
+    int done = 1;
+    ml_err e;
+    if (q->r)
+        ml_check_op(L, "moelua.dist.Request:test", ml_comm_test(c, q->r, &done, &e), &e);
+    lua_pushboolean(L, done);
+    return 1;
+}
+
+static int l_req_wait(lua_State *L)
+{
+    ml_comm *c;
+    l_req *q = check_req(L, &c);
+    ml_err e;
+    if (q->r)
+        ml_check_op(L, "moelua.dist.Request:wait", ml_comm_wait(c, q->r, &e), &e);
+    return 0;
+}
+
+/* __gc and __close: wait silently when pending, free; idempotent. */
+static int l_req_release(lua_State *L)
+{
+    l_req *q = luaL_checkudata(L, 1, REQ_MT);
+    ml_comm_req_free(q->r);
+    q->r = NULL;
+    return 0;
+}
+
+static int l_dist_reduce_scatter(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.reduce_scatter";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 4);
+    ml_tensor *full = ml_checktensor_named(L, 1, fn, "argument #1 (full)");
+    ml_tensor *shard = ml_checktensor_named(L, 2, fn, "argument #2 (shard)");
+    const char *what = check_string(L, 3, fn, "what");
+    if (!lua_isnil(L, 4) && !lua_isboolean(L, 4))
+        ml_error(L, fn, "argument #4 (accumulate) must be a boolean, got %s", luaL_typename(L, 4));
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_reduce_scatter(c, full, shard, lua_toboolean(L, 4), what, &e), &e);
+    lua_settop(L, 2);
+    return 1;
+}
+
+static int l_dist_all_reduce(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.all_reduce";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 2);
+    ml_tensor *t = ml_checktensor_named(L, 1, fn, "argument #1 (t)");
+    const char *what = check_string(L, 2, fn, "what");
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_all_reduce(c, t, what, &e), &e);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int l_dist_all_reduce_numbers(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.all_reduce_numbers";
+    static const char *const ops[] = {"sum", "max", "min"};
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 3);
+    if (!lua_istable(L, 1))
+        ml_error(L, fn, "argument #1 (values) must be a table of numbers, got %s",
+                 luaL_typename(L, 1));
+    const char *name = check_string(L, 2, fn, "op");
+    int op = 0;
+    while (op < 3 && strcmp(name, ops[op]) != 0)
+        op++;
+    if (op == 3)
+        ml_error(L, fn, "argument #2 (op) must be 'sum', 'max' or 'min', got '%s'", name);
+    const char *what = check_string(L, 3, fn, "what");
+    lua_Unsigned n = lua_rawlen(L, 1);
+    if (n > INT_MAX / sizeof(double))
+        ml_error(L, fn, "argument #1 (values) has too many numbers (%llu)", (unsigned long long)n);
+    double *v = lua_newuserdatauv(L, (n ? n : 1) * sizeof *v, 0);   /* freed by the GC on error */
+    for (lua_Unsigned i = 0; i < n; i++) {
+        if (lua_rawgeti(L, 1, (lua_Integer)i + 1) != LUA_TNUMBER)
+            ml_error(L, fn, "argument #1 (values)[%llu] must be a number, got %s",
+                     (unsigned long long)i + 1, luaL_typename(L, -1));
+        v[i] = lua_tonumber(L, -1);
+        lua_pop(L, 1);
+    }
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_all_reduce_f64(c, v, (int)n, (ml_comm_op)op, what, &e), &e);
+    lua_createtable(L, (int)n, 0);
+    for (lua_Unsigned i = 0; i < n; i++) {
+        lua_pushnumber(L, v[i]);
+        lua_rawseti(L, -2, (lua_Integer)i + 1);
+    }
+    return 1;
+}
+
+static int l_dist_broadcast(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.broadcast";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 3);
+    ml_tensor *t = ml_checktensor_named(L, 1, fn, "argument #1 (t)");
+    if (!lua_isinteger(L, 2))
+        ml_error(L, fn, "argument #2 (root) must be an integer rank, got %s", luaL_typename(L, 2));
+    lua_Integer root = lua_tointeger(L, 2);
+    const char *what = check_string(L, 3, fn, "what");
+    if (root < 0 || root >= ml_comm_world(c))
+        ml_error(L, fn, "argument #2 (root) must be a rank in [0, %d), got %lld", ml_comm_world(c),
+                 (long long)root);
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_broadcast(c, t, (int)root, what, &e), &e);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* The table at idx as world row counts >= 0, into rows. */
+static void check_rows(lua_State *L, int idx, const char *fn, const char *name, int world,
+                       int64_t *rows)
+{
+    if (!lua_istable(L, idx))
+        ml_error(L, fn, "argument #%d (%s) must be a table of %d integers (rows per rank), got %s",
+                 idx, name, world, luaL_typename(L, idx));
+    if (lua_rawlen(L, idx) != (lua_Unsigned)world)
+        ml_error(L, fn, "argument #%d (%s) must have %d entries (one per rank), got %llu", idx, name,
+                 world, (unsigned long long)lua_rawlen(L, idx));
+    for (int q = 0; q < world; q++) {
+        lua_rawgeti(L, idx, q + 1);
+        if (!lua_isinteger(L, -1) || lua_tointeger(L, -1) < 0)
+            ml_error(L, fn, "argument #%d (%s)[%d] must be an integer >= 0, got %s", idx, name,
+                     q + 1, lua_isinteger(L, -1) ? lua_tostring(L, -1) : luaL_typename(L, -1));
+        rows[q] = lua_tointeger(L, -1);
+        lua_pop(L, 1);
+    }
+}
+
+static int l_dist_all_to_all_v(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.all_to_all_v";
+    ml_comm *c = check_comm(L, fn);
+    lua_settop(L, 5);
+    int world = ml_comm_world(c);
+    ml_tensor *send = ml_checktensor_named(L, 1, fn, "argument #1 (send)");
+    ml_tensor *recv = ml_checktensor_named(L, 3, fn, "argument #3 (recv)");
+    const char *what = check_string(L, 5, fn, "what");
+    int64_t *rows = lua_newuserdatauv(L, 2 * (size_t)world * sizeof *rows, 0);
+    check_rows(L, 2, fn, "send_rows", world, rows);
+    check_rows(L, 4, fn, "recv_rows", world, rows + world);
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_all_to_all_v(c, send, rows, recv, rows + world, what, &e), &e);
+    lua_settop(L, 3);
+    return 1;
+}
+
+static int l_dist_barrier(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.barrier";
+    ml_comm *c = check_comm(L, fn);
+    const char *what = check_string(L, 1, fn, "what");
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_barrier(c, what, &e), &e);
+    return 0;
+}
+
+static int l_dist_progress(lua_State *L)
+{
+    ml_comm *c = comm_of(L);
+    if (c)
+        ml_comm_progress(c);
+    return 0;
+}
+
+static int l_dist_abort(lua_State *L)
+{
+    const char *msg = check_string(L, 1, "moelua.dist.abort", "msg");
+    ml_comm_abort(msg);   /* returns only in a world of one rank */
+    luaL_where(L, 1);
+    lua_pushvalue(L, 1);
+    lua_concat(L, 2);
+    return lua_error(L);
+}
+
+static const luaL_Reg dist_functions[] = {
+    {"init", l_dist_init},
+    {"launched", l_dist_launched},
+    {"rank", l_dist_rank},
+    {"world", l_dist_world},
+    {"set_context", l_dist_set_context},
+    {"all_gather", l_dist_all_gather},
+    {"iall_gather", l_dist_iall_gather},
+    {"reduce_scatter", l_dist_reduce_scatter},
+    {"all_reduce", l_dist_all_reduce},
+    {"all_reduce_numbers", l_dist_all_reduce_numbers},
+    {"broadcast", l_dist_broadcast},
+    {"all_to_all_v", l_dist_all_to_all_v},
+    {"barrier", l_dist_barrier},
+    {"progress", l_dist_progress},
+    {"abort", l_dist_abort},
+    {NULL, NULL}
+};
+
+static const luaL_Reg req_methods[] = {
+    {"test", l_req_test},
+    {"wait", l_req_wait},
+    {NULL, NULL}
+};
+
+static const luaL_Reg req_meta[] = {
+    {"__gc", l_req_release},
+    {"__close", l_req_release},
+    {NULL, NULL}
+};
+
+int luaopen_moelua_dist(lua_State *L)
+{
+    ml_host_of(L);  /* refuse to load outside the host */
+    luaL_requiref(L, "moelua.tensor", luaopen_moelua_tensor, 0);
+    lua_pop(L, 1);
+    if (luaL_newmetatable(L, COMM_MT)) {
+        lua_pushcfunction(L, l_comm_gc);
+        lua_setfield(L, -2, "__gc");
+    }
+    lua_pop(L, 1);
+    luaL_newmetatable(L, REQ_MT);
+    luaL_setfuncs(L, req_meta, 0);
+    luaL_newlib(L, req_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pop(L, 1);
+    luaL_newlibtable(L, dist_functions);
+    lua_pushvalue(L, -1);   /* dist.init returns the library */
+    luaL_setfuncs(L, dist_functions, 1);
+    return 1;
+}

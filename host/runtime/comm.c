@@ -1,0 +1,947 @@
+/*
+ * host/runtime/comm.c - collectives over MPI (host/runtime/comm.h): every
+ * operation is a request (started with an MPI_I* call, waited for by
+ * polling MPI_Test up to the timeout) that holds its buffers; blocking
+ * calls wait for theirs, and a request whose wait timed out is handed to
+ * the communicator, which keeps its buffers until it completes.
+ */
+#include "comm.h"
+
+#include <limits.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+/* MPI is process-wide: whether this process initialized / finalized it. */
+static int mpi_up, mpi_down;
+
+typedef enum {
+    OP_SETUP, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_NUMBERS, OP_BROADCAST,
+    OP_ALL_TO_ALL_V, OP_BARRIER, NOPS
+} comm_opcode;
+
+static const char *const op_names[NOPS] = {
+    "communicator setup", "all-gather", "reduce-scatter", "all-reduce", "numbers all-reduce",
+    "broadcast", "all-to-all-v", "barrier"
+};
+static const char *const reduce_names[] = {"sum", "max", "min"};
+
+#define WHAT_LEN 128     /* `what` kept for messages */
+#define FP_WHAT_LEN 48   /* `what` carried in a fingerprint */
+#define CONTEXT_LEN 64
+#define MAX_HELD 4
+
+/* One collective as messages and fingerprints name it. */
+typedef struct {
+    comm_opcode op;
+    ml_dtype dtype;
+    int64_t count;      /* elements (all-to-all-v: of one row) */
+    int64_t arg;        /* a broadcast's root, a numbers all-reduce's ml_comm_op */
+    uint64_t seq;       /* this rank's collective number, from 1 */
+    char what[WHAT_LEN];
+    char context[CONTEXT_LEN];
+} coll_desc;
+
+/* What the ranks compare in debug mode; fixed size, no padding. */
+typedef struct {
+    int32_t op, dtype;
+    int64_t count, arg;
+    uint64_t hash, seq;
+    char what[FP_WHAT_LEN];
+} fingerprint;
+
+struct ml_comm_req {
+    ml_comm *c;                 /* NULL once complete (or given up by ml_comm_free) */
+    MPI_Request mpi;
+    ml_storage *held[MAX_HELD]; /* buffers retained until completion */
+    int nheld;
+    int orphan;                 /* its caller gave up on it: c frees it on completion */
+    coll_desc d;
+    ml_comm_req *next;          /* in c->pending */
+};
+
+struct ml_comm {
+    ml_host *h;
+    int rank, world;
+    MPI_Comm mc;                /* a duplicate of MPI_COMM_WORLD, or MPI_COMM_NULL */
+    double timeout;
+    int debug;
+    uint64_t seq;
+    char context[CONTEXT_LEN];
+    char broken[1024];          /* non-empty: the error that made c unusable */
+    ml_comm_req *pending;
+};
+
+/* ---- time, messages ---------------------------------------------------------- */
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Sleeps of 50 us, doubling up to 1 ms: quick answers for short waits,
+ * little CPU taken from the rank we wait for (2 cores, 4 ranks). */
+static void nap(long *ns)
+{
+    nanosleep(&(struct timespec){0, *ns}, NULL);
+    *ns = *ns * 2 < 1000000 ? *ns * 2 : 1000000;
+}
+
+/* "all-gather of unit X (step 3, collective #17 of rank 2)" */
+static void describe(const ml_comm *c, const coll_desc *d, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s%s%s (%s%scollective #%llu of rank %d)", op_names[d->op],
+             d->what[0] ? " of " : "", d->what, d->context, d->context[0] ? ", " : "",
+             (unsigned long long)d->seq, c->rank);
+}
+
+static ml_status fail_broken(const ml_comm *c, ml_err *e)
+{
+    return ml_err_set(e, ML_EIO, "%s", c->broken);
+}
+
+/* c becomes unusable with this message, returned in e. */
+static ml_status break_comm(ml_comm *c, ml_err *e, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static ml_status break_comm(ml_comm *c, ml_err *e, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->broken, sizeof c->broken, fmt, ap);
+    va_end(ap);
+    return fail_broken(c, e);
+}
+
+static ml_status mpi_failed(ml_comm *c, const coll_desc *d, const char *call, int rc, ml_err *e)
+{
+    char s[MPI_MAX_ERROR_STRING], what[320];
+    int n;
+    if (MPI_Error_string(rc, s, &n) != MPI_SUCCESS)
+        snprintf(s, sizeof s, "error %d", rc);
+    describe(c, d, what, sizeof what);
+    return break_comm(c, e, "%s: %s failed: %s", what, call, s);
+}
+
+/* ---- requests ----------------------------------------------------------------- */
+
+/* A new request, complete until req_start. */
+static ml_status req_new(const coll_desc *d, ml_comm_req **out, ml_err *e)
+{
+    *out = calloc(1, sizeof **out);
+    if (!*out)
+        return ml_err_set(e, ML_EALLOC, "out of memory for a request");
+    (*out)->mpi = MPI_REQUEST_NULL;
+    (*out)->d = *d;
+    return ML_OK;
+}
+
+static void req_hold(ml_comm_req *r, const ml_tensor *t)
+{
+    ml_storage_retain(t->st);
+    r->held[r->nheld++] = t->st;
+}
+
+static void req_release(ml_comm_req *r)
+{
+    for (int i = 0; i < r->nheld; i++)
+        ml_storage_release(r->held[i]);
+    r->nheld = 0;
+}
+
+/* The MPI_I* call that started r returned rc: r is pending on c, or
+ * (refused) released and freed. */
+static ml_status req_start(ml_comm *c, ml_comm_req *r, const char *call, int rc, ml_err *e)
+{
+    if (rc != MPI_SUCCESS) {
+        req_release(r);
+        coll_desc d = r->d;
+        free(r);
+        return mpi_failed(c, &d, call, rc, e);
+    }
+    r->c = c;
+    r->next = c->pending;
+    c->pending = r;
+    return ML_OK;
+}
+
+/* r has completed: its buffers go back; an orphan is freed. */
+static void req_complete(ml_comm_req *r)
+{
+    for (ml_comm_req **p = &r->c->pending; *p; p = &(*p)->next) {
+        if (*p == r) {
+            *p = r->next;
+            break;
+        }
+    }
+    req_release(r);
+    r->c = NULL;
+    if (r->orphan)
+        free(r);
+}
+
+/* One MPI_Test of the pending r: 1 when it completed (r may be freed). */
+static int req_poll(ml_comm_req *r, int *rc)
+{
+    int flag = 0;
+    *rc = MPI_Test(&r->mpi, &flag, MPI_STATUS_IGNORE);
+    if (*rc != MPI_SUCCESS || !flag)
+        return 0;
+    req_complete(r);
+    return 1;
+}
+
+/* Wait for r until the timeout; `prefix` ("fingerprint exchange before ")
+ * starts the timeout message. */
+static ml_status req_wait(ml_comm_req *r, const char *prefix, ml_err *e)
+{
+    ml_comm *c = r->c;
+    if (!c)
+        return ML_OK;
+    if (c->broken[0])
+        return fail_broken(c, e);
+    double deadline = now() + c->timeout;
+    long ns = 50000;
+    for (;;) {
+        int rc;
+        if (req_poll(r, &rc))
+            return ML_OK;
+        if (rc != MPI_SUCCESS)
+            return mpi_failed(c, &r->d, "MPI_Test", rc, e);
+        if (now() >= deadline) {
+            char what[320];
+            describe(c, &r->d, what, sizeof what);
+            return break_comm(c, e, "%s%s did not complete within %g s: a rank stopped, died or "
+                              "called a different collective", prefix, what, c->timeout);
+        }
+        nap(&ns);
+    }
+}
+
+/* A blocking call's wait: r is freed, or handed to c when it is still
+ * pending (a timeout): c keeps its buffers. */
+static ml_status req_finish(ml_comm_req *r, const char *prefix, ml_err *e)
+{
+    ml_status s = req_wait(r, prefix, e);
+    if (r->c)
+        r->orphan = 1;
+    else
+        free(r);
+    return s;
+}
+
+ml_status ml_comm_wait(ml_comm *c, ml_comm_req *req, ml_err *e)
+{
+    return req_wait(req, "", e);
+}
+
+ml_status ml_comm_test(ml_comm *c, ml_comm_req *req, int *done, ml_err *e)
+{
+    *done = 1;
+    if (!req->c)
+        return ML_OK;
+    if (req->c->broken[0])
+        return fail_broken(req->c, e);
+    int rc;
+    *done = req_poll(req, &rc);
+    return rc == MPI_SUCCESS ? ML_OK : mpi_failed(req->c, &req->d, "MPI_Test", rc, e);
+}
+
+void ml_comm_req_free(ml_comm_req *req)
+{
+    ml_err e;
+    if (!req)
+        return;
+    if (req->c && req_wait(req, "", &e) != ML_OK && req->c) {
+        req->orphan = 1;
+        return;
+    }
+    free(req);
+}
+
+void ml_comm_progress(ml_comm *c)
+{
+    for (ml_comm_req *r = c->pending, *next; r; r = next) {
+        next = r->next;
+        int rc;
+        req_poll(r, &rc);
+    }
+}
+
+/* ---- setup -------------------------------------------------------------------- */
+
+int ml_comm_launched(void)
+{
+    return getenv("PMI_SIZE") != NULL;
+}
+
+static ml_status init_mpi(ml_err *e)
+{
+    if (mpi_down)
+        return ml_err_set(e, ML_EIO, "MPI was finalized: no communicator can be made any more");
+    if (mpi_up)
+        return ML_OK;
+    int provided = MPI_THREAD_SINGLE;
+    if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
+        return ml_err_set(e, ML_EIO, "MPI_Init_thread failed");
+    mpi_up = 1;
+    if (provided < MPI_THREAD_FUNNELED)
+        return ml_err_set(e, ML_EIO, "MPI provides thread level %d, moelua needs "
+                          "MPI_THREAD_FUNNELED (%d)", provided, MPI_THREAD_FUNNELED);
+    return ML_OK;
+}
+
+/* c->mc = a duplicate of MPI_COMM_WORLD (non-blocking, so a rank that never
+ * comes is a timeout). On a timeout c stays allocated: MPI still owns
+ * &c->mc. */
+static ml_status dup_world(ml_comm *c, ml_err *e)
+{
+    coll_desc d = {.op = OP_SETUP};
+    ml_comm_req *r;
+    MPI_Comm_rank(MPI_COMM_WORLD, &c->rank);
+    ML_TRY(req_new(&d, &r, e));
+    ML_TRY(req_start(c, r, "MPI_Comm_idup", MPI_Comm_idup(MPI_COMM_WORLD, &c->mc, &r->mpi), e));
+    ML_TRY(req_finish(r, "", e));
+    MPI_Comm_set_errhandler(c->mc, MPI_ERRORS_RETURN);
+    MPI_Comm_size(c->mc, &c->world);
+    return ML_OK;
+}
+
+ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e)
+{
+    *out = NULL;
+    if (!(timeout_s > 0) || !isfinite(timeout_s))
+        return ml_err_set(e, ML_EINVAL, "timeout must be a finite number of seconds > 0, got %g",
+                          timeout_s);
+    ml_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return ml_err_set(e, ML_EALLOC, "out of memory for a communicator");
+    *c = (ml_comm){.h = h, .rank = 0, .world = 1, .mc = MPI_COMM_NULL, .timeout = timeout_s,
+                   .debug = debug};
+    if (ml_comm_launched()) {
+        ml_status s = init_mpi(e);
+        if (s == ML_OK)
+            s = dup_world(c, e);
+        if (s != ML_OK) {
+            if (!c->pending)
+                free(c);
+            return s;
+        }
+    }
+    *out = c;
+    return ML_OK;
+}
+
+int ml_comm_rank(const ml_comm *c)
+{
+    return c->rank;
+}
+
+int ml_comm_world(const ml_comm *c)
+{
+    return c->world;
+}
+
+double ml_comm_timeout(const ml_comm *c)
+{
+    return c->timeout;
+}
+
+int ml_comm_debug(const ml_comm *c)
+{
+    return c->debug;
+}
+
+void ml_comm_set_context(ml_comm *c, const char *context)
+{
+    snprintf(c->context, sizeof c->context, "%s", context ? context : "");
+}
+
+void ml_comm_free(ml_comm *c)
+{
+    if (!c)
+        return;
+    double deadline = now() + c->timeout;
+    long ns = 50000;
+    for (ml_comm_progress(c); c->pending && now() < deadline; ml_comm_progress(c))
+        nap(&ns);
+    int leaked = c->pending != NULL;
+    while (c->pending) {   /* never completed: their buffers stay (MPI may still write) */
+        ml_comm_req *r = c->pending;
+        c->pending = r->next;
+        r->nheld = 0;
+        r->c = NULL;
+        if (r->orphan)
+            free(r);
+    }
+    if (c->mc != MPI_COMM_NULL && !leaked)
+        MPI_Comm_free(&c->mc);
+    free(c);
+}
+
+void ml_comm_finalize(void)
+{
+    if (mpi_up && !mpi_down) {
+        MPI_Finalize();
+        mpi_down = 1;
+    }
+}
+
+void ml_comm_abort(const char *msg)
+{
+    const char *size = getenv("PMI_SIZE");
+    if (!size || atoi(size) <= 1 || mpi_down)
+        return;
+    ml_err e;
+    if (init_mpi(&e) != ML_OK && !mpi_up)
+        return;
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    fprintf(stderr, "rank %d: %s\n", rank, msg);
+    fflush(stderr);
+    /* mpiexec forwards our stderr asynchronously and MPI_Abort kills every
+     * rank at once: give the message 0.2 s to get out */
+    nanosleep(&(struct timespec){0, 200000000}, NULL);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* ---- the start of every collective ------------------------------------------------ */
+
+static uint64_t hash_text(const char *s)
+{
+    uint64_t x = 1469598103934665603ULL;   /* FNV-1a */
+    for (; *s; s++)
+        x = (x ^ (unsigned char)*s) * 1099511628211ULL;
+    return x;
+}
+
+static ml_status comm_scratch(ml_comm *c, ml_tensor *t, ml_dtype dt, int ndim, const int64_t *dims,
+                              ml_err *e)
+{
+    ml_category saved = c->h->category;
+    c->h->category = ML_CAT_COMM;
+    ml_status s = ml_tensor_alloc(c->h, t, ML_CPU, dt, ndim, dims, e);
+    c->h->category = saved;
+    return s;
+}
+
+static fingerprint fingerprint_of(const coll_desc *d)
+{
+    fingerprint f = {.op = (int32_t)d->op, .dtype = (int32_t)d->dtype, .count = d->count,
+                     .arg = d->arg, .hash = hash_text(d->what), .seq = d->seq};
+    size_t n = strlen(d->what);
+    memcpy(f.what, d->what, n < sizeof f.what ? n : sizeof f.what);   /* NUL-padded, maybe unterminated */
+    return f;
+}
+
+static int same_call(const fingerprint *a, const fingerprint *b)
+{
+    return a->op == b->op && a->dtype == b->dtype && a->count == b->count && a->arg == b->arg &&
+           a->hash == b->hash && a->seq == b->seq;
+}
+
+/* "all-gather of unit X (4096 elements of f32)" ("barrier of X"), then
+ * " as #18" when its sequence number is not ref's. */
+static void describe_fingerprint(const fingerprint *f, const fingerprint *ref, char *buf, size_t len)
+{
+    int op = f->op >= 0 && f->op < NOPS ? f->op : OP_SETUP;
+    const char *dt = f->dtype >= 0 && f->dtype < ML_NDTYPES ? ml_dtype_names[f->dtype] : "?";
+    size_t at = (size_t)snprintf(buf, len, "%s%s%.*s", op_names[op], f->what[0] ? " of " : "",
+                                 FP_WHAT_LEN, f->what);
+    if (at < len && op != OP_BARRIER)
+        at += (size_t)snprintf(buf + at, len - at, " (%lld elements of %s", (long long)f->count, dt);
+    if (at < len && op == OP_BROADCAST)
+        at += (size_t)snprintf(buf + at, len - at, ", root %lld", (long long)f->arg);
+    if (at < len && op == OP_NUMBERS && f->arg >= 0 && f->arg <= ML_COMM_MIN)
+        at += (size_t)snprintf(buf + at, len - at, ", %s", reduce_names[f->arg]);
+    if (at < len && op != OP_BARRIER)
+        at += (size_t)snprintf(buf + at, len - at, ")");
+    if (at < len && f->seq != ref->seq)
+        snprintf(buf + at, len - at, " as #%llu", (unsigned long long)f->seq);
+}
+
+/* Debug mode: every rank's fingerprint of this collective, compared with
+ * rank 0's; the first rank that differs is named on every rank. */
+static ml_status check_fingerprint(ml_comm *c, const coll_desc *d, ml_err *e)
+{
+    ml_tensor all = {0};
+    int64_t bytes = (int64_t)c->world * (int64_t)sizeof(fingerprint);
+    ML_TRY(comm_scratch(c, &all, ML_U8, 1, &bytes, e));
+    fingerprint *fp = ml_data(&all);
+    fp[c->rank] = fingerprint_of(d);
+    ml_comm_req *r;
+    ml_status s = req_new(d, &r, e);
+    if (s == ML_OK) {
+        req_hold(r, &all);
+        s = req_start(c, r, "MPI_Iallgather",
+                      MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, fp, (int)sizeof *fp, MPI_BYTE, c->mc,
+                                     &r->mpi), e);
+        if (s == ML_OK)
+            s = req_finish(r, "fingerprint exchange before ", e);
+    }
+    for (int q = 1; s == ML_OK && q < c->world; q++) {
+        if (same_call(&fp[0], &fp[q]))
+            continue;
+        char a[256], b[256];
+        describe_fingerprint(&fp[0], &fp[0], a, sizeof a);
+        describe_fingerprint(&fp[q], &fp[0], b, sizeof b);
+        s = break_comm(c, e, "collective mismatch at #%llu: rank 0 calls %s, rank %d calls %s",
+                       (unsigned long long)fp[0].seq, a, q, b);
+    }
+    ml_tensor_drop(&all);
+    return s;
+}
+
+/* Fail fast when c is broken; number the collective; compare fingerprints
+ * in debug mode. */
+static ml_status begin(ml_comm *c, coll_desc *d, comm_opcode op, ml_dtype dt, int64_t count,
+                       int64_t arg, const char *what, ml_err *e)
+{
+    if (c->broken[0])
+        return fail_broken(c, e);
+    *d = (coll_desc){.op = op, .dtype = dt, .count = count, .arg = arg, .seq = ++c->seq};
+    snprintf(d->what, sizeof d->what, "%s", what ? what : "");
+    memcpy(d->context, c->context, sizeof d->context);
+    return c->debug && c->world > 1 ? check_fingerprint(c, d, e) : ML_OK;
+}
+
+/* ---- argument checks -------------------------------------------------------------- */
+
+static ml_status check_buffer(const ml_tensor *t, const char *name, unsigned dtypes, ml_err *e)
+{
+    return ml_check_input(t, name, ML_CPU, dtypes, t->ndim, 1, e);
+}
+
+/* n elements (rows) in one MPI count. */
+static ml_status check_count(int64_t n, const char *name, ml_err *e)
+{
+    if (n <= INT_MAX)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "%s: %lld elements (rows) in one message, more than MPI's "
+                      "int count %d", name, (long long)n, INT_MAX);
+}
+
+/* full has parts * n elements. */
+static ml_status check_parts(const ml_tensor *full, const char *name, int64_t n, int parts,
+                             const char *of, ml_err *e)
+{
+    if (ml_numel(full) == n * parts)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "%s has %lld elements but must have world (%d) x %s (%lld) = "
+                      "%lld", name, (long long)ml_numel(full), parts, of, (long long)n,
+                      (long long)(n * parts));
+}
+
+/* Is shard exactly full's slice [rank*n, (rank+1)*n)? Else it must not
+ * overlap full. */
+static ml_status own_slice(const ml_tensor *shard, const ml_tensor *full, int rank, int *in_place,
+                           ml_err *e)
+{
+    int64_t n = ml_numel(shard);
+    *in_place = n > 0 && shard->st == full->st && shard->offset == full->offset + rank * n;
+    if (*in_place || !ml_tensors_overlap(shard, full))
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "shard overlaps full but is not its slice [rank*n, (rank+1)*n) "
+                      "(rank %d)", rank);
+}
+
+/* An MPI type of `bytes` contiguous bytes (one element or one row). */
+static int contiguous_type(int64_t bytes, MPI_Datatype *t)
+{
+    int rc = MPI_Type_contiguous((int)bytes, MPI_BYTE, t);
+    return rc == MPI_SUCCESS ? MPI_Type_commit(t) : rc;
+}
+
+/* ---- all-gather ------------------------------------------------------------------- */
+
+/* Start the all-gather of d (checked, numbered) in r. */
+static ml_status gather_start(ml_comm *c, const coll_desc *d, const ml_tensor *shard,
+                              ml_tensor *full, int in_place, ml_comm_req **out, ml_err *e)
+{
+    int64_t n = ml_numel(shard);
+    size_t es = ml_dtype_size(shard->dtype);
+    ML_TRY(req_new(d, out, e));
+    if (c->world == 1) {
+        if (!in_place && n > 0)
+            memcpy(ml_data(full), ml_data(shard), (size_t)n * es);
+        return ML_OK;
+    }
+    ml_comm_req *r = *out;
+    MPI_Datatype ty;
+    int rc = contiguous_type((int64_t)es, &ty);
+    if (rc == MPI_SUCCESS) {
+        req_hold(r, shard);
+        req_hold(r, full);
+        rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : ml_data(shard), (int)n, ty, ml_data(full),
+                            (int)n, ty, c->mc, &r->mpi);
+        MPI_Type_free(&ty);   /* a pending operation keeps the type it uses */
+    }
+    ml_status s = req_start(c, r, "MPI_Iallgather", rc, e);
+    if (s != ML_OK)
+        *out = NULL;
+    return s;
+}
+
+ml_status ml_comm_all_gather(ml_comm *c, const ml_tensor *shard, ml_tensor *full, const char *what,
+                             ml_comm_req **req, ml_err *e)
+{
+    if (req)
+        *req = NULL;
+    ML_TRY(check_buffer(shard, "shard", ML_DT_ANY, e));
+    ML_TRY(check_buffer(full, "full", ML_DT_ANY, e));
+    ML_TRY(ml_check_same_dtype(full, "full", "shard", shard->dtype, e));
+    int64_t n = ml_numel(shard);
+    ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
+    ML_TRY(check_count(n, "shard", e));
+    int in_place;
+    ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
+    coll_desc d = {0};
+    ml_comm_req *r;
+    if (c->h->planning)
+        return req ? req_new(&d, req, e) : ML_OK;
+    ML_TRY(begin(c, &d, OP_ALL_GATHER, shard->dtype, n, 0, what, e));
+    ML_TRY(gather_start(c, &d, shard, full, in_place, &r, e));
+    if (req) {
+        *req = r;
+        return ML_OK;
+    }
+    return req_finish(r, "", e);
+}
+
+/* ---- reduce-scatter and all-reduce ------------------------------------------------- */
+
+/* out[i] = (accumulate ? out[i] : rows[0][i]) + rows[1 or 0][i] + ... in
+ * row (rank) order, in the dtype's own arithmetic. */
+static void sum_rows_f32(float *out, const float *rows, int nrows, int64_t n, int accumulate,
+                         int nthreads)
+{
+    #pragma omp parallel for num_threads(nthreads) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        float acc = accumulate ? out[i] : rows[i];
+        for (int r = accumulate ? 0 : 1; r < nrows; r++)
+            acc += rows[(int64_t)r * n + i];
+        out[i] = acc;
+    }
+}
+
+static void sum_rows_f64(double *out, const double *rows, int nrows, int64_t n, int accumulate,
+                         int nthreads)
+{
+    #pragma omp parallel for num_threads(nthreads) if (n >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        double acc = accumulate ? out[i] : rows[i];
+        for (int r = accumulate ? 0 : 1; r < nrows; r++)
+            acc += rows[(int64_t)r * n + i];
+        out[i] = acc;
+    }
+}
+
+static void sum_rows(const ml_comm *c, const ml_tensor *rows, ml_tensor *out, int64_t n, int accumulate)
+{
+    int nthreads = c->h->nthreads > 0 ? c->h->nthreads : 1;
+    if (out->dtype == ML_F32)
+        sum_rows_f32(ml_data(out), ml_data(rows), c->world, n, accumulate, nthreads);
+    else
+        sum_rows_f64(ml_data(out), ml_data(rows), c->world, n, accumulate, nthreads);
+}
+
+/* out (n elements) = (accumulate ? out : nothing) + the rank-order sum of
+ * every rank's piece `rank` of full (world * n elements): pieces exchanged
+ * with MPI_Ialltoall into a [world, n] scratch. out may be inside full. */
+static ml_status scatter_sum(ml_comm *c, const coll_desc *d, const ml_tensor *full, ml_tensor *out,
+                             int64_t n, int accumulate, ml_err *e)
+{
+    if (c->world == 1) {
+        sum_rows(c, full, out, n, accumulate);
+        return ML_OK;
+    }
+    ml_tensor pieces = {0};
+    int64_t dims[2] = {c->world, n};
+    ML_TRY(comm_scratch(c, &pieces, full->dtype, 2, dims, e));
+    ml_comm_req *r;
+    ml_status s = req_new(d, &r, e);
+    MPI_Datatype ty;
+    if (s == ML_OK) {
+        int rc = contiguous_type((int64_t)ml_dtype_size(full->dtype), &ty);
+        if (rc == MPI_SUCCESS) {
+            req_hold(r, full);
+            req_hold(r, &pieces);
+            rc = MPI_Ialltoall(ml_data(full), (int)n, ty, ml_data(&pieces), (int)n, ty, c->mc,
+                               &r->mpi);
+            MPI_Type_free(&ty);
+        }
+        s = req_start(c, r, "MPI_Ialltoall", rc, e);
+    }
+    if (s == ML_OK)
+        s = req_finish(r, "", e);
+    if (s == ML_OK)
+        sum_rows(c, &pieces, out, n, accumulate);
+    ml_tensor_drop(&pieces);
+    return s;
+}
+
+ml_status ml_comm_reduce_scatter(ml_comm *c, const ml_tensor *full, ml_tensor *shard,
+                                 int accumulate, const char *what, ml_err *e)
+{
+    ML_TRY(check_buffer(full, "full", ML_DT_FLOAT, e));
+    ML_TRY(check_buffer(shard, "shard", ML_DT_FLOAT, e));
+    ML_TRY(ml_check_same_dtype(shard, "shard", "full", full->dtype, e));
+    int64_t n = ml_numel(shard);
+    ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
+    ML_TRY(check_count(n, "shard", e));
+    int in_place;
+    ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
+    if (c->h->planning) {
+        ml_tensor pieces = {0};
+        int64_t dims[2] = {c->world, n};
+        ML_TRY(comm_scratch(c, &pieces, full->dtype, 2, dims, e));
+        ml_tensor_drop(&pieces);
+        return ML_OK;
+    }
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_REDUCE_SCATTER, full->dtype, n, 0, what, e));
+    return scatter_sum(c, &d, full, shard, n, accumulate, e);
+}
+
+/* The slice [i0, i0 + n) of the contiguous t, as a 1-dim view that holds
+ * no reference (valid while t is). */
+static ml_tensor slice_of(const ml_tensor *t, int64_t i0, int64_t n)
+{
+    ml_tensor v = *t;
+    v.offset += i0;
+    v.ndim = 1;
+    v.shape[0] = n;
+    v.stride[0] = 1;
+    return v;
+}
+
+ml_status ml_comm_all_reduce(ml_comm *c, ml_tensor *t, const char *what, ml_err *e)
+{
+    ML_TRY(check_buffer(t, "t", ML_DT_FLOAT, e));
+    int64_t total = ml_numel(t), m = (total + c->world - 1) / c->world;
+    ML_TRY(check_count(m, "t", e));
+    int padded = m * c->world != total;
+    ml_tensor pad = {0}, pieces = {0};
+    int64_t dims[2] = {c->world, m}, all = m * c->world;
+    if (c->h->planning) {
+        ml_status s = padded ? comm_scratch(c, &pad, t->dtype, 1, &all, e) : ML_OK;
+        if (s == ML_OK && c->world > 1)
+            s = comm_scratch(c, &pieces, t->dtype, 2, dims, e);
+        ml_tensor_drop(&pieces);
+        ml_tensor_drop(&pad);
+        return s;
+    }
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_ALL_REDUCE, t->dtype, total, 0, what, e));
+    if (c->world == 1)
+        return ML_OK;
+    size_t es = ml_dtype_size(t->dtype);
+    if (padded) {
+        ML_TRY(comm_scratch(c, &pad, t->dtype, 1, &all, e));
+        memcpy(ml_data(&pad), ml_data(t), (size_t)total * es);
+        memset((char *)ml_data(&pad) + (size_t)total * es, 0, (size_t)(all - total) * es);
+    }
+    ml_tensor *full = padded ? &pad : t;
+    ml_tensor mine = slice_of(full, c->rank * m, m);
+    ml_comm_req *r;
+    ml_status s = scatter_sum(c, &d, full, &mine, m, 0, e);
+    if (s == ML_OK)
+        s = gather_start(c, &d, &mine, full, 1, &r, e);
+    if (s == ML_OK)
+        s = req_finish(r, "", e);
+    if (s == ML_OK && padded)
+        memcpy(ml_data(t), ml_data(&pad), (size_t)total * es);
+    ml_tensor_drop(&pad);
+    return s;
+}
+
+ml_status ml_comm_all_reduce_f64(ml_comm *c, double *v, int n, ml_comm_op op, const char *what,
+                                 ml_err *e)
+{
+    if (n < 0 || (n > 0 && !v))
+        return ml_err_set(e, ML_EINVAL, "numbers: %d values at %p", n, (void *)v);
+    if (op < ML_COMM_SUM || op > ML_COMM_MIN)
+        return ml_err_set(e, ML_EINVAL, "op must be ML_COMM_SUM, ML_COMM_MAX or ML_COMM_MIN, got %d",
+                          (int)op);
+    if (c->h->planning)
+        return ML_OK;
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_NUMBERS, ML_F64, n, op, what, e));
+    if (c->world == 1 || n == 0)
+        return ML_OK;
+    /* every rank's values in one scratch (v itself never reaches MPI: a
+     * timed-out exchange keeps its buffers, v is the caller's) */
+    ml_tensor all = {0};
+    int64_t dims[2] = {c->world, n};
+    ML_TRY(comm_scratch(c, &all, ML_F64, 2, dims, e));
+    double *a = ml_data(&all);
+    memcpy(a + (int64_t)c->rank * n, v, (size_t)n * sizeof *v);
+    ml_comm_req *r;
+    ml_status s = req_new(&d, &r, e);
+    if (s == ML_OK) {
+        req_hold(r, &all);
+        s = req_start(c, r, "MPI_Iallgather", MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DOUBLE, a, n,
+                                                             MPI_DOUBLE, c->mc, &r->mpi), e);
+    }
+    if (s == ML_OK)
+        s = req_finish(r, "", e);
+    for (int i = 0; s == ML_OK && i < n; i++) {
+        double x = a[i];
+        for (int q = 1; q < c->world; q++) {
+            double y = a[(int64_t)q * n + i];
+            if (op == ML_COMM_SUM)
+                x += y;
+            else if (isnan(y) || (op == ML_COMM_MAX ? y > x : y < x))
+                x = y;   /* a NaN once in x stays: no comparison with it is true */
+        }
+        v[i] = x;
+    }
+    ml_tensor_drop(&all);
+    return s;
+}
+
+/* ---- broadcast, all-to-all-v, barrier ----------------------------------------------- */
+
+ml_status ml_comm_broadcast(ml_comm *c, ml_tensor *t, int root, const char *what, ml_err *e)
+{
+    ML_TRY(check_buffer(t, "t", ML_DT_ANY, e));
+    if (root < 0 || root >= c->world)
+        return ml_err_set(e, ML_EINVAL, "root must be a rank in [0, %d), got %d", c->world, root);
+    int64_t n = ml_numel(t);
+    ML_TRY(check_count(n, "t", e));
+    if (c->h->planning)
+        return ML_OK;
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_BROADCAST, t->dtype, n, root, what, e));
+    if (c->world == 1)
+        return ML_OK;
+    ml_comm_req *r;
+    ML_TRY(req_new(&d, &r, e));
+    MPI_Datatype ty;
+    int rc = contiguous_type((int64_t)ml_dtype_size(t->dtype), &ty);
+    if (rc == MPI_SUCCESS) {
+        req_hold(r, t);
+        rc = MPI_Ibcast(ml_data(t), (int)n, ty, root, c->mc, &r->mpi);
+        MPI_Type_free(&ty);
+    }
+    ML_TRY(req_start(c, r, "MPI_Ibcast", rc, e));
+    return req_finish(r, "", e);
+}
+
+/* Elements of one row of t (dim 0 indexes rows). */
+static int64_t row_numel(const ml_tensor *t)
+{
+    return ml_shape_numel(t->ndim - 1, t->shape + 1);
+}
+
+/* rows[0..world) >= 0 with a sum that fits t's rows and an int. */
+static ml_status check_rows(const ml_comm *c, const int64_t *rows, const ml_tensor *t,
+                            const char *name, const char *tname, ml_err *e)
+{
+    int64_t sum = 0;
+    for (int q = 0; q < c->world; q++) {
+        if (rows[q] < 0)
+            return ml_err_set(e, ML_EINVAL, "%s for rank %d is %lld (rows must be >= 0)", name, q,
+                              (long long)rows[q]);
+        sum += rows[q];
+        if (sum > t->shape[0])
+            return ml_err_set(e, ML_EINVAL, "%s add up to more than the %lld rows of %s", name,
+                              (long long)t->shape[0], tname);
+    }
+    return check_count(sum, name, e);
+}
+
+/* counts (rows per rank) and their displacements, in an i32 scratch of
+ * [4, world] held by the request: MPI reads them until it completes. */
+static ml_status alltoallv_counts(ml_comm *c, const int64_t *send_rows, const int64_t *recv_rows,
+                                  ml_tensor *t, ml_err *e)
+{
+    int64_t dims[2] = {4, c->world};
+    ML_TRY(comm_scratch(c, t, ML_I32, 2, dims, e));
+    int *sc = ml_data(t), *sd = sc + c->world, *rc = sd + c->world, *rd = rc + c->world;
+    for (int q = 0, s = 0, r = 0; q < c->world; q++) {
+        sc[q] = (int)send_rows[q];
+        rc[q] = (int)recv_rows[q];
+        sd[q] = s;
+        rd[q] = r;
+        s += sc[q];
+        r += rc[q];
+    }
+    return ML_OK;
+}
+
+ml_status ml_comm_all_to_all_v(ml_comm *c, const ml_tensor *send, const int64_t *send_rows,
+                               ml_tensor *recv, const int64_t *recv_rows, const char *what,
+                               ml_err *e)
+{
+    ML_TRY(ml_check_input(send, "send", ML_CPU, ML_DT_ANY, -1, 1, e));
+    ML_TRY(ml_check_input(recv, "recv", ML_CPU, ML_DT_ANY, -1, 1, e));
+    ML_TRY(ml_check_same_dtype(recv, "recv", "send", send->dtype, e));
+    int64_t row = row_numel(send);
+    if (row_numel(recv) != row)
+        return ml_err_set(e, ML_EINVAL, "recv's rows have %lld elements but send's have %lld",
+                          (long long)row_numel(recv), (long long)row);
+    int64_t row_bytes = row * (int64_t)ml_dtype_size(send->dtype);
+    if (row_bytes > INT_MAX)
+        return ml_err_set(e, ML_EINVAL, "send's rows have %lld bytes, more than MPI's int count",
+                          (long long)row_bytes);
+    ML_TRY(check_rows(c, send_rows, send, "send_rows", "send", e));
+    ML_TRY(check_rows(c, recv_rows, recv, "recv_rows", "recv", e));
+    if (ml_tensors_overlap(send, recv))
+        return ml_err_set(e, ML_EINVAL, "send and recv overlap");
+    if (c->world == 1 && send_rows[0] != recv_rows[0])
+        return ml_err_set(e, ML_EINVAL, "send_rows (%lld) and recv_rows (%lld) for rank 0 differ",
+                          (long long)send_rows[0], (long long)recv_rows[0]);
+    ml_tensor counts = {0};
+    if (c->h->planning) {
+        ml_status s = c->world > 1 ? alltoallv_counts(c, send_rows, recv_rows, &counts, e) : ML_OK;
+        ml_tensor_drop(&counts);
+        return s;
+    }
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_ALL_TO_ALL_V, send->dtype, row, 0, what, e));
+    if (c->world == 1) {
+        if (send_rows[0] > 0)
+            memcpy(ml_data(recv), ml_data(send), (size_t)(send_rows[0] * row_bytes));
+        return ML_OK;
+    }
+    ML_TRY(alltoallv_counts(c, send_rows, recv_rows, &counts, e));
+    int *k = ml_data(&counts), w = c->world;
+    ml_comm_req *r;
+    ml_status s = req_new(&d, &r, e);
+    if (s == ML_OK) {
+        MPI_Datatype ty;
+        int rc = contiguous_type(row_bytes, &ty);
+        if (rc == MPI_SUCCESS) {
+            req_hold(r, send);
+            req_hold(r, recv);
+            req_hold(r, &counts);
+            rc = MPI_Ialltoallv(ml_data(send), k, k + w, ty, ml_data(recv), k + 2 * w, k + 3 * w,
+                                ty, c->mc, &r->mpi);
+            MPI_Type_free(&ty);
+        }
+        s = req_start(c, r, "MPI_Ialltoallv", rc, e);
+    }
+    if (s == ML_OK)
+        s = req_finish(r, "", e);
+    ml_tensor_drop(&counts);
+    return s;
+}
+
+ml_status ml_comm_barrier(ml_comm *c, const char *what, ml_err *e)
+{
+    if (c->h->planning)
+        return ML_OK;
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_BARRIER, ML_U8, 0, 0, what, e));
+    if (c->world == 1)
+        return ML_OK;
+    ml_comm_req *r;
+    ML_TRY(req_new(&d, &r, e));
+    ML_TRY(req_start(c, r, "MPI_Ibarrier", MPI_Ibarrier(c->mc, &r->mpi), e));
+    return req_finish(r, "", e);
+}
