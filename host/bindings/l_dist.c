@@ -7,6 +7,7 @@
  *                            returns dist, an option given with another
  *                            value than the first call's is an error
  *   dist.launched()          true under mpiexec (PMI_SIZE set); before init too
+ *   dist.initialized()       has dist.init run?
  *   dist.rank(), dist.world()  0 and 1 before init and without mpiexec
  *   dist.set_context(text)   a label ("step 3") in every later error
  *   dist.all_gather(shard, full, what)          -> full
@@ -114,6 +115,12 @@ static int l_dist_init(lua_State *L)
 static int l_dist_launched(lua_State *L)
 {
     lua_pushboolean(L, ml_comm_launched());
+    return 1;
+}
+
+static int l_dist_initialized(lua_State *L)
+{
+    lua_pushboolean(L, comm_of(L) != NULL);
     return 1;
 }
 
@@ -367,6 +374,7 @@ static int l_dist_abort(lua_State *L)
 static const luaL_Reg dist_functions[] = {
     {"init", l_dist_init},
     {"launched", l_dist_launched},
+    {"initialized", l_dist_initialized},
     {"rank", l_dist_rank},
     {"world", l_dist_world},
     {"set_context", l_dist_set_context},

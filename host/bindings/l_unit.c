@@ -209,7 +209,7 @@ static int l_unit_views(lua_State *L)
 {
     static const char fn[] = "Unit:views";
     ml_unit *u = check_unit(L, 1);
-    ml_tensor *flat = ml_checktensor_named(L, 2, fn, "argument #2 (flat)");
+    ml_tensor *flat = ml_checkview(L, 2, fn);
     if (flat->ndim != 1 || !ml_is_contiguous(flat))
         ml_error(L, fn, "flat must be a contiguous 1-D tensor, got %d dims%s", flat->ndim,
                  ml_is_contiguous(flat) ? "" : " (not contiguous)");

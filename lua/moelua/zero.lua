@@ -65,6 +65,9 @@ function zero.new(o)
   if every ~= "micro" and every ~= "step" then
     errors.user(string.format("--reduce-every %s: must be micro or step", every))
   end
+  if dist.launched() and not dist.initialized() then
+    errors.user("moelua.zero.new: launched by mpiexec: call moelua.dist.init first (the ranks are not known yet)")
+  end
   return setmetatable({
     stage = stage, prefetch = prefetch, reduce_every = every, dist = dist,
     rank = dist.rank(), world = dist.world(),
@@ -121,7 +124,9 @@ function Zero:_gather(u, blocking)
   if not u.params:storage_released() or self.pending[u] then return end
   u.params:acquire_storage()
   local what = "unit " .. u.name
-  if blocking then
+  if self.world == 1 then
+    u.params:copy_(u.shard_params)
+  elseif blocking then
     self.dist.all_gather(u.shard_params, u.params, what)
   else
     self.pending[u] = self.dist.iall_gather(u.shard_params, u.params, what)
@@ -164,7 +169,11 @@ end
 
 function Zero:after_backward(u)
   if self.per_unit then
-    self.dist.reduce_scatter(u.grads, u.shard_grads, "gradient of unit " .. u.name, true)
+    if self.world == 1 then
+      u.shard_grads:add_(u.grads)
+    else
+      self.dist.reduce_scatter(u.grads, u.shard_grads, "gradient of unit " .. u.name, true)
+    end
     u.grads:release_storage(released(u, "whole gradient"))
   end
   self:release(u)
@@ -199,7 +208,9 @@ function Zero:reduce_grads(scale)
     if self.stage == 0 then
       if self.world > 1 then self.dist.all_reduce(g, what) end
     else
-      if not self.per_unit then self.dist.reduce_scatter(g, u.shard_grads, what) end
+      if self.per_unit then   -- reduced after each unit's backward
+      elseif self.world == 1 then u.shard_grads:copy_(g)
+      else self.dist.reduce_scatter(g, u.shard_grads, what) end
       g = u.shard_grads
     end
     if scale ~= 1 then C.scale_(g, scale) end
@@ -242,8 +253,8 @@ function Zero:groups()
                                   "which are not built for sharded units or several ranks yet: use one process " ..
                                   "with --zero 0", self.stage, self.world))
       end
-      out[#out + 1] = {name = g.name,
-                       params = (whole and u.params or u.shard_params):view_at(at, {r.n}),
+      local params = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+      out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
                        grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
                        weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen,
                        experts = g.experts}
@@ -270,7 +281,8 @@ function Zero:clip_grad_norm(groups, max_norm)
       end
     end
   end
-  local sum = self.dist.all_reduce_numbers({C.grad_sumsq(mine)}, "sum", "gradient norm")[1]
+  local sum = C.grad_sumsq(mine)
+  if self.world > 1 then sum = self.dist.all_reduce_numbers({sum}, "sum", "gradient norm")[1] end
   local total = math.sqrt(sum)
   local coef = max_norm / (total + 1e-6)
   if total == total and total < math.huge and coef < 1 then
