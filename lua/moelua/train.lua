@@ -1141,7 +1141,7 @@ function train.run(cfg)
         -- good: not a step that asked for a rollback it could not take, nor one inside a collapse
         if dir and not why and not collapsing then
           last_good, last_good_step = dir, step
-          ckpt.mark_good(self.run_dir .. "/ckpt", last_good)
+          if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
         end
         m.phases.checkpoint = now() - t0
       end

@@ -4,6 +4,7 @@
 local support = require "tests.support"
 local zero = require "moelua.zero"
 local mio = require "moelua.io"
+local fs = require "moelua.fs"
 
 local tmpdir, corpus
 
@@ -122,6 +123,25 @@ describe("moelua.zero", function()
       -- gathered parameters: the units in use (a block's two) + the prefetched one
       assert.is_true(ranks[r].peak.comm <= 3 * (largest + 4) * 4 + 2 * largest * 4,
                      string.format("rank %d comm peak %d", r, ranks[r].peak.comm))
+    end
+  end)
+
+  it("a checkpoint saved at N = 4, stage 3 resumes at N = 2 and N = 1 with the same tensors", function()
+    local root = tmpdir .. "/ck4"
+    local ref = mpirun(4, tmpdir .. "/ck4out", {stage = 3, steps = 4, ["ckpt-every"] = 3, ["run-dir"] = root})[0]
+    local saved = root .. "/ckpt/step-000002"
+    local files = {"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors"}
+    for _, n in ipairs{2, 1} do
+      -- a resume that takes no step saves what it loaded: the same bytes
+      local dir = string.format("%s/re%d", tmpdir, n)
+      mpirun(n, dir .. "out", {stage = n == 2 and 1 or 0, steps = 3, ["run-dir"] = dir, resume = saved})
+      for _, f in ipairs(files) do
+        assert.are.equal(fs.sha256(saved .. "/" .. f), fs.sha256(dir .. "/ckpt/step-000002/" .. f), n .. ": " .. f)
+      end
+      -- and the next step's loss is the one the saving run took
+      local nxt = mpirun(n, dir .. "next", {stage = n == 2 and 2 or 0, accum = 4 // n, steps = 4, resume = saved})[0]
+      local rel = math.abs(nxt.loss[3] - ref.loss[3]) / math.abs(ref.loss[3])
+      assert.is_true(rel <= 2e-4, string.format("N=%d: step 3 loss %.17g vs %.17g", n, nxt.loss[3], ref.loss[3]))
     end
   end)
 end)

@@ -2,6 +2,7 @@
 -- tests/spec/zero_spec.lua (run by mpiexec -n N ./moelua). Options:
 --   --corpus PATH --out DIR --stage 0..3 --accum A --steps K --optim adamw|sgd
 --   --prefetch P --reduce-every micro|step --sparse --timeout S
+--   --run-dir D --ckpt-every K --resume CKPT
 -- Writes DIR/rank<R>.txt: the losses of every step ("loss <step> %.17g"),
 -- the ledger's bytes per category after the run and at its peak
 -- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the unit elements and
@@ -21,7 +22,7 @@ local mio = require "moelua.io"
 local o = options.parse(arg, {
   {"corpus", ""}, {"out", ""}, {"stage", 0}, {"accum", 1}, {"steps", 5}, {"optim", "adamw"},
   {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
-  {"seq-len", 32}, {"lr", 1e-2},
+  {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
@@ -36,11 +37,14 @@ local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
 local ds = data.open{glob = o.corpus, seq_len = o.seq_len, seed = 1, holdout = 0}
 local result = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = o.seq_len,
                          steps = o.steps, accum = o.accum, clip = 1.0, lr = function() return o.lr end,
-                         log_every = 1000}
+                         log_every = 1000, run_dir = o.run_dir ~= "" and o.run_dir or nil,
+                         ckpt_every = o.ckpt_every, keep = 10, resume = o.resume}
 
 local rank = dist.rank()
 local lines = {}
-for s = 0, o.steps - 1 do lines[#lines + 1] = string.format("loss %d %.17g", s, result.losses[s]) end
+for s = 0, o.steps - 1 do
+  if result.losses[s] then lines[#lines + 1] = string.format("loss %d %.17g", s, result.losses[s]) end
+end
 local st = mem.stats().cpu
 for k, v in pairs(st.current) do lines[#lines + 1] = string.format("cur %s %d", k, v) end
 for k, v in pairs(st.peak) do lines[#lines + 1] = string.format("peak %s %d", k, v) end
