@@ -46,9 +46,12 @@ for t in "$TEST_BUILD"/tests/test_*; do
     run_suite "c/$(basename "$t")" "$t"
 done
 # The collectives again on 4 ranks, one OpenMP and one OpenBLAS thread each
-# (only rank 0 prints TAP; the other ranks' failures reach it).
+# (only rank 0 prints TAP; the other ranks' failures reach it). MPICH's own
+# MPI_Init leaks 1 KiB from a library it unloads (no frame to suppress):
+# under ASan leak checks are off for MPI runs only; the plain run keeps them.
 if [ -x "$TEST_BUILD/tests/test_comm" ]; then
     run_suite "c/test_comm (mpiexec -n 4)" env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+        ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0" \
         mpiexec -n 4 "$TEST_BUILD/tests/test_comm"
 fi
 for spec in tests/spec/*_spec.lua; do

@@ -166,9 +166,10 @@ static void expected_shard(ml_dtype dt, int64_t n, int salt, const ml_tensor *ac
 {
     for (int64_t i = 0; i < n; i++) {
         int64_t j = rank * n + i;
-        float f = acc ? ((float *)ml_data(acc))[i] : (float)value(0, j, salt);
-        double d = acc ? ((double *)ml_data(acc))[i] : value(0, j, salt);
-        double r = acc ? (dt == ML_F32 ? (double)f : d) : value(0, j, salt), a = fabs(r);
+        int f32 = dt == ML_F32;
+        float f = !acc ? (float)value(0, j, salt) : f32 ? ((float *)ml_data(acc))[i] : 0;
+        double d = !acc ? value(0, j, salt) : f32 ? 0 : ((double *)ml_data(acc))[i];
+        double r = acc ? (f32 ? (double)f : d) : value(0, j, salt), a = fabs(r);
         for (int q = acc ? 0 : 1; q < world; q++) {
             double x = dt == ML_F32 ? (double)(float)value(q, j, salt) : value(q, j, salt);
             f += (float)value(q, j, salt);
