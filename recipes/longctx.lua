@@ -185,7 +185,9 @@ options.need_device(opts.device, "; the plan above is what the run needs")
 run.model, run.optimizer, run.groups = build()
 run.plan = plan   -- the model's pool is taken at the planned size: the first step grows nothing
 -- --attach: answer `moelua attach RUN_DIR` at the job's safe points.
-local attached = opts.attach and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps, model = run.model}) or nil
+-- With several ranks, rank 0 listens and its requests hold for all (moelua.train).
+local attached = opts.attach and dist.rank() == 0
+  and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps, model = run.model}) or nil
 run.attach = attached
 
 say(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",

@@ -17,6 +17,7 @@ moelua.optim = require "moelua.optim"
 moelua.ops = require "moelua.ops"
 moelua.fs = require "moelua.fs"
 moelua.inspect = require "moelua.inspect"
+moelua.dist = require "moelua.dist"
 
 local io = require "moelua.io"
 moelua.save, moelua.load = io.save, io.load

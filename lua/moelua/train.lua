@@ -601,6 +601,24 @@ end
 -- The controls a step runs with, before the hook sets them (all logged).
 local CONTROLS = {"temperature", "noise", "eps", "aux_weight", "z_weight", "lr_scale", "capacity_factor"}
 
+-- What an attached REPL set (overrides of the controls) and whether it
+-- asked for a checkpoint. With several ranks, only rank 0 listens
+-- (moelua.remote): its requests hold for every rank.
+local function attach_requests(self)
+  local srv, z = self.attach, self.model.zero
+  local ov = srv and srv.overrides or {}
+  if z.world == 1 then return ov, srv and srv.want_checkpoint end
+  local v = {}
+  for i, k in ipairs(CONTROLS) do v[2 * i - 1], v[2 * i] = ov[k] ~= nil and 1 or 0, ov[k] or 0 end
+  v[#v + 1] = srv and srv.want_checkpoint and 1 or 0
+  v = z.dist.all_reduce_numbers(v, "sum", "attach requests")   -- the others send zeros
+  local out = {}
+  for i, k in ipairs(CONTROLS) do
+    if v[2 * i - 1] > 0 then out[k] = v[2 * i] end
+  end
+  return out, v[#v] > 0
+end
+
 local function fresh_ctl(self)
   return {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
           z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
@@ -676,9 +694,11 @@ function Trainer:step(step)
     self:call_hook(step, "hook", step, self.state, ctl)
   end
   self:redraw()                                 -- below whatever the hook printed
-  local overrides = srv and next(srv.overrides) and {} or nil
+  local set
+  set, self.want_checkpoint = attach_requests(self)
+  local overrides = next(set) and {} or nil
   if overrides then                             -- values set from an attached REPL win over the hook's
-    for k, v in pairs(srv.overrides) do ctl[k], overrides[k] = v, v end
+    for k, v in pairs(set) do ctl[k], overrides[k] = v, v end
   end
   local lr = self.lr(step) * ctl.lr_scale
   if self.pending_rollback then                 -- logged now: with the lr scale the replay runs at
@@ -1129,8 +1149,8 @@ function train.run(cfg)
         end
       end
       local dir, held
-      if self.attach and self.attach.want_checkpoint and self.run_dir then   -- asked for from `moelua attach`
-        self.attach.want_checkpoint = false
+      if self.want_checkpoint and self.run_dir then   -- asked for from `moelua attach`
+        if self.attach then self.attach.want_checkpoint = false end
         dir, held = self:save(step, "attach")
       end
       if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then

@@ -23,7 +23,7 @@ local function mpirun(n, out, opts)
   assert.are.equal(0, code, text)
   local ranks = {}
   for r = 0, n - 1 do
-    local rk = {loss = {}, cur = {}, peak = {}, units = {}}
+    local rk = {loss = {}, cur = {}, peak = {}, units = {}, plan = {}, run = {}}
     for line in io.lines(string.format("%s/rank%d.txt", out, r)) do
       local kind, a, b, c = line:match("^(%S+) (%S+) (%S+) ?(%S*)$")
       if kind == "loss" then rk.loss[tonumber(a)] = tonumber(b)
@@ -120,6 +120,8 @@ describe("moelua.zero", function()
         assert.is_true(c[k] <= one.cur[k] / 4 + pad * 4 * (k == "optim" and 2 or 1),
                        string.format("rank %d %s: %d vs %d / 4", r, k, c[k], one.cur[k]))
       end
+      -- the plan is this rank's memory, to the byte
+      assert.are.equal(ranks[r].plan.total_peak, ranks[r].run.total_peak, "rank " .. r)
       -- gathered parameters: the units in use (a block's two) + the prefetched one
       assert.is_true(ranks[r].peak.comm <= 3 * (largest + 4) * 4 + 2 * largest * 4,
                      string.format("rank %d comm peak %d", r, ranks[r].peak.comm))

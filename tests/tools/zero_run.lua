@@ -26,19 +26,26 @@ local o = options.parse(arg, {
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
-local model = nn.Transformer.new{
-  vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = 4, topk = 2,
-  seed = 3, checkpoint = "moe",
-  zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
-}
-local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
-local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
-  or optim.AdamW(groups, {lr = o.lr, weight_decay = 0.1})
+local function build()
+  local model = nn.Transformer.new{
+    vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = 4, topk = 2,
+    seed = 3, checkpoint = "moe",
+    zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
+  }
+  local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
+  local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
+    or optim.AdamW(groups, {lr = o.lr, weight_decay = 0.1})
+  return model, opt, groups
+end
 local ds = data.open{glob = o.corpus, seq_len = o.seq_len, seed = 1, holdout = 0}
-local result = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = o.seq_len,
-                         steps = o.steps, accum = o.accum, clip = 1.0, lr = function() return o.lr end,
-                         log_every = 1000, run_dir = o.run_dir ~= "" and o.run_dir or nil,
-                         ckpt_every = o.ckpt_every, keep = 10, resume = o.resume}
+local cfg = {build = build, data = ds, seq_len = o.seq_len, steps = o.steps, accum = o.accum, clip = 1.0,
+             lr = function() return o.lr end, log_every = 1000, run_dir = o.run_dir ~= "" and o.run_dir or nil,
+             ckpt_every = o.ckpt_every, keep = 10, resume = o.resume}
+local plan = train.plan(cfg)      -- this rank's memory, planned
+cfg.model, cfg.optimizer, cfg.groups = build()
+cfg.plan = plan
+local model = cfg.model
+local result = train.run(cfg)
 
 local rank = dist.rank()
 local lines = {}
@@ -46,6 +53,8 @@ for s = 0, o.steps - 1 do
   if result.losses[s] then lines[#lines + 1] = string.format("loss %d %.17g", s, result.losses[s]) end
 end
 local st = mem.stats().cpu
+lines[#lines + 1] = string.format("plan total_peak %d", plan.total_peak)
+lines[#lines + 1] = string.format("run total_peak %d", st.total_peak)
 for k, v in pairs(st.current) do lines[#lines + 1] = string.format("cur %s %d", k, v) end
 for k, v in pairs(st.peak) do lines[#lines + 1] = string.format("peak %s %d", k, v) end
 local whole = {}
