@@ -133,10 +133,21 @@ local function ledger_peaks(z)
   local st = mem.stats().cpu
   local peaks = {total = st.total_peak}
   for k, v in pairs(st.peak) do peaks[k] = v end
-  if z.world > 1 then
+  if z.world > 1 then   -- every rank's total and category peaks, rank 0 first
+    local keys = {"total"}
+    for k in pairs(st.peak) do keys[#keys + 1] = k end
+    table.sort(keys)
     local mine = {}
-    for r = 1, z.world do mine[r] = r == z.rank + 1 and st.total_peak or 0 end
-    peaks.ranks = z.dist.all_reduce_numbers(mine, "sum", "ledger peaks")
+    for r = 0, z.world - 1 do
+      for i, k in ipairs(keys) do mine[r * #keys + i] = r == z.rank and peaks[k] or 0 end
+    end
+    local all = z:all_reduce_numbers(mine, "sum", "ledger peaks")
+    peaks.ranks = {}
+    for r = 0, z.world - 1 do
+      local one = {}
+      for i, k in ipairs(keys) do one[k] = math.tointeger(all[r * #keys + i]) end
+      peaks.ranks[r + 1] = one
+    end
   end
   return peaks
 end
@@ -144,7 +155,7 @@ end
 -- The means over ranks of a step's numbers (each rank's over its micro-batches).
 local function mean_over_ranks(z, ...)
   if z.world == 1 then return ... end
-  local v = z.dist.all_reduce_numbers({...}, "sum", "losses")
+  local v = z:all_reduce_numbers({...}, "sum", "losses")
   for i = 1, #v do v[i] = v[i] / z.world end
   return table.unpack(v)
 end
@@ -159,7 +170,7 @@ local function expert_loads(z, stats)
       local E = #counts
       local v = {table.unpack(counts)}
       v[E + 1], v[E + 2] = entropy / z.world, dropped or 0
-      v = z.dist.all_reduce_numbers(v, "sum", "expert loads of layer " .. (i - 1))
+      v = z:all_reduce_numbers(v, "sum", "expert loads of layer " .. (i - 1))
       local total, most = 0, 0
       for e = 1, E do
         counts[e] = math.tointeger(v[e]) or v[e]
@@ -180,7 +191,7 @@ local function active_masks(z, masks)
   table.sort(keys)   -- the same collectives in the same order on every rank
   for _, gi in ipairs(keys) do
     local m = masks[gi]
-    local v = z.dist.all_reduce_numbers(m:totable(), "max", "active experts")
+    local v = z:all_reduce_numbers(m:totable(), "max", "active experts")
     for e, x in ipairs(v) do m:view_at(e - 1, {1}):fill_(x) end
   end
   return masks
@@ -611,7 +622,7 @@ local function attach_requests(self)
   local v = {}
   for i, k in ipairs(CONTROLS) do v[2 * i - 1], v[2 * i] = ov[k] ~= nil and 1 or 0, ov[k] or 0 end
   v[#v + 1] = srv and srv.want_checkpoint and 1 or 0
-  v = z.dist.all_reduce_numbers(v, "sum", "attach requests")   -- the others send zeros
+  v = z:all_reduce_numbers(v, "sum", "attach requests")   -- the others send zeros
   local out = {}
   for i, k in ipairs(CONTROLS) do
     if v[2 * i - 1] > 0 then out[k] = v[2 * i] end
@@ -772,6 +783,7 @@ function Trainer:step(step)
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z)
+  if z.world > 1 then m.comm_seconds = z:take_waits() end   -- this rank's (rank 0's in the log)
   return m
 end
 
@@ -846,7 +858,7 @@ function Trainer:progress(m, step, last_step, t_start)
   local peak = string.format("%.1f MiB", m.ledger_peak.total / 2^20)
   if m.ledger_peak.ranks then   -- every rank's, rank 0 first
     local each = {}
-    for r, v in ipairs(m.ledger_peak.ranks) do each[r] = string.format("%.1f", v / 2^20) end
+    for r, v in ipairs(m.ledger_peak.ranks) do each[r] = string.format("%.1f", v.total / 2^20) end
     peak = "per rank " .. table.concat(each, "/") .. " MiB"
   end
   local line = string.format("step %d/%d  loss %.4f%s  aux %.3f  lr %.2e  %.0f tok/s  eta %.0fs  peak %s%s",

@@ -38,6 +38,7 @@ local mem = require "moelua.mem"
 local dist = require "moelua.dist"
 local errors = require "moelua.errors"
 local C = require "moelua.optim_c"
+local now = require("moelua.bench").now
 
 local zero = {}
 
@@ -73,7 +74,7 @@ function zero.new(o)
     rank = dist.rank(), world = dist.world(),
     -- stages 2-3 reduce each unit right after its backward ("micro")
     per_unit = stage >= 2 and every == "micro",
-    units = {}, order = {}, pos = {}, pending = {},
+    units = {}, order = {}, pos = {}, pending = {}, waits = {},
   }, Zero)
 end
 
@@ -127,7 +128,7 @@ function Zero:_gather(u, blocking)
   if self.world == 1 then
     u.params:copy_(u.shard_params)
   elseif blocking then
-    self.dist.all_gather(u.shard_params, u.params, what)
+    self:_timed("all_gather", self.dist.all_gather, u.shard_params, u.params, what)
   else
     self.pending[u] = self.dist.iall_gather(u.shard_params, u.params, what)
   end
@@ -138,7 +139,7 @@ function Zero:_ready(u)
   local req = self.pending[u]
   if req then
     self.pending[u] = nil
-    req:wait()
+    self:_timed("all_gather", req.wait, req)
   else
     self:_gather(u, true)
   end
@@ -162,7 +163,7 @@ end
 function Zero:release(u)
   if self.stage == 3 and not u.params:storage_released() then
     local req = self.pending[u]   -- a prefetch still in flight completes first
-    if req then self.pending[u] = nil; req:wait() end
+    if req then self.pending[u] = nil; self:_timed("all_gather", req.wait, req) end
     u.params:release_storage(released(u, "parameters"))
   end
 end
@@ -172,7 +173,8 @@ function Zero:after_backward(u)
     if self.world == 1 then
       u.shard_grads:add_(u.grads)
     else
-      self.dist.reduce_scatter(u.grads, u.shard_grads, "gradient of unit " .. u.name, true)
+      self:_timed("reduce_scatter", self.dist.reduce_scatter, u.grads, u.shard_grads,
+                  "gradient of unit " .. u.name, true)
     end
     u.grads:release_storage(released(u, "whole gradient"))
   end
@@ -196,6 +198,29 @@ function Zero:zero_grad()
   end
 end
 
+-- ---- collectives ------------------------------------------------------------
+
+-- z.waits: seconds this rank spent in each kind of collective (all_gather,
+-- reduce_scatter, all_reduce, numbers) since take_waits(); on one host
+-- most of it is waiting for the slowest rank.
+function Zero:_timed(kind, fn, ...)
+  local t0 = now()
+  local r = fn(...)
+  self.waits[kind] = (self.waits[kind] or 0) + now() - t0
+  return r
+end
+
+function Zero:take_waits()
+  local w = self.waits
+  self.waits = {}
+  return w
+end
+
+-- A few numbers summed (in rank order) or maxed over the ranks.
+function Zero:all_reduce_numbers(v, op, what)
+  return self:_timed("numbers", self.dist.all_reduce_numbers, v, op, what)
+end
+
 -- ---- the step ---------------------------------------------------------------
 
 -- After the last micro-batch: every gradient summed over ranks (whole at
@@ -206,11 +231,11 @@ function Zero:reduce_grads(scale)
     local what = "gradient of unit " .. u.name
     local g = u.grads
     if self.stage == 0 then
-      if self.world > 1 then self.dist.all_reduce(g, what) end
+      if self.world > 1 then self:_timed("all_reduce", self.dist.all_reduce, g, what) end
     else
       if self.per_unit then   -- reduced after each unit's backward
       elseif self.world == 1 then u.shard_grads:copy_(g)
-      else self.dist.reduce_scatter(g, u.shard_grads, what) end
+      else self:_timed("reduce_scatter", self.dist.reduce_scatter, g, u.shard_grads, what) end
       g = u.shard_grads
     end
     if scale ~= 1 then C.scale_(g, scale) end
@@ -282,7 +307,7 @@ function Zero:clip_grad_norm(groups, max_norm)
     end
   end
   local sum = C.grad_sumsq(mine)
-  if self.world > 1 then sum = self.dist.all_reduce_numbers({sum}, "sum", "gradient norm")[1] end
+  if self.world > 1 then sum = self:all_reduce_numbers({sum}, "sum", "gradient norm")[1] end
   local total = math.sqrt(sum)
   local coef = max_norm / (total + 1e-6)
   if total == total and total < math.huge and coef < 1 then
@@ -304,7 +329,7 @@ function Zero:gather_params()
   if self.stage == 3 or self.world == 1 then return end
   for _, u in ipairs(self.units) do
     local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
-    self.dist.all_gather(mine, u.params, "parameters of unit " .. u.name)
+    self:_timed("all_gather", self.dist.all_gather, mine, u.params, "parameters of unit " .. u.name)
     mine:free()
   end
 end
