@@ -612,22 +612,30 @@ end
 -- The controls a step runs with, before the hook sets them (all logged).
 local CONTROLS = {"temperature", "noise", "eps", "aux_weight", "z_weight", "lr_scale", "capacity_factor"}
 
--- What an attached REPL set (overrides of the controls) and whether it
--- asked for a checkpoint. With several ranks, only rank 0 listens
--- (moelua.remote): its requests hold for every rank.
-local function attach_requests(self)
+-- What an attached REPL set (overrides of the controls), at a step's
+-- start. With several ranks, only rank 0 listens (moelua.remote): its
+-- requests hold for every rank.
+local function attach_overrides(self)
   local srv, z = self.attach, self.model.zero
   local ov = srv and srv.overrides or {}
-  if z.world == 1 then return ov, srv and srv.want_checkpoint end
+  if z.world == 1 then return ov end
   local v = {}
   for i, k in ipairs(CONTROLS) do v[2 * i - 1], v[2 * i] = ov[k] ~= nil and 1 or 0, ov[k] or 0 end
-  v[#v + 1] = srv and srv.want_checkpoint and 1 or 0
-  v = z:all_reduce_numbers(v, "sum", "attach requests")   -- the others send zeros
+  v = z:all_reduce_numbers(v, "sum", "attach overrides")   -- the others send zeros
   local out = {}
   for i, k in ipairs(CONTROLS) do
     if v[2 * i - 1] > 0 then out[k] = v[2 * i] end
   end
-  return out, v[#v] > 0
+  return out
+end
+
+-- Did an attached REPL ask for a checkpoint (after a step)?
+local function attach_wants_checkpoint(self)
+  local srv, z = self.attach, self.model.zero
+  local want = srv and srv.want_checkpoint and 1 or 0
+  if srv then srv.want_checkpoint = false end
+  if z.world > 1 then want = z:all_reduce_numbers({want}, "max", "attach checkpoint request")[1] end
+  return want > 0
 end
 
 local function fresh_ctl(self)
@@ -705,8 +713,7 @@ function Trainer:step(step)
     self:call_hook(step, "hook", step, self.state, ctl)
   end
   self:redraw()                                 -- below whatever the hook printed
-  local set
-  set, self.want_checkpoint = attach_requests(self)
+  local set = attach_overrides(self)
   local overrides = next(set) and {} or nil
   if overrides then                             -- values set from an attached REPL win over the hook's
     for k, v in pairs(set) do ctl[k], overrides[k] = v, v end
@@ -1161,8 +1168,7 @@ function train.run(cfg)
         end
       end
       local dir, held
-      if self.want_checkpoint and self.run_dir then   -- asked for from `moelua attach`
-        if self.attach then self.attach.want_checkpoint = false end
+      if attach_wants_checkpoint(self) and self.run_dir then   -- asked for from `moelua attach`
         dir, held = self:save(step, "attach")
       end
       if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
