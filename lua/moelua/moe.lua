@@ -279,10 +279,11 @@ function Layer:backward(dy, coef)
   return dx
 end
 
--- After the optimizer step: the aux-loss-free bias moves toward balance.
-function Layer:update_bias()
+-- After the optimizer step: the aux-loss-free bias moves toward balance,
+-- from the last forward's counts or the given ones (i64 [E]: every rank's).
+function Layer:update_bias(counts)
   if self.bias then
-    router.update_bias(self.bias, self.stats.counts, self.opts.bias_rate)
+    router.update_bias(self.bias, counts or self.stats.counts, self.opts.bias_rate)
   end
 end
 

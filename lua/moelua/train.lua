@@ -183,6 +183,20 @@ local function expert_loads(z, stats)
   return loads
 end
 
+-- The aux-loss-free router biases (moe.bias_rate > 0) after the step, from
+-- the loads of every rank: bitwise the same bias on each.
+local function update_router_biases(self, loads)
+  for i, layer in ipairs(self.model:moe_layers()) do
+    if layer.bias then
+      local counts
+      if self.model.zero.world > 1 then
+        counts = tensor.tensor(loads[i].counts, {dtype = "i64"}):to(layer.bias:device())
+      end
+      layer:update_bias(counts)
+    end
+  end
+end
+
 -- Lazy Adam's masks (an expert active on any rank is active on all).
 local function active_masks(z, masks)
   if z.world == 1 then return masks end
@@ -778,6 +792,7 @@ function Trainer:step(step)
     self.skipped_run = 0
     self.optimizer:step(lr, active_masks(z, self.model:active_masks(self.groups)))
     z:after_step()
+    update_router_biases(self, loads)
   end
   t.optim = now(dev) - t4
   if prof then
@@ -1113,7 +1128,16 @@ function train.run(cfg)
                               dir and ("; saved " .. dir) or "; no step completed, nothing saved"))
   end
   while step <= last_step do
-    local ok, m = pcall(self.step, self, step)
+    local ok, m, stop
+    if z.world > 1 then
+      -- every rank stops at the same step: Ctrl-C (mpiexec passes it to
+      -- each) is held through the step, and the ranks agree on it after
+      local held
+      held, ok, m = host.hold_interrupts(pcall, self.step, self, step)
+      stop = ok and z:all_reduce_numbers({held}, "max", "interrupts")[1] > 0
+    else
+      ok, m = pcall(self.step, self, step)
+    end
     if not ok then
       self.model.safe_point = nil                -- set during the step
       if tostring(m):find("interrupted") then
@@ -1188,6 +1212,7 @@ function train.run(cfg)
       if held and held > 0 then interrupted(step + 1, dir, " (during the checkpoint save, which finished)") end
       step = step + 1
     end
+    if stop then interrupted(step, (self:save(step - 1, "interrupt"))) end
   end
   self:end_line(true)
   if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients

@@ -79,6 +79,14 @@ describe("moelua.zero", function()
     end
   end)
 
+  it("the aux-loss-free router bias moves from the loads of all ranks, the same on each", function()
+    local out = tmpdir .. "/bias"
+    mpirun(4, out, {stage = 1, steps = 3, ["bias-rate"] = 0.01})
+    local p0 = params(out, 0)
+    assert.is_true(p0["bias.1"]:abs():max():item() > 0)
+    for r = 1, 3 do assert.are.equal(0, max_diff(p0, params(out, r))) end
+  end)
+
   it("N = 1, 2, 4 with N x accumulation = 4 train the same model", function()
     for _, o in ipairs{{optim = "sgd", steps = 10, tol = 1e-5}, {optim = "adamw", steps = 10, tol = 2e-4}} do
       local base

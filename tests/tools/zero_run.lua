@@ -2,12 +2,14 @@
 -- tests/spec/zero_spec.lua (run by mpiexec -n N ./moelua). Options:
 --   --corpus PATH --out DIR --stage 0..3 --accum A --steps K --optim adamw|sgd
 --   --prefetch P --reduce-every micro|step --sparse --timeout S
---   --run-dir D --ckpt-every K --resume CKPT
+--   --run-dir D --ckpt-every K --resume CKPT --bias-rate R
 -- Writes DIR/rank<R>.txt: the losses of every step ("loss <step> %.17g"),
 -- the ledger's bytes per category after the run and at its peak
--- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the unit elements and
--- shards ("unit <name> <numel> <shard>"); and DIR/params.rank<R>.safetensors:
--- every unit's whole parameters as this rank sees them after the run.
+-- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the planned and measured
+-- peaks ("plan total_peak <bytes>", "run total_peak <bytes>"), the unit
+-- elements and shards ("unit <name> <numel> <shard>"); and
+-- DIR/params.rank<R>.safetensors: every unit's whole parameters as this
+-- rank sees them after the run, and the router biases ("bias.<layer>").
 local nn = require "moelua.nn"
 local optim = require "moelua.optim"
 local data = require "moelua.data"
@@ -22,14 +24,14 @@ local mio = require "moelua.io"
 local o = options.parse(arg, {
   {"corpus", ""}, {"out", ""}, {"stage", 0}, {"accum", 1}, {"steps", 5}, {"optim", "adamw"},
   {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
-  {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""},
+  {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""}, {"bias-rate", 0.0},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
 local function build()
   local model = nn.Transformer.new{
     vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = 4, topk = 2,
-    seed = 3, checkpoint = "moe",
+    seed = 3, checkpoint = "moe", moe = {bias_rate = o.bias_rate},
     zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
   }
   local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
@@ -63,6 +65,9 @@ for _, u in ipairs(model.units) do
   local t = tensor.zeros({u.part.padded})
   if u.shard_params then dist.all_gather(u.shard_params, t, "test " .. u.name) else t:copy_(u.params) end
   whole[u.name] = t:view_at(0, {u.numel})
+end
+for i, layer in ipairs(model:moe_layers()) do
+  if layer.bias then whole["bias." .. i] = layer.bias end
 end
 mio.save(string.format("%s/params.rank%d.safetensors", o.out, rank), whole)
 local f = assert(io.open(string.format("%s/rank%d.txt", o.out, rank), "w"))
