@@ -12,11 +12,14 @@
 --
 --   stage  parameters                 gradients                      optimizer states
 --     0    whole                      whole, all-reduced             whole
---     1    whole                      whole, reduce-scattered        the shard
+--     1    whole                      whole, reduce-scattered into   the shard
+--                                     this rank's slice of it
 --     2    whole                      the shard (+ one unit's whole  the shard
 --                                     gradient during its backward)
 --     3    the shard (+ the units in  as stage 2                     the shard
 --          use, gathered just in time)
+-- (With reduce_every "step", stages 2-3 keep whole gradients as stage 1
+-- does and reduce them once per step.)
 --
 -- Lifecycle (the model calls it; one process at stage 0 does nothing):
 -- z:begin(phase, units) names the order of a forward or backward, z:acquire(u)
@@ -107,8 +110,12 @@ function Zero:unit(name, kind, layout, o)
     u.params:release_storage(released(u, "parameters"))
   end
   u.grads = zeros("grads", part.padded)
-  if self.stage >= 1 then u.shard_grads = zeros("grads", part.shard) end
-  if self.per_unit then u.grads:release_storage(released(u, "whole gradient")) end
+  if self.per_unit then   -- the whole gradient only during the unit's backward; the shard kept
+    u.shard_grads = zeros("grads", part.shard)
+    u.grads:release_storage(released(u, "whole gradient"))
+  elseif self.stage >= 1 then   -- reduced in place, into this rank's slice of the whole
+    u.shard_grads = shard_of(u, u.grads)
+  end
   self.units[#self.units + 1] = u
   return u
 end
@@ -194,7 +201,7 @@ end
 function Zero:zero_grad()
   for _, u in ipairs(self.units) do
     if not u.grads:storage_released() then u.grads:zero_() end
-    if u.shard_grads then u.shard_grads:zero_() end
+    if self.per_unit then u.shard_grads:zero_() end   -- otherwise a slice of grads
   end
 end
 
@@ -233,9 +240,9 @@ function Zero:reduce_grads(scale)
     if self.stage == 0 then
       if self.world > 1 then self:_timed("all_reduce", self.dist.all_reduce, g, what) end
     else
-      if self.per_unit then   -- reduced after each unit's backward
-      elseif self.world == 1 then u.shard_grads:copy_(g)
-      else self:_timed("reduce_scatter", self.dist.reduce_scatter, g, u.shard_grads, what) end
+      if not self.per_unit and self.world > 1 then   -- (per unit: after each unit's backward)
+        self:_timed("reduce_scatter", self.dist.reduce_scatter, g, u.shard_grads, what)
+      end
       g = u.shard_grads
     end
     if scale ~= 1 then C.scale_(g, scale) end

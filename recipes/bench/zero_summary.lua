@@ -1,0 +1,64 @@
+-- recipes/bench/zero_summary.lua OUT_DIR: the table of recipes/bench/zero.sh
+-- (BENCHMARKS.md): per run (N ranks, ZeRO stage) and rank, the ledger's
+-- peak by category, the total, tokens/s (the job's) and rank 0's seconds
+-- per step in each kind of collective, from the last step of each
+-- OUT_DIR/n<N>_zero<S>/metrics.jsonl.
+local json = require "dkjson"
+local dir = assert(arg[1], "usage: moelua recipes/bench/zero_summary.lua OUT_DIR")
+
+local function last_step(path)
+  local f = io.open(path)
+  if not f then return nil end
+  local m
+  for line in f:lines() do
+    local o = json.decode(line)
+    if o and o.step and o.loss and not o.event then m = o end
+  end
+  f:close()
+  return m
+end
+
+local flags = {}
+for line in io.lines("/proc/cpuinfo") do
+  local fl = line:match("^flags%s*:%s*(.+)$")
+  if fl then
+    for _, want in ipairs{"fma", "avx2", "avx512f", "avx512bw"} do
+      if (" " .. fl .. " "):find(" " .. want .. " ", 1, true) then flags[#flags + 1] = want end
+    end
+    break
+  end
+end
+local model
+for line in io.lines("/proc/cpuinfo") do
+  model = line:match("^model name%s*:%s*(.+)$")
+  if model then break end
+end
+print(string.format("CPU: %s, flags %s; one OpenMP and one OpenBLAS thread per rank", model or "?",
+                    table.concat(flags, " ")))
+print()
+local cats = {"params", "grads", "optim", "acts", "pool", "comm"}
+local MiB = 2^20
+print("| N | ZeRO | rank | " .. table.concat(cats, " | ") .. " | total | tok/s | all-gather s | reduce-scatter s | all-reduce s | numbers s |")
+print("|---:|---:|---:|" .. string.rep("---:|", #cats) .. "---:|---:|---:|---:|---:|---:|")
+for _, n in ipairs{1, 2, 4} do
+  for stage = 0, 3 do
+    local m = last_step(string.format("%s/n%d_zero%d/metrics.jsonl", dir, n, stage))
+    if m then
+      local ranks = m.ledger_peak.ranks or {m.ledger_peak}
+      local w = m.comm_seconds or {}
+      for r, p in ipairs(ranks) do
+        local cells = {}
+        for i, c in ipairs(cats) do cells[i] = string.format("%.2f", (p[c] or 0) / MiB) end
+        local tail = r == 1 and string.format("%.0f | %.3f | %.3f | %.3f | %.3f", m.tokens_per_s,
+                                              w.all_gather or 0, w.reduce_scatter or 0, w.all_reduce or 0,
+                                              w.numbers or 0) or " | | | | "
+        print(string.format("| %d | %d | %d | %s | %.2f | %s |", n, stage, r - 1, table.concat(cells, " | "),
+                            p.total / MiB, tail))
+      end
+    else
+      print(string.format("| %d | %d | - | no result |", n, stage))
+    end
+  end
+end
+print()
+print("MiB: each category's own peak and the total peak of the ledger, per rank.")
