@@ -44,16 +44,28 @@ typedef enum {
 
 /* Per-call context. `interrupt` points at the host's Ctrl-C flag; kernels
  * poll it between tiles, never inside one. `stream` is a cudaStream_t on the
- * CUDA backend and unused on the CPU. */
+ * CUDA backend and unused on the CPU. `progress` (may be NULL), called by
+ * the main thread between tiles of long CPU kernels: MPI advances
+ * non-blocking collectives (a ZeRO-3 prefetch) only inside MPI calls
+ * (DESIGN.md, Distribution). */
 typedef struct {
     int nthreads;
     volatile sig_atomic_t *interrupt;
     void *stream;
+    void (*progress)(void *ud);
+    void *progress_ud;
 } ml_kctx;
 
 static inline int ml_kctx_interrupted(const ml_kctx *ctx)
 {
     return ctx && ctx->interrupt && *ctx->interrupt;
+}
+
+/* Only from the process's main thread (MPI_THREAD_FUNNELED). */
+static inline void ml_kctx_progress(const ml_kctx *ctx)
+{
+    if (ctx && ctx->progress)
+        ctx->progress(ctx->progress_ud);
 }
 
 /* Work below this many elements runs on one thread: the fork/join costs

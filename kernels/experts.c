@@ -276,6 +276,8 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
             const char *gu = (const char *)gate_up + (size_t)(e * 2 * F * D) * es;
             const char *dn = (const char *)down + (size_t)(e * D * F) * es;
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
+                #pragma omp master
+                ml_kctx_progress(ctx);
                 #pragma omp single
                 stop = ml_kctx_interrupted(ctx);
                 /* (the implied barrier: the previous tile is done, all see stop) */
@@ -338,6 +340,8 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *d
             char *dgu = (char *)dgate_up + (size_t)(e * 2 * F * D) * es;
             char *ddn = (char *)ddown + (size_t)(e * D * F) * es;
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
+                #pragma omp master
+                ml_kctx_progress(ctx);
                 #pragma omp single
                 stop = ml_kctx_interrupted(ctx);
                 if (stop)

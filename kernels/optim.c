@@ -19,7 +19,7 @@
  * optimizer step cannot be interrupted). */
 static ml_kctx uninterruptible(const ml_kctx *ctx)
 {
-    ml_kctx c = {1, NULL, NULL};
+    ml_kctx c = {.nthreads = 1};
     if (ctx) {
         c = *ctx;
         c.interrupt = NULL;

@@ -19,6 +19,8 @@ ml_status ml_parallel_tiles(int64_t n, int64_t tile, int64_t cost_per_item,
     int skipped = 0;
     #pragma omp parallel for schedule(static) num_threads(nt) if (par)
     for (int64_t t = 0; t < ntiles; t++) {
+        if (omp_get_thread_num() == 0)
+            ml_kctx_progress(ctx);
         if (ml_kctx_interrupted(ctx)) {
             #pragma omp atomic write
             skipped = 1;

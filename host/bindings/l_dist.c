@@ -81,9 +81,17 @@ static const char *check_string(lua_State *L, int idx, const char *fn, const cha
 static int l_comm_gc(lua_State *L)
 {
     l_comm *b = luaL_checkudata(L, 1, COMM_MT);
+    ml_host *h = ml_host_of(L);
+    if (h->progress_ud == b->c)
+        h->progress = NULL, h->progress_ud = NULL;
     ml_comm_free(b->c);
     b->c = NULL;
     return 0;
+}
+
+static void progress(void *c)
+{
+    ml_comm_progress(c);
 }
 
 static int l_dist_init(lua_State *L)
@@ -107,6 +115,11 @@ static int l_dist_init(lua_State *L)
         ml_err e;
         ml_check_op(L, fn, ml_comm_init(ml_host_of(L), timeout, debug, &b->c, &e), &e);
         lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
+        if (ml_comm_world(b->c) > 1) {   /* long kernels advance prefetches between tiles */
+            ml_host *h = ml_host_of(L);
+            h->progress = progress;
+            h->progress_ud = b->c;
+        }
     }
     lua_pushvalue(L, lua_upvalueindex(1));
     return 1;

@@ -43,7 +43,7 @@ ml_status ml_kernel_status(ml_status s, ml_err *e)
 
 ml_kctx ml_host_kctx(const ml_host *h)
 {
-    ml_kctx c = {h->nthreads, h->interrupt, NULL};
+    ml_kctx c = {h->nthreads, h->interrupt, NULL, h->progress, h->progress_ud};
     return c;
 }
 

@@ -67,6 +67,10 @@ typedef struct ml_host {
      * its bytes: the Lua bindings step their collector there. */
     void (*allocated)(struct ml_host *h, size_t nbytes);
     void *hook_ud;                        /* what reclaim and allocated need (a lua_State) */
+    /* Polled between tiles of long kernels (ml_kctx.progress): the
+     * collectives' progress while a ZeRO-3 gather is in flight. */
+    void (*progress)(void *ud);
+    void *progress_ud;
 } ml_host;
 
 typedef struct ml_storage {

@@ -88,6 +88,11 @@ static void test_rope(void)
        "rope backward: the inverse rotation gives x back");
 }
 
+static void count_poll(void *n)
+{
+    ++*(int *)n;
+}
+
 static void test_attention(void)
 {
     /* S = 1: the one key gets all the weight, so out = v in both query heads
@@ -97,7 +102,11 @@ static void test_attention(void)
     ml_tensor *k = tensor(ML_F64, 3, (int64_t[]){1, 1, 2}, kv), *v = tensor(ML_F64, 3, (int64_t[]){1, 1, 2}, vv);
     ml_tensor *dout = tensor(ML_F64, 3, (int64_t[]){1, 2, 2}, dov);
     ml_tensor *out = empty(), *lse = empty(), *dq = empty(), *dk = empty(), *dv = empty();
+    int polls = 0;   /* the host's progress hook runs between tiles (MPI's progress under ZeRO-3) */
+    host.progress = count_poll, host.progress_ud = &polls;
     ok(ml_op_attention_forward(&host, out, lse, q, k, v, &e) == ML_OK, "attention forward runs");
+    host.progress = NULL, host.progress_ud = NULL;
+    ok(polls > 0, "attention forward calls the host's progress hook between tiles");
     ok(near(at(out, 0), 7) && near(at(out, 3), -3) && near(at(lse, 1), (3 * 0.5 - 4) / sqrt(2.0)),
        "attention forward: S = 1 gives out = v, lse = q.k / sqrt(hd)");
     ok(ml_op_attention_backward(&host, dq, dk, dv, dout, q, k, v, out, lse, &e) == ML_OK,
