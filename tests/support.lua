@@ -174,6 +174,20 @@ function support.host_command(args)
   return "timeout -k 5 60 " .. table.concat(words, " ")
 end
 
+-- The shell command that runs the host under `mpiexec -n n` with `args` (a
+-- list of words, quoted here): one OpenMP and one OpenBLAS thread per rank,
+-- killed after `limit` seconds (default 60). Under ASan, leak checks are
+-- off in these children: MPICH's MPI_Init leaks 1 KiB from a library it
+-- unloads (tests/run.sh says the same). Redirections are the caller's.
+function support.mpiexec_command(n, args, limit)
+  local words = {}
+  for i, a in ipairs(args) do words[i] = support.shell_quote(a) end
+  return string.format("OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 " ..
+                       "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" " ..
+                       "timeout -k 1 %d mpiexec -n %d %s %s", limit or 60, n,
+                       support.shell_quote(support.host_path()), table.concat(words, " "))
+end
+
 -- Reads the rest of a child's output from the io.popen handle p, closes it,
 -- asserts that the child exited (rather than died by a signal), and returns
 -- the exit code and the output.

@@ -141,20 +141,16 @@ end)
 
 -- ---- jobs under mpiexec ----------------------------------------------------
 
--- Runs `script` as `mpiexec -n 2 moelua script` (one OpenMP and one
--- OpenBLAS thread per rank, killed after `limit` seconds); returns its exit
--- code, stdout, stderr and the seconds it took. Under ASan, leak checks are
--- off in these children: MPICH's MPI_Init leaks 1 KiB from a library it
--- unloads (tests/run.sh says the same).
+-- Runs `script` as `mpiexec -n 2 moelua script` (support.mpiexec_command,
+-- killed after `limit` seconds); returns its exit code, stdout, stderr and
+-- the seconds it took.
 local function mpirun(script, limit)
   local dir = support.make_tmpdir()
   local q = support.shell_quote
   support.write_file(dir .. "/job.lua", script)
   local cmd = table.concat({
     "start=$(date +%s%N);",
-    "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1",
-    "ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0\" timeout -k 1 " .. limit,
-    "mpiexec -n 2 " .. q(support.host_path()), q(dir .. "/job.lua"),
+    support.mpiexec_command(2, {dir .. "/job.lua"}, limit),
     ">" .. q(dir .. "/out"), "2>" .. q(dir .. "/err") .. ";",
     "echo $? $(( ($(date +%s%N) - start) / 1000000 ))"}, " ")
   local p = assert(io.popen(cmd))

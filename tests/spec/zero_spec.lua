@@ -17,8 +17,7 @@ local function mpirun(n, out, opts)
     args[#args + 1] = "--" .. k
     args[#args + 1] = tostring(v)
   end
-  local cmd = "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpiexec -n " .. n .. " " ..
-              support.host_command(args) .. " 2>&1"
+  local cmd = support.mpiexec_command(n, args) .. " 2>&1"
   local code, text = support.finish_child(assert(io.popen(cmd, "r")))
   assert.are.equal(0, code, text)
   local ranks = {}
