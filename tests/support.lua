@@ -174,6 +174,13 @@ function support.host_command(args)
   return "timeout -k 5 60 " .. table.concat(words, " ")
 end
 
+-- Why jobs under mpiexec cannot run here (a GPU bundle's machine has no
+-- MPICH), or nil.
+function support.mpiexec_missing()
+  local ok = os.execute("command -v mpiexec >/dev/null 2>&1")
+  return not ok and "no mpiexec on this machine: MPI jobs skipped" or nil
+end
+
 -- The shell command that runs the host under `mpiexec -n n` with `args` (a
 -- list of words, quoted here): one OpenMP and one OpenBLAS thread per rank,
 -- killed after `limit` seconds (default 60). Under ASan, leak checks are

@@ -19,7 +19,9 @@
 # cuBLAS is not carried (libcublas + libcublasLt are ~600 MB): moelua
 # dlopens libcublas.so.13 on the first GPU matmul, and run.sh finds it in
 # the machine's CUDA install or PyTorch's nvidia-cublas wheel.
-# The bundle must stay under 64 MiB; this script fails when it does not.
+# What travels is gpu-bundle.tar.gz (the directory is larger: MPICH alone is
+# 41 MB, OpenBLAS 36 MB); it must stay under 64 MiB, and this script fails
+# when it does not. On the GPU machine: tar xzf gpu-bundle.tar.gz.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -32,7 +34,7 @@ LIMIT_KIB=$((64 * 1024))
 [ -x "$BIN" ] || { echo "bundle.sh: $BIN missing; run make CUDA=1" >&2; exit 1; }
 [ -d "$LUA_SHARE/busted" ] || { echo "bundle.sh: busted not installed (make deps)" >&2; exit 1; }
 
-rm -rf "$OUTDIR"
+rm -rf "$OUTDIR" "$OUTDIR.tar.gz"
 mkdir -p "$OUTDIR/lib/lua" "$OUTDIR/share/lua" "$OUTDIR/tests"
 
 # the binary without debug info (the bundle is size-limited)
@@ -79,10 +81,11 @@ fi
     ./moelua -e 'require "busted.runner"; require "moelua"') \
     || { echo "bundle.sh: the bundled moelua cannot load busted and moelua" >&2; exit 1; }
 
-kib=$(du -sk "$OUTDIR" | cut -f1)
-echo "gpu-bundle: $(du -sh "$OUTDIR" | cut -f1) ($kib KiB of $LIMIT_KIB allowed)"
+tar czf "$OUTDIR.tar.gz" "$OUTDIR"
+kib=$(( $(stat -c %s "$OUTDIR.tar.gz") / 1024 ))
+echo "$OUTDIR.tar.gz: $kib KiB of $LIMIT_KIB allowed ($(du -sh "$OUTDIR" | cut -f1) unpacked)"
 du -sh "$OUTDIR"/moelua "$OUTDIR"/lib "$OUTDIR"/share "$OUTDIR"/lua "$OUTDIR"/tests | sed 's/^/  /'
 if [ "$kib" -gt "$LIMIT_KIB" ]; then
-    echo "bundle.sh: the bundle exceeds 64 MiB" >&2
+    echo "bundle.sh: $OUTDIR.tar.gz exceeds 64 MiB" >&2
     exit 1
 fi

@@ -167,6 +167,11 @@ local m = require "moelua"
 io.stdout:setvbuf("line")
 ]]
 
+if support.mpiexec_missing() then
+  describe("moelua.dist under mpiexec -n 2", function() pending(support.mpiexec_missing()) end)
+  return
+end
+
 describe("moelua.dist under mpiexec -n 2", function()
   it("gathers, reduces in rank order and agrees on numbers", function()
     local code, out, err = mpirun(preamble .. [[
