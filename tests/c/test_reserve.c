@@ -82,10 +82,9 @@ static void test_commit(void)
        "op: refuses an uncommitted view: %s", e.msg);
     h.category = ML_CAT_ACTS;   /* the op's output: not optim's bytes */
     ok(ml_op_unary(&h, &out, ML_NEG, &ab, &e) == ML_OK, "op: runs on committed elements");
-    h.category = ML_CAT_OPTIM;
     ml_tensor_drop(&out);
 
-    ml_storage *plain;
+    ml_storage *plain;   /* under acts, too */
     ml_storage_new(&h, ML_CPU, 64, &plain);
     ok(ml_storage_commit(plain, 0, 8, &e) == ML_EINVAL && strstr(e.msg, "not reserved"),
        "commit: a storage that was not reserved is refused: %s", e.msg);
