@@ -90,8 +90,9 @@ static void return_memory(ml_storage *st)
 {
     if (!charged_on_commit(st))
         ml_ledger_credit(st->lg, st->cat, st->nbytes);
-    for (size_t i = 0; i < st->nranges && charged_on_commit(st); i++)
-        ml_ledger_credit(st->lg, st->cat, st->ranges[i].hi - st->ranges[i].lo);
+    else
+        for (size_t i = 0; i < st->nranges; i++)
+            ml_ledger_credit(st->lg, st->cat, st->ranges[i].hi - st->ranges[i].lo);
     st->nranges = 0;
     if (st->data)
         st->mem->free(st->data, st->nbytes, st->lg);
