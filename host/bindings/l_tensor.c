@@ -42,9 +42,10 @@ ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
 
 static const char *const CREATE_OPTS[] = {"dtype", "device", NULL};
 
-/* Shape, then an optional options table: (2, 3, opts) or ({2, 3}, opts). */
-static ml_tensor *create(lua_State *L, const char *fn, int idx, int *optidx,
-                         const char *const *allowed)
+/* Shape, then an optional options table: (2, 3, opts) or ({2, 3}, opts).
+ * reserve: a reserved storage (tensor.reserve), else an allocated one. */
+static ml_tensor *create_as(lua_State *L, const char *fn, int idx, int *optidx,
+                            const char *const *allowed, int reserve)
 {
     int64_t shape[ML_MAXDIM];
     int next;
@@ -53,7 +54,18 @@ static ml_tensor *create(lua_State *L, const char *fn, int idx, int *optidx,
     ml_check_opts(L, *optidx, fn, allowed);
     ml_dtype dt = ml_opt_dtype(L, *optidx, fn, ML_F32);
     ml_device dev = ml_opt_device(L, *optidx, fn, ML_CPU);
-    return ml_newtensor(L, fn, dev, dt, ndim, shape);
+    if (!reserve)
+        return ml_newtensor(L, fn, dev, dt, ndim, shape);
+    ml_tensor *t = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op(L, fn, ml_tensor_reserve(ml_host_of(L), t, dev, dt, ndim, shape, &e), &e);
+    return t;
+}
+
+static ml_tensor *create(lua_State *L, const char *fn, int idx, int *optidx,
+                         const char *const *allowed)
+{
+    return create_as(L, fn, idx, optidx, allowed, 0);
 }
 
 static int fill_new(lua_State *L, const char *fn, double v)
@@ -72,6 +84,17 @@ static int l_tensor_empty(lua_State *L)
 {
     int opt;
     create(L, "moelua.empty", 1, &opt, CREATE_OPTS);
+    return 1;
+}
+
+/* tensor.reserve(shape [, {dtype =, device =}]): a tensor of a reserved
+ * storage (tensor.h: ml_storage_reserve) under the current category; on
+ * the CPU it costs the ledger nothing until views of it are committed
+ * (t:commit_()), and an op refuses a view of uncommitted elements. */
+static int l_tensor_reserve(lua_State *L)
+{
+    int opt;
+    create_as(L, "moelua.reserve", 1, &opt, CREATE_OPTS, 1);
     return 1;
 }
 
@@ -627,6 +650,9 @@ static int l_tensor_zero_(lua_State *L)
 static ml_tensor *host_copy(lua_State *L, int idx, const char *fn)
 {
     ml_tensor *t = ml_checktensor(L, idx, fn);
+    const char *why = ml_tensor_uncommitted(t);
+    if (why)
+        ml_error(L, fn, "argument #%d: %s", idx, why);
     if (t->st->device == ML_CPU && ml_is_contiguous(t)) {
         lua_pushvalue(L, idx);
         return t;
@@ -735,6 +761,8 @@ static int l_tensor_release_storage(lua_State *L)
     const char *why = luaL_optstring(L, 2, NULL);
     if (st->pool)
         ml_error(L, fn, "a pool view's memory belongs to its pool (rewind the pool instead)");
+    if (st->reserved)
+        ml_error(L, fn, "a reserved storage is committed range by range and cannot be released");
     ml_storage_release_memory(st, why);
     return 0;
 }
@@ -758,6 +786,29 @@ static int l_tensor_acquire_storage(lua_State *L)
     ml_check_op(L, fn, s, &e);
     ml_storage_adopt(st, fresh.st);
     return 0;
+}
+
+/* ---- reserved storage (tensor.h: ml_storage_reserve) ------------------------
+ *
+ * t:commit_() commits the elements of the contiguous view t of a reserved
+ * storage (charged to the ledger under the storage's category, zeros) and
+ * returns t; elements committed before (overlap) are an error.
+ * t:committed(): is every element of view t committed (always, for a
+ * storage that was not reserved)? */
+static int l_tensor_commit_(lua_State *L)
+{
+    static const char fn[] = "Tensor:commit_";
+    ml_tensor *t = ml_checkview(L, 1, fn);
+    ml_err e;
+    ml_check_op(L, fn, ml_tensor_commit(t, &e), &e);
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int l_tensor_committed(lua_State *L)
+{
+    lua_pushboolean(L, ml_tensor_uncommitted(ml_checkview(L, 1, "Tensor:committed")) == NULL);
+    return 1;
 }
 
 static int l_tensor_storage_released(lua_State *L)
@@ -788,9 +839,10 @@ static int l_tensor_tostring(lua_State *L)
     }
     char shape[160], text[512];
     ml_format_shape(t, shape, sizeof shape);
-    if (t->st->released[0]) {
-        lua_pushfstring(L, "tensor(%s, %s, %s, released)", shape, ml_dtype_names[t->dtype],
-                        ml_device_names[t->st->device]);
+    if (t->st->released[0] || ml_tensor_uncommitted(t)) {
+        lua_pushfstring(L, "tensor(%s, %s, %s, %s)", shape, ml_dtype_names[t->dtype],
+                        ml_device_names[t->st->device],
+                        t->st->released[0] ? "released" : "reserved, not committed");
         return 1;
     }
     size_t at = (size_t)snprintf(text, sizeof text, "tensor(%s, %s, %s", shape,
@@ -848,6 +900,7 @@ static const luaL_Reg tensor_functions[] = {
     {"zeros", l_tensor_zeros},
     {"ones", l_tensor_ones},
     {"empty", l_tensor_empty},
+    {"reserve", l_tensor_reserve},
     {"full", l_tensor_full},
     {"arange", l_tensor_arange},
     {"tensor", l_tensor_tensor},
@@ -885,6 +938,8 @@ static const luaL_Reg tensor_methods[] = {
     {"clone", l_tensor_clone},
     {"to", l_tensor_to},
     {"copy_", l_tensor_copy_},
+    {"commit_", l_tensor_commit_},
+    {"committed", l_tensor_committed},
     {"fill_", l_tensor_fill_},
     {"normal_", l_tensor_normal_},
     {"zero_", l_tensor_zero_},

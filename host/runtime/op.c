@@ -94,40 +94,61 @@ static void set_contiguous(ml_tensor *t, ml_storage *st, ml_dtype dt, int ndim, 
     ml_set_contiguous_strides(t);
 }
 
-ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
-                          const int64_t *shape, ml_err *e)
+ml_status ml_alloc_refusal(const ml_host *h, ml_device dev, ml_category cat, size_t nbytes,
+                           ml_alloc_status s, const char *verb, ml_err *e)
 {
+    char want[32], limit[32], report[2048];
+    const ml_ledger *lg = h->ledger[dev];
+    const char *name = ml_category_names[cat];
+    ml_format_bytes(nbytes, want, sizeof want);
+    ml_format_bytes(s == ML_ALLOC_OVER_TOTAL ? lg->budget_total : lg->budget[cat], limit,
+                    sizeof limit);
+    ml_host_ledger_report(h, dev, report, sizeof report);
+    if (s == ML_ALLOC_NOMEM)
+        return ml_err_set(e, ML_EALLOC, "out of memory %s %s (%s) on %s\n%s", verb, want, name,
+                          ml_device_names[dev], report);
+    return ml_err_set(e, ML_EALLOC, "%s %s (%s) on %s would exceed the %s budget of %s\n%s", verb,
+                      want, name, ml_device_names[dev], s == ML_ALLOC_OVER_TOTAL ? "total" : name,
+                      limit, report);
+}
+
+/* ml_tensor_alloc, or ml_tensor_reserve when `reserve`. */
+static ml_status tensor_new(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                            const int64_t *shape, int reserve, ml_err *e)
+{
+    ml_alloc_status (*make)(ml_host *, ml_device, size_t, ml_storage **) =
+        reserve ? ml_storage_reserve : ml_storage_new;
     int64_t n;
     ML_TRY(alloc_numel(ndim, shape, &n, e));
     size_t nbytes = (size_t)n * ml_dtype_size(dt);
     ml_storage *st = NULL;
-    ml_alloc_status s = ml_storage_new(h, dev, nbytes, &st);
+    ml_alloc_status s = make(h, dev, nbytes, &st);
     if ((s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) && h->reclaim) {
         h->reclaim(h, dev);
-        s = ml_storage_new(h, dev, nbytes, &st);
+        s = make(h, dev, nbytes, &st);
     }
     if (s == ML_ALLOC_NODEVICE)
         return ml_err_set(e, ML_EINVAL, "device %s is not available (%s)", ml_device_names[dev],
                           ml_device_unavailable_reason(h, dev));
-    if (s != ML_ALLOC_OK) {
-        char want[32], limit[32], report[2048];
-        const ml_ledger *lg = h->ledger[dev];
-        const char *cat = ml_category_names[h->category];
-        ml_format_bytes(nbytes, want, sizeof want);
-        ml_format_bytes(s == ML_ALLOC_OVER_TOTAL ? lg->budget_total : lg->budget[h->category], limit,
-                        sizeof limit);
-        ml_host_ledger_report(h, dev, report, sizeof report);
-        if (s == ML_ALLOC_NOMEM)
-            return ml_err_set(e, ML_EALLOC, "out of memory allocating %s (%s) on %s\n%s", want, cat,
-                              ml_device_names[dev], report);
-        return ml_err_set(e, ML_EALLOC, "allocating %s (%s) on %s would exceed the %s budget of %s\n%s",
-                          want, cat, ml_device_names[dev], s == ML_ALLOC_OVER_TOTAL ? "total" : cat,
-                          limit, report);
-    }
+    if (s != ML_ALLOC_OK)
+        return ml_alloc_refusal(h, dev, h->category, nbytes, s, reserve ? "reserving" : "allocating",
+                                e);
     set_contiguous(t, st, dt, ndim, shape);
-    if (h->allocated)
+    if (h->allocated && !reserve)
         h->allocated(h, nbytes);
     return ML_OK;
+}
+
+ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                          const int64_t *shape, ml_err *e)
+{
+    return tensor_new(h, t, dev, dt, ndim, shape, 0, e);
+}
+
+ml_status ml_tensor_reserve(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                            const int64_t *shape, ml_err *e)
+{
+    return tensor_new(h, t, dev, dt, ndim, shape, 1, e);
 }
 
 int ml_pool_may_retry(ml_pool_status ps, ml_alloc_status as)
@@ -225,7 +246,7 @@ ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, un
                          int ndim, int contig, ml_err *e)
 {
     const char *why = ml_storage_unusable(t->st);
-    if (why)
+    if (why || (why = ml_tensor_uncommitted(t)))
         return ml_err_set(e, ML_EINVAL, "%s: %s", name, why);
     if (t->st->device != dev)
         return ml_err_set(e, ML_EINVAL, "%s is on %s but the op runs on %s", name,

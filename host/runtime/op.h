@@ -29,7 +29,7 @@
 
 /* An op's message: "w is [5] but must be [4]". A budget refusal carries
  * the ledger table, hence the size. */
-typedef struct {
+typedef struct ml_err {
     char msg[4096];
 } ml_err;
 
@@ -55,6 +55,16 @@ void ml_host_set_threads(ml_host *h, int n);
  * a shape that overflows. */
 ml_status ml_tensor_alloc(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
                           const int64_t *shape, ml_err *e);
+/* The same on a reserved storage (tensor.h: ml_storage_reserve): on the
+ * CPU nothing is charged until elements are committed. */
+ml_status ml_tensor_reserve(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                            const int64_t *shape, ml_err *e);
+/* The message of a request for nbytes of cat on dev that the ledger (a
+ * budget) or the system refused with s: "<verb> 1.00 MiB (optim) on cpu
+ * would exceed the optim budget of ..." and the device's ledger table.
+ * Returns ML_EALLOC. */
+ml_status ml_alloc_refusal(const ml_host *h, ml_device dev, ml_category cat, size_t nbytes,
+                           ml_alloc_status s, const char *verb, ml_err *e);
 /* Fill the contiguous tensor t with zeros (not interrupted: it is short). */
 ml_status ml_tensor_zero(ml_host *h, ml_tensor *t, ml_err *e);
 /* Release t's storage now (idempotent; never fails). */
@@ -116,7 +126,7 @@ ml_status ml_kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbyt
 ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
                             int64_t *value, ml_err *e);
 
-/* t is live (storage not freed), on dev, of a dtype in `dtypes`, with ndim
+/* t is live (storage not freed, its bytes committed), on dev, of a dtype in `dtypes`, with ndim
  * dims (ndim < 0: at least 1) and, when `contig`, contiguous. */
 ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,
                          int ndim, int contig, ml_err *e);

@@ -4,6 +4,7 @@
  */
 #include "tensor.h"
 #include "backend.h"
+#include "op.h"
 #include "pool.h"
 
 #include <stdio.h>
@@ -36,9 +37,28 @@ void ml_host_free(ml_host *h)
     }
 }
 
+/* Is st charged range by range as it is committed? (A reserved storage on
+ * the CPU; on CUDA the memory table allocates it whole.) */
+static int charged_on_commit(const ml_storage *st)
+{
+    return st->reserved && st->device == ML_CPU;
+}
+
+/* Would n more bytes of st's category fit its book? grow: what the
+ * device's reservation grows by. */
+static ml_alloc_status check_budget(ml_ledger *lg, ml_category cat, size_t n, size_t grow)
+{
+    switch (ml_ledger_check(lg, cat, n, grow)) {
+    case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
+    case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
+    case ML_LEDGER_OK:            break;
+    }
+    return ML_ALLOC_OK;
+}
+
 /* Memory for st (st->nbytes of st->cat on st->device) from the host's
  * current book and memory table: budgets checked first, then allocated and
- * charged. */
+ * charged (a storage charged on commit: nothing yet). */
 static ml_alloc_status take_memory(ml_storage *st)
 {
     ml_host *h = st->host;
@@ -46,12 +66,11 @@ static ml_alloc_status take_memory(ml_storage *st)
     ml_ledger *lg = h->ledger[st->device];
     if (!mem || !mem->available())
         return ML_ALLOC_NODEVICE;
+    int charge = !charged_on_commit(st);
     size_t grow = mem->reserve_bytes ? mem->reserve_bytes(st->nbytes) : st->nbytes;
-    switch (ml_ledger_check(lg, st->cat, st->nbytes, grow)) {
-    case ML_LEDGER_OVER_TOTAL:    lg->nrefused++; return ML_ALLOC_OVER_TOTAL;
-    case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
-    case ML_LEDGER_OK:            break;
-    }
+    ml_alloc_status s = charge ? check_budget(lg, st->cat, st->nbytes, grow) : ML_ALLOC_OK;
+    if (s != ML_ALLOC_OK)
+        return s;
     void *data = NULL;
     if (st->nbytes && !(data = mem->alloc(st->nbytes, lg)))
         return ML_ALLOC_NOMEM;
@@ -59,21 +78,30 @@ static ml_alloc_status take_memory(ml_storage *st)
     st->lg = lg;
     st->mem = mem;
     h->plan_live += h->planning;
-    ml_ledger_charge(lg, st->cat, st->nbytes);
+    if (charge)
+        ml_ledger_charge(lg, st->cat, st->nbytes);
     return ML_ALLOC_OK;
 }
 
-/* st's memory back to the book and table it came from. */
+/* st's memory back to the book and table it came from: its bytes, or
+ * each committed range as it was charged. A reserved storage keeps no
+ * committed range. */
 static void return_memory(ml_storage *st)
 {
-    ml_ledger_credit(st->lg, st->cat, st->nbytes);
+    if (!charged_on_commit(st))
+        ml_ledger_credit(st->lg, st->cat, st->nbytes);
+    else
+        for (size_t i = 0; i < st->nranges; i++)
+            ml_ledger_credit(st->lg, st->cat, st->ranges[i].hi - st->ranges[i].lo);
+    st->nranges = 0;
     if (st->data)
         st->mem->free(st->data, st->nbytes, st->lg);
     st->data = NULL;
     st->host->plan_live -= ml_is_plan_ledger(st->host, st->lg);
 }
 
-ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+static ml_alloc_status storage_make(ml_host *h, ml_device dev, size_t nbytes, int reserved,
+                                    ml_storage **out)
 {
     *out = NULL;
     ml_storage *st = calloc(1, sizeof *st);
@@ -84,6 +112,7 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     st->cat = h->category;
     st->refs = 1;
     st->host = h;
+    st->reserved = reserved;
     ml_alloc_status s = take_memory(st);
     if (s != ML_ALLOC_OK) {
         free(st);
@@ -91,6 +120,125 @@ ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_stor
     }
     *out = st;
     return ML_ALLOC_OK;
+}
+
+ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+{
+    return storage_make(h, dev, nbytes, 0, out);
+}
+
+ml_alloc_status ml_storage_reserve(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out)
+{
+    return storage_make(h, dev, nbytes, 1, out);
+}
+
+/* The index of the first committed range of st that ends after byte off
+ * (st->nranges when none does). */
+static size_t first_range_after(const ml_storage *st, size_t off)
+{
+    size_t lo = 0, hi = st->nranges;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (st->ranges[mid].hi <= off)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+int ml_storage_committed(const ml_storage *st, size_t off, size_t n)
+{
+    if (!st->reserved || n == 0)
+        return 1;
+    /* adjacent ranges (one commit per expert) cover a view of several */
+    size_t end = off + n;
+    for (size_t i = first_range_after(st, off); i < st->nranges; i++) {
+        if (st->ranges[i].lo > off)
+            return 0;
+        if (st->ranges[i].hi >= end)
+            return 1;
+        off = st->ranges[i].hi;
+    }
+    return 0;
+}
+
+const char *ml_tensor_uncommitted(const ml_tensor *t)
+{
+    if (!t->st || !t->st->reserved || ml_numel(t) == 0)
+        return NULL;
+    int64_t last = t->offset;   /* the last element the view may touch */
+    for (int i = 0; i < t->ndim; i++)
+        last += (t->shape[i] - 1) * t->stride[i];
+    size_t es = ml_dtype_size(t->dtype), lo = (size_t)t->offset * es;
+    return ml_storage_committed(t->st, lo, ((size_t)last + 1) * es - lo)
+               ? NULL : "the tensor is reserved but not committed";
+}
+
+ml_status ml_tensor_commit(const ml_tensor *t, ml_err *e)
+{
+    ML_TRY(ml_check_view(t, "t", e));
+    if (!ml_is_contiguous(t))
+        return ml_err_set(e, ML_EINVAL, "t must be contiguous");
+    size_t es = ml_dtype_size(t->dtype);
+    return ml_storage_commit(t->st, (size_t)t->offset * es, ml_nbytes(t), e);
+}
+
+/* Record [lo, hi) in st's sorted ranges at index at. */
+static int insert_range(ml_storage *st, size_t at, size_t lo, size_t hi)
+{
+    if (st->nranges == st->cap_ranges) {
+        size_t cap = st->cap_ranges ? 2 * st->cap_ranges : 8;
+        struct ml_range *r = realloc(st->ranges, cap * sizeof *r);
+        if (!r)
+            return 0;
+        st->ranges = r;
+        st->cap_ranges = cap;
+    }
+    memmove(st->ranges + at + 1, st->ranges + at, (st->nranges - at) * sizeof *st->ranges);
+    st->ranges[at] = (struct ml_range){lo, hi};
+    st->nranges++;
+    return 1;
+}
+
+ml_status ml_storage_commit(ml_storage *st, size_t off, size_t n, ml_err *e)
+{
+    const char *why = ml_storage_unusable(st);
+    if (why)
+        return ml_err_set(e, ML_EINVAL, "%s", why);
+    ml_host *h = st->host;
+    if (!st->reserved)
+        return ml_err_set(e, ML_EINVAL, "the storage is not reserved (every byte is committed)");
+    if (off > st->nbytes || n > st->nbytes - off)
+        return ml_err_set(e, ML_EINVAL, "bytes [%zu, %zu) are outside the storage's %zu bytes",
+                          off, off + n, st->nbytes);
+    if (n == 0)
+        return ML_OK;
+    size_t at = first_range_after(st, off);
+    if (at < st->nranges && st->ranges[at].lo < off + n)
+        return ml_err_set(e, ML_EINVAL, "bytes [%zu, %zu) overlap the committed bytes [%zu, %zu)",
+                          off, off + n, st->ranges[at].lo, st->ranges[at].hi);
+    if (h->planning && !ml_is_plan_ledger(h, st->lg))
+        return ml_err_set(e, ML_EINVAL, "the storage was reserved outside moelua.mem.plan, which "
+                          "cannot commit real memory (reserve it inside the planned function)");
+    if (charged_on_commit(st)) {
+        ml_alloc_status s = check_budget(st->lg, st->cat, n, n);
+        if (s != ML_ALLOC_OK && h->reclaim) {
+            h->reclaim(h, st->device);
+            s = check_budget(st->lg, st->cat, n, n);
+        }
+        if (s != ML_ALLOC_OK)
+            return ml_alloc_refusal(h, st->device, st->cat, n, s, "committing", e);
+    }
+    if (!insert_range(st, at, off, off + n))
+        return ml_err_set(e, ML_EALLOC, "out of memory for a committed range");
+    if (charged_on_commit(st))
+        ml_ledger_charge(st->lg, st->cat, n);
+    /* zeros in words when the range allows it: a commit can be large */
+    size_t es = (off | n) % 8 == 0 ? 8 : 1;
+    ml_tensor bytes = {.st = st, .offset = (int64_t)(off / es), .ndim = 1,
+                       .dtype = es == 8 ? ML_I64 : ML_U8, .shape = {(int64_t)(n / es)}, .stride = {1}};
+    return ml_tensor_zero(h, &bytes, e);
 }
 
 const char *ml_storage_unusable(const ml_storage *st)
@@ -125,6 +273,7 @@ void ml_storage_release(ml_storage *st)
         ml_pool_release(st->pool);   /* a view: the pool owns the bytes */
     else if (!st->released[0])
         return_memory(st);
+    free(st->ranges);
     free(st);
 }
 
@@ -149,7 +298,7 @@ ml_alloc_status ml_storage_acquire(ml_storage *st)
 
 void ml_storage_adopt(ml_storage *st, ml_storage *fresh)
 {
-    if (!st->released[0] || st->pool || fresh->pool || fresh->refs != 1 ||
+    if (!st->released[0] || st->pool || st->reserved || fresh->pool || fresh->refs != 1 ||
         fresh->nbytes != st->nbytes || fresh->device != st->device || fresh->cat != st->cat) {
         fprintf(stderr, "moelua: %s:%d: ml_storage_adopt: st is not released or fresh does "
                 "not match it\n", __FILE__, __LINE__);

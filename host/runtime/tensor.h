@@ -5,7 +5,9 @@
  *
  * Every storage byte comes from ml_storage_new, which charges the device's
  * ledger under the host's current category, or from ml_storage_acquire,
- * which gives a released storage its memory back. Pool views
+ * which gives a released storage its memory back, or from
+ * ml_storage_reserve, whose bytes are charged as they are committed
+ * (ml_storage_commit). Pool views
  * (host/runtime/pool.h) are storages that borrow a pool's block and are
  * valid only while their pool slot still holds the same allocation id.
  */
@@ -28,6 +30,7 @@ extern const char *const ml_dtype_names[ML_NDTYPES];
 
 struct ml_pool;
 struct ml_memory;
+struct ml_err;
 struct ml_kernels;
 
 /* Process-wide state of one moelua host. Owned by main.c, reached from Lua
@@ -86,6 +89,12 @@ typedef struct ml_storage {
     size_t slot;              /* pool slot and allocation id of that view */
     uint64_t id;
     char released[128];       /* non-empty while its memory is released: why */
+    /* A reserved storage (ml_storage_reserve): its committed byte ranges,
+     * sorted, disjoint, one per commit (never merged, so each is credited
+     * as it was charged). */
+    int reserved;
+    struct ml_range { size_t lo, hi; } *ranges;
+    size_t nranges, cap_ranges;
 } ml_storage;
 
 typedef struct ml_tensor {
@@ -116,6 +125,41 @@ static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
 }
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
+
+/* Reserved storage (DESIGN.md, Parameters: lazy Adam's per-expert states
+ * cost nothing until an expert first receives tokens). ml_storage_reserve
+ * is ml_storage_new (the same memory table and book, so it works inside a
+ * plan, under the host's current category) except that on the CPU the
+ * ledger is charged nothing: the bytes are address space until committed
+ * (glibc serves large blocks by mmap, whose untouched pages take no RAM).
+ * On CUDA the memory table allocates every byte, so reserve charges the
+ * whole size there and commits charge nothing more (mapping pages on
+ * commit is future work); everything else below is the same.
+ *
+ * ml_storage_commit commits bytes [off, off + n) of a reserved st: on the
+ * CPU it charges n bytes to st's book under st's category, with the budget
+ * checks of an allocation (one refusal calls h->reclaim and checks again;
+ * then ML_EALLOC with the budget and the ledger table), then zero-fills
+ * them (writing the pages is what commits them; inside a plan nothing is
+ * written). ML_EINVAL: st is not reserved or not usable, the range is out
+ * of bounds or overlaps a committed one (so no byte is counted twice), or
+ * st was reserved outside the plan that is running. n == 0 does nothing.
+ * Freeing st credits exactly the committed bytes; releasing its memory
+ * (ml_storage_release_memory) uncommits every range and an acquire
+ * reserves it again with nothing committed. */
+ml_alloc_status ml_storage_reserve(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
+ml_status ml_storage_commit(ml_storage *st, size_t off, size_t n, struct ml_err *e);
+/* Commit the elements of the contiguous view t (ml_storage_commit; the
+ * message names it "t"). */
+ml_status ml_tensor_commit(const ml_tensor *t, struct ml_err *e);
+/* Are bytes [off, off + n) of st committed? Always for a storage that was
+ * not reserved; n == 0 is. */
+int ml_storage_committed(const ml_storage *st, size_t off, size_t n);
+/* "the tensor is reserved but not committed" when some element of view t
+ * lies in bytes of a reserved storage that are not committed, else NULL
+ * (ml_check_input refuses such a view in every op). Only reserved
+ * storages have ranges: for any other this is one test. */
+const char *ml_tensor_uncommitted(const ml_tensor *t);
 /* Why a tensor's storage cannot be used now, or NULL: freed (st NULL), its
  * memory released (the reason given), a view of a rewound pool frame, or
  * made inside a memory plan that has ended (address space that holds
@@ -142,7 +186,7 @@ void ml_storage_release(ml_storage *st);
  * budget checks and statuses. The contents after an acquire are
  * undefined. Releasing a released storage or a pool view (its pool owns
  * the bytes) does nothing; acquiring a storage that holds its memory
- * returns ML_ALLOC_OK. */
+ * returns ML_ALLOC_OK. ml_storage_adopt refuses a reserved st (fatal). */
 void ml_storage_release_memory(ml_storage *st, const char *why);
 ml_alloc_status ml_storage_acquire(ml_storage *st);
 /* The same for a caller that allocates through the op layer

@@ -14,6 +14,7 @@
 --   }, {lr = 3e-4, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1})
 --   local norm = optim.clip_grad_norm(opt, 1.0)
 --   opt:step(lr, {[4] = active_mask})     -- active_mask: u8 [8], nonzero = got tokens
+--   opt:state_tensor(4, "exp_avg", 2)      -- expert 2's live state (made now if absent)
 --   opt:zero_grad()
 --
 -- Groups: params and grads are flat contiguous tensors (f32 or f64) of one
@@ -47,6 +48,20 @@
 -- 2 * (n/E) * dtype size per expert ever active, plus 8 E once any is; and
 -- opt.skipped_expert_steps counts the expert-steps skipped.
 --
+-- Given states (AdamW): a group may carry exp_avg and exp_avg_sq, views
+-- (contiguous, params' numel, dtype and device) that the caller owns,
+-- typically views of reserved flat buffers laid out like its unit
+-- (tensor.reserve: on the CPU the ledger is charged only for committed
+-- elements). The optimizer then allocates neither: a dense group commits
+-- its two views at its first step; in a sparse group slice e of each view
+-- (view_at((e-1) * n/E, {n/E})) is expert e's state, committed the first
+-- time e is active, so an expert that never had tokens still costs no
+-- committed byte and the "optim" bytes are those above. A view the caller
+-- committed already is zeroed instead. state_dict() returns the committed
+-- views; load_state_dict copies into them (committing them first), keeping
+-- a source that is a view of the same elements. The step counts are
+-- allocated as without given states.
+--
 -- A warmed-up step() (every active expert already has states) makes no
 -- ledger allocation; an expert's first activity allocates its two states
 -- before the update starts. Under moelua.mem.plan (a dry run, masks
@@ -65,7 +80,8 @@ local C = require "moelua.optim_c"
 local optim = {}
 
 local GROUP_KEYS = {params = true, grads = true, lr_mult = true, weight_decay = true,
-                    frozen = true, experts = true, name = true}
+                    frozen = true, experts = true, name = true, exp_avg = true, exp_avg_sq = true}
+local GIVEN_STATES = {"exp_avg", "exp_avg_sq"}   -- states a caller may lay out (AdamW)
 
 local function fail(fn, fmt, ...)
   error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 3)
@@ -79,6 +95,29 @@ local function check_number(fn, what, v, lo, hi)
   return v
 end
 
+-- Group i's given states (AdamW): both or neither, contiguous views of
+-- params' numel, dtype and device; returned flat (1-D views).
+local function check_given(fn, i, g, p, adamw)
+  if g.exp_avg == nil and g.exp_avg_sq == nil then return nil, nil end
+  if not adamw then fail(fn, "group %d: 'exp_avg' and 'exp_avg_sq' are AdamW's states", i) end
+  local out = {}
+  for _, k in ipairs(GIVEN_STATES) do
+    local v = g[k]
+    if not tensor.is_tensor(v) then
+      fail(fn, "group %d: '%s' must be a tensor when %s is given, got %s", i, k,
+           k == "exp_avg" and "exp_avg_sq" or "exp_avg", type(v))
+    end
+    if not v:is_contiguous() or v:numel() ~= p:numel() or v:dtype() ~= p:dtype()
+       or v:device() ~= p:device() then
+      fail(fn, "group %d: '%s' must be contiguous, %s on %s with %d elements like params, got %s%s " ..
+           "on %s with %d", i, k, p:dtype(), p:device(), p:numel(),
+           v:is_contiguous() and "" or "non-contiguous ", v:dtype(), v:device(), v:numel())
+    end
+    out[k] = v:view({v:numel()})
+  end
+  return out.exp_avg, out.exp_avg_sq
+end
+
 local function check_groups(fn, groups, allow_experts)
   if type(groups) ~= "table" or #groups == 0 then
     fail(fn, "groups must be a non-empty list of tables, got %s", type(groups))
@@ -88,8 +127,8 @@ local function check_groups(fn, groups, allow_experts)
     if type(g) ~= "table" then fail(fn, "group %d must be a table, got %s", i, type(g)) end
     for k in pairs(g) do
       if not GROUP_KEYS[k] then
-        fail(fn, "group %d: unknown key '%s' (expected one of: experts, frozen, grads, " ..
-             "lr_mult, name, params, weight_decay)", i, tostring(k))
+        fail(fn, "group %d: unknown key '%s' (expected one of: exp_avg, exp_avg_sq, experts, " ..
+             "frozen, grads, lr_mult, name, params, weight_decay)", i, tostring(k))
       end
     end
     local p, gr = g.params, g.grads
@@ -128,8 +167,10 @@ local function check_groups(fn, groups, allow_experts)
              p:numel(), tostring(E))
       end
     end
+    local exp_avg, exp_avg_sq = check_given(fn, i, g, p, allow_experts)
     out[i] = {params = p, grads = gr, lr_mult = lr_mult, weight_decay = g.weight_decay,
-              frozen = g.frozen or false, experts = E, name = g.name}
+              frozen = g.frozen or false, experts = E, name = g.name,
+              exp_avg = exp_avg, exp_avg_sq = exp_avg_sq}
   end
   return out
 end
@@ -159,6 +200,37 @@ end
 -- host counters (device "cpu").
 local function zeros_optim(n, dtype, device)
   return mem.scope("optim", tensor.zeros, {n}, {dtype = dtype, device = device})
+end
+
+-- The part of group g's given state k (the whole view, or expert e's
+-- slice), nil when g has no given states.
+local function given_part(g, k, e)
+  local v = g[k]
+  if v == nil or e == nil then return v end
+  local S = v:numel() // g.experts
+  return v:view_at((e - 1) * S, {S})
+end
+
+-- A new zero state k of group g (of expert e in a sparse group): its given
+-- part committed now (zeroed when the caller committed it already), else
+-- allocated under "optim".
+local function new_state(g, k, e)
+  local v = given_part(g, k, e)
+  if v == nil then
+    return zeros_optim(e and g.params:numel() // g.experts or g.params:numel(), g.params:dtype(),
+                       g.params:device())
+  end
+  if v:committed() then
+    v:zero_()
+    return v
+  end
+  return v:commit_()
+end
+
+-- Are a and b views of the same elements?
+local function same_view(a, b)
+  return rawequal(a, b) or (a:same_storage(b) and a:storage_offset() == b:storage_offset() and
+                            a:numel() == b:numel() and a:is_contiguous() and b:is_contiguous())
 end
 
 local function step_lr(fn, self, lr)
@@ -239,21 +311,26 @@ local function check_expert_states(fn, i, g, gs)
   if any and gs.steps == nil then fail(fn, "group %d: experts have states but no 'steps'", i) end
 end
 
--- Copies sd's tensor src (any device) into st[k] (allocated under "optim"
--- on `device` when absent; with adopt, src itself becomes st[k] when it
--- is a flat, contiguous tensor of that dtype and device), or frees st[k]
--- when src is nil.
-local function load_state(st, k, src, dt, device, adopt)
+-- Copies sd's tensor src (any device) into st[k] (when absent: the given
+-- view `given`, committed if it is not yet, or allocated under "optim" on
+-- `device`; with adopt and no given view, src itself becomes st[k] when it
+-- is a flat, contiguous tensor of that dtype and device), or drops st[k]
+-- when src is nil (freed unless it is a given view, whose bytes stay
+-- committed). A src that is a view of st[k]'s elements is not copied.
+local function load_state(st, k, src, dt, device, adopt, given)
   if src ~= nil then
     local n = src:numel()
+    if st[k] == nil and given then
+      st[k] = given:committed() and given or given:commit_()
+    end
     if st[k] == nil and adopt and src:dim() == 1 and src:is_contiguous() and src:dtype() == dt
        and src:device() == device then
       st[k] = src
     end
     if st[k] == nil then st[k] = zeros_optim(n, dt, device) end
-    if st[k] ~= src then st[k]:copy_(src:reshape({n})) end
+    if not same_view(st[k], src) then st[k]:copy_(src:reshape({n})) end
   elseif st[k] ~= nil then
-    st[k]:free()
+    if not given then st[k]:free() end
     st[k] = nil
   end
 end
@@ -295,11 +372,13 @@ function Base:load_state_dict(sd, opts)
     local dt, dev = g.params:dtype(), g.params:device()
     for _, k in ipairs(STATE_TENSORS) do
       if g.experts and EXPERT_STATES[k] then
-        for e = 1, g.experts do load_state(st[k], e, gs[k] and gs[k][e], dt, dev, adopt) end
+        for e = 1, g.experts do
+          load_state(st[k], e, gs[k] and gs[k][e], dt, dev, adopt, given_part(g, k, e))
+        end
       elseif k == "steps" then
         load_state(st, k, gs[k], "i64", "cpu", adopt)
       else
-        load_state(st, k, gs[k], dt, dev, adopt)
+        load_state(st, k, gs[k], dt, dev, adopt, given_part(g, k))
       end
     end
     st.step = gs.step
@@ -341,12 +420,16 @@ end
 -- The states of sparse group g's experts fresh[1..k] (active, none yet),
 -- and the group's step counts with its first active expert. Cold path.
 local function add_expert_states(st, g, fresh, k)
-  local S, dt, dev = g.params:numel() // g.experts, g.params:dtype(), g.params:device()
   if not st.steps then st.steps = zeros_optim(g.experts, "i64", "cpu") end
   for j = 1, k do
     local e = fresh[j]
-    st.exp_avg[e], st.exp_avg_sq[e] = zeros_optim(S, dt, dev), zeros_optim(S, dt, dev)
+    st.exp_avg[e], st.exp_avg_sq[e] = new_state(g, "exp_avg", e), new_state(g, "exp_avg_sq", e)
   end
+end
+
+-- The states of dense group g, with its first step. Cold path.
+local function add_dense_states(st, g)
+  st.exp_avg, st.exp_avg_sq = new_state(g, "exp_avg"), new_state(g, "exp_avg_sq")
 end
 
 -- opt:step([lr [, active_masks]]): lr defaults to opts.lr; active_masks[i]
@@ -380,8 +463,7 @@ function AdamW:step(lr, active_masks)
           run, idle = false, idle + g.experts                  -- no expert ever active
         end
       elseif not st.exp_avg then
-        local n_, dt, dev = g.params:numel(), g.params:dtype(), g.params:device()
-        st.exp_avg, st.exp_avg_sq = zeros_optim(n_, dt, dev), zeros_optim(n_, dt, dev)
+        add_dense_states(st, g)
       end
       if run then
         n = n + 1
@@ -391,6 +473,38 @@ function AdamW:step(lr, active_masks)
   end
   for k = n + 1, #jobs do jobs[k] = nil end
   C.step_all(jobs, self, idle)      -- advances the counts, self.t, self.skipped_expert_steps
+end
+
+-- opt:state_tensor(gi, k [, e]): the live state tensor k of group gi (of
+-- expert e in a sparse group), made now when absent, as the first step
+-- would (zeros: the given view committed, or allocated under "optim";
+-- an expert's or a dense group's pair is made together, with the group's
+-- step counts): loaders read checkpoint ranges straight into it. k:
+-- "exp_avg", "exp_avg_sq", "steps" (sparse groups).
+function AdamW:state_tensor(gi, k, e)
+  local fn = "AdamW:state_tensor"
+  local g, st = self.groups[gi], self.state[gi]
+  if g == nil then fail(fn, "no group %s (the optimizer has %d)", tostring(gi), #self.groups) end
+  if k ~= "exp_avg" and k ~= "exp_avg_sq" and k ~= "steps" then
+    fail(fn, "state must be \"exp_avg\", \"exp_avg_sq\" or \"steps\", got %s", tostring(k))
+  end
+  if not g.experts then
+    if e ~= nil or k == "steps" then
+      fail(fn, "group %d is dense: it has no %s", gi, k == "steps" and "per-expert steps" or "experts")
+    end
+    if not st.exp_avg then add_dense_states(st, g) end
+    return st[k]
+  end
+  if k == "steps" then
+    if e ~= nil then fail(fn, "group %d: 'steps' is one tensor [%d], not per expert", gi, g.experts) end
+    if not st.steps then st.steps = zeros_optim(g.experts, "i64", "cpu") end
+    return st.steps
+  end
+  if math.type(e) ~= "integer" or e < 1 or e > g.experts then
+    fail(fn, "group %d has experts 1..%d, got %s", gi, g.experts, tostring(e))
+  end
+  if not st[k][e] then add_expert_states(st, g, {e}, 1) end
+  return st[k][e]
 end
 
 -- ---- SGD ------------------------------------------------------------------------

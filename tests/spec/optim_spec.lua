@@ -358,6 +358,189 @@ describe("lazy AdamW (sparse experts)", function()
   end)
 end)
 
+-- ---- given states: views of reserved flat buffers -----------------------------
+
+-- Reserved buffers (f32 or f64 [n]) for exp_avg and exp_avg_sq, as a unit
+-- lays them out, under "optim".
+local function reserved_states(n, dt)
+  local r = function() return m.mem.scope("optim", m.reserve, {n}, {dtype = dt}) end
+  return r(), r()
+end
+
+describe("AdamW with given states (views of reserved buffers)", function()
+  local E, S = 4, 8
+  local o = {lr = 0.05, beta1 = 0.9, beta2 = 0.99, eps = 1e-8, weight_decay = 0.1}
+  -- the same groups twice: states allocated by the optimizer, and given
+  local function twins(given)
+    seed = 7000
+    local pd, gd = randn(40, "f32"), m.zeros({40})
+    local pe, ge = randn(E * S, "f64"), m.zeros({E * S}, {dtype = "f64"})
+    local groups = {{params = pd, grads = gd}, {params = pe, grads = ge, experts = E}}
+    local bufs = {}
+    if given then
+      bufs[1], bufs[2] = reserved_states(40, "f32")
+      bufs[3], bufs[4] = reserved_states(E * S, "f64")
+      groups[1].exp_avg, groups[1].exp_avg_sq = bufs[1], bufs[2]
+      groups[2].exp_avg, groups[2].exp_avg_sq = bufs[3]:view({E, S}), bufs[4]
+    end
+    return optim.AdamW(groups, o), groups, bufs
+  end
+  -- expert 4 never gets tokens, expert 2 from step 3 on
+  local MASKS = {{1, 0, 1, 0}, {0, 0, 1, 0}, {1, 1, 0, 0}, {0, 1, 1, 0}}
+  local function run(opt, groups, steps)
+    for si = steps[1], steps[2] do
+      seed = 8000 + si
+      groups[1].grads:copy_(randn(40, "f32"))
+      groups[2].grads:copy_(randn(E * S, "f64"))
+      opt:step(nil, {nil, u8(MASKS[si])})
+      opt:zero_grad()
+    end
+  end
+
+  it("updates bitwise as allocated states do, with the same ledger optim bytes", function()
+    collectgarbage(); collectgarbage()
+    local base = optim_bytes()
+    local a, ga = twins(false)
+    run(a, ga, {1, 4})
+    local allocated = optim_bytes() - base
+    a, ga = nil, nil
+    collectgarbage(); collectgarbage()
+    assert.are.equal(base, optim_bytes())
+    local b, gb, bufs = twins(true)
+    assert.are.equal(base, optim_bytes())               -- reserving commits nothing
+    run(b, gb, {1, 4})
+    assert.are.equal(allocated, optim_bytes() - base)
+    assert.are.equal(2 * 40 * 4 + 2 * 3 * S * 8 + E * 8, allocated)
+    local a2, ga2 = twins(false)
+    run(a2, ga2, {1, 4})
+    for i = 1, 2 do assert.is_true(same_bits(ga2[i].params, gb[i].params), "group " .. i) end
+    local sa, sb = a2.state, b.state
+    assert.is_true(same_bits(sa[1].exp_avg, sb[1].exp_avg) and same_bits(sa[1].exp_avg_sq, sb[1].exp_avg_sq))
+    for e = 1, 3 do
+      assert.is_true(same_bits(sa[2].exp_avg[e], sb[2].exp_avg[e]), "exp_avg " .. e)
+      assert.is_true(same_bits(sa[2].exp_avg_sq[e], sb[2].exp_avg_sq[e]), "exp_avg_sq " .. e)
+      assert.is_true(sb[2].exp_avg[e]:same_storage(bufs[3]))       -- the live state is the slice
+      assert.are.equal((e - 1) * S, sb[2].exp_avg[e]:storage_offset())
+    end
+    assert.is_true(sb[1].exp_avg:same_storage(bufs[1]) and bufs[1]:committed())
+    -- expert 4 never had tokens: no state, its slices uncommitted, an op refuses them
+    assert.is_nil(sb[2].exp_avg[4])
+    assert.is_false(bufs[3]:view_at(3 * S, {S}):committed())
+    assert.is_false(bufs[4]:view_at(3 * S, {S}):committed())
+    assert.is_true(bufs[3]:view_at(0, {3 * S}):committed())
+    assert.has_error(function() return bufs[3]:sum() end,
+                     "Tensor:sum: t: the tensor is reserved but not committed")
+  end)
+
+  it("round-trips state_dict / load_state_dict into given views and resumes bitwise", function()
+    local a, ga = twins(true)
+    run(a, ga, {1, 2})
+    local sd = a:state_dict()
+    assert.is_nil(sd.groups[2].exp_avg[2])                -- expert 2 not yet active
+    -- reload into itself: the live views are kept (no copy, nothing committed twice)
+    local before = optim_bytes()
+    a:load_state_dict(sd, {adopt = true})
+    assert.are.equal(before, optim_bytes())
+    assert.is_true(rawequal(sd.groups[1].exp_avg, a.state[1].exp_avg))
+    -- a second optimizer with its own reserved buffers: copies into them
+    local b, gb, bufs = twins(true)
+    for i = 1, 2 do gb[i].params:copy_(ga[i].params) end
+    local bb = optim_bytes()
+    b:load_state_dict(sd)                                  -- a's live tensors: copied, not adopted
+    assert.are.equal(2 * 40 * 4 + 2 * 2 * S * 8 + E * 8, optim_bytes() - bb)
+    assert.is_true(b.state[2].exp_avg[3]:same_storage(bufs[3]))
+    assert.is_false(bufs[3]:view_at(S, {S}):committed())   -- expert 2: no state in sd
+    assert.is_false(bufs[4]:view_at(3 * S, {S}):committed())
+    run(a, ga, {3, 4})
+    run(b, gb, {3, 4})
+    for i = 1, 2 do assert.is_true(same_bits(ga[i].params, gb[i].params), "group " .. i) end
+    for e = 1, 3 do assert.is_true(same_bits(a.state[2].exp_avg_sq[e], b.state[2].exp_avg_sq[e])) end
+    -- a state absent from sd drops the live view; the bytes stay committed and are reused
+    local sd2 = b:state_dict()
+    sd2.groups[2].exp_avg[3], sd2.groups[2].exp_avg_sq[3] = nil, nil
+    local cb = optim_bytes()
+    b:load_state_dict(sd2)
+    assert.is_nil(b.state[2].exp_avg[3])
+    assert.are.equal(cb, optim_bytes())
+    b:step(nil, {nil, u8({0, 0, 1, 0})})                   -- expert 3 again: zeroed, not recommitted
+    assert.are.equal(cb, optim_bytes())
+    assert.is_true(b.state[2].exp_avg[3]:same_storage(bufs[3]))
+    assert.are.equal(2 * S, b.state[2].exp_avg[3]:storage_offset())
+  end)
+
+  it("state_tensor: the live state, made now (committed given view or allocated zeros)", function()
+    local a, _, bufs = twins(true)
+    local base = optim_bytes()
+    local t = a:state_tensor(2, "exp_avg_sq", 2)
+    assert.is_true(t:same_storage(bufs[4]) and t:storage_offset() == S and t:numel() == S)
+    assert.are.equal(0, t:abs():max():item())
+    assert.is_true(rawequal(t, a:state_tensor(2, "exp_avg_sq", 2)))   -- made once
+    assert.is_true(a.state[2].exp_avg[2]:committed())                    -- with its pair
+    assert.are.equal(base + 2 * S * 8 + E * 8, optim_bytes())            -- and the step counts
+    assert.is_true(rawequal(a.state[2].steps, a:state_tensor(2, "steps")))
+    t:fill_(0.5)                                            -- a loader reads a range into it
+    assert.are.equal(0.5, a:state_dict().groups[2].exp_avg_sq[2]:max():item())
+    local d = a:state_tensor(1, "exp_avg")
+    assert.is_true(rawequal(d, a.state[1].exp_avg) and d:same_storage(bufs[1]))
+    -- without given states: zeros under "optim", as the first step makes them
+    local p = m.zeros({E * S})
+    local c = optim.AdamW({{params = p, grads = m.zeros({E * S}), experts = E}}, o)
+    local cb = optim_bytes()
+    local z = c:state_tensor(1, "exp_avg", 4)
+    assert.are.equal("optim", z:category())
+    assert.are.equal(cb + 2 * S * 4 + E * 8, optim_bytes())
+    local fn = "moelua.optim.AdamW:state_tensor: "
+    assert.has_error(function() a:state_tensor(3, "exp_avg") end, fn .. "no group 3 (the optimizer has 2)")
+    assert.has_error(function() a:state_tensor(1, "m") end,
+                     fn .. 'state must be "exp_avg", "exp_avg_sq" or "steps", got m')
+    assert.has_error(function() a:state_tensor(1, "exp_avg", 1) end, fn .. "group 1 is dense: it has no experts")
+    assert.has_error(function() a:state_tensor(1, "steps") end,
+                     fn .. "group 1 is dense: it has no per-expert steps")
+    assert.has_error(function() a:state_tensor(2, "exp_avg", 5) end, fn .. "group 2 has experts 1..4, got 5")
+    assert.has_error(function() a:state_tensor(2, "steps", 1) end,
+                     fn .. "group 2: 'steps' is one tensor [4], not per expert")
+  end)
+
+  it("plans the worst case under mem.plan: every expert's slices committed to the plan's books", function()
+    collectgarbage(); collectgarbage()
+    local base = optim_bytes()
+    local books = m.mem.plan(function()
+      local ea, eq = reserved_states(E * S, "f32")
+      local opt = optim.AdamW({{params = m.zeros({E * S}), grads = m.zeros({E * S}), experts = E,
+                                exp_avg = ea, exp_avg_sq = eq}}, o)
+      opt:step(nil, {m.zeros({E}, {dtype = "u8"})})
+    end)
+    assert.are.equal(base + 2 * E * S * 4 + E * 8, books.cpu.peak.optim)
+    assert.are.equal(base, optim_bytes())
+  end)
+
+  it("checks the given states", function()
+    local p, g = m.zeros({8}), m.zeros({8})
+    local fn = "moelua.optim.AdamW: group 1: "
+    local function bad(extra, msg, ctor)
+      local grp = {params = p, grads = g}
+      for k, v in pairs(extra) do grp[k] = v end
+      assert.has_error(function() (ctor or optim.AdamW)({grp}) end, msg)
+    end
+    bad({exp_avg = m.zeros({8})}, fn .. "'exp_avg_sq' must be a tensor when exp_avg is given, got nil")
+    bad({exp_avg = m.zeros({8}), exp_avg_sq = m.zeros({7})},
+        fn .. "'exp_avg_sq' must be contiguous, f32 on cpu with 8 elements like params, got f32 on cpu with 7")
+    bad({exp_avg = m.zeros({8}, {dtype = "f64"}), exp_avg_sq = m.zeros({8})},
+        fn .. "'exp_avg' must be contiguous, f32 on cpu with 8 elements like params, got f64 on cpu with 8")
+    bad({exp_avg = m.zeros({2, 8}):narrow(2, 1, 4), exp_avg_sq = m.zeros({8})},
+        fn .. "'exp_avg' must be contiguous, f32 on cpu with 8 elements like params, got " ..
+        "non-contiguous f32 on cpu with 8")
+    bad({exp_avg = m.zeros({8}), exp_avg_sq = m.zeros({8})},
+        "moelua.optim.SGD: group 1: 'exp_avg' and 'exp_avg_sq' are AdamW's states", optim.SGD)
+    -- a given view partly committed by its caller: the commit names the overlap
+    local r = m.reserve({8})
+    r:view_at(2, {2}):commit_()
+    local opt = optim.AdamW({{params = p, grads = g, exp_avg = r, exp_avg_sq = m.reserve({8})}})
+    assert.has_error(function() opt:step() end,
+                     "Tensor:commit_: bytes [0, 32) overlap the committed bytes [8, 16)")
+  end)
+end)
+
 -- ---- norms and clipping --------------------------------------------------------
 
 describe("gradient norms and clipping", function()
@@ -941,7 +1124,7 @@ describe("optimizer bad input", function()
     e(function() optim.AdamW({{params = f32, grads = f64}}) end,
       "moelua.optim.AdamW: group 1: params (f32) and grads (f64) must share dtype f32 or f64")
     e(function() optim.AdamW({{params = f32, grads = f32, lr = 1}}) end,
-      "moelua.optim.AdamW: group 1: unknown key 'lr' (expected one of: experts, frozen, grads, lr_mult, name, params, weight_decay)")
+      "moelua.optim.AdamW: group 1: unknown key 'lr' (expected one of: exp_avg, exp_avg_sq, experts, frozen, grads, lr_mult, name, params, weight_decay)")
     e(function() optim.AdamW({{params = f32, grads = f32, experts = 3}}) end,
       "moelua.optim.AdamW: group 1: 'experts' must be an integer >= 1 dividing 8 elements, got 3")
     e(function() optim.AdamW({{params = f32, grads = f32}}, {betas = {0.9, 0.99}}) end,

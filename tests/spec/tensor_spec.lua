@@ -272,3 +272,91 @@ describe("bad input", function()
     assert.matches("moelua.zeros: device cuda is not available", errmsg(m.zeros, {2}, {device = "cuda"}))
   end)
 end)
+
+-- ---- reserved storage (host/runtime/tensor.h: ml_storage_reserve) -----------
+
+describe("reserved storage", function()
+  local function cpu() return m.mem.stats().cpu end
+  local function optim_bytes() return cpu().current.optim or 0 end
+
+  it("reserve charges nothing; commit_ charges the view's bytes as zeros; free credits them", function()
+    collectgarbage(); collectgarbage()
+    local base = optim_bytes()
+    local r = m.mem.scope("optim", m.reserve, {4, 100}, {dtype = "f64"})
+    assert.are.equal("optim", r:category())
+    assert.are.same({4, 100}, r:shape())
+    assert.are.equal(base, optim_bytes())
+    assert.is_false(r:committed())
+    assert.matches("tensor%(%[4,100%], f64, cpu, reserved, not committed%)", tostring(r))
+    local row = r:select(1, 2)
+    assert.is_true(rawequal(row, row:commit_()))
+    assert.are.equal(base + 800, optim_bytes())
+    assert.is_true(row:committed())
+    assert.is_false(r:committed())
+    assert.are.equal(0, row:abs():max():item())
+    r:select(1, 3):commit_()                          -- adjacent commits cover a view of both
+    assert.is_true(r:narrow(1, 2, 2):committed())
+    assert.is_false(r:narrow(1, 2, 3):committed())
+    assert.are.equal(0, r:narrow(1, 2, 2):sum():item())
+    assert.is_true(m.zeros({2}):committed())          -- a storage that was not reserved
+    r, row = nil, nil
+    collectgarbage(); collectgarbage()
+    assert.are.equal(base, optim_bytes())
+  end)
+
+  it("refuses ops on uncommitted elements, overlapping commits and bad input, naming them", function()
+    local r = m.reserve({16})
+    local v = r:view_at(4, {4})
+    assert.matches("moelua.add: a: the tensor is reserved but not committed", errmsg(function() return v + 1 end))
+    assert.matches("Tensor:copy_: .*reserved but not committed", errmsg(v.copy_, v, m.zeros({4})))
+    assert.matches("Tensor:item: argument #1: the tensor is reserved but not committed",
+                   errmsg(v.item, r:view_at(0, {1})))
+    assert.matches("Tensor:totable: argument #1: the tensor is reserved but not committed", errmsg(v.totable, v))
+    v:commit_()
+    assert.are.same({0, 0, 0, 0}, v:totable())
+    assert.matches("Tensor:sum: t: the tensor is reserved but not committed",
+                   errmsg(function() return r:sum() end))
+    assert.matches("Tensor:commit_: bytes %[24, 40%) overlap the committed bytes %[16, 32%)",
+                   errmsg(v.commit_, r:view_at(6, {4})))
+    assert.matches("Tensor:commit_: t must be contiguous", errmsg(v.commit_, m.reserve({4, 4}):t()))
+    assert.matches("Tensor:commit_: the storage is not reserved", errmsg(v.commit_, m.zeros({2})))
+    assert.matches("Tensor:commit_: argument #1: expected a tensor, got number", errmsg(v.commit_, 3))
+    assert.matches("Tensor:committed: argument #1: expected a tensor, got no value", errmsg(v.committed))
+    assert.matches("moelua.reserve: size of dim 1 is negative", errmsg(m.reserve, {-1}))
+    assert.matches("moelua.reserve: unknown option 'dtpye'", errmsg(m.reserve, {2}, {dtpye = "f32"}))
+    assert.matches("Tensor:release_storage: a reserved storage is committed range by range",
+                   errmsg(r.release_storage, r))
+    local f = m.reserve({2})
+    f:free()
+    assert.matches("Tensor:commit_: argument #1: the tensor was freed", errmsg(f.commit_, f))
+    if not m.cuda_available() then
+      assert.matches("moelua.reserve: device cuda is not available", errmsg(m.reserve, {2}, {device = "cuda"}))
+    end
+  end)
+
+  it("a commit is refused by a budget with the ledger table, like an allocation", function()
+    collectgarbage(); collectgarbage()
+    local r = m.mem.scope("optim", m.reserve, {1 << 20})   -- 4 MiB, over the budget below
+    local old = m.mem.budget({total = cpu().total + 65536})
+    local ok1, err1 = pcall(function() return r:view_at(0, {8192}):commit_() end)   -- 32 KiB fits
+    local ok2, err2 = pcall(function() return r:view_at(8192, {1 << 19}):commit_() end)
+    m.mem.budget(old)
+    assert.is_true(ok1, tostring(err1))
+    assert.is_false(ok2)
+    assert.matches("Tensor:commit_: committing 2.00 MiB %(optim%) on cpu would exceed the total budget of", err2)
+    assert.matches("memory ledger %(cpu%)", err2)
+    assert.is_false(r:view_at(8192, {1}):committed())      -- a refused commit commits nothing
+  end)
+
+  it("takes resident memory only as it is committed (a large reservation)", function()
+    collectgarbage(); collectgarbage()
+    local rss0 = cpu().rss
+    local r = m.reserve({64 << 20})                  -- 256 MiB of f32, reserved
+    local rss1 = cpu().rss
+    r:view_at(0, {1 << 20}):commit_()                -- 4 MiB committed
+    local rss2 = cpu().rss
+    assert.is_true(rss1 - rss0 < (16 << 20), "reserving took " .. (rss1 - rss0) .. " bytes")
+    assert.is_true(rss2 - rss1 >= (3 << 20) and rss2 - rss1 < (32 << 20),
+                   "committing 4 MiB took " .. (rss2 - rss1) .. " bytes")
+  end)
+end)
