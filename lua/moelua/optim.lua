@@ -57,7 +57,7 @@
 -- (view_at((e-1) * n/E, {n/E})) is expert e's state, committed the first
 -- time e is active, so an expert that never had tokens still costs no
 -- committed byte and the "optim" bytes are those above. A view the caller
--- committed already is zeroed instead. state_dict() returns the committed
+-- committed already is zeroed instead. SGD ignores them. state_dict() returns the committed
 -- views; load_state_dict copies into them (committing them first), keeping
 -- a source that is a view of the same elements. The step counts are
 -- allocated as without given states.
@@ -96,10 +96,11 @@ local function check_number(fn, what, v, lo, hi)
 end
 
 -- Group i's given states (AdamW): both or neither, contiguous views of
--- params' numel, dtype and device; returned flat (1-D views).
+-- params' numel, dtype and device; returned flat (1-D views). Another
+-- optimizer has no such states and leaves them (a model's groups say where
+-- AdamW's states live, whichever optimizer the recipe takes).
 local function check_given(fn, i, g, p, adamw)
-  if g.exp_avg == nil and g.exp_avg_sq == nil then return nil, nil end
-  if not adamw then fail(fn, "group %d: 'exp_avg' and 'exp_avg_sq' are AdamW's states", i) end
+  if not adamw or (g.exp_avg == nil and g.exp_avg_sq == nil) then return nil, nil end
   local out = {}
   for _, k in ipairs(GIVEN_STATES) do
     local v = g[k]

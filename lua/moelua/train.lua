@@ -288,12 +288,8 @@ end
 
 local function load_optim(self, c, meta)
   check_optim(self, c)
-  local live = self.optimizer:state_dict().groups
-  local function receiver(gi, k, e, n, dt, dev)   -- zeros: what no name covers stays 0
-    local cur = live[gi][k]
-    if e then cur = cur and cur[e] end
-    if cur then return cur:zero_() end
-    return mem.scope("optim", tensor.zeros, {n}, {dtype = dt, device = dev})
+  local function receiver(gi, k, e)   -- the live state (made now), zeroed: what no name covers stays 0
+    return self.optimizer:state_tensor(gi, k, e):zero_()
   end
   local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
               groups = {}}
@@ -311,14 +307,13 @@ local function load_optim(self, c, meta)
         local dst, at = gs, off
         if S then dst, at = gs[k], off - (off // S) * S end   -- expert off // S + 1's own
         local key = S and off // S + 1 or k
-        dst[key] = dst[key] or receiver(gi, k, S and key, S or g.params:numel(), g.params:dtype(),
-                                        g.params:device())
+        dst[key] = dst[key] or receiver(gi, k, S and key)
         o[k]:read_into(dst[key]:view_at(at, p.tensor:shape()))
       end
     end
     local st = c.optim_steps and c.optim_steps[p.name]
     if st and g.experts then
-      gs.steps = gs.steps or receiver(gi, "steps", nil, g.experts, "i64", "cpu")
+      gs.steps = gs.steps or receiver(gi, "steps")
       st:read_into(gs.steps:narrow(1, off // S + 1, 1))
     end
   end
@@ -384,16 +379,12 @@ local function load_sharded(self, c, meta)
       end
     end
   end
-  local live = self.optimizer:state_dict().groups
   local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
               groups = {}}
   for gi, g in ipairs(self.groups) do
     local gs = {step = (g.frozen or not c.optim) and 0 or meta.t}
-    if gs.step > 0 then   -- what no name covers stays 0
-      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-        gs[k] = live[gi][k] and live[gi][k]:zero_()
-          or mem.scope("optim", tensor.zeros, {g.params:numel()}, {dtype = g.params:dtype(), device = g.params:device()})
-      end
+    if gs.step > 0 then   -- the live states (made now), zeroed: what no name covers stays 0
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do gs[k] = self.optimizer:state_tensor(gi, k):zero_() end
     end
     sd.groups[gi] = gs
   end

@@ -116,6 +116,12 @@ function Zero:unit(name, kind, layout, o)
   elseif self.stage >= 1 then   -- reduced in place, into this rank's slice of the whole
     u.shard_grads = shard_of(u, u.grads)
   end
+  -- AdamW's two states, one flat buffer each over this rank's optimizer
+  -- range (whole at stage 0, the shard above): address space until the
+  -- optimizer commits a group's (or an active expert's) slice
+  local states = self.stage == 0 and n or part.shard
+  u.exp_avg = mem.scope("optim", tensor.reserve, {states}, dt)
+  u.exp_avg_sq = mem.scope("optim", tensor.reserve, {states}, dt)
   self.units[#self.units + 1] = u
   return u
 end
@@ -288,6 +294,7 @@ function Zero:groups()
       local params = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
       out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
                        grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
+                       exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
                        weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen,
                        experts = g.experts}
       self.group_at[#out] = {unit = u, offset = r.offset, n = r.n}

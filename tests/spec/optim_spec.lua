@@ -530,8 +530,11 @@ describe("AdamW with given states (views of reserved buffers)", function()
     bad({exp_avg = m.zeros({2, 8}):narrow(2, 1, 4), exp_avg_sq = m.zeros({8})},
         fn .. "'exp_avg' must be contiguous, f32 on cpu with 8 elements like params, got " ..
         "non-contiguous f32 on cpu with 8")
-    bad({exp_avg = m.zeros({8}), exp_avg_sq = m.zeros({8})},
-        "moelua.optim.SGD: group 1: 'exp_avg' and 'exp_avg_sq' are AdamW's states", optim.SGD)
+    -- SGD has no such states: it leaves them (a model's groups carry them for AdamW)
+    local sgd = optim.SGD({{params = p, grads = g, exp_avg = m.reserve({8}), exp_avg_sq = m.reserve({8})}},
+                          {lr = 0.1, momentum = 0.9})
+    sgd:step()
+    assert.is_nil(sgd:state_dict().groups[1].exp_avg)
     -- a given view partly committed by its caller: the commit names the overlap
     local r = m.reserve({8})
     r:view_at(2, {2}):commit_()
