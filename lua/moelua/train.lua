@@ -197,20 +197,6 @@ local function update_router_biases(self, loads)
   end
 end
 
--- Lazy Adam's masks (an expert active on any rank is active on all).
-local function active_masks(z, masks)
-  if z.world == 1 then return masks end
-  local keys = {}
-  for gi in pairs(masks) do keys[#keys + 1] = gi end
-  table.sort(keys)   -- the same collectives in the same order on every rank
-  for _, gi in ipairs(keys) do
-    local m = masks[gi]
-    local v = z:all_reduce_numbers(m:totable(), "max", "active experts")
-    for e, x in ipairs(v) do m:view_at(e - 1, {1}):fill_(x) end
-  end
-  return masks
-end
-
 -- Which optimizer group holds view t, and where (elements from the group's start).
 local function locate(t, groups)
   for gi, g in ipairs(groups) do
@@ -331,32 +317,78 @@ local function sharded(self)
   return z.world > 1 or z.stage >= 1
 end
 
+-- The expert of a named parameter (0-based), or nil.
+local function expert_of(name)
+  return tonumber(name:match("%.block_sparse_moe%.experts%.(%d+)%."))
+end
+
+-- Which experts hold lazy-Adam states on any rank: {[unit] = {[e] = true}}
+-- for the experts units of a sparse model (the others are nil). Every rank
+-- takes part (one collective), whatever it holds.
+local function experts_with_states(self, sd)
+  local z, out, flags = self.model.zero, {}, {}
+  if not self.model.sparse then return out end
+  local E = self.model.opts.experts
+  local units = {}
+  for _, u in ipairs(z.units) do
+    if u.kind == "experts" then units[#units + 1] = u end
+  end
+  for i = 1, #units * E do flags[i] = 0 end
+  local row = {}
+  for i, u in ipairs(units) do row[u] = (i - 1) * E end
+  for gi, at in ipairs(z.group_at) do
+    local gs = sd.groups[gi]
+    if row[at.unit] and type(gs.exp_avg) == "table" then
+      for e, t in pairs(gs.exp_avg) do
+        if t then flags[row[at.unit] + (at.expert or e - 1) + 1] = 1 end
+      end
+    end
+  end
+  if z.world > 1 then flags = z:all_reduce_numbers(flags, "max", "experts with optimizer states") end
+  for i, u in ipairs(units) do
+    out[u] = {}
+    for e = 0, E - 1 do out[u][e] = flags[(i - 1) * E + e + 1] > 0 or nil end
+  end
+  return out
+end
+
 local function sharded_state(self)
   local z, model = self.model.zero, self.model
   local named = model:named_parameters()
   local sd = self.optimizer:state_dict()
-  local entries, stated = {}, {}
+  local active = experts_with_states(self, sd)
+  local entries, stated, counted = {}, {}, {}
   for _, p in ipairs(named) do
     entries[#entries + 1] = {name = p.name, dtype = model.opts.dtype, shape = p.tensor:shape()}
-    if not z:frozen(p) then stated[#stated + 1] = entries[#entries] end
+    local e, experts = expert_of(p.name), active[p.unit]
+    if not z:frozen(p) then
+      if not experts or experts[e] then stated[#stated + 1] = entries[#entries] end
+      -- a sparse unit's step counts, once any of its experts has states (0: none yet)
+      if experts and next(experts) then counted[#counted + 1] = {name = p.name, dtype = "i64", shape = {1}} end
+    end
   end
-  local has_states = sd.t > 0   -- dense AdamW: every unfrozen group has states after its first step
+  local has_states = sd.t > 0 and #stated > 0   -- AdamW: every unfrozen dense group has states after a step
   local files = {["model.safetensors"] = entries}
   if has_states then
     files["optim/exp_avg.safetensors"], files["optim/exp_avg_sq.safetensors"] = stated, stated
   end
+  if #counted > 0 then files["optim/steps.safetensors"] = counted end
   local function write(dir)
     local w = {model = mio.open_writer(dir .. "/model.safetensors")}
-    if has_states then
-      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do w[k] = mio.open_writer(dir .. "/optim/" .. k .. ".safetensors") end
+    for _, k in ipairs{"exp_avg", "exp_avg_sq", "steps"} do
+      if files["optim/" .. k .. ".safetensors"] then w[k] = mio.open_writer(dir .. "/optim/" .. k .. ".safetensors") end
     end
     for _, pc in ipairs(z:pieces(named)) do
       w.model:write_range(pc.name, pc.at, z:param_view(pc))
       if has_states and not pc.frozen then
-        local gi, off = z:group_of(pc)
+        local gi, e, off = z:state_slot(pc)
+        local gs = sd.groups[gi]
         for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-          w[k]:write_range(pc.name, pc.at, sd.groups[gi][k]:view_at(off, {pc.n}))
+          local st = e and gs[k][e] or not e and gs[k]
+          if st then w[k]:write_range(pc.name, pc.at, st:view_at(off, {pc.n})) end
         end
+        -- an expert's count, by the rank that holds the tensor's first element
+        if e and w.steps and gs.steps and pc.at == 0 then w.steps:write_range(pc.name, 0, gs.steps:narrow(1, e, 1)) end
       end
     end
     for _, f in pairs(w) do f:sync(); f:close() end
@@ -367,7 +399,7 @@ local function sharded_state(self)
 end
 
 local function load_sharded(self, c, meta)
-  local z, model = self.model.zero, self.model
+  local z, model, opt = self.model.zero, self.model, self.optimizer
   local named = model:check_named(c.model, {config = c.config, source = c.dir})
   for _, p in ipairs(named) do
     local o = c.optim and c.optim[p.name]
@@ -378,26 +410,44 @@ local function load_sharded(self, c, meta)
                                   k, p.name, table.concat(o[k]:shape(), ","), want))
       end
     end
+    if o and model.sparse and expert_of(p.name) and not (c.optim_steps and c.optim_steps[p.name]) then
+      errors.user(string.format("moelua.train: %s: '%s' has optimizer states but no step count in " ..
+                                "optim/steps.safetensors", c.dir, p.name))
+    end
   end
-  local sd = {kind = self.optimizer.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps,
-              groups = {}}
+  local sd = {kind = opt.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps, groups = {}}
   for gi, g in ipairs(self.groups) do
     local gs = {step = (g.frozen or not c.optim) and 0 or meta.t}
-    if gs.step > 0 then   -- the live states (made now), zeroed: what no name covers stays 0
-      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do gs[k] = self.optimizer:state_tensor(gi, k):zero_() end
+    if g.experts then
+      gs.exp_avg, gs.exp_avg_sq = {}, {}   -- the experts the checkpoint names, below
+    elseif gs.step > 0 then   -- the live states (made now), zeroed: what no name covers stays 0
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do gs[k] = opt:state_tensor(gi, k):zero_() end
     end
     sd.groups[gi] = gs
   end
   for _, pc in ipairs(z:pieces(named)) do
     c.model[pc.name]:read_range(pc.at, z:param_view(pc))
     local o = c.optim and c.optim[pc.name]
-    if o and not pc.frozen then
-      local gi, off = z:group_of(pc)
-      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do o[k]:read_range(pc.at, sd.groups[gi][k]:view_at(off, {pc.n})) end
+    if not pc.frozen then
+      local gi, e, off = z:state_slot(pc)
+      local gs = sd.groups[gi]
+      for _, k in ipairs(o and {"exp_avg", "exp_avg_sq"} or {}) do
+        local st = gs[k]
+        if e then
+          st[e] = st[e] or opt:state_tensor(gi, k, e):zero_()
+          st = st[e]
+        end
+        o[k]:read_range(pc.at, st:view_at(off, {pc.n}))
+      end
+      local count = e and c.optim_steps and c.optim_steps[pc.name]
+      if count then
+        gs.steps = gs.steps or opt:state_tensor(gi, "steps"):zero_()
+        count:read_into(gs.steps:narrow(1, e, 1))
+      end
     end
   end
   z:gather_params()
-  self.optimizer:load_state_dict(sd, {adopt = true})
+  opt:load_state_dict(sd, {adopt = true})
 end
 
 -- The trainer's state in checkpoints: everything a resumed run needs to
@@ -781,7 +831,7 @@ function Trainer:step(step)
     self.model:zero_grad()
   else
     self.skipped_run = 0
-    self.optimizer:step(lr, active_masks(z, self.model:active_masks(self.groups)))
+    self.optimizer:step(lr, self.model:active_masks(self.groups))
     z:after_step()
     update_router_biases(self, loads)
   end

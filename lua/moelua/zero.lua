@@ -266,8 +266,22 @@ local function ranges(u, off, len)
     if last and last.group == g and last.offset + last.n == p.offset then
       last.n = last.n + p.n
     else
-      out[#out + 1] = {group = g, offset = p.offset, n = p.n}
+      out[#out + 1] = {group = g, offset = p.offset, n = p.n, seg_start = p.offset - p.seg_offset}
     end
+  end
+  return out
+end
+
+-- A range of a per-expert segment (one per label) cut at its experts'
+-- boundaries: {offset, n, expert (0-based)}. The expert's slice is S
+-- elements from seg_start + expert * S.
+local function by_expert(r, S)
+  local out, lo = {}, r.offset
+  while lo < r.offset + r.n do
+    local e = (lo - r.seg_start) // S
+    local hi = math.min(r.offset + r.n, r.seg_start + (e + 1) * S)
+    out[#out + 1] = {offset = lo, n = hi - lo, expert = e}
+    lo = hi
   end
   return out
 end
@@ -275,32 +289,48 @@ end
 -- Optimizer groups in moelua.optim's format for the units, from each
 -- unit's u.groups (segment name -> {name, weight_decay, lr_mult, frozen,
 -- experts}, set by the model): stage 0 over the whole buffers, stages 1-3
--- over this rank's shard. Each group's name is "<unit>.<label>" unless the
--- label is absolute.
+-- over this rank's shard, AdamW's states as views of the unit's flat
+-- state buffers. A lazy-Adam group (experts = E) of a shard, which may cut
+-- experts anywhere, becomes one group per expert slice (experts = 1;
+-- group_at[i].expert says which expert, for its activity mask and step
+-- count). z.group_at[i] = {unit, offset (in the unit), n [, expert,
+-- experts]}.
 function Zero:groups()
   local out = {}
-  self.group_at = {}   -- per group: its unit, unit offset and size
-  for _, u in ipairs(self.units) do
+  self.group_at = {}
+  local function add(u, g, off, r, experts)
     local whole = self.stage == 0
+    local at = r.offset - off
+    local params = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+    out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
+                     grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
+                     exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
+                     weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen, experts = experts}
+    self.group_at[#out] = {unit = u, offset = r.offset, n = r.n, expert = r.expert, experts = experts}
+  end
+  for _, u in ipairs(self.units) do
     local off, len = 0, u.numel
-    if not whole then off, len = u.part.offset, math.max(0, math.min(u.part.shard, u.numel - u.part.offset)) end
+    if self.stage > 0 then off, len = u.part.offset, math.max(0, math.min(u.part.shard, u.numel - u.part.offset)) end
     for _, r in ipairs(ranges(u, off, len)) do
-      local g, at = r.group, whole and r.offset or r.offset - off
-      if g.experts and (not whole or self.world > 1) then
-        errors.user(string.format("--zero %d over %d ranks: lazy Adam (sparse = true) keeps per-expert states, " ..
-                                  "which are not built for sharded units or several ranks yet: use one process " ..
-                                  "with --zero 0", self.stage, self.world))
+      local g = r.group
+      if g.experts and self.stage > 0 then
+        local S = u.layout:pieces(r.offset, 1)[1]
+        S = u.layout:segment(S.segment).numel // g.experts
+        for _, piece in ipairs(by_expert(r, S)) do add(u, g, off, piece, 1) end
+      else
+        add(u, g, off, r, g.experts)
       end
-      local params = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
-      out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
-                       grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
-                       exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
-                       weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen,
-                       experts = g.experts}
-      self.group_at[#out] = {unit = u, offset = r.offset, n = r.n}
     end
   end
   return out
+end
+
+-- mask (u8 [E], this rank's activity): with several ranks, an expert
+-- active on any rank is active on all (in place). Returns mask.
+function Zero:agree_active(mask, what)
+  if self.world == 1 then return mask end
+  local v = self:all_reduce_numbers(mask:totable(), "max", what)
+  return mask:copy_(tensor.tensor(v, {dtype = "u8"}))
 end
 
 -- The global gradient norm (squares of each rank's shard, summed over
@@ -384,6 +414,18 @@ function Zero:group_of(pc)
       return i, pc.lo - at.offset
     end
   end
+end
+
+-- Where a piece's optimizer states are: its group (Zero:groups()'s index),
+-- its expert in that group (1-based; nil in a dense group) and its offset
+-- in the state tensor (the group's, or that expert's).
+function Zero:state_slot(pc)
+  local gi, off = self:group_of(pc)
+  local at = self.group_at[gi]
+  if not at.experts then return gi, nil, off end
+  local S = at.n // at.experts
+  local e = off // S
+  return gi, e + 1, off - e * S
 end
 
 -- Is the named parameter p in a frozen group (param_groups' attributes)?

@@ -2,14 +2,17 @@
 -- tests/spec/zero_spec.lua (run by mpiexec -n N ./moelua). Options:
 --   --corpus PATH --out DIR --stage 0..3 --accum A --steps K --optim adamw|sgd
 --   --prefetch P --reduce-every micro|step --sparse --timeout S
---   --run-dir D --ckpt-every K --resume CKPT --bias-rate R
+--   --run-dir D --ckpt-every K --resume CKPT --bias-rate R --experts E --topk K
+--   --dead-expert e (expert e never routed to: its router bias is -1e30)
 -- Writes DIR/rank<R>.txt: the losses of every step ("loss <step> %.17g"),
 -- the ledger's bytes per category after the run and at its peak
 -- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the planned and measured
 -- peaks ("plan total_peak <bytes>", "run total_peak <bytes>"), the unit
 -- elements and shards ("unit <name> <numel> <shard>"); and
 -- DIR/params.rank<R>.safetensors: every unit's whole parameters as this
--- rank sees them after the run, and the router biases ("bias.<layer>").
+-- rank sees them after the run, and the router biases ("bias.<layer>");
+-- the experts that ran tokens on this rank in the last step
+-- ("mask <layer> 0110...").
 local nn = require "moelua.nn"
 local optim = require "moelua.optim"
 local data = require "moelua.data"
@@ -25,15 +28,19 @@ local o = options.parse(arg, {
   {"corpus", ""}, {"out", ""}, {"stage", 0}, {"accum", 1}, {"steps", 5}, {"optim", "adamw"},
   {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
   {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""}, {"bias-rate", 0.0},
+  {"experts", 4}, {"topk", 2}, {"dead-expert", -1},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
 local function build()
   local model = nn.Transformer.new{
-    vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = 4, topk = 2,
-    seed = 3, checkpoint = "moe", moe = {bias_rate = o.bias_rate},
+    vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = o.experts, topk = o.topk,
+    seed = 3, checkpoint = "moe", moe = {bias_rate = o.dead_expert >= 0 and 1e-3 or o.bias_rate},
     zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
   }
+  if o.dead_expert >= 0 then
+    for _, layer in ipairs(model:moe_layers()) do layer.bias:narrow(1, o.dead_expert + 1, 1):fill_(-1e30) end
+  end
   local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
   local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
     or optim.AdamW(groups, {lr = o.lr, weight_decay = 0.1})
@@ -68,6 +75,11 @@ for _, u in ipairs(model.units) do
 end
 for i, layer in ipairs(model:moe_layers()) do
   if layer.bias then whole["bias." .. i] = layer.bias end
+  if model.layer_stats[i] then   -- (a resume that took no step ran no forward)
+    local ran = {}
+    for e, x in ipairs(model:active_experts(i):totable()) do ran[e] = x > 0 and "1" or "0" end
+    lines[#lines + 1] = string.format("mask %d %s", i, table.concat(ran))
+  end
 end
 mio.save(string.format("%s/params.rank%d.safetensors", o.out, rank), whole)
 local f = assert(io.open(string.format("%s/rank%d.txt", o.out, rank), "w"))

@@ -282,17 +282,19 @@ local function moe_part(b, h1, out, step)
 end
 
 -- The layer's stats with model-owned copies of the per-expert tensors, so
--- they outlive the pool frames (and checkpoint rewinds).
+-- they outlive the pool frames (and checkpoint rewinds); `ran` sums the
+-- kept assignments of every forward since zero_grad (a step's micro-batches).
 function Transformer:_keep_stats(i, stats)
   local keep = self.layer_stats[i]
   if not keep then
     keep = {}
-    for _, k in ipairs{"counts", "psum", "kept", "mean_prob"} do
-      keep[k] = mem.scope("acts", tensor.zeros, {stats[k]:numel()},
-                          {dtype = stats[k]:dtype(), device = stats[k]:device()})
+    for _, k in ipairs{"counts", "psum", "kept", "mean_prob", "ran"} do
+      local like = stats[k] or stats.kept
+      keep[k] = mem.scope("acts", tensor.zeros, {like:numel()}, {dtype = like:dtype(), device = like:device()})
     end
     self.layer_stats[i] = keep
   end
+  keep.ran:add_(stats.kept)
   local s = {}
   for k, v in pairs(stats) do s[k] = v end
   for _, k in ipairs{"counts", "psum", "kept", "mean_prob"} do s[k] = keep[k]:copy_(stats[k]) end
@@ -441,6 +443,7 @@ end
 -- model:zero_grad(): gradients to 0 and a new profile (one step's worth).
 function Transformer:zero_grad()
   self.zero:zero_grad()
+  for _, keep in pairs(self.layer_stats) do keep.ran:zero_() end
   self:reset_profile()
 end
 
@@ -516,7 +519,8 @@ function Transformer:set_router(s)
 end
 
 -- mask = model:active_experts(i) (or model.active_experts(i)): u8 [E], 1 for
--- the experts of layer i (1-based) that ran tokens in the last forward.
+-- the experts of layer i (1-based) that ran tokens in a forward since the
+-- last zero_grad (any micro-batch of the step).
 function Transformer.active_experts(a, b)
   local self, i = a, b
   if getmetatable(a) ~= Transformer then
@@ -525,7 +529,7 @@ function Transformer.active_experts(a, b)
   local s = self.layer_stats[i]
   if not s then error("moelua.nn.Transformer:active_experts: no forward for layer " .. tostring(i), 2) end
   local mask = tensor.zeros({self.opts.experts}, {dtype = "u8"})
-  local one = s.kept:minimum(1)
+  local one = s.ran:minimum(1)
   mask:copy_(one)
   one:free()
   return mask
@@ -574,18 +578,25 @@ function Transformer:param_groups(o)
       u.groups[seg.name] = by_label[label]
     end
   end
+  self.sparse = o.sparse or false
   return self.zero:groups()
 end
 
--- masks = model:active_masks(groups): {[gi] = u8 [E]} for the groups of
--- param_groups{sparse = true} that carry experts (AdamW:step's argument).
+-- masks = model:active_masks(groups): {[gi] = u8 [experts of the group]}
+-- for the groups of param_groups{sparse = true} that carry experts
+-- (AdamW:step's argument). With several ranks every layer's mask is first
+-- agreed (an expert active on any rank is active on all); a group of one
+-- expert's slice of a shard (moelua.zero) gets that expert's entry.
 function Transformer:active_masks(groups)
-  local masks, cache = {}, {}
+  local masks = {}
+  if not self.sparse then return masks end
+  local z, layer = self.zero, {}
+  for i = 1, #self.blocks do layer[i] = z:agree_active(self:active_experts(i), "active experts of layer " .. (i - 1)) end
   for gi, g in ipairs(groups) do
     local i = g.experts and tonumber(g.name:match("^layers%.(%d+)%.experts"))
     if i then
-      cache[i] = cache[i] or self:active_experts(i + 1)
-      masks[gi] = cache[i]
+      local e = z.group_at[gi] and z.group_at[gi].expert
+      masks[gi] = e and layer[i + 1]:narrow(1, e + 1, 1) or layer[i + 1]
     end
   end
   return masks
