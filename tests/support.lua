@@ -34,6 +34,18 @@ function support.raises(part, f, ...)
   assert(err:find(part, 1, true), string.format("error %q does not contain %q", err, part))
 end
 
+-- ---- budgets ---------------------------------------------------------------
+
+-- Runs f with the CPU budgets changed by `b` (moelua.mem.budget's table),
+-- restoring them even if f fails.
+function support.with_budget(b, f)
+  local mem = require "moelua.mem"
+  local old = mem.budget(b)
+  local ok, err = pcall(f)
+  mem.budget(old)
+  if not ok then error(err, 0) end
+end
+
 -- ---- tensors as Lua tables -------------------------------------------------
 
 -- Appends the numbers of a nested table (or a single number) to out, depth

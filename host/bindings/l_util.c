@@ -115,26 +115,29 @@ ml_tensor *ml_testtensor(lua_State *L, int idx)
     return luaL_testudata(L, idx, ML_TENSOR_MT);
 }
 
-ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what)
+/* The tensor at idx, or an error naming `what`; viewable: its storage may
+ * be released (metadata and views), otherwise it must be usable. */
+static ml_tensor *check_tensor(lua_State *L, int idx, const char *fn, const char *what, int viewable)
 {
     ml_tensor *t = ml_testtensor(L, idx);
     if (!t)
         ml_error(L, fn, "%s: expected a tensor, got %s", what, luaL_typename(L, idx));
-    const char *why = ml_storage_unusable(t->st);
+    const char *why = viewable ? ml_storage_unviewable(t->st) : ml_storage_unusable(t->st);
     if (why)
         ml_error(L, fn, "%s: %s", what, why);
     return t;
 }
 
+ml_tensor *ml_checktensor_named(lua_State *L, int idx, const char *fn, const char *what)
+{
+    return check_tensor(L, idx, fn, what, 0);
+}
+
 ml_tensor *ml_checkview(lua_State *L, int idx, const char *fn)
 {
-    ml_tensor *t = ml_testtensor(L, idx);
-    if (!t)
-        ml_error(L, fn, "argument #%d: expected a tensor, got %s", idx, luaL_typename(L, idx));
-    const char *why = ml_storage_unviewable(t->st);
-    if (why)
-        ml_error(L, fn, "argument #%d: %s", idx, why);
-    return t;
+    char what[32];
+    snprintf(what, sizeof what, "argument #%d", idx);
+    return check_tensor(L, idx, fn, what, 1);
 }
 
 ml_tensor *ml_checktensor(lua_State *L, int idx, const char *fn)

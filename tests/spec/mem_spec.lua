@@ -11,13 +11,7 @@ local errmsg, has = support.errmsg, support.has
 
 local function cpu() return mem.stats().cpu end
 
--- Run f with the CPU budgets changed by `b`, restoring them even if f fails.
-local function with_budget(b, f)
-  local old = mem.budget(b)
-  local ok, err = pcall(f)
-  mem.budget(old)
-  if not ok then error(err, 0) end
-end
+local with_budget = support.with_budget
 
 local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}
 
