@@ -27,9 +27,20 @@
 --
 -- One step: the hook sets this step's router and loss settings (ctl) ->
 -- `accum` micro-batches of forward + backward (gradients accumulate, then
--- are scaled by 1/accum) -> global gradient norm (clipped when `clip`) ->
--- a non-finite loss or norm skips the step (counted) -> the optimizer
--- step, with each experts group's active mask (lazy Adam) -> metrics.
+-- are summed over ranks and scaled by 1/(accum * ranks)) -> global gradient
+-- norm (clipped when `clip`) -> a non-finite loss or norm skips the step
+-- (counted) -> the optimizer step, with each experts group's active mask
+-- (lazy Adam) -> the router biases -> metrics.
+--
+-- Ranks (mpiexec; the model's moelua.zero places its units): every
+-- decision a rank could take differently is taken from values all ranks
+-- share (moelua.zero, README "Sharded training"): the data order is
+-- global, the loss and the balance statistics are reduced over ranks, the
+-- gradient norm is summed over ranks in rank order, Ctrl-C is held
+-- through a step and agreed after it, and rank 0's attach requests hold
+-- for all. Rank 0 alone writes metrics and the progress line. With several
+-- ranks or a ZeRO stage, a checkpoint is written and read by ranges (each
+-- rank its shards), in the files and under the names of one process.
 --
 -- Rollbacks. A loss spike (a loss above its EMA by `spike_sigma` EMA
 -- standard deviations after `window` steps), `max_skipped` skipped steps in
@@ -126,9 +137,8 @@ local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps
 
 local function now(device) return bench.now(device) end
 
--- Gradient flats of every unit, scaled in place (accumulation -> mean).
 -- This rank's ledger peaks; with more ranks, ranks = every rank's total
--- peak (rank 0's log carries them all).
+-- and category peaks (rank 0's log carries them all).
 local function ledger_peaks(z)
   local st = mem.stats().cpu
   local peaks = {total = st.total_peak}

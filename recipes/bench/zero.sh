@@ -5,7 +5,7 @@
 # kind of collective, from the last step of each run's metrics.jsonl.
 #   recipes/bench/zero.sh [out_dir=runs/bench/zero] [steps=4] [model options...]
 # Default model: D=256, 4 layers, 8 heads / 4 kv, E=8 top-2, F=512,
-# seq_len 1024 (about 5.5 M parameters), checkpoint moe. Two cores cannot
+# seq_len 1024 (13.5 M parameters: 51.5 MiB in f32), checkpoint moe. Two cores cannot
 # show a speed-up at N = 2 or 4 (the ranks share them): read it for memory.
 # About 3 min on 2 cores.
 set -uo pipefail
