@@ -801,6 +801,7 @@ function Trainer:step(step)
   end
   local dev = self.model.opts and self.model.opts.device   -- a phase ends when its device work does
   local z = self.model.zero
+  if z.world > 1 then z.dist.set_context("step " .. step) end   -- in every collective's error
   local per_step = self.accum * z.world   -- micro-batches of all ranks
   for micro = 1, self.accum do
     if srv then srv:position(micro, self.accum) end

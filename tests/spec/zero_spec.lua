@@ -52,6 +52,18 @@ describe("moelua.zero.new", function()
     support.raises("--reduce-every sometimes", zero.new, {reduce_every = "sometimes"})
     support.raises("unknown option 'stages'", zero.new, {stages = 1})
   end)
+
+  it("a recipe refuses a wrong --zero, --prefetch or --reduce-every before anything is allocated", function()
+    for _, case in ipairs{{{"--zero", "4"}, "option --zero must be at most 3, got 4"},
+                          {{"--prefetch", "-1"}, "option --prefetch must be at least 0, got -1"},
+                          {{"--reduce-every", "always"}, "--reduce-every always: must be micro or step"}} do
+      local p = assert(io.popen(support.host_command({"recipes/longctx.lua", case[1][1], case[1][2]}) .. " 2>&1"))
+      local code, out = support.finish_child(p)
+      assert.are.equal(1, code)
+      support.has(out, case[2])
+      assert.is_nil(out:find("memory plan", 1, true), "nothing was planned or allocated: " .. out)
+    end
+  end)
 end)
 
 if support.mpiexec_missing() then
