@@ -112,11 +112,11 @@ static int l_dist_init(lua_State *L)
     int debug = ml_opt_bool(L, 1, fn, "debug", c ? ml_comm_debug(c) : 0);
     /* a second call asks nothing of NCCL unless nccl = true (then c must have it) */
     int nccl = ml_opt_bool(L, 1, fn, "nccl", 0);
-    if (c && (timeout != ml_comm_timeout(c) || debug != ml_comm_debug(c) ||
-              (nccl && !ml_comm_nccl(c))))
-        ml_error(L, fn, "already initialized with timeout = %g, debug = %s, NCCL %s: a second call "
-                 "cannot change them", ml_comm_timeout(c), ml_comm_debug(c) ? "true" : "false",
-                 ml_comm_nccl(c) ? "on" : "off");
+    if (c && (timeout != ml_comm_timeout(c) || debug != ml_comm_debug(c)))
+        ml_error(L, fn, "already initialized with timeout = %g, debug = %s: a second call cannot "
+                 "change them", ml_comm_timeout(c), ml_comm_debug(c) ? "true" : "false");
+    if (c && nccl && !ml_comm_nccl(c))
+        ml_error(L, fn, "already initialized without NCCL: a second call cannot add it");
     if (!c) {
         if (!(timeout > 0))
             ml_error(L, fn, "option 'timeout' must be > 0 seconds, got %g", timeout);
