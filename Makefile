@@ -19,7 +19,9 @@ LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp -pth
 override CFLAGS += $(shell pkg-config --cflags mpich 2>/dev/null)
 LDLIBS  += $(shell pkg-config --libs mpich 2>/dev/null)
 
-HOST_SRC    := $(filter-out host/runtime/backend_cuda.c,$(wildcard host/runtime/*.c host/bindings/*.c))
+# backend_cuda.c and comm_nccl.c (NCCL for CUDA tensors) only in CUDA builds
+CUDA_HOST   := host/runtime/backend_cuda.c host/runtime/comm_nccl.c
+HOST_SRC    := $(filter-out $(CUDA_HOST),$(wildcard host/runtime/*.c host/bindings/*.c))
 KERNEL_SRC  := $(wildcard kernels/*.c)
 CUDA_SRC    := $(wildcard kernels/*.cu)
 SRC         := $(HOST_SRC) $(KERNEL_SRC)
@@ -28,7 +30,7 @@ ifeq ($(CUDA),1)
 BUILD   := build/cuda
 TARGET  := build/cuda/moelua
 override CFLAGS += -DML_WITH_CUDA -I/usr/local/cuda/include
-SRC     += host/runtime/backend_cuda.c
+SRC     += $(CUDA_HOST)
 # sm_80 (A100 and every 8.x) and sm_90 (H100/H200) binaries, plus compute_90
 # PTX that newer GPUs compile at load; backend_cuda.c refuses older ones.
 NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
@@ -36,8 +38,9 @@ NVFLAGS := -O2 -std=c++17 -DML_WITH_CUDA --fmad=false \
            -gencode arch=compute_90,code=compute_90
 # .cu objects get their own suffix: kernels/x.c and kernels/x.cu share a stem.
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.cu.o)
-# cudart static; cuBLAS is dlopen'ed on the first matmul (kernels/matmul.cu):
-# the binary starts without it and the bundle does not carry its 600 MB.
+# cudart static; cuBLAS is dlopen'ed on the first matmul (kernels/matmul.cu)
+# and NCCL when a communicator needs it (host/runtime/comm_nccl.c): the
+# binary starts without them and the bundle does not carry their 600 MB.
 LDLIBS  += -L/usr/local/cuda/lib64 -lcudart_static -lrt -lpthread -ldl -lstdc++
 else ifeq ($(SANITIZE),1)
 BUILD   := build/asan

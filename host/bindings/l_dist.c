@@ -2,10 +2,15 @@
  * host/bindings/l_dist.c - the Lua library `moelua.dist`: the collectives
  * of host/runtime/comm.h over the world communicator (ranks are 0-based).
  *
- *   dist.init{timeout = 300, debug = false}  the communicator (MPI starts
- *                            here, only under mpiexec); returns dist. Again:
- *                            returns dist, an option given with another
- *                            value than the first call's is an error
+ *   dist.init{timeout = 300, debug = false, nccl = false}  the communicator
+ *                            (MPI starts here, only under mpiexec; NCCL
+ *                            for CUDA tensors when the world has 2+ ranks
+ *                            with GPUs, or also in world 1 with nccl =
+ *                            true, an error when it cannot be had);
+ *                            returns dist. Again: returns dist, an option
+ *                            given with another value than the first
+ *                            call's is an error
+ *   dist.nccl()              do CUDA tensors travel over NCCL? (false before init)
  *   dist.launched()          true under mpiexec (PMI_SIZE set); before init too
  *   dist.initialized()       has dist.init run?
  *   dist.rank(), dist.world()  0 and 1 before init and without mpiexec
@@ -24,10 +29,12 @@
  *   dist.abort(msg)          under mpiexec with 2+ ranks: "rank R: msg" on
  *                            stderr, MPI_Abort(1); otherwise error(msg)
  *
+ * Tensors: contiguous, all on one device (CPU: MPI; CUDA: NCCL, or local
+ * copies and sums in world 1 without it).
  * `what` names the data in error messages ("unit layers.0.dense"). A
  * collective's error (a refused argument, a timeout, a mismatch in debug
  * mode) is a Lua error "moelua.dist.<fn>: <message>". Collectives before
- * dist.init are an error. Not here: the semantics and MPI
+ * dist.init are an error. Not here: the semantics, MPI and NCCL
  * (host/runtime/comm.c), ZeRO (lua/moelua).
  */
 #include "libs.h"
@@ -97,15 +104,19 @@ static void progress(void *c)
 static int l_dist_init(lua_State *L)
 {
     static const char fn[] = "moelua.dist.init";
-    static const char *const allowed[] = {"timeout", "debug", NULL};
+    static const char *const allowed[] = {"timeout", "debug", "nccl", NULL};
     lua_settop(L, 1);
     ml_check_opts(L, 1, fn, allowed);
     ml_comm *c = comm_of(L);
     double timeout = ml_opt_number(L, 1, fn, "timeout", c ? ml_comm_timeout(c) : DEFAULT_TIMEOUT);
     int debug = ml_opt_bool(L, 1, fn, "debug", c ? ml_comm_debug(c) : 0);
+    /* a second call asks nothing of NCCL unless nccl = true (then c must have it) */
+    int nccl = ml_opt_bool(L, 1, fn, "nccl", 0);
     if (c && (timeout != ml_comm_timeout(c) || debug != ml_comm_debug(c)))
         ml_error(L, fn, "already initialized with timeout = %g, debug = %s: a second call cannot "
                  "change them", ml_comm_timeout(c), ml_comm_debug(c) ? "true" : "false");
+    if (c && nccl && !ml_comm_nccl(c))
+        ml_error(L, fn, "already initialized without NCCL: a second call cannot add it");
     if (!c) {
         if (!(timeout > 0))
             ml_error(L, fn, "option 'timeout' must be > 0 seconds, got %g", timeout);
@@ -113,10 +124,11 @@ static int l_dist_init(lua_State *L)
         b->c = NULL;
         luaL_setmetatable(L, COMM_MT);
         ml_err e;
-        ml_check_op(L, fn, ml_comm_init(ml_host_of(L), timeout, debug, &b->c, &e), &e);
+        ml_host *h = ml_host_of(L);
+        ml_check_op(L, fn, (nccl ? ml_comm_init_nccl : ml_comm_init)(h, timeout, debug, &b->c, &e),
+                    &e);
         lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
         if (ml_comm_world(b->c) > 1) {   /* long kernels advance prefetches between tiles */
-            ml_host *h = ml_host_of(L);
             h->progress = progress;
             h->progress_ud = b->c;
         }
@@ -128,6 +140,13 @@ static int l_dist_init(lua_State *L)
 static int l_dist_launched(lua_State *L)
 {
     lua_pushboolean(L, ml_comm_launched());
+    return 1;
+}
+
+static int l_dist_nccl(lua_State *L)
+{
+    ml_comm *c = comm_of(L);
+    lua_pushboolean(L, c && ml_comm_nccl(c));
     return 1;
 }
 
@@ -388,6 +407,7 @@ static const luaL_Reg dist_functions[] = {
     {"init", l_dist_init},
     {"launched", l_dist_launched},
     {"initialized", l_dist_initialized},
+    {"nccl", l_dist_nccl},
     {"rank", l_dist_rank},
     {"world", l_dist_world},
     {"set_context", l_dist_set_context},

@@ -1,11 +1,15 @@
 /*
- * host/runtime/comm.c - collectives over MPI (host/runtime/comm.h): every
- * operation is a request (started with an MPI_I* call, waited for by
- * polling MPI_Test up to the timeout) that holds its buffers; blocking
- * calls wait for theirs, and a request whose wait timed out is handed to
- * the communicator, which keeps its buffers until it completes.
+ * host/runtime/comm.c - collectives over MPI and NCCL (host/runtime/comm.h):
+ * every operation is a request (started with an MPI_I* call, or an NCCL
+ * group on the communicator's stream ending in a completion event; waited
+ * for by polling MPI_Test or the event up to the timeout) that holds its
+ * buffers; blocking calls wait for theirs, and a request whose wait timed
+ * out is handed to the communicator, which keeps its buffers until it
+ * completes. NCCL is reached through a table (host/runtime/comm_nccl.h),
+ * which a CPU build lacks.
  */
 #include "comm.h"
+#include "comm_nccl.h"
 
 #include <limits.h>
 #include <math.h>
@@ -17,6 +21,20 @@
 
 /* MPI is process-wide: whether this process initialized / finalized it. */
 static int mpi_up, mpi_down;
+
+#ifdef ML_WITH_CUDA
+static const ml_nccl_api *const nx = &ml_nccl_cuda;
+#else
+static int no_nccl(char *why, size_t len)
+{
+    snprintf(why, len, "this build has no CUDA (make CUDA=1)");
+    return -1;
+}
+
+/* never asked for more: c->nccl stays NULL */
+static const ml_nccl_api no_nccl_api = {.usable = no_nccl};
+static const ml_nccl_api *const nx = &no_nccl_api;
+#endif
 
 typedef enum {
     OP_SETUP, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_NUMBERS, OP_BROADCAST,
@@ -33,6 +51,7 @@ static const char *const reduce_names[] = {"sum", "max", "min"};
 #define FP_WHAT_LEN 48   /* `what` carried in a fingerprint */
 #define CONTEXT_LEN 64
 #define MAX_HELD 4
+#define WHY_LEN 512      /* an NCCL or CUDA error's text */
 
 /* One collective as messages and fingerprints name it. */
 typedef struct {
@@ -56,6 +75,7 @@ typedef struct {
 struct ml_comm_req {
     ml_comm *c;                 /* NULL once complete (or given up by ml_comm_free) */
     MPI_Request mpi;
+    void *done;                 /* an NCCL operation's completion event (MPI: NULL) */
     ml_storage *held[MAX_HELD]; /* buffers retained until completion */
     int nheld;
     int orphan;                 /* its caller gave up on it: c frees it on completion */
@@ -73,6 +93,8 @@ struct ml_comm {
     char context[CONTEXT_LEN];
     char broken[1024];          /* non-empty: the error that made c unusable */
     ml_comm_req *pending;
+    ml_nccl *nccl;              /* CUDA tensors' communicator, or NULL */
+    char no_nccl[256];          /* why nccl is NULL, when world > 1 */
 };
 
 /* ---- time, messages ---------------------------------------------------------- */
@@ -114,6 +136,8 @@ static ml_status break_comm(ml_comm *c, ml_err *e, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(c->broken, sizeof c->broken, fmt, ap);
     va_end(ap);
+    if (c->nccl)
+        nx->abort(c->nccl);   /* NCCL kernels that wait for a peer stop */
     return fail_broken(c, e);
 }
 
@@ -125,6 +149,26 @@ static ml_status mpi_failed(ml_comm *c, const coll_desc *d, const char *call, in
         snprintf(s, sizeof s, "error %d", rc);
     describe(c, d, what, sizeof what);
     return break_comm(c, e, "%s: %s failed: %s", what, call, s);
+}
+
+/* The timeout message of every wait; `prefix` ("fingerprint exchange
+ * before ") starts it. */
+static ml_status timed_out(ml_comm *c, const coll_desc *d, const char *prefix, ml_err *e)
+{
+    char what[320];
+    describe(c, d, what, sizeof what);
+    return break_comm(c, e, "%s%s did not complete within %g s: a rank stopped, died or called a "
+                      "different collective", prefix, what, c->timeout);
+}
+
+static ml_status nccl_failed(ml_comm *c, const coll_desc *d, ml_nccl_status ns, const char *why,
+                             ml_err *e)
+{
+    char what[320];
+    if (ns == ML_NCCL_TIMEOUT)
+        return timed_out(c, d, "", e);
+    describe(c, d, what, sizeof what);
+    return break_comm(c, e, "%s: %s", what, why);
 }
 
 /* ---- requests ----------------------------------------------------------------- */
@@ -153,19 +197,78 @@ static void req_release(ml_comm_req *r)
     r->nheld = 0;
 }
 
+/* r, not started, is released and freed. */
+static void req_drop(ml_comm_req *r)
+{
+    req_release(r);
+    free(r);
+}
+
+static void req_pending(ml_comm *c, ml_comm_req *r)
+{
+    r->c = c;
+    r->next = c->pending;
+    c->pending = r;
+}
+
 /* The MPI_I* call that started r returned rc: r is pending on c, or
  * (refused) released and freed. */
 static ml_status req_start(ml_comm *c, ml_comm_req *r, const char *call, int rc, ml_err *e)
 {
     if (rc != MPI_SUCCESS) {
-        req_release(r);
         coll_desc d = r->d;
-        free(r);
+        req_drop(r);
         return mpi_failed(c, &d, call, rc, e);
     }
-    r->c = c;
-    r->next = c->pending;
-    c->pending = r;
+    req_pending(c, r);
+    return ML_OK;
+}
+
+/* An NCCL operation of r being queued: the status of its calls so far. */
+typedef struct {
+    ml_nccl_status s;
+    int began;
+    char why[WHY_LEN];
+} nccl_op;
+
+static void op_begin(ml_comm *c, nccl_op *o)
+{
+    o->s = nx->begin(c->nccl, o->why, sizeof o->why);
+    o->began = o->s == ML_NCCL_OK;
+}
+
+static void op_send(ml_comm *c, nccl_op *o, const void *buf, size_t bytes, int peer)
+{
+    if (o->s == ML_NCCL_OK && bytes > 0)
+        o->s = nx->send(c->nccl, buf, bytes, peer, o->why, sizeof o->why);
+}
+
+static void op_recv(ml_comm *c, nccl_op *o, void *buf, size_t bytes, int peer)
+{
+    if (o->s == ML_NCCL_OK && bytes > 0)
+        o->s = nx->recv(c->nccl, buf, bytes, peer, o->why, sizeof o->why);
+}
+
+/* The group of o ends: r is pending on c with its completion event, or
+ * (failed) released and freed, c broken. */
+static ml_status op_start(ml_comm *c, ml_comm_req *r, nccl_op *o, ml_err *e)
+{
+    if (o->began) {
+        char why[WHY_LEN];
+        ml_nccl_status s = nx->end(c->nccl, c->timeout, &r->done, why, sizeof why);
+        if (o->s == ML_NCCL_OK && s != ML_NCCL_OK) {
+            o->s = s;
+            memcpy(o->why, why, sizeof why);
+        }
+    }
+    if (o->s != ML_NCCL_OK) {
+        if (r->done)
+            nx->done(r->done);
+        coll_desc d = r->d;
+        req_drop(r);
+        return nccl_failed(c, &d, o->s, o->why, e);
+    }
+    req_pending(c, r);
     return ML_OK;
 }
 
@@ -184,15 +287,31 @@ static void req_complete(ml_comm_req *r)
         free(r);
 }
 
-/* One MPI_Test of the pending r: 1 when it completed (r may be freed). */
-static int req_poll(ml_comm_req *r, int *rc)
+/* One test of the pending r (MPI_Test, or a query of its NCCL event):
+ * *done = 1 when it completed (r may be freed). An error breaks c. */
+static ml_status req_poll(ml_comm_req *r, int *done, ml_err *e)
 {
-    int flag = 0;
-    *rc = MPI_Test(&r->mpi, &flag, MPI_STATUS_IGNORE);
-    if (*rc != MPI_SUCCESS || !flag)
-        return 0;
+    ml_comm *c = r->c;
+    *done = 0;
+    if (r->done) {
+        char why[WHY_LEN];
+        int q = nx->query(c->nccl, r->done, why, sizeof why);
+        if (q < 0)
+            return nccl_failed(c, &r->d, ML_NCCL_ERROR, why, e);
+        if (q == 0)
+            return ML_OK;
+        nx->done(r->done);   /* the compute stream waits for the operation */
+        r->done = NULL;
+    } else {
+        int flag = 0, rc = MPI_Test(&r->mpi, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS)
+            return mpi_failed(c, &r->d, "MPI_Test", rc, e);
+        if (!flag)
+            return ML_OK;
+    }
     req_complete(r);
-    return 1;
+    *done = 1;
+    return ML_OK;
 }
 
 /* Wait for r until the timeout; `prefix` ("fingerprint exchange before ")
@@ -207,17 +326,12 @@ static ml_status req_wait(ml_comm_req *r, const char *prefix, ml_err *e)
     double deadline = now() + c->timeout;
     long ns = 50000;
     for (;;) {
-        int rc;
-        if (req_poll(r, &rc))
+        int done;
+        ML_TRY(req_poll(r, &done, e));
+        if (done)
             return ML_OK;
-        if (rc != MPI_SUCCESS)
-            return mpi_failed(c, &r->d, "MPI_Test", rc, e);
-        if (now() >= deadline) {
-            char what[320];
-            describe(c, &r->d, what, sizeof what);
-            return break_comm(c, e, "%s%s did not complete within %g s: a rank stopped, died or "
-                              "called a different collective", prefix, what, c->timeout);
-        }
+        if (now() >= deadline)
+            return timed_out(c, &r->d, prefix, e);
         nap(&ns);
     }
 }
@@ -246,9 +360,7 @@ ml_status ml_comm_test(ml_comm *c, ml_comm_req *req, int *done, ml_err *e)
         return ML_OK;
     if (req->c->broken[0])
         return fail_broken(req->c, e);
-    int rc;
-    *done = req_poll(req, &rc);
-    return rc == MPI_SUCCESS ? ML_OK : mpi_failed(req->c, &req->d, "MPI_Test", rc, e);
+    return req_poll(req, done, e);
 }
 
 void ml_comm_req_free(ml_comm_req *req)
@@ -267,8 +379,9 @@ void ml_comm_progress(ml_comm *c)
 {
     for (ml_comm_req *r = c->pending, *next; r; r = next) {
         next = r->next;
-        int rc;
-        req_poll(r, &rc);
+        int done;
+        ml_err e;
+        req_poll(r, &done, &e);   /* an error broke c: the next call reports it */
     }
 }
 
@@ -311,7 +424,104 @@ static ml_status dup_world(ml_comm *c, ml_err *e)
     return ML_OK;
 }
 
-ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e)
+/* A scratch tensor on dev in the ledger category `comm`. */
+static ml_status comm_scratch(ml_comm *c, ml_tensor *t, ml_device dev, ml_dtype dt, int ndim,
+                              const int64_t *dims, ml_err *e)
+{
+    ml_category saved = c->h->category;
+    c->h->category = ML_CAT_COMM;
+    ml_status s = ml_tensor_alloc(c->h, t, dev, dt, ndim, dims, e);
+    c->h->category = saved;
+    return s;
+}
+
+/* Can NCCL run on this rank (a CUDA device, libnccl.so.2)? 0 yes, -1
+ * with the reason in c->no_nccl. */
+static int nccl_usable_here(ml_comm *c)
+{
+    ml_host *h = c->h;
+    if (!h->device_mem[ML_CUDA] || !h->device_mem[ML_CUDA]->available()) {
+        snprintf(c->no_nccl, sizeof c->no_nccl, "no CUDA device: %s",
+                 ml_device_unavailable_reason(h, ML_CUDA));
+        return -1;
+    }
+    return nx->usable(c->no_nccl, sizeof c->no_nccl);
+}
+
+/* flags (comm scratch, held while MPI may write it: a timed-out exchange
+ * keeps it) gets every rank's answer to nccl_usable_here in [0, world),
+ * gathered over MPI with the timeout; when all are yes, rank 0's flag
+ * "made an id" at [world] and the unique id after it, broadcast, and
+ * *local = this rank's rank on its node. */
+static ml_status nccl_bootstrap(ml_comm *c, ml_tensor *flags, int *local, ml_err *e)
+{
+    unsigned char *f = ml_data(flags);
+    coll_desc d = {.op = OP_SETUP};
+    snprintf(d.what, sizeof d.what, "NCCL bootstrap");
+    ml_comm_req *r;
+    ML_TRY(req_new(&d, &r, e));
+    req_hold(r, flags);
+    ML_TRY(req_start(c, r, "MPI_Iallgather", MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, f, 1,
+                                                            MPI_BYTE, c->mc, &r->mpi), e));
+    ML_TRY(req_finish(r, "", e));
+    for (int q = 0; q < c->world; q++) {
+        if (f[q])
+            continue;
+        if (q != c->rank)
+            snprintf(c->no_nccl, sizeof c->no_nccl, "rank %d cannot use NCCL", q);
+        return ML_OK;   /* every rank saw the same flags: no NCCL anywhere */
+    }
+    MPI_Comm node;   /* the node-local rank chooses the GPU (MPI_LOCALRANKID is only a hint) */
+    if (MPI_Comm_split_type(c->mc, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node) !=
+        MPI_SUCCESS)
+        return break_comm(c, e, "NCCL bootstrap: MPI_Comm_split_type failed");
+    MPI_Comm_rank(node, local);
+    MPI_Comm_free(&node);
+    if (c->rank == 0)
+        f[c->world] = nx->unique_id(f + c->world + 1, c->no_nccl, sizeof c->no_nccl) == ML_NCCL_OK;
+    ML_TRY(req_new(&d, &r, e));
+    req_hold(r, flags);
+    ML_TRY(req_start(c, r, "MPI_Ibcast", MPI_Ibcast(f + c->world, 1 + ML_NCCL_ID_BYTES, MPI_BYTE,
+                                                    0, c->mc, &r->mpi), e));
+    ML_TRY(req_finish(r, "", e));
+    if (!f[c->world] && c->rank != 0)
+        snprintf(c->no_nccl, sizeof c->no_nccl, "rank 0 could not make an NCCL unique id");
+    return ML_OK;
+}
+
+/* c->nccl for CUDA tensors, when every rank can use NCCL and world > 1 or
+ * `forced` (then an error when it cannot be had). */
+static ml_status nccl_setup(ml_comm *c, int forced, ml_err *e)
+{
+    if (c->world == 1 && !forced)
+        return ML_OK;
+    ml_tensor flags = {0};
+    int64_t bytes = c->world + 1 + ML_NCCL_ID_BYTES;
+    ML_TRY(comm_scratch(c, &flags, ML_CPU, ML_U8, 1, &bytes, e));
+    unsigned char *f = ml_data(&flags);
+    f[c->rank] = nccl_usable_here(c) == 0;
+    f[c->world] = 0;
+    int local = 0;
+    ml_status s = ML_OK;
+    if (c->world > 1)
+        s = nccl_bootstrap(c, &flags, &local, e);
+    else if (f[0])
+        f[1] = nx->unique_id(f + 2, c->no_nccl, sizeof c->no_nccl) == ML_NCCL_OK;
+    if (s == ML_OK && f[c->world]) {
+        char why[WHY_LEN];
+        ml_nccl_status ns = nx->open(&c->nccl, f + c->world + 1, c->world, c->rank, local,
+                                     c->timeout, why, sizeof why);
+        if (ns != ML_NCCL_OK)
+            s = break_comm(c, e, "NCCL communicator init on rank %d: %s", c->rank, why);
+    } else if (s == ML_OK && forced) {
+        s = ml_err_set(e, ML_EINVAL, "option nccl: NCCL cannot be used: %s", c->no_nccl);
+    }
+    ml_tensor_drop(&flags);
+    return s;
+}
+
+static ml_status comm_make(ml_host *h, double timeout_s, int debug, int nccl, ml_comm **out,
+                           ml_err *e)
 {
     *out = NULL;
     if (!(timeout_s > 0) || !isfinite(timeout_s))
@@ -332,8 +542,28 @@ ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, m
             return s;
         }
     }
+    ml_status s = nccl_setup(c, nccl, e);
+    if (s != ML_OK) {
+        ml_comm_free(c);
+        return s;
+    }
     *out = c;
     return ML_OK;
+}
+
+ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e)
+{
+    return comm_make(h, timeout_s, debug, 0, out, e);
+}
+
+ml_status ml_comm_init_nccl(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e)
+{
+    return comm_make(h, timeout_s, debug, 1, out, e);
+}
+
+int ml_comm_nccl(const ml_comm *c)
+{
+    return c->nccl != NULL;
 }
 
 int ml_comm_rank(const ml_comm *c)
@@ -378,6 +608,8 @@ void ml_comm_free(ml_comm *c)
         if (r->orphan)
             free(r);
     }
+    if (c->nccl)   /* aborted when an operation is stuck: its kernels stop */
+        nx->close(c->nccl, leaked || c->broken[0], c->timeout);
     if (c->mc != MPI_COMM_NULL && !leaked)
         MPI_Comm_free(&c->mc);
     free(c);
@@ -417,16 +649,6 @@ static uint64_t hash_text(const char *s)
     for (; *s; s++)
         x = (x ^ (unsigned char)*s) * 1099511628211ULL;
     return x;
-}
-
-static ml_status comm_scratch(ml_comm *c, ml_tensor *t, ml_dtype dt, int ndim, const int64_t *dims,
-                              ml_err *e)
-{
-    ml_category saved = c->h->category;
-    c->h->category = ML_CAT_COMM;
-    ml_status s = ml_tensor_alloc(c->h, t, ML_CPU, dt, ndim, dims, e);
-    c->h->category = saved;
-    return s;
 }
 
 static fingerprint fingerprint_of(const coll_desc *d)
@@ -470,7 +692,7 @@ static ml_status check_fingerprint(ml_comm *c, const coll_desc *d, ml_err *e)
 {
     ml_tensor all = {0};
     int64_t bytes = (int64_t)c->world * (int64_t)sizeof(fingerprint);
-    ML_TRY(comm_scratch(c, &all, ML_U8, 1, &bytes, e));
+    ML_TRY(comm_scratch(c, &all, ML_CPU, ML_U8, 1, &bytes, e));
     fingerprint *fp = ml_data(&all);
     fp[c->rank] = fingerprint_of(d);
     ml_comm_req *r;
@@ -509,11 +731,13 @@ static ml_status begin(ml_comm *c, coll_desc *d, comm_opcode op, ml_dtype dt, in
     return c->debug && c->world > 1 ? check_fingerprint(c, d, e) : ML_OK;
 }
 
-/* ---- argument checks -------------------------------------------------------------- */
+/* ---- argument checks, devices -------------------------------------------------------- */
 
-static ml_status check_buffer(const ml_tensor *t, const char *name, unsigned dtypes, ml_err *e)
+/* t is live, contiguous, on dev (the first tensor's), of a dtype in dtypes. */
+static ml_status check_buffer(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,
+                              ml_err *e)
 {
-    return ml_check_input(t, name, ML_CPU, dtypes, t->ndim, 1, e);
+    return ml_check_input(t, name, dev, dtypes, t->ndim, 1, e);
 }
 
 /* n elements (rows) in one MPI count. */
@@ -549,6 +773,19 @@ static ml_status own_slice(const ml_tensor *shard, const ml_tensor *full, int ra
                       "(rank %d)", rank);
 }
 
+/* How tensors on dev travel: *nccl = over NCCL (CUDA tensors when c has
+ * it); otherwise over MPI (CPU tensors), or not at all in world 1 (local
+ * copies and sums on the tensors' device). CUDA tensors in a larger world
+ * without NCCL are refused (a plan, which exchanges nothing, goes on). */
+static ml_status route(const ml_comm *c, ml_device dev, int *nccl, ml_err *e)
+{
+    *nccl = dev != ML_CPU && c->nccl;
+    if (dev == ML_CPU || *nccl || c->world == 1 || c->h->planning)
+        return ML_OK;
+    return ml_err_set(e, ML_EINVAL, "CUDA tensors need NCCL, which this communicator does not "
+                      "have: %s", c->no_nccl);
+}
+
 /* An MPI type of `bytes` contiguous bytes (one element or one row). */
 static int contiguous_type(int64_t bytes, MPI_Datatype *t)
 {
@@ -556,31 +793,57 @@ static int contiguous_type(int64_t bytes, MPI_Datatype *t)
     return rc == MPI_SUCCESS ? MPI_Type_commit(t) : rc;
 }
 
+/* n elements of dt from src to dst on dev, ordered on the compute stream. */
+static ml_status copy_elems(ml_comm *c, ml_device dev, void *dst, const void *src, int64_t n,
+                            ml_dtype dt, ml_err *e)
+{
+    if (n <= 0 || dst == src)
+        return ML_OK;
+    ml_status s = c->h->mem[dev]->memcpy(dst, src, (size_t)n * ml_dtype_size(dt),
+                                         dev == ML_CPU ? ML_COPY_H2H : ML_COPY_D2D, NULL);
+    return s == ML_OK ? ML_OK : ml_kernel_status(s, e);
+}
+
 /* ---- all-gather ------------------------------------------------------------------- */
 
 /* Start the all-gather of d (checked, numbered) in r. */
 static ml_status gather_start(ml_comm *c, const coll_desc *d, const ml_tensor *shard,
-                              ml_tensor *full, int in_place, ml_comm_req **out, ml_err *e)
+                              ml_tensor *full, int in_place, int nccl, ml_comm_req **out,
+                              ml_err *e)
 {
     int64_t n = ml_numel(shard);
     size_t es = ml_dtype_size(shard->dtype);
     ML_TRY(req_new(d, out, e));
-    if (c->world == 1) {
-        if (!in_place && n > 0)
-            memcpy(ml_data(full), ml_data(shard), (size_t)n * es);
-        return ML_OK;
-    }
     ml_comm_req *r = *out;
-    MPI_Datatype ty;
-    int rc = contiguous_type((int64_t)es, &ty);
-    if (rc == MPI_SUCCESS) {
-        req_hold(r, shard);
-        req_hold(r, full);
-        rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : ml_data(shard), (int)n, ty, ml_data(full),
-                            (int)n, ty, c->mc, &r->mpi);
-        MPI_Type_free(&ty);   /* a pending operation keeps the type it uses */
+    if (!nccl && c->world == 1) {
+        ml_status s = in_place ? ML_OK : copy_elems(c, ml_tensor_device(full), ml_data(full),
+                                                    ml_data(shard), n, shard->dtype, e);
+        if (s != ML_OK) {
+            req_drop(r);
+            *out = NULL;
+        }
+        return s;
     }
-    ml_status s = req_start(c, r, "MPI_Iallgather", rc, e);
+    req_hold(r, shard);
+    req_hold(r, full);
+    ml_status s;
+    if (nccl) {   /* in place, shard is full's slice: NCCL's own in-place form */
+        nccl_op o;
+        op_begin(c, &o);
+        if (o.s == ML_NCCL_OK && n > 0)
+            o.s = nx->all_gather(c->nccl, ml_data(shard), ml_data(full), (size_t)n * es, o.why,
+                                 sizeof o.why);
+        s = op_start(c, r, &o, e);
+    } else {
+        MPI_Datatype ty;
+        int rc = contiguous_type((int64_t)es, &ty);
+        if (rc == MPI_SUCCESS) {
+            rc = MPI_Iallgather(in_place ? MPI_IN_PLACE : ml_data(shard), (int)n, ty,
+                                ml_data(full), (int)n, ty, c->mc, &r->mpi);
+            MPI_Type_free(&ty);   /* a pending operation keeps the type it uses */
+        }
+        s = req_start(c, r, "MPI_Iallgather", rc, e);
+    }
     if (s != ML_OK)
         *out = NULL;
     return s;
@@ -591,20 +854,22 @@ ml_status ml_comm_all_gather(ml_comm *c, const ml_tensor *shard, ml_tensor *full
 {
     if (req)
         *req = NULL;
-    ML_TRY(check_buffer(shard, "shard", ML_DT_ANY, e));
-    ML_TRY(check_buffer(full, "full", ML_DT_ANY, e));
+    ml_device dev = ml_tensor_device(shard);
+    ML_TRY(check_buffer(shard, "shard", dev, ML_DT_ANY, e));
+    ML_TRY(check_buffer(full, "full", dev, ML_DT_ANY, e));
     ML_TRY(ml_check_same_dtype(full, "full", "shard", shard->dtype, e));
     int64_t n = ml_numel(shard);
     ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
     ML_TRY(check_count(n, "shard", e));
-    int in_place;
+    int in_place, nccl;
     ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
+    ML_TRY(route(c, dev, &nccl, e));
     coll_desc d = {0};
     ml_comm_req *r;
     if (c->h->planning)
         return req ? req_new(&d, req, e) : ML_OK;
     ML_TRY(begin(c, &d, OP_ALL_GATHER, shard->dtype, n, 0, what, e));
-    ML_TRY(gather_start(c, &d, shard, full, in_place, &r, e));
+    ML_TRY(gather_start(c, &d, shard, full, in_place, nccl, &r, e));
     if (req) {
         *req = r;
         return ML_OK;
@@ -614,97 +879,109 @@ ml_status ml_comm_all_gather(ml_comm *c, const ml_tensor *shard, ml_tensor *full
 
 /* ---- reduce-scatter and all-reduce ------------------------------------------------- */
 
-/* out[i] = (accumulate ? out[i] : rows[0][i]) + rows[1 or 0][i] + ... in
- * row (rank) order, in the dtype's own arithmetic. */
-static void sum_rows_f32(float *out, const float *rows, int nrows, int64_t n, int accumulate,
-                         int nthreads)
+/* out (n elements) = (accumulate ? out : nothing) + rows[0] + rows[1] + ...
+ * (rows: [nrows, n], contiguous, not overlapping out unless nrows is 1),
+ * one elementwise add per row in rank order, in the dtype's own arithmetic,
+ * on out's device (the compute stream): the same result on every rank,
+ * every device and over MPI or NCCL. */
+static ml_status rank_sum(ml_comm *c, const ml_tensor *rows, int nrows, ml_tensor *out, int64_t n,
+                          int accumulate, ml_err *e)
 {
-    #pragma omp parallel for num_threads(nthreads) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        float acc = accumulate ? out[i] : rows[i];
-        for (int r = accumulate ? 0 : 1; r < nrows; r++)
-            acc += rows[(int64_t)r * n + i];
-        out[i] = acc;
+    ml_device dev = ml_tensor_device(out);
+    ml_kctx k = ml_host_kctx(c->h);
+    const char *row = ml_data(rows);
+    size_t bytes = (size_t)n * ml_dtype_size(out->dtype);
+    void *o = ml_data(out);
+    if (n == 0)
+        return ML_OK;
+    if (!accumulate && nrows == 1)
+        return copy_elems(c, dev, o, row, n, out->dtype, e);
+    ml_status s = ML_OK;
+    int r = 0;
+    if (!accumulate) {
+        s = ML_KCALL(c->h, dev, binary, ML_ADD, out->dtype, o, row, row + bytes, n, n, n, &k);
+        r = 2;
     }
+    for (; s == ML_OK && r < nrows; r++)
+        s = ML_KCALL(c->h, dev, binary, ML_ADD, out->dtype, o, o, row + r * bytes, n, n, n, &k);
+    return s == ML_OK ? ML_OK : ml_kernel_status(s, e);
 }
 
-static void sum_rows_f64(double *out, const double *rows, int nrows, int64_t n, int accumulate,
-                         int nthreads)
+/* Start the exchange of pieces in r: piece q of full (n elements) goes to
+ * rank q, rank q's piece `rank` lands in pieces' row q. */
+static ml_status pieces_start(ml_comm *c, ml_comm_req *r, const ml_tensor *full, ml_tensor *pieces,
+                              int64_t n, int nccl, ml_err *e)
 {
-    #pragma omp parallel for num_threads(nthreads) if (n >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        double acc = accumulate ? out[i] : rows[i];
-        for (int r = accumulate ? 0 : 1; r < nrows; r++)
-            acc += rows[(int64_t)r * n + i];
-        out[i] = acc;
+    size_t es = ml_dtype_size(full->dtype), bytes = (size_t)n * es;
+    req_hold(r, full);
+    req_hold(r, pieces);
+    if (nccl) {   /* an all-to-all: every rank's send and receive, one group */
+        const char *src = ml_data(full);
+        char *dst = ml_data(pieces);
+        nccl_op o;
+        op_begin(c, &o);
+        for (int q = 0; q < c->world; q++) {
+            op_send(c, &o, src + (size_t)q * bytes, bytes, q);
+            op_recv(c, &o, dst + (size_t)q * bytes, bytes, q);
+        }
+        return op_start(c, r, &o, e);
     }
-}
-
-static void sum_rows(const ml_comm *c, const ml_tensor *rows, ml_tensor *out, int64_t n, int accumulate)
-{
-    int nthreads = c->h->nthreads > 0 ? c->h->nthreads : 1;
-    if (out->dtype == ML_F32)
-        sum_rows_f32(ml_data(out), ml_data(rows), c->world, n, accumulate, nthreads);
-    else
-        sum_rows_f64(ml_data(out), ml_data(rows), c->world, n, accumulate, nthreads);
+    MPI_Datatype ty;
+    int rc = contiguous_type((int64_t)es, &ty);
+    if (rc == MPI_SUCCESS) {
+        rc = MPI_Ialltoall(ml_data(full), (int)n, ty, ml_data(pieces), (int)n, ty, c->mc, &r->mpi);
+        MPI_Type_free(&ty);
+    }
+    return req_start(c, r, "MPI_Ialltoall", rc, e);
 }
 
 /* out (n elements) = (accumulate ? out : nothing) + the rank-order sum of
  * every rank's piece `rank` of full (world * n elements): pieces exchanged
- * with MPI_Ialltoall into a [world, n] scratch. out may be inside full. */
+ * (MPI_Ialltoall, or NCCL sends and receives) into a [world, n] scratch on
+ * full's device. out may be inside full. */
 static ml_status scatter_sum(ml_comm *c, const coll_desc *d, const ml_tensor *full, ml_tensor *out,
-                             int64_t n, int accumulate, ml_err *e)
+                             int64_t n, int accumulate, int nccl, ml_err *e)
 {
-    if (c->world == 1) {
-        sum_rows(c, full, out, n, accumulate);
-        return ML_OK;
-    }
+    if (!nccl && c->world == 1)
+        return rank_sum(c, full, 1, out, n, accumulate, e);
     ml_tensor pieces = {0};
     int64_t dims[2] = {c->world, n};
-    ML_TRY(comm_scratch(c, &pieces, full->dtype, 2, dims, e));
+    ML_TRY(comm_scratch(c, &pieces, ml_tensor_device(full), full->dtype, 2, dims, e));
     ml_comm_req *r;
     ml_status s = req_new(d, &r, e);
-    MPI_Datatype ty;
-    if (s == ML_OK) {
-        int rc = contiguous_type((int64_t)ml_dtype_size(full->dtype), &ty);
-        if (rc == MPI_SUCCESS) {
-            req_hold(r, full);
-            req_hold(r, &pieces);
-            rc = MPI_Ialltoall(ml_data(full), (int)n, ty, ml_data(&pieces), (int)n, ty, c->mc,
-                               &r->mpi);
-            MPI_Type_free(&ty);
-        }
-        s = req_start(c, r, "MPI_Ialltoall", rc, e);
-    }
+    if (s == ML_OK)
+        s = pieces_start(c, r, full, &pieces, n, nccl, e);
     if (s == ML_OK)
         s = req_finish(r, "", e);
     if (s == ML_OK)
-        sum_rows(c, &pieces, out, n, accumulate);
-    ml_tensor_drop(&pieces);
+        s = rank_sum(c, &pieces, c->world, out, n, accumulate, e);
+    ml_tensor_drop(&pieces);   /* CUDA: the sum is queued before any later use of the block */
     return s;
 }
 
 ml_status ml_comm_reduce_scatter(ml_comm *c, const ml_tensor *full, ml_tensor *shard,
                                  int accumulate, const char *what, ml_err *e)
 {
-    ML_TRY(check_buffer(full, "full", ML_DT_FLOAT, e));
-    ML_TRY(check_buffer(shard, "shard", ML_DT_FLOAT, e));
+    ml_device dev = ml_tensor_device(full);
+    ML_TRY(check_buffer(full, "full", dev, ML_DT_FLOAT, e));
+    ML_TRY(check_buffer(shard, "shard", dev, ML_DT_FLOAT, e));
     ML_TRY(ml_check_same_dtype(shard, "shard", "full", full->dtype, e));
     int64_t n = ml_numel(shard);
     ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
     ML_TRY(check_count(n, "shard", e));
-    int in_place;
+    int in_place, nccl;
     ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
+    ML_TRY(route(c, dev, &nccl, e));
     if (c->h->planning) {
         ml_tensor pieces = {0};
         int64_t dims[2] = {c->world, n};
-        ML_TRY(comm_scratch(c, &pieces, full->dtype, 2, dims, e));
+        ML_TRY(comm_scratch(c, &pieces, dev, full->dtype, 2, dims, e));
         ml_tensor_drop(&pieces);
         return ML_OK;
     }
     coll_desc d;
     ML_TRY(begin(c, &d, OP_REDUCE_SCATTER, full->dtype, n, 0, what, e));
-    return scatter_sum(c, &d, full, shard, n, accumulate, e);
+    return scatter_sum(c, &d, full, shard, n, accumulate, nccl, e);
 }
 
 /* The slice [i0, i0 + n) of the contiguous t, as a 1-dim view that holds
@@ -719,42 +996,58 @@ static ml_tensor slice_of(const ml_tensor *t, int64_t i0, int64_t n)
     return v;
 }
 
+/* pad (all elements) = t (total elements), then zeros. */
+static ml_status pad_copy(ml_comm *c, ml_tensor *pad, const ml_tensor *t, int64_t total,
+                          int64_t all, ml_err *e)
+{
+    ml_device dev = ml_tensor_device(t);
+    ML_TRY(copy_elems(c, dev, ml_data(pad), ml_data(t), total, t->dtype, e));
+    ml_kctx k = ml_host_kctx(c->h);
+    ml_status s = ML_KCALL(c->h, dev, fill, t->dtype,
+                           (char *)ml_data(pad) + (size_t)total * ml_dtype_size(t->dtype), 0.0,
+                           all - total, &k);
+    return s == ML_OK ? ML_OK : ml_kernel_status(s, e);
+}
+
 ml_status ml_comm_all_reduce(ml_comm *c, ml_tensor *t, const char *what, ml_err *e)
 {
-    ML_TRY(check_buffer(t, "t", ML_DT_FLOAT, e));
+    ml_device dev = ml_tensor_device(t);
+    ML_TRY(check_buffer(t, "t", dev, ML_DT_FLOAT, e));
     int64_t total = ml_numel(t), m = (total + c->world - 1) / c->world;
     ML_TRY(check_count(m, "t", e));
+    int nccl;
+    ML_TRY(route(c, dev, &nccl, e));
     int padded = m * c->world != total;
     ml_tensor pad = {0}, pieces = {0};
     int64_t dims[2] = {c->world, m}, all = m * c->world;
     if (c->h->planning) {
-        ml_status s = padded ? comm_scratch(c, &pad, t->dtype, 1, &all, e) : ML_OK;
-        if (s == ML_OK && c->world > 1)
-            s = comm_scratch(c, &pieces, t->dtype, 2, dims, e);
+        ml_status s = padded ? comm_scratch(c, &pad, dev, t->dtype, 1, &all, e) : ML_OK;
+        if (s == ML_OK && (c->world > 1 || nccl))
+            s = comm_scratch(c, &pieces, dev, t->dtype, 2, dims, e);
         ml_tensor_drop(&pieces);
         ml_tensor_drop(&pad);
         return s;
     }
     coll_desc d;
     ML_TRY(begin(c, &d, OP_ALL_REDUCE, t->dtype, total, 0, what, e));
-    if (c->world == 1)
+    if (!nccl && c->world == 1)
         return ML_OK;
-    size_t es = ml_dtype_size(t->dtype);
+    ml_status s = ML_OK;
     if (padded) {
-        ML_TRY(comm_scratch(c, &pad, t->dtype, 1, &all, e));
-        memcpy(ml_data(&pad), ml_data(t), (size_t)total * es);
-        memset((char *)ml_data(&pad) + (size_t)total * es, 0, (size_t)(all - total) * es);
+        ML_TRY(comm_scratch(c, &pad, dev, t->dtype, 1, &all, e));
+        s = pad_copy(c, &pad, t, total, all, e);
     }
     ml_tensor *full = padded ? &pad : t;
     ml_tensor mine = slice_of(full, c->rank * m, m);
     ml_comm_req *r;
-    ml_status s = scatter_sum(c, &d, full, &mine, m, 0, e);
     if (s == ML_OK)
-        s = gather_start(c, &d, &mine, full, 1, &r, e);
+        s = scatter_sum(c, &d, full, &mine, m, 0, nccl, e);
+    if (s == ML_OK)
+        s = gather_start(c, &d, &mine, full, 1, nccl, &r, e);
     if (s == ML_OK)
         s = req_finish(r, "", e);
     if (s == ML_OK && padded)
-        memcpy(ml_data(t), ml_data(&pad), (size_t)total * es);
+        s = copy_elems(c, dev, ml_data(t), ml_data(&pad), total, t->dtype, e);
     ml_tensor_drop(&pad);
     return s;
 }
@@ -777,7 +1070,7 @@ ml_status ml_comm_all_reduce_f64(ml_comm *c, double *v, int n, ml_comm_op op, co
      * timed-out exchange keeps its buffers, v is the caller's) */
     ml_tensor all = {0};
     int64_t dims[2] = {c->world, n};
-    ML_TRY(comm_scratch(c, &all, ML_F64, 2, dims, e));
+    ML_TRY(comm_scratch(c, &all, ML_CPU, ML_F64, 2, dims, e));
     double *a = ml_data(&all);
     memcpy(a + (int64_t)c->rank * n, v, (size_t)n * sizeof *v);
     ml_comm_req *r;
@@ -808,27 +1101,39 @@ ml_status ml_comm_all_reduce_f64(ml_comm *c, double *v, int n, ml_comm_op op, co
 
 ml_status ml_comm_broadcast(ml_comm *c, ml_tensor *t, int root, const char *what, ml_err *e)
 {
-    ML_TRY(check_buffer(t, "t", ML_DT_ANY, e));
+    ml_device dev = ml_tensor_device(t);
+    ML_TRY(check_buffer(t, "t", dev, ML_DT_ANY, e));
     if (root < 0 || root >= c->world)
         return ml_err_set(e, ML_EINVAL, "root must be a rank in [0, %d), got %d", c->world, root);
     int64_t n = ml_numel(t);
     ML_TRY(check_count(n, "t", e));
+    int nccl;
+    ML_TRY(route(c, dev, &nccl, e));
     if (c->h->planning)
         return ML_OK;
     coll_desc d;
     ML_TRY(begin(c, &d, OP_BROADCAST, t->dtype, n, root, what, e));
-    if (c->world == 1)
+    if (!nccl && c->world == 1)
         return ML_OK;
     ml_comm_req *r;
     ML_TRY(req_new(&d, &r, e));
-    MPI_Datatype ty;
-    int rc = contiguous_type((int64_t)ml_dtype_size(t->dtype), &ty);
-    if (rc == MPI_SUCCESS) {
-        req_hold(r, t);
-        rc = MPI_Ibcast(ml_data(t), (int)n, ty, root, c->mc, &r->mpi);
-        MPI_Type_free(&ty);
+    req_hold(r, t);
+    size_t es = ml_dtype_size(t->dtype);
+    if (nccl) {
+        nccl_op o;
+        op_begin(c, &o);
+        if (o.s == ML_NCCL_OK && n > 0)
+            o.s = nx->broadcast(c->nccl, ml_data(t), (size_t)n * es, root, o.why, sizeof o.why);
+        ML_TRY(op_start(c, r, &o, e));
+    } else {
+        MPI_Datatype ty;
+        int rc = contiguous_type((int64_t)es, &ty);
+        if (rc == MPI_SUCCESS) {
+            rc = MPI_Ibcast(ml_data(t), (int)n, ty, root, c->mc, &r->mpi);
+            MPI_Type_free(&ty);
+        }
+        ML_TRY(req_start(c, r, "MPI_Ibcast", rc, e));
     }
-    ML_TRY(req_start(c, r, "MPI_Ibcast", rc, e));
     return req_finish(r, "", e);
 }
 
@@ -861,7 +1166,7 @@ static ml_status alltoallv_counts(ml_comm *c, const int64_t *send_rows, const in
                                   ml_tensor *t, ml_err *e)
 {
     int64_t dims[2] = {4, c->world};
-    ML_TRY(comm_scratch(c, t, ML_I32, 2, dims, e));
+    ML_TRY(comm_scratch(c, t, ML_CPU, ML_I32, 2, dims, e));
     int *sc = ml_data(t), *sd = sc + c->world, *rc = sd + c->world, *rd = rc + c->world;
     for (int q = 0, s = 0, r = 0; q < c->world; q++) {
         sc[q] = (int)send_rows[q];
@@ -874,19 +1179,46 @@ static ml_status alltoallv_counts(ml_comm *c, const int64_t *send_rows, const in
     return ML_OK;
 }
 
+/* all-to-all-v of d over NCCL: one group of a send and a receive of rows
+ * per rank (none for 0 rows), then a wait. */
+static ml_status rows_nccl(ml_comm *c, const coll_desc *d, const ml_tensor *send,
+                           const int64_t *send_rows, ml_tensor *recv, const int64_t *recv_rows,
+                           size_t row_bytes, ml_err *e)
+{
+    ml_comm_req *r;
+    ML_TRY(req_new(d, &r, e));
+    req_hold(r, send);
+    req_hold(r, recv);
+    const char *src = ml_data(send);
+    char *dst = ml_data(recv);
+    nccl_op o;
+    op_begin(c, &o);
+    for (int q = 0; q < c->world; q++) {
+        op_send(c, &o, src, (size_t)send_rows[q] * row_bytes, q);
+        op_recv(c, &o, dst, (size_t)recv_rows[q] * row_bytes, q);
+        src += (size_t)send_rows[q] * row_bytes;
+        dst += (size_t)recv_rows[q] * row_bytes;
+    }
+    ML_TRY(op_start(c, r, &o, e));
+    return req_finish(r, "", e);
+}
+
 ml_status ml_comm_all_to_all_v(ml_comm *c, const ml_tensor *send, const int64_t *send_rows,
                                ml_tensor *recv, const int64_t *recv_rows, const char *what,
                                ml_err *e)
 {
-    ML_TRY(ml_check_input(send, "send", ML_CPU, ML_DT_ANY, -1, 1, e));
-    ML_TRY(ml_check_input(recv, "recv", ML_CPU, ML_DT_ANY, -1, 1, e));
+    ml_device dev = ml_tensor_device(send);
+    ML_TRY(ml_check_input(send, "send", dev, ML_DT_ANY, -1, 1, e));
+    ML_TRY(ml_check_input(recv, "recv", dev, ML_DT_ANY, -1, 1, e));
     ML_TRY(ml_check_same_dtype(recv, "recv", "send", send->dtype, e));
+    int nccl;
+    ML_TRY(route(c, dev, &nccl, e));
     int64_t row = row_numel(send);
     if (row_numel(recv) != row)
         return ml_err_set(e, ML_EINVAL, "recv's rows have %lld elements but send's have %lld",
                           (long long)row_numel(recv), (long long)row);
     int64_t row_bytes = row * (int64_t)ml_dtype_size(send->dtype);
-    if (row_bytes > INT_MAX)
+    if (!nccl && row_bytes > INT_MAX)
         return ml_err_set(e, ML_EINVAL, "send's rows have %lld bytes, more than MPI's int count",
                           (long long)row_bytes);
     ML_TRY(check_rows(c, send_rows, send, "send_rows", "send", e));
@@ -898,17 +1230,17 @@ ml_status ml_comm_all_to_all_v(ml_comm *c, const ml_tensor *send, const int64_t 
                           (long long)send_rows[0], (long long)recv_rows[0]);
     ml_tensor counts = {0};
     if (c->h->planning) {
-        ml_status s = c->world > 1 ? alltoallv_counts(c, send_rows, recv_rows, &counts, e) : ML_OK;
+        ml_status s = c->world > 1 && !nccl ? alltoallv_counts(c, send_rows, recv_rows, &counts, e)
+                                            : ML_OK;
         ml_tensor_drop(&counts);
         return s;
     }
     coll_desc d;
     ML_TRY(begin(c, &d, OP_ALL_TO_ALL_V, send->dtype, row, 0, what, e));
-    if (c->world == 1) {
-        if (send_rows[0] > 0)
-            memcpy(ml_data(recv), ml_data(send), (size_t)(send_rows[0] * row_bytes));
-        return ML_OK;
-    }
+    if (nccl)
+        return rows_nccl(c, &d, send, send_rows, recv, recv_rows, (size_t)row_bytes, e);
+    if (c->world == 1)
+        return copy_elems(c, dev, ml_data(recv), ml_data(send), send_rows[0] * row, send->dtype, e);
     ML_TRY(alltoallv_counts(c, send_rows, recv_rows, &counts, e));
     int *k = ml_data(&counts), w = c->world;
     ml_comm_req *r;

@@ -1,9 +1,10 @@
 /*
- * host/runtime/comm.h - collectives over MPI (MPICH) for sharded training
- * (DESIGN.md, Distributed): all-gather, reduce-scatter, all-reduce,
- * broadcast, all-to-all-v and barrier over contiguous CPU tensors, with a
- * timeout on every wait and an optional fingerprint check, so a stopped or
- * mismatched rank is an error naming the collective, never a hang.
+ * host/runtime/comm.h - collectives over MPI (MPICH) and NCCL for sharded
+ * training (DESIGN.md, Distributed): all-gather, reduce-scatter,
+ * all-reduce, broadcast, all-to-all-v and barrier over contiguous CPU
+ * tensors (MPI) or CUDA tensors (NCCL), with a timeout on every wait and an
+ * optional fingerprint check, so a stopped or mismatched rank is an error
+ * naming the collective, never a hang.
  *
  * MPI is used only when the process was launched by mpiexec (PMI_SIZE set):
  * then the first ml_comm_init initializes it (MPI_THREAD_FUNNELED, checked).
@@ -11,10 +12,12 @@
  * collective is a local copy or sum with the same results.
  *
  * Reductions whose order matters are moelua's own: the pieces are exchanged
- * with MPI_Ialltoall into a [world, n] scratch and summed locally in rank
- * order (f32 in f32, f64 in f64), never with MPI_Reduce_scatter, so results
- * do not depend on MPICH's algorithm or timing and all-reduce is bitwise
- * the same on every rank. Counts travel in elements (rows for
+ * (MPI_Ialltoall, or NCCL sends and receives) into a [world, n] scratch and
+ * summed in rank order by the elementwise kernels on the tensors' device
+ * (f32 in f32, f64 in f64), never with MPI_Reduce_scatter or NCCL's
+ * reductions, so results do not depend on MPICH's or NCCL's algorithm or
+ * timing, all-reduce is bitwise the same on every rank, and CUDA's result
+ * is the CPU's. Counts travel in elements (rows for
  * all-to-all-v) with an MPI contiguous datatype of one element (row), so no
  * count is an int of bytes; a count above INT_MAX is refused.
  *
@@ -37,9 +40,24 @@
  * MPICH progresses non-blocking collectives only inside MPI calls: callers
  * poke ml_comm_progress between layers (no progress thread on 2 cores).
  *
- * CPU tensors only for now; NCCL (GPU tensors, bootstrapped over MPI) comes
- * later behind the same functions. Not here: Lua (host/bindings/l_dist.c
- * binds this as moelua.dist), partitions and units (the ZeRO trainer).
+ * NCCL (host/runtime/comm_nccl.h; CUDA builds, libnccl.so.2 opened on
+ * first use) carries CUDA tensors: made with the communicator when every
+ * rank has a CUDA device and NCCL and the world has 2+ ranks, or on request
+ * (ml_comm_init_nccl, also in world 1). Bootstrapped over MPI: the ranks
+ * agree that all can, rank 0's unique id is broadcast, each rank selects
+ * the GPU of its node-local rank (MPI_COMM_TYPE_SHARED) modulo the device
+ * count (so call this before the first CUDA allocation), and the
+ * non-blocking communicator is polled until the timeout ("NCCL
+ * communicator init ..."). An operation runs on NCCL's own stream, after
+ * the compute stream's work (an event); its wait polls its completion event
+ * and NCCL's asynchronous error up to the timeout (then ncclCommAbort and
+ * the message above), and the compute stream waits on that event, so later
+ * kernels see the data. Its fingerprint and sequence number are MPI's (the
+ * fingerprint exchange stays on MPI, in host memory). In world 1 without
+ * NCCL, CUDA tensors are copied and summed locally; in a larger world they
+ * are refused, naming why there is no NCCL. A collective's tensors are all
+ * on one device (the first's). Not here: Lua (host/bindings/l_dist.c binds
+ * this as moelua.dist), partitions and units (the ZeRO trainer).
  */
 #ifndef ML_COMM_H
 #define ML_COMM_H
@@ -64,6 +82,11 @@ int ml_comm_launched(void);
  * timeout_s > 0 bounds every wait; debug turns on the fingerprint check.
  * Scratch is allocated from h. ML_EIO when MPI refuses. */
 ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e);
+/* The same, with NCCL also in world 1; ML_EINVAL ("option nccl: ...")
+ * when it cannot be had. */
+ml_status ml_comm_init_nccl(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e);
+/* Do c's CUDA tensors travel over NCCL? */
+int ml_comm_nccl(const ml_comm *c);
 int ml_comm_rank(const ml_comm *c);
 int ml_comm_world(const ml_comm *c);
 double ml_comm_timeout(const ml_comm *c);
@@ -89,9 +112,9 @@ void ml_comm_finalize(void);
 void ml_comm_abort(const char *msg);
 
 /* ---- collectives: `what` names the data in messages ("unit layers.0.dense");
- * every tensor contiguous and on the CPU; ML_EINVAL for a refused argument
- * (nothing exchanged), ML_EIO for a timeout, a mismatch, an MPI error or a
- * broken communicator, ML_EALLOC for scratch the ledger refused. ---- */
+ * every tensor contiguous and on one device; ML_EINVAL for a refused argument
+ * (nothing exchanged), ML_EIO for a timeout, a mismatch, an MPI or NCCL
+ * error or a broken communicator, ML_EALLOC for scratch the ledger refused. ---- */
 
 /* full (any shape, world * n elements, shard's dtype) gets rank r's shard
  * (n elements) at [r*n, (r+1)*n), overwritten. shard may be full's own
