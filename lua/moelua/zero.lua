@@ -28,8 +28,9 @@
 -- (ZeRO-3 returns the gathered bytes: a view used later is an error naming
 -- the unit), z:after_backward(u) once u's gradient of a micro-batch is final
 -- (ZeRO-2/3 with reduce_every "micro": reduce-scatter into the shard, then
--- the whole gradient is returned). Gathered parameters and whole gradients
--- of stages 2-3 are charged to the ledger's `comm` and `grads` while held.
+-- the whole gradient is returned). Gathered parameters and the whole
+-- gradients of stages 2-3 (reduction buckets) are charged to the ledger's
+-- `comm` while held.
 --
 -- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
 -- one world size give bitwise equal parameters (with reduce_every "micro"
@@ -109,8 +110,10 @@ function Zero:unit(name, kind, layout, o)
     u.shard_params:copy_(shard_of(u, u.params))
     u.params:release_storage(released(u, "parameters"))
   end
-  u.grads = zeros("grads", part.padded)
-  if self.per_unit then   -- the whole gradient only during the unit's backward; the shard kept
+  -- per unit, the whole gradient is a reduction bucket held only during the
+  -- unit's backward (ledger `comm`), the shard is the gradient kept
+  u.grads = zeros(self.per_unit and "comm" or "grads", part.padded)
+  if self.per_unit then
     u.shard_grads = zeros("grads", part.shard)
     u.grads:release_storage(released(u, "whole gradient"))
   elseif self.stage >= 1 then   -- reduced in place, into this rank's slice of the whole
