@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh - run every spec on a GPU machine from the bundle
-# (gpu-bundle/run.sh, made by tests/gpu/bundle.sh). Needs a CUDA driver and
-# libcublas.so.13 (the CUDA install or PyTorch's nvidia-cublas wheel); no
-# Lua, busted or OpenBLAS: the bundle carries them.
+# (gpu-bundle/run.sh, made by tests/gpu/bundle.sh). Needs a CUDA driver,
+# libcublas.so.13 and libnccl.so.2 (the CUDA install or PyTorch's
+# nvidia-cublas / nvidia-nccl wheels: env.sh finds them); no Lua, busted,
+# OpenBLAS or MPICH: the bundle carries the first three, and without
+# mpiexec the MPI specs pend (gpu_nccl_spec is NCCL's 1-rank smoke test).
 #
 # Writes per-spec TAP output, the device description and summary.txt into
 # $OUT when set, else ./results. gpu_spec runs first, then the other
