@@ -27,8 +27,17 @@ One warm-up step, then `steps` timed steps; one JSON line with the same
 field names as train.lua (tokens_per_s, step_ms medians, phases_ms,
 peak_rss_bytes = VmHWM). Needs Debian's python3-torch under /usr/bin/python3;
 the "blas" field names the BLAS library this process mapped (must be OpenBLAS).
+
+Thread configuration: --threads sets torch's OpenMP pool (torch.set_num_threads);
+OpenBLAS keeps its own pool (OPENBLAS_NUM_THREADS, default: every core) for the
+GEMMs, and the two pools compete for the cores. OMP_WAIT_POLICY=PASSIVE in the
+environment makes idle OpenMP threads sleep instead of spinning. The JSON line
+records the configuration that ran ("config": t<threads>[-passive], with
+"threads", "omp_wait_policy", "openblas_threads", "openblas_core"), so
+train_compare.sh can pick the best one per seq_len.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -45,6 +54,22 @@ def blas_library():
             if "libblas" in line or "openblas" in line:
                 return os.path.realpath(line.split()[-1])
     return "unknown"
+
+
+def thread_config():
+    """What ran: torch's pool, OpenMP's wait policy, OpenBLAS's pool and kernel path."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").lower() or "default"
+    cfg = {"config": "t%d%s" % (torch.get_num_threads(), "-" + policy if policy != "default" else ""),
+           "threads": torch.get_num_threads(), "omp_wait_policy": policy,
+           "openblas_threads": None, "openblas_core": None}
+    try:
+        ob = ctypes.CDLL("libopenblas.so.0")
+        ob.openblas_get_corename.restype = ctypes.c_char_p
+        cfg["openblas_threads"] = ob.openblas_get_num_threads()
+        cfg["openblas_core"] = ob.openblas_get_corename().decode()
+    except OSError:
+        pass
+    return cfg
 
 
 def peak_rss():
@@ -260,7 +285,7 @@ def main():
     print(json.dumps({
         "impl": "torch", "seq_len": S, "dim": a.dim, "layers": a.layers, "heads": a.heads,
         "kv_heads": a.kv_heads, "experts": a.experts, "topk": a.topk, "ffn": a.ffn,
-        "block": a.block, "threads": torch.get_num_threads(), "steps": a.steps,
+        "block": a.block, **thread_config(), "steps": a.steps,
         "warmup_ms": w["total"] * 1e3, "tokens_per_s": S / step_s, "step_ms": step_s * 1e3,
         "step_ms_all": [x * 1e3 for x in times],
         "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
