@@ -38,18 +38,20 @@ static const ml_nccl_api *const nx = &no_nccl_api;
 
 typedef enum {
     OP_SETUP, OP_ALL_GATHER, OP_REDUCE_SCATTER, OP_ALL_REDUCE, OP_NUMBERS, OP_BROADCAST,
-    OP_ALL_TO_ALL_V, OP_BARRIER, NOPS
+    OP_ALL_TO_ALL_V, OP_BARRIER, OP_SPLIT, NOPS
 } comm_opcode;
 
 static const char *const op_names[NOPS] = {
     "communicator setup", "all-gather", "reduce-scatter", "all-reduce", "numbers all-reduce",
-    "broadcast", "all-to-all-v", "barrier"
+    "broadcast", "all-to-all-v", "barrier", "communicator split"
 };
 static const char *const reduce_names[] = {"sum", "max", "min"};
 
 #define WHAT_LEN 128     /* `what` kept for messages */
 #define FP_WHAT_LEN 48   /* `what` carried in a fingerprint */
 #define CONTEXT_LEN 64
+#define GROUP_LEN 64     /* a group's name: "ep(color 1)" */
+#define DESC_LEN 512     /* a described collective */
 #define MAX_HELD 4
 #define WHY_LEN 512      /* an NCCL or CUDA error's text */
 
@@ -86,7 +88,14 @@ struct ml_comm_req {
 struct ml_comm {
     ml_host *h;
     int rank, world;
-    MPI_Comm mc;                /* a duplicate of MPI_COMM_WORLD, or MPI_COMM_NULL */
+    int world_rank;             /* this process's rank in the world communicator */
+    MPI_Comm mc;                /* a duplicate of MPI_COMM_WORLD, a split of the parent's, or
+                                   MPI_COMM_NULL */
+    ml_comm *parent;            /* a group's: the communicator it was split from (held) */
+    ml_comm *children;          /* groups split from this one, linked by `sibling` */
+    ml_comm *sibling;
+    int refs;                   /* the owner's, plus one per group split from it */
+    char group[GROUP_LEN];      /* a group's name in messages; "" for the world */
     double timeout;
     int debug;
     uint64_t seq;
@@ -114,12 +123,19 @@ static void nap(long *ns)
     *ns = *ns * 2 < 1000000 ? *ns * 2 : 1000000;
 }
 
-/* "all-gather of unit X (step 3, collective #17 of rank 2)" */
+/* "all-gather of unit X (step 3, collective #17 of rank 2)"; in a group,
+ * "all-gather of unit X (group ep(color 1), step 3, collective #17 of rank
+ * 1, world rank 3)" (the number and rank are the group's). */
 static void describe(const ml_comm *c, const coll_desc *d, char *buf, size_t len)
 {
-    snprintf(buf, len, "%s%s%s (%s%scollective #%llu of rank %d)", op_names[d->op],
-             d->what[0] ? " of " : "", d->what, d->context, d->context[0] ? ", " : "",
-             (unsigned long long)d->seq, c->rank);
+    char group[GROUP_LEN + 8] = "", world[32] = "";
+    if (c->parent) {
+        snprintf(group, sizeof group, "group %s, ", c->group);
+        snprintf(world, sizeof world, ", world rank %d", c->world_rank);
+    }
+    snprintf(buf, len, "%s%s%s (%s%s%scollective #%llu of rank %d%s)", op_names[d->op],
+             d->what[0] ? " of " : "", d->what, group, d->context, d->context[0] ? ", " : "",
+             (unsigned long long)d->seq, c->rank, world);
 }
 
 static ml_status fail_broken(const ml_comm *c, ml_err *e)
@@ -143,7 +159,7 @@ static ml_status break_comm(ml_comm *c, ml_err *e, const char *fmt, ...)
 
 static ml_status mpi_failed(ml_comm *c, const coll_desc *d, const char *call, int rc, ml_err *e)
 {
-    char s[MPI_MAX_ERROR_STRING], what[320];
+    char s[MPI_MAX_ERROR_STRING], what[DESC_LEN];
     int n;
     if (MPI_Error_string(rc, s, &n) != MPI_SUCCESS)
         snprintf(s, sizeof s, "error %d", rc);
@@ -155,7 +171,7 @@ static ml_status mpi_failed(ml_comm *c, const coll_desc *d, const char *call, in
  * before ") starts it. */
 static ml_status timed_out(ml_comm *c, const coll_desc *d, const char *prefix, ml_err *e)
 {
-    char what[320];
+    char what[DESC_LEN];
     describe(c, d, what, sizeof what);
     return break_comm(c, e, "%s%s did not complete within %g s: a rank stopped, died or called a "
                       "different collective", prefix, what, c->timeout);
@@ -164,7 +180,7 @@ static ml_status timed_out(ml_comm *c, const coll_desc *d, const char *prefix, m
 static ml_status nccl_failed(ml_comm *c, const coll_desc *d, ml_nccl_status ns, const char *why,
                              ml_err *e)
 {
-    char what[320];
+    char what[DESC_LEN];
     if (ns == ML_NCCL_TIMEOUT)
         return timed_out(c, d, "", e);
     describe(c, d, what, sizeof what);
@@ -383,6 +399,8 @@ void ml_comm_progress(ml_comm *c)
         ml_err e;
         req_poll(r, &done, &e);   /* an error broke c: the next call reports it */
     }
+    for (ml_comm *g = c->children; g; g = g->sibling)
+        ml_comm_progress(g);
 }
 
 /* ---- setup -------------------------------------------------------------------- */
@@ -421,6 +439,7 @@ static ml_status dup_world(ml_comm *c, ml_err *e)
     ML_TRY(req_finish(r, "", e));
     MPI_Comm_set_errhandler(c->mc, MPI_ERRORS_RETURN);
     MPI_Comm_size(c->mc, &c->world);
+    c->world_rank = c->rank;
     return ML_OK;
 }
 
@@ -531,7 +550,7 @@ static ml_status comm_make(ml_host *h, double timeout_s, int debug, int nccl, ml
     if (!c)
         return ml_err_set(e, ML_EALLOC, "out of memory for a communicator");
     *c = (ml_comm){.h = h, .rank = 0, .world = 1, .mc = MPI_COMM_NULL, .timeout = timeout_s,
-                   .debug = debug};
+                   .debug = debug, .refs = 1};
     if (ml_comm_launched()) {
         ml_status s = init_mpi(e);
         if (s == ML_OK)
@@ -591,9 +610,21 @@ void ml_comm_set_context(ml_comm *c, const char *context)
     snprintf(c->context, sizeof c->context, "%s", context ? context : "");
 }
 
+/* g leaves its parent's list of groups and releases its hold on it. */
+static void unlink_group(ml_comm *g)
+{
+    for (ml_comm **p = &g->parent->children; *p; p = &(*p)->sibling) {
+        if (*p == g) {
+            *p = g->sibling;
+            break;
+        }
+    }
+    ml_comm_free(g->parent);
+}
+
 void ml_comm_free(ml_comm *c)
 {
-    if (!c)
+    if (!c || --c->refs > 0)
         return;
     double deadline = now() + c->timeout;
     long ns = 50000;
@@ -610,8 +641,10 @@ void ml_comm_free(ml_comm *c)
     }
     if (c->nccl)   /* aborted when an operation is stuck: its kernels stop */
         nx->close(c->nccl, leaked || c->broken[0], c->timeout);
-    if (c->mc != MPI_COMM_NULL && !leaked)
+    if (c->mc != MPI_COMM_NULL && !leaked && !mpi_down)
         MPI_Comm_free(&c->mc);
+    if (c->parent)
+        unlink_group(c);
     free(c);
 }
 
@@ -672,15 +705,16 @@ static void describe_fingerprint(const fingerprint *f, const fingerprint *ref, c
 {
     int op = f->op >= 0 && f->op < NOPS ? f->op : OP_SETUP;
     const char *dt = f->dtype >= 0 && f->dtype < ML_NDTYPES ? ml_dtype_names[f->dtype] : "?";
+    int counted = op != OP_BARRIER && op != OP_SPLIT;
     size_t at = (size_t)snprintf(buf, len, "%s%s%.*s", op_names[op], f->what[0] ? " of " : "",
                                  FP_WHAT_LEN, f->what);
-    if (at < len && op != OP_BARRIER)
+    if (at < len && counted)
         at += (size_t)snprintf(buf + at, len - at, " (%lld elements of %s", (long long)f->count, dt);
     if (at < len && op == OP_BROADCAST)
         at += (size_t)snprintf(buf + at, len - at, ", root %lld", (long long)f->arg);
     if (at < len && op == OP_NUMBERS && f->arg >= 0 && f->arg <= ML_COMM_MIN)
         at += (size_t)snprintf(buf + at, len - at, ", %s", reduce_names[f->arg]);
-    if (at < len && op != OP_BARRIER)
+    if (at < len && counted)
         at += (size_t)snprintf(buf + at, len - at, ")");
     if (at < len && f->seq != ref->seq)
         snprintf(buf + at, len - at, " as #%llu", (unsigned long long)f->seq);
@@ -711,7 +745,8 @@ static ml_status check_fingerprint(ml_comm *c, const coll_desc *d, ml_err *e)
         char a[256], b[256];
         describe_fingerprint(&fp[0], &fp[0], a, sizeof a);
         describe_fingerprint(&fp[q], &fp[0], b, sizeof b);
-        s = break_comm(c, e, "collective mismatch at #%llu: rank 0 calls %s, rank %d calls %s",
+        s = break_comm(c, e, "%s%s%scollective mismatch at #%llu: rank 0 calls %s, rank %d calls %s",
+                       c->parent ? "group " : "", c->group, c->parent ? ": " : "",
                        (unsigned long long)fp[0].seq, a, q, b);
     }
     ml_tensor_drop(&all);
@@ -727,7 +762,10 @@ static ml_status begin(ml_comm *c, coll_desc *d, comm_opcode op, ml_dtype dt, in
         return fail_broken(c, e);
     *d = (coll_desc){.op = op, .dtype = dt, .count = count, .arg = arg, .seq = ++c->seq};
     snprintf(d->what, sizeof d->what, "%s", what ? what : "");
-    memcpy(d->context, c->context, sizeof d->context);
+    const ml_comm *k = c;   /* a group without a context of its own shows its parent's */
+    while (!k->context[0] && k->parent)
+        k = k->parent;
+    memcpy(d->context, k->context, sizeof d->context);
     return c->debug && c->world > 1 ? check_fingerprint(c, d, e) : ML_OK;
 }
 
@@ -1276,4 +1314,61 @@ ml_status ml_comm_barrier(ml_comm *c, const char *what, ml_err *e)
     ML_TRY(req_new(&d, &r, e));
     ML_TRY(req_start(c, r, "MPI_Ibarrier", MPI_Ibarrier(c->mc, &r->mpi), e));
     return req_finish(r, "", e);
+}
+
+/* ---- groups ------------------------------------------------------------------------- */
+
+/* g->mc = c's ranks of this color (MPI_Comm_split, ordered by key then
+ * rank). MPI_Comm_split blocks and has no non-blocking form: a barrier
+ * under the timeout comes first, so a rank that never comes is a timeout
+ * of the split, and every rank that passes it is in the split at once. */
+static ml_status split_mpi(ml_comm *c, const coll_desc *d, ml_comm *g, int color, int key,
+                           ml_err *e)
+{
+    ml_comm_req *r;
+    ML_TRY(req_new(d, &r, e));
+    ML_TRY(req_start(c, r, "MPI_Ibarrier", MPI_Ibarrier(c->mc, &r->mpi), e));
+    ML_TRY(req_finish(r, "", e));
+    int rc = MPI_Comm_split(c->mc, color, key, &g->mc);
+    if (rc != MPI_SUCCESS)
+        return mpi_failed(c, d, "MPI_Comm_split", rc, e);
+    MPI_Comm_set_errhandler(g->mc, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(g->mc, &g->rank);
+    MPI_Comm_size(g->mc, &g->world);
+    return ML_OK;
+}
+
+ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_comm **out,
+                        ml_err *e)
+{
+    *out = NULL;
+    if (color < 0)
+        return ml_err_set(e, ML_EINVAL, "color must be an integer >= 0, got %d", color);
+    if (key < 0)
+        return ml_err_set(e, ML_EINVAL, "key must be an integer >= 0, got %d", key);
+    coll_desc d;
+    ML_TRY(begin(c, &d, OP_SPLIT, ML_U8, 0, 0, label, e));
+    ml_comm *g = calloc(1, sizeof *g);
+    if (!g)
+        return ml_err_set(e, ML_EALLOC, "out of memory for a communicator");
+    *g = (ml_comm){.h = c->h, .rank = 0, .world = 1, .world_rank = c->world_rank,
+                   .mc = MPI_COMM_NULL, .timeout = c->timeout, .debug = c->debug, .refs = 1};
+    snprintf(g->group, sizeof g->group, "%s%scolor %d%s", label && label[0] ? label : "",
+             label && label[0] ? "(" : "", color, label && label[0] ? ")" : "");
+    if (c->mc != MPI_COMM_NULL) {
+        ml_status s = split_mpi(c, &d, g, color, key, e);
+        if (s != ML_OK) {
+            free(g);
+            return s;
+        }
+    }
+    if (g->world > 1)
+        snprintf(g->no_nccl, sizeof g->no_nccl, "NCCL does not carry groups yet (group %s): CUDA "
+                 "tensors travel in the world communicator only", g->group);
+    g->parent = c;
+    c->refs++;
+    g->sibling = c->children;
+    c->children = g;
+    *out = g;
+    return ML_OK;
 }

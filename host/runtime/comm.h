@@ -2,7 +2,8 @@
  * host/runtime/comm.h - collectives over MPI (MPICH) and NCCL for sharded
  * training (DESIGN.md, Distributed): all-gather, reduce-scatter,
  * all-reduce, broadcast, all-to-all-v and barrier over contiguous CPU
- * tensors (MPI) or CUDA tensors (NCCL), with a timeout on every wait and an
+ * tensors (MPI) or CUDA tensors (NCCL), over the world or a group of its
+ * ranks (ml_comm_split), with a timeout on every wait and an
  * optional fingerprint check, so a stopped or mismatched rank is an error
  * naming the collective, never a hang.
  *
@@ -99,8 +100,27 @@ void ml_comm_set_context(ml_comm *c, const char *context);
  * completed keeps its buffers (a leak, never memory under MPI); its request,
  * if the caller holds it, becomes complete-and-detached for
  * ml_comm_req_free. Free requests before or after, never use them with
- * another call after this. */
+ * another call after this. A communicator with groups (ml_comm_split)
+ * stays until its last group is freed. */
 void ml_comm_free(ml_comm *c);
+
+/* A group of c's ranks in *out (MPI_Comm_split): the ranks that give the
+ * same color (>= 0), ranked by key (>= 0), then by their rank in c. Every
+ * rank of c calls it, as a collective of c (numbered, fingerprinted in
+ * debug mode; `label` is its `what`). MPI_Comm_split blocks, so a barrier
+ * under c's timeout comes first: a missing rank is a timeout of the split
+ * ("communicator split of ep ..."), not a hang. World 1 without MPI: a
+ * group of one rank. The group has its own rank, world and sequence
+ * numbers, c's timeout and debug mode, and shows c's context while it has
+ * none of its own (ml_comm_set_context). Its messages name it: "group
+ * <label>(color C)" ("group color C" without a label), its rank and the
+ * world rank. CUDA tensors travel in a group of one rank only (local
+ * copies); NCCL does not carry groups yet, so a larger group refuses them,
+ * saying so. ml_comm_progress(c) advances c's groups too. A group holds c:
+ * ml_comm_free(c) before the group's is allowed, and c goes when its last
+ * group does. */
+ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_comm **out,
+                        ml_err *e);
 
 /* At exit: MPI_Finalize when this process initialized MPI. */
 void ml_comm_finalize(void);

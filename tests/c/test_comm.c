@@ -16,7 +16,11 @@
  * fail within timeout + 1 s naming the collective, and every rank still
  * finishes (the late one completes, the communicator is freed); in debug
  * mode a mismatched collective is reported on every rank, naming both
- * calls.
+ * calls. Groups (ml_comm_split by rank % 2 and by rank / 2): all-gather,
+ * reduce-scatter (bitwise the group's rank-order sum) and all-to-all-v
+ * inside each; refused colors and keys; a group outliving its freed
+ * parent; with 4 ranks, a late rank's group timing out naming the group
+ * while the other group completes, and a split timing out naming it.
  */
 #include <math.h>
 #include <mpi.h>
@@ -412,6 +416,184 @@ static void test_debug(void)
     ml_tensor_drop(&full);
 }
 
+/* ---- groups (ml_comm_split) ---- */
+
+/* The world ranks of this rank's group under a split by `color_of`, in
+ * group-rank order (key = world rank); returns how many. */
+static int members(int (*color_of)(int), int *out)
+{
+    int n = 0;
+    for (int q = 0; q < world; q++)
+        if (color_of(q) == color_of(rank))
+            out[n++] = q;
+    return n;
+}
+
+static int by_parity(int q)
+{
+    return q % 2;
+}
+
+static int by_half(int q)
+{
+    return q / 2;
+}
+
+/* all-gather, reduce-scatter (bitwise the rank-order sum over the group's
+ * members) and all-to-all-v inside the group g of the split `color_of`. */
+static void check_group(ml_comm *g, int (*color_of)(int), const char *name)
+{
+    int mem[64], gw = members(color_of, mem), gr = 0;
+    while (mem[gr] != rank)
+        gr++;
+    check(ml_comm_world(g) == gw && ml_comm_rank(g) == gr, "%s: rank %d of %d in its group", name,
+          gr, gw);
+
+    int64_t n = 3;
+    ml_tensor shard = tensor(ML_I64, n), full = tensor(ML_I64, n * gw);
+    for (int64_t i = 0; i < n; i++)
+        ((int64_t *)ml_data(&shard))[i] = rank * 100 + i;
+    ml_status s = ml_comm_all_gather(g, &shard, &full, "experts", NULL, &e);
+    int good = s == ML_OK;
+    for (int64_t i = 0; good && i < n * gw; i++)
+        good = ((int64_t *)ml_data(&full))[i] == mem[i / n] * 100 + i % n;
+    check(good, "%s: all_gather gathers the group's shards in group-rank order", name);
+    ml_tensor_drop(&shard);
+    ml_tensor_drop(&full);
+
+    int64_t m = 29;
+    ml_tensor f = tensor(ML_F32, m * gw), sh = tensor(ML_F32, m);
+    fill(&f, rank, 11);
+    s = ml_comm_reduce_scatter(g, &f, &sh, 0, "expert grads", &e);
+    good = s == ML_OK;
+    for (int64_t i = 0; good && i < m; i++) {
+        int64_t j = gr * m + i;
+        float want = (float)value(mem[0], j, 11);
+        for (int q = 1; q < gw; q++)
+            want += (float)value(mem[q], j, 11);
+        good = memcmp(&want, (float *)ml_data(&sh) + i, sizeof want) == 0;
+    }
+    check(good && comm_bytes() == 0, "%s: reduce_scatter bitwise the group's rank-order sum", name);
+    ml_tensor_drop(&f);
+    ml_tensor_drop(&sh);
+
+    int64_t send_rows[64], recv_rows[64], ns = 0, nr = 0;
+    for (int q = 0; q < gw; q++) {
+        ns += send_rows[q] = rows_from_to(gr, q);
+        nr += recv_rows[q] = rows_from_to(q, gr);
+    }
+    int64_t sdims[2] = {ns, 2}, rdims[2] = {nr, 2};
+    ml_tensor send = {0}, recv = {0};
+    ml_tensor_alloc(&host, &send, ML_CPU, ML_F64, 2, sdims, &e);
+    ml_tensor_alloc(&host, &recv, ML_CPU, ML_F64, 2, rdims, &e);
+    double *sp = ml_data(&send), *rp = ml_data(&recv);
+    for (int q = 0, at = 0; q < gw; q++)
+        for (int64_t k = 0; k < send_rows[q]; k++, at++)
+            sp[at * 2] = sp[at * 2 + 1] = rank * 1000 + mem[q] * 10 + k;
+    s = ml_comm_all_to_all_v(g, &send, send_rows, &recv, recv_rows, "tokens", &e);
+    good = s == ML_OK;
+    for (int q = 0, at = 0; q < gw; q++)
+        for (int64_t k = 0; k < recv_rows[q]; k++, at++)
+            good &= rp[at * 2] == mem[q] * 1000 + rank * 10 + k && rp[at * 2 + 1] == rp[at * 2];
+    check(good && comm_bytes() == 0, "%s: all_to_all_v between the group's ranks", name);
+    ml_tensor_drop(&send);
+    ml_tensor_drop(&recv);
+}
+
+static void test_groups(void)
+{
+    ml_comm *ep = NULL, *edp = NULL;
+    ml_status s = ml_comm_split(c, by_parity(rank), rank, "ep", &ep, &e);
+    if (s == ML_OK)
+        s = ml_comm_split(c, by_half(rank), rank, "edp", &edp, &e);
+    check(s == ML_OK, "split by rank %% 2 and by rank / 2");
+    if (s != ML_OK)
+        return;
+    check_group(ep, by_parity, "group rank % 2");
+    check_group(edp, by_half, "group rank / 2");
+    ml_comm_free(ep);
+    ml_comm_free(edp);
+
+    ml_comm *g = NULL;
+    s = ml_comm_split(c, -1, 0, "x", &g, &e);
+    check(s == ML_EINVAL && g == NULL && strcmp(e.msg, "color must be an integer >= 0, got -1") == 0,
+          "split refuses a negative color: %s", e.msg);
+    s = ml_comm_split(c, 0, -2, "x", &g, &e);
+    check(s == ML_EINVAL && strcmp(e.msg, "key must be an integer >= 0, got -2") == 0,
+          "split refuses a negative key: %s", e.msg);
+
+    /* the parent freed first: the group holds it */
+    ml_comm *p = NULL;
+    s = ml_comm_init(&host, 5.0, 0, &p, &e);
+    if (s == ML_OK)
+        s = ml_comm_split(p, 0, world - rank, NULL, &g, &e);
+    ml_comm_free(p);
+    check(s == ML_OK && ml_comm_world(g) == world && ml_comm_rank(g) == world - 1 - rank,
+          "one color, keys reversed: group ranks reversed");
+    if (s == ML_OK)
+        s = ml_comm_barrier(g, "after the parent's free", &e);
+    ml_comm_free(g);
+    check(s == ML_OK && host.books[ML_CPU].total == 0, "a group outlives its freed parent");
+}
+
+/* The last rank comes 1.4 timeouts late, to a collective of its group
+ * (rank % 2) and then to a split: its group's other ranks, then everyone,
+ * fail within timeout + 1 s, naming the group or the split. */
+static void test_group_timeout(void)
+{
+    const char *desc = "a late rank: its group fails naming the group; the other group completes";
+    const char *desc2 = "a late rank: a split fails within timeout + 1 s naming the split";
+    if (world < 4) {
+        skip(desc);
+        skip(desc2);
+        return;
+    }
+    ml_comm *p, *g = NULL;
+    ml_status s = ml_comm_init(&host, 1.0, 0, &p, &e);
+    if (s == ML_OK)
+        s = ml_comm_split(p, rank % 2, rank, "ep", &g, &e);
+    ml_comm_set_context(p, "step 2");
+    ml_tensor shard = tensor(ML_F32, 2), full = tensor(ML_F32, 4);
+    fill(&shard, rank, 6);
+    int late = rank == world - 1, waits = rank % 2 == (world - 1) % 2 && !late, good = s == ML_OK;
+    if (late)
+        usleep(1400000);
+    double t0 = now();
+    if (good)
+        s = ml_comm_all_gather(g, &shard, &full, "unit experts", NULL, &e);
+    double took = now() - t0;
+    char want[256];
+    snprintf(want, sizeof want, "all-gather of unit experts (group ep(color %d), step 2, "
+             "collective #1 of rank 0, world rank %d) did not complete within 1 s: a rank "
+             "stopped, died or called a different collective", rank % 2, rank);
+    if (waits)
+        good &= s == ML_EIO && strcmp(e.msg, want) == 0 && took >= 1 && took < 2;
+    else
+        good &= s == ML_OK;
+    ml_comm_free(g);
+    check(good, "%s", desc);
+
+    /* a split the last rank never comes to (it would block in
+     * MPI_Comm_split: in a run, the others abort the job); it joins the
+     * barrier that precedes the split instead, so that p is freed cleanly */
+    if (late) {
+        usleep(1400000);
+        good = ml_comm_barrier(p, "late", &e) == ML_OK;
+    } else {
+        t0 = now();
+        s = ml_comm_split(p, 0, rank, "edp", &g, &e);
+        took = now() - t0;
+        snprintf(want, sizeof want, "communicator split of edp (step 2, collective #2 of rank %d) "
+                 "did not complete within 1 s: a rank stopped, died or called a different "
+                 "collective", rank);
+        good = s == ML_EIO && strcmp(e.msg, want) == 0 && took >= 1 && took < 2;
+    }
+    ml_comm_free(p);
+    ml_tensor_drop(&shard);
+    ml_tensor_drop(&full);
+    check(good && host.books[ML_CPU].total == 0, "%s", desc2);
+}
+
 int main(void)
 {
     ml_host_init(&host);
@@ -435,6 +617,8 @@ int main(void)
     test_refusals();
     test_timeout();
     test_debug();
+    test_groups();
+    test_group_timeout();
     ml_comm_free(c);
     check(host.books[ML_CPU].total == 0, "ledger empty at the end");
     ml_host_free(&host);
