@@ -4,7 +4,9 @@
 -- collectives across ranks, a Lua error on one rank ending the job with its
 -- message, a stopped rank making the other exit within timeout + 2 s
 -- naming the collective, and a skipped collective reported as a mismatch in
--- debug mode. The four-rank numerics are tests/c/test_comm.c's.
+-- debug mode; groups (dist.split, dist.world_group) in world 1 with bad
+-- input, and one `mpiexec -n 4` job with two splits checked per rank. The
+-- four-rank numerics are tests/c/test_comm.c's.
 local m = require "moelua"
 local dist = require "moelua.dist"
 local support = require "tests.support"
@@ -137,20 +139,74 @@ describe("moelua.dist in a world of one rank", function()
     has(errmsg(dist.set_context, 3), "moelua.dist.set_context: argument #1 (context) must be a string, got number")
     assert.are.equal(0, comm_bytes())
   end)
+
+  it("split gives a group of one rank whose methods mirror the module functions", function()
+    local g = dist.split(3, 0, "ep")
+    assert.are.equal(0, g:rank())
+    assert.are.equal(1, g:world())
+    local full = g:all_gather(m.tensor({1.5, -2}), m.zeros({2}), "unit a")
+    assert.are.same({1.5, -2}, full:totable())
+    do
+      local out = m.zeros({2})
+      local req <close> = g:iall_gather(m.tensor({4, 5}), out, "unit b")
+      assert.is_true(req:test())
+      req:wait()
+      assert.are.same({4, 5}, out:totable())
+    end
+    local shard = m.tensor({1, 1}, {dtype = "f64"})
+    assert.are.equal(shard, g:reduce_scatter(m.tensor({0.25, 3}, {dtype = "f64"}), shard, "grads", true))
+    assert.are.same({1.25, 4}, shard:totable())
+    assert.are.same({1, 2}, g:all_reduce(m.tensor({1, 2}), "loads"):totable())
+    assert.are.same({2, 7}, g:all_reduce_numbers({2, 7}, "max", "norm"))
+    assert.are.same({5}, g:broadcast(m.tensor({5}), 0, "seed"):totable())
+    local recv = g:all_to_all_v(m.tensor({{1, 2}, {3, 4}}), {1}, m.zeros({2, 2}), {1}, "tokens")
+    assert.are.same({{1, 2}, {0, 0}}, recv:totable())
+    g:set_context("step 1")
+    g:barrier("end")
+    local sub = g:split(0, 0)
+    assert.are.equal(1, sub:world())
+    sub:barrier("nested")
+    dist.progress()
+    assert.are.equal(0, comm_bytes())
+  end)
+
+  it("world_group is the world as a group", function()
+    local w = dist.world_group()
+    assert.are.equal(w, dist.world_group())
+    assert.are.equal(0, w:rank())
+    assert.are.equal(1, w:world())
+    assert.are.same({3}, w:all_reduce(m.tensor({3}), "x"):totable())
+  end)
+
+  it("split and group methods refuse bad input, naming the argument", function()
+    has(errmsg(dist.split, -1, 0, "ep"), "moelua.dist.split: argument #1 (color) must be an integer >= 0, got -1")
+    has(errmsg(dist.split, 0.5, 0, "ep"), "moelua.dist.split: argument #1 (color) must be an integer >= 0, got number")
+    has(errmsg(dist.split, 0, "a", "ep"), "moelua.dist.split: argument #2 (key) must be an integer >= 0, got string")
+    has(errmsg(dist.split, 0, -3), "argument #2 (key) must be an integer >= 0, got -3")
+    has(errmsg(dist.split, 0, 0, 5), "moelua.dist.split: argument #3 (label) must be a string, got number")
+    local g = dist.split(0, 0, "ep")
+    has(errmsg(g.barrier, g, 1), "moelua.dist.Group:barrier: argument #1 (what) must be a string, got number")
+    has(errmsg(g.all_gather, g, 1, m.zeros({2}), "a"), "moelua.dist.Group:all_gather: argument #1 (shard): expected a tensor, got number")
+    has(errmsg(g.broadcast, g, m.zeros({2}), 1, "x"), "moelua.dist.Group:broadcast: argument #2 (root) must be a rank in [0, 1), got 1")
+    has(errmsg(g.all_to_all_v, g, m.zeros({2, 2}), {1, 1}, m.zeros({2, 2}), {1}, "t"),
+        "argument #2 (send_rows) must have 1 entries (one per rank), got 2")
+    has(errmsg(g.split, g, 0, -1), "moelua.dist.Group:split: argument #2 (key) must be an integer >= 0, got -1")
+    has(errmsg(g.barrier, {}, "x"), "moelua.dist.Group:barrier: self must be a moelua.dist group (call it as g:barrier(...)), got table")
+  end)
 end)
 
 -- ---- jobs under mpiexec ----------------------------------------------------
 
--- Runs `script` as `mpiexec -n 2 moelua script` (support.mpiexec_command,
+-- Runs `script` as `mpiexec -n <n or 2> moelua script` (support.mpiexec_command,
 -- killed after `limit` seconds); returns its exit code, stdout, stderr and
 -- the seconds it took.
-local function mpirun(script, limit)
+local function mpirun(script, limit, n)
   local dir = support.make_tmpdir()
   local q = support.shell_quote
   support.write_file(dir .. "/job.lua", script)
   local cmd = table.concat({
     "start=$(date +%s%N);",
-    support.mpiexec_command(2, {dir .. "/job.lua"}, limit),
+    support.mpiexec_command(n or 2, {dir .. "/job.lua"}, limit),
     ">" .. q(dir .. "/out"), "2>" .. q(dir .. "/err") .. ";",
     "echo $? $(( ($(date +%s%N) - start) / 1000000 ))"}, " ")
   local p = assert(io.popen(cmd))
@@ -242,5 +298,38 @@ dist.barrier("step end")
     assert.is_true(took < 4, "took " .. took .. " s")
     has(err, "collective mismatch at #1: rank 0 calls all-gather of unit a (2 elements of f32), " ..
              "rank 1 calls barrier of step end")
+  end)
+end)
+
+describe("moelua.dist groups under mpiexec -n 4", function()
+  it("two splits: collectives inside each group, per rank", function()
+    local code, out, err, took = mpirun(preamble .. [[
+dist.init{timeout = 5, debug = true}
+local r = dist.rank()
+local ep = dist.split(r % 2, r, "ep")      -- {0, 2} and {1, 3}
+local edp = dist.split(r // 2, r, "edp")   -- {0, 1} and {2, 3}
+local w = dist.world_group()
+assert(w:world() == 4 and ep:world() == 2 and edp:world() == 2)
+local g1 = ep:all_gather(m.tensor({r}), m.zeros({2}), "unit e")
+local g2 = edp:reduce_scatter(m.tensor({r, 10 * r}), m.zeros({1}), "grads")
+local n = ep:all_reduce_numbers({r}, "sum", "load")
+local b = edp:broadcast(m.tensor({r}), 1, "seed")
+local recv = ep:all_to_all_v(m.tensor({{r}, {r + 0.5}}), {1, 1}, m.zeros({2, 1}), {1, 1}, "tokens")
+local t = w:all_reduce(m.tensor({r}), "all")
+ep:barrier("end")
+local function s(v)
+  local o = {}
+  for i, x in ipairs(type(v) == "table" and v or v:view(-1):totable()) do o[i] = string.format("%g", x) end
+  return table.concat(o, ",")
+end
+print(string.format("rank %d ep %d/%d edp %d/%d g1 %s g2 %s n %s b %s recv %s t %s", r, ep:rank(),
+  ep:world(), edp:rank(), edp:world(), s(g1), s(g2), s(n), s(b), s(recv), s(t)))
+]], 10, 4)
+    assert.are.equal(0, code, err)
+    assert.is_true(took < 5, "took " .. took .. " s")
+    has(out, "rank 0 ep 0/2 edp 0/2 g1 0,2 g2 1 n 2 b 1 recv 0,2 t 6\n")
+    has(out, "rank 1 ep 0/2 edp 1/2 g1 1,3 g2 10 n 4 b 1 recv 1,3 t 6\n")
+    has(out, "rank 2 ep 1/2 edp 0/2 g1 0,2 g2 5 n 2 b 3 recv 0.5,2.5 t 6\n")
+    has(out, "rank 3 ep 1/2 edp 1/2 g1 1,3 g2 50 n 4 b 3 recv 1.5,3.5 t 6\n")
   end)
 end)
