@@ -162,6 +162,24 @@ local function ledger_peaks(z)
   return peaks
 end
 
+-- Every rank's seconds in each kind of collective during the step (this
+-- exchange's own wait counts in the next step's), rank 0 first.
+local COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "numbers"}
+local function comm_seconds(z)
+  local w, mine = z:take_waits(), {}
+  for r = 0, z.world - 1 do
+    for i, k in ipairs(COLLECTIVES) do mine[r * #COLLECTIVES + i] = r == z.rank and (w[k] or 0) or 0 end
+  end
+  local all = z:all_reduce_numbers(mine, "sum", "collective seconds")
+  local out = {}
+  for r = 0, z.world - 1 do
+    local one = {}
+    for i, k in ipairs(COLLECTIVES) do one[k] = all[r * #COLLECTIVES + i] end
+    out[r + 1] = one
+  end
+  return out
+end
+
 -- The means over ranks of a step's numbers (each rank's over its micro-batches).
 local function mean_over_ranks(z, ...)
   if z.world == 1 then return ... end
@@ -857,7 +875,7 @@ function Trainer:step(step)
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z)
-  if z.world > 1 then m.comm_seconds = z:take_waits() end   -- this rank's (rank 0's in the log)
+  if z.world > 1 then m.comm_seconds = comm_seconds(z) end
   return m
 end
 

@@ -1,6 +1,6 @@
 -- recipes/bench/zero_summary.lua OUT_DIR: the table of recipes/bench/zero.sh
 -- (BENCHMARKS.md): per run (N ranks, ZeRO stage) and rank, the ledger's
--- peak by category, the total, tokens/s (the job's) and rank 0's seconds
+-- peak by category, the total, tokens/s (the job's) and the rank's seconds
 -- per step in each kind of collective, from the last step of each
 -- OUT_DIR/n<N>_zero<S>/metrics.jsonl.
 local json = require "dkjson"
@@ -45,13 +45,13 @@ for _, n in ipairs{1, 2, 4} do
     local m = last_step(string.format("%s/n%d_zero%d/metrics.jsonl", dir, n, stage))
     if m then
       local ranks = m.ledger_peak.ranks or {m.ledger_peak}
-      local w = m.comm_seconds or {}
       for r, p in ipairs(ranks) do
+        local w = m.comm_seconds and m.comm_seconds[r] or {}
         local cells = {}
         for i, c in ipairs(cats) do cells[i] = string.format("%.2f", (p[c] or 0) / MiB) end
-        local tail = r == 1 and string.format("%.0f | %.3f | %.3f | %.3f | %.3f", m.tokens_per_s,
-                                              w.all_gather or 0, w.reduce_scatter or 0, w.all_reduce or 0,
-                                              w.numbers or 0) or " | | | | "
+        local tail = string.format("%s | %.3f | %.3f | %.3f | %.3f",
+                                   r == 1 and string.format("%.0f", m.tokens_per_s) or "",
+                                   w.all_gather or 0, w.reduce_scatter or 0, w.all_reduce or 0, w.numbers or 0)
         print(string.format("| %d | %d | %d | %s | %.2f | %s |", n, stage, r - 1, table.concat(cells, " | "),
                             p.total / MiB, tail))
       end
