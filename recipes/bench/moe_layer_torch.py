@@ -26,7 +26,6 @@ what ran ("config": t<threads>[-passive], "threads", "omp_wait_policy",
 "openblas_threads", "openblas_core"); moe_layer_compare.sh keeps the best.
 """
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -36,30 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-
-def blas_library():
-    """The libblas.so.3 this process actually mapped (must be OpenBLAS)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "libblas" in line or "openblas" in line:
-                return os.path.realpath(line.split()[-1])
-    return "unknown"
-
-
-def thread_config():
-    """What ran: torch's pool, OpenMP's wait policy, OpenBLAS's pool and kernel path."""
-    policy = os.environ.get("OMP_WAIT_POLICY", "").lower() or "default"
-    cfg = {"config": "t%d%s" % (torch.get_num_threads(), "-" + policy if policy != "default" else ""),
-           "threads": torch.get_num_threads(), "omp_wait_policy": policy,
-           "openblas_threads": None, "openblas_core": None}
-    try:
-        ob = ctypes.CDLL("libopenblas.so.0")
-        ob.openblas_get_corename.restype = ctypes.c_char_p
-        cfg["openblas_threads"] = ob.openblas_get_num_threads()
-        cfg["openblas_core"] = ob.openblas_get_corename().decode()
-    except OSError:
-        pass
-    return cfg
+from bench_env import blas_library, thread_config
 
 
 def moe_hf(x, wg, w1, w3, w2, k):
@@ -139,7 +115,7 @@ def main():
     flops = 6 * T * k * D * Fh * 3          # forward 2*T*k*3*D*F, backward twice that
     print(json.dumps({
         "bench": "moe_layer", "impl": "torch_" + a.impl, "tokens": T, "dim": D, "ffn": Fh,
-        "experts": E, "topk": k, **thread_config(), "reps": a.reps,
+        "experts": E, "topk": k, **thread_config(torch), "reps": a.reps,
         "fwd_ms": 1e3 * statistics.median(fwd), "bwd_ms": 1e3 * statistics.median(bwd),
         "gemm_gflops": flops / (statistics.median(fwd) + statistics.median(bwd)) / 1e9,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

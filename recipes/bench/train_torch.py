@@ -37,7 +37,6 @@ records the configuration that ran ("config": t<threads>[-passive], with
 train_compare.sh can pick the best one per seq_len.
 """
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -47,29 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-
-def blas_library():
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if "libblas" in line or "openblas" in line:
-                return os.path.realpath(line.split()[-1])
-    return "unknown"
-
-
-def thread_config():
-    """What ran: torch's pool, OpenMP's wait policy, OpenBLAS's pool and kernel path."""
-    policy = os.environ.get("OMP_WAIT_POLICY", "").lower() or "default"
-    cfg = {"config": "t%d%s" % (torch.get_num_threads(), "-" + policy if policy != "default" else ""),
-           "threads": torch.get_num_threads(), "omp_wait_policy": policy,
-           "openblas_threads": None, "openblas_core": None}
-    try:
-        ob = ctypes.CDLL("libopenblas.so.0")
-        ob.openblas_get_corename.restype = ctypes.c_char_p
-        cfg["openblas_threads"] = ob.openblas_get_num_threads()
-        cfg["openblas_core"] = ob.openblas_get_corename().decode()
-    except OSError:
-        pass
-    return cfg
+from bench_env import blas_library, thread_config
 
 
 def peak_rss():
@@ -285,7 +262,7 @@ def main():
     print(json.dumps({
         "impl": "torch", "seq_len": S, "dim": a.dim, "layers": a.layers, "heads": a.heads,
         "kv_heads": a.kv_heads, "experts": a.experts, "topk": a.topk, "ffn": a.ffn,
-        "block": a.block, **thread_config(), "steps": a.steps,
+        "block": a.block, **thread_config(torch), "steps": a.steps,
         "warmup_ms": w["total"] * 1e3, "tokens_per_s": S / step_s, "step_ms": step_s * 1e3,
         "step_ms_all": [x * 1e3 for x in times],
         "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
