@@ -147,16 +147,9 @@ local function ledger_peaks(z)
     local keys = {"total"}
     for k in pairs(st.peak) do keys[#keys + 1] = k end
     table.sort(keys)
-    local mine = {}
-    for r = 0, z.world - 1 do
-      for i, k in ipairs(keys) do mine[r * #keys + i] = r == z.rank and peaks[k] or 0 end
-    end
-    local all = z:all_reduce_numbers(mine, "sum", "ledger peaks")
-    peaks.ranks = {}
-    for r = 0, z.world - 1 do
-      local one = {}
-      for i, k in ipairs(keys) do one[k] = math.tointeger(all[r * #keys + i]) end
-      peaks.ranks[r + 1] = one
+    peaks.ranks = z:gather_numbers(peaks, keys, "ledger peaks")
+    for _, one in ipairs(peaks.ranks) do
+      for k, v in pairs(one) do one[k] = math.tointeger(v) end
     end
   end
   return peaks
@@ -166,18 +159,7 @@ end
 -- exchange's own wait counts in the next step's), rank 0 first.
 local COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "numbers"}
 local function comm_seconds(z)
-  local w, mine = z:take_waits(), {}
-  for r = 0, z.world - 1 do
-    for i, k in ipairs(COLLECTIVES) do mine[r * #COLLECTIVES + i] = r == z.rank and (w[k] or 0) or 0 end
-  end
-  local all = z:all_reduce_numbers(mine, "sum", "collective seconds")
-  local out = {}
-  for r = 0, z.world - 1 do
-    local one = {}
-    for i, k in ipairs(COLLECTIVES) do one[k] = all[r * #COLLECTIVES + i] end
-    out[r + 1] = one
-  end
-  return out
+  return z:gather_numbers(z:take_waits(), COLLECTIVES, "collective seconds")
 end
 
 -- The means over ranks of a step's numbers (each rank's over its micro-batches).
@@ -271,6 +253,11 @@ local function optim_by_name(self)
   return named, next(steps) and steps or nil, meta
 end
 
+-- The expert of a named parameter (0-based), or nil.
+local function expert_of(name)
+  return tonumber(name:match("%.block_sparse_moe%.experts%.(%d+)%."))
+end
+
 -- The inverse: rebuild the per-group state_dict from a checkpoint's named
 -- states (a sparse group's per expert: only the experts named get states),
 -- read straight from the files into state tensors on the parameters'
@@ -283,7 +270,6 @@ end
 local function check_optim(self, c)
   local function shape(t) return "[" .. table.concat(t, ",") .. "]" end
   for _, p in ipairs(self.model:named_parameters()) do
-    local gi = locate(p.tensor, self.groups)
     local o = c.optim and c.optim[p.name]
     if o then
       for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
@@ -292,7 +278,8 @@ local function check_optim(self, c)
                                     k, p.name, shape(o[k]:shape()), shape(p.tensor:shape())))
         end
       end
-      if self.groups[gi].experts and not (c.optim_steps and c.optim_steps[p.name]) then
+      -- a lazy-Adam expert's states come with its count
+      if self.model.sparse and expert_of(p.name) and not (c.optim_steps and c.optim_steps[p.name]) then
         errors.user(string.format("moelua.train: %s: '%s' has optimizer states but no step count in " ..
                                   "optim/steps.safetensors", c.dir, p.name))
       end
@@ -343,11 +330,6 @@ end
 local function sharded(self)
   local z = self.model.zero
   return z.world > 1 or z.stage >= 1
-end
-
--- The expert of a named parameter (0-based), or nil.
-local function expert_of(name)
-  return tonumber(name:match("%.block_sparse_moe%.experts%.(%d+)%."))
 end
 
 -- Which experts hold lazy-Adam states on any rank: {[unit] = {[e] = true}}
@@ -429,20 +411,7 @@ end
 local function load_sharded(self, c, meta)
   local z, model, opt = self.model.zero, self.model, self.optimizer
   local named = model:check_named(c.model, {config = c.config, source = c.dir})
-  for _, p in ipairs(named) do
-    local o = c.optim and c.optim[p.name]
-    local want = table.concat(p.tensor:shape(), ",")
-    for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-      if o and table.concat(o[k]:shape(), ",") ~= want then
-        errors.user(string.format("moelua.train: %s: optim %s of '%s' has shape [%s], the parameter [%s]", c.dir,
-                                  k, p.name, table.concat(o[k]:shape(), ","), want))
-      end
-    end
-    if o and model.sparse and expert_of(p.name) and not (c.optim_steps and c.optim_steps[p.name]) then
-      errors.user(string.format("moelua.train: %s: '%s' has optimizer states but no step count in " ..
-                                "optim/steps.safetensors", c.dir, p.name))
-    end
-  end
+  check_optim(self, c)
   local sd = {kind = opt.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps, groups = {}}
   for gi, g in ipairs(self.groups) do
     local gs = {step = (g.frozen or not c.optim) and 0 or meta.t}

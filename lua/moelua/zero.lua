@@ -237,6 +237,24 @@ function Zero:all_reduce_numbers(v, op, what)
   return self:_timed("numbers", self.dist.all_reduce_numbers, v, op, what)
 end
 
+-- Every rank's values[k] for k in keys (0 where absent), as {[rank + 1] =
+-- {[k] = value}}: one sum over ranks of vectors in which each rank fills
+-- only its own slots.
+function Zero:gather_numbers(values, keys, what)
+  local mine = {}
+  for r = 0, self.world - 1 do
+    for i, k in ipairs(keys) do mine[r * #keys + i] = r == self.rank and (values[k] or 0) or 0 end
+  end
+  local all = self:all_reduce_numbers(mine, "sum", what)
+  local out = {}
+  for r = 0, self.world - 1 do
+    local one = {}
+    for i, k in ipairs(keys) do one[k] = all[r * #keys + i] end
+    out[r + 1] = one
+  end
+  return out
+end
+
 -- ---- the step ---------------------------------------------------------------
 
 -- After the last micro-batch: every gradient summed over ranks (whole at
@@ -269,7 +287,8 @@ local function ranges(u, off, len)
     if last and last.group == g and last.offset + last.n == p.offset then
       last.n = last.n + p.n
     else
-      out[#out + 1] = {group = g, offset = p.offset, n = p.n, seg_start = p.offset - p.seg_offset}
+      out[#out + 1] = {group = g, offset = p.offset, n = p.n, segment = p.segment,
+                       seg_start = p.offset - p.seg_offset}
     end
   end
   return out
@@ -317,8 +336,7 @@ function Zero:groups()
     for _, r in ipairs(ranges(u, off, len)) do
       local g = r.group
       if g.experts and self.stage > 0 then
-        local S = u.layout:pieces(r.offset, 1)[1]
-        S = u.layout:segment(S.segment).numel // g.experts
+        local S = u.layout:segment(r.segment).numel // g.experts   -- (one segment per expert label)
         for _, piece in ipairs(by_expert(r, S)) do add(u, g, off, piece, 1) end
       else
         add(u, g, off, r, g.experts)
@@ -385,14 +403,18 @@ end
 -- A checkpoint holds whole tensors under Hugging Face names; each rank
 -- writes and reads only the elements of its own shards.
 
+-- Where named parameter p starts in its unit (elements).
+local function start_of(p)
+  return p.tensor:storage_offset() - p.unit.params:storage_offset()
+end
+
 -- This rank's pieces of the named parameters (model:named_parameters():
 -- {name, tensor = a view of its unit's params, unit}): {name, at (elements
 -- into the named tensor), n, unit, lo (offset in the unit)}.
 function Zero:pieces(named)
   local out = {}
   for _, p in ipairs(named) do
-    local u = p.unit
-    local start = p.tensor:storage_offset() - u.params:storage_offset()
+    local u, start = p.unit, start_of(p)
     local lo = math.max(start, u.part.offset)
     local hi = math.min(start + p.tensor:numel(), u.part.offset + u.part.shard)
     if hi > lo then
@@ -434,8 +456,7 @@ end
 -- Is the named parameter p in a frozen group (param_groups' attributes)?
 function Zero:frozen(p)
   local u = p.unit
-  local start = p.tensor:storage_offset() - u.params:storage_offset()
-  return u.groups[u.layout:pieces(start, 1)[1].segment].frozen or false
+  return u.groups[u.layout:pieces(start_of(p), 1)[1].segment].frozen or false
 end
 
 return zero
