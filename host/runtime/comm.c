@@ -887,21 +887,36 @@ static ml_status gather_start(ml_comm *c, const coll_desc *d, const ml_tensor *s
     return s;
 }
 
+/* The checks of a shard/full pair (all-gather: shard in, full out;
+ * reduce-scatter: full in, shard out): both on the input's device, of
+ * `dtypes` and the input's dtype; full holds world shards; *n = the
+ * shard's elements, *in_place = shard is full's own slice, *nccl = the
+ * route. */
+static ml_status check_shard_full(ml_comm *c, const ml_tensor *shard, const ml_tensor *full,
+                                  int gather, unsigned dtypes, int64_t *n, int *in_place, int *nccl,
+                                  ml_err *e)
+{
+    const ml_tensor *in = gather ? shard : full, *out = gather ? full : shard;
+    const char *in_name = gather ? "shard" : "full", *out_name = gather ? "full" : "shard";
+    ml_device dev = ml_tensor_device(in);
+    ML_TRY(check_buffer(in, in_name, dev, dtypes, e));
+    ML_TRY(check_buffer(out, out_name, dev, dtypes, e));
+    ML_TRY(ml_check_same_dtype(out, out_name, in_name, in->dtype, e));
+    *n = ml_numel(shard);
+    ML_TRY(check_parts(full, "full", *n, c->world, "shard's numel", e));
+    ML_TRY(check_count(*n, "shard", e));
+    ML_TRY(own_slice(shard, full, c->rank, in_place, e));
+    return route(c, dev, nccl, e);
+}
+
 ml_status ml_comm_all_gather(ml_comm *c, const ml_tensor *shard, ml_tensor *full, const char *what,
                              ml_comm_req **req, ml_err *e)
 {
     if (req)
         *req = NULL;
-    ml_device dev = ml_tensor_device(shard);
-    ML_TRY(check_buffer(shard, "shard", dev, ML_DT_ANY, e));
-    ML_TRY(check_buffer(full, "full", dev, ML_DT_ANY, e));
-    ML_TRY(ml_check_same_dtype(full, "full", "shard", shard->dtype, e));
-    int64_t n = ml_numel(shard);
-    ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
-    ML_TRY(check_count(n, "shard", e));
+    int64_t n;
     int in_place, nccl;
-    ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
-    ML_TRY(route(c, dev, &nccl, e));
+    ML_TRY(check_shard_full(c, shard, full, 1, ML_DT_ANY, &n, &in_place, &nccl, e));
     coll_desc d = {0};
     ml_comm_req *r;
     if (c->h->planning)
@@ -1000,20 +1015,13 @@ static ml_status scatter_sum(ml_comm *c, const coll_desc *d, const ml_tensor *fu
 ml_status ml_comm_reduce_scatter(ml_comm *c, const ml_tensor *full, ml_tensor *shard,
                                  int accumulate, const char *what, ml_err *e)
 {
-    ml_device dev = ml_tensor_device(full);
-    ML_TRY(check_buffer(full, "full", dev, ML_DT_FLOAT, e));
-    ML_TRY(check_buffer(shard, "shard", dev, ML_DT_FLOAT, e));
-    ML_TRY(ml_check_same_dtype(shard, "shard", "full", full->dtype, e));
-    int64_t n = ml_numel(shard);
-    ML_TRY(check_parts(full, "full", n, c->world, "shard's numel", e));
-    ML_TRY(check_count(n, "shard", e));
+    int64_t n;
     int in_place, nccl;
-    ML_TRY(own_slice(shard, full, c->rank, &in_place, e));
-    ML_TRY(route(c, dev, &nccl, e));
+    ML_TRY(check_shard_full(c, shard, full, 0, ML_DT_FLOAT, &n, &in_place, &nccl, e));
     if (c->h->planning) {
         ml_tensor pieces = {0};
         int64_t dims[2] = {c->world, n};
-        ML_TRY(comm_scratch(c, &pieces, dev, full->dtype, 2, dims, e));
+        ML_TRY(comm_scratch(c, &pieces, ml_tensor_device(full), full->dtype, 2, dims, e));
         ml_tensor_drop(&pieces);
         return ML_OK;
     }
