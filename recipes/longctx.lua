@@ -70,6 +70,7 @@ local opts = options.parse(arg, {
    min = 0, max = 3},
   {"prefetch", 1, "ZeRO-3: units gathered ahead of use", min = 0},
   {"reduce-every", "micro", "ZeRO-2/3: reduce-scatter gradients every micro-batch or once per step (micro, step)"},
+  {"ep", 1, "expert parallelism: ranks that split each block's experts (divides the ranks and --experts)", min = 1},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
@@ -101,7 +102,10 @@ end
 -- tiny model: 156 hot alarms, 10 collapses), so they stay in
 -- metrics.jsonl and `moelua attach` (stats.alarms), off the console.
 local function on_alarm(state, alarm, model)
-  if alarm.kind == "dead" then
+  if alarm.kind == "dead" and opts.ep > 1 then   -- the two experts may live on different ranks
+    say(string.format("step %d: expert %d of layer %d had no tokens for %d steps (not restarted: --ep %d)",
+                      alarm.step, alarm.expert, alarm.layer, alarm.steps, opts.ep))
+  elseif alarm.kind == "dead" then
     model:reinit_expert(alarm.layer, alarm.expert, alarm.busiest, 1e-3)
     say(string.format("step %d: expert %d of layer %d had no tokens for %d steps: restarted from expert %d",
                         alarm.step, alarm.expert, alarm.layer, alarm.steps, alarm.busiest))
@@ -119,8 +123,11 @@ local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
 options.device(opts.device)
 dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
-local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every}
+local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep}
 zero.new(zero_opts)   -- its errors before anything is allocated
+if opts.experts % opts.ep ~= 0 then
+  errors.user(string.format("--ep %d: the expert-parallel size must divide --experts (%d)", opts.ep, opts.experts))
+end
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then

@@ -33,6 +33,28 @@
 -- averages the per-layer losses instead. The router z-loss (ST-MoE) is the
 -- mean over (layer, token) of logsumexp(raw logits)^2.
 --
+-- Ranks (units.zero, a moelua.zero of world > 1): capacity applies per
+-- expert to the count of all ranks' tokens, kept in global token order
+-- (rank-major), so which assignments drop does not depend on how experts
+-- are placed. With expert parallelism (zero.ep > 1) the layer holds only
+-- its rank's E/ep experts (gate_up [E/ep, 2F, D], down [E/ep, D, F]; the
+-- router's wg stays [E, D]) and a forward exchanges tokens over the
+-- expert-parallel group (DESIGN.md, Distribution):
+--   local router, counting sort over all E experts (the plan)
+--   all-to-all of per-expert counts, then of the kept assignments' x rows,
+--   routing weights and expert ids, in plan order (rows, never bytes)
+--   the local experts on the rows received (a k = 1 plan over E/ep experts:
+--   source rank ascending, then the sender's plan order), each row already
+--   scaled by its weight
+--   the reverse all-to-all, and the combine at the origin in plan order
+--   (experts ascending per token: the order of one process's combine)
+-- Backward sends dy rows the same way and brings back dx rows and dL/dw.
+-- Which exchanges run never depends on routing: a rank with nothing to send
+-- or receive takes part in every one. Receive buffers are sized by what
+-- arrives; inside a memory plan by their bound (every token of the group to
+-- this rank's experts, or the capacity of its experts when tokens drop),
+-- which layer.recv_rows reports.
+--
 -- Profile: when layer.profile is a table (a model's), forward and backward
 -- add their seconds to its router, dispatch and experts fields and the
 -- expert GEMMs' FLOPs to experts_flop (one bench.now() per phase).
@@ -42,12 +64,19 @@ local experts = require "moelua.experts"
 local pool = require "moelua.pool"
 local mem = require "moelua.mem"
 local unit = require "moelua.unit"
+local mem_planning = mem.planning
 local now = require("moelua.bench").now
 
 local moe = {}
 
 local Layer = {}
 Layer.__index = Layer
+
+local function ones(n)
+  local t = {}
+  for i = 1, n do t[i] = 1 end
+  return t
+end
 
 -- option = {type, default (nil: required)}
 local OPTIONS = {
@@ -128,9 +157,9 @@ end
 -- of grads, checked against the options), so a model can place them in its
 -- own flat units (DESIGN.md: the router in the block's dense unit, gate_up
 -- and down in its experts unit).
-local function check_views(views, what, o)
-  local want = {wg = {o.experts, o.dim}, gate_up = {o.experts, 2 * o.ffn, o.dim},
-                down = {o.experts, o.dim, o.ffn}}
+local function check_views(views, what, o, El)
+  local want = {wg = {o.experts, o.dim}, gate_up = {El, 2 * o.ffn, o.dim},
+                down = {El, o.dim, o.ffn}}
   for name, shape in pairs(want) do
     local t = views[name]
     if not tensor.is_tensor(t) then
@@ -149,6 +178,9 @@ end
 -- layer = moe.new(opts [, units]): units = {params = {wg =, gate_up =, down =},
 -- grads = {...}} are views the caller owns (and initialises); without
 -- units the layer allocates one flat buffer of each and draws the weights.
+-- units.zero (optional) is the model's moelua.zero: its ranks share
+-- capacity and, with ep > 1, the experts (gate_up and down then hold the
+-- rank's E/ep experts).
 -- units.pool (optional) is a stack pool the caller owns (a model's): the
 -- layer then never resets it; the caller marks and rewinds around forward
 -- and backward (LIFO), and outputs live until the caller rewinds.
@@ -156,9 +188,18 @@ function moe.new(opts, units)
   local o = check_options(opts)
   local E, D, F = o.experts, o.dim, o.ffn
   local self = setmetatable({opts = o}, Layer)
+  local z = units and units.zero
+  if z and z.world > 1 then self.zero = z end
+  if z and z.ep > 1 then
+    if E % z.ep ~= 0 then
+      error(string.format("moelua.moe.new: --ep %d must divide the number of experts (%d)", z.ep, E), 2)
+    end
+    self.ep = z
+  end
+  self.local_experts = E // (self.ep and self.ep.ep or 1)
   if units then
-    self.params = check_views(units.params or {}, "units.params", o)
-    self.grads = check_views(units.grads or {}, "units.grads", o)
+    self.params = check_views(units.params or {}, "units.params", o, self.local_experts)
+    self.grads = check_views(units.grads or {}, "units.grads", o, self.local_experts)
   else
     local layout = unit.new("moe", {{name = "wg", shape = {E, D}}, table.unpack(moe.expert_segments(E, D, F))})
     local n = layout:numel()
@@ -212,10 +253,15 @@ function Layer:forward(x, step)
   local idx, w, rs = router.forward(x, self.params.wg, self.router_opts)
   local t1 = pf and now(dev)
   local eo = self.expert_opts
-  eo.capacity = o.policy == "drop" and math.ceil(o.capacity_factor * T * o.topk / o.experts) or nil
+  self:_set_capacity(T, rs.counts)
   local plan = experts.dispatch(idx, o.experts, eo)
   local t2 = pf and now(dev)
-  local y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
+  local y, saved
+  if self.ep then
+    y, saved = self:_forward_ep(x, idx, w, plan)
+  else
+    y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
+  end
   if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per kept assignment
     local t3 = now(dev)
     pf.router, pf.dispatch, pf.experts = pf.router + (t1 - t0), pf.dispatch + (t2 - t1), pf.experts + (t3 - t2)
@@ -240,6 +286,113 @@ function Layer:forward(x, step)
   return y, stats
 end
 
+-- Capacity for this forward (policy "drop"): ceil(cf T k / E) per expert
+-- of one process; over ranks, ceil(cf T k world / E) per expert for all
+-- ranks' tokens together, of which rank r keeps what the ranks before it
+-- left (one all-gather of the counts C_e; inside a plan nothing is read).
+function Layer:_set_capacity(T, counts)
+  local o, eo, z = self.opts, self.expert_opts, self.zero
+  if o.policy ~= "drop" then return end
+  local world = z and z.world or 1
+  local cap = math.ceil(o.capacity_factor * T * o.topk * world / o.experts)
+  self.capacity = cap
+  if world == 1 then eo.capacity = cap; return end
+  eo.capacity = nil
+  local E = o.experts
+  local all = self.pool:tensor({world * E}, {dtype = "i64", device = counts:device()})
+  z:all_gather(counts, all, "expert counts of MoE layer " .. o.layer)
+  local caps = self.pool:tensor({E}, {dtype = "i64", device = counts:device()})
+  if not mem_planning() then
+    local n, left = all:totable(), {}
+    for e = 1, E do
+      local before = 0
+      for r = 0, z.rank - 1 do before = before + n[r * E + e] end
+      left[e] = math.max(0, cap - before)
+    end
+    caps:copy_(tensor.tensor(left, {dtype = "i64"}))
+  end
+  eo.capacities = caps
+end
+
+-- Rows this rank sends to each rank of its expert-parallel group (kept
+-- assignments of that rank's experts) and receives from each (the group's
+-- kept assignments of this rank's experts), from the plan's per-expert
+-- counts; inside a plan, all rows from one source up to the bound.
+function Layer:_exchange_rows(plan)
+  local z, o = self.ep, self.opts
+  local ep, El, dev = z.ep, self.local_experts, plan.counts:device()
+  local T, k = plan.T, plan.k
+  local worst = ep * T * math.min(k, El)
+  local bound = self.capacity and math.min(worst, El * self.capacity) or worst
+  self.recv_rows = {worst = worst, capacity = self.capacity and El * self.capacity or nil, bound = bound}
+  local counts = self.pool:tensor({ep, El}, {dtype = "i64", device = dev})
+  z:all_to_all(plan.counts:view({ep, El}), ones(ep), counts, ones(ep), "expert counts of MoE layer " .. o.layer)
+  local send, recv = {}, {}
+  if mem_planning() then
+    for d = 1, ep do send[d], recv[d] = 0, 0 end
+    return send, recv, T * k, bound
+  end
+  local mine, theirs = plan.counts:totable(), counts:totable()
+  local kept, got = 0, 0
+  for d = 1, ep do
+    send[d], recv[d] = 0, 0
+    for e = 1, El do
+      send[d] = send[d] + mine[(d - 1) * El + e]
+      recv[d] = recv[d] + theirs[(d - 1) * El + e]
+    end
+    kept, got = kept + send[d], got + recv[d]
+  end
+  return send, recv, kept, got
+end
+
+function Layer:_forward_ep(x, idx, w, plan)
+  local z, o, pool, eo = self.ep, self.opts, self.pool, self.expert_opts
+  local T, D, k, El = x:size(1), o.dim, o.topk, self.local_experts
+  local dt = {dtype = x:dtype(), device = x:device()}
+  local what = " of MoE layer " .. o.layer
+  local send, recv, kept, got = self:_exchange_rows(plan)
+  local y = pool:tensor({T, D}, dt):zero_()
+  local xr, wr = pool:tensor({got, D}, dt), pool:tensor({got, 1}, dt)
+  local ids = pool:tensor({got, 1}, {dtype = "i64", device = x:device()})
+  local m = pool:mark()
+  local po = {pool = pool}
+  z:all_to_all(experts.pack(x, plan, po), send, xr, recv, "tokens" .. what)
+  z:all_to_all(experts.pack(w:view({T * k, 1}), plan, po), send, wr, recv, "routing weights" .. what)
+  z:all_to_all(experts.pack(idx:view({T * k, 1}), plan, po), send, ids, recv, "expert ids" .. what)
+  pool:rewind(m)
+  ids:sub_(z.ep_rank * El)   -- the local experts' ids
+  local rplan = experts.dispatch(ids, El, {pool = pool})
+  local yr, saved = experts.forward(xr, self.params.gate_up, self.params.down, ids, wr, rplan, eo)
+  m = pool:mark()
+  local ys = pool:tensor({kept, D}, dt)
+  z:all_to_all(yr, recv, ys, send, "expert outputs" .. what)
+  experts.unpack(ys, plan, y)
+  pool:rewind(m)
+  self.ep_ctx = {send = send, recv = recv, kept = kept, got = got, xr = xr, wr = wr, ids = ids, rplan = rplan}
+  return y, saved
+end
+
+function Layer:_backward_ep(dy)
+  local z, c, e, pool = self.ep, self.ctx, self.ep_ctx, self.pool
+  local T, D, k = dy:size(1), self.opts.dim, self.opts.topk
+  local dt = {dtype = dy:dtype(), device = dy:device()}
+  local what = " of MoE layer " .. self.opts.layer
+  local dx, dw = pool:tensor({T, D}, dt):zero_(), pool:tensor({T, k}, dt):zero_()
+  local m = pool:mark()
+  local dyr = pool:tensor({e.got, D}, dt)
+  z:all_to_all(experts.pack(dy, c.plan, {pool = pool}), e.send, dyr, e.recv, "output gradients" .. what)
+  local p, g = self.params, self.grads
+  local dxr, _, _, dwr = experts.backward(dyr, e.xr, p.gate_up, p.down, e.ids, e.wr, e.rplan, c.saved,
+                                                   self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+  local dxs, dws = pool:tensor({e.kept, D}, dt), pool:tensor({e.kept, 1}, dt)
+  z:all_to_all(dxr, e.recv, dxs, e.send, "input gradients" .. what)
+  z:all_to_all(dwr, e.recv, dws, e.send, "routing weight gradients" .. what)
+  experts.unpack(dxs, c.plan, dx)
+  experts.unpack(dws, c.plan, dw:view({T * k, 1}))
+  pool:rewind(m)
+  return dx, dw
+end
+
 -- The aux and z coefficients of one layer as its own model (N = T), in
 -- the layer's pool: dL/dp'_te = aux_weight * E * C_e / N^2, dL/dzsum = z_weight / N.
 local function own_coefficients(self)
@@ -260,8 +413,14 @@ function Layer:backward(dy, coef)
   local pf = self.profile
   local dev = self.opts.device   -- timed when the device's queued work is done (bench.now)
   local t0 = pf and now(dev)
-  local dx, _, _, dw, touched = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,
-                                                 self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+  local dx, dw
+  if self.ep then
+    dx, dw = self:_backward_ep(dy)
+  else
+    local _
+    dx, _, _, dw = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,
+                                    self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+  end
   local t1 = pf and now(dev)
   local aux, z
   if coef then
@@ -275,7 +434,6 @@ function Layer:backward(dy, coef)
     pf.experts_flop = pf.experts_flop + 12 * self.opts.dim * self.opts.ffn *
                       (c.x:size(1) * self.opts.topk - c.plan.ndropped)
   end
-  self.touched = touched
   return dx
 end
 
@@ -324,7 +482,10 @@ end
 
 -- loss, coefs = moe.aux_loss(layers, aux_weight, z_weight [, scope]): the
 -- model's load-balancing and z losses from every layer's last forward, and
--- each layer's coefficients for backward (coefs[i] = {aux =, z =}).
+-- each layer's coefficients for backward (coefs[i] = {aux =, z =}). Over
+-- ranks each rank's micro-batch keeps its own aux and z losses (C_e and
+-- P_e of the tokens it routed, whichever rank runs the experts), as one
+-- process accumulating micro-batches does.
 function moe.aux_loss(layers, aux_weight, z_weight, scope)
   scope = scope or "model"
   local L = #layers

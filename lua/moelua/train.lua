@@ -157,7 +157,7 @@ end
 
 -- Every rank's seconds in each kind of collective during the step (this
 -- exchange's own wait counts in the next step's), rank 0 first.
-local COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "numbers"}
+local COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "numbers"}
 local function comm_seconds(z)
   return z:gather_numbers(z:take_waits(), COLLECTIVES, "collective seconds")
 end
@@ -333,8 +333,10 @@ local function sharded(self)
 end
 
 -- Which experts hold lazy-Adam states on any rank: {[unit] = {[e] = true}}
--- for the experts units of a sparse model (the others are nil). Every rank
--- takes part (one collective), whatever it holds.
+-- for the experts units of a sparse model (the others are nil), e the
+-- model's expert id (with expert parallelism a unit holds experts
+-- [first, first + E/ep)). Every rank takes part (one collective), whatever
+-- it holds.
 local function experts_with_states(self, sd)
   local z, out, flags = self.model.zero, {}, {}
   if not self.model.sparse then return out end
@@ -346,11 +348,12 @@ local function experts_with_states(self, sd)
   for i = 1, #units * E do flags[i] = 0 end
   local row = {}
   for i, u in ipairs(units) do row[u] = (i - 1) * E end
+  local first = self.model.first_expert
   for gi, at in ipairs(z.group_at) do
     local gs = sd.groups[gi]
     if row[at.unit] and type(gs.exp_avg) == "table" then
       for e, t in pairs(gs.exp_avg) do
-        if t then flags[row[at.unit] + (at.expert or e - 1) + 1] = 1 end
+        if t then flags[row[at.unit] + first + (at.expert or e - 1) + 1] = 1 end
       end
     end
   end
@@ -368,10 +371,10 @@ local function sharded_state(self)
   local sd = self.optimizer:state_dict()
   local active = experts_with_states(self, sd)
   local entries, stated, counted = {}, {}, {}
-  for _, p in ipairs(named) do
-    entries[#entries + 1] = {name = p.name, dtype = model.opts.dtype, shape = p.tensor:shape()}
+  for _, p in ipairs(model:parameter_entries()) do   -- every rank's: one header on all ranks
+    entries[#entries + 1] = {name = p.name, dtype = model.opts.dtype, shape = p.shape}
     local e, experts = expert_of(p.name), active[p.unit]
-    if not z:frozen(p) then
+    if not p.frozen then
       if not experts or experts[e] then stated[#stated + 1] = entries[#entries] end
       -- a sparse unit's step counts, once any of its experts has states (0: none yet)
       if experts and next(experts) then counted[#counted + 1] = {name = p.name, dtype = "i64", shape = {1}} end
@@ -845,6 +848,12 @@ function Trainer:step(step)
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z)
   if z.world > 1 then m.comm_seconds = comm_seconds(z) end
+  if z.ep > 1 then   -- bytes each rank sent to the others in expert parallelism's exchanges
+    m.all_to_all_bytes = {}
+    for r, v in ipairs(z:gather_numbers({bytes = z:take_sent()}, {"bytes"}, "all-to-all bytes")) do
+      m.all_to_all_bytes[r] = math.tointeger(v.bytes)
+    end
+  end
   return m
 end
 

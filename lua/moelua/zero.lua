@@ -3,7 +3,7 @@
 -- the unit lifecycle the model walks (DESIGN.md, Parameters: flat units;
 -- One training step; Distribution).
 --
---   local z = zero.new{stage = 3, prefetch = 1, reduce_every = "micro"}   -- rank, world: moelua.dist
+--   local z = zero.new{stage = 3, prefetch = 1, reduce_every = "micro", ep = 2}   -- rank, world: moelua.dist
 --   local model = nn.Transformer.new{..., zero = z}                        -- one process: zero.new{}
 --
 -- A unit of n elements is cut into world equal shards of s = ceil(n / world)
@@ -32,6 +32,15 @@
 -- gradients of stages 2-3 (reduction buckets) are charged to the ledger's
 -- `comm` while held.
 --
+-- Expert parallelism (ep > 1, DESIGN.md Distribution): the ranks form
+-- world / ep expert-parallel groups of ep consecutive ranks (z.ep_group;
+-- rank r is z.ep_rank = r % ep in its group and holds experts
+-- [ep_rank E/ep, (ep_rank + 1) E/ep) of every block) and ep
+-- expert-data-parallel groups of the world / ep ranks that hold the same
+-- experts (z.edp_group). Dense units shard over the world, experts units
+-- (of the E/ep local experts) over the expert-data-parallel group: each
+-- unit's collectives run on its own group (u.group, u.world, u.rank).
+--
 -- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
 -- one world size give bitwise equal parameters (with reduce_every "micro"
 -- and accumulation > 1, stages 2-3 sum micro-batches after ranks; "step"
@@ -49,9 +58,11 @@ local zero = {}
 local Zero = {}
 Zero.__index = Zero
 
-local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string"}
+local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string", ep = "integer"}
 
--- z = zero.new{stage = 0..3, prefetch = N >= 0, reduce_every = "micro"|"step"}:
+-- z = zero.new{stage = 0..3, prefetch = N >= 0, reduce_every = "micro"|"step",
+-- ep = expert-parallel size (divides the world; the model checks that it
+-- divides the experts)}:
 -- checked before anything is allocated; each error names the option as a
 -- recipe's command line spells it.
 function zero.new(o)
@@ -59,12 +70,12 @@ function zero.new(o)
   if type(o) ~= "table" then errors.user("moelua.zero.new: options must be a table, got " .. type(o)) end
   for k, v in pairs(o) do
     if not OPTIONS[k] then
-      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every)", tostring(k)))
+      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every, ep)", tostring(k)))
     end
     local ok = OPTIONS[k] == "integer" and math.type(v) == "integer" or type(v) == OPTIONS[k]
     if not ok then errors.user(string.format("moelua.zero.new: option '%s' must be %s, got %s", k, OPTIONS[k], type(v))) end
   end
-  local stage, prefetch, every = o.stage or 0, o.prefetch or 1, o.reduce_every or "micro"
+  local stage, prefetch, every, ep = o.stage or 0, o.prefetch or 1, o.reduce_every or "micro", o.ep or 1
   if stage < 0 or stage > 3 then errors.user(string.format("--zero %d: the ZeRO stage must be 0, 1, 2 or 3", stage)) end
   if prefetch < 0 then errors.user(string.format("--prefetch %d: must be >= 0 (units gathered ahead)", prefetch)) end
   if every ~= "micro" and every ~= "step" then
@@ -73,13 +84,32 @@ function zero.new(o)
   if dist.launched() and not dist.initialized() then
     errors.user("moelua.zero.new: launched by mpiexec: call moelua.dist.init first (the ranks are not known yet)")
   end
-  return setmetatable({
+  local rank, world = dist.rank(), dist.world()
+  if ep < 1 or world % ep ~= 0 then
+    errors.user(string.format("--ep %d: the expert-parallel size must divide the number of ranks (%d)", ep, world))
+  end
+  local z = setmetatable({
     stage = stage, prefetch = prefetch, reduce_every = every, dist = dist,
-    rank = dist.rank(), world = dist.world(),
+    rank = rank, world = world, ep = ep, ep_rank = rank % ep,
     -- stages 2-3 reduce each unit right after its backward ("micro")
     per_unit = stage >= 2 and every == "micro",
-    units = {}, order = {}, pos = {}, pending = {}, waits = {},
+    units = {}, order = {}, pos = {}, pending = {}, waits = {}, sent = 0,
   }, Zero)
+  if world > 1 then z.world_group = dist.world_group() end
+  if ep > 1 then   -- every rank splits, in the same order
+    z.ep_group = dist.split(rank // ep, rank, "expert-parallel")
+    z.edp_group = dist.split(rank % ep, rank, "expert-data-parallel")
+  end
+  return z
+end
+
+-- The group an experts unit or a dense unit is sharded over, with this
+-- rank's place in it (group nil: one rank).
+function Zero:_group_of(kind)
+  if kind == "experts" and self.ep > 1 then
+    return self.edp_group, self.rank // self.ep, self.world // self.ep
+  end
+  return self.world_group, self.rank, self.world
 end
 
 -- A unit's shard of a flat buffer: elements [offset, offset + shard).
@@ -96,8 +126,10 @@ end
 -- params and grads are the whole buffers (padded) that module views point
 -- into; at stage 3, params holds memory only between acquire and release.
 function Zero:unit(name, kind, layout, o)
-  local n, part = layout:numel(), layout:partition(self.rank, self.world)
-  local u = {name = name, kind = kind, layout = layout, numel = n, part = part}
+  local group, rank, world = self:_group_of(kind)
+  local n, part = layout:numel(), layout:partition(rank, world)
+  local u = {name = name, kind = kind, layout = layout, numel = n, part = part,
+             group = group, rank = rank, world = world}
   local dt = {dtype = o.dtype, device = o.device}
   local function zeros(cat, count) return mem.scope(cat, tensor.zeros, {count}, dt) end
   if self.stage < 3 then
@@ -141,12 +173,12 @@ function Zero:_gather(u, blocking)
   if not u.params:storage_released() or self.pending[u] then return end
   u.params:acquire_storage()
   local what = "unit " .. u.name
-  if self.world == 1 then
+  if u.world == 1 then
     u.params:copy_(u.shard_params)
   elseif blocking then
-    self:_timed("all_gather", self.dist.all_gather, u.shard_params, u.params, what)
+    self:_timed("all_gather", u.group.all_gather, u.group, u.shard_params, u.params, what)
   else
-    self.pending[u] = self.dist.iall_gather(u.shard_params, u.params, what)
+    self.pending[u] = u.group:iall_gather(u.shard_params, u.params, what)
   end
 end
 
@@ -186,10 +218,10 @@ end
 
 function Zero:after_backward(u)
   if self.per_unit then
-    if self.world == 1 then
+    if u.world == 1 then
       u.shard_grads:add_(u.grads)
     else
-      self:_timed("reduce_scatter", self.dist.reduce_scatter, u.grads, u.shard_grads,
+      self:_timed("reduce_scatter", u.group.reduce_scatter, u.group, u.grads, u.shard_grads,
                   "gradient of unit " .. u.name, true)
     end
     u.grads:release_storage(released(u, "whole gradient"))
@@ -237,6 +269,32 @@ function Zero:all_reduce_numbers(v, op, what)
   return self:_timed("numbers", self.dist.all_reduce_numbers, v, op, what)
 end
 
+local ELEMENT_BYTES = {f32 = 4, f64 = 8, bf16 = 2, f16 = 2, i32 = 4, i64 = 8, u8 = 1}
+
+-- Expert parallelism's exchange: rows of send to the ranks of this rank's
+-- expert-parallel group (send_rows / recv_rows: one count per rank of the
+-- group), timed under "all_to_all"; z.sent counts the bytes that left
+-- this rank (rows to itself excluded) since take_sent().
+function Zero:all_to_all(send, send_rows, recv, recv_rows, what)
+  local row = send:size(1) > 0 and send:numel() // send:size(1) or 0
+  for d, n in ipairs(send_rows) do
+    if d ~= self.ep_rank + 1 then self.sent = self.sent + n * row * ELEMENT_BYTES[send:dtype()] end
+  end
+  return self:_timed("all_to_all", self.ep_group.all_to_all_v, self.ep_group, send, send_rows, recv,
+                     recv_rows, what)
+end
+
+-- shard gathered from every rank of the world into full (rank order).
+function Zero:all_gather(shard, full, what)
+  return self:_timed("all_gather", self.world_group.all_gather, self.world_group, shard, full, what)
+end
+
+function Zero:take_sent()
+  local n = self.sent
+  self.sent = 0
+  return n
+end
+
 -- Every rank's values[k] for k in keys (0 where absent), as {[rank + 1] =
 -- {[k] = value}}: one sum over ranks of vectors in which each rank fills
 -- only its own slots.
@@ -257,18 +315,20 @@ end
 
 -- ---- the step ---------------------------------------------------------------
 
--- After the last micro-batch: every gradient summed over ranks (whole at
--- stage 0, into the shard at 1-3) and scaled by `scale` (1 / the number of
--- micro-batches of all ranks).
+-- After the last micro-batch: every gradient summed over its unit's ranks
+-- (whole at stage 0, into the shard at 1-3) and scaled by `scale` (1 / the
+-- number of micro-batches of all ranks). An expert's gradient already holds
+-- the tokens of its expert-parallel group, so summing it over the
+-- expert-data-parallel group covers every rank's tokens once.
 function Zero:reduce_grads(scale)
   for _, u in ipairs(self.units) do
     local what = "gradient of unit " .. u.name
     local g = u.grads
     if self.stage == 0 then
-      if self.world > 1 then self:_timed("all_reduce", self.dist.all_reduce, g, what) end
+      if u.world > 1 then self:_timed("all_reduce", u.group.all_reduce, u.group, g, what) end
     else
-      if not self.per_unit and self.world > 1 then   -- (per unit: after each unit's backward)
-        self:_timed("reduce_scatter", self.dist.reduce_scatter, g, u.shard_grads, what)
+      if not self.per_unit and u.world > 1 then   -- (per unit: after each unit's backward)
+        self:_timed("reduce_scatter", u.group.reduce_scatter, u.group, g, u.shard_grads, what)
       end
       g = u.shard_grads
     end
@@ -363,7 +423,7 @@ function Zero:clip_grad_norm(groups, max_norm)
     if not g.frozen then
       local at = self.group_at[i]
       local u, lo, hi = at.unit, at.offset, at.offset + g.grads:numel()
-      if self.stage == 0 and self.world > 1 then   -- whole gradients: count the shard's part only
+      if self.stage == 0 and u.world > 1 then   -- whole gradients: count the shard's part only
         lo, hi = math.max(lo, u.part.offset), math.min(hi, u.part.offset + u.part.shard)
         if hi > lo then mine[#mine + 1] = g.grads:view_at(lo - at.offset, {hi - lo}) end
       else
@@ -391,11 +451,13 @@ end
 -- Every rank's whole parameters from each rank's shard (stages 0-2; a
 -- sharded checkpoint load reads only the shards).
 function Zero:gather_params()
-  if self.stage == 3 or self.world == 1 then return end
+  if self.stage == 3 then return end
   for _, u in ipairs(self.units) do
-    local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
-    self:_timed("all_gather", self.dist.all_gather, mine, u.params, "parameters of unit " .. u.name)
-    mine:free()
+    if u.world > 1 then
+      local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
+      self:_timed("all_gather", u.group.all_gather, u.group, mine, u.params, "parameters of unit " .. u.name)
+      mine:free()
+    end
   end
 end
 
@@ -454,9 +516,11 @@ function Zero:state_slot(pc)
 end
 
 -- Is the named parameter p in a frozen group (param_groups' attributes)?
+-- (p.segment names the segment of another rank's expert.)
 function Zero:frozen(p)
   local u = p.unit
-  return u.groups[u.layout:pieces(start_of(p), 1)[1].segment].frozen or false
+  if not u.groups then return false end   -- before param_groups: nothing is frozen
+  return u.groups[p.segment or u.layout:pieces(start_of(p), 1)[1].segment].frozen or false
 end
 
 return zero

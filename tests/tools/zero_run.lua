@@ -4,6 +4,11 @@
 --   --prefetch P --reduce-every micro|step --sparse --timeout S
 --   --run-dir D --ckpt-every K --resume CKPT --bias-rate R --experts E --topk K
 --   --dead-expert e (expert e never routed to: its router bias is -1e30)
+--   --ep P (expert-parallel size) --adversarial (rank 0 routes every token
+--   to expert 0, rank 1 to the last expert: router biases +1e30)
+--   --stop-rank R --stop-at TEXT (rank R stops itself, SIGSTOP, at the first
+--   all-to-all whose label contains TEXT, after writing the wall clock to
+--   DIR/stopped_at)
 -- Writes DIR/rank<R>.txt: the losses of every step ("loss <step> %.17g"),
 -- the ledger's bytes per category after the run and at its peak
 -- ("cur <cat> <bytes>", "peak <cat> <bytes>"), the planned and measured
@@ -28,18 +33,32 @@ local o = options.parse(arg, {
   {"corpus", ""}, {"out", ""}, {"stage", 0}, {"accum", 1}, {"steps", 5}, {"optim", "adamw"},
   {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
   {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""}, {"bias-rate", 0.0},
-  {"experts", 4}, {"topk", 2}, {"dead-expert", -1},
+  {"experts", 4}, {"topk", 2}, {"dead-expert", -1}, {"ep", 1}, {"adversarial", false},
+  {"stop-rank", -1}, {"stop-at", ""},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
 local function build()
   local model = nn.Transformer.new{
     vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = o.experts, topk = o.topk,
-    seed = 3, checkpoint = "moe", moe = {bias_rate = o.dead_expert >= 0 and 1e-3 or o.bias_rate},
-    zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every},
+    seed = 3, checkpoint = "moe",
+    moe = {bias_rate = (o.dead_expert >= 0 or o.adversarial) and 1e-3 or o.bias_rate},
+    zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every, ep = o.ep},
   }
-  if o.dead_expert >= 0 then
-    for _, layer in ipairs(model:moe_layers()) do layer.bias:narrow(1, o.dead_expert + 1, 1):fill_(-1e30) end
+  local rank = dist.rank()
+  for _, layer in ipairs(model:moe_layers()) do
+    if o.dead_expert >= 0 then layer.bias:narrow(1, o.dead_expert + 1, 1):fill_(-1e30) end
+    if o.adversarial and rank <= 1 then layer.bias:narrow(1, rank == 0 and 1 or o.experts, 1):fill_(1e30) end
+  end
+  if rank == o.stop_rank then
+    local z, exchange = model.zero, model.zero.all_to_all
+    function z.all_to_all(self, send, sr, recv, rr, what)
+      if what:find(o.stop_at, 1, true) then
+        os.execute("date +%s.%N > " .. o.out .. "/stopped_at")
+        os.execute("kill -STOP " .. io.open("/proc/self/stat"):read("n"))
+      end
+      return exchange(self, send, sr, recv, rr, what)
+    end
   end
   local groups = model:param_groups{weight_decay = 0.1, sparse = o.sparse}
   local opt = o.optim == "sgd" and optim.SGD(groups, {lr = o.lr, momentum = 0.9})
@@ -70,7 +89,9 @@ local whole = {}
 for _, u in ipairs(model.units) do
   lines[#lines + 1] = string.format("unit %s %d %d", u.name, u.numel, u.part.shard)
   local t = tensor.zeros({u.part.padded})
-  if u.shard_params then dist.all_gather(u.shard_params, t, "test " .. u.name) else t:copy_(u.params) end
+  if not u.shard_params then t:copy_(u.params)
+  elseif u.world == 1 then t:copy_(u.shard_params)
+  else u.group:all_gather(u.shard_params, t, "test " .. u.name) end
   whole[u.name] = t:view_at(0, {u.numel})
 end
 for i, layer in ipairs(model:moe_layers()) do

@@ -49,6 +49,7 @@ local MoEBlock = require "moelua.nn.moe_block"
 local LMHead = require "moelua.nn.lm_head"
 local unit = require "moelua.unit"
 local zero = require "moelua.zero"
+local errors = require "moelua.errors"
 
 local Transformer = {}
 Transformer.__index = Transformer
@@ -159,7 +160,7 @@ local LABELS = {q = "attention", k = "attention", v = "attention", o = "attentio
                 gate_up = "experts.gate_up", down = "experts.down", embed = "embed",
                 lm_head = "lm_head", norm = "norm"}
 
-local function layouts(o, i)
+local function layouts(o, i, El)
   local D, H, KV, hd = o.dim, o.heads, o.kv_heads, o.head_dim
   local p = "layers." .. i .. "."
   return unit.new(p .. "dense", {
@@ -167,7 +168,7 @@ local function layouts(o, i)
     {name = "v", shape = {KV * hd, D}}, {name = "o", shape = {D, H * hd}},
     {name = "input_layernorm", shape = {D}}, {name = "post_attention_layernorm", shape = {D}},
     {name = "wg", shape = {o.experts, D}},
-  }), unit.new(p .. "experts", moe.expert_segments(o.experts, D, o.ffn))
+  }), unit.new(p .. "experts", moe.expert_segments(El, D, o.ffn))
 end
 
 function Transformer.new(opts)
@@ -175,26 +176,36 @@ function Transformer.new(opts)
   local self = setmetatable({opts = o}, Transformer)
   local D, V, dt = o.dim, o.vocab, o.dtype
   self.zero = o.zero or zero.new{}
+  local ep = self.zero.ep
+  if o.experts % ep ~= 0 then
+    errors.user(string.format("--ep %d: the expert-parallel size must divide the number of experts (%d)",
+                              ep, o.experts))
+  end
+  -- this rank's experts: [first, first + El) of every block (all of them without expert parallelism)
+  self.local_experts, self.first_expert = o.experts // ep, self.zero.ep_rank * (o.experts // ep)
   local draw_offset = 0
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at
   -- the next offset of its stream (the same weights at any sharding and on
   -- any device: drawn on the cpu, then copied), its norms set to 1
-  local function new_unit(name, kind, layout)
+  -- An experts unit of expert parallelism holds El of the E experts: it
+  -- draws from where its first expert starts in the whole unit's stream.
+  local function new_unit(name, kind, layout, whole)
     local n = layout:numel()
+    local skip = whole and (whole * self.first_expert // o.experts) or 0
     local function init(params)
-      local draw = {std = o.init_std, seed = o.seed, offset = draw_offset}
-      if o.device == "cpu" then
+      local draw, lead = {std = o.init_std, seed = o.seed, offset = draw_offset + skip // 4}, skip % 4
+      if o.device == "cpu" and lead == 0 then
         params:normal_(draw)
-      else   -- normals differ by an ulp across devices
-        local drawn <close> = tensor.empty({n}, {dtype = dt})
-        params:copy_(drawn:normal_(draw))
+      else   -- from the counter holding element `skip`; on the cpu (normals differ by an ulp across devices)
+        local drawn <close> = tensor.empty({lead + n}, {dtype = dt})
+        params:copy_(drawn:normal_(draw):narrow(1, lead + 1, n))
       end
       for _, seg in ipairs(layout:segments()) do
         if LABELS[seg.name] == "norms" or seg.name == "norm" then params:view_at(seg.offset, {seg.numel}):fill_(1) end
       end
     end
     local u = self.zero:unit(name, kind, layout, {dtype = dt, device = o.device, init = init})
-    draw_offset = draw_offset + (n + 3) // 4
+    draw_offset = draw_offset + ((whole or n) + 3) // 4
     return u
   end
   self.units = self.zero.units
@@ -208,9 +219,9 @@ function Transformer.new(opts)
   -- blocks
   self.blocks = {}
   for i = 1, o.layers do
-    local ldense, lexperts = layouts(o, i - 1)
+    local ldense, lexperts = layouts(o, i - 1, self.local_experts)
     local ud = new_unit("layers." .. (i - 1) .. ".dense", "dense", ldense)
-    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts)
+    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts, lexperts:numel() * ep)
     local p, g = ldense:views(ud.params), ldense:views(ud.grads)
     local xp, xg = lexperts:views(ux.params), lexperts:views(ux.grads)
     local mo = {}
@@ -229,7 +240,7 @@ function Transformer.new(opts)
                            grads = {q = g.q, k = g.k, v = g.v, o = g.o}},
       moe = MoEBlock.new(mo, {params = {wg = p.wg, gate_up = xp.gate_up, down = xp.down},
                               grads = {wg = g.wg, gate_up = xg.gate_up, down = xg.down},
-                              pool = self.pool}),
+                              pool = self.pool, zero = self.zero}),
     }
     self.blocks[i].moe.layer.profile = self.profile
   end
@@ -487,6 +498,9 @@ function Transformer:reinit_expert(layer, dead, from, std)
     error(string.format("moelua.nn.Transformer:reinit_expert: no layer %s (the model has %d)", tostring(layer),
                         #self.blocks), 2)
   end
+  if self.zero.ep > 1 then   -- the two experts may live on different ranks
+    error("moelua.nn.Transformer:reinit_expert: not with expert parallelism (--ep > 1)", 2)
+  end
   local z = self.zero
   z:edit(b.dense, function() z:edit(b.experts, function() b.moe.layer:reinit_expert(dead, from, std) end) end)
 end
@@ -595,8 +609,8 @@ function Transformer:active_masks(groups)
   for gi, g in ipairs(groups) do
     local i = g.experts and tonumber(g.name:match("^layers%.(%d+)%.experts"))
     if i then
-      local e = z.group_at[gi] and z.group_at[gi].expert
-      masks[gi] = e and layer[i + 1]:narrow(1, e + 1, 1) or layer[i + 1]
+      local e, first = z.group_at[gi] and z.group_at[gi].expert, self.first_expert
+      masks[gi] = e and layer[i + 1]:narrow(1, first + e + 1, 1) or layer[i + 1]:narrow(1, first + 1, self.local_experts)
     end
   end
   return masks
@@ -604,11 +618,15 @@ end
 
 -- The model's tensors under Hugging Face Mixtral names, from the params
 -- (which = "params") or the gradients ("grads") of the flat units.
-local function named(self, which)
+-- With expert parallelism the experts of other ranks are listed only when
+-- `all` is given, as {name, shape, remote = true, unit, segment} without a
+-- tensor (unit: this rank's experts unit of the same layer).
+local function named(self, which, all)
   local out = {}
   local u
   local function add(n, t) out[#out + 1] = {name = n, tensor = t, unit = u} end
-  local F, grads = self.opts.ffn, which == "grads"
+  local F, D, grads = self.opts.ffn, self.opts.dim, which == "grads"
+  local first, El = self.first_expert, self.local_experts
   u = self.units[1]
   add("model.embed_tokens.weight", grads and self.embed.grad or self.embed.weight)
   for i, b in ipairs(self.blocks) do
@@ -620,12 +638,20 @@ local function named(self, which)
     add(pre .. "post_attention_layernorm.weight", p.post_attention_layernorm)
     add(pre .. "block_sparse_moe.gate.weight", p.wg)
     u = b.experts
-    for e = 1, self.opts.experts do
-      local ep = pre .. "block_sparse_moe.experts." .. (e - 1) .. "."
-      local gu = xp.gate_up:select(1, e)
-      add(ep .. "w1.weight", gu:narrow(1, 1, F))
-      add(ep .. "w2.weight", xp.down:select(1, e))
-      add(ep .. "w3.weight", gu:narrow(1, F + 1, F))
+    for e = 0, self.opts.experts - 1 do
+      local ep = pre .. "block_sparse_moe.experts." .. e .. "."
+      local l = e - first + 1   -- the expert's place in this rank's unit
+      if l >= 1 and l <= El then
+        local gu = xp.gate_up:select(1, l)
+        add(ep .. "w1.weight", gu:narrow(1, 1, F))
+        add(ep .. "w2.weight", xp.down:select(1, l))
+        add(ep .. "w3.weight", gu:narrow(1, F + 1, F))
+      elseif all then
+        for _, w in ipairs{{"w1", {F, D}}, {"w2", {D, F}}, {"w3", {F, D}}} do
+          out[#out + 1] = {name = ep .. w[1] .. ".weight", shape = w[2], remote = true, unit = u,
+                           segment = w[1] == "w2" and "down" or "gate_up"}
+        end
+      end
     end
   end
   local f = grads and self.final_grads or self.final_params
@@ -635,8 +661,21 @@ local function named(self, which)
   return out
 end
 
--- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}.
+-- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}
+-- of the parameters this rank holds (with expert parallelism: its experts).
 function Transformer:named_parameters() return named(self, "params") end
+
+-- model:parameter_entries(): every parameter of the whole model in the
+-- same order as {name, shape, unit, frozen} (a checkpoint's header, the
+-- same on every rank; another rank's expert names this rank's experts unit
+-- of its layer).
+function Transformer:parameter_entries()
+  local out = {}
+  for i, p in ipairs(named(self, "params", true)) do
+    out[i] = {name = p.name, shape = p.shape or p.tensor:shape(), unit = p.unit, frozen = self.zero:frozen(p)}
+  end
+  return out
+end
 
 -- model:named_gradients(): the same names, with views of the gradients.
 function Transformer:named_gradients() return named(self, "grads") end
@@ -699,11 +738,11 @@ function Transformer:check_named(tensors, opts, caller)
     end
   end
   local params, want = self:named_parameters(), {}
-  for _, p in ipairs(params) do
+  for _, p in ipairs(named(self, "params", true)) do
     want[p.name] = true
-    local t = tensors[p.name]
+    local t, exp = tensors[p.name], p.shape or p.tensor:shape()
     if t == nil then
-      bad("missing tensor '%s' (shape %s)", p.name, shape_str(p.tensor:shape()))
+      bad("missing tensor '%s' (shape %s)", p.name, shape_str(exp))
     elseif not (tensor.is_tensor(t) or ckpt.is_source(t)) then
       bad("'%s' is a %s, not a tensor", p.name, type(t))
     else
@@ -711,7 +750,7 @@ function Transformer:check_named(tensors, opts, caller)
       if not LOAD_DTYPES[dt] then
         bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
       end
-      local got, exp = t:shape(), p.tensor:shape()
+      local got = t:shape()
       if shape_str(got) ~= shape_str(exp) then
         bad("'%s' has shape %s, the model expects %s", p.name, shape_str(got), shape_str(exp))
       end
