@@ -1,6 +1,7 @@
 /*
  * kernels/dispatch.cu - the stable counting sort of kernels/dispatch.h on
- * CUDA; results are bitwise the CPU's (integers only).
+ * CUDA, and pack / unpack of a plan's rows; results are bitwise the CPU's
+ * (integers; unpack adds in the CPU's order, built with --fmad=false).
  *
  * The n assignments are cut into B tiles of `tile` consecutive ids, one
  * warp (one CUDA block) per tile, so the sort spreads over the GPU instead
@@ -29,6 +30,12 @@
  * stream too, keep their result slots in the caller's scratch,
  * synchronise that stream, and return ML_DISPATCH_EDEVICE when the device
  * reported an error.
+ *
+ * Pack: one thread per element, moved as an unsigned integer of the
+ * element's size. Unpack: the inverse map pos[a] = p of the kept
+ * positions (the caller's scratch), each output
+ * row's div positions sorted ascending by one thread, then one thread per
+ * output element adds its rows in that order: the CPU's sum, no atomics.
  */
 #include "cuda_common.cuh"
 
@@ -45,11 +52,13 @@ __global__ void histogram_kernel(unsigned long long *hist, const int64_t *idx, i
 
 /* One thread per expert e, tiles in order: rank[b, e] (the tile's count on
  * entry) becomes the number of e-assignments in tiles before b; counts[e]
- * the kept total; drops[b] gains the tile's e-assignments past cap. */
+ * the kept total; drops[b] gains the tile's e-assignments past the
+ * expert's capacity (caps[e], or cap when caps is NULL). */
 __global__ void expert_scan_kernel(int64_t *counts, int64_t *rank, unsigned long long *drops,
-                                   int64_t B, int64_t E, int64_t cap)
+                                   int64_t B, int64_t E, int64_t cap0, const int64_t *caps)
 {
     ML_CUDA_FOR(e, E) {
+        int64_t cap = caps ? caps[e] : cap0;
         int64_t run = 0;
         for (int64_t b = 0; b < B; b++) {
             int64_t c = rank[b * E + e];
@@ -126,8 +135,8 @@ __global__ void scatter_kernel(int64_t *order, uint8_t *dropped, int64_t *rank,
 
 /* The four kernels on st; rank is [B, E] then drops [B], zeroed here. */
 static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t *dropped,
-                      const int64_t *idx, int64_t n, int64_t E, int64_t cap, int64_t tile,
-                      int64_t B, int64_t *rank, cudaStream_t st)
+                      const int64_t *idx, int64_t n, int64_t E, int64_t cap, const int64_t *caps,
+                      int64_t tile, int64_t B, int64_t *rank, cudaStream_t st)
 {
     /* n = 0: no tiles, and the scratch (0 bytes) may be NULL */
     int64_t *drops = B > 0 ? rank + B * E : NULL;
@@ -143,7 +152,7 @@ static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t
     }
     if (E > 0) {
         expert_scan_kernel<<<ml_cuda_blocks(E, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            counts, rank, (unsigned long long *)drops, B, E, cap);
+            counts, rank, (unsigned long long *)drops, B, E, cap, caps);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
     }
@@ -160,15 +169,16 @@ static ml_status sort(int64_t *offsets, int64_t *order, int64_t *counts, uint8_t
 
 extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t *counts,
                                       uint8_t *dropped, int64_t *ndropped, const int64_t *idx,
-                                      int64_t n, int64_t E, int64_t cap, void *scratch,
-                                      const ml_kctx *ctx)
+                                      int64_t n, int64_t E, int64_t cap, const int64_t *caps,
+                                      void *scratch, const ml_kctx *ctx)
 {
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
     int64_t tile = ml_dispatch_cuda_tile(n, E);
     int64_t B = (n + tile - 1) / tile;
-    ml_status s = sort(offsets, order, counts, dropped, idx, n, E, cap, tile, B, (int64_t *)scratch, st);
+    ml_status s = sort(offsets, order, counts, dropped, idx, n, E, cap, caps, tile, B,
+                       (int64_t *)scratch, st);
     if (s != ML_OK)
         return s;
     int64_t kept = 0;
@@ -179,6 +189,124 @@ extern "C" ml_status ml_dispatch_cuda(int64_t *offsets, int64_t *order, int64_t 
         return s;
     *ndropped = n - kept;
     return ML_OK;
+}
+
+/* ---- pack and unpack ------------------------------------------------------ */
+
+template <typename U>
+__global__ void pack_kernel(U *out, const U *in, const int64_t *order, int64_t n, int64_t cols,
+                            int64_t div)
+{
+    ML_CUDA_FOR(i, n * cols) {
+        int64_t p = i / cols, c = i % cols;
+        out[i] = in[(order[p] / div) * cols + c];
+    }
+}
+
+template <typename U>
+static ml_status pack(void *out, const void *in, const int64_t *order, int64_t n, int64_t cols,
+                      int64_t div, cudaStream_t st)
+{
+    pack_kernel<U><<<ml_cuda_blocks(n * cols, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+        (U *)out, (const U *)in, order, n, cols, div);
+    return ml_cuda_launched();
+}
+
+extern "C" ml_status ml_dispatch_pack_cuda(ml_dtype dt, void *out, const void *in,
+                                           const int64_t *order, int64_t n, int64_t cols,
+                                           int64_t div, const ml_kctx *ctx)
+{
+    if (ml_kctx_interrupted(ctx))
+        return ML_EINTERRUPTED;
+    if (n == 0 || cols == 0)
+        return ML_OK;
+    cudaStream_t st = ml_cuda_stream(ctx);
+    switch (ml_dtype_size(dt)) {
+    case 1: return pack<uint8_t>(out, in, order, n, cols, div, st);
+    case 2: return pack<uint16_t>(out, in, order, n, cols, div, st);
+    case 4: return pack<uint32_t>(out, in, order, n, cols, div, st);
+    case 8: return pack<uint64_t>(out, in, order, n, cols, div, st);
+    default: return ML_EUNSUPPORTED;
+    }
+}
+
+__global__ void inverse_kernel(int64_t *pos, const int64_t *order, int64_t n)
+{
+    ML_CUDA_FOR(p, n)
+        pos[order[p]] = p;
+}
+
+/* One thread per output row: its div positions ascending (insertion sort;
+ * div is k, a handful). */
+__global__ void sort_rows_kernel(int64_t *pos, int64_t rows, int64_t div)
+{
+    ML_CUDA_FOR(r, rows) {
+        int64_t *q = pos + r * div;
+        for (int64_t i = 1; i < div; i++) {
+            int64_t v = q[i], j = i;
+            for (; j > 0 && q[j - 1] > v; j--)
+                q[j] = q[j - 1];
+            q[j] = v;
+        }
+    }
+}
+
+/* out[r, c] += in[p, c] over row r's positions, ascending. */
+template <typename F>
+__global__ void unpack_kernel(F *out, const F *in, const int64_t *pos, int64_t n, int64_t cols,
+                              int64_t div, int64_t rows)
+{
+    ML_CUDA_FOR(i, rows * cols) {
+        int64_t r = i / cols, c = i % cols;
+        F v = out[i];
+        for (int64_t j = 0; j < div; j++) {
+            int64_t p = pos[r * div + j];
+            if (p >= n)
+                break;
+            v += in[p * cols + c];
+        }
+        out[i] = v;
+    }
+}
+
+template <typename F>
+static ml_status unpack(void *out, const void *in, const int64_t *order, int64_t n, int64_t cols,
+                        int64_t div, int64_t rows, int64_t *pos, cudaStream_t st)
+{
+    /* 0x7f bytes: an assignment not kept gets a position above every p < n,
+     * so it sorts last and ends its row's walk */
+    ml_status s = ml_cuda_status(cudaMemsetAsync(pos, 0x7f, (size_t)(rows * div) * sizeof *pos, st));
+    if (s != ML_OK)
+        return s;
+    inverse_kernel<<<ml_cuda_blocks(n, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(pos, order, n);
+    if ((s = ml_cuda_launched()) != ML_OK)
+        return s;
+    if (div > 1) {
+        sort_rows_kernel<<<ml_cuda_blocks(rows, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            pos, rows, div);
+        if ((s = ml_cuda_launched()) != ML_OK)
+            return s;
+    }
+    unpack_kernel<F><<<ml_cuda_blocks(rows * cols, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+        (F *)out, (const F *)in, pos, n, cols, div, rows);
+    return ml_cuda_launched();
+}
+
+extern "C" ml_status ml_dispatch_unpack_cuda(ml_dtype dt, void *out, const void *in,
+                                             const int64_t *order, int64_t n, int64_t cols,
+                                             int64_t div, int64_t rows_out, void *scratch,
+                                             const ml_kctx *ctx)
+{
+    if (dt != ML_F32 && dt != ML_F64)
+        return ML_EUNSUPPORTED;
+    if (ml_kctx_interrupted(ctx))
+        return ML_EINTERRUPTED;
+    if (n == 0 || cols == 0)
+        return ML_OK;
+    cudaStream_t st = ml_cuda_stream(ctx);
+    int64_t *pos = (int64_t *)scratch;
+    return dt == ML_F32 ? unpack<float>(out, in, order, n, cols, div, rows_out, pos, st)
+                        : unpack<double>(out, in, order, n, cols, div, rows_out, pos, st);
 }
 
 /* ---- validation ------------------------------------------------------------ */

@@ -7,7 +7,8 @@
  *   experts.dispatch(idx, E, opts) -> plan
  *       idx [T, k] int64 expert ids (0-based). plan = {offsets = [E+1] i64,
  *       order = [T·k] i64, counts = [E] i64 kept per expert, dropped = [T, k]
- *       u8, ndropped = n, E =, T =, k =, capacity = (-1: dropless)}
+ *       u8, ndropped = n, E =, T =, k =, capacity = (-1: dropless, or
+ *       per-expert capacities given)}
  *   experts.forward(x, gate_up, down, idx, w, plan, opts) -> y, saved
  *       x [T, D], gate_up [E, 2F, D], down [E, D, F], w [T, k] (one float
  *       dtype: f32 or f64); y [T, D]; saved = {tile =, nsaved = S, h = [S, 2F]
@@ -17,6 +18,16 @@
  *       dx, dgate_up, ddown accumulate (+=) into grads.dx / grads.dgate_up /
  *       grads.ddown when given (else into new zeroed tensors); dw [T, k] and
  *       touched [E] u8 are overwritten (grads.dw / grads.touched when given).
+ *   experts.pack(src, plan, opts) -> rows
+ *       the kept assignments' rows in plan order (what expert parallelism
+ *       sends): rows [kept, C] (kept = T·k - plan.ndropped), row p = row
+ *       order[p] of src [T·k, C] (per assignment) or row order[p] // k of
+ *       src [T, C] (per token); any dtype. Reads opts.pool only.
+ *   experts.unpack(rows, plan, out) -> out
+ *       the reverse, summed: out [T, C] or [T·k, C] (given, f32/f64) +=
+ *       row p of rows [kept, C] at its token or assignment, p ascending
+ *       (the experts combine's order: unpacking the per-assignment outputs
+ *       w·expert(x) is bitwise experts.forward's y).
  *
  * Options (one table shape for all three; each function reads what it needs):
  *   tile = 256            rows per expert GEMM tile (scratch is tile-sized)
@@ -26,6 +37,8 @@
  *                         floor((1-f)·T·k) dispatch positions, recomputes the
  *                         tiles beyond (kernels/experts.h)
  *   capacity = c          per-expert capacity (integer >= 0; needs policy "drop")
+ *   capacities = caps     instead of capacity: i64 [E] on idx's device, expert e
+ *                         keeps its first caps[e] assignments (each >= 0)
  *   policy = "dropless"   or "drop" (assignments over capacity, in (t, j) order,
  *                         are dropped and counted)
  *   pool = moelua.pool    outputs, saved h and scratch come from this pool
@@ -48,14 +61,15 @@
 #include <math.h>
 #include <string.h>
 
-static const char *const OPTS[] = {"tile", "save", "partial_recompute", "capacity", "policy",
-                                   "pool", NULL};
+static const char *const OPTS[] = {"tile", "save", "partial_recompute", "capacity", "capacities",
+                                   "policy", "pool", NULL};
 
 typedef struct {
     int64_t tile;
     int has_tile;
     double recompute;       /* fraction of positions recomputed: 0 save, 1 recompute */
     int64_t capacity;       /* -1: none given */
+    ml_tensor *caps;        /* capacities, or NULL; the options table keeps it alive */
     int drop;
     ml_pool *pool;          /* NULL: none; the options table keeps it alive */
 } ex_opts;
@@ -119,6 +133,13 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
     }
     lua_pop(L, 1);
 
+    if (lua_getfield(L, idx, "capacities") != LUA_TNIL) {
+        if (o->capacity >= 0)
+            ml_error(L, fn, "options 'capacity' and 'capacities' exclude each other");
+        o->caps = ml_checktensor_named(L, -1, fn, "option 'capacities'");
+    }
+    lua_pop(L, 1);
+
     int has_policy = 0;
     if (lua_getfield(L, idx, "policy") != LUA_TNIL) {
         const char *s = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
@@ -130,10 +151,10 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
         has_policy = 1;
     }
     lua_pop(L, 1);
-    if (o->drop && o->capacity < 0)
-        ml_error(L, fn, "option 'policy' = \"drop\" needs option 'capacity'");
-    if (o->capacity >= 0 && !o->drop)
-        ml_error(L, fn, "option 'capacity' needs policy = \"drop\"%s",
+    if (o->drop && o->capacity < 0 && !o->caps)
+        ml_error(L, fn, "option 'policy' = \"drop\" needs option 'capacity' or 'capacities'");
+    if ((o->capacity >= 0 || o->caps) && !o->drop)
+        ml_error(L, fn, "option '%s' needs policy = \"drop\"%s", o->caps ? "capacities" : "capacity",
                  has_policy ? " (policy is \"dropless\")" : "");
 
     if (lua_getfield(L, idx, "pool") != LUA_TNIL)
@@ -174,6 +195,25 @@ static ml_dispatch_plan read_plan(lua_State *L, int idx, const char *fn)
     return p;
 }
 
+/* The plan table at idx as pack and unpack read it: order, ndropped and
+ * (in *k) k. */
+static ml_dispatch_plan read_plan_rows(lua_State *L, int idx, const char *fn, int64_t *k)
+{
+    ml_dispatch_plan p = read_plan(L, idx, fn);
+    static const char *const keys[] = {"k", "ndropped"};
+    int64_t *vals[] = {k, &p.ndropped};
+    for (int i = 0; i < 2; i++) {
+        int isint;
+        lua_getfield(L, idx, keys[i]);
+        *vals[i] = lua_tointegerx(L, -1, &isint);
+        if (!isint)
+            ml_error(L, fn, "argument #%d (plan): expected an integer plan.%s (the table "
+                     "experts.dispatch returned), got %s", idx, keys[i], luaL_typename(L, -1));
+        lua_pop(L, 1);
+    }
+    return p;
+}
+
 /* S = floor((1 - f)·n) of n = T·k dispatch positions (kernels/experts.h). */
 static int64_t nsaved_of(int64_t n, double recompute)
 {
@@ -195,7 +235,7 @@ static int l_experts_dispatch(lua_State *L)
                  luaL_tolstring(L, 2, NULL));
     ex_opts o;
     parse_opts(L, 3, fn, &o);
-    int64_t capacity = o.drop ? o.capacity : -1;
+    int64_t capacity = o.drop && !o.caps ? o.capacity : -1;
 
     lua_createtable(L, 0, 10);
     ml_dispatch_plan plan = {0};
@@ -206,12 +246,45 @@ static int l_experts_dispatch(lua_State *L)
         lua_setfield(L, -2, keys[i]);   /* the table keeps it */
     }
     ml_err e;
-    ml_check_op(L, fn, ml_op_dispatch(ml_host_of(L), &plan, idx, E, capacity, o.pool, &e), &e);
+    ml_host *h = ml_host_of(L);
+    ml_check_op(L, fn, o.caps ? ml_op_dispatch_caps(h, &plan, idx, E, o.caps, o.pool, &e)
+                              : ml_op_dispatch(h, &plan, idx, E, capacity, o.pool, &e), &e);
     ml_setfield_int(L, "ndropped", plan.ndropped);
     ml_setfield_int(L, "E", E);
     ml_setfield_int(L, "T", idx->shape[0]);
     ml_setfield_int(L, "k", idx->shape[1]);
     ml_setfield_int(L, "capacity", capacity);
+    return 1;
+}
+
+/* ---- experts.pack, experts.unpack ------------------------------------------------- */
+
+static int l_experts_pack(lua_State *L)
+{
+    static const char fn[] = "moelua.experts.pack";
+    lua_settop(L, 3);
+    ml_tensor *src = arg(L, 1, fn, "src");
+    int64_t k;
+    ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
+    ex_opts o;
+    parse_opts(L, 3, fn, &o);
+    ml_tensor *rows = ml_pushtensor(L);
+    ml_err e;
+    ml_check_op(L, fn, ml_op_dispatch_pack(ml_host_of(L), rows, src, &plan, k, o.pool, &e), &e);
+    return 1;
+}
+
+static int l_experts_unpack(lua_State *L)
+{
+    static const char fn[] = "moelua.experts.unpack";
+    lua_settop(L, 3);
+    ml_tensor *rows = arg(L, 1, fn, "rows");
+    int64_t k;
+    ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
+    ml_tensor *out = arg(L, 3, fn, "out");
+    ml_err e;
+    ml_check_op(L, fn, ml_op_dispatch_unpack(ml_host_of(L), out, rows, &plan, k, NULL, &e), &e);
+    lua_settop(L, 3);
     return 1;
 }
 
@@ -311,6 +384,8 @@ static int l_experts_backward(lua_State *L)
 
 static const luaL_Reg experts_functions[] = {
     {"dispatch", l_experts_dispatch},
+    {"pack", l_experts_pack},
+    {"unpack", l_experts_unpack},
     {"forward", l_experts_forward},
     {"backward", l_experts_backward},
     {NULL, NULL}

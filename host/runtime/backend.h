@@ -84,10 +84,12 @@ typedef struct ml_kernels {
     /* Bytes of the scratch (8-aligned, on the device) a family's kernels
      * take from their caller, who allocates it in the ledger
      * (ML_KSCRATCH); NULL: none. dispatch: (n, E, check) as
-     * ml_dispatch_scratch_bytes_cuda; router: as ml_router_scratch_bytes;
+     * ml_dispatch_scratch_bytes_cuda; dispatch_unpack: (rows_out, div);
+     * router: as ml_router_scratch_bytes;
      * topk: (rows, cols, k); reduce_all: (n); sumsq: (n); slice_norms:
      * (n, E). */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
+    size_t (*dispatch_unpack_scratch_bytes)(int64_t rows_out, int64_t div);
     size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
     size_t (*topk_scratch_bytes)(int64_t rows, int64_t cols, int64_t k);
     size_t (*reduce_all_scratch_bytes)(int64_t n);
@@ -138,7 +140,11 @@ typedef struct ml_kernels {
     ml_status (*router_update_bias)(ml_dtype, void *, const int64_t *, int64_t, double,
                                     const ml_kctx *);
     ml_status (*dispatch)(int64_t *, int64_t *, int64_t *, uint8_t *, int64_t *, const int64_t *,
-                          int64_t, int64_t, int64_t, void *, const ml_kctx *);
+                          int64_t, int64_t, int64_t, const int64_t *, void *, const ml_kctx *);
+    ml_status (*dispatch_pack)(ml_dtype, void *, const void *, const int64_t *, int64_t, int64_t,
+                               int64_t, const ml_kctx *);
+    ml_status (*dispatch_unpack)(ml_dtype, void *, const void *, const int64_t *, int64_t, int64_t,
+                                 int64_t, int64_t, void *, const ml_kctx *);
     int64_t (*dispatch_find_bad)(const int64_t *, int64_t, int64_t, void *, const ml_kctx *);
     int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
                                    void *, const ml_kctx *);

@@ -406,14 +406,36 @@ static ml_status mismatch(const char *what, const ml_tensor *a, const char *an, 
     return ml_err_set(e, ML_EINVAL, "%s: %s %s does not match %s %s", what, an, sa, bn, sb);
 }
 
-ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
-                         int64_t capacity, ml_pool *pool, ml_err *e)
+/* capacities: i64 [E] on dev, every entry >= 0 (read back, except inside a
+ * plan: nothing was computed there). */
+static ml_status check_caps(ml_host *h, const ml_tensor *caps, int64_t E, ml_device dev, ml_err *e)
+{
+    ML_TRY(ex_tensor(caps, "capacities", dev, ML_I64, 1, &E, e));
+    if (h->planning)
+        return ML_OK;
+    int64_t buf[READ_BLOCK];
+    for (int64_t e0 = 0; e0 < E; e0 += READ_BLOCK) {
+        int64_t nb = E - e0 < READ_BLOCK ? E - e0 : READ_BLOCK;
+        ML_TRY(ml_read_back(h, caps, e0, nb, buf, e));
+        for (int64_t i = 0; i < nb; i++)
+            if (buf[i] < 0)
+                return ml_err_set(e, ML_EINVAL, "capacities: expert %lld's capacity is %lld (must "
+                                  "be >= 0)", (long long)(e0 + i), (long long)buf[i]);
+    }
+    return ML_OK;
+}
+
+/* ml_op_dispatch with either capacity (caps NULL) or capacities caps. */
+static ml_status dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
+                          int64_t capacity, const ml_tensor *caps, ml_pool *pool, ml_err *e)
 {
     ML_TRY(live(idx, "idx", e));
     ml_device dev = idx->st->device;
     ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
     if (E < 1)
         return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
+    if (caps)
+        ML_TRY(check_caps(h, caps, E, dev, e));
     ML_TRY(check_pool(pool, dev, e));
     int64_t T = idx->shape[0], k = idx->shape[1], n = T * k;
     ml_kctx c = ml_host_kctx(h);
@@ -436,7 +458,117 @@ ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *id
                         "the dispatch scratch", &s, &buf, e));
     ml_status ks = ML_KCALL(h, dev, dispatch, ml_data(plan->offsets), ml_data(plan->order),
                             ml_data(plan->counts), ml_data(plan->dropped), &plan->ndropped,
-                            ml_data(idx), n, E, capacity < 0 ? -1 : capacity, buf, &c);
+                            ml_data(idx), n, E, capacity < 0 ? -1 : capacity,
+                            caps ? ml_data(caps) : NULL, buf, &c);
+    scratch_give(&s);
+    return ml_kernel_status(ks, e);
+}
+
+ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
+                         int64_t capacity, ml_pool *pool, ml_err *e)
+{
+    return dispatch(h, plan, idx, E, capacity, NULL, pool, e);
+}
+
+ml_status ml_op_dispatch_caps(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
+                              const ml_tensor *capacities, ml_pool *pool, ml_err *e)
+{
+    return dispatch(h, plan, idx, E, -1, capacities, pool, e);
+}
+
+/* ---- pack and unpack ------------------------------------------------------------- */
+
+/* The plan's side of pack / unpack on dev: k >= 1, order [T·k] i64 with
+ * every entry in [0, T·k) (read back, except inside a plan), ndropped in
+ * [0, T·k]. Sets T and kept = T·k - ndropped. */
+static ml_status plan_rows(ml_host *h, const ml_dispatch_plan *plan, int64_t k, ml_device dev,
+                           int64_t *T, int64_t *kept, ml_err *e)
+{
+    if (k < 1)
+        return ml_err_set(e, ML_EINVAL, "k: expected >= 1 slots per token, got %lld", (long long)k);
+    ML_TRY(ex_tensor(plan->order, "plan.order", dev, ML_I64, 1, NULL, e));
+    int64_t n = plan->order->shape[0];
+    if (n % k != 0)
+        return ml_err_set(e, ML_EINVAL, "plan.order: %lld assignments are not T·k for k = %lld",
+                          (long long)n, (long long)k);
+    if (plan->ndropped < 0 || plan->ndropped > n)
+        return ml_err_set(e, ML_EINVAL, "plan.ndropped = %lld is outside [0, T·k = %lld]",
+                          (long long)plan->ndropped, (long long)n);
+    int64_t bad, v;
+    ML_TRY(ml_find_bad_index(h, plan->order, n, &bad, &v, e));
+    if (bad >= 0)
+        return ml_err_set(e, ML_EINVAL, "plan.order[%lld] = %lld is not an assignment in [0, %lld)",
+                          (long long)bad, (long long)v, (long long)n);
+    *T = n / k;
+    *kept = n - plan->ndropped;
+    return ML_OK;
+}
+
+/* A per-token [T, C] (div = k) or per-assignment [T·k, C] (div = 1)
+ * matrix t, live, contiguous, on dev. */
+static ml_status token_rows(const ml_tensor *t, const char *name, ml_device dev, int dt, int64_t T,
+                            int64_t k, int64_t *div, ml_err *e)
+{
+    ML_TRY(ex_tensor(t, name, dev, dt, 2, NULL, e));
+    if (t->shape[0] != T && t->shape[0] != T * k) {
+        char have[96];
+        ml_format_shape(t, have, sizeof have);
+        return ml_err_set(e, ML_EINVAL, "%s is %s but must be [T, C] = [%lld, C] (per token) or "
+                          "[T·k, C] = [%lld, C] (per assignment) for the plan's T = %lld, k = %lld",
+                          name, have, (long long)T, (long long)(T * k), (long long)T, (long long)k);
+    }
+    *div = t->shape[0] == T ? k : 1;
+    return ML_OK;
+}
+
+ml_status ml_op_dispatch_pack(ml_host *h, ml_tensor *out, const ml_tensor *src,
+                              const ml_dispatch_plan *plan, int64_t k, ml_pool *pool, ml_err *e)
+{
+    ML_TRY(live(src, "src", e));
+    ml_device dev = src->st->device;
+    int64_t T, kept, div;
+    ML_TRY(plan_rows(h, plan, k, dev, &T, &kept, e));
+    ML_TRY(token_rows(src, "src", dev, EX_ANY, T, k, &div, e));
+    ML_TRY(check_pool(pool, dev, e));
+    if (out->st && ml_tensors_overlap(out, src))
+        return ml_err_set(e, ML_EINVAL, "rows shares storage with src (outputs must not alias inputs)");
+    int64_t C = src->shape[1], dims[2] = {kept, C};
+    ML_TRY(output(h, pool, out, "rows", dev, src->dtype, 2, dims, 0, e));
+    ml_kctx c = ml_host_kctx(h);
+    return ml_kernel_status(ML_KCALL(h, dev, dispatch_pack, src->dtype, ml_data(out), ml_data(src),
+                                     ml_data(plan->order), kept, C, div, &c), e);
+}
+
+ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *rows,
+                                const ml_dispatch_plan *plan, int64_t k, ml_pool *pool, ml_err *e)
+{
+    ML_TRY(live(rows, "rows", e));
+    ml_device dev = rows->st->device;
+    ML_TRY(ex_tensor(rows, "rows", dev, EX_FLOAT, 2, NULL, e));
+    int64_t T, kept, div;
+    ML_TRY(plan_rows(h, plan, k, dev, &T, &kept, e));
+    if (!out->st)
+        return ml_err_set(e, ML_EINVAL, "out: expected a given [T, C] or [T·k, C] tensor (unpack "
+                          "adds into it)");
+    ML_TRY(token_rows(out, "out", dev, rows->dtype, T, k, &div, e));
+    int64_t C = out->shape[1];
+    if (rows->shape[0] != kept || rows->shape[1] != C) {
+        char have[96];
+        ml_format_shape(rows, have, sizeof have);
+        return ml_err_set(e, ML_EINVAL, "rows is %s but must be [kept, C] = [%lld, %lld] (the plan "
+                          "keeps %lld of T·k = %lld assignments)", have, (long long)kept,
+                          (long long)C, (long long)kept, (long long)(T * k));
+    }
+    if (ml_tensors_overlap(out, rows))
+        return ml_err_set(e, ML_EINVAL, "out shares storage with rows (outputs must not alias inputs)");
+    ML_TRY(check_pool(pool, dev, e));
+    scratch s;
+    void *buf;
+    ML_TRY(scratch_take(h, pool, dev, ML_KSCRATCH(h, dev, dispatch_unpack, out->shape[0], div),
+                        "the unpack scratch", &s, &buf, e));
+    ml_kctx c = ml_host_kctx(h);
+    ml_status ks = ML_KCALL(h, dev, dispatch_unpack, rows->dtype, ml_data(out), ml_data(rows),
+                            ml_data(plan->order), kept, C, div, out->shape[0], buf, &c);
     scratch_give(&s);
     return ml_kernel_status(ks, e);
 }

@@ -1,7 +1,7 @@
 /*
- * host/runtime/ops_moe.h - the op layer of the MoE layer: router, dispatch,
- * SwiGLU experts (kernels/router.h, dispatch.h, experts.h have the
- * semantics). Each op checks every operand (one device, dtypes, shapes,
+ * host/runtime/ops_moe.h - the op layer of the MoE layer: router, dispatch
+ * (with pack / unpack of a plan's rows), SwiGLU experts (kernels/router.h,
+ * dispatch.h, experts.h have the semantics). Each op checks every operand (one device, dtypes, shapes,
  * contiguity, expert ids and plans), allocates the outputs it is given
  * empty, takes its scratch, calls the device's kernels through ML_KCALL
  * and gives the scratch back before returning, so C code (expert
@@ -88,6 +88,29 @@ typedef struct {
  * and drops the rest, capacity < 0 is dropless. */
 ml_status ml_op_dispatch(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
                          int64_t capacity, ml_pool *pool, ml_err *e);
+/* The same with a capacity per expert: capacities [E] i64 on idx's
+ * device, each >= 0 (read back and checked, except inside a plan); expert
+ * e keeps its first capacities[e] assignments in (t, j) order. Expert
+ * parallelism's local budgets, which differ per expert. */
+ml_status ml_op_dispatch_caps(ml_host *h, ml_dispatch_plan *plan, const ml_tensor *idx, int64_t E,
+                              const ml_tensor *capacities, ml_pool *pool, ml_err *e);
+
+/* The rows of a plan's kept assignments, in plan order (kernels/dispatch.h):
+ * out [kept, C] (=; any dtype, src's) has row p = row order[p] / div of
+ * src, where src is [T, C] per token (div = k) or [T·k, C] per assignment
+ * (div = 1; for k = 1 the two are one). kept = T·k - plan->ndropped
+ * (T·k inside a plan, where ndropped is 0). The plan's order must be
+ * [T·k] i64 on src's device with entries in [0, T·k) (read back and
+ * checked, except inside a plan); k is the plan's. */
+ml_status ml_op_dispatch_pack(ml_host *h, ml_tensor *out, const ml_tensor *src,
+                              const ml_dispatch_plan *plan, int64_t k, ml_pool *pool, ml_err *e);
+/* The reverse: out [T, C] or [T·k, C] (given, +=) gains row p of rows
+ * [kept, C] (f32/f64, out's dtype) at row order[p] / div, for p = 0, 1,
+ * ... in that order: a token's rows add in ascending expert, the experts
+ * combine's order, so unpacking the per-assignment outputs of the experts
+ * is bitwise their y. */
+ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *rows,
+                                const ml_dispatch_plan *plan, int64_t k, ml_pool *pool, ml_err *e);
 
 /* ---- experts ------------------------------------------------------------------ */
 

@@ -1,5 +1,8 @@
 -- tests/spec/experts_spec.lua - moelua.experts (host/bindings/l_experts.c,
--- kernels/dispatch.c, kernels/experts.c): dispatch against a Lua reference,
+-- kernels/dispatch.c, kernels/experts.c): dispatch (scalar and per-expert
+-- capacities) against a Lua reference, pack / unpack of a plan's rows
+-- against a Lua reference and as expert parallelism uses them (bitwise
+-- experts.forward's y),
 -- forward against a dense f64 reference computed in plain Lua (every expert
 -- on every token, masked by the routing), finite-difference gradients, the
 -- save policies, untouched experts, zero ledger allocations with a pool, and
@@ -37,15 +40,17 @@ local function routing(T, k, E, skip)
   return m.tensor(ids, {dtype = "i64"}):reshape({T, k}), ids
 end
 
--- the dispatch reference: plain Lua, the definition in kernels/dispatch.h
+-- the dispatch reference: plain Lua, the definition in kernels/dispatch.h;
+-- cap: a number, per-expert capacities {cap_0, ..., cap_E-1}, or nil
 local function dispatch_ref(ids, T, k, E, cap)
   local count, kept, drop = {}, {}, {}
   for e = 0, E - 1 do count[e] = 0; kept[e] = {} end
   local dropped_list = {}
   for a = 0, T * k - 1 do
     local e = ids[a + 1]
+    local c = type(cap) == "table" and cap[e + 1] or cap
     count[e] = count[e] + 1
-    if cap and #kept[e] >= cap then
+    if c and #kept[e] >= c then
       drop[a + 1] = 1
       dropped_list[#dropped_list + 1] = a
     else
@@ -164,6 +169,179 @@ describe("experts.dispatch", function()
     local a, b = ex.dispatch(idx, 8, {capacity = 60, policy = "drop"}),
                  ex.dispatch(idx, 8, {capacity = 60, policy = "drop"})
     assert.are.same(vals(a.order), vals(b.order))
+  end)
+
+  it("keeps expert e's first capacities[e] assignments in (t, j) order", function()
+    local T, k, E = 50, 2, 4
+    local idx, ids = routing(T, k, E)
+    for _, caps in ipairs({{0, 3, 40, 12}, {7, 7, 7, 7}, {100, 0, 0, 100}}) do
+      local what = table.concat(caps, ",")
+      local p = ex.dispatch(idx, E, {policy = "drop", capacities = m.tensor(caps, {dtype = "i64"})})
+      local r = dispatch_ref(ids, T, k, E, caps)
+      assert.are.same(r.offsets, vals(p.offsets), what)
+      assert.are.same(r.order, vals(p.order), what)
+      assert.are.same(r.counts, vals(p.counts), what)
+      assert.are.same(r.dropped, vals(p.dropped), what)
+      assert.are.equal(r.ndropped, p.ndropped, what)
+      assert.are.equal(-1, p.capacity, what)
+    end
+    -- equal capacities are the scalar capacity
+    local a = ex.dispatch(idx, E, {policy = "drop", capacities = m.full({E}, 9, {dtype = "i64"})})
+    local b = ex.dispatch(idx, E, {policy = "drop", capacity = 9})
+    for _, key in ipairs({"offsets", "order", "counts", "dropped"}) do
+      assert.are.same(vals(b[key]), vals(a[key]), key)
+    end
+    assert.are.equal(b.ndropped, a.ndropped)
+  end)
+end)
+
+-- ---- pack and unpack ------------------------------------------------------------
+
+describe("experts.pack and experts.unpack", function()
+  local T, k, E, C = 7, 2, 4, 3
+  local idx, ids = routing(T, k, E)
+  local plans = {dropless = ex.dispatch(idx, E),
+                 drop = ex.dispatch(idx, E, {policy = "drop", capacity = 2})}
+  assert(plans.drop.ndropped > 0, "capacity 2 must drop something here")
+
+  -- the reference: row p of the result is row order[p] // div of src
+  local function pack_ref(src, order, kept, div, C)
+    local v, out = vals(src), {}
+    for p = 1, kept do
+      local r = order[p] // div
+      for c = 1, C do out[#out + 1] = v[r * C + c] end
+    end
+    return out
+  end
+
+  it("packs the kept rows in plan order, per token and per assignment, any dtype", function()
+    for name, plan in pairs(plans) do
+      local order, kept = vals(plan.order), T * k - plan.ndropped
+      local x, xa = randn({T, C}), randn({T * k, C}, "f32")
+      local rows = ex.pack(x, plan)
+      assert.are.same({kept, C}, rows:shape(), name)
+      assert.are.same(pack_ref(x, order, kept, k, C), vals(rows), name .. " per token")
+      local ra = ex.pack(xa, plan)
+      assert.are.equal("f32", ra:dtype())
+      assert.are.same(pack_ref(xa, order, kept, 1, C), vals(ra), name .. " per assignment")
+      local ia = ex.pack(idx:reshape({T * k, 1}), plan)
+      assert.are.equal("i64", ia:dtype())
+      assert.are.same(pack_ref(idx:reshape({T * k, 1}), order, kept, 1, 1), vals(ia), name .. " i64")
+      -- the expert of every packed assignment, ascending (kept rows are grouped by expert)
+      for p = 2, kept do assert(vals(ia)[p - 1] <= vals(ia)[p], name .. " sorted") end
+    end
+  end)
+
+  it("unpacks by adding each row at its token or assignment, positions ascending", function()
+    for name, plan in pairs(plans) do
+      local order, kept = vals(plan.order), T * k - plan.ndropped
+      for _, div in ipairs({k, 1}) do
+        local rows_out, cols = T * k // div, div == k and C or 1
+        local rows = randn({kept, cols})
+        local out0 = randn({rows_out, cols})
+        local out = out0:clone()
+        assert.are.equal(out, ex.unpack(rows, plan, out))
+        local ref, rv = vals(out0), vals(rows)
+        for p = 1, kept do   -- Lua adds doubles in the same order: bitwise
+          local r = order[p] // div
+          for c = 1, cols do
+            ref[r * cols + c] = ref[r * cols + c] + rv[(p - 1) * cols + c]
+          end
+        end
+        assert.are.same(ref, vals(out), name .. " div " .. div)
+      end
+      -- f32: the reference in f64, within f32 rounding
+      local rows = randn({kept, C}, "f32")
+      local out = m.zeros({T, C}, {dtype = "f32"})
+      ex.unpack(rows, plan, out)
+      local ref, rv = {}, vals(rows)
+      for i = 1, T * C do ref[i] = 0 end
+      for p = 1, kept do
+        for c = 1, C do
+          local r = order[p] // k
+          ref[r * C + c] = ref[r * C + c] + rv[(p - 1) * C + c]
+        end
+      end
+      assert_close(vals(out), ref, 1e-6, name .. " f32")
+    end
+  end)
+
+  it("reproduces experts.forward's y bitwise from one k = 1 run per assignment (expert parallelism)", function()
+    local big_idx = routing(200, 2, E)
+    local cases = {
+      {T = T, D = 8, F = 6, idx = idx, plans = plans},
+      {T = 200, D = 32, F = 16, idx = big_idx,
+       plans = {dropless = ex.dispatch(big_idx, E),
+                drop = ex.dispatch(big_idx, E, {policy = "drop", capacities = m.tensor({100, 30, 0, 400}, {dtype = "i64"})})}},
+    }
+    for _, c in ipairs(cases) do
+      for name, plan in pairs(c.plans) do
+        for _, dt in ipairs({"f64", "f32"}) do
+          local what = ("T %d %s %s"):format(c.T, name, dt)
+          local P = problem(c.T, k, c.D, c.F, E, dt)
+          local o = {tile = 3}
+          local y = ex.forward(P.x, P.gate_up, P.down, c.idx, P.w, plan, o)
+          -- what a rank owning the experts receives: rows, weights and ids in plan order
+          local x_a = ex.pack(P.x, plan)
+          local w_a = ex.pack(P.w:reshape({c.T * k, 1}), plan)
+          local idx_a = ex.pack(c.idx:reshape({c.T * k, 1}), plan)
+          local plan_a = ex.dispatch(idx_a, E)
+          assert.are.equal(0, plan_a.ndropped)
+          local y_a = ex.forward(x_a, P.gate_up, P.down, idx_a, w_a, plan_a, o)
+          -- back at the origin: the sum of a token's rows in plan order
+          local y2 = m.zeros({c.T, c.D}, {dtype = dt})
+          ex.unpack(y_a, plan, y2)
+          assert.are.same(vals(y), vals(y2), what)
+        end
+      end
+    end
+  end)
+
+  it("makes its rows in the pool when one is given", function()
+    local pool <close> = m.pool.new(1 << 16)
+    local x = randn({T, C})
+    local rows = ex.pack(x, plans.drop, {pool = pool})
+    assert.are.equal(1, pool:stats().slots)
+    assert.are.same(vals(ex.pack(x, plans.drop)), vals(rows))
+  end)
+
+  it("refuses bad input with messages that name it", function()
+    local function err(pat, f, ...)
+      local ok, msg = pcall(f, ...)
+      assert.is_false(ok)
+      assert(tostring(msg):find(pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(msg))
+    end
+    local plan = plans.drop
+    local kept = T * k - plan.ndropped
+    local x = randn({T, C})
+    err("moelua.experts.pack: argument #2 (plan): expected the table experts.dispatch returned, got number",
+        ex.pack, x, 5)
+    err("moelua.experts.pack: argument #1 (src): expected a tensor", ex.pack, {}, plan)
+    err("src is [5,3] but must be [T, C] = [7, C] (per token) or [T·k, C] = [14, C] (per assignment) "
+        .. "for the plan's T = 7, k = 2", ex.pack, randn({5, C}), plan)
+    err("src: expected 2 dims, got [7]", ex.pack, randn({T}), plan)
+    err("argument #2 (plan): expected an integer plan.k", ex.pack, x,
+        {offsets = plan.offsets, order = plan.order, ndropped = 0})
+    err("plan.order: expected dtype i64, got f64", ex.pack, x,
+        {offsets = plan.offsets, order = plan.order:to("f64"), k = 2, ndropped = 0})
+    err("plan.order[3] = 14 is not an assignment in [0, 14)", ex.pack, x,
+        {offsets = plan.offsets, order = m.tensor({0, 1, 2, 14, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13},
+                                                  {dtype = "i64"}), k = 2, ndropped = 0})
+    err("plan.ndropped = 15 is outside [0, T·k = 14]", ex.pack, x,
+        {offsets = plan.offsets, order = plan.order, k = 2, ndropped = 15})
+    err("plan.order: 14 assignments are not T·k for k = 3", ex.pack, x,
+        {offsets = plan.offsets, order = plan.order, k = 3, ndropped = 0})
+    local rows = randn({kept, C})
+    err(("rows is [%d,3] but must be [kept, C] = [%d, 3] (the plan keeps %d of T·k = 14 assignments)")
+        :format(kept + 1, kept, kept), ex.unpack, randn({kept + 1, C}), plan, m.zeros({T, C}, {dtype = "f64"}))
+    err("rows: expected dtype f32 or f64, got i64", ex.unpack, rows:to("i64"), plan, m.zeros({T, C}, {dtype = "f64"}))
+    err("out: expected dtype f64, got f32", ex.unpack, rows, plan, m.zeros({T, C}, {dtype = "f32"}))
+    err("out is [6,3] but must be [T, C]", ex.unpack, rows, plan, m.zeros({6, C}, {dtype = "f64"}))
+    err("moelua.experts.unpack: argument #3 (out): expected a tensor", ex.unpack, rows, plan)
+    err("out shares storage with rows", ex.unpack, rows, plan, rows:narrow(1, 1, T))
+    local gone = randn({T, C})
+    gone:free()
+    err("moelua.experts.pack: argument #1 (src): the tensor was freed", ex.pack, gone, plan)
   end)
 end)
 
@@ -381,6 +559,20 @@ describe("experts bad input", function()
     err("needs option 'capacity'", ex.dispatch, P.idx, 3, {policy = "drop"})
     err("option 'capacity' needs policy", ex.dispatch, P.idx, 3, {capacity = 4})
     err("option 'capacity' must be an integer >= 0", ex.dispatch, P.idx, 3, {capacity = -1, policy = "drop"})
+    local caps = m.tensor({2, 2, 2}, {dtype = "i64"})
+    err("options 'capacity' and 'capacities' exclude each other", ex.dispatch, P.idx, 3,
+        {policy = "drop", capacity = 2, capacities = caps})
+    err("option 'capacities' needs policy = \"drop\" (policy is \"dropless\")", ex.dispatch, P.idx, 3,
+        {policy = "dropless", capacities = caps})
+    err("option 'capacities' needs policy = \"drop\"", ex.dispatch, P.idx, 3, {capacities = caps})
+    err("needs option 'capacity' or 'capacities'", ex.dispatch, P.idx, 3, {policy = "drop"})
+    err("option 'capacities': expected a tensor", ex.dispatch, P.idx, 3, {policy = "drop", capacities = {2, 2, 2}})
+    err("moelua.experts.dispatch: capacities: expected shape [3], got [4]", ex.dispatch, P.idx, 3,
+        {policy = "drop", capacities = m.tensor({2, 2, 2, 2}, {dtype = "i64"})})
+    err("capacities: expected dtype i64, got f64", ex.dispatch, P.idx, 3,
+        {policy = "drop", capacities = m.tensor({2, 2, 2}, {dtype = "f64"})})
+    err("capacities: expert 1's capacity is -1 (must be >= 0)", ex.dispatch, P.idx, 3,
+        {policy = "drop", capacities = m.tensor({2, -1, 2}, {dtype = "i64"})})
   end)
 
   it("refuses bad expert ids and bad E", function()
