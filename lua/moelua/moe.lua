@@ -299,9 +299,9 @@ function Layer:_set_capacity(T, counts)
   if world == 1 then eo.capacity = cap; return end
   eo.capacity = nil
   local E = o.experts
-  local all = self.pool:tensor({world * E}, {dtype = "i64", device = counts:device()})
+  local all = self.pool:tensor({world * E}, {dtype = "i64"})
   z:all_gather(counts, all, "expert counts of MoE layer " .. o.layer)
-  local caps = self.pool:tensor({E}, {dtype = "i64", device = counts:device()})
+  local caps = self.pool:tensor({E}, {dtype = "i64"})
   if not mem_planning() then
     local n, left = all:totable(), {}
     for e = 1, E do
@@ -325,14 +325,14 @@ function Layer:_exchange_rows(plan)
   local worst = ep * T * math.min(k, El)
   local bound = self.capacity and math.min(worst, El * self.capacity) or worst
   self.recv_rows = {worst = worst, capacity = self.capacity and El * self.capacity or nil, bound = bound}
-  local counts = self.pool:tensor({ep, El}, {dtype = "i64", device = dev})
+  local counts = self.pool:tensor({ep, El}, {dtype = "i64"})
   z:all_to_all(plan.counts:view({ep, El}), ones(ep), counts, ones(ep), "expert counts of MoE layer " .. o.layer)
   local send, recv = {}, {}
   if mem_planning() then
     for d = 1, ep do send[d], recv[d] = 0, 0 end
     return send, recv, T * k, bound
   end
-  local mine, theirs = plan.counts:totable(), counts:totable()
+  local mine, theirs = plan.counts:totable(), counts:view({ep * El}):totable()
   local kept, got = 0, 0
   for d = 1, ep do
     send[d], recv[d] = 0, 0
@@ -348,12 +348,12 @@ end
 function Layer:_forward_ep(x, idx, w, plan)
   local z, o, pool, eo = self.ep, self.opts, self.pool, self.expert_opts
   local T, D, k, El = x:size(1), o.dim, o.topk, self.local_experts
-  local dt = {dtype = x:dtype(), device = x:device()}
+  local dt = {dtype = x:dtype()}
   local what = " of MoE layer " .. o.layer
   local send, recv, kept, got = self:_exchange_rows(plan)
   local y = pool:tensor({T, D}, dt):zero_()
   local xr, wr = pool:tensor({got, D}, dt), pool:tensor({got, 1}, dt)
-  local ids = pool:tensor({got, 1}, {dtype = "i64", device = x:device()})
+  local ids = pool:tensor({got, 1}, {dtype = "i64"})
   local m = pool:mark()
   local po = {pool = pool}
   z:all_to_all(experts.pack(x, plan, po), send, xr, recv, "tokens" .. what)
@@ -375,7 +375,7 @@ end
 function Layer:_backward_ep(dy)
   local z, c, e, pool = self.ep, self.ctx, self.ep_ctx, self.pool
   local T, D, k = dy:size(1), self.opts.dim, self.opts.topk
-  local dt = {dtype = dy:dtype(), device = dy:device()}
+  local dt = {dtype = dy:dtype()}
   local what = " of MoE layer " .. self.opts.layer
   local dx, dw = pool:tensor({T, D}, dt):zero_(), pool:tensor({T, k}, dt):zero_()
   local m = pool:mark()

@@ -187,25 +187,31 @@ function Transformer.new(opts)
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at
   -- the next offset of its stream (the same weights at any sharding and on
   -- any device: drawn on the cpu, then copied), its norms set to 1
-  -- An experts unit of expert parallelism holds El of the E experts: it
-  -- draws from where its first expert starts in the whole unit's stream.
-  local function new_unit(name, kind, layout, whole)
+  -- A segment's elements are elements [g, g + numel) of the unit's stream
+  -- (counter offset + i / 4, lane i mod 4). An experts unit of expert
+  -- parallelism holds El of the E experts: its segment at local offset s
+  -- starts at s ep + first (numel / El) of the whole unit's stream.
+  local function new_unit(name, kind, layout, ep_whole)
     local n = layout:numel()
-    local skip = whole and (whole * self.first_expert // o.experts) or 0
     local function init(params)
-      local draw, lead = {std = o.init_std, seed = o.seed, offset = draw_offset + skip // 4}, skip % 4
-      if o.device == "cpu" and lead == 0 then
-        params:normal_(draw)
-      else   -- from the counter holding element `skip`; on the cpu (normals differ by an ulp across devices)
-        local drawn <close> = tensor.empty({lead + n}, {dtype = dt})
-        params:copy_(drawn:normal_(draw):narrow(1, lead + 1, n))
-      end
       for _, seg in ipairs(layout:segments()) do
-        if LABELS[seg.name] == "norms" or seg.name == "norm" then params:view_at(seg.offset, {seg.numel}):fill_(1) end
+        local view = params:view_at(seg.offset, {seg.numel})
+        if LABELS[seg.name] == "norms" or seg.name == "norm" then
+          view:fill_(1)
+        else
+          local g = ep_whole and seg.offset * ep + self.first_expert * (seg.numel // self.local_experts) or seg.offset
+          local draw, lead = {std = o.init_std, seed = o.seed, offset = draw_offset + g // 4}, g % 4
+          if o.device == "cpu" and lead == 0 then
+            view:normal_(draw)
+          else   -- from the counter holding element g; on the cpu (normals differ by an ulp across devices)
+            local drawn <close> = tensor.empty({lead + seg.numel}, {dtype = dt})
+            view:copy_(drawn:normal_(draw):narrow(1, lead + 1, seg.numel))
+          end
+        end
       end
     end
     local u = self.zero:unit(name, kind, layout, {dtype = dt, device = o.device, init = init})
-    draw_offset = draw_offset + ((whole or n) + 3) // 4
+    draw_offset = draw_offset + ((ep_whole and n * ep or n) + 3) // 4
     return u
   end
   self.units = self.zero.units
@@ -221,7 +227,7 @@ function Transformer.new(opts)
   for i = 1, o.layers do
     local ldense, lexperts = layouts(o, i - 1, self.local_experts)
     local ud = new_unit("layers." .. (i - 1) .. ".dense", "dense", ldense)
-    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts, lexperts:numel() * ep)
+    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts, ep > 1)
     local p, g = ldense:views(ud.params), ldense:views(ud.grads)
     local xp, xg = lexperts:views(ux.params), lexperts:views(ux.grads)
     local mo = {}
