@@ -207,6 +207,48 @@ function support.mpiexec_command(n, args, limit)
                        support.shell_quote(support.host_path()), table.concat(words, " "))
 end
 
+-- Runs tests/tools/zero_run.lua (a tiny model under moelua.zero) on n
+-- ranks over the corpus with the options ({stage = 3, ...}: --stage 3);
+-- asserts it exited 0 and returns per rank (0-based) the parsed
+-- OUT/rank<R>.txt: {loss = {[step] =}, cur, peak, plan, run = {[what] =
+-- bytes}, units = {{name, numel, shard}}, mask = {[layer] = "0110"}}.
+function support.zero_run(n, out, corpus, opts)
+  os.execute("mkdir -p " .. support.shell_quote(out))
+  local args = {"tests/tools/zero_run.lua", "--corpus", corpus, "--out", out}
+  for k, v in pairs(opts) do
+    args[#args + 1] = "--" .. k
+    args[#args + 1] = tostring(v)
+  end
+  local code, text = support.finish_child(assert(io.popen(support.mpiexec_command(n, args) .. " 2>&1", "r")))
+  assert.are.equal(0, code, text)
+  local ranks = {}
+  for r = 0, n - 1 do
+    local rk = {loss = {}, cur = {}, peak = {}, units = {}, plan = {}, run = {}, mask = {}}
+    for line in io.lines(string.format("%s/rank%d.txt", out, r)) do
+      local kind, a, b, c = line:match("^(%S+) (%S+) (%S+) ?(%S*)$")
+      if kind == "loss" then rk.loss[tonumber(a)] = tonumber(b)
+      elseif kind == "mask" then rk.mask[tonumber(a)] = b
+      elseif kind == "unit" then rk.units[#rk.units + 1] = {name = a, numel = tonumber(b), shard = tonumber(c)}
+      else rk[kind][a] = tonumber(b) end
+    end
+    ranks[r] = rk
+  end
+  return ranks
+end
+
+-- The tensors zero_run.lua saved for rank r (its units' whole parameters).
+function support.zero_params(out, r)
+  return (require("moelua.io").load(string.format("%s/params.rank%d.safetensors", out, r)))
+end
+
+-- The largest absolute difference between the tensors of two tables
+-- {name -> tensor} (every name of a in b).
+function support.max_diff(a, b)
+  local worst = 0
+  for name, t in pairs(a) do worst = math.max(worst, t:sub(b[name]):abs():max():item()) end
+  return worst
+end
+
 -- Reads the rest of a child's output from the io.popen handle p, closes it,
 -- asserts that the child exited (rather than died by a signal), and returns
 -- the exit code and the output.

@@ -3,47 +3,13 @@
 -- under `mpiexec -n N`, one OpenMP and one OpenBLAS thread per rank.
 local support = require "tests.support"
 local zero = require "moelua.zero"
-local mio = require "moelua.io"
 local fs = require "moelua.fs"
+local mio = require "moelua.io"
 
 local tmpdir, corpus
 
--- Runs zero_run.lua on n ranks with the options; returns the exit code,
--- the output, and per rank the parsed rank<R>.txt.
-local function mpirun(n, out, opts)
-  os.execute("mkdir -p " .. support.shell_quote(out))
-  local args = {"tests/tools/zero_run.lua", "--corpus", corpus, "--out", out}
-  for k, v in pairs(opts) do
-    args[#args + 1] = "--" .. k
-    args[#args + 1] = tostring(v)
-  end
-  local cmd = support.mpiexec_command(n, args) .. " 2>&1"
-  local code, text = support.finish_child(assert(io.popen(cmd, "r")))
-  assert.are.equal(0, code, text)
-  local ranks = {}
-  for r = 0, n - 1 do
-    local rk = {loss = {}, cur = {}, peak = {}, units = {}, plan = {}, run = {}, mask = {}}
-    for line in io.lines(string.format("%s/rank%d.txt", out, r)) do
-      local kind, a, b, c = line:match("^(%S+) (%S+) (%S+) ?(%S*)$")
-      if kind == "loss" then rk.loss[tonumber(a)] = tonumber(b)
-      elseif kind == "mask" then rk.mask[tonumber(a)] = b
-      elseif kind == "unit" then rk.units[#rk.units + 1] = {name = a, numel = tonumber(b), shard = tonumber(c)}
-      else rk[kind][a] = tonumber(b) end
-    end
-    ranks[r] = rk
-  end
-  return ranks
-end
-
-local function params(out, r)
-  return (mio.load(string.format("%s/params.rank%d.safetensors", out, r)))
-end
-
-local function max_diff(a, b)
-  local worst = 0
-  for name, t in pairs(a) do worst = math.max(worst, t:sub(b[name]):abs():max():item()) end
-  return worst
-end
+local function mpirun(n, out, opts) return support.zero_run(n, out, corpus, opts) end
+local params, max_diff = support.zero_params, support.max_diff
 
 describe("moelua.zero.new", function()
   it("checks its options before anything is allocated, naming them", function()

@@ -5,7 +5,7 @@
 --   --run-dir D --ckpt-every K --resume CKPT --bias-rate R --experts E --topk K
 --   --dead-expert e (expert e never routed to: its router bias is -1e30)
 --   --ep P (expert-parallel size) --adversarial (rank 0 routes every token
---   to expert 0, rank 1 to the last expert: router biases +1e30)
+--   to expert 0, every other rank to the last expert: router biases +1e30)
 --   --stop-rank R --stop-at TEXT (rank R stops itself, SIGSTOP, at the first
 --   all-to-all whose label contains TEXT, after writing the wall clock to
 --   DIR/stopped_at)
@@ -48,12 +48,12 @@ local function build()
   local rank = dist.rank()
   for _, layer in ipairs(model:moe_layers()) do
     if o.dead_expert >= 0 then layer.bias:narrow(1, o.dead_expert + 1, 1):fill_(-1e30) end
-    if o.adversarial and rank <= 1 then layer.bias:narrow(1, rank == 0 and 1 or o.experts, 1):fill_(1e30) end
+    if o.adversarial then layer.bias:narrow(1, rank == 0 and 1 or o.experts, 1):fill_(1e30) end
   end
   if rank == o.stop_rank then
     local z, exchange = model.zero, model.zero.all_to_all
     function z.all_to_all(self, send, sr, recv, rr, what)
-      if what:find(o.stop_at, 1, true) then
+      if not mem.planning() and what:find(o.stop_at, 1, true) then
         os.execute("date +%s.%N > " .. o.out .. "/stopped_at")
         os.execute("kill -STOP " .. io.open("/proc/self/stat"):read("n"))
       end

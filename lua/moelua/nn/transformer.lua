@@ -560,7 +560,8 @@ local FREEZE_KEYS = {router = true, experts = true, attention = true}
 -- groups = model:param_groups{weight_decay =, router_lr_mult =, freeze = {router
 -- =, experts =, attention =}, sparse =}: groups in moelua.optim's format.
 -- Norms and embeddings get weight_decay = 0; the router gets lr_mult; with
--- sparse = true, expert groups (gate_up, down of each layer) carry experts = E
+-- sparse = true, expert groups (gate_up, down of each layer) carry experts = the
+-- experts this rank holds (E, or E/ep with expert parallelism)
 -- for lazy Adam (then pass model:active_masks(groups) to AdamW:step).
 function Transformer:param_groups(o)
   o = o or {}
@@ -577,13 +578,14 @@ function Transformer:param_groups(o)
                           tostring(k)), 2)
     end
   end
-  local wd, E = o.weight_decay, self.opts.experts
+  local wd = o.weight_decay
   local attrs = {   -- per group label: weight_decay, lr_mult, frozen, experts
     embed = {weight_decay = 0}, attention = {weight_decay = wd, frozen = fr.attention or false},
     norms = {weight_decay = 0}, router = {weight_decay = wd, lr_mult = o.router_lr_mult, frozen = fr.router or false},
     lm_head = {weight_decay = wd}, norm = {weight_decay = 0},
   }
-  attrs["experts.gate_up"] = {weight_decay = wd, frozen = fr.experts or false, experts = o.sparse and E or nil}
+  attrs["experts.gate_up"] = {weight_decay = wd, frozen = fr.experts or false,
+                              experts = o.sparse and self.local_experts or nil}
   attrs["experts.down"] = attrs["experts.gate_up"]
   for _, u in ipairs(self.units) do
     local prefix = u.name:match("^(layers%.%d+%.)") or ""
