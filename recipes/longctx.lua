@@ -188,6 +188,13 @@ say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, o
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
 
+local ex = plan.expert_exchange
+if ex then
+  say(string.format("expert exchange: each MoE layer's receive buffers planned for %d rows (%s; every token " ..
+                    "of the group to this rank's experts: %d rows)", ex.bound,
+                    ex.capacity and string.format("the capacity of this rank's experts: %d rows", ex.capacity)
+                      or "dropless: the worst case", ex.worst))
+end
 options.need_device(opts.device, "; the plan above is what the run needs")
 run.model, run.optimizer, run.groups = build()
 run.plan = plan   -- the model's pool is taken at the planned size: the first step grows nothing

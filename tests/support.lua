@@ -211,7 +211,8 @@ end
 -- ranks over the corpus with the options ({stage = 3, ...}: --stage 3);
 -- asserts it exited 0 and returns per rank (0-based) the parsed
 -- OUT/rank<R>.txt: {loss = {[step] =}, cur, peak, plan, run = {[what] =
--- bytes}, units = {{name, numel, shard}}, mask = {[layer] = "0110"}}.
+-- bytes}, units = {{name, numel, shard}}, mask = {[layer] = "0110"},
+-- dropped = {[layer] = n}}.
 function support.zero_run(n, out, corpus, opts)
   os.execute("mkdir -p " .. support.shell_quote(out))
   local args = {"tests/tools/zero_run.lua", "--corpus", corpus, "--out", out}
@@ -223,11 +224,12 @@ function support.zero_run(n, out, corpus, opts)
   assert.are.equal(0, code, text)
   local ranks = {}
   for r = 0, n - 1 do
-    local rk = {loss = {}, cur = {}, peak = {}, units = {}, plan = {}, run = {}, mask = {}}
+    local rk = {loss = {}, cur = {}, peak = {}, units = {}, plan = {}, run = {}, mask = {}, dropped = {}}
     for line in io.lines(string.format("%s/rank%d.txt", out, r)) do
       local kind, a, b, c = line:match("^(%S+) (%S+) (%S+) ?(%S*)$")
       if kind == "loss" then rk.loss[tonumber(a)] = tonumber(b)
       elseif kind == "mask" then rk.mask[tonumber(a)] = b
+      elseif kind == "dropped" then rk.dropped[tonumber(a)] = tonumber(b)
       elseif kind == "unit" then rk.units[#rk.units + 1] = {name = a, numel = tonumber(b), shard = tonumber(c)}
       else rk[kind][a] = tonumber(b) end
     end

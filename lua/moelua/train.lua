@@ -1013,7 +1013,9 @@ end
 -- every step of the run charges the ledger.
 -- Returns the planned account book of the model's device (model.opts.device;
 -- mem.stats().cpu's fields: peak, at_peak, total_peak, budget_total, ...; a
--- CUDA run plans on any machine) and pool_bytes. When an
+-- CUDA run plans on any machine) and pool_bytes; with expert parallelism
+-- also expert_exchange, the rows an MoE layer's receive buffers are planned
+-- for on this rank (moelua.moe's recv_rows: {worst, capacity, bound}). When an
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
 -- total_peak is what the run needs). Any other failure raises. The
@@ -1025,7 +1027,7 @@ function train.plan(cfg)
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
   train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
-  local pool_bytes, device = nil, "cpu"
+  local pool_bytes, device, exchange = nil, "cpu", nil
   local data_state = cfg.data:state()   -- batch() moves the cursor
   local function step(plan)
     local c = {}
@@ -1038,6 +1040,8 @@ function train.plan(cfg)
     t:step(1)
     if t.val_every > 0 then t:validate() end
     pool_bytes = c.model.pool and c.model.pool:stats().high_water
+    local layers = c.model.moe_layers and c.model:moe_layers() or {}
+    exchange = layers[1] and layers[1].recv_rows
   end
   local function plan_twice()
     local books, why, failed = mem.plan(step)
@@ -1049,6 +1053,7 @@ function train.plan(cfg)
   if not ok then error(books, 0) end
   if books then
     books[device].pool_bytes = pool_bytes
+    books[device].expert_exchange = exchange
     return books[device]
   end
   for d, book in pairs(failed) do   -- a refusal while building: the book that refused

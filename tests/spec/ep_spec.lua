@@ -95,6 +95,35 @@ describe("expert parallelism under mpiexec", function()
     for r = 0, 3 do assert.are.equal(r == 0 and "1000" or "0001", ranks[r].mask[1], "rank " .. r) end
   end)
 
+  it("capacity counts every rank's tokens, kept in global token order, whatever ep", function()
+    -- every token of both ranks to expert 0, top-1, T = 32 per rank, E = 4, factor 1:
+    -- the capacity is ceil(1 * 32 * 1 * 2 / 4) = 16 over both ranks: rank 0 keeps 16, rank 1 none
+    local opts = {["route-all"] = 0, topk = 1, ["capacity-factor"] = 1.0, steps = 2}
+    for _, ep in ipairs{1, 2} do
+      opts.ep = ep
+      local ranks = mpirun(2, tmpdir .. "/cap" .. ep, opts)
+      assert.are.same({16, 32}, {ranks[0].dropped[1], ranks[1].dropped[1]}, "ep " .. ep)
+    end
+    -- under ordinary routing the drops and losses do not depend on ep
+    opts["route-all"], opts.topk, opts.steps = nil, 2, 4
+    local base
+    for _, ep in ipairs{1, 2, 4} do
+      opts.ep = ep
+      local ranks = mpirun(4, tmpdir .. "/capr" .. ep, opts)
+      local drops = {}
+      for r = 0, 3 do drops[r + 1] = ranks[r].dropped[1] + ranks[r].dropped[2] end
+      if not base then
+        base = {drops = drops, r0 = ranks[0]}
+        local any = 0
+        for _, d in ipairs(drops) do any = any + d end
+        assert.is_true(any > 0, "no assignment was dropped: the test proves nothing")
+      else
+        assert.are.same(base.drops, drops, "ep " .. ep)
+        same_losses(ranks[0], base.r0, 4, 2e-4, "ep " .. ep)
+      end
+    end
+  end)
+
   it("an expert no rank routes to: zero-size exchanges, no optimizer states, never updated (lazy Adam)", function()
     local root = tmpdir .. "/dead"
     mpirun(2, tmpdir .. "/deadout", {ep = 2, sparse = true, topk = 1, steps = 3, ["dead-expert"] = 1,

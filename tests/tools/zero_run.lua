@@ -6,6 +6,9 @@
 --   --dead-expert e (expert e never routed to: its router bias is -1e30)
 --   --ep P (expert-parallel size) --adversarial (rank 0 routes every token
 --   to expert 0, every other rank to the last expert: router biases +1e30)
+--   --route-all e (every rank routes every token to expert e: bias +1e30)
+--   --capacity-factor f (policy "drop"; writes "dropped <layer> <n>", this
+--   rank's drops in the last forward)
 --   --stop-rank R --stop-at TEXT (rank R stops itself, SIGSTOP, at the first
 --   all-to-all whose label contains TEXT, after writing the wall clock to
 --   DIR/stopped_at)
@@ -34,7 +37,7 @@ local o = options.parse(arg, {
   {"prefetch", 1}, {"reduce-every", "micro"}, {"sparse", false}, {"timeout", 10.0},
   {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""}, {"bias-rate", 0.0},
   {"experts", 4}, {"topk", 2}, {"dead-expert", -1}, {"ep", 1}, {"adversarial", false},
-  {"stop-rank", -1}, {"stop-at", ""},
+  {"stop-rank", -1}, {"stop-at", ""}, {"route-all", -1}, {"capacity-factor", 0.0},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
@@ -42,13 +45,15 @@ local function build()
   local model = nn.Transformer.new{
     vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = o.experts, topk = o.topk,
     seed = 3, checkpoint = "moe",
-    moe = {bias_rate = (o.dead_expert >= 0 or o.adversarial) and 1e-3 or o.bias_rate},
+    moe = {bias_rate = (o.dead_expert >= 0 or o.adversarial or o.route_all >= 0) and 1e-3 or o.bias_rate,
+           policy = o.capacity_factor > 0 and "drop" or "dropless", capacity_factor = o.capacity_factor},
     zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every, ep = o.ep},
   }
   local rank = dist.rank()
   for _, layer in ipairs(model:moe_layers()) do
     if o.dead_expert >= 0 then layer.bias:narrow(1, o.dead_expert + 1, 1):fill_(-1e30) end
     if o.adversarial then layer.bias:narrow(1, rank == 0 and 1 or o.experts, 1):fill_(1e30) end
+    if o.route_all >= 0 then layer.bias:narrow(1, o.route_all + 1, 1):fill_(1e30) end
   end
   if rank == o.stop_rank then
     local z, exchange = model.zero, model.zero.all_to_all
@@ -100,6 +105,7 @@ for i, layer in ipairs(model:moe_layers()) do
     local ran = {}
     for e, x in ipairs(model:active_experts(i):totable()) do ran[e] = x > 0 and "1" or "0" end
     lines[#lines + 1] = string.format("mask %d %s", i, table.concat(ran))
+    lines[#lines + 1] = string.format("dropped %d %d", i, layer.stats.dropped)
   end
 end
 mio.save(string.format("%s/params.rank%d.safetensors", o.out, rank), whole)
