@@ -7,7 +7,9 @@
  * hand so the top-2 is known; dispatch; the experts forward against a
  * SwiGLU computed here; the backward against a finite difference; the same
  * route with a pool (scratch given back, outputs kept); a refused argument
- * (status, message, nothing allocated); the ledger back to zero. Not here:
+ * (status, message, nothing allocated); per-expert capacities, pack and
+ * unpack of the plan's rows per token and per assignment; the ledger back
+ * to zero. Not here:
  * the Lua bindings (tests/spec/router_spec.lua, experts_spec.lua).
  */
 #include <math.h>
@@ -209,6 +211,80 @@ static void test_pool(ml_host *h)
     ml_pool_release(p);
 }
 
+/* Per-expert capacities drop the known assignments; pack and unpack move
+ * the kept rows (x's small integers add exactly). */
+static void test_caps_pack_unpack(ml_host *h)
+{
+    ml_tensor idx, caps, x, xa, rows = {0}, rowsa = {0}, out, outa;
+    ml_tensor off = {0}, order = {0}, cnt = {0}, drop = {0};
+    int64_t td[2] = {T, K}, ed = E, xd[2] = {T, D}, ad[2] = {T * K, 1};
+    ml_err e;
+    memset(&idx, 0, sizeof idx);
+    memset(&caps, 0, sizeof caps);
+    ml_tensor_alloc(h, &idx, ML_CPU, ML_I64, 2, td, &e);
+    ml_tensor_alloc(h, &caps, ML_CPU, ML_I64, 1, &ed, &e);
+    memcpy(ml_data(&idx), TOP2, sizeof TOP2);
+    const int64_t cap[E] = {2, 3, 3, 1};   /* every expert has 3 assignments: 1 + 2 dropped */
+    memcpy(ml_data(&caps), cap, sizeof cap);
+    ml_dispatch_plan plan = {&off, &order, &cnt, &drop, -1};
+    ml_status s = ml_op_dispatch_caps(h, &plan, &idx, E, &caps, NULL, &e);
+    const int64_t *o = ml_data(&order), *of = ml_data(&off);
+    const uint8_t *dr = ml_data(&drop);
+    /* expert 0's assignments are 0, 5, 9 (keeps 0, 5); expert 3's 3, 4, 8 (keeps 3) */
+    ok(s == ML_OK && plan.ndropped == 3 && of[1] == 2 && of[4] == 9 && dr[9] && dr[4] && dr[8] &&
+       o[9] == 4 && o[10] == 8 && o[11] == 9, "dispatch caps: the first caps[e] kept, 3 dropped in "
+       "(t, j) order: %s", s == ML_OK ? "ok" : e.msg);
+
+    int64_t kept = T * K - plan.ndropped;
+    mk(h, &x, 2, xd, X, NULL);
+    s = ml_op_dispatch_pack(h, &rows, &x, &plan, K, NULL, &e);
+    int same = s == ML_OK && rows.shape[0] == kept && rows.shape[1] == D;
+    for (int64_t p = 0; same && p < kept; p++)
+        same = memcmp((double *)ml_data(&rows) + p * D, X + o[p] / K * D, D * sizeof(double)) == 0;
+    ok(same, "pack per token: row p is x[order[p] / k] (%s)", s == ML_OK ? "ok" : e.msg);
+
+    mk(h, &out, 2, xd, NULL, weight);
+    double before[T * D];
+    memcpy(before, ml_data(&out), sizeof before);
+    s = ml_op_dispatch_unpack(h, &out, &rows, &plan, K, NULL, &e);
+    double err = s == ML_OK ? 0 : INFINITY;
+    for (int t = 0; t < T; t++)
+        for (int d = 0; d < D; d++) {
+            double want = before[t * D + d];
+            for (int j = 0; j < K; j++)   /* the token's kept slots, ascending expert */
+                want += dr[t * K + j] ? 0 : X[t * D + d];
+            err = fmax(err, fabs(((double *)ml_data(&out))[t * D + d] - want));
+        }
+    ok(err < 1e-15, "unpack per token: out += x once per kept slot (max err %.2g)", err);
+
+    double av[T * K];
+    for (int a = 0; a < T * K; a++)
+        av[a] = a;
+    const double zero_a[T * K] = {0};
+    mk(h, &xa, 2, ad, av, NULL);
+    mk(h, &outa, 2, ad, zero_a, NULL);
+    s = ml_op_dispatch_pack(h, &rowsa, &xa, &plan, K, NULL, &e);
+    if (s == ML_OK)
+        s = ml_op_dispatch_unpack(h, &outa, &rowsa, &plan, K, NULL, &e);
+    same = s == ML_OK;
+    for (int a = 0; same && a < T * K; a++)
+        same = ((double *)ml_data(&outa))[a] == (dr[a] ? 0 : a);
+    ok(same, "pack then unpack per assignment: the kept ids back in place, 0 where dropped (%s)",
+       s == ML_OK ? "ok" : e.msg);
+
+    ml_tensor short_rows;
+    int64_t sd[2] = {kept - 1, D};
+    mk(h, &short_rows, 2, sd, NULL, weight);
+    s = ml_op_dispatch_unpack(h, &out, &short_rows, &plan, K, NULL, &e);
+    ok(s == ML_EINVAL && strcmp(e.msg, "rows is [8,4] but must be [kept, C] = [9, 4] (the plan "
+                                "keeps 9 of T·k = 12 assignments)") == 0, "unpack: \"%s\"", e.msg);
+
+    ml_tensor *all[] = {&idx, &caps, &x, &xa, &rows, &rowsa, &out, &outa, &off, &order, &cnt,
+                        &drop, &short_rows};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ml_tensor_drop(all[i]);
+}
+
 int main(void)
 {
     ml_host h;
@@ -216,6 +292,7 @@ int main(void)
     h.interrupt = &no_interrupt;
     test_route_dispatch_experts(&h);
     test_pool(&h);
+    test_caps_pack_unpack(&h);
     ok(h.books[ML_CPU].total == 0, "the ledger is back to zero (%zu bytes)", h.books[ML_CPU].total);
     ml_host_free(&h);
     return tap_done();

@@ -305,6 +305,24 @@ describe("experts.pack and experts.unpack", function()
     assert.are.same(vals(ex.pack(x, plans.drop)), vals(rows))
   end)
 
+  it("takes the worst case inside a memory plan (nothing read back), on the CPU and on CUDA", function()
+    for _, device in ipairs({"cpu", "cuda"}) do
+      local shapes
+      m.mem.plan(function()
+        local o = {dtype = "i64", device = device}
+        local pidx = m.zeros({T, k}, o)
+        -- capacities are not read inside a plan: a negative one passes
+        local plan = ex.dispatch(pidx, E, {policy = "drop", capacities = m.full({E}, -1, o)})
+        local x = m.zeros({T, C}, {dtype = "f64", device = device})
+        local rows = ex.pack(x, plan)
+        local out = m.zeros({T * k, C}, {dtype = "f64", device = device})
+        ex.unpack(rows, plan, out)
+        shapes = {plan.ndropped, rows:shape(), rows:device()}
+      end)
+      assert.are.same({0, {T * k, C}, device}, shapes, device)
+    end
+  end)
+
   it("refuses bad input with messages that name it", function()
     local function err(pat, f, ...)
       local ok, msg = pcall(f, ...)
