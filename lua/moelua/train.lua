@@ -171,9 +171,12 @@ local function mean_over_ranks(z, ...)
 end
 
 -- Each MoE layer's load of the last micro-batch, over all ranks: counts
--- summed, max_share of the summed counts, entropy averaged, drops summed.
+-- summed, max_share of the summed counts, entropy averaged, drops summed;
+-- with several ranks also ranks = each rank's own counts (rank 0 first,
+-- the tokens it routed, wherever their experts ran).
 local function expert_loads(z, stats)
   local loads = {}
+  local per_rank = z.world > 1 and {} or nil
   for i, l in ipairs(stats.layers or {}) do
     local counts, max_share, entropy, dropped = l.counts:totable(), l.max_share, l.entropy, l.dropped
     if z.world > 1 then
@@ -189,6 +192,22 @@ local function expert_loads(z, stats)
       max_share, entropy, dropped = total > 0 and most / total or 0, v[E + 1], math.tointeger(v[E + 2]) or v[E + 2]
     end
     loads[i] = {counts = counts, max_share = max_share, entropy = entropy, dropped = dropped}
+    if per_rank then
+      for e, c in ipairs(l.counts:totable()) do per_rank[(i - 1) * #counts + e] = c end
+    end
+  end
+  if per_rank and #loads > 0 then   -- one gather for every layer
+    local keys, E = {}, #loads[1].counts
+    for j = 1, #per_rank do keys[j] = j end
+    local all = z:gather_numbers(per_rank, keys, "expert loads per rank")
+    for i, ld in ipairs(loads) do
+      ld.ranks = {}
+      for r, v in ipairs(all) do
+        local one = {}
+        for e = 1, E do one[e] = math.tointeger(v[(i - 1) * E + e]) end
+        ld.ranks[r] = one
+      end
+    end
   end
   return loads
 end

@@ -158,6 +158,18 @@ describe("expert parallelism under mpiexec", function()
     local root = tmpdir .. "/ck"
     local ref = mpirun(4, tmpdir .. "/ckout", {ep = 2, stage = 3, steps = 4, ["ckpt-every"] = 3, ["run-dir"] = root})[0]
     local saved = root .. "/ckpt/step-000002"
+    -- the loads in the metrics are every rank's together, each rank's own beside them
+    local ld
+    for line in io.lines(root .. "/metrics.jsonl") do
+      local m = require("dkjson").decode(line)
+      ld = m.loads and m.loads[1] or ld   -- (checkpoint events have none)
+    end
+    assert.are.equal(4, #ld.ranks)
+    for e = 1, #ld.counts do
+      local sum = 0
+      for r = 1, 4 do sum = sum + ld.ranks[r][e] end
+      assert.are.equal(ld.counts[e], sum, "expert " .. (e - 1))
+    end
     local files = {"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors"}
     for _, n in ipairs{2, 1} do
       local dir = string.format("%s/re%d", tmpdir, n)
