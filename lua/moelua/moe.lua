@@ -262,12 +262,12 @@ function Layer:forward(x, step)
   else
     y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
   end
-  if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per kept assignment
+  self.ctx = {x = x, idx = idx, w = w, plan = plan, saved = saved, rstats = rs}
+  if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per row this rank's experts ran
     local t3 = now(dev)
     pf.router, pf.dispatch, pf.experts = pf.router + (t1 - t0), pf.dispatch + (t2 - t1), pf.experts + (t3 - t2)
-    pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * (T * o.topk - plan.ndropped)
+    pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * self:_rows_run()
   end
-  self.ctx = {x = x, idx = idx, w = w, plan = plan, saved = saved, rstats = rs}
   local Tn = math.max(T, 1)
   local mean_prob = self.pool:tensor({o.experts}, {dtype = "f64"}):copy_(rs.psum):div_(Tn)
   local stats = {
@@ -320,7 +320,7 @@ end
 -- counts; inside a plan, all rows from one source up to the bound.
 function Layer:_exchange_rows(plan)
   local z, o = self.ep, self.opts
-  local ep, El, dev = z.ep, self.local_experts, plan.counts:device()
+  local ep, El = z.ep, self.local_experts
   local T, k = plan.T, plan.k
   local worst = ep * T * math.min(k, El)
   local bound = self.capacity and math.min(worst, El * self.capacity) or worst
@@ -383,7 +383,7 @@ function Layer:_backward_ep(dy)
   z:all_to_all(experts.pack(dy, c.plan, {pool = pool}), e.send, dyr, e.recv, "output gradients" .. what)
   local p, g = self.params, self.grads
   local dxr, _, _, dwr = experts.backward(dyr, e.xr, p.gate_up, p.down, e.ids, e.wr, e.rplan, c.saved,
-                                                   self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
+                                         self.expert_opts, {dgate_up = g.gate_up, ddown = g.down})
   local dxs, dws = pool:tensor({e.kept, D}, dt), pool:tensor({e.kept, 1}, dt)
   z:all_to_all(dxr, e.recv, dxs, e.send, "input gradients" .. what)
   z:all_to_all(dwr, e.recv, dws, e.send, "routing weight gradients" .. what)
@@ -391,6 +391,14 @@ function Layer:_backward_ep(dy)
   experts.unpack(dws, c.plan, dw:view({T * k, 1}))
   pool:rewind(m)
   return dx, dw
+end
+
+-- The rows this rank's experts ran in the last forward: the kept
+-- assignments, or with expert parallelism the rows received.
+function Layer:_rows_run()
+  if self.ep then return self.ep_ctx.got end
+  local c = self.ctx
+  return c.x:size(1) * self.opts.topk - c.plan.ndropped
 end
 
 -- The aux and z coefficients of one layer as its own model (N = T), in
@@ -431,8 +439,7 @@ function Layer:backward(dy, coef)
   router.backward(dw, c.x, p.wg, c.idx, self.router_opts, {aux = aux, z = z, dx = dx, dwg = g.wg})
   if pf then   -- expert backward: dgate_up, ddown and dx GEMMs, 2x the forward's (recompute not counted)
     pf.experts, pf.router = pf.experts + (t1 - t0), pf.router + (now(dev) - t1)
-    pf.experts_flop = pf.experts_flop + 12 * self.opts.dim * self.opts.ffn *
-                      (c.x:size(1) * self.opts.topk - c.plan.ndropped)
+    pf.experts_flop = pf.experts_flop + 12 * self.opts.dim * self.opts.ffn * self:_rows_run()
   end
   return dx
 end
