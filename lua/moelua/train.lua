@@ -124,6 +124,7 @@ local mem = require "moelua.mem"
 local mio = require "moelua.io"
 local bench = require "moelua.bench"
 local fs = require "moelua.fs"
+local measure = require "moelua.measure"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
@@ -479,19 +480,6 @@ local function trainer_state(self, step, optim_meta)
     provenance = self.provenance, rollbacks_to = self.rollbacks_to, skip_to = self.skip_to,
     alarm_runs = self.alarm_runs,
   }
-end
-
-local function machine_fingerprint()
-  local cpu = "unknown"
-  local f = io.open("/proc/cpuinfo")
-  if f then
-    for line in f:lines() do
-      local m = line:match("^model name%s*:%s*(.+)$")
-      if m then cpu = m break end
-    end
-    f:close()
-  end
-  return cpu
 end
 
 local Trainer = {}
@@ -999,7 +987,7 @@ local function new_trainer(cfg)
     val_every = cfg.val_every or 0, val_batches = cfg.val_batches or 4, log_every = cfg.log_every or 10,
     on_rollback = cfg.on_rollback, on_alarm = cfg.on_alarm, data_offset = 0, skipped = 0, skipped_run = 0,
     rollbacks_to = {}, skip_to = {}, alarm_runs = {},
-    machine = machine_fingerprint(), tty = cfg.tty, progress_after = cfg.progress_after or 3,
+    machine = measure.cpu().model, tty = cfg.tty, progress_after = cfg.progress_after or 3,
   }, Trainer)
   for _, k in ipairs({"steps", "accum"}) do
     if math.type(self[k]) ~= "integer" or self[k] < 1 then

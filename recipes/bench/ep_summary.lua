@@ -58,23 +58,9 @@ local function run_options(ck)
   return t and t.provenance and t.provenance.options
 end
 
-local flags = {}
-for line in io.lines("/proc/cpuinfo") do
-  local fl = line:match("^flags%s*:%s*(.+)$")
-  if fl then
-    for _, want in ipairs{"fma", "avx2", "avx512f", "avx512bw"} do
-      if (" " .. fl .. " "):find(" " .. want .. " ", 1, true) then flags[#flags + 1] = want end
-    end
-    break
-  end
-end
-local model
-for line in io.lines("/proc/cpuinfo") do
-  model = line:match("^model name%s*:%s*(.+)$")
-  if model then break end
-end
-print(string.format("CPU: %s, flags %s; one OpenMP and one OpenBLAS thread per rank", model or "?",
-                    table.concat(flags, " ")))
+local cpu = require("moelua.measure").cpu()
+print(string.format("CPU: %s, flags %s; one OpenMP and one OpenBLAS thread per rank", cpu.model,
+                    table.concat(cpu.flags, " ")))
 print()
 
 -- The analytic pieces of one run: the counts' bytes per rank, the bytes of
