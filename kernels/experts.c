@@ -254,7 +254,7 @@ static int nthreads_of(const ml_kctx *ctx)
 
 ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scratch,
                                  const void *x, const void *w, const int64_t *order,
-                                 const int64_t *offsets, const void *gate_up, const void *down,
+                                 const int64_t *offsets, const ml_experts_weights *wt,
                                  const ml_experts_cfg *c, const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
@@ -273,8 +273,7 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w};
         for (int64_t e = 0; e < c->E; e++) {
-            const char *gu = (const char *)gate_up + (size_t)(e * 2 * F * D) * es;
-            const char *dn = (const char *)down + (size_t)(e * D * F) * es;
+            const void *gu = wt->gate_up[e], *dn = wt->down[e];
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
                 #pragma omp master
                 ml_kctx_progress(ctx);
@@ -309,12 +308,12 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
 
 /* ---- backward --------------------------------------------------------------- */
 
-ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                                   uint8_t *touched, void *scratch, const void *h_saved,
                                   const void *dy, const void *x, const void *w,
                                   const int64_t *order, const int64_t *offsets,
-                                  const void *gate_up, const void *down,
-                                  const ml_experts_cfg *c, const ml_kctx *ctx)
+                                  const ml_experts_weights *wt, const ml_experts_cfg *c,
+                                  const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -335,10 +334,8 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *d
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w, .dw = dw};
         for (int64_t e = 0; e < c->E; e++) {
-            const char *gu = (const char *)gate_up + (size_t)(e * 2 * F * D) * es;
-            const char *dn = (const char *)down + (size_t)(e * D * F) * es;
-            char *dgu = (char *)dgate_up + (size_t)(e * 2 * F * D) * es;
-            char *ddn = (char *)ddown + (size_t)(e * D * F) * es;
+            const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            void *dgu = dwt->gate_up[e], *ddn = dwt->down[e];
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
                 #pragma omp master
                 ml_kctx_progress(ctx);

@@ -23,7 +23,9 @@
  *
  * The tile walk needs the plan's offsets on the host: they are read back in
  * blocks of 256 experts into a stack buffer (one synchronising copy per
- * block). The interrupt flag is polled between tiles.
+ * block). The per-expert weight tables are host arrays of device pointers:
+ * the walk reads expert e's entries on the host and hands them to cuBLAS.
+ * The interrupt flag is polled between tiles.
  */
 #include "cuda_common.cuh"
 
@@ -196,8 +198,7 @@ static ml_status host_offsets(int64_t *dst, const int64_t *offsets, int64_t e0, 
 template <typename F>
 static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, const void *x,
                          const void *w, const int64_t *order, const int64_t *offsets,
-                         const void *gate_up, const void *down, const ml_experts_cfg *c,
-                         const ml_kctx *ctx)
+                         const ml_experts_weights *wt, const ml_experts_cfg *c, const ml_kctx *ctx)
 {
     cudaStream_t st = ml_cuda_stream(ctx);
     int64_t D = c->D, Fd = c->F, R = c->tile;
@@ -210,8 +211,7 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
         int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
         TRY(host_offsets(off, offsets, eb, nb, st));
         for (int64_t e = eb; e < eb + nb; e++) {
-            const F *gu = (const F *)gate_up + e * 2 * Fd * D;
-            const F *dn = (const F *)down + e * D * Fd;
+            const void *gu = wt->gate_up[e], *dn = wt->down[e];
             int64_t p1 = off[e - eb + 1];
             for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {
                 if (ml_kctx_interrupted(ctx))
@@ -233,24 +233,24 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
 
 extern "C" ml_status ml_experts_forward_cuda(ml_dtype dt, void *y, void *h_saved, void *scratch,
                                              const void *x, const void *w, const int64_t *order,
-                                             const int64_t *offsets, const void *gate_up,
-                                             const void *down, const ml_experts_cfg *c,
-                                             const ml_kctx *ctx)
+                                             const int64_t *offsets,
+                                             const ml_experts_weights *wt,
+                                             const ml_experts_cfg *c, const ml_kctx *ctx)
 {
     if (dt == ML_F32)
-        return forward<float>(dt, y, h_saved, scratch, x, w, order, offsets, gate_up, down, c, ctx);
+        return forward<float>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
     if (dt == ML_F64)
-        return forward<double>(dt, y, h_saved, scratch, x, w, order, offsets, gate_up, down, c, ctx);
+        return forward<double>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
     return ML_EUNSUPPORTED;
 }
 
 /* ---- backward ------------------------------------------------------------------------- */
 
 template <typename F>
-static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+static ml_status backward(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                           uint8_t *touched, void *scratch, const void *h_saved, const void *dy,
                           const void *x, const void *w, const int64_t *order,
-                          const int64_t *offsets, const void *gate_up, const void *down,
+                          const int64_t *offsets, const ml_experts_weights *wt,
                           const ml_experts_cfg *c, const ml_kctx *ctx)
 {
     cudaStream_t st = ml_cuda_stream(ctx);
@@ -268,10 +268,8 @@ static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, vo
         int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
         TRY(host_offsets(off, offsets, eb, nb, st));
         for (int64_t e = eb; e < eb + nb; e++) {
-            const F *gu = (const F *)gate_up + e * 2 * Fd * D;
-            const F *dn = (const F *)down + e * D * Fd;
-            F *dgu = (F *)dgate_up + e * 2 * Fd * D;
-            F *ddn = (F *)ddown + e * D * Fd;
+            const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            void *dgu = dwt->gate_up[e], *ddn = dwt->down[e];
             int64_t p1 = off[e - eb + 1];
             for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {
                 if (ml_kctx_interrupted(ctx))
@@ -300,19 +298,19 @@ static ml_status backward(ml_dtype dt, void *dx, void *dgate_up, void *ddown, vo
     return ML_OK;
 }
 
-extern "C" ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, void *dgate_up, void *ddown,
+extern "C" ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt,
                                               void *dw, uint8_t *touched, void *scratch,
                                               const void *h_saved, const void *dy, const void *x,
                                               const void *w, const int64_t *order,
-                                              const int64_t *offsets, const void *gate_up,
-                                              const void *down, const ml_experts_cfg *c,
-                                              const ml_kctx *ctx)
+                                              const int64_t *offsets,
+                                              const ml_experts_weights *wt,
+                                              const ml_experts_cfg *c, const ml_kctx *ctx)
 {
     if (dt == ML_F32)
-        return backward<float>(dt, dx, dgate_up, ddown, dw, touched, scratch, h_saved, dy, x, w,
-                               order, offsets, gate_up, down, c, ctx);
+        return backward<float>(dt, dx, dwt, dw, touched, scratch, h_saved, dy, x, w, order,
+                               offsets, wt, c, ctx);
     if (dt == ML_F64)
-        return backward<double>(dt, dx, dgate_up, ddown, dw, touched, scratch, h_saved, dy, x, w,
-                                order, offsets, gate_up, down, c, ctx);
+        return backward<double>(dt, dx, dwt, dw, touched, scratch, h_saved, dy, x, w, order,
+                                offsets, wt, c, ctx);
     return ML_EUNSUPPORTED;
 }

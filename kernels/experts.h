@@ -6,7 +6,14 @@
  * Expert e computes y = w2(silu(w1 x) * w3 x) with its weights stored as
  *   gate_up[e] [2F, D]   rows 0..F-1 are w1, rows F..2F-1 are w3
  *   down[e]    [D, F]    w2
- * (Linear weights are [out, in]; one expert is two contiguous slices.)
+ * (Linear weights are [out, in].) The kernels take the experts as tables
+ * of per-expert pointers (ml_experts_weights), not as [E, 2F, D] blocks,
+ * so the experts may lie anywhere and in any order: a rank or a cache slot
+ * holds any subset (DESIGN.md, expert parallelism and the expert store).
+ * The tables are host arrays on every backend (CUDA reads them on the host
+ * to issue one cuBLAS call per tile); the pointers in them are on the
+ * kernel's device. Only the entries of experts with rows are read: an
+ * expert with none may have NULL entries.
  *
  * The plan comes from kernels/dispatch.h: the kept assignments of expert e
  * are order[offsets[e] .. offsets[e+1]), a = t·k + j, token t = a / k. The
@@ -47,8 +54,9 @@
  * Kernels never allocate and never raise; the interrupt flag is polled
  * between tiles. dtypes: f32, f64 (x, w, weights, outputs and scratch all
  * in one dtype). CPU: experts.c; CUDA: experts.cu (same arguments, suffix
- * _cuda, every pointer on the device; GEMMs through cuBLAS, the combine in
- * the same row order as here, so results agree with the CPU normwise).
+ * _cuda, every pointer on the device but the cfg and the tables
+ * themselves; GEMMs through cuBLAS, the combine in the same row order as
+ * here, so results agree with the CPU normwise).
  */
 #ifndef ML_KERNELS_EXPERTS_H
 #define ML_KERNELS_EXPERTS_H
@@ -61,6 +69,20 @@ typedef struct {
     int64_t tile;       /* R, rows per tile, >= 1 */
     int64_t nsaved;     /* S, dispatch positions whose h is kept, 0 .. T·k */
 } ml_experts_cfg;
+
+/* The experts' weights: [E] host arrays, expert e's gate_up [2F, D] and
+ * down [D, F], each contiguous, read only. */
+typedef struct {
+    const void *const *gate_up;
+    const void *const *down;
+} ml_experts_weights;
+
+/* Their gradients: [E] host arrays of contiguous [2F, D] and [D, F]
+ * accumulators (+=); only experts with rows are written. */
+typedef struct {
+    void *const *gate_up;
+    void *const *down;
+} ml_experts_wgrads;
 
 /* Scratch elements (of the kernel's dtype) each direction needs:
  * forward R·(D + 3F), backward R·(2D + 4F); -1 when the count overflows
@@ -77,40 +99,38 @@ int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
  *   x        [T, D]
  *   w        [T, k]     combine weights
  *   order    [T·k], offsets [E+1]: a plan (ml_dispatch_check_plan_cpu)
- *   gate_up  [E, 2F, D]
- *   down     [E, D, F] */
+ *   wt       the E experts' weights */
 ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scratch,
                                  const void *x, const void *w, const int64_t *order,
-                                 const int64_t *offsets, const void *gate_up, const void *down,
+                                 const int64_t *offsets, const ml_experts_weights *wt,
                                  const ml_experts_cfg *c, const ml_kctx *ctx);
 
 /* Backward, with dy [T, D] the gradient of y.
  *   dx        [T, D]     accumulates (+=)
- *   dgate_up  [E, 2F, D] accumulates (+=), tile by tile in order; untouched
- *                        experts are not written at all
- *   ddown     [E, D, F]  accumulates (+=), likewise
+ *   dwt       the weights' gradients: accumulate (+=), tile by tile in
+ *             order; experts without rows are not written at all
  *   dw        [T, k]     out (=): 0 for dropped assignments
  *   touched   [E]        out (=): 1 where expert e had rows (got a gradient)
  *   scratch   [backward_scratch]
  *   h_saved   [S, 2F]    what forward saved with the same cfg (NULL when S = 0)
- *   dy [T, D], x, w, order, offsets, gate_up, down: as in forward */
-ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+ *   dy [T, D], x, w, order, offsets, wt: as in forward */
+ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                                   uint8_t *touched, void *scratch, const void *h_saved,
                                   const void *dy, const void *x, const void *w,
                                   const int64_t *order, const int64_t *offsets,
-                                  const void *gate_up, const void *down,
-                                  const ml_experts_cfg *c, const ml_kctx *ctx);
+                                  const ml_experts_weights *wt, const ml_experts_cfg *c,
+                                  const ml_kctx *ctx);
 
 /* The CUDA twins (experts.cu; `make CUDA=1` builds only). */
 ml_status ml_experts_forward_cuda(ml_dtype dt, void *y, void *h_saved, void *scratch,
                                   const void *x, const void *w, const int64_t *order,
-                                  const int64_t *offsets, const void *gate_up, const void *down,
+                                  const int64_t *offsets, const ml_experts_weights *wt,
                                   const ml_experts_cfg *c, const ml_kctx *ctx);
-ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, void *dgate_up, void *ddown, void *dw,
+ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                                    uint8_t *touched, void *scratch, const void *h_saved,
                                    const void *dy, const void *x, const void *w,
                                    const int64_t *order, const int64_t *offsets,
-                                   const void *gate_up, const void *down,
-                                   const ml_experts_cfg *c, const ml_kctx *ctx);
+                                   const ml_experts_weights *wt, const ml_experts_cfg *c,
+                                   const ml_kctx *ctx);
 
 #endif

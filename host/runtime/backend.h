@@ -149,11 +149,11 @@ typedef struct ml_kernels {
     int64_t (*dispatch_check_plan)(const int64_t *, const int64_t *, const int64_t *, int64_t, int64_t,
                                    void *, const ml_kctx *);
     ml_status (*experts_forward)(ml_dtype, void *, void *, void *, const void *, const void *,
-                                 const int64_t *, const int64_t *, const void *, const void *,
+                                 const int64_t *, const int64_t *, const ml_experts_weights *,
                                  const ml_experts_cfg *, const ml_kctx *);
-    ml_status (*experts_backward)(ml_dtype, void *, void *, void *, void *, uint8_t *, void *,
-                                  const void *, const void *, const void *, const void *,
-                                  const int64_t *, const int64_t *, const void *, const void *,
+    ml_status (*experts_backward)(ml_dtype, void *, const ml_experts_wgrads *, void *, uint8_t *,
+                                  void *, const void *, const void *, const void *, const void *,
+                                  const int64_t *, const int64_t *, const ml_experts_weights *,
                                   const ml_experts_cfg *, const ml_kctx *);
 
     /* The dense layers (kernels/rmsnorm.h, rope.h, embedding.h,

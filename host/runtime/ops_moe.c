@@ -6,6 +6,7 @@
 #include "ops_moe.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- pool or ledger ------------------------------------------------------------- */
@@ -573,36 +574,116 @@ ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *row
     return ml_kernel_status(ks, e);
 }
 
-/* The operands forward and backward share, checked against each other;
- * fills cfg's dims. */
-static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate_up,
-                           const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
-                           const ml_dispatch_plan *plan, ml_experts_cfg *c, ml_err *e)
+/* ---- experts ------------------------------------------------------------------------ */
+
+/* The experts as the ops see them: a table (kernels/experts.h) and, when
+ * the caller gave tensors, those tensors and the arrays tabulating them.
+ * The arrays of up to EX_STACK experts live here, in the op's frame, so
+ * a step with a usual expert count makes no heap allocation (pool and
+ * scratch are on the operands' device, and a CUDA table must be host
+ * memory); more experts take one malloc of 4·E pointers, freed by
+ * ex_release before the op returns. */
+#define EX_STACK 64
+
+typedef struct {
+    ml_experts_table t;
+    ml_experts_wgrads gw;              /* the gradients' table (backward) */
+    const ml_tensor *gate_up, *down;   /* the tensors t tabulates; NULL for a given table */
+    const void *wst[2 * EX_STACK];     /* gate_up [E], then down [E] */
+    void *gst[2 * EX_STACK];           /* dgate_up [E], then ddown [E] */
+    void *heap;                        /* E > EX_STACK: 2E const pointers, then 2E more */
+} ex_weights;
+
+static void ex_release(ex_weights *wt)
+{
+    free(wt->heap);
+    wt->heap = NULL;
+}
+
+/* Expert i's slice of t [E, a, b] (contiguous, checked). */
+static char *ex_slice(const ml_tensor *t, int64_t E, int64_t i)
+{
+    return (char *)ml_data(t) + (size_t)i * (ml_nbytes(t) / (size_t)E);
+}
+
+/* x [T, D] with gate_up [E, 2F, D] and down [E, D, F] of x's dtype on x's
+ * device, E >= 1, F >= 1, tabulated into wt. */
+static ml_status ex_tabulate(const ml_tensor *x, const ml_tensor *gate_up, const ml_tensor *down,
+                             ex_weights *wt, ml_err *e)
 {
     ML_TRY(live(x, "x", e));
     ml_device dev = x->st->device;
     ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
     ML_TRY(ex_tensor(gate_up, "gate_up", dev, EX_ANY, 3, NULL, e));
     ML_TRY(ex_tensor(down, "down", dev, EX_ANY, 3, NULL, e));
-    ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
-    ML_TRY(ex_tensor(w, "w", dev, EX_ANY, 2, NULL, e));
-    const char *names[] = {"gate_up", "down", "w"};
-    const ml_tensor *ts[] = {gate_up, down, w};
-    for (int i = 0; i < 3; i++)
+    const char *names[] = {"gate_up", "down"};
+    const ml_tensor *ts[] = {gate_up, down};
+    for (int i = 0; i < 2; i++)
         if (ts[i]->dtype != x->dtype)
             return ml_err_set(e, ML_EINVAL, "%s: dtype %s does not match x's %s", names[i],
                               ml_dtype_names[ts[i]->dtype], ml_dtype_names[x->dtype]);
-    c->T = x->shape[0];
-    c->D = x->shape[1];
-    c->E = gate_up->shape[0];
-    c->F = gate_up->shape[1] / 2;
-    c->k = idx->shape[1];
-    if (gate_up->shape[2] != c->D || gate_up->shape[1] % 2 != 0)
+    int64_t D = x->shape[1], E = gate_up->shape[0], F = gate_up->shape[1] / 2;
+    if (gate_up->shape[2] != D || gate_up->shape[1] % 2 != 0)
         return mismatch("expected gate_up [E, 2F, D]", gate_up, "gate_up", x, "x [T, D]", e);
-    if (c->E < 1 || c->F < 1)
+    if (E < 1 || F < 1)
         return ml_err_set(e, ML_EINVAL, "gate_up: needs E >= 1 experts and F >= 1");
-    if (down->shape[0] != c->E || down->shape[1] != c->D || down->shape[2] != c->F)
+    if (down->shape[0] != E || down->shape[1] != D || down->shape[2] != F)
         return mismatch("expected down [E, D, F]", down, "down", gate_up, "gate_up [E, 2F, D]", e);
+    const void **p = wt->wst;
+    wt->heap = NULL;
+    if (E > EX_STACK && !(p = wt->heap = malloc((size_t)E * 4 * sizeof(void *))))
+        return ml_err_set(e, ML_EALLOC, "out of host memory for the pointer tables of %lld experts",
+                          (long long)E);
+    for (int64_t i = 0; i < E; i++) {
+        p[i] = ex_slice(gate_up, E, i);
+        p[E + i] = ex_slice(down, E, i);
+    }
+    wt->t = (ml_experts_table){{p, p + E}, E, F, D, x->dtype, dev};
+    wt->gate_up = gate_up;
+    wt->down = down;
+    return ML_OK;
+}
+
+/* The gradients' table from the tensors g->dgate_up and g->ddown (given
+ * or just allocated), into the arrays ex_tabulate chose. */
+static void ex_tabulate_grads(ex_weights *wt, const ml_experts_grads *g)
+{
+    int64_t E = wt->t.E;
+    void **p = wt->heap ? (void **)wt->heap + 2 * E : wt->gst;
+    for (int64_t i = 0; i < E; i++) {
+        p[i] = ex_slice(g->dgate_up, E, i);
+        p[E + i] = ex_slice(g->ddown, E, i);
+    }
+    wt->gw = (ml_experts_wgrads){p, p + E};
+}
+
+/* The operands forward and backward share, checked against each other and
+ * against the table (its pointers are trusted); fills cfg's dims. */
+static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_experts_table *t,
+                           const ml_tensor *idx, const ml_tensor *w, const ml_dispatch_plan *plan,
+                           ml_experts_cfg *c, ml_err *e)
+{
+    ML_TRY(live(x, "x", e));
+    ml_device dev = x->st->device;
+    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    if (t->E < 1 || t->F < 1 || !t->w.gate_up || !t->w.down)
+        return ml_err_set(e, ML_EINVAL, "table: needs E >= 1 experts, F >= 1 and both arrays, got "
+                          "E = %lld, F = %lld", (long long)t->E, (long long)t->F);
+    if (t->dtype != x->dtype || t->device != dev || t->D != x->shape[1])
+        return ml_err_set(e, ML_EINVAL, "table: experts of %s on %s with D = %lld do not match x "
+                          "(%s on %s, D = %lld)", ml_dtype_names[t->dtype],
+                          ml_device_names[t->device], (long long)t->D, ml_dtype_names[x->dtype],
+                          ml_device_names[dev], (long long)x->shape[1]);
+    ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
+    ML_TRY(ex_tensor(w, "w", dev, EX_ANY, 2, NULL, e));
+    if (w->dtype != x->dtype)
+        return ml_err_set(e, ML_EINVAL, "w: dtype %s does not match x's %s",
+                          ml_dtype_names[w->dtype], ml_dtype_names[x->dtype]);
+    c->T = x->shape[0];
+    c->D = t->D;
+    c->E = t->E;
+    c->F = t->F;
+    c->k = idx->shape[1];
     if (idx->shape[0] != c->T)
         return mismatch("expected idx [T, k]", idx, "idx", x, "x [T, D]", e);
     if (c->k < 1)
@@ -638,7 +719,8 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_tensor *gate
  * [0, T·k]. */
 static ml_status ex_run_cfg(const ml_experts_cfg *c, ml_experts_cfg *run, ml_err *e)
 {
-    int64_t row = 2 * c->D + 4 * c->F;   /* D, F come from allocated tensors: no overflow */
+    /* D is x's and F a tensor's or a table's whose [2F, D] blocks exist: no overflow */
+    int64_t row = 2 * c->D + 4 * c->F;
     int64_t n = c->T * c->k;
     if (c->tile < 1 || c->tile > INT64_MAX / row)
         return ml_err_set(e, ML_EINVAL, "tile = %lld is out of range (the scratch of tile·(2D + 4F) "
@@ -662,13 +744,13 @@ static ml_status ex_scratch_bytes(int64_t ne, ml_dtype dt, size_t *nb, ml_err *e
     return ML_OK;
 }
 
-ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, const ml_tensor *x,
-                                const ml_tensor *gate_up, const ml_tensor *down,
-                                const ml_tensor *idx, const ml_tensor *w,
-                                const ml_dispatch_plan *plan, ml_experts_cfg *cfg, ml_pool *pool,
-                                ml_err *e)
+ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved_h,
+                                      const ml_tensor *x, const ml_experts_table *t,
+                                      const ml_tensor *idx, const ml_tensor *w,
+                                      const ml_dispatch_plan *plan, ml_experts_cfg *cfg,
+                                      ml_pool *pool, ml_err *e)
 {
-    ML_TRY(ex_common(h, x, gate_up, down, idx, w, plan, cfg, e));
+    ML_TRY(ex_common(h, x, t, idx, w, plan, cfg, e));
     ml_experts_cfg run;
     ML_TRY(ex_run_cfg(cfg, &run, e));
     size_t nb = 0;
@@ -685,19 +767,34 @@ ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, co
     ml_kctx c = ml_host_kctx(h);
     ml_status ks = ML_KCALL(h, dev, experts_forward, x->dtype, ml_data(y),
                             run.nsaved > 0 ? ml_data(saved_h) : NULL, buf, ml_data(x), ml_data(w),
-                            ml_data(plan->order), ml_data(plan->offsets), ml_data(gate_up),
-                            ml_data(down), &run, &c);
+                            ml_data(plan->order), ml_data(plan->offsets), &t->w, &run, &c);
     scratch_give(&s);
     return ml_kernel_status(ks, e);
 }
 
-ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml_tensor *dy,
-                                 const ml_tensor *x, const ml_tensor *gate_up,
-                                 const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
-                                 const ml_dispatch_plan *plan, const ml_tensor *saved_h,
-                                 ml_experts_cfg *cfg, ml_pool *pool, ml_err *e)
+ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, const ml_tensor *x,
+                                const ml_tensor *gate_up, const ml_tensor *down,
+                                const ml_tensor *idx, const ml_tensor *w,
+                                const ml_dispatch_plan *plan, ml_experts_cfg *cfg, ml_pool *pool,
+                                ml_err *e)
 {
-    ML_TRY(ex_common(h, x, gate_up, down, idx, w, plan, cfg, e));
+    ex_weights wt;
+    ML_TRY(ex_tabulate(x, gate_up, down, &wt, e));
+    ml_status s = ml_op_experts_forward_table(h, y, saved_h, x, &wt.t, idx, w, plan, cfg, pool, e);
+    ex_release(&wt);
+    return s;
+}
+
+/* The backward of both forms: with tensors (wt->gate_up set) the weight
+ * gradients are g's dgate_up and ddown, checked, allocated when empty and
+ * tabulated here; with a table they are wt->gw and g's are not used. */
+static ml_status ex_backward(ml_host *h, const ml_experts_grads *g, const ml_tensor *dy,
+                             const ml_tensor *x, ex_weights *wt, const ml_tensor *idx,
+                             const ml_tensor *w, const ml_dispatch_plan *plan,
+                             const ml_tensor *saved_h, ml_experts_cfg *cfg, ml_pool *pool,
+                             ml_err *e)
+{
+    ML_TRY(ex_common(h, x, &wt->t, idx, w, plan, cfg, e));
     ml_device dev = x->st->device;
     ml_dtype dt = x->dtype;
     ML_TRY(ex_tensor(dy, "dy", dev, EX_ANY, 2, NULL, e));
@@ -715,16 +812,20 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
 
     static const char *const gnames[] = {"grads.dx", "grads.dgate_up", "grads.ddown", "grads.dw",
                                          "grads.touched"};
-    ml_tensor *gt[5] = {g->dx, g->dgate_up, g->ddown, g->dw, g->touched};
+    int tensors = wt->gate_up != NULL;
+    ml_tensor *gt[5] = {g->dx, tensors ? g->dgate_up : NULL, tensors ? g->ddown : NULL, g->dw,
+                        g->touched};
     int64_t shapes[5][3] = {{run.T, run.D}, {run.E, 2 * run.F, run.D}, {run.E, run.D, run.F},
                             {run.T, run.k}, {run.E}};
     const int ndims[5] = {2, 3, 3, 2, 1}, zero[5] = {1, 1, 1, 0, 0};
     const ml_dtype dts[5] = {dt, dt, dt, dt, ML_U8};
-    /* outputs the kernel zeroes or writes while it reads the inputs */
-    const ml_tensor *ins[] = {dy, x, gate_up, down, idx, w, run.nsaved > 0 ? saved_h : NULL};
+    /* outputs the kernel zeroes or writes while it reads the inputs (a
+     * table's blocks are trusted not to overlap them) */
+    const ml_tensor *ins[] = {dy, x, wt->gate_up, wt->down, idx, w,
+                              run.nsaved > 0 ? saved_h : NULL};
     static const char *const inn[] = {"dy", "x", "gate_up", "down", "idx", "w", "saved.h"};
     for (int i = 0; i < 5; i++) {
-        if (!gt[i]->st)
+        if (!gt[i] || !gt[i]->st)
             continue;
         ML_TRY(ex_tensor(gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], e));
         for (int j = 0; j < 7; j++)
@@ -732,22 +833,53 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s (outputs must not alias "
                                   "inputs)", gnames[i], inn[j]);
         for (int j = 0; j < i; j++)
-            if (ml_tensors_overlap(gt[i], gt[j]))
+            if (gt[j] && ml_tensors_overlap(gt[i], gt[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s", gnames[i], gnames[j]);
     }
     size_t nb = 0;
     ML_TRY(ex_scratch_bytes(ml_experts_backward_scratch(&run), dt, &nb, e));
     for (int i = 0; i < 5; i++)
-        ML_TRY(output(h, pool, gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], zero[i], e));
+        if (gt[i])
+            ML_TRY(output(h, pool, gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], zero[i], e));
+    if (tensors)
+        ex_tabulate_grads(wt, g);
     scratch s;
     void *buf;
     ML_TRY(scratch_take(h, pool, dev, nb, "the experts scratch", &s, &buf, e));
     ml_kctx c = ml_host_kctx(h);
-    ml_status ks = ML_KCALL(h, dev, experts_backward, dt, ml_data(g->dx), ml_data(g->dgate_up),
-                            ml_data(g->ddown), ml_data(g->dw), ml_data(g->touched), buf,
-                            run.nsaved > 0 ? ml_data(saved_h) : NULL, ml_data(dy), ml_data(x),
-                            ml_data(w), ml_data(plan->order), ml_data(plan->offsets),
-                            ml_data(gate_up), ml_data(down), &run, &c);
+    ml_status ks = ML_KCALL(h, dev, experts_backward, dt, ml_data(g->dx), &wt->gw, ml_data(g->dw),
+                            ml_data(g->touched), buf, run.nsaved > 0 ? ml_data(saved_h) : NULL,
+                            ml_data(dy), ml_data(x), ml_data(w), ml_data(plan->order),
+                            ml_data(plan->offsets), &wt->t.w, &run, &c);
     scratch_give(&s);
     return ml_kernel_status(ks, e);
+}
+
+ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml_tensor *dy,
+                                 const ml_tensor *x, const ml_tensor *gate_up,
+                                 const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
+                                 const ml_dispatch_plan *plan, const ml_tensor *saved_h,
+                                 ml_experts_cfg *cfg, ml_pool *pool, ml_err *e)
+{
+    ex_weights wt;
+    ML_TRY(ex_tabulate(x, gate_up, down, &wt, e));
+    ml_status s = ex_backward(h, g, dy, x, &wt, idx, w, plan, saved_h, cfg, pool, e);
+    ex_release(&wt);
+    return s;
+}
+
+ml_status ml_op_experts_backward_table(ml_host *h, const ml_experts_grads *g,
+                                       const ml_experts_wgrads *gw, const ml_tensor *dy,
+                                       const ml_tensor *x, const ml_experts_table *t,
+                                       const ml_tensor *idx, const ml_tensor *w,
+                                       const ml_dispatch_plan *plan, const ml_tensor *saved_h,
+                                       ml_experts_cfg *cfg, ml_pool *pool, ml_err *e)
+{
+    if (!gw->gate_up || !gw->down)
+        return ml_err_set(e, ML_EINVAL, "gw: needs both gradient arrays");
+    ex_weights wt;   /* a given table: no tensors, nothing to release */
+    wt.t = *t;
+    wt.gw = *gw;
+    wt.gate_up = wt.down = NULL;
+    return ex_backward(h, g, dy, x, &wt, idx, w, plan, saved_h, cfg, pool, e);
 }

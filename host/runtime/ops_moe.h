@@ -1,7 +1,8 @@
 /*
  * host/runtime/ops_moe.h - the op layer of the MoE layer: router, dispatch
- * (with pack / unpack of a plan's rows), SwiGLU experts (kernels/router.h,
- * dispatch.h, experts.h have the semantics). Each op checks every operand (one device, dtypes, shapes,
+ * (with pack / unpack of a plan's rows), SwiGLU experts (as tensors or as
+ * per-expert pointer tables); kernels/router.h, dispatch.h, experts.h have
+ * the semantics. Each op checks every operand (one device, dtypes, shapes,
  * contiguity, expert ids and plans), allocates the outputs it is given
  * empty, takes its scratch, calls the device's kernels through ML_KCALL
  * and gives the scratch back before returning, so C code (expert
@@ -145,5 +146,38 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
                                  const ml_tensor *down, const ml_tensor *idx, const ml_tensor *w,
                                  const ml_dispatch_plan *plan, const ml_tensor *saved_h,
                                  ml_experts_cfg *cfg, ml_pool *pool, ml_err *e);
+
+/* The experts as per-expert pointer tables (kernels/experts.h) instead of
+ * [E, 2F, D] / [E, D, F] tensors: expert parallelism and the expert store,
+ * where a rank or a cache slot holds any subset of the experts, anywhere
+ * and in any order. The tensor ops above are these with the tables of
+ * their tensors. The arrays are host memory read during the call only;
+ * the op checks the sizes against x and trusts the pointers: the entries
+ * of every expert the plan gives rows point at contiguous blocks of dtype
+ * on device ([2F, D] and [D, F]) that stay live through the call and that
+ * no output overlaps; the other entries are never read (NULL allowed). */
+typedef struct {
+    ml_experts_weights w;  /* [E] host arrays of pointers on `device` */
+    int64_t E, F, D;       /* E >= 1, F >= 1; D is x's */
+    ml_dtype dtype;        /* x's */
+    ml_device device;      /* x's */
+} ml_experts_table;
+
+/* ml_op_experts_forward over table t (cfg's E and F are t's). */
+ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved_h,
+                                      const ml_tensor *x, const ml_experts_table *t,
+                                      const ml_tensor *idx, const ml_tensor *w,
+                                      const ml_dispatch_plan *plan, ml_experts_cfg *cfg,
+                                      ml_pool *pool, ml_err *e);
+/* ml_op_experts_backward over table t: g's dx, dw and touched as there
+ * (g->dgate_up and g->ddown are not used; NULL allowed), the weights'
+ * gradients accumulate (+=) into gw's [E] blocks, trusted as t's (an
+ * expert without rows is not written). */
+ml_status ml_op_experts_backward_table(ml_host *h, const ml_experts_grads *g,
+                                       const ml_experts_wgrads *gw, const ml_tensor *dy,
+                                       const ml_tensor *x, const ml_experts_table *t,
+                                       const ml_tensor *idx, const ml_tensor *w,
+                                       const ml_dispatch_plan *plan, const ml_tensor *saved_h,
+                                       ml_experts_cfg *cfg, ml_pool *pool, ml_err *e);
 
 #endif

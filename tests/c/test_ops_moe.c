@@ -8,8 +8,10 @@
  * SwiGLU computed here; the backward against a finite difference; the same
  * route with a pool (scratch given back, outputs kept); a refused argument
  * (status, message, nothing allocated); per-expert capacities, pack and
- * unpack of the plan's rows per token and per assignment; the ledger back
- * to zero. Not here:
+ * unpack of the plan's rows per token and per assignment; the experts
+ * given as pointer tables in reverse order with NULL for experts without
+ * rows, bitwise the tensors' results (E = 4 and E = 70, past the ops' stack
+ * tables); the ledger back to zero. Not here:
  * the Lua bindings (tests/spec/router_spec.lua, experts_spec.lua).
  */
 #include <math.h>
@@ -285,6 +287,95 @@ static void test_caps_pack_unpack(ml_host *h)
         ml_tensor_drop(all[i]);
 }
 
+static double zero(int i) { (void)i; return 0; }
+
+/* The table ops on experts stored in reverse order, the entries of
+ * experts without rows NULL (a cache slot holding a subset): y, saved h
+ * and every gradient bitwise those of the tensor ops. */
+enum { TABLE_MAX = 128 };
+static void test_table(ml_host *h, int64_t nE)
+{
+    int64_t td[2] = {T, K}, xd[2] = {T, D}, gud[3] = {nE, 2 * F, D}, dnd[3] = {nE, D, F};
+    const int64_t sgu = 2 * F * D, sdn = D * F;
+    ml_tensor x, w, idx = {0}, gu, dn, rgu, rdgu, rdn, rddn, dy;
+    ml_tensor off = {0}, order = {0}, cnt = {0}, drop = {0};
+    ml_err e;
+    ml_tensor_alloc(h, &idx, ML_CPU, ML_I64, 2, td, &e);
+    for (int64_t a = 0; a < T * K; a++)   /* two distinct experts per token, the last never */
+        ((int64_t *)ml_data(&idx))[a] = (a / K * 7 + a % K) % (nE - 1);
+    mk(h, &x, 2, xd, X, NULL);
+    mk(h, &w, 2, td, NULL, weight);
+    mk(h, &gu, 3, gud, NULL, weight);
+    mk(h, &dn, 3, dnd, NULL, grad_y);
+    mk(h, &dy, 2, xd, NULL, grad_y);
+    ml_dispatch_plan plan = {&off, &order, &cnt, &drop, -1};
+    ml_status s = ml_op_dispatch(h, &plan, &idx, nE, -1, NULL, &e);
+
+    ml_experts_cfg c = {.tile = 2, .nsaved = T * K / 2};
+    ml_tensor y = {0}, hs = {0}, gt[5] = {{0}};
+    ml_experts_grads g = {&gt[0], &gt[1], &gt[2], &gt[3], &gt[4]};
+    if (s == ML_OK)
+        s = ml_op_experts_forward(h, &y, &hs, &x, &gu, &dn, &idx, &w, &plan, &c, NULL, &e);
+    if (s == ML_OK)
+        s = ml_op_experts_backward(h, &g, &dy, &x, &gu, &dn, &idx, &w, &plan, &hs, &c, NULL, &e);
+    ok(s == ML_OK, "table E = %lld: the tensor ops (%s)", (long long)nE, s == ML_OK ? "ok" : e.msg);
+
+    /* expert i in slot nE-1-i of the reversed buffers, NULL when it has no rows */
+    mk(h, &rgu, 3, gud, NULL, zero);
+    mk(h, &rdn, 3, dnd, NULL, zero);
+    mk(h, &rdgu, 3, gud, NULL, zero);
+    mk(h, &rddn, 3, dnd, NULL, zero);
+    const void *pgu[TABLE_MAX], *pdn[TABLE_MAX];
+    void *pdgu[TABLE_MAX], *pddn[TABLE_MAX];
+    const int64_t *of = ml_data(&off);
+    for (int64_t i = 0; i < nE; i++) {
+        int64_t r = nE - 1 - i;
+        double *bgu = (double *)ml_data(&rgu) + r * sgu, *bdn = (double *)ml_data(&rdn) + r * sdn;
+        memcpy(bgu, (double *)ml_data(&gu) + i * sgu, sgu * sizeof(double));
+        memcpy(bdn, (double *)ml_data(&dn) + i * sdn, sdn * sizeof(double));
+        int rows = of[i + 1] > of[i];
+        pgu[i] = rows ? bgu : NULL;
+        pdn[i] = rows ? bdn : NULL;
+        pdgu[i] = rows ? (double *)ml_data(&rdgu) + r * sgu : NULL;
+        pddn[i] = rows ? (double *)ml_data(&rddn) + r * sdn : NULL;
+    }
+    ml_experts_table tab = {{pgu, pdn}, nE, F, D, ML_F64, ML_CPU};
+    ml_experts_wgrads gw = {pdgu, pddn};
+    ml_experts_cfg c2 = {.tile = 2, .nsaved = T * K / 2};
+    ml_tensor y2 = {0}, hs2 = {0}, gt2[3] = {{0}};
+    ml_experts_grads g2 = {&gt2[0], NULL, NULL, &gt2[1], &gt2[2]};
+    s = ml_op_experts_forward_table(h, &y2, &hs2, &x, &tab, &idx, &w, &plan, &c2, NULL, &e);
+    if (s == ML_OK)
+        s = ml_op_experts_backward_table(h, &g2, &gw, &dy, &x, &tab, &idx, &w, &plan, &hs2, &c2,
+                                         NULL, &e);
+    ok(s == ML_OK && c2.E == nE && c2.F == F, "table E = %lld: the table ops (%s)", (long long)nE,
+       s == ML_OK ? "ok" : e.msg);
+    int same = s == ML_OK && memcmp(ml_data(&y), ml_data(&y2), ml_nbytes(&y)) == 0 &&
+               memcmp(ml_data(&hs), ml_data(&hs2), ml_nbytes(&hs)) == 0;
+    ok(same, "table E = %lld: y and saved h bitwise the tensors'", (long long)nE);
+    same = s == ML_OK && memcmp(ml_data(&gt[0]), ml_data(&gt2[0]), ml_nbytes(&gt[0])) == 0 &&
+           memcmp(ml_data(&gt[3]), ml_data(&gt2[1]), ml_nbytes(&gt[3])) == 0 &&
+           memcmp(ml_data(&gt[4]), ml_data(&gt2[2]), ml_nbytes(&gt[4])) == 0;
+    ok(same, "table E = %lld: dx, dw and touched bitwise the tensors'", (long long)nE);
+    int nrows = 0;
+    for (int64_t i = 0; same && i < nE; i++) {
+        int64_t r = nE - 1 - i;
+        nrows += of[i + 1] > of[i];
+        same = memcmp((double *)ml_data(&gt[1]) + i * sgu, (double *)ml_data(&rdgu) + r * sgu,
+                      sgu * sizeof(double)) == 0 &&
+               memcmp((double *)ml_data(&gt[2]) + i * sdn, (double *)ml_data(&rddn) + r * sdn,
+                      sdn * sizeof(double)) == 0;
+    }
+    ok(same && nrows < nE, "table E = %lld: each expert's gradients bitwise in its slot, the %lld "
+       "without rows untouched", (long long)nE, (long long)(nE - nrows));
+
+    ml_tensor *all[] = {&x, &w, &idx, &gu, &dn, &rgu, &rdgu, &rdn, &rddn, &dy, &off, &order, &cnt,
+                        &drop, &y, &hs, &gt[0], &gt[1], &gt[2], &gt[3], &gt[4], &y2, &hs2, &gt2[0],
+                        &gt2[1], &gt2[2]};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ml_tensor_drop(all[i]);
+}
+
 int main(void)
 {
     ml_host h;
@@ -293,6 +384,8 @@ int main(void)
     test_route_dispatch_experts(&h);
     test_pool(&h);
     test_caps_pack_unpack(&h);
+    test_table(&h, E);
+    test_table(&h, 70);
     ok(h.books[ML_CPU].total == 0, "the ledger is back to zero (%zu bytes)", h.books[ML_CPU].total);
     ml_host_free(&h);
     return tap_done();
