@@ -264,7 +264,8 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
     char *xt = scratch;                              /* [R, D], then out [R, D] */
     char *hbuf = xt + (size_t)(R * D) * es;          /* [R, 2F] */
     char *act = hbuf + (size_t)(R * 2 * F) * es;     /* [R, F] */
-    if (c->T * D > 0)   /* y may be NULL when it holds nothing (memset(NULL, 0, 0) is UB) */
+    /* y may be NULL when it holds nothing (memset(NULL, 0, 0) is UB) */
+    if (!c->accumulate && c->T * D > 0)
         memset(y, 0, (size_t)(c->T * D) * es);
     int nt = nthreads_of(ctx), blas_threads = openblas_get_num_threads(), stop = 0;
     openblas_set_num_threads(1);
@@ -274,6 +275,8 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
         tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w};
         for (int64_t e = 0; e < c->E; e++) {
             const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            if (!gu)   /* skipped (the same for every thread) */
+                continue;
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
                 #pragma omp master
                 ml_kctx_progress(ctx);
@@ -324,9 +327,14 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
     char *hbuf = dyt + (size_t)(R * D) * es;         /* [R, 2F] h (recomputed), then dh */
     char *act = hbuf + (size_t)(R * 2 * F) * es;     /* [R, F] */
     char *dact = act + (size_t)(R * F) * es;         /* [R, F] unscaled: dyt · down[e] */
-    memset(dw, 0, (size_t)(c->T * c->k) * es);
+    if (!c->accumulate) {
+        if (c->T * c->k > 0)   /* dw may be NULL when it holds nothing */
+            memset(dw, 0, (size_t)(c->T * c->k) * es);
+        memset(touched, 0, (size_t)c->E);
+    }
     for (int64_t e = 0; e < c->E; e++)
-        touched[e] = offsets[e + 1] > offsets[e];
+        if (wt->gate_up[e])
+            touched[e] = offsets[e + 1] > offsets[e];
     int nt = nthreads_of(ctx), blas_threads = openblas_get_num_threads(), stop = 0;
     openblas_set_num_threads(1);
     #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -335,6 +343,8 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
         tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w, .dw = dw};
         for (int64_t e = 0; e < c->E; e++) {
             const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            if (!gu)   /* skipped: its gradient entries are not read */
+                continue;
             void *dgu = dwt->gate_up[e], *ddn = dwt->down[e];
             for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
                 #pragma omp master

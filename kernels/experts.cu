@@ -23,8 +23,10 @@
  *
  * The tile walk needs the plan's offsets on the host: they are read back in
  * blocks of 256 experts into a stack buffer (one synchronising copy per
- * block). The per-expert weight tables are host arrays of device pointers:
- * the walk reads expert e's entries on the host and hands them to cuBLAS.
+ * block); backward's touched flags of a block follow from them and go to
+ * the device as one kernel argument. The per-expert weight tables are host
+ * arrays of device pointers: the walk reads expert e's entries on the host
+ * and hands them to cuBLAS, and skips the experts whose entry is NULL.
  * The interrupt flag is polled between tiles.
  */
 #include "cuda_common.cuh"
@@ -140,10 +142,17 @@ __global__ void combine_kernel(F *acc, const F *rows, const F *w, const int64_t 
     }
 }
 
-__global__ void touched_kernel(uint8_t *touched, const int64_t *offsets, int64_t E)
+/* touched[e] for a block of up to OFF_BLOCK experts, from the host walk:
+ * v[e] is 0 or 1 for a run expert, -1 for a skipped one (left as is). */
+typedef struct {
+    int8_t v[OFF_BLOCK];
+} touched_block;
+
+__global__ void touched_kernel(uint8_t *touched, touched_block b, int64_t n)
 {
-    ML_CUDA_FOR(e, E)
-        touched[e] = offsets[e + 1] > offsets[e];
+    ML_CUDA_FOR(e, n)
+        if (b.v[e] >= 0)
+            touched[e] = (uint8_t)b.v[e];
 }
 
 /* ---- launchers -------------------------------------------------------------------- */
@@ -205,13 +214,16 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
     F *xt = (F *)scratch;                 /* [R, D], then out [R, D] */
     F *hbuf = xt + R * D;                 /* [R, 2F] */
     F *act = hbuf + R * 2 * Fd;           /* [R, F] */
-    TRY(ml_cuda_status(cudaMemsetAsync(y, 0, (size_t)(c->T * D) * sizeof(F), st)));
+    if (!c->accumulate)
+        TRY(ml_cuda_status(cudaMemsetAsync(y, 0, (size_t)(c->T * D) * sizeof(F), st)));
     int64_t off[OFF_BLOCK + 1];
     for (int64_t eb = 0; eb < c->E; eb += OFF_BLOCK) {
         int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
         TRY(host_offsets(off, offsets, eb, nb, st));
         for (int64_t e = eb; e < eb + nb; e++) {
             const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            if (!gu)   /* skipped */
+                continue;
             int64_t p1 = off[e - eb + 1];
             for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {
                 if (ml_kctx_interrupted(ctx))
@@ -260,15 +272,23 @@ static ml_status backward(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, v
     F *hbuf = dyt + R * D;                /* [R, 2F] h (recomputed), then dh */
     F *act = hbuf + R * 2 * Fd;           /* [R, F] */
     F *dact = act + R * Fd;               /* [R, F] unscaled: dyt · down[e] */
-    TRY(ml_cuda_status(cudaMemsetAsync(dw, 0, (size_t)(c->T * c->k) * sizeof(F), st)));
-    touched_kernel<<<blocks_of(c->E), ML_CUDA_THREADS, 0, st>>>(touched, offsets, c->E);
-    TRY(ml_cuda_launched());
+    if (!c->accumulate) {
+        TRY(ml_cuda_status(cudaMemsetAsync(dw, 0, (size_t)(c->T * c->k) * sizeof(F), st)));
+        TRY(ml_cuda_status(cudaMemsetAsync(touched, 0, (size_t)c->E, st)));
+    }
     int64_t off[OFF_BLOCK + 1];
     for (int64_t eb = 0; eb < c->E; eb += OFF_BLOCK) {
         int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
         TRY(host_offsets(off, offsets, eb, nb, st));
+        touched_block tb;
+        for (int64_t i = 0; i < nb; i++)
+            tb.v[i] = wt->gate_up[eb + i] ? off[i + 1] > off[i] : -1;
+        touched_kernel<<<blocks_of(nb), ML_CUDA_THREADS, 0, st>>>(touched + eb, tb, nb);
+        TRY(ml_cuda_launched());
         for (int64_t e = eb; e < eb + nb; e++) {
             const void *gu = wt->gate_up[e], *dn = wt->down[e];
+            if (!gu)   /* skipped: its gradient entries are not read */
+                continue;
             void *dgu = dwt->gate_up[e], *ddn = dwt->down[e];
             int64_t p1 = off[e - eb + 1];
             for (int64_t p0 = off[e - eb]; p0 < p1; p0 += R) {

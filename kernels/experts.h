@@ -12,8 +12,20 @@
  * holds any subset (DESIGN.md, expert parallelism and the expert store).
  * The tables are host arrays on every backend (CUDA reads them on the host
  * to issue one cuBLAS call per tile); the pointers in them are on the
- * kernel's device. Only the entries of experts with rows are read: an
- * expert with none may have NULL entries.
+ * kernel's device.
+ *
+ * Subsets: an expert whose gate_up entry is NULL is skipped, rows or not:
+ * none of its positions is read or written (no y rows added, no h saved
+ * or read, no dw entry, no touched flag, no gradient). So one layer may
+ * run its experts in several calls, a subset per call (the expert store's
+ * cache slots), with cfg.accumulate = 0 for the first call and 1 for the
+ * rest: results are bitwise one call's over all experts, because every
+ * token's sum still runs over its experts in ascending order and every
+ * tile (never spanning two experts) has the same rows, GEMM shapes and
+ * saved-or-recomputed choice whatever else runs. For bitwise y and dx the
+ * calls go in ascending expert order (each call's experts after the
+ * previous call's): those sums are ordered; the weights' gradients, dw and
+ * touched are per expert and do not depend on the order of the calls.
  *
  * The plan comes from kernels/dispatch.h: the kept assignments of expert e
  * are order[offsets[e] .. offsets[e+1]), a = t·k + j, token t = a / k. The
@@ -28,8 +40,9 @@
  * Scratch is tile-sized (see the *_scratch functions), so no buffer size
  * depends on how tokens were routed; experts with no rows run nothing.
  *
- * Determinism: y is zeroed, then every tile adds its rows in tile order
- * (experts ascending, positions ascending), each row in turn; threads split
+ * Determinism: y is zeroed (unless accumulating), then every tile adds its
+ * rows in tile order (experts ascending, positions ascending), each row in
+ * turn; threads split
  * only output columns of a GEMM or rows/columns of elementwise work, never a
  * sum. So a token's sum is over its experts in ascending expert index, fixed
  * by the plan alone, and dgate_up[e] / ddown[e] add their tiles in order.
@@ -68,17 +81,23 @@ typedef struct {
     int64_t D, F, E;    /* model dim, expert hidden dim, experts */
     int64_t tile;       /* R, rows per tile, >= 1 */
     int64_t nsaved;     /* S, dispatch positions whose h is kept, 0 .. T·k */
+    int accumulate;     /* 0: this call starts the layer's outputs (forward zeroes y,
+                         * backward zeroes dw and touched first); 1: it continues
+                         * earlier calls over other experts (y, dw and touched keep
+                         * what they wrote) */
 } ml_experts_cfg;
 
 /* The experts' weights: [E] host arrays, expert e's gate_up [2F, D] and
- * down [D, F], each contiguous, read only. */
+ * down [D, F], each contiguous, read only; gate_up[e] NULL: expert e is
+ * skipped (down[e] is then not read either). */
 typedef struct {
     const void *const *gate_up;
     const void *const *down;
 } ml_experts_weights;
 
 /* Their gradients: [E] host arrays of contiguous [2F, D] and [D, F]
- * accumulators (+=); only experts with rows are written. */
+ * accumulators (+=); only experts run with rows are written (the entries
+ * of skipped experts are not read: NULL allowed). */
 typedef struct {
     void *const *gate_up;
     void *const *down;
@@ -91,10 +110,11 @@ int64_t ml_experts_forward_scratch(const ml_experts_cfg *c);
 int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
 
 /* Forward.
- *   y        [T, D]     out (=): every token's sum over its kept assignments;
- *                       0 for a token whose assignments were all dropped
- *   h_saved  [S, 2F]    out (=): h of positions in tiles lying below S
- *                       (NULL allowed when S = 0)
+ *   y        [T, D]     out (=): every token's sum over its kept assignments
+ *                       to the experts run; 0 for a token whose assignments
+ *                       were all dropped. cfg.accumulate: (+=), not zeroed
+ *   h_saved  [S, 2F]    out (=): h of the run experts' positions in tiles
+ *                       lying below S (NULL allowed when S = 0)
  *   scratch  [forward_scratch]
  *   x        [T, D]
  *   w        [T, k]     combine weights
@@ -108,11 +128,15 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
 /* Backward, with dy [T, D] the gradient of y.
  *   dx        [T, D]     accumulates (+=)
  *   dwt       the weights' gradients: accumulate (+=), tile by tile in
- *             order; experts without rows are not written at all
- *   dw        [T, k]     out (=): 0 for dropped assignments
- *   touched   [E]        out (=): 1 where expert e had rows (got a gradient)
+ *             order; experts without rows or skipped are not written at all
+ *   dw        [T, k]     out (=) for the run experts' assignments; zeroed
+ *                        first unless cfg.accumulate (so dropped ones are 0)
+ *   touched   [E]        out (=) for the run experts: 1 where expert e had
+ *                        rows (got a gradient), else 0; zeroed first unless
+ *                        cfg.accumulate
  *   scratch   [backward_scratch]
- *   h_saved   [S, 2F]    what forward saved with the same cfg (NULL when S = 0)
+ *   h_saved   [S, 2F]    what forward saved with the same cfg, tile and S (NULL
+ *                        when S = 0); only the run experts' positions are read
  *   dy [T, D], x, w, order, offsets, wt: as in forward */
 ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                                   uint8_t *touched, void *scratch, const void *h_saved,

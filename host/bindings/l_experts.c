@@ -18,6 +18,31 @@
  *       dx, dgate_up, ddown accumulate (+=) into grads.dx / grads.dgate_up /
  *       grads.ddown when given (else into new zeroed tensors); dw [T, k] and
  *       touched [E] u8 are overwritten (grads.dw / grads.touched when given).
+ *
+ *   Per-expert weights (the expert store's cache slots): gate_up and down
+ *   may instead be Lua tables {[e + 1] = tensor} of expert e's gate_up
+ *   [2F, D] and down [D, F] (each contiguous, x's dtype and device), E from
+ *   opts.E or plan.E. An expert without an entry (in both tables) is
+ *   skipped: its rows are neither read nor written. Backward then takes
+ *   grads.dgate_up and grads.ddown as such tables too, with an entry for
+ *   every expert run (+=; the others untouched), and returns them. One
+ *   layer may so run its experts over several calls, a subset per call in
+ *   ascending expert order, bitwise one call over all:
+ *     local y, saved
+ *     for _, s in ipairs(subsets) do   -- e.g. {gu0, gu1} and {[3] = gu2, [4] = gu3}
+ *       y, saved = experts.forward(x, s.gu, s.dn, idx, w, plan, {out = y, saved = saved})
+ *     end
+ *     local g = {dgate_up = dgu, ddown = ddn}   -- tables covering every expert run
+ *     for i, s in ipairs(subsets) do
+ *       g.dx, _, _, g.dw, g.touched = experts.backward(dy, x, s.gu, s.dn, idx, w, plan,
+ *                                                      saved, {accumulate = i > 1}, g)
+ *     end
+ *   The first call has no out and no saved: it makes y (zeroed) and saved;
+ *   each later one adds its experts' rows into out = y and writes its
+ *   experts' h into the same saved.h (its tile and S are saved's). The
+ *   first backward makes dx, dw and touched; with accumulate = true a later
+ *   one adds into grads.dx and writes only its experts' entries of grads.dw
+ *   and grads.touched (both required).
  *   experts.pack(src, plan, opts) -> rows
  *       the kept assignments' rows in plan order (what expert parallelism
  *       sends): rows [kept, C] (kept = T·k - plan.ndropped), row p = row
@@ -44,7 +69,16 @@
  *   pool = moelua.pool    outputs, saved h and scratch come from this pool
  *                         (scratch in a frame rewound before returning), so a
  *                         warmed-up forward+backward makes no ledger allocation
- * backward takes tile and S from `saved`; an opts.tile that differs is an error.
+ *   E = n                 the number of experts when the weights are per-expert
+ *                         tables (default plan.E)
+ *   out = y               (forward) add into y [T, D] instead of making a new one
+ *   saved = saved         (forward) the saved table of an earlier call over other
+ *                         experts of the same layer: its tile and S are taken,
+ *                         its h gets this call's experts' positions
+ *   accumulate = false    (backward) true: grads.dw and grads.touched are an
+ *                         earlier call's and keep the other experts' entries
+ * backward takes tile and S from `saved`; an opts.tile that differs is an error
+ * (the same for forward with opts.saved).
  *
  * Devices: every tensor (idx, x, weights, w, the plan, saved, grads) and the
  * pool on one device, cpu or cuda. Each function converts its Lua values
@@ -62,16 +96,20 @@
 #include <string.h>
 
 static const char *const OPTS[] = {"tile", "save", "partial_recompute", "capacity", "capacities",
-                                   "policy", "pool", NULL};
+                                   "policy", "pool", "E", "out", "saved", "accumulate", NULL};
 
 typedef struct {
     int64_t tile;
     int has_tile;
     double recompute;       /* fraction of positions recomputed: 0 save, 1 recompute */
+    int has_save;           /* save or partial_recompute given */
     int64_t capacity;       /* -1: none given */
     ml_tensor *caps;        /* capacities, or NULL; the options table keeps it alive */
     int drop;
     ml_pool *pool;          /* NULL: none; the options table keeps it alive */
+    int64_t E;              /* 0: none given */
+    int has_out, has_saved; /* out and saved given (read where used) */
+    int accumulate;
 } ex_opts;
 
 /* ---- options ----------------------------------------------------------------- */
@@ -121,8 +159,10 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
             ml_error(L, fn, "options 'save' and 'partial_recompute' exclude each other "
                      "(partial_recompute = 0 is save, 1 is recompute)");
         o->recompute = f;
+        has_save = 1;
     }
     lua_pop(L, 1);
+    o->has_save = has_save;
 
     if (lua_getfield(L, idx, "capacity") != LUA_TNIL) {
         lua_Integer v = lua_tointegerx(L, -1, &isint);
@@ -159,6 +199,36 @@ static void parse_opts(lua_State *L, int idx, const char *fn, ex_opts *o)
 
     if (lua_getfield(L, idx, "pool") != LUA_TNIL)
         o->pool = ml_checkpool(L, -1, fn, "option 'pool'");
+    lua_pop(L, 1);
+
+    if (lua_getfield(L, idx, "E") != LUA_TNIL) {
+        lua_Integer v = lua_tointegerx(L, -1, &isint);
+        if (!isint || v < 1)
+            ml_error(L, fn, "option 'E' must be an integer number of experts >= 1, got %s",
+                     luaL_tolstring(L, -1, NULL));
+        o->E = v;
+    }
+    lua_pop(L, 1);
+
+    if (lua_getfield(L, idx, "out") != LUA_TNIL) {
+        ml_checktensor_named(L, -1, fn, "option 'out'");
+        o->has_out = 1;
+    }
+    lua_pop(L, 1);
+
+    if (lua_getfield(L, idx, "saved") != LUA_TNIL) {
+        if (!lua_istable(L, -1))
+            ml_error(L, fn, "option 'saved' must be the table experts.forward returned, got %s",
+                     luaL_typename(L, -1));
+        o->has_saved = 1;
+    }
+    lua_pop(L, 1);
+
+    if (lua_getfield(L, idx, "accumulate") != LUA_TNIL) {
+        if (!lua_isboolean(L, -1))
+            ml_error(L, fn, "option 'accumulate' must be a boolean, got %s", luaL_typename(L, -1));
+        o->accumulate = lua_toboolean(L, -1);
+    }
     lua_pop(L, 1);
 }
 
@@ -219,6 +289,108 @@ static int64_t nsaved_of(int64_t n, double recompute)
 {
     int64_t s = (int64_t)floor((1.0 - recompute) * (double)n);
     return s < 0 ? 0 : s > n ? n : s;
+}
+
+/* The saved table at idx (`what` names it): tile and S from forward. */
+static void read_saved(lua_State *L, int idx, const char *fn, const char *what, int64_t *tile,
+                       int64_t *nsaved)
+{
+    if (!lua_istable(L, idx))
+        ml_error(L, fn, "%s: expected the table experts.forward returned, got %s", what,
+                 luaL_typename(L, idx));
+    int isint1, isint2;
+    lua_getfield(L, idx, "tile");
+    *tile = lua_tointegerx(L, -1, &isint1);
+    lua_getfield(L, idx, "nsaved");
+    *nsaved = lua_tointegerx(L, -1, &isint2);
+    lua_pop(L, 2);
+    if (!isint1 || !isint2)
+        ml_error(L, fn, "%s: expected integers saved.tile and saved.nsaved (the table "
+                 "experts.forward returned)", what);
+}
+
+/* ---- per-expert tables ------------------------------------------------------------ */
+
+/* 1 when the weights at gi and gi + 1 (gate_up, down) are per-expert Lua
+ * tables, 0 when tensors (checked later); one of each is an error. */
+static int weight_tables(lua_State *L, int gi, const char *fn)
+{
+    int tables = lua_istable(L, gi);
+    if (lua_istable(L, gi + 1) != tables)
+        ml_error(L, fn, "argument #%d (down): expected a %s like gate_up, got %s", gi + 1,
+                 tables ? "table of per-expert tensors" : "tensor", luaL_typename(L, gi + 1));
+    return tables;
+}
+
+/* E for per-expert tables: opts.E, else the plan's (at plan_idx). */
+static int64_t experts_E(lua_State *L, int plan_idx, const ex_opts *o, const char *fn)
+{
+    int isint;
+    lua_getfield(L, plan_idx, "E");
+    lua_Integer pe = lua_tointegerx(L, -1, &isint);
+    lua_pop(L, 1);
+    if (o->E && isint && pe != o->E)
+        ml_error(L, fn, "option 'E' = %lld differs from plan.E = %lld", (long long)o->E,
+                 (long long)pe);
+    if (o->E)
+        return o->E;
+    if (!isint || pe < 1)
+        ml_error(L, fn, "argument #%d (plan): no plan.E: give option 'E' (the number of experts) "
+                 "with per-expert tables", plan_idx);
+    return pe;
+}
+
+/* The tensors of the Lua table at idx, {[e + 1] = tensor}, into ts[0 .. E)
+ * (NULL where absent); `what` names it in errors. */
+static void read_experts(lua_State *L, int idx, const char *fn, const char *what, int64_t E,
+                         ml_tensor **ts)
+{
+    for (int64_t i = 0; i < E; i++)
+        ts[i] = NULL;
+    lua_pushnil(L);
+    while (lua_next(L, idx)) {
+        int isint = lua_type(L, -2) == LUA_TNUMBER;
+        lua_Integer key = isint ? lua_tointegerx(L, -2, &isint) : 0;
+        if (!isint || key < 1 || key > E)
+            ml_error(L, fn, "%s: key %s is not an expert's (expected integers 1 .. E = %lld: "
+                     "expert + 1)", what, luaL_tolstring(L, -2, NULL), (long long)E);
+        char name[64];
+        snprintf(name, sizeof name, "%s[%lld]", what, (long long)key);
+        ts[key - 1] = ml_checktensor_named(L, -1, fn, name);
+        lua_pop(L, 1);
+    }
+}
+
+/* Arrays for the per-expert tables of E experts, in one userdata pushed on
+ * the stack (collected with it): the weights' and gradients' tensors
+ * [E] each, and the pointer tables the ops read (2E each). */
+typedef struct {
+    ml_tensor **gate_up, **down, **dgate_up, **ddown;
+    const void **wptrs;
+    void **gptrs;
+} ex_lists;
+
+static ex_lists push_lists(lua_State *L, int64_t E, const char *fn)
+{
+    if ((uint64_t)E > SIZE_MAX / (8 * sizeof(void *)))
+        ml_error(L, fn, "E = %lld experts are too many for the pointer tables", (long long)E);
+    void **p = lua_newuserdatauv(L, (size_t)E * 8 * sizeof(void *), 0);
+    ex_lists l = {(ml_tensor **)p, (ml_tensor **)p + E, (ml_tensor **)p + 2 * E,
+                  (ml_tensor **)p + 3 * E, (const void **)(p + 4 * E), p + 6 * E};
+    return l;
+}
+
+/* The weights at gi, gi + 1 (per-expert tables) tabulated against x. */
+static ml_experts_table read_weight_tables(lua_State *L, int gi, const ml_tensor *x, int64_t E,
+                                           ex_lists *l, const char *fn)
+{
+    read_experts(L, gi, fn, "gate_up", E, l->gate_up);
+    read_experts(L, gi + 1, fn, "down", E, l->down);
+    ml_experts_table t;
+    ml_err e;
+    ml_check_op(L, fn, ml_op_experts_tabulate(&t, l->wptrs, (const ml_tensor *const *)l->gate_up,
+                                              (const ml_tensor *const *)l->down, E, x, &e), &e);
+    return t;
 }
 
 /* ---- experts.dispatch ------------------------------------------------------------ */
@@ -294,26 +466,63 @@ static int l_experts_forward(lua_State *L)
 {
     static const char fn[] = "moelua.experts.forward";
     lua_settop(L, 7);
-    ml_tensor *x = arg(L, 1, fn, "x"), *gate_up = arg(L, 2, fn, "gate_up");
-    ml_tensor *down = arg(L, 3, fn, "down"), *idx = arg(L, 4, fn, "idx"), *w = arg(L, 5, fn, "w");
+    ml_tensor *x = arg(L, 1, fn, "x");
+    int tables = weight_tables(L, 2, fn);
+    ml_tensor *gate_up = tables ? NULL : arg(L, 2, fn, "gate_up");
+    ml_tensor *down = tables ? NULL : arg(L, 3, fn, "down");
+    ml_tensor *idx = arg(L, 4, fn, "idx"), *w = arg(L, 5, fn, "w");
     ml_dispatch_plan plan = read_plan(L, 6, fn);
     ex_opts o;
     parse_opts(L, 7, fn, &o);
-    ml_experts_cfg c = {.tile = o.tile, .nsaved = nsaved_of(ml_numel(idx), o.recompute)};
+    ml_experts_cfg c = {.tile = o.tile, .nsaved = nsaved_of(ml_numel(idx), o.recompute),
+                        .accumulate = o.has_out};
 
-    ml_tensor *y = ml_pushtensor(L);                /* 8 */
-    lua_createtable(L, 0, 4);                       /* 9: saved */
-    ml_tensor *h = ml_pushtensor(L);                /* 10: saved.h */
+    /* 8: y, 9: saved, 10: saved.h, each given or new */
+    if (o.has_out)
+        lua_getfield(L, 7, "out");
+    ml_tensor *y = o.has_out ? ml_checktensor_named(L, 8, fn, "option 'out'") : ml_pushtensor(L);
+    ml_tensor *h;
+    if (o.has_saved) {
+        lua_getfield(L, 7, "saved");
+        int64_t tile, nsaved;
+        read_saved(L, 9, fn, "option 'saved'", &tile, &nsaved);
+        if (o.has_tile && o.tile != tile)
+            ml_error(L, fn, "option 'tile' = %lld differs from the forward's tile %lld (saved.tile)",
+                     (long long)o.tile, (long long)tile);
+        if (o.has_save && c.nsaved != nsaved)
+            ml_error(L, fn, "options 'save' / 'partial_recompute' keep S = %lld positions but "
+                     "saved.nsaved is %lld (the first call's)", (long long)c.nsaved,
+                     (long long)nsaved);
+        c.tile = tile;
+        c.nsaved = nsaved;
+        h = nsaved > 0 ? field_tensor(L, 9, "saved", "h", fn) : ml_pushtensor(L);
+    } else {
+        lua_createtable(L, 0, 4);
+        h = ml_pushtensor(L);
+    }
     ml_err e;
-    ml_check_op(L, fn, ml_op_experts_forward(ml_host_of(L), y, h, x, gate_up, down, idx, w, &plan,
-                                             &c, o.pool, &e), &e);
-    if (c.nsaved > 0)
-        lua_setfield(L, 9, "h");
+    ml_host *H = ml_host_of(L);
+    if (tables) {
+        int64_t E = experts_E(L, 6, &o, fn);
+        ex_lists l = push_lists(L, E, fn);   /* 11 */
+        ml_experts_table t = read_weight_tables(L, 2, x, E, &l, fn);
+        ml_check_op(L, fn, ml_op_experts_forward_table(H, y, h, x, &t, idx, w, &plan, &c, o.pool,
+                                                       &e), &e);
+    } else {
+        ml_check_op(L, fn, ml_op_experts_forward(H, y, h, x, gate_up, down, idx, w, &plan, &c,
+                                                 o.pool, &e), &e);
+    }
+    if (!o.has_saved) {
+        lua_settop(L, 10);
+        if (c.nsaved > 0)
+            lua_setfield(L, 9, "h");
+        lua_settop(L, 9);
+        ml_setfield_int(L, "tile", o.tile);   /* as asked; backward clamps it again */
+        ml_setfield_int(L, "nsaved", c.nsaved);
+        lua_pushnumber(L, o.recompute);
+        lua_setfield(L, 9, "partial_recompute");
+    }
     lua_settop(L, 9);
-    ml_setfield_int(L, "tile", o.tile);   /* as asked; backward clamps it again */
-    ml_setfield_int(L, "nsaved", c.nsaved);
-    lua_pushnumber(L, o.recompute);
-    lua_setfield(L, 9, "partial_recompute");
     return 2;
 }
 
@@ -326,30 +535,22 @@ static int l_experts_backward(lua_State *L)
     static const char fn[] = "moelua.experts.backward";
     lua_settop(L, 10);
     ml_tensor *dy = arg(L, 1, fn, "dy"), *x = arg(L, 2, fn, "x");
-    ml_tensor *gate_up = arg(L, 3, fn, "gate_up"), *down = arg(L, 4, fn, "down");
+    int tables = weight_tables(L, 3, fn);
+    ml_tensor *gate_up = tables ? NULL : arg(L, 3, fn, "gate_up");
+    ml_tensor *down = tables ? NULL : arg(L, 4, fn, "down");
     ml_tensor *idx = arg(L, 5, fn, "idx"), *w = arg(L, 6, fn, "w");
     ml_dispatch_plan plan = read_plan(L, 7, fn);
     ex_opts o;
     parse_opts(L, 9, fn, &o);
 
     /* saved: tile and S from forward */
-    if (!lua_istable(L, 8))
-        ml_error(L, fn, "argument #8 (saved): expected the table experts.forward returned, got %s",
-                 luaL_typename(L, 8));
-    int isint1, isint2;
-    lua_getfield(L, 8, "tile");
-    lua_Integer tile = lua_tointegerx(L, -1, &isint1);
-    lua_getfield(L, 8, "nsaved");
-    lua_Integer nsaved = lua_tointegerx(L, -1, &isint2);
-    lua_pop(L, 2);
-    if (!isint1 || !isint2)
-        ml_error(L, fn, "argument #8 (saved): expected integers saved.tile and saved.nsaved (the "
-                 "table experts.forward returned)");
+    int64_t tile, nsaved;
+    read_saved(L, 8, fn, "argument #8 (saved)", &tile, &nsaved);
     if (o.has_tile && o.tile != tile)
         ml_error(L, fn, "option 'tile' = %lld differs from the forward's tile %lld (saved.tile)",
                  (long long)o.tile, (long long)tile);
-    ml_experts_cfg c = {.tile = tile, .nsaved = nsaved};
-    const ml_tensor *h = nsaved > 0 ? field_tensor(L, 8, "saved", "h", fn) : NULL;
+    ml_experts_cfg c = {.tile = tile, .nsaved = nsaved, .accumulate = o.accumulate};
+    const ml_tensor *h = nsaved > 0 ? field_tensor(L, 8, "saved", "h", fn) : NULL;   /* 11 */
 
     /* grads: supplied tensors, or empty ones the op allocates */
     int gi = 10;
@@ -369,16 +570,43 @@ static int l_experts_backward(lua_State *L)
                          "ddown, dw, touched)", key ? key : luaL_typename(L, -1));
         }
     }
+    ml_experts_table t;
+    ml_experts_wgrads gw;
+    if (tables) {   /* the weights' and their gradients' tables, before the five results */
+        int64_t E = experts_E(L, 7, &o, fn);
+        ex_lists l = push_lists(L, E, fn);
+        t = read_weight_tables(L, 3, x, E, &l, fn);
+        for (int i = 1; i <= 2; i++) {
+            char what[32];
+            snprintf(what, sizeof what, "grads.%s", GRADS[i]);
+            if (!has_grads || lua_getfield(L, gi, GRADS[i]) != LUA_TTABLE)
+                ml_error(L, fn, "%s: expected a table of per-expert gradient tensors (the weights "
+                         "are per-expert tables)", what);
+            read_experts(L, lua_gettop(L), fn, what, E, i == 1 ? l.dgate_up : l.ddown);
+            lua_pop(L, 1);
+        }
+        ml_err e;
+        ml_check_op(L, fn, ml_op_experts_tabulate_grads(&gw, l.gptrs, l.dgate_up, l.ddown, &t, &e),
+                    &e);
+    }
     ml_tensor *gt[5];
     for (int i = 0; i < 5; i++) {
+        if (tables && (i == 1 || i == 2)) {   /* the tables read above, returned as they are */
+            lua_getfield(L, gi, GRADS[i]);
+            gt[i] = NULL;
+            continue;
+        }
         int given = has_grads && lua_getfield(L, gi, GRADS[i]) != LUA_TNIL;
         lua_pop(L, has_grads ? 1 : 0);
         gt[i] = given ? field_tensor(L, gi, "grads", GRADS[i], fn) : ml_pushtensor(L);
     }
     ml_experts_grads g = {gt[0], gt[1], gt[2], gt[3], gt[4]};
     ml_err e;
-    ml_check_op(L, fn, ml_op_experts_backward(ml_host_of(L), &g, dy, x, gate_up, down, idx, w,
-                                              &plan, h, &c, o.pool, &e), &e);
+    ml_host *H = ml_host_of(L);
+    ml_check_op(L, fn, tables ? ml_op_experts_backward_table(H, &g, &gw, dy, x, &t, idx, w, &plan,
+                                                             h, &c, o.pool, &e)
+                              : ml_op_experts_backward(H, &g, dy, x, gate_up, down, idx, w, &plan,
+                                                       h, &c, o.pool, &e), &e);
     return 5;   /* dx, dgate_up, ddown, dw, touched */
 }
 

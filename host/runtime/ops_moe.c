@@ -6,6 +6,7 @@
 #include "ops_moe.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -674,6 +675,11 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_experts_tabl
                           "(%s on %s, D = %lld)", ml_dtype_names[t->dtype],
                           ml_device_names[t->device], (long long)t->D, ml_dtype_names[x->dtype],
                           ml_device_names[dev], (long long)x->shape[1]);
+    for (int64_t i = 0; i < t->E; i++)
+        if (!t->w.gate_up[i] != !t->w.down[i])
+            return ml_err_set(e, ML_EINVAL, "table: expert %lld has %s but no %s (both or neither: "
+                              "NULL skips it)", (long long)i, t->w.gate_up[i] ? "gate_up" : "down",
+                              t->w.gate_up[i] ? "down" : "gate_up");
     ML_TRY(ex_tensor(idx, "idx", dev, ML_I64, 2, NULL, e));
     ML_TRY(ex_tensor(w, "w", dev, EX_ANY, 2, NULL, e));
     if (w->dtype != x->dtype)
@@ -744,6 +750,69 @@ static ml_status ex_scratch_bytes(int64_t ne, ml_dtype dt, size_t *nb, ml_err *e
     return ML_OK;
 }
 
+/* One expert's [a, b] block `what` ("gate_up", ...) of expert i, checked. */
+static ml_status ex_block(const ml_tensor *t, const char *what, int64_t i, ml_device dev,
+                          ml_dtype dt, int64_t a, int64_t b, ml_err *e)
+{
+    char name[64];
+    int64_t dims[2] = {a, b};
+    snprintf(name, sizeof name, "%s of expert %lld", what, (long long)i);
+    return ex_tensor(t, name, dev, (int)dt, 2, dims, e);
+}
+
+ml_status ml_op_experts_tabulate(ml_experts_table *t, const void **ptrs,
+                                 const ml_tensor *const *gate_up, const ml_tensor *const *down,
+                                 int64_t E, const ml_tensor *x, ml_err *e)
+{
+    ML_TRY(live(x, "x", e));
+    ml_device dev = x->st->device;
+    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    if (E < 1)
+        return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
+    int64_t D = x->shape[1], F = 0;
+    for (int64_t i = 0; i < E; i++) {
+        if (!gate_up[i] != !down[i])
+            return ml_err_set(e, ML_EINVAL, "expert %lld has %s but no %s (both or neither: "
+                              "neither skips it)", (long long)i, gate_up[i] ? "gate_up" : "down",
+                              gate_up[i] ? "down" : "gate_up");
+        if (!gate_up[i])
+            continue;
+        if (!F)   /* the first expert given sets F >= 1 (its check names a bad shape) */
+            F = gate_up[i]->ndim == 2 && gate_up[i]->shape[0] >= 2 ? gate_up[i]->shape[0] / 2 : 1;
+        ML_TRY(ex_block(gate_up[i], "gate_up", i, dev, x->dtype, 2 * F, D, e));
+        ML_TRY(ex_block(down[i], "down", i, dev, x->dtype, D, F, e));
+    }
+    if (!F)
+        return ml_err_set(e, ML_EINVAL, "gate_up: no expert given (at least one of the %lld)",
+                          (long long)E);
+    for (int64_t i = 0; i < E; i++) {
+        ptrs[i] = gate_up[i] ? ml_data(gate_up[i]) : NULL;
+        ptrs[E + i] = down[i] ? ml_data(down[i]) : NULL;
+    }
+    *t = (ml_experts_table){{ptrs, ptrs + E}, E, F, D, x->dtype, dev};
+    return ML_OK;
+}
+
+ml_status ml_op_experts_tabulate_grads(ml_experts_wgrads *gw, void **ptrs,
+                                       ml_tensor *const *dgate_up, ml_tensor *const *ddown,
+                                       const ml_experts_table *t, ml_err *e)
+{
+    int64_t E = t->E, D = t->D, F = t->F;
+    for (int64_t i = 0; i < E; i++) {
+        if (t->w.gate_up[i] && (!dgate_up[i] || !ddown[i]))
+            return ml_err_set(e, ML_EINVAL, "%s of expert %lld: missing, but the expert runs (its "
+                              "weights are given)", dgate_up[i] ? "ddown" : "dgate_up", (long long)i);
+        if (dgate_up[i])
+            ML_TRY(ex_block(dgate_up[i], "dgate_up", i, t->device, t->dtype, 2 * F, D, e));
+        if (ddown[i])
+            ML_TRY(ex_block(ddown[i], "ddown", i, t->device, t->dtype, D, F, e));
+        ptrs[i] = t->w.gate_up[i] ? ml_data(dgate_up[i]) : NULL;
+        ptrs[E + i] = t->w.gate_up[i] ? ml_data(ddown[i]) : NULL;
+    }
+    *gw = (ml_experts_wgrads){ptrs, ptrs + E};
+    return ML_OK;
+}
+
 ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved_h,
                                       const ml_tensor *x, const ml_experts_table *t,
                                       const ml_tensor *idx, const ml_tensor *w,
@@ -758,6 +827,12 @@ ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved
     ml_device dev = x->st->device;
     ML_TRY(check_pool(pool, dev, e));
     int64_t yshape[2] = {run.T, run.D}, hshape[2] = {run.nsaved, 2 * run.F};
+    if (run.accumulate && !y->st)
+        return ml_err_set(e, ML_EINVAL, "y: expected a given [T, D] tensor (cfg.accumulate adds "
+                          "into it)");
+    if (y->st && (ml_tensors_overlap(y, x) || ml_tensors_overlap(y, w)))
+        return ml_err_set(e, ML_EINVAL, "y shares storage with %s (outputs must not alias inputs)",
+                          ml_tensors_overlap(y, x) ? "x" : "w");
     ML_TRY(output(h, pool, y, "y", dev, x->dtype, 2, yshape, 0, e));
     if (run.nsaved > 0)
         ML_TRY(output(h, pool, saved_h, "saved.h", dev, x->dtype, 2, hshape, 0, e));
@@ -836,6 +911,10 @@ static ml_status ex_backward(ml_host *h, const ml_experts_grads *g, const ml_ten
             if (gt[j] && ml_tensors_overlap(gt[i], gt[j]))
                 return ml_err_set(e, ML_EINVAL, "%s shares storage with %s", gnames[i], gnames[j]);
     }
+    for (int i = 3; i < 5 && run.accumulate; i++)
+        if (!gt[i]->st)
+            return ml_err_set(e, ML_EINVAL, "%s: expected a given tensor (cfg.accumulate keeps the "
+                              "earlier calls' entries)", gnames[i]);
     size_t nb = 0;
     ML_TRY(ex_scratch_bytes(ml_experts_backward_scratch(&run), dt, &nb, e));
     for (int i = 0; i < 5; i++)
@@ -877,6 +956,10 @@ ml_status ml_op_experts_backward_table(ml_host *h, const ml_experts_grads *g,
 {
     if (!gw->gate_up || !gw->down)
         return ml_err_set(e, ML_EINVAL, "gw: needs both gradient arrays");
+    for (int64_t i = 0; t->w.gate_up && i < t->E; i++)
+        if (t->w.gate_up[i] && (!gw->gate_up[i] || !gw->down[i]))
+            return ml_err_set(e, ML_EINVAL, "gw: expert %lld runs (its weights are given) but has "
+                              "no %s gradient", (long long)i, gw->gate_up[i] ? "down" : "gate_up");
     ex_weights wt;   /* a given table: no tensors, nothing to release */
     wt.t = *t;
     wt.gw = *gw;

@@ -117,7 +117,8 @@ ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *row
 
 /* Gradients of the experts' backward (kernels/experts.h): dx, dgate_up and
  * ddown accumulate (+=; zeros when the op allocates them), dw and touched
- * are overwritten (=). None may overlap an input or another. */
+ * are overwritten (=; with cfg->accumulate only the run experts' entries,
+ * and then both must be given). None may overlap an input or another. */
 typedef struct {
     ml_tensor *dx;         /* [T, D] */
     ml_tensor *dgate_up;   /* [E, 2F, D] */
@@ -132,8 +133,9 @@ typedef struct {
  * down [E, D, F], w [T, k] of one float dtype, idx [T, k] i64, plan's
  * offsets and order from ml_op_dispatch of idx (checked).
  * cfg: the caller sets tile (rows per tile asked, >= 1; the kernels run
- * min(tile, max(T·k, 1))) and nsaved (S, 0 .. T·k); the op sets T, k, D,
- * F and E from the tensors. */
+ * min(tile, max(T·k, 1))), nsaved (S, 0 .. T·k) and accumulate (0, or 1:
+ * y is given and += instead of =, see kernels/experts.h); the op sets T,
+ * k, D, F and E from the tensors. */
 ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, const ml_tensor *x,
                                 const ml_tensor *gate_up, const ml_tensor *down,
                                 const ml_tensor *idx, const ml_tensor *w,
@@ -151,17 +153,37 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
  * [E, 2F, D] / [E, D, F] tensors: expert parallelism and the expert store,
  * where a rank or a cache slot holds any subset of the experts, anywhere
  * and in any order. The tensor ops above are these with the tables of
- * their tensors. The arrays are host memory read during the call only;
- * the op checks the sizes against x and trusts the pointers: the entries
- * of every expert the plan gives rows point at contiguous blocks of dtype
- * on device ([2F, D] and [D, F]) that stay live through the call and that
- * no output overlaps; the other entries are never read (NULL allowed). */
+ * their tensors. The arrays are host memory read during the call only.
+ * An expert whose entries are NULL (gate_up and down both; checked) is
+ * skipped, rows or not: one layer may run its experts over several calls,
+ * a subset per call in ascending expert order, the first with
+ * cfg->accumulate = 0 and the rest with 1 (the same y, saved_h, dx, dw and
+ * touched given to each), bitwise one call over all of them. The op checks
+ * the sizes against x and trusts the pointers: the non-NULL entries point
+ * at contiguous blocks of dtype on device ([2F, D] and [D, F]) that stay
+ * live through the call and that no output overlaps. */
 typedef struct {
     ml_experts_weights w;  /* [E] host arrays of pointers on `device` */
     int64_t E, F, D;       /* E >= 1, F >= 1; D is x's */
     ml_dtype dtype;        /* x's */
     ml_device device;      /* x's */
 } ml_experts_table;
+
+/* The table of per-expert tensors for x [T, D]: gate_up[e] [2F, D] and
+ * down[e] [D, F] for e in [0, E), both NULL for a skipped expert; each
+ * given one live, contiguous, of x's dtype and on x's device, with one F
+ * (at least one expert given). t points into ptrs, 2E host pointers the
+ * caller keeps through the ops. */
+ml_status ml_op_experts_tabulate(ml_experts_table *t, const void **ptrs,
+                                 const ml_tensor *const *gate_up, const ml_tensor *const *down,
+                                 int64_t E, const ml_tensor *x, ml_err *e);
+/* Their gradients' table: dgate_up[e] [2F, D] and ddown[e] [D, F] of t's
+ * dtype on t's device, given for every expert t runs (NULL allowed for a
+ * skipped one; a given one is checked all the same). gw points into ptrs,
+ * 2E host pointers. */
+ml_status ml_op_experts_tabulate_grads(ml_experts_wgrads *gw, void **ptrs,
+                                       ml_tensor *const *dgate_up, ml_tensor *const *ddown,
+                                       const ml_experts_table *t, ml_err *e);
 
 /* ml_op_experts_forward over table t (cfg's E and F are t's). */
 ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved_h,
@@ -172,7 +194,8 @@ ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved
 /* ml_op_experts_backward over table t: g's dx, dw and touched as there
  * (g->dgate_up and g->ddown are not used; NULL allowed), the weights'
  * gradients accumulate (+=) into gw's [E] blocks, trusted as t's (an
- * expert without rows is not written). */
+ * expert without rows or skipped is not written; every expert t runs must
+ * have both entries: checked). */
 ml_status ml_op_experts_backward_table(ml_host *h, const ml_experts_grads *g,
                                        const ml_experts_wgrads *gw, const ml_tensor *dy,
                                        const ml_tensor *x, const ml_experts_table *t,
