@@ -11,7 +11,9 @@
  * unpack of the plan's rows per token and per assignment; the experts
  * given as pointer tables in reverse order with NULL for experts without
  * rows, bitwise the tensors' results (E = 4 and E = 70, past the ops' stack
- * tables); the ledger back to zero. Not here:
+ * tables); one layer's experts run a subset per call (random routing,
+ * with and without drops, every save mode), bitwise one call, and the
+ * subset calls' bad input; the ledger back to zero. Not here:
  * the Lua bindings (tests/spec/router_spec.lua, experts_spec.lua).
  */
 #include <math.h>
@@ -376,6 +378,237 @@ static void test_table(ml_host *h, int64_t nE)
         ml_tensor_drop(all[i]);
 }
 
+/* One layer's experts run over several calls, a subset per call (the
+ * expert store's cache slots): each expert's weights and gradients in
+ * buffers of their own, the other experts' entries NULL, the first call
+ * with cfg.accumulate = 0 and the rest with 1. y, saved h, dx, dw,
+ * touched and every expert's gradients are bitwise one tensor call's, for
+ * a random routing with and without drops, in every save mode; an expert
+ * not yet run keeps its gradient buffers' sentinel bit for bit. */
+enum { ST = 37, SK = 2, SE = 4, SD = 6, SF = 5 };
+
+static uint64_t lcg = 12345;
+static int64_t lcg_next(int64_t n)
+{
+    lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (int64_t)((lcg >> 33) % (uint64_t)n);
+}
+
+static double sentinel(int i) { (void)i; return 0.5; }
+static double xval(int i) { return sin(1.3 * i + 0.2); }
+static double guval(int i) { return 0.4 * cos(0.37 * i + 0.1); }
+
+typedef struct {
+    ml_tensor y, hs, dx, dw, touched;
+} layer_out;
+
+static void drop_out(layer_out *o)
+{
+    ml_tensor *all[] = {&o->y, &o->hs, &o->dx, &o->dw, &o->touched};
+    for (int i = 0; i < 5; i++)
+        ml_tensor_drop(all[i]);
+}
+
+static int same_bytes(const ml_tensor *a, const ml_tensor *b)
+{
+    return ml_nbytes(a) == ml_nbytes(b) && memcmp(ml_data(a), ml_data(b), ml_nbytes(a)) == 0;
+}
+
+static int all_sentinel(const ml_tensor *t)
+{
+    for (int64_t i = 0; i < ml_numel(t); i++)
+        if (((double *)ml_data(t))[i] != 0.5)
+            return 0;
+    return 1;
+}
+
+/* The rows of saved h that forward wrote: those of tiles (of `tile` rows
+ * within each expert) lying below S; the others are never written. */
+static int same_saved_h(const ml_tensor *a, const ml_tensor *b, const ml_tensor *offsets,
+                        int64_t E, int64_t tile, int64_t S)
+{
+    const int64_t *of = ml_data(offsets);
+    size_t row = ml_nbytes(a) / (size_t)S;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t p0 = of[e]; p0 < of[e + 1]; p0 += tile) {
+            int64_t r = of[e + 1] - p0 < tile ? of[e + 1] - p0 : tile;
+            if (p0 + r <= S && memcmp((char *)ml_data(a) + p0 * row, (char *)ml_data(b) + p0 * row,
+                                      (size_t)r * row) != 0)
+                return 0;
+        }
+    return 1;
+}
+
+static void test_subsets(ml_host *h)
+{
+    int64_t td[2] = {ST, SK}, xd[2] = {ST, SD}, gud[3] = {SE, 2 * SF, SD}, dnd[3] = {SE, SD, SF};
+    int64_t gu1[2] = {2 * SF, SD}, dn1[2] = {SD, SF};
+    const int64_t sgu = 2 * SF * SD, sdn = SD * SF;
+    ml_tensor x, w, idx = {0}, gu, dn, dy, pgu[SE], pdn[SE];
+    ml_err e;
+    ml_tensor_alloc(h, &idx, ML_CPU, ML_I64, 2, td, &e);
+    for (int64_t t = 0; t < ST; t++) {   /* two distinct random experts per token */
+        int64_t a = lcg_next(SE), b = (a + 1 + lcg_next(SE - 1)) % SE;
+        ((int64_t *)ml_data(&idx))[t * SK] = a;
+        ((int64_t *)ml_data(&idx))[t * SK + 1] = b;
+    }
+    mk(h, &x, 2, xd, NULL, xval);
+    mk(h, &w, 2, td, NULL, weight);
+    mk(h, &gu, 3, gud, NULL, guval);
+    mk(h, &dn, 3, dnd, NULL, weight);
+    mk(h, &dy, 2, xd, NULL, grad_y);
+    for (int i = 0; i < SE; i++) {   /* each expert copied into buffers of its own */
+        mk(h, &pgu[i], 2, gu1, (double *)ml_data(&gu) + i * sgu, NULL);
+        mk(h, &pdn[i], 2, dn1, (double *)ml_data(&dn) + i * sdn, NULL);
+    }
+    static const int groups[2][SE + 1] = {{0, 2, 4}, {0, 1, 2, 3, 4}};   /* subset bounds */
+    static const int ngroups[2] = {2, 4};
+    for (int drop = 0; drop < 2; drop++) {
+        ml_tensor off = {0}, order = {0}, cnt = {0}, dropped = {0};
+        ml_dispatch_plan plan = {&off, &order, &cnt, &dropped, -1};
+        ml_status s = ml_op_dispatch(h, &plan, &idx, SE, drop ? 15 : -1, NULL, &e);
+        ok(s == ML_OK && (plan.ndropped > 0) == drop, "subsets: plan %s (%lld dropped)",
+           drop ? "with capacity 15" : "dropless", (long long)plan.ndropped);
+        const int64_t saves[3] = {ST * SK, 0, ST * SK * 37 / 100};
+        for (int m = 0; m < 3; m++) {
+            ml_experts_cfg c = {.tile = 5, .nsaved = saves[m]};
+            layer_out ref;
+            memset(&ref, 0, sizeof ref);
+            ml_tensor rdgu, rddn;
+            mk(h, &ref.dx, 2, xd, NULL, sentinel);
+            mk(h, &rdgu, 3, gud, NULL, sentinel);
+            mk(h, &rddn, 3, dnd, NULL, sentinel);
+            ml_experts_grads rg = {&ref.dx, &rdgu, &rddn, &ref.dw, &ref.touched};
+            s = ml_op_experts_forward(h, &ref.y, &ref.hs, &x, &gu, &dn, &idx, &w, &plan, &c, NULL,
+                                      &e);
+            if (s == ML_OK)
+                s = ml_op_experts_backward(h, &rg, &dy, &x, &gu, &dn, &idx, &w, &plan, &ref.hs, &c,
+                                           NULL, &e);
+            ok(s == ML_OK, "subsets drop %d S %lld: one call (%s)", drop, (long long)saves[m],
+               s == ML_OK ? "ok" : e.msg);
+            for (int gi = 0; gi < 2; gi++) {
+                layer_out o;
+                memset(&o, 0, sizeof o);
+                ml_tensor dgu[SE], ddn[SE];
+                mk(h, &o.dx, 2, xd, NULL, sentinel);
+                for (int i = 0; i < SE; i++) {
+                    mk(h, &dgu[i], 2, gu1, NULL, sentinel);
+                    mk(h, &ddn[i], 2, dn1, NULL, sentinel);
+                }
+                int untouched = 1;
+                for (int pass = 0; pass < 2 && s == ML_OK; pass++)   /* forward, then backward */
+                    for (int k = 0; k < ngroups[gi] && s == ML_OK; k++) {
+                        const ml_tensor *wgu[SE] = {0}, *wdn[SE] = {0};
+                        ml_tensor *ggu[SE] = {0}, *gdn[SE] = {0};
+                        for (int i = groups[gi][k]; i < groups[gi][k + 1]; i++) {
+                            wgu[i] = &pgu[i];
+                            wdn[i] = &pdn[i];
+                            ggu[i] = &dgu[i];
+                            gdn[i] = &ddn[i];
+                        }
+                        const void *wp[2 * SE];
+                        void *gp[2 * SE];
+                        ml_experts_table t;
+                        ml_experts_wgrads gw;
+                        ml_experts_cfg cs = {.tile = 5, .nsaved = saves[m], .accumulate = k > 0};
+                        ml_experts_grads g = {&o.dx, NULL, NULL, &o.dw, &o.touched};
+                        s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
+                        if (s == ML_OK && pass == 0)
+                            s = ml_op_experts_forward_table(h, &o.y, &o.hs, &x, &t, &idx, &w,
+                                                            &plan, &cs, NULL, &e);
+                        if (s == ML_OK && pass == 1)
+                            s = ml_op_experts_tabulate_grads(&gw, gp, ggu, gdn, &t, &e);
+                        if (s == ML_OK && pass == 1)
+                            s = ml_op_experts_backward_table(h, &g, &gw, &dy, &x, &t, &idx, &w,
+                                                             &plan, &o.hs, &cs, NULL, &e);
+                        for (int i = groups[gi][k + 1]; pass == 1 && i < SE; i++)
+                            untouched &= all_sentinel(&dgu[i]) && all_sentinel(&ddn[i]);
+                    }
+                int same = s == ML_OK && same_bytes(&o.y, &ref.y) && same_bytes(&o.dx, &ref.dx) &&
+                           same_bytes(&o.dw, &ref.dw) && same_bytes(&o.touched, &ref.touched) &&
+                           (saves[m] == 0 || same_saved_h(&o.hs, &ref.hs, &off, SE, 5, saves[m]));
+                for (int i = 0; same && i < SE; i++)
+                    same = memcmp(ml_data(&dgu[i]), (double *)ml_data(&rdgu) + i * sgu,
+                                  (size_t)sgu * sizeof(double)) == 0 &&
+                           memcmp(ml_data(&ddn[i]), (double *)ml_data(&rddn) + i * sdn,
+                                  (size_t)sdn * sizeof(double)) == 0;
+                ok(same, "subsets drop %d S %lld, %d calls: y, h, dx, dw, touched and every "
+                   "expert's gradients bitwise one call's (%s)", drop, (long long)saves[m],
+                   ngroups[gi], s == ML_OK ? "ok" : e.msg);
+                ok(untouched, "subsets drop %d S %lld, %d calls: experts not yet run keep their "
+                   "gradients' sentinel", drop, (long long)saves[m], ngroups[gi]);
+                drop_out(&o);
+                for (int i = 0; i < SE; i++) {
+                    ml_tensor_drop(&dgu[i]);
+                    ml_tensor_drop(&ddn[i]);
+                }
+            }
+            drop_out(&ref);
+            ml_tensor_drop(&rdgu);
+            ml_tensor_drop(&rddn);
+        }
+
+        if (drop) {   /* bad input */
+            const ml_tensor *wgu[SE] = {&pgu[0], &pgu[1], NULL, NULL};
+            const ml_tensor *wdn[SE] = {&pdn[0], NULL, NULL, NULL};
+            const void *wp[2 * SE];
+            void *gp[2 * SE];
+            ml_experts_table t;
+            ml_experts_wgrads gw;
+            s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
+            ok(s == ML_EINVAL && strcmp(e.msg, "expert 1 has gate_up but no down (both or "
+                                        "neither: neither skips it)") == 0, "subsets: \"%s\"", e.msg);
+            wdn[1] = &pdn[1];
+            wgu[1] = &pdn[1];
+            s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
+            ok(s == ML_EINVAL && strcmp(e.msg, "gate_up of expert 1: expected shape [10,6], got "
+                                        "[6,5]") == 0, "subsets: \"%s\"", e.msg);
+            wgu[1] = &pgu[1];
+            s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
+            ml_tensor *ggu[SE] = {&pgu[2], NULL, NULL, NULL}, *gdn[SE] = {&pdn[2], &pdn[3], 0, 0};
+            if (s == ML_OK)
+                s = ml_op_experts_tabulate_grads(&gw, gp, ggu, gdn, &t, &e);
+            ok(s == ML_EINVAL && strcmp(e.msg, "dgate_up of expert 1: missing, but the expert "
+                                        "runs (its weights are given)") == 0, "subsets: \"%s\"",
+               e.msg);
+            ml_experts_cfg cs = {.tile = 5, .accumulate = 1};
+            ml_tensor y = {0}, hs = {0};
+            s = ml_op_experts_forward_table(h, &y, &hs, &x, &t, &idx, &w, &plan, &cs, NULL, &e);
+            ok(s == ML_EINVAL && !y.st && strcmp(e.msg, "y: expected a given [T, D] tensor "
+                                                 "(cfg.accumulate adds into it)") == 0,
+               "subsets: \"%s\"", e.msg);
+            ml_tensor dx = {0}, dw = {0}, touched = {0};
+            ml_experts_grads g = {&dx, NULL, NULL, &dw, &touched};
+            ggu[1] = &pgu[3];
+            gw = (ml_experts_wgrads){0};
+            s = ml_op_experts_tabulate_grads(&gw, gp, ggu, gdn, &t, &e);
+            if (s == ML_OK)
+                s = ml_op_experts_backward_table(h, &g, &gw, &dy, &x, &t, &idx, &w, &plan, &hs,
+                                                 &cs, NULL, &e);
+            ok(s == ML_EINVAL && !dx.st && strcmp(e.msg, "grads.dw: expected a given tensor "
+                                                  "(cfg.accumulate keeps the earlier calls' "
+                                                  "entries)") == 0, "subsets: \"%s\"", e.msg);
+            const void *half[2 * SE] = {wp[0], wp[1], NULL, NULL, wp[4], NULL, NULL, NULL};
+            ml_experts_table bad = {{half, half + SE}, SE, SF, SD, ML_F64, ML_CPU};
+            cs.accumulate = 0;
+            s = ml_op_experts_forward_table(h, &y, &hs, &x, &bad, &idx, &w, &plan, &cs, NULL, &e);
+            ok(s == ML_EINVAL && !y.st && strcmp(e.msg, "table: expert 1 has gate_up but no down "
+                                                 "(both or neither: NULL skips it)") == 0,
+               "subsets: \"%s\"", e.msg);
+        }
+        ml_tensor *pl[] = {&off, &order, &cnt, &dropped};
+        for (int i = 0; i < 4; i++)
+            ml_tensor_drop(pl[i]);
+    }
+    ml_tensor *all[] = {&x, &w, &idx, &gu, &dn, &dy};
+    for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+        ml_tensor_drop(all[i]);
+    for (int i = 0; i < SE; i++) {
+        ml_tensor_drop(&pgu[i]);
+        ml_tensor_drop(&pdn[i]);
+    }
+}
+
 int main(void)
 {
     ml_host h;
@@ -386,6 +619,7 @@ int main(void)
     test_caps_pack_unpack(&h);
     test_table(&h, E);
     test_table(&h, 70);
+    test_subsets(&h);
     ok(h.books[ML_CPU].total == 0, "the ledger is back to zero (%zu bytes)", h.books[ML_CPU].total);
     ml_host_free(&h);
     return tap_done();
