@@ -487,8 +487,8 @@ static int l_experts_forward(lua_State *L)
         int64_t tile, nsaved;
         read_saved(L, 9, fn, "option 'saved'", &tile, &nsaved);
         if (o.has_tile && o.tile != tile)
-            ml_error(L, fn, "option 'tile' = %lld differs from the forward's tile %lld (saved.tile)",
-                     (long long)o.tile, (long long)tile);
+            ml_error(L, fn, "option 'tile' = %lld differs from the forward's tile %lld "
+                     "(saved.tile)", (long long)o.tile, (long long)tile);
         if (o.has_save && c.nsaved != nsaved)
             ml_error(L, fn, "options 'save' / 'partial_recompute' keep S = %lld positions but "
                      "saved.nsaved is %lld (the first call's)", (long long)c.nsaved,

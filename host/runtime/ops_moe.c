@@ -768,7 +768,8 @@ ml_status ml_op_experts_tabulate(ml_experts_table *t, const void **ptrs,
     ml_device dev = x->st->device;
     ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
     if (E < 1)
-        return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld", (long long)E);
+        return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld",
+                          (long long)E);
     int64_t D = x->shape[1], F = 0;
     for (int64_t i = 0; i < E; i++) {
         if (!gate_up[i] != !down[i])
@@ -801,7 +802,8 @@ ml_status ml_op_experts_tabulate_grads(ml_experts_wgrads *gw, void **ptrs,
     for (int64_t i = 0; i < E; i++) {
         if (t->w.gate_up[i] && (!dgate_up[i] || !ddown[i]))
             return ml_err_set(e, ML_EINVAL, "%s of expert %lld: missing, but the expert runs (its "
-                              "weights are given)", dgate_up[i] ? "ddown" : "dgate_up", (long long)i);
+                              "weights are given)", dgate_up[i] ? "ddown" : "dgate_up",
+                              (long long)i);
         if (dgate_up[i])
             ML_TRY(ex_block(dgate_up[i], "dgate_up", i, t->device, t->dtype, 2 * F, D, e));
         if (ddown[i])
@@ -828,8 +830,8 @@ ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved
     ML_TRY(check_pool(pool, dev, e));
     int64_t yshape[2] = {run.T, run.D}, hshape[2] = {run.nsaved, 2 * run.F};
     if (run.accumulate && !y->st)
-        return ml_err_set(e, ML_EINVAL, "y: expected a given [T, D] tensor (cfg.accumulate adds "
-                          "into it)");
+        return ml_err_set(e, ML_EINVAL, "y: expected a given [T, D] tensor (an accumulating call "
+                          "adds into it)");
     if (y->st && (ml_tensors_overlap(y, x) || ml_tensors_overlap(y, w)))
         return ml_err_set(e, ML_EINVAL, "y shares storage with %s (outputs must not alias inputs)",
                           ml_tensors_overlap(y, x) ? "x" : "w");
@@ -913,8 +915,8 @@ static ml_status ex_backward(ml_host *h, const ml_experts_grads *g, const ml_ten
     }
     for (int i = 3; i < 5 && run.accumulate; i++)
         if (!gt[i]->st)
-            return ml_err_set(e, ML_EINVAL, "%s: expected a given tensor (cfg.accumulate keeps the "
-                              "earlier calls' entries)", gnames[i]);
+            return ml_err_set(e, ML_EINVAL, "%s: expected a given tensor (an accumulating call "
+                              "keeps the earlier calls' entries)", gnames[i]);
     size_t nb = 0;
     ML_TRY(ex_scratch_bytes(ml_experts_backward_scratch(&run), dt, &nb, e));
     for (int i = 0; i < 5; i++)

@@ -557,7 +557,8 @@ static void test_subsets(ml_host *h)
             ml_experts_wgrads gw;
             s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
             ok(s == ML_EINVAL && strcmp(e.msg, "expert 1 has gate_up but no down (both or "
-                                        "neither: neither skips it)") == 0, "subsets: \"%s\"", e.msg);
+                                        "neither: neither skips it)") == 0,
+               "subsets: \"%s\"", e.msg);
             wdn[1] = &pdn[1];
             wgu[1] = &pdn[1];
             s = ml_op_experts_tabulate(&t, wp, wgu, wdn, SE, &x, &e);
@@ -575,7 +576,7 @@ static void test_subsets(ml_host *h)
             ml_tensor y = {0}, hs = {0};
             s = ml_op_experts_forward_table(h, &y, &hs, &x, &t, &idx, &w, &plan, &cs, NULL, &e);
             ok(s == ML_EINVAL && !y.st && strcmp(e.msg, "y: expected a given [T, D] tensor "
-                                                 "(cfg.accumulate adds into it)") == 0,
+                                                 "(an accumulating call adds into it)") == 0,
                "subsets: \"%s\"", e.msg);
             ml_tensor dx = {0}, dw = {0}, touched = {0};
             ml_experts_grads g = {&dx, NULL, NULL, &dw, &touched};
@@ -586,7 +587,7 @@ static void test_subsets(ml_host *h)
                 s = ml_op_experts_backward_table(h, &g, &gw, &dy, &x, &t, &idx, &w, &plan, &hs,
                                                  &cs, NULL, &e);
             ok(s == ML_EINVAL && !dx.st && strcmp(e.msg, "grads.dw: expected a given tensor "
-                                                  "(cfg.accumulate keeps the earlier calls' "
+                                                  "(an accumulating call keeps the earlier calls' "
                                                   "entries)") == 0, "subsets: \"%s\"", e.msg);
             const void *half[2 * SE] = {wp[0], wp[1], NULL, NULL, wp[4], NULL, NULL, NULL};
             ml_experts_table bad = {{half, half + SE}, SE, SF, SD, ML_F64, ML_CPU};

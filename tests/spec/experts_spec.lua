@@ -5,7 +5,8 @@
 -- experts.forward's y),
 -- forward against a dense f64 reference computed in plain Lua (every expert
 -- on every token, masked by the routing), finite-difference gradients, the
--- save policies, untouched experts, zero ledger allocations with a pool, and
+-- save policies, untouched experts, zero ledger allocations with a pool,
+-- per-expert weight tables run a subset per call (bitwise one call), and
 -- bad input.
 --
 -- Tolerances are normwise relative errors ||x - ref|| / ||ref||:
@@ -550,6 +551,202 @@ describe("experts.backward", function()
     assert.are.same(first, second)
     assert.are.equal(0, pool:stats().slots)
     assert.are.equal(0, pool:stats().overflows)
+  end)
+end)
+
+-- ---- per-expert tables: a subset of the experts per call ---------------------------
+
+-- "%a" of every value (tells -0 from 0): bitwise comparisons
+local function bits(t)
+  local r = {}
+  for i, v in ipairs(vals(t)) do r[i] = string.format("%a", v) end
+  return r
+end
+
+-- the rows of saved h that forward writes: positions in tiles (within each
+-- expert) lying below S; the others are never written
+local function saved_rows(h, plan, tile, S)
+  local off, hv, rows = vals(plan.offsets), vals(h), {}
+  local w = h:shape()[2]
+  for e = 1, #off - 1 do
+    for p0 = off[e], off[e + 1] - 1, tile do
+      local r = math.min(tile, off[e + 1] - p0)
+      if p0 + r <= S then
+        for i = p0 * w + 1, (p0 + r) * w do rows[#rows + 1] = string.format("%a", hv[i]) end
+      end
+    end
+  end
+  return rows
+end
+
+describe("experts with per-expert tables", function()
+  local T, k, D, F, E = 37, 2, 6, 5, 4
+  local MODES = {{save = "save"}, {save = "recompute"}, {partial_recompute = 0.37}}
+  local GROUPS = {{{0, 1}, {2, 3}}, {{0}, {1}, {2}, {3}}}
+
+  local function with(o, extra)
+    local c = {}
+    for key, v in pairs(o) do c[key] = v end
+    for key, v in pairs(extra) do c[key] = v end
+    return c
+  end
+
+  it("run one layer's experts a subset per call, bitwise one call, every save mode, with and without drops", function()
+    for _, dt in ipairs({"f64", "f32"}) do
+      local P = problem(T, k, D, F, E, dt)
+      local dy = randn({T, D}, dt)
+      -- each expert in buffers of its own, as cache slots hold them
+      local gu, dn = {}, {}
+      for e = 1, E do
+        gu[e] = P.gate_up:select(1, e):clone()
+        dn[e] = P.down:select(1, e):clone()
+      end
+      local function sentinel(shape) return m.full(shape, 0.5, {dtype = dt}) end
+      local plans = {ex.dispatch(P.idx, E), ex.dispatch(P.idx, E, {policy = "drop", capacity = 15})}
+      assert(plans[2].ndropped > 0, "the capacity must drop something here")
+      for pi, plan in ipairs(plans) do
+        for mi, mode in ipairs(MODES) do
+          local o = with(mode, {tile = 5})
+          local y, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan, o)
+          local ref = {ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved, o,
+                                   {dx = sentinel({T, D}), dgate_up = sentinel({E, 2 * F, D}),
+                                    ddown = sentinel({E, D, F})})}
+          for gi, groups in ipairs(GROUPS) do
+            local what = ("%s plan %d mode %d groups %d"):format(dt, pi, mi, gi)
+            local ys, ss
+            for _, grp in ipairs(groups) do
+              local tg, td = {}, {}
+              for _, e in ipairs(grp) do tg[e + 1], td[e + 1] = gu[e + 1], dn[e + 1] end
+              local y2, s2 = ex.forward(P.x, tg, td, P.idx, P.w, plan,
+                                        with(o, {out = ys, saved = ss}))
+              if ys then
+                assert.are.equal(ys, y2, "out is returned")
+                assert.are.equal(ss, s2, "saved is returned")
+              end
+              ys, ss = y2, s2
+            end
+            assert.are.same(bits(y), bits(ys), "y " .. what)
+            assert.are.equal(saved.nsaved, ss.nsaved)
+            if saved.nsaved > 0 then
+              assert.are.same(saved_rows(saved.h, plan, 5, saved.nsaved),
+                              saved_rows(ss.h, plan, 5, saved.nsaved), "saved h " .. what)
+            end
+            local dgu, ddn = {}, {}
+            for e = 1, E do dgu[e], ddn[e] = sentinel({2 * F, D}), sentinel({D, F}) end
+            local g = {dx = sentinel({T, D})}
+            for i, grp in ipairs(groups) do
+              local tg, td = {}, {}
+              g.dgate_up, g.ddown = {}, {}
+              for _, e in ipairs(grp) do
+                tg[e + 1], td[e + 1] = gu[e + 1], dn[e + 1]
+                g.dgate_up[e + 1], g.ddown[e + 1] = dgu[e + 1], ddn[e + 1]
+              end
+              local r = {ex.backward(dy, P.x, tg, td, P.idx, P.w, plan, ss,
+                                     with(o, {accumulate = i > 1}), g)}
+              assert.are.equal(g.dgate_up, r[2])
+              assert.are.equal(g.ddown, r[3])
+              g.dx, g.dw, g.touched = r[1], r[4], r[5]
+              for j = i + 1, #groups do   -- the experts not run yet: untouched
+                for _, e in ipairs(groups[j]) do
+                  for _, v in ipairs(vals(dgu[e + 1])) do assert.are.equal(0.5, v) end
+                  for _, v in ipairs(vals(ddn[e + 1])) do assert.are.equal(0.5, v) end
+                end
+              end
+            end
+            assert.are.same(bits(ref[1]), bits(g.dx), "dx " .. what)
+            assert.are.same(bits(ref[4]), bits(g.dw), "dw " .. what)
+            assert.are.same(vals(ref[5]), vals(g.touched), "touched " .. what)
+            for e = 1, E do
+              assert.are.same(bits(ref[2]:select(1, e)), bits(dgu[e]), "dgate_up " .. e .. " " .. what)
+              assert.are.same(bits(ref[3]:select(1, e)), bits(ddn[e]), "ddown " .. e .. " " .. what)
+            end
+          end
+        end
+      end
+    end
+  end)
+
+  it("take E from the plan or opts.E and skip the experts without entries", function()
+    local P = problem(T, k, D, F, E, "f64")
+    local plan = ex.dispatch(P.idx, E)
+    local gu, dn = {}, {}
+    for e = 1, E do gu[e], dn[e] = P.gate_up:select(1, e):clone(), P.down:select(1, e):clone() end
+    local y = ex.forward(P.x, gu, dn, P.idx, P.w, plan)
+    assert.are.same(bits(ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan)), bits(y))
+    local bare = {offsets = plan.offsets, order = plan.order}   -- no plan.E
+    assert.are.same(bits(y), bits(ex.forward(P.x, gu, dn, P.idx, P.w, bare, {E = E})))
+    -- an all-skipped call: y is zero, nothing else written
+    local y0 = ex.forward(P.x, {[2] = gu[2]}, {[2] = dn[2]}, P.idx, P.w,
+                          ex.dispatch(P.idx, E, {policy = "drop", capacity = 0}))
+    for _, v in ipairs(vals(y0)) do assert.are.equal(0, v) end
+  end)
+
+  it("refuse bad tables, grads and out with messages that name them", function()
+    local P = problem(6, 2, 4, 3, 3, "f32")
+    local plan = ex.dispatch(P.idx, P.E)
+    local gu, dn = {}, {}
+    for e = 1, 3 do gu[e], dn[e] = P.gate_up:select(1, e):clone(), P.down:select(1, e):clone() end
+    local function err(pat, f, ...)
+      local ok, msg = pcall(f, ...)
+      assert.is_false(ok)
+      assert(tostring(msg):find(pat, 1, true), "expected '" .. pat .. "' in: " .. tostring(msg))
+    end
+    local F_ = ex.forward
+    err("moelua.experts.forward: gate_up of expert 1: expected shape [6,4], got [4,6]", F_, P.x,
+        {gu[1], m.zeros({4, 6})}, {dn[1], dn[2]}, P.idx, P.w, plan)
+    err("down of expert 2: expected dtype f32, got f64", F_, P.x, {[3] = gu[3]},
+        {[3] = dn[3]:to("f64")}, P.idx, P.w, plan)
+    err("down of expert 0: expected a contiguous tensor", F_, P.x, {gu[1]},
+        {m.zeros({3, 4}):transpose(1, 2)}, P.idx, P.w, plan)
+    err("expert 1 has gate_up but no down (both or neither: neither skips it)", F_, P.x,
+        {gu[1], gu[2]}, {dn[1]}, P.idx, P.w, plan)
+    err("gate_up: key 4 is not an expert's (expected integers 1 .. E = 3: expert + 1)", F_, P.x,
+        {[4] = gu[1]}, {[4] = dn[1]}, P.idx, P.w, plan)
+    err("gate_up: key x is not an expert's", F_, P.x, {x = gu[1]}, {dn[1]}, P.idx, P.w, plan)
+    err("gate_up[1]: expected a tensor, got number", F_, P.x, {1}, {dn[1]}, P.idx, P.w, plan)
+    err("argument #3 (down): expected a table of per-expert tensors like gate_up, got userdata",
+        F_, P.x, gu, P.down, P.idx, P.w, plan)
+    err("argument #3 (down): expected a tensor like gate_up, got table", F_, P.x, P.gate_up, dn,
+        P.idx, P.w, plan)
+    err("gate_up: no expert given", F_, P.x, {}, {}, P.idx, P.w, plan)
+    err("option 'E' = 4 differs from plan.E = 3", F_, P.x, gu, dn, P.idx, P.w, plan, {E = 4})
+    err("argument #6 (plan): no plan.E: give option 'E'", F_, P.x, gu, dn, P.idx, P.w,
+        {offsets = plan.offsets, order = plan.order})
+    err("option 'out': expected a tensor, got table", F_, P.x, gu, dn, P.idx, P.w, plan, {out = {}})
+    err("moelua.experts.forward: y is [5,4] but must be [6,4]", F_, P.x, gu, dn, P.idx, P.w, plan,
+        {out = m.zeros({5, 4})})
+    err("y shares storage with x (outputs must not alias inputs)", F_, P.x, gu, dn, P.idx, P.w,
+        plan, {out = P.x})
+    err("option 'saved' must be the table experts.forward returned, got number", F_, P.x, gu, dn,
+        P.idx, P.w, plan, {saved = 3})
+    local y, saved = F_(P.x, {gu[1]}, {dn[1]}, P.idx, P.w, plan, {tile = 4})
+    err("option 'tile' = 8 differs from the forward's tile 4 (saved.tile)", F_, P.x, {[2] = gu[2]},
+        {[2] = dn[2]}, P.idx, P.w, plan, {tile = 8, out = y, saved = saved})
+    err("options 'save' / 'partial_recompute' keep S = 0 positions but saved.nsaved is 12", F_,
+        P.x, {[2] = gu[2]}, {[2] = dn[2]}, P.idx, P.w, plan, {save = "recompute", out = y,
+        saved = saved})
+
+    local dy = m.zeros({6, 4})
+    local dgu, ddn = {}, {}
+    for e = 1, 3 do dgu[e], ddn[e] = m.zeros({6, 4}), m.zeros({4, 3}) end
+    local B = ex.backward
+    err("grads.dgate_up: expected a table of per-expert gradient tensors", B, dy, P.x, gu, dn,
+        P.idx, P.w, plan, saved)
+    err("grads.ddown: expected a table of per-expert gradient tensors", B, dy, P.x, gu, dn,
+        P.idx, P.w, plan, saved, nil, {dgate_up = dgu, ddown = m.zeros({3, 4, 3})})
+    err("dgate_up of expert 1: missing, but the expert runs (its weights are given)", B, dy, P.x,
+        gu, dn, P.idx, P.w, plan, saved, nil, {dgate_up = {dgu[1]}, ddown = ddn})
+    err("ddown of expert 2: expected shape [4,3], got [3,4]", B, dy, P.x, gu, dn, P.idx, P.w,
+        plan, saved, nil, {dgate_up = dgu, ddown = {ddn[1], ddn[2], m.zeros({3, 4})}})
+    err("grads.dw: expected a given tensor (an accumulating call keeps the earlier calls' "
+        .. "entries)", B, dy, P.x, gu, dn, P.idx, P.w, plan, saved, {accumulate = true},
+        {dgate_up = dgu, ddown = ddn})
+    err("option 'accumulate' must be a boolean, got number", B, dy, P.x, gu, dn, P.idx, P.w, plan,
+        saved, {accumulate = 1}, {dgate_up = dgu, ddown = ddn})
+    -- nothing was written by the refused calls
+    for e = 1, 3 do
+      for _, v in ipairs(vals(dgu[e])) do assert.are.equal(0, v) end
+    end
   end)
 end)
 
