@@ -602,6 +602,72 @@ describe("GPU parity: experts", function()
       end
     end
   end)
+
+  -- The expert store's cache slots: per-expert tensors of their own, a
+  -- subset of experts per call (opts.out, opts.saved, accumulate). On the
+  -- device the subset calls are bitwise one device call (the same tiles,
+  -- GEMM shapes and combine order; D·F is a multiple of 64, so every
+  -- expert's slice of the [E, ...] tensors is 256-byte aligned like a
+  -- buffer of its own), and within the tolerance of the CPU.
+  it("subsets of per-expert tensors per call are bitwise one device call, every save mode", function()
+    local T, k, D, F, E = 211, 2, 32, 16, 5
+    local groups = {{0, 1}, {2}, {3, 4}}
+    for _, dt in ipairs({"f32", "f64"}) do
+      local tol = 16 * (D + 2 * F) * EPS[dt]
+      local x, gu, dn, dy, idx, w = problem(dt, T, k, D, F, E, 19)
+      local gx, ggu, gdn, gdy, gidx, gw = dev(x), dev(gu), dev(dn), dev(dy), dev(idx), dev(w)
+      local pgu, pdn = {}, {}
+      for e = 1, E do pgu[e], pdn[e] = dev(gu:select(1, e):clone()), dev(dn:select(1, e):clone()) end
+      for oi, o in ipairs({{tile = 16, save = "save"}, {tile = 16, save = "recompute"},
+                           {tile = 7, partial_recompute = 0.4},
+                           {tile = 16, policy = "drop", capacity = 70}}) do
+        local what = string.format("%s opts %d", dt, oi)
+        local plan, gplan = experts.dispatch(idx, E, o), experts.dispatch(gidx, E, o)
+        local y, saved = experts.forward(x, gu, dn, idx, w, plan, o)
+        local gy, gsaved = experts.forward(gx, ggu, gdn, gidx, gw, gplan, o)
+        local r = {experts.backward(dy, x, gu, dn, idx, w, plan, saved, o)}
+        local g = {experts.backward(gdy, gx, ggu, gdn, gidx, gw, gplan, gsaved, o)}
+        local sy, ss
+        for _, grp in ipairs(groups) do
+          local tg, td = {}, {}
+          for _, e in ipairs(grp) do tg[e + 1], td[e + 1] = pgu[e + 1], pdn[e + 1] end
+          local oo = dev_opts(o, {out = sy, saved = ss})
+          sy, ss = experts.forward(gx, tg, td, gidx, gw, gplan, oo)
+        end
+        assert_same(gy, sy, "y " .. what)
+        assert_close(y, sy, tol, "y vs cpu " .. what)
+        if oi == 1 then   -- dropless save: every row of h is written
+          assert_same(gsaved.h, ss.h, "h " .. what)
+        end
+        local dgu, ddn = {}, {}
+        for e = 1, E do
+          dgu[e] = m.zeros({2 * F, D}, {dtype = dt, device = DEV})
+          ddn[e] = m.zeros({D, F}, {dtype = dt, device = DEV})
+        end
+        local sg = {}
+        for i, grp in ipairs(groups) do
+          local tg, td = {}, {}
+          sg.dgate_up, sg.ddown = {}, {}
+          for _, e in ipairs(grp) do
+            tg[e + 1], td[e + 1] = pgu[e + 1], pdn[e + 1]
+            sg.dgate_up[e + 1], sg.ddown[e + 1] = dgu[e + 1], ddn[e + 1]
+          end
+          local res = {experts.backward(gdy, gx, tg, td, gidx, gw, gplan, ss,
+                                        dev_opts(o, {accumulate = i > 1}), sg)}
+          sg.dx, sg.dw, sg.touched = res[1], res[4], res[5]
+        end
+        assert_same(g[1], sg.dx, "dx " .. what)
+        assert_same(g[4], sg.dw, "dw " .. what)
+        assert_same(g[5], sg.touched, "touched " .. what)
+        assert_close(r[1], sg.dx, tol, "dx vs cpu " .. what)
+        for e = 1, E do
+          assert_same(g[2]:select(1, e), dgu[e], "dgate_up " .. e .. " " .. what)
+          assert_same(g[3]:select(1, e), ddn[e], "ddown " .. e .. " " .. what)
+          assert_close(r[2]:select(1, e), dgu[e], tol, "dgate_up vs cpu " .. e .. " " .. what)
+        end
+      end
+    end
+  end)
 end)
 
 describe("GPU parity: moelua.moe layer", function()
