@@ -5,11 +5,13 @@
  * "cuda", "pinned" host memory and "file" (backing files such as the
  * expert store's); `device` below names any of them.
  *
- *   mem.report([device])          the account book as text: print(mem.report())
+ *   mem.report([device])          the account book as text: print(mem.report()); without
+ *                                 a device the cpu book and every other one holding bytes
  *   mem.stats()                   {cpu = {...}, cuda = {...}, pinned = {...}, file = {...}}
  *   mem.reset_peak([device])
  *   mem.budget{total=, params=, ..., device=, force=}   sizes in bytes; 0 removes;
- *                                 more than the device can hold needs force = true
+ *                                 more than the device can hold needs force = true;
+ *                                 returns the old budgets with their device
  *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
@@ -43,10 +45,24 @@ static ml_tier opt_tier(lua_State *L, int idx, const char *fn)
     return ML_TIER_CPU;
 }
 
+/* mem.report(device): that book; mem.report(): the cpu book and every
+ * other book that holds bytes now, so the report shows where they live. */
 static int l_mem_report(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
-    ml_push_ledger_report(L, h, opt_tier(L, 1, "moelua.mem.report"));
+    if (!lua_isnoneornil(L, 1)) {
+        ml_push_ledger_report(L, h, opt_tier(L, 1, "moelua.mem.report"));
+        return 1;
+    }
+    ml_push_ledger_report(L, h, ML_TIER_CPU);
+    int n = 1;
+    for (int t = 0; t < ML_NTIERS; t++) {
+        if (t == ML_TIER_CPU || h->ledger[t]->total == 0)
+            continue;
+        ml_push_ledger_report(L, h, (ml_tier)t);
+        n++;
+    }
+    lua_concat(L, n);
     return 1;
 }
 
@@ -184,7 +200,8 @@ static void check_holdable(lua_State *L, ml_host *h, ml_tier d, const char *key,
 
 /* mem.budget{total=, <category>=, device=, force=}: bytes, 0 removes a
  * budget; one the device cannot hold is refused without force = true
- * (check_holdable). Returns the old values. */
+ * (check_holdable). Returns the old values and their device, so that
+ * mem.budget(old) restores that book. */
 static int l_mem_budget(lua_State *L)
 {
     static const char fn[] = "moelua.mem.budget";
@@ -209,7 +226,9 @@ static int l_mem_budget(lua_State *L)
             check_bytes(L, -1, fn, k);
         lua_pop(L, 1);
     }
-    lua_createtable(L, 0, ML_NCAT + 1);
+    lua_createtable(L, 0, ML_NCAT + 2);
+    lua_pushstring(L, ml_tier_names[d]);   /* so mem.budget(old) restores the same book */
+    lua_setfield(L, -2, "device");
     ml_setfield_int(L, "total", (lua_Integer)lg->budget_total);
     for (int c = 0; c < ML_NCAT; c++)
         ml_setfield_int(L, ml_category_names[c], (lua_Integer)lg->budget[c]);

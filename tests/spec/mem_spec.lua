@@ -101,8 +101,10 @@ describe("budgets", function()
       assert.are.equal(1 << 20, mem.stats()[tier].budget.params, tier)
       assert.are_not.equal(1 << 62, cpu().budget_total)
       assert.are.equal(0, cpu().budget.params)
-      mem.budget{device = tier, total = old.total, params = old.params}
+      assert.are.equal(tier, old.device, "the old budgets name their book")
+      mem.budget(old)
       assert.are.equal(0, mem.stats()[tier].budget_total, tier)
+      assert.are.equal(0, mem.stats()[tier].budget.params, tier)
     end
   end)
 end)

@@ -138,6 +138,9 @@ describe("the ledger", function()
     assert.are.equal(file0.current.optim + 500, file1.current.optim)
     assert.are.equal(file0.total + 500, file1.total)
     has(mem.report("file"), "memory ledger (file)")
+    local all = mem.report()
+    has(all, "memory ledger (cpu)")
+    has(all, "memory ledger (file)")
     assert.is_true(exists(path))
     s:close()
     s:close()                                      -- idempotent
@@ -145,6 +148,9 @@ describe("the ledger", function()
     assert.are.equal(cpu0.current.cache, mem.stats().cpu.current.cache)
     assert.are.equal(file0.total, mem.stats().file.total)
     assert.are.equal("moelua.Store(closed)", tostring(s))
+    if mem.stats().file.total == 0 then
+      assert.is_nil(mem.report():find("memory ledger (file)", 1, true), "an empty book is left out")
+    end
   end)
 
   it("collection closes a store that is no longer referenced", function()
