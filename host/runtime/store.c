@@ -293,6 +293,9 @@ ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml
         free(next);
         return ml_err_set(e, ML_EALLOC, "out of memory for a schedule of %zu slabs", n);
     }
+    /* a new step: its slabs may be hinted again (the page cache may have
+     * dropped what an earlier step's hint read) */
+    memset(s->hinted, 0, s->nslabs);
     for (size_t b = 0; b < s->nslabs; b++)
         s->slab_next[b] = NONE;
     for (size_t i = n; i-- > 0;) {   /* backwards: each entry learns the next of its slab */

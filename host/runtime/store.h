@@ -104,7 +104,8 @@ ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e
 void ml_store_prefetch(ml_expert_store *s, size_t slab);
 
 /* The future access order: seq[0..n) slab ids (copied); replaces the
- * schedule before it. n == 0 clears it (LRU). */
+ * schedule before it, and every slab may be hinted again. n == 0 clears
+ * it (LRU). */
 ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml_err *e);
 /* Make slab resident and pin it: *slot its slot, *hit whether it was
  * resident. A miss takes a free slot or evicts (writing back a dirty
