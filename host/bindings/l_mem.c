@@ -1,12 +1,17 @@
 /*
  * host/bindings/l_mem.c - the Lua library `moelua.mem`: the memory ledger's account
- * book, budgets, peaks, the timeline, and the category of allocations.
+ * books, budgets, peaks, the timeline, and the category of allocations.
+ * One book per tier (DESIGN.md, The memory ledger): the devices "cpu" and
+ * "cuda", "pinned" host memory and "file" (backing files such as the
+ * expert store's); `device` below names any of them.
  *
- *   mem.report([device])          the account book as text: print(mem.report())
- *   mem.stats()                   {cpu = {...}, cuda = {...}} as tables
+ *   mem.report([device])          the account book as text: print(mem.report()); without
+ *                                 a device the cpu book and every other one holding bytes
+ *   mem.stats()                   {cpu = {...}, cuda = {...}, pinned = {...}, file = {...}}
  *   mem.reset_peak([device])
  *   mem.budget{total=, params=, ..., device=, force=}   sizes in bytes; 0 removes;
- *                                 more than the device can hold needs force = true
+ *                                 more than the device can hold needs force = true;
+ *                                 returns the old budgets with their device
  *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
@@ -25,23 +30,39 @@
 
 #include "../runtime/plan.h"
 
-static ml_device opt_device(lua_State *L, int idx, const char *fn)
+/* A tier's name at idx (none: cpu). */
+static ml_tier opt_tier(lua_State *L, int idx, const char *fn)
 {
     if (lua_type(L, idx) == LUA_TSTRING) {
-        int d = ml_device_from_name(lua_tostring(L, idx));
-        if (d < 0)
-            ml_error(L, fn, "unknown device '%s' (cpu, cuda)", lua_tostring(L, idx));
-        return (ml_device)d;
+        const char *s = lua_tostring(L, idx);
+        for (int t = 0; t < ML_NTIERS; t++)
+            if (strcmp(s, ml_tier_names[t]) == 0)
+                return (ml_tier)t;
+        ml_error(L, fn, "unknown device '%s' (cpu, cuda, pinned, file)", s);
     }
     if (!lua_isnoneornil(L, idx))
         ml_error(L, fn, "argument #%d: expected a device name, got %s", idx, luaL_typename(L, idx));
-    return ML_CPU;
+    return ML_TIER_CPU;
 }
 
+/* mem.report(device): that book; mem.report(): the cpu book and every
+ * other book that holds bytes now, so the report shows where they live. */
 static int l_mem_report(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
-    ml_push_ledger_report(L, h, opt_device(L, 1, "moelua.mem.report"));
+    if (!lua_isnoneornil(L, 1)) {
+        ml_push_ledger_report(L, h, opt_tier(L, 1, "moelua.mem.report"));
+        return 1;
+    }
+    ml_push_ledger_report(L, h, ML_TIER_CPU);
+    int n = 1;
+    for (int t = 0; t < ML_NTIERS; t++) {
+        if (t == ML_TIER_CPU || h->ledger[t]->total == 0)
+            continue;
+        ml_push_ledger_report(L, h, (ml_tier)t);
+        n++;
+    }
+    lua_concat(L, n);
     return 1;
 }
 
@@ -54,7 +75,7 @@ static void push_categories(lua_State *L, const size_t *v)
     }
 }
 
-static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_device d)
+static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_tier d)
 {
     lua_createtable(L, 0, 16);
     push_categories(L, lg->cur);
@@ -80,14 +101,14 @@ static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_
     ml_setfield_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
     ml_setfield_int(L, "budget_total", (lua_Integer)lg->budget_total);
     ml_setfield_int(L, "refused", (lua_Integer)lg->nrefused);
-    if (d == ML_CPU && !ml_is_plan_ledger(h, lg)) {
+    if (d == ML_TIER_CPU && !ml_is_plan_ledger(h, lg)) {
         size_t rss = ml_process_rss();
         ml_setfield_int(L, "rss", (lua_Integer)rss);
         ml_setfield_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
     }
 #ifdef ML_WITH_CUDA
     size_t free_b, total_b;
-    if (d == ML_CUDA && !ml_is_plan_ledger(h, lg) && ml_cuda_mem_info(&free_b, &total_b) == 0) {
+    if (d == ML_TIER_CUDA && !ml_is_plan_ledger(h, lg) && ml_cuda_mem_info(&free_b, &total_b) == 0) {
         /* device bytes in use that the caching allocator did not reserve:
          * the CUDA context, cuBLAS workspaces, other processes */
         size_t used = total_b - free_b;
@@ -111,10 +132,10 @@ static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_
 static int l_mem_stats(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
-    lua_createtable(L, 0, ML_NDEVICES);
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        push_ledger(L, h, h->ledger[d], (ml_device)d);
-        lua_setfield(L, -2, ml_device_names[d]);
+    lua_createtable(L, 0, ML_NTIERS);
+    for (int t = 0; t < ML_NTIERS; t++) {
+        push_ledger(L, h, h->ledger[t], (ml_tier)t);
+        lua_setfield(L, -2, ml_tier_names[t]);
     }
     return 1;
 }
@@ -123,10 +144,10 @@ static int l_mem_reset_peak(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
     if (lua_isnoneornil(L, 1)) {
-        for (int d = 0; d < ML_NDEVICES; d++)
-            ml_ledger_reset_peak(h->ledger[d]);
+        for (int t = 0; t < ML_NTIERS; t++)
+            ml_ledger_reset_peak(h->ledger[t]);
     } else {
-        ml_ledger_reset_peak(h->ledger[opt_device(L, 1, "moelua.mem.reset_peak")]);
+        ml_ledger_reset_peak(h->ledger[opt_tier(L, 1, "moelua.mem.reset_peak")]);
     }
     return 0;
 }
@@ -146,17 +167,18 @@ static size_t check_bytes(lua_State *L, int idx, const char *fn, const char *key
 /* Refuse a budget the device cannot hold (0 removes a budget: never
  * refused). On the CPU that is more than MemAvailable plus what the ledger
  * holds already (its bytes are in the budget, no longer in MemAvailable);
- * on CUDA, more than the device's memory. Such a budget never refuses an
+ * on CUDA, more than the device's memory; pinned and file: no check (a
+ * budget there bounds what the run may take, not what the machine has). Such a budget never refuses an
  * allocation, so the run allocates until the kernel's OOM killer (or the
  * CUDA allocator) stops it with no Lua error and no ledger report: only
  * force = true accepts one. No figure (no /proc/meminfo, no device): no check. */
-static void check_holdable(lua_State *L, ml_host *h, ml_device d, const char *key, size_t want)
+static void check_holdable(lua_State *L, ml_host *h, ml_tier d, const char *key, size_t want)
 {
     static const char fn[] = "moelua.mem.budget";
     if (want == 0)
         return;
-    if (d == ML_CPU) {
-        size_t avail = ml_mem_available(), held = h->books[ML_CPU].total;
+    if (d == ML_TIER_CPU) {
+        size_t avail = ml_mem_available(), held = h->books[ML_TIER_CPU].total;
         if (avail == 0 || want <= avail + held)
             return;
         ml_user_error(L, "%s: a %s budget of %.2f GiB is more than this machine can hold: %.2f GiB "
@@ -167,7 +189,7 @@ static void check_holdable(lua_State *L, ml_host *h, ml_device d, const char *ke
     }
 #ifdef ML_WITH_CUDA
     size_t free_b, total_b;
-    if (d == ML_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0 && want > total_b)
+    if (d == ML_TIER_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0 && want > total_b)
         ml_user_error(L, "%s: a %s budget of %.2f GiB on cuda is more than the device's memory: "
                       "%.2f GiB in all (%.2f GiB free). mem.budget{device = \"cuda\", %s = ..., "
                       "force = true} sets it anyway: past what the device has, the run ends with "
@@ -178,14 +200,15 @@ static void check_holdable(lua_State *L, ml_host *h, ml_device d, const char *ke
 
 /* mem.budget{total=, <category>=, device=, force=}: bytes, 0 removes a
  * budget; one the device cannot hold is refused without force = true
- * (check_holdable). Returns the old values. */
+ * (check_holdable). Returns the old values and their device, so that
+ * mem.budget(old) restores that book. */
 static int l_mem_budget(lua_State *L)
 {
     static const char fn[] = "moelua.mem.budget";
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TTABLE);
     lua_getfield(L, 1, "device");
-    ml_device d = opt_device(L, -1, fn);
+    ml_tier d = opt_tier(L, -1, fn);
     lua_pop(L, 1);
     int force = ml_opt_bool(L, 1, fn, "force", 0);
     ml_ledger *lg = h->ledger[d];
@@ -203,7 +226,9 @@ static int l_mem_budget(lua_State *L)
             check_bytes(L, -1, fn, k);
         lua_pop(L, 1);
     }
-    lua_createtable(L, 0, ML_NCAT + 1);
+    lua_createtable(L, 0, ML_NCAT + 2);
+    lua_pushstring(L, ml_tier_names[d]);   /* so mem.budget(old) restores the same book */
+    lua_setfield(L, -2, "device");
     ml_setfield_int(L, "total", (lua_Integer)lg->budget_total);
     for (int c = 0; c < ML_NCAT; c++)
         ml_setfield_int(L, ml_category_names[c], (lua_Integer)lg->budget[c]);
@@ -263,7 +288,7 @@ static int l_mem_timeline(lua_State *L)
         static const char *const opts[] = {"cap", "interval", "device", NULL};
         ml_check_opts(L, 1, fn, opts);
         lua_getfield(L, 1, "device");
-        ml_device d = opt_device(L, -1, fn);
+        ml_tier d = opt_tier(L, -1, fn);
         lua_Integer cap = 100000;
         lua_Number interval = 0;
         int isnum = 1;
@@ -279,7 +304,7 @@ static int l_mem_timeline(lua_State *L)
             ml_error(L, fn, "out of memory for %lld samples", (long long)cap);
         return 0;
     }
-    const ml_ledger *lg = h->ledger[opt_device(L, 1, fn)];
+    const ml_ledger *lg = h->ledger[opt_tier(L, 1, fn)];
     lua_createtable(L, (int)lg->nsamples, 0);
     for (size_t i = 0; i < lg->nsamples; i++) {
         const ml_sample *s = &lg->samples[i];
@@ -300,7 +325,7 @@ static int l_mem_timeline(lua_State *L)
 static int l_mem_empty_cache(lua_State *L)
 {
 #ifdef ML_WITH_CUDA
-    ml_cuda_empty_cache(&ml_host_of(L)->books[ML_CUDA]);
+    ml_cuda_empty_cache(&ml_host_of(L)->books[ML_TIER_CUDA]);
 #else
     (void)L;
 #endif
@@ -338,10 +363,10 @@ static int l_mem_plan(lua_State *L)
                         "optimizer stepped inside it); they hold no real memory and must not be used",
                         (int)h->plan_live);
     }
-    lua_createtable(L, 0, ML_NDEVICES);
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        push_ledger(L, h, &h->plan_books[d], (ml_device)d);
-        lua_setfield(L, -2, ml_device_names[d]);
+    lua_createtable(L, 0, ML_NTIERS);
+    for (int t = 0; t < ML_NTIERS; t++) {
+        push_ledger(L, h, &h->plan_books[t], (ml_tier)t);
+        lua_setfield(L, -2, ml_tier_names[t]);
     }
     if (err == LUA_OK)
         return 1;

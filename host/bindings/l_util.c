@@ -166,10 +166,10 @@ ml_tensor *ml_pushtensor(lua_State *L)
     return t;
 }
 
-void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev)
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_tier tier)
 {
     char buf[2048];
-    ml_host_ledger_report(h, dev, buf, sizeof buf);
+    ml_host_ledger_report(h, tier, buf, sizeof buf);
     lua_pushstring(L, buf);
 }
 

@@ -55,9 +55,9 @@ ml_tensor *ml_newtensor(lua_State *L, const char *fn, ml_device dev, ml_dtype dt
                         int ndim, const int64_t *shape);
 /* t[key] = v for the table on the stack top. */
 void ml_setfield_int(lua_State *L, const char *key, lua_Integer v);
-/* Push the device's account book as text (with the untracked remainder on
+/* Push the tier's account book as text (with the untracked remainder on
  * CPU), for errors that report a refused allocation. */
-void ml_push_ledger_report(lua_State *L, ml_host *h, ml_device dev);
+void ml_push_ledger_report(lua_State *L, ml_host *h, ml_tier tier);
 /* Before retrying a refused allocation: return the device allocator's
  * cached blocks (CUDA) and collect garbage once. May run finalizers. */
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev);

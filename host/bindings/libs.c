@@ -19,5 +19,6 @@ const luaL_Reg ml_libs[] = {
     {"moelua.host", luaopen_moelua_host},
     {"moelua.unit", luaopen_moelua_unit},
     {"moelua.dist", luaopen_moelua_dist},
+    {"moelua.store", luaopen_moelua_store},
     {NULL, NULL}
 };

@@ -22,6 +22,7 @@ int luaopen_moelua_attach(lua_State *L);
 int luaopen_moelua_host(lua_State *L);
 int luaopen_moelua_unit(lua_State *L);
 int luaopen_moelua_dist(lua_State *L);
+int luaopen_moelua_store(lua_State *L);
 
 /* {name, luaopen} pairs, NULL-terminated; defined in host/bindings/libs.c. */
 extern const luaL_Reg ml_libs[];

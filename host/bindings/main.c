@@ -539,13 +539,13 @@ static void preload(lua_State *L)
 static int check_ledgers(ml_host *h)
 {
     int clean = 1;
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        if (h->books[d].total == 0)
+    for (int t = 0; t < ML_NTIERS; t++) {
+        if (h->books[t].total == 0)
             continue;
         char buf[2048];
-        ml_ledger_format(&h->books[d], 0, 0, buf, sizeof buf);
+        ml_ledger_format(&h->books[t], 0, 0, buf, sizeof buf);
         fprintf(stderr, "moelua: leak: the %s ledger is not empty after closing Lua\n%s",
-                ml_device_names[d], buf);
+                ml_tier_names[t], buf);
         clean = 0;
     }
     return clean;

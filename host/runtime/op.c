@@ -53,12 +53,12 @@ void ml_host_set_threads(ml_host *h, int n)
     ml_matmul_set_threads_cpu(n);
 }
 
-void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len)
+void ml_host_ledger_report(const ml_host *h, ml_tier tier, char *buf, size_t len)
 {
-    size_t rss = dev == ML_CPU ? ml_process_rss() : 0;
-    size_t total = h->ledger[dev]->total;
-    ml_ledger_format(h->ledger[dev], rss > total ? rss - total : 0, dev == ML_CPU && !h->planning,
-                     buf, len);
+    size_t rss = tier == ML_TIER_CPU ? ml_process_rss() : 0;
+    size_t total = h->ledger[tier]->total;
+    ml_ledger_format(h->ledger[tier], rss > total ? rss - total : 0,
+                     tier == ML_TIER_CPU && !h->planning, buf, len);
 }
 
 const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev)
@@ -94,22 +94,42 @@ static void set_contiguous(ml_tensor *t, ml_storage *st, ml_dtype dt, int ndim, 
     ml_set_contiguous_strides(t);
 }
 
-ml_status ml_alloc_refusal(const ml_host *h, ml_device dev, ml_category cat, size_t nbytes,
-                           ml_alloc_status s, const char *verb, ml_err *e)
+/* ml_alloc_refusal on any tier. */
+static ml_status tier_refusal(const ml_host *h, ml_tier tier, ml_category cat, size_t nbytes,
+                              ml_alloc_status s, const char *verb, ml_err *e)
 {
     char want[32], limit[32], report[2048];
-    const ml_ledger *lg = h->ledger[dev];
+    const ml_ledger *lg = h->ledger[tier];
     const char *name = ml_category_names[cat];
     ml_format_bytes(nbytes, want, sizeof want);
     ml_format_bytes(s == ML_ALLOC_OVER_TOTAL ? lg->budget_total : lg->budget[cat], limit,
                     sizeof limit);
-    ml_host_ledger_report(h, dev, report, sizeof report);
+    ml_host_ledger_report(h, tier, report, sizeof report);
     if (s == ML_ALLOC_NOMEM)
         return ml_err_set(e, ML_EALLOC, "out of memory %s %s (%s) on %s\n%s", verb, want, name,
-                          ml_device_names[dev], report);
+                          ml_tier_names[tier], report);
     return ml_err_set(e, ML_EALLOC, "%s %s (%s) on %s would exceed the %s budget of %s\n%s", verb,
-                      want, name, ml_device_names[dev], s == ML_ALLOC_OVER_TOTAL ? "total" : name,
+                      want, name, ml_tier_names[tier], s == ML_ALLOC_OVER_TOTAL ? "total" : name,
                       limit, report);
+}
+
+ml_status ml_alloc_refusal(const ml_host *h, ml_device dev, ml_category cat, size_t nbytes,
+                           ml_alloc_status s, const char *verb, ml_err *e)
+{
+    return tier_refusal(h, (ml_tier)dev, cat, nbytes, s, verb, e);
+}
+
+ml_status ml_tier_charge(ml_host *h, ml_tier tier, ml_category cat, size_t nbytes, const char *verb,
+                         ml_ledger **book, ml_err *e)
+{
+    ml_alloc_status s = ml_tier_take(h, tier, cat, nbytes, book);
+    if (s != ML_ALLOC_OK && h->reclaim) {
+        /* the collector frees dead holders of every tier; only a device's
+         * tier has an allocator cache to empty as well */
+        h->reclaim(h, tier == ML_TIER_CUDA ? ML_CUDA : ML_CPU);
+        s = ml_tier_take(h, tier, cat, nbytes, book);
+    }
+    return s == ML_ALLOC_OK ? ML_OK : tier_refusal(h, tier, cat, nbytes, s, verb, e);
 }
 
 /* ml_tensor_alloc, or ml_tensor_reserve when `reserve`. */
@@ -173,7 +193,7 @@ ml_status ml_pool_refusal(const ml_host *h, ml_device dev, ml_pool_status ps, ml
     const ml_ledger *lg = h->ledger[dev];
     int total = as == ML_ALLOC_OVER_TOTAL;
     ml_format_bytes(total ? lg->budget_total : lg->budget[ML_CAT_POOL], limit, sizeof limit);
-    ml_host_ledger_report(h, dev, report, sizeof report);
+    ml_host_ledger_report(h, (ml_tier)dev, report, sizeof report);
     return ml_err_set(e, ML_EALLOC, "%s on %s would exceed the %s budget of %s\n%s", what,
                       ml_device_names[dev], total ? "total" : "pool", limit, report);
 }

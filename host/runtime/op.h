@@ -65,12 +65,21 @@ ml_status ml_tensor_reserve(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt
  * Returns ML_EALLOC. */
 ml_status ml_alloc_refusal(const ml_host *h, ml_device dev, ml_category cat, size_t nbytes,
                            ml_alloc_status s, const char *verb, ml_err *e);
+/* Charge nbytes of cat to the tier's book (tensor.h: ml_tier_take) for
+ * bytes no tensor holds: a backing file's (host/runtime/store.h), pinned
+ * staging. A budget refusal calls h->reclaim once (a dead holder may give
+ * its bytes back) and checks again; then ML_EALLOC, worded like
+ * ml_alloc_refusal ("<verb> 1.00 MiB (params) on file would exceed the
+ * total budget of ...") with the tier's ledger table. *book: where the
+ * bytes go back (ml_ledger_credit). */
+ml_status ml_tier_charge(ml_host *h, ml_tier tier, ml_category cat, size_t nbytes, const char *verb,
+                         ml_ledger **book, ml_err *e);
 /* Fill the contiguous tensor t with zeros (not interrupted: it is short). */
 ml_status ml_tensor_zero(ml_host *h, ml_tensor *t, ml_err *e);
 /* Release t's storage now (idempotent; never fails). */
 void ml_tensor_drop(ml_tensor *t);
-/* The device's ledger as text, with the untracked remainder on the CPU. */
-void ml_host_ledger_report(const ml_host *h, ml_device dev, char *buf, size_t len);
+/* The tier's ledger as text, with the untracked remainder on the CPU. */
+void ml_host_ledger_report(const ml_host *h, ml_tier tier, char *buf, size_t len);
 /* Why dev has no usable backend ("built without it: make CUDA=1", ...). */
 const char *ml_device_unavailable_reason(const ml_host *h, ml_device dev);
 

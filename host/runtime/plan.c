@@ -13,9 +13,9 @@ ml_status ml_plan_begin(ml_host *h, ml_plan_saved *saved, ml_err *e)
     *saved = (ml_plan_saved){h->seed, h->rng_offset, h->nthreads, h->category, h->kern[ML_CUDA]};
     if (!h->kern[ML_CUDA])
         h->kern[ML_CUDA] = &ml_kernels_cuda_plan;
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        const ml_ledger *real = &h->books[d];
-        ml_ledger *v = &h->plan_books[d];
+    for (int t = 0; t < ML_NTIERS; t++) {
+        const ml_ledger *real = &h->books[t];
+        ml_ledger *v = &h->plan_books[t];
         ml_ledger_free(v);
         ml_ledger_init(v, real->device);
         for (int c = 0; c < ML_NCAT; c++) {
@@ -26,19 +26,20 @@ ml_status ml_plan_begin(ml_host *h, ml_plan_saved *saved, ml_err *e)
         v->caching = real->caching;
         v->reserved = v->reserved_peak = real->reserved;
         v->budget_total = real->budget_total;
-        h->ledger[d] = v;
-        h->mem[d] = ml_memory_plan[d];
+        h->ledger[t] = v;
     }
+    for (int d = 0; d < ML_NDEVICES; d++)
+        h->mem[d] = ml_memory_plan[d];
     h->planning = 1;
     return ML_OK;
 }
 
 void ml_plan_end(ml_host *h, const ml_plan_saved *saved)
 {
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        h->ledger[d] = &h->books[d];
+    for (int t = 0; t < ML_NTIERS; t++)
+        h->ledger[t] = &h->books[t];
+    for (int d = 0; d < ML_NDEVICES; d++)
         h->mem[d] = h->device_mem[d];
-    }
     h->planning = 0;
     h->kern[ML_CUDA] = saved->cuda_kern;
     h->seed = saved->seed;

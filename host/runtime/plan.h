@@ -1,7 +1,7 @@
 /*
  * host/runtime/plan.h - a memory plan (DESIGN.md, The memory ledger): the
- * host switched to virtual books and the plan memory tables on every
- * device, with every kernel skipped (ML_KCALL), so the same step code that
+ * host switched to virtual books on every tier and the plan memory tables
+ * on every device, with every kernel skipped (ML_KCALL), so the same step code that
  * trains predicts the peak, and an allocation that would cross a budget
  * is the same refusal, before anything real was allocated.
  *

@@ -12,15 +12,16 @@
 #include <string.h>
 
 const char *const ml_device_names[ML_NDEVICES] = {"cpu", "cuda"};
+const char *const ml_tier_names[ML_NTIERS] = {"cpu", "cuda", "pinned", "file"};
 const char *const ml_dtype_names[ML_NDTYPES] = {"f32", "f64", "bf16", "f16", "i32", "i64", "u8"};
 
 void ml_host_init(ml_host *h)
 {
     memset(h, 0, sizeof *h);
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        ml_ledger_init(&h->books[d], ml_device_names[d]);
-        ml_ledger_init(&h->plan_books[d], ml_device_names[d]);
-        h->ledger[d] = &h->books[d];
+    for (int t = 0; t < ML_NTIERS; t++) {
+        ml_ledger_init(&h->books[t], ml_tier_names[t]);
+        ml_ledger_init(&h->plan_books[t], ml_tier_names[t]);
+        h->ledger[t] = &h->books[t];
     }
     h->books[ML_CUDA].caching = 1;
     h->category = ML_CAT_OTHER;
@@ -31,9 +32,9 @@ void ml_host_init(ml_host *h)
 
 void ml_host_free(ml_host *h)
 {
-    for (int d = 0; d < ML_NDEVICES; d++) {
-        ml_ledger_free(&h->books[d]);
-        ml_ledger_free(&h->plan_books[d]);
+    for (int t = 0; t < ML_NTIERS; t++) {
+        ml_ledger_free(&h->books[t]);
+        ml_ledger_free(&h->plan_books[t]);
     }
 }
 
@@ -53,6 +54,18 @@ static ml_alloc_status check_budget(ml_ledger *lg, ml_category cat, size_t n, si
     case ML_LEDGER_OVER_CATEGORY: lg->nrefused++; return ML_ALLOC_OVER_CATEGORY;
     case ML_LEDGER_OK:            break;
     }
+    return ML_ALLOC_OK;
+}
+
+ml_alloc_status ml_tier_take(ml_host *h, ml_tier tier, ml_category cat, size_t nbytes,
+                             ml_ledger **book)
+{
+    ml_ledger *lg = h->ledger[tier];
+    ml_alloc_status s = check_budget(lg, cat, nbytes, nbytes);
+    if (s != ML_ALLOC_OK)
+        return s;
+    ml_ledger_charge(lg, cat, nbytes);
+    *book = lg;
     return ML_ALLOC_OK;
 }
 

@@ -25,7 +25,18 @@
 
 typedef enum { ML_CPU, ML_CUDA, ML_NDEVICES } ml_device;
 
+/* Where bytes live (DESIGN.md, The memory ledger: books per tier): each
+ * device's memory (a device's tier has the device's number), pinned host
+ * memory and backing files (the expert store's, host/runtime/store.h).
+ * Tensors live on devices; the other tiers are charged by whatever holds
+ * their bytes (ml_tier_take, op.h: ml_tier_charge). */
+typedef enum {
+    ML_TIER_CPU = ML_CPU, ML_TIER_CUDA = ML_CUDA, ML_TIER_PINNED = ML_NDEVICES, ML_TIER_FILE,
+    ML_NTIERS
+} ml_tier;
+
 extern const char *const ml_device_names[ML_NDEVICES];
+extern const char *const ml_tier_names[ML_NTIERS];   /* "cpu", "cuda", "pinned", "file" */
 extern const char *const ml_dtype_names[ML_NDTYPES];
 
 struct ml_pool;
@@ -36,10 +47,11 @@ struct ml_kernels;
 /* Process-wide state of one moelua host. Owned by main.c, reached from Lua
  * through the registry (host/bindings/l_util.h: ml_host_of).
  *
- * `ledger` and `mem` are what allocations use now: the device's real
- * account book and memory table, or, while moelua.mem.plan runs a dry run
- * (DESIGN.md, The memory ledger), a virtual book and a plan memory table
- * (host/runtime/backend_plan.c: address space only) on every device, while
+ * `ledger` and `mem` are what allocations use now: each tier's real
+ * account book and each device's memory table, or, while moelua.mem.plan
+ * runs a dry run (DESIGN.md, The memory ledger), a virtual book on every
+ * tier and a plan memory table (host/runtime/backend_plan.c: address
+ * space only) on every device, while
  * `planning` makes ML_KCALL skip every kernel. Every storage and pool
  * remembers the book and table it was charged to, so one that outlives a
  * plan is still returned to the right place.
@@ -52,9 +64,9 @@ struct ml_kernels;
  * in the caller's references, and its scratch in C structs no finalizer
  * sees. */
 typedef struct ml_host {
-    ml_ledger books[ML_NDEVICES];         /* the real account books */
-    ml_ledger plan_books[ML_NDEVICES];    /* mem.plan's virtual books */
-    ml_ledger *ledger[ML_NDEVICES];
+    ml_ledger books[ML_NTIERS];           /* the real account books, per tier */
+    ml_ledger plan_books[ML_NTIERS];      /* mem.plan's virtual books */
+    ml_ledger *ledger[ML_NTIERS];
     ml_category category;                 /* category of allocations made now */
     int nthreads;                         /* CPU kernel threads */
     uint64_t seed;                        /* Philox key of the host generator */
@@ -121,10 +133,18 @@ void ml_host_free(ml_host *h);
 /* Is lg one of mem.plan's virtual books? */
 static inline int ml_is_plan_ledger(const ml_host *h, const ml_ledger *lg)
 {
-    return lg >= h->plan_books && lg < h->plan_books + ML_NDEVICES;
+    return lg >= h->plan_books && lg < h->plan_books + ML_NTIERS;
 }
 
 ml_alloc_status ml_storage_new(ml_host *h, ml_device dev, size_t nbytes, ml_storage **out);
+
+/* Charge nbytes of cat to the tier's current book (the plan's inside a
+ * plan) for bytes that no storage holds (a backing file, pinned staging),
+ * with the budget checks of ml_storage_new: ML_ALLOC_OVER_TOTAL or
+ * ML_ALLOC_OVER_CATEGORY charge nothing. *book is the book charged: the
+ * bytes go back there (ml_ledger_credit), also after the plan ended. */
+ml_alloc_status ml_tier_take(ml_host *h, ml_tier tier, ml_category cat, size_t nbytes,
+                             ml_ledger **book);
 
 /* Reserved storage (DESIGN.md, Parameters: lazy Adam's per-expert states
  * cost nothing until an expert first receives tokens). ml_storage_reserve

@@ -3,7 +3,9 @@
 -- retry, the default CPU budget, per-category budgets through mem.scope,
 -- budgets larger than the machine refused unless forced,
 -- stats, peaks and the breakdown at the peak, the timeline, a leak spec, a
--- <close> spec, freed tensors, and bad input to every function.
+-- <close> spec, freed tensors, and bad input to every function. The books
+-- of the tiers beyond the devices (pinned, file) are here as books; the
+-- expert store charges them (tests/spec/store_spec.lua).
 local m = require "moelua"
 local mem = m.mem
 local support = require "tests.support"
@@ -90,6 +92,20 @@ describe("budgets", function()
     assert.are.equal(1 << 20, mem.stats().cuda.budget.acts)
     assert.are.equal(0, cpu().budget.acts)
     mem.budget{device = "cuda", acts = old.acts}
+  end)
+
+  it("the pinned and file tiers have budgets of their own, never checked against the machine", function()
+    for _, tier in ipairs({"pinned", "file"}) do
+      local old = mem.budget{device = tier, total = 1 << 62, params = 1 << 20}
+      assert.are.equal(1 << 62, mem.stats()[tier].budget_total, tier)
+      assert.are.equal(1 << 20, mem.stats()[tier].budget.params, tier)
+      assert.are_not.equal(1 << 62, cpu().budget_total)
+      assert.are.equal(0, cpu().budget.params)
+      assert.are.equal(tier, old.device, "the old budgets name their book")
+      mem.budget(old)
+      assert.are.equal(0, mem.stats()[tier].budget_total, tier)
+      assert.are.equal(0, mem.stats()[tier].budget.params, tier)
+    end
   end)
 end)
 
@@ -178,9 +194,9 @@ describe("mem.scope and mem.category", function()
 end)
 
 describe("mem.stats", function()
-  it("has every field for every device", function()
+  it("has every field for every device and tier", function()
     local s = mem.stats()
-    for _, dev in ipairs({"cpu", "cuda"}) do
+    for _, dev in ipairs({"cpu", "cuda", "pinned", "file"}) do
       local d = s[dev]
       for _, k in ipairs({"current", "peak", "at_peak", "budget", "allocs", "frees"}) do
         for _, c in ipairs(CATEGORIES) do
@@ -194,6 +210,8 @@ describe("mem.stats", function()
     assert.is_number(s.cpu.rss)
     assert.is_number(s.cpu.untracked)
     assert.is_true(s.cpu.rss > 0)
+    assert.is_nil(s.file.rss, "RSS belongs to the cpu book alone")
+    assert.is_nil(s.pinned.untracked)
   end)
 
   it("counts bytes, allocations and frees per category", function()
@@ -217,6 +235,17 @@ describe("mem.stats", function()
     has(r, "memory ledger (cpu)")
     for _, c in ipairs(CATEGORIES) do has(r, c) end
     has(mem.report("cuda"), "memory ledger (cuda)")
+    has(mem.report("pinned"), "memory ledger (pinned)")
+    local f = mem.report("file")
+    has(f, "memory ledger (file)")
+    assert.is_nil(f:find("untracked", 1, true), "a file has no RSS to compare: " .. f)
+  end)
+
+  it("mem.plan returns the book of every tier", function()
+    local books = mem.plan(function() end)
+    for _, tier in ipairs({"cpu", "cuda", "pinned", "file"}) do
+      assert.is_number(books[tier].total_peak, tier)
+    end
   end)
 end)
 
@@ -376,10 +405,10 @@ end)
 
 describe("bad input", function()
   it("mem.report and mem.reset_peak", function()
-    assert.are.equal("moelua.mem.report: unknown device 'tpu' (cpu, cuda)", errmsg(mem.report, "tpu"))
+    assert.are.equal("moelua.mem.report: unknown device 'tpu' (cpu, cuda, pinned, file)", errmsg(mem.report, "tpu"))
     assert.are.equal("moelua.mem.report: argument #1: expected a device name, got number",
                      errmsg(mem.report, 5))
-    assert.are.equal("moelua.mem.reset_peak: unknown device 'tpu' (cpu, cuda)", errmsg(mem.reset_peak, "tpu"))
+    assert.are.equal("moelua.mem.reset_peak: unknown device 'tpu' (cpu, cuda, pinned, file)", errmsg(mem.reset_peak, "tpu"))
     assert.are.equal("moelua.mem.reset_peak: argument #1: expected a device name, got table",
                      errmsg(mem.reset_peak, {}))
   end)
@@ -396,7 +425,7 @@ describe("bad input", function()
                      errmsg(mem.budget, {params = "lots"}))
     has(errmsg(mem.budget, {acts = 0 / 0}), "moelua.mem.budget: option 'acts' must be a byte count >= 0, got")
     has(errmsg(mem.budget, {total = 1e30}), "option 'total' must be a byte count >= 0")
-    assert.are.equal("moelua.mem.budget: unknown device 'tpu' (cpu, cuda)",
+    assert.are.equal("moelua.mem.budget: unknown device 'tpu' (cpu, cuda, pinned, file)",
                      errmsg(mem.budget, {device = "tpu", total = 1}))
     -- validated before anything changes: a good key next to a bad one is not applied
     errmsg(mem.budget, {total = 1, bogus = 1})
@@ -426,7 +455,7 @@ describe("bad input", function()
     assert.are.equal("moelua.mem.timeline: option 'interval' must be a number of seconds >= 0",
                      errmsg(mem.timeline, {interval = "soon"}))
     has(errmsg(mem.timeline, {device = "tpu"}), "moelua.mem.timeline: unknown device 'tpu'")
-    assert.are.equal("moelua.mem.timeline: unknown device 'tpu' (cpu, cuda)", errmsg(mem.timeline, "tpu"))
+    assert.are.equal("moelua.mem.timeline: unknown device 'tpu' (cpu, cuda, pinned, file)", errmsg(mem.timeline, "tpu"))
     assert.are.equal("moelua.mem.timeline: argument #1: expected a device name, got number",
                      errmsg(mem.timeline, 3))
   end)

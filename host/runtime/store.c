@@ -1,0 +1,407 @@
+/*
+ * host/runtime/store.c - the expert store (store.h): the backing file, the
+ * cache slots, the transfers between them and the residency policy.
+ */
+#include "store.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statfs.h>
+#include <unistd.h>
+
+#define NONE SIZE_MAX   /* no next use: never scheduled again */
+
+static ml_status check_opts(const ml_store_opts *o, ml_err *e)
+{
+    if (!o->path || !o->path[0])
+        return ml_err_set(e, ML_EINVAL, "path must name the file to create");
+    if (o->nslabs == 0)
+        return ml_err_set(e, ML_EINVAL, "slabs must be >= 1, got 0");
+    if (o->slab_bytes == 0)
+        return ml_err_set(e, ML_EINVAL, "slab_bytes must be >= 1, got 0");
+    if (o->nslots == 0)
+        return ml_err_set(e, ML_EINVAL, "slots must be >= 1, got 0");
+    if ((unsigned)o->category >= ML_NCAT)
+        return ml_err_set(e, ML_EINVAL, "category %d is not a ledger category", (int)o->category);
+    /* file offsets and the slots' bytes fit an off_t and an int64 numel */
+    if (o->slab_bytes > (size_t)INT64_MAX / 2 || o->nslabs > (size_t)INT64_MAX / o->slab_bytes)
+        return ml_err_set(e, ML_EINVAL, "slabs * slab_bytes (%zu * %zu) is too large", o->nslabs,
+                          o->slab_bytes);
+    size_t stride = (o->slab_bytes + 63) & ~(size_t)63;
+    if (o->nslots > (size_t)INT64_MAX / 16 / stride)
+        return ml_err_set(e, ML_EINVAL, "slots * slab_bytes (%zu * %zu) is too large", o->nslots,
+                          o->slab_bytes);
+    return ML_OK;
+}
+
+/* Create the backing file: never an existing one, never on tmpfs/ramfs,
+ * every byte fallocated. On failure after the file exists, s->fd is set
+ * so that ml_store_close removes it. */
+static ml_status create_file(ml_expert_store *s, size_t bytes, ml_err *e)
+{
+    int fd = open(s->path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST)
+        return ml_err_set(e, ML_EINVAL, "%s exists: the store creates its file and never "
+                          "overwrites one (remove it or choose another path)", s->path);
+    if (fd < 0)
+        return ml_err_set(e, ML_EINVAL, "cannot create %s: %s", s->path, strerror(errno));
+    s->fd = fd;
+    struct statfs fs;
+    if (fstatfs(fd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC))
+        return ml_err_set(e, ML_EINVAL, "%s is on %s: its pages are memory, so the store would "
+                          "not bound anything; put --expert-store on a disk", s->path,
+                          fs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs");
+    int err = posix_fallocate(fd, 0, (off_t)bytes);
+    if (err) {
+        char need[32];
+        ml_format_bytes(bytes, need, sizeof need);
+        return ml_err_set(e, ML_EIO, "cannot allocate %s (%zu bytes) for the expert store at %s: "
+                          "%s (the store takes its whole file up front)", need, bytes, s->path,
+                          strerror(err));
+    }
+    return ML_OK;
+}
+
+/* The tables of the policy, empty: no slab resident, no schedule. */
+static int alloc_tables(ml_expert_store *s)
+{
+    s->slot_slab = calloc(s->nslots, sizeof *s->slot_slab);
+    s->slab_slot = calloc(s->nslabs, sizeof *s->slab_slot);
+    s->slab_next = calloc(s->nslabs, sizeof *s->slab_next);
+    s->pins = calloc(s->nslots, sizeof *s->pins);
+    s->dirty = calloc(s->nslots, 1);
+    s->last_use = calloc(s->nslots, sizeof *s->last_use);
+    s->hinted = calloc(s->nslabs, 1);
+    if (!s->slot_slab || !s->slab_slot || !s->slab_next || !s->pins || !s->dirty || !s->last_use ||
+        !s->hinted)
+        return -1;
+    for (size_t i = 0; i < s->nslots; i++)
+        s->slot_slab[i] = -1;
+    for (size_t i = 0; i < s->nslabs; i++) {
+        s->slab_slot[i] = -1;
+        s->slab_next[i] = NONE;
+    }
+    return 0;
+}
+
+ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **out, ml_err *e)
+{
+    *out = NULL;
+    ML_TRY(check_opts(o, e));
+    ml_expert_store *s = calloc(1, sizeof *s);
+    if (!s)
+        return ml_err_set(e, ML_EALLOC, "out of memory for the store");
+    s->host = h;
+    s->fd = -1;
+    s->planned = h->planning;
+    s->nslabs = o->nslabs;
+    s->slab_bytes = o->slab_bytes;
+    s->nslots = o->nslots;
+    s->stride = (o->slab_bytes + 63) & ~(size_t)63;
+    s->prefetch_depth = o->prefetch_depth;
+    s->file_cat = o->category;
+    s->path = strdup(o->path);
+    if (!s->path || alloc_tables(s) != 0) {
+        ml_store_close(s);
+        return ml_err_set(e, ML_EALLOC, "out of memory for the store's tables");
+    }
+    /* the budgets first, so a refusal creates no file */
+    size_t file_bytes = s->nslabs * s->slab_bytes;
+    ml_status st = ml_tier_charge(h, ML_TIER_FILE, s->file_cat, file_bytes, "allocating",
+                                  &s->file_book, e);
+    if (st == ML_OK) {
+        ml_category saved = h->category;
+        int64_t n = (int64_t)(s->nslots * s->stride);
+        h->category = ML_CAT_CACHE;
+        st = ml_tensor_alloc(h, &s->slots, ML_CPU, ML_U8, 1, &n, e);
+        h->category = saved;
+    }
+    if (st == ML_OK && !s->planned)
+        st = create_file(s, file_bytes, e);
+    if (st != ML_OK) {
+        ml_store_close(s);
+        return st;
+    }
+    *out = s;
+    return ML_OK;
+}
+
+void ml_store_close(ml_expert_store *s)
+{
+    if (!s)
+        return;
+    if (s->slots.st) {
+        ml_storage_release_memory(s->slots.st, "the expert store was closed");
+        ml_tensor_drop(&s->slots);
+    }
+    if (s->file_book)
+        ml_ledger_credit(s->file_book, s->file_cat, s->nslabs * s->slab_bytes);
+    if (s->fd >= 0) {
+        close(s->fd);
+        unlink(s->path);
+    }
+    free(s->slot_slab);
+    free(s->slab_slot);
+    free(s->slab_next);
+    free(s->pins);
+    free(s->dirty);
+    free(s->last_use);
+    free(s->hinted);
+    free(s->sched);
+    free(s->sched_next);
+    free(s->path);
+    free(s);
+}
+
+/* ---- transfers ---------------------------------------------------------- */
+
+/* A store moves slabs only in the kind of run it was opened in: a real
+ * one outside plans, a planned one inside its plan. */
+static ml_status check_usable(const ml_expert_store *s, ml_err *e)
+{
+    if (s->planned && !s->host->planning)
+        return ml_err_set(e, ML_EINVAL, "the store was opened inside a memory plan that has ended "
+                          "(it holds no memory)");
+    if (!s->planned && s->host->planning)
+        return ml_err_set(e, ML_EINVAL, "the store was opened outside moelua.mem.plan, which "
+                          "cannot move its slabs (open the store inside the planned function)");
+    return ML_OK;
+}
+
+static ml_status check_index(size_t i, size_t n, const char *what, ml_err *e)
+{
+    if (i >= n)
+        return ml_err_set(e, ML_EINVAL, "%s %zu is outside [0, %zu)", what, i, n);
+    return ML_OK;
+}
+
+/* Slab <-> slot, whole, on this thread: pwrite when `out`, else pread
+ * (short transfers and EINTR continue). A planned store moves nothing. */
+static ml_status transfer(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
+{
+    if (s->fd < 0)
+        return ML_OK;
+    char *buf = ml_store_slot_data(s, slot);
+    off_t off = (off_t)(slab * s->slab_bytes);
+    size_t n = s->slab_bytes, done = 0;
+    while (done < n) {
+        ssize_t r = out ? pwrite(s->fd, buf + done, n - done, off + (off_t)done)
+                        : pread(s->fd, buf + done, n - done, off + (off_t)done);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return ml_err_set(e, ML_EIO, "%s slab %zu of %s: %s", out ? "writing" : "reading", slab,
+                              s->path, r < 0 ? strerror(errno)
+                                             : out ? "no byte was written" : "the file ended early");
+        done += (size_t)r;
+    }
+    if (out) {
+        s->stats.bytes_written += n;
+    } else {
+        s->stats.bytes_read += n;
+        s->hinted[slab] = 0;
+    }
+    return ML_OK;
+}
+
+/* The slab in slot written back when dirty. */
+static ml_status write_back(ml_expert_store *s, size_t slot, ml_err *e)
+{
+    if (!s->dirty[slot])
+        return ML_OK;
+    ML_TRY(transfer(s, 1, (size_t)s->slot_slab[slot], slot, e));
+    s->dirty[slot] = 0;
+    s->stats.writebacks++;
+    return ML_OK;
+}
+
+/* slot holds nothing now. */
+static void unmap_slot(ml_expert_store *s, size_t slot)
+{
+    if (s->slot_slab[slot] >= 0)
+        s->slab_slot[s->slot_slab[slot]] = -1;
+    s->slot_slab[slot] = -1;
+    s->dirty[slot] = 0;
+}
+
+static ml_status check_unpinned(const ml_expert_store *s, size_t slot, ml_err *e)
+{
+    if (s->pins[slot])
+        return ml_err_set(e, ML_EINVAL, "slot %zu holds slab %lld, which is acquired (release it "
+                          "first)", slot, (long long)s->slot_slab[slot]);
+    return ML_OK;
+}
+
+ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    ML_TRY(check_index(slab, s->nslabs, "slab", e));
+    ML_TRY(check_index(slot, s->nslots, "slot", e));
+    ML_TRY(check_unpinned(s, slot, e));
+    if (s->slab_slot[slab] >= 0)   /* the file gets the current bytes first */
+        ML_TRY(write_back(s, (size_t)s->slab_slot[slab], e));
+    ML_TRY(write_back(s, slot, e));
+    unmap_slot(s, slot);
+    return transfer(s, 0, slab, slot, e);
+}
+
+ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    ML_TRY(check_index(slot, s->nslots, "slot", e));
+    ML_TRY(check_index(slab, s->nslabs, "slab", e));
+    ML_TRY(check_unpinned(s, slot, e));
+    int64_t other = s->slab_slot[slab];
+    if (other >= 0 && (size_t)other != slot) {   /* its resident copy becomes stale */
+        ML_TRY(check_unpinned(s, (size_t)other, e));
+        unmap_slot(s, (size_t)other);
+    }
+    ML_TRY(transfer(s, 1, slab, slot, e));
+    if (other >= 0 && (size_t)other == slot)
+        s->dirty[slot] = 0;
+    return ML_OK;
+}
+
+void ml_store_prefetch(ml_expert_store *s, size_t slab)
+{
+    if (s->fd < 0 || slab >= s->nslabs)
+        return;
+    /* a hint: the kernel starts reading the range; a refusal changes nothing */
+    (void)posix_fadvise(s->fd, (off_t)(slab * s->slab_bytes), (off_t)s->slab_bytes,
+                        POSIX_FADV_WILLNEED);
+    s->hinted[slab] = 1;
+    s->stats.prefetches++;
+}
+
+/* ---- the policy ----------------------------------------------------------- */
+
+ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    for (size_t i = 0; i < n; i++)
+        if (seq[i] < 0 || (uint64_t)seq[i] >= s->nslabs)
+            return ml_err_set(e, ML_EINVAL, "schedule entry %zu is slab %lld, outside [0, %zu)",
+                              i + 1, (long long)seq[i], s->nslabs);
+    int64_t *sched = n ? malloc(n * sizeof *sched) : NULL;
+    size_t *next = n ? malloc(n * sizeof *next) : NULL;
+    if (n && (!sched || !next)) {
+        free(sched);
+        free(next);
+        return ml_err_set(e, ML_EALLOC, "out of memory for a schedule of %zu slabs", n);
+    }
+    /* a new step: its slabs may be hinted again (the page cache may have
+     * dropped what an earlier step's hint read) */
+    memset(s->hinted, 0, s->nslabs);
+    for (size_t b = 0; b < s->nslabs; b++)
+        s->slab_next[b] = NONE;
+    for (size_t i = n; i-- > 0;) {   /* backwards: each entry learns the next of its slab */
+        sched[i] = seq[i];
+        next[i] = s->slab_next[seq[i]];
+        s->slab_next[seq[i]] = i;
+    }
+    free(s->sched);
+    free(s->sched_next);
+    s->sched = sched;
+    s->sched_next = next;
+    s->nsched = n;
+    s->cursor = 0;
+    return ML_OK;
+}
+
+/* A slot for a slab that is not resident: the first free one, else the
+ * unpinned slot whose slab is needed furthest ahead (never again is
+ * furthest; ties: least recently used), written back when dirty. */
+static ml_status take_slot(ml_expert_store *s, size_t *out, ml_err *e)
+{
+    size_t best = NONE, best_next = 0;
+    for (size_t i = 0; i < s->nslots; i++) {
+        if (s->slot_slab[i] < 0) {
+            *out = i;
+            return ML_OK;
+        }
+        if (s->pins[i])
+            continue;
+        size_t next = s->slab_next[s->slot_slab[i]];
+        if (best == NONE || next > best_next ||
+            (next == best_next && s->last_use[i] < s->last_use[best])) {
+            best = i;
+            best_next = next;
+        }
+    }
+    if (best == NONE)
+        return ml_err_set(e, ML_EINVAL, "all %zu cache slots are in use: the budget holds fewer "
+                          "experts than one step needs at once", s->nslots);
+    ML_TRY(write_back(s, best, e));
+    unmap_slot(s, best);
+    s->stats.evictions++;
+    *out = best;
+    return ML_OK;
+}
+
+/* Hint the next prefetch_depth scheduled slabs that are not resident. */
+static void hint_ahead(ml_expert_store *s)
+{
+    for (size_t i = s->cursor; i < s->nsched && i - s->cursor < s->prefetch_depth; i++) {
+        size_t slab = (size_t)s->sched[i];
+        if (s->slab_slot[slab] < 0 && !s->hinted[slab])
+            ml_store_prefetch(s, slab);
+    }
+}
+
+ml_status ml_store_acquire(ml_expert_store *s, size_t slab, size_t *slot, int *hit, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    ML_TRY(check_index(slab, s->nslabs, "slab", e));
+    size_t at = 0;
+    *hit = s->slab_slot[slab] >= 0;
+    if (*hit) {
+        at = (size_t)s->slab_slot[slab];
+        s->stats.hits++;
+    } else {
+        ML_TRY(take_slot(s, &at, e));
+        ML_TRY(transfer(s, 0, slab, at, e));
+        s->slot_slab[at] = (int64_t)slab;
+        s->slab_slot[slab] = (int64_t)at;
+        s->stats.misses++;
+    }
+    s->pins[at]++;
+    s->last_use[at] = ++s->clock;
+    if (s->cursor < s->nsched && s->sched[s->cursor] == (int64_t)slab) {
+        s->slab_next[slab] = s->sched_next[s->cursor];
+        s->cursor++;
+    }
+    hint_ahead(s);
+    *slot = at;
+    return ML_OK;
+}
+
+ml_status ml_store_release(ml_expert_store *s, size_t slab, int dirty, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    ML_TRY(check_index(slab, s->nslabs, "slab", e));
+    int64_t at = s->slab_slot[slab];
+    if (at < 0 || s->pins[at] == 0)
+        return ml_err_set(e, ML_EINVAL, "slab %zu is not acquired (release it once per acquire)",
+                          slab);
+    s->pins[at]--;
+    s->dirty[at] |= dirty != 0;
+    return ML_OK;
+}
+
+ml_status ml_store_flush(ml_expert_store *s, ml_err *e)
+{
+    ML_TRY(check_usable(s, e));
+    for (size_t i = 0; i < s->nslots; i++)
+        if (s->slot_slab[i] >= 0)
+            ML_TRY(write_back(s, i, e));
+    return ML_OK;
+}
+
+int64_t ml_store_resident(const ml_expert_store *s, size_t slab)
+{
+    return slab < s->nslabs ? s->slab_slot[slab] : -1;
+}
