@@ -55,6 +55,12 @@
 -- this rank's experts, or the capacity of its experts when tokens drop),
 -- which layer.recv_rows reports.
 --
+-- Expert store (units.store = {es = a moelua.expert_store, layer = l}):
+-- the layer holds no expert weights; after routing it runs its experts with
+-- tokens one at a time, ascending, each from the cache slot the store gives
+-- it (experts.forward on one expert's tensors, adding into y), so y, dx and
+-- every gradient are bitwise those of one call over resident experts.
+--
 -- Profile: when layer.profile is a table (a model's), forward and backward
 -- add their seconds to its router, dispatch and experts fields and the
 -- expert GEMMs' FLOPs to experts_flop (one bench.now() per phase).
@@ -157,9 +163,9 @@ end
 -- of grads, checked against the options), so a model can place them in its
 -- own flat units (DESIGN.md: the router in the block's dense unit, gate_up
 -- and down in its experts unit).
-local function check_views(views, what, o, El)
-  local want = {wg = {o.experts, o.dim}, gate_up = {El, 2 * o.ffn, o.dim},
-                down = {El, o.dim, o.ffn}}
+local function check_views(views, what, o, El, router_only)
+  local want = {wg = {o.experts, o.dim}, gate_up = not router_only and {El, 2 * o.ffn, o.dim} or nil,
+                down = not router_only and {El, o.dim, o.ffn} or nil}
   for name, shape in pairs(want) do
     local t = views[name]
     if not tensor.is_tensor(t) then
@@ -197,7 +203,11 @@ function moe.new(opts, units)
     self.ep = z
   end
   self.local_experts = E // (self.ep and self.ep.ep or 1)
-  if units then
+  self.store = units and units.store
+  if self.store then
+    self.params = {wg = check_views({wg = units.params.wg}, "units.params", o, 0, true).wg}
+    self.grads = {wg = check_views({wg = units.grads.wg}, "units.grads", o, 0, true).wg}
+  elseif units then
     self.params = check_views(units.params or {}, "units.params", o, self.local_experts)
     self.grads = check_views(units.grads or {}, "units.grads", o, self.local_experts)
   else
@@ -259,6 +269,8 @@ function Layer:forward(x, step)
   local y, saved
   if self.ep then
     y, saved = self:_forward_ep(x, idx, w, plan)
+  elseif self.store then
+    y, saved = self:_forward_stored(x, idx, w, plan)
   else
     y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
   end
@@ -393,6 +405,75 @@ function Layer:_backward_ep(dy)
   return dx, dw
 end
 
+-- The experts of a plan with rows ({[e] = true}; inside a memory plan,
+-- where nothing is counted, all of them).
+local function experts_with_rows(plan, E)
+  local has = {}
+  local counts = not mem_planning() and plan.counts:totable()
+  for e = 0, E - 1 do has[e] = not counts or counts[e + 1] > 0 or nil end
+  return has
+end
+
+-- The options of one expert's call: the layer's, with out / saved /
+-- accumulate of this call.
+function Layer:_call_opts()
+  local c = self.call_opts
+  if not c then
+    c = {}
+    for k, v in pairs(self.expert_opts) do c[k] = v end
+    c.E = self.opts.experts
+    self.call_opts = c
+  end
+  c.capacity, c.capacities = self.expert_opts.capacity, self.expert_opts.capacities
+  return c
+end
+
+function Layer:_forward_stored(x, idx, w, plan)
+  local st, o = self.store, self.opts
+  local es, l = st.es, st.layer
+  local has = experts_with_rows(plan, o.experts)
+  es:routed_layer(l, has, st.recompute)
+  local y = self.pool:tensor({x:size(1), o.dim}, {dtype = x:dtype()}):zero_()
+  local c = self:_call_opts()
+  c.out, c.saved, c.accumulate = y, nil, nil
+  for e = 0, o.experts - 1 do
+    if has[e] then
+      local v = es:acquire(l, e)
+      local _
+      _, c.saved = experts.forward(x, {[e + 1] = v.gate_up}, {[e + 1] = v.down}, idx, w, plan, c)
+      es:release(l, e, false)
+    end
+  end
+  self.stored_has = has
+  return y, c.saved
+end
+
+-- Backward one expert at a time, ascending (dx and dw add up as one call's);
+-- each expert's gradient stays in its slab (dirty), and in the last
+-- micro-batch it is final (es.final_scale set by the trainer: moelua.zero).
+function Layer:_backward_stored(dy)
+  local st, c, o = self.store, self.ctx, self.opts
+  local es, l = st.es, st.layer
+  local T = dy:size(1)
+  local dx = self.pool:tensor({T, o.dim}, {dtype = dy:dtype()}):zero_()
+  local g = {dx = dx}
+  local co = self:_call_opts()
+  co.out, co.saved, co.accumulate = nil, nil, false
+  for e = 0, o.experts - 1 do
+    if self.stored_has[e] then
+      local v = es:acquire(l, e)
+      g.dgate_up, g.ddown = {[e + 1] = v.dgate_up}, {[e + 1] = v.ddown}
+      local _
+      _, _, _, g.dw, g.touched = experts.backward(dy, c.x, {[e + 1] = v.gate_up}, {[e + 1] = v.down}, c.idx,
+                                                  c.w, c.plan, c.saved, co, g)
+      co.accumulate = true
+      es:after_backward(l, e, v, es.final_scale)
+      es:release(l, e, true)
+    end
+  end
+  return dx, g.dw or self.pool:tensor({T, o.topk}, {dtype = dy:dtype()}):zero_()
+end
+
 -- The rows this rank's experts ran in the last forward: the kept
 -- assignments, or with expert parallelism the rows received.
 function Layer:_rows_run()
@@ -424,6 +505,8 @@ function Layer:backward(dy, coef)
   local dx, dw
   if self.ep then
     dx, dw = self:_backward_ep(dy)
+  elseif self.store then
+    dx, dw = self:_backward_stored(dy)
   else
     local _
     dx, _, _, dw = experts.backward(dy, c.x, p.gate_up, p.down, c.idx, c.w, c.plan, c.saved,

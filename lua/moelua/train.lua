@@ -292,10 +292,11 @@ local function check_optim(self, c)
   for _, p in ipairs(self.model:named_parameters()) do
     local o = c.optim and c.optim[p.name]
     if o then
+      local want = p.shape or p.tensor:shape()   -- (an expert store's parameter has no tensor)
       for _, k in ipairs({"exp_avg", "exp_avg_sq"}) do
-        if shape(o[k]:shape()) ~= shape(p.tensor:shape()) then
+        if shape(o[k]:shape()) ~= shape(want) then
           errors.user(string.format("moelua.train: %s: optim %s of '%s' has shape %s, the parameter %s", c.dir,
-                                    k, p.name, shape(o[k]:shape()), shape(p.tensor:shape())))
+                                    k, p.name, shape(o[k]:shape()), shape(want)))
         end
       end
       -- a lazy-Adam expert's states come with its count
@@ -349,7 +350,16 @@ end
 
 local function sharded(self)
   local z = self.model.zero
-  return z.world > 1 or z.stage >= 1
+  return z.world > 1 or z.stage >= 1 or z.expert_store ~= nil
+end
+
+-- A stored piece's tensor of kind "params", "exp_avg" or "exp_avg_sq":
+-- fn(view) with its expert's slab resident (dirty: fn wrote it).
+local function with_stored(pc, kind, dirty, fn)
+  local st = pc.stored
+  local v = st.es:acquire(st.layer, st.expert)
+  fn(v[kind]:view_at(st.at, pc.shape))
+  st.es:release(st.layer, st.expert, dirty)
 end
 
 -- Which experts hold lazy-Adam states on any rank: {[unit] = {[e] = true}}
@@ -375,6 +385,11 @@ local function experts_with_states(self, sd)
       for e, t in pairs(gs.exp_avg) do
         if t then flags[row[at.unit] + first + (at.expert or e - 1) + 1] = 1 end
       end
+    end
+  end
+  for _, u in ipairs(units) do   -- an expert store's: the experts with a step count
+    for e = 0, u.stored and E - 1 or -1 do
+      if u.stored.steps[u.stored:slab(u.layer, e)] then flags[row[u] + e + 1] = 1 end
     end
   end
   if z.world > 1 then flags = z:all_reduce_numbers(flags, "max", "experts with optimizer states") end
@@ -406,27 +421,41 @@ local function sharded_state(self)
     files["optim/exp_avg.safetensors"], files["optim/exp_avg_sq.safetensors"] = stated, stated
   end
   if #counted > 0 then files["optim/steps.safetensors"] = counted end
+  local function write_piece(w, pc)
+    w.model:write_range(pc.name, pc.at, z:param_view(pc))
+    if has_states and not pc.frozen then
+      local gi, e, off = z:state_slot(pc)
+      local gs = sd.groups[gi]
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+        local st = e and gs[k][e] or not e and gs[k]
+        if st then w[k]:write_range(pc.name, pc.at, st:view_at(off, {pc.n})) end
+      end
+      -- an expert's count, by the rank that holds the tensor's first element
+      if e and w.steps and gs.steps and pc.at == 0 then w.steps:write_range(pc.name, 0, gs.steps:narrow(1, e, 1)) end
+    end
+  end
+  local function write_stored(w, pc)   -- an expert store's parameter (moelua.expert_store), states, count
+    local st = pc.stored
+    with_stored(pc, "params", false, function(t) w.model:write_range(pc.name, 0, t) end)
+    local count = st.es.steps[st.es:slab(st.layer, st.expert)]
+    if has_states and not pc.frozen and (not model.sparse or count) then
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+        with_stored(pc, k, false, function(t) w[k]:write_range(pc.name, 0, t) end)
+      end
+      if count and w.steps then w.steps:write_range(pc.name, 0, tensor.tensor({count}, {dtype = "i64"})) end
+    end
+  end
   local function write(dir)
     local w = {model = mio.open_writer(dir .. "/model.safetensors")}
     for _, k in ipairs{"exp_avg", "exp_avg_sq", "steps"} do
       if files["optim/" .. k .. ".safetensors"] then w[k] = mio.open_writer(dir .. "/optim/" .. k .. ".safetensors") end
     end
     for _, pc in ipairs(z:pieces(named)) do
-      w.model:write_range(pc.name, pc.at, z:param_view(pc))
-      if has_states and not pc.frozen then
-        local gi, e, off = z:state_slot(pc)
-        local gs = sd.groups[gi]
-        for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-          local st = e and gs[k][e] or not e and gs[k]
-          if st then w[k]:write_range(pc.name, pc.at, st:view_at(off, {pc.n})) end
-        end
-        -- an expert's count, by the rank that holds the tensor's first element
-        if e and w.steps and gs.steps and pc.at == 0 then w.steps:write_range(pc.name, 0, gs.steps:narrow(1, e, 1)) end
-      end
+      if pc.stored then write_stored(w, pc) else write_piece(w, pc) end
     end
     for _, f in pairs(w) do f:sync(); f:close() end
   end
-  local function barrier(what) z.dist.barrier(what) end
+  local function barrier(what) if z.world > 1 then z.dist.barrier(what) end end
   return {rank = z.rank, files = files, write = write, barrier = barrier},
          {t = sd.t, skipped_expert_steps = sd.skipped_expert_steps}
 end
@@ -445,26 +474,45 @@ local function load_sharded(self, c, meta)
     end
     sd.groups[gi] = gs
   end
-  for _, pc in ipairs(z:pieces(named)) do
+  local function read_stored(pc)   -- an expert store's parameter, its states and count (absent: zero)
+    local st, o = pc.stored, c.optim and not pc.frozen and c.optim[pc.name]
+    local v = st.es:acquire(st.layer, st.expert)
+    c.model[pc.name]:read_range(0, v.params:view_at(st.at, pc.shape))
+    for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+      local t = v[k]:view_at(st.at, pc.shape)
+      if o then o[k]:read_range(0, t) else t:zero_() end
+    end
+    local count, slab = o and c.optim_steps and c.optim_steps[pc.name], st.es:slab(st.layer, st.expert)
+    st.es.steps[slab] = nil
+    if count then
+      local n <close> = tensor.zeros({1}, {dtype = "i64"})
+      count:read_into(n)
+      st.es.steps[slab] = n:item() > 0 and n:item() or nil
+    end
+    st.es:release(st.layer, st.expert, true)
+  end
+  local function read_piece(pc)
     c.model[pc.name]:read_range(pc.at, z:param_view(pc))
     local o = c.optim and c.optim[pc.name]
-    if not pc.frozen then
-      local gi, e, off = z:state_slot(pc)
-      local gs = sd.groups[gi]
-      for _, k in ipairs(o and {"exp_avg", "exp_avg_sq"} or {}) do
-        local st = gs[k]
-        if e then
-          st[e] = st[e] or opt:state_tensor(gi, k, e):zero_()
-          st = st[e]
-        end
-        o[k]:read_range(pc.at, st:view_at(off, {pc.n}))
+    if pc.frozen then return end
+    local gi, e, off = z:state_slot(pc)
+    local gs = sd.groups[gi]
+    for _, k in ipairs(o and {"exp_avg", "exp_avg_sq"} or {}) do
+      local st = gs[k]
+      if e then
+        st[e] = st[e] or opt:state_tensor(gi, k, e):zero_()
+        st = st[e]
       end
-      local count = e and c.optim_steps and c.optim_steps[pc.name]
-      if count then
-        gs.steps = gs.steps or opt:state_tensor(gi, "steps"):zero_()
-        count:read_into(gs.steps:narrow(1, e, 1))
-      end
+      o[k]:read_range(pc.at, st:view_at(off, {pc.n}))
     end
+    local count = e and c.optim_steps and c.optim_steps[pc.name]
+    if count then
+      gs.steps = gs.steps or opt:state_tensor(gi, "steps"):zero_()
+      count:read_into(gs.steps:narrow(1, e, 1))
+    end
+  end
+  for _, pc in ipairs(z:pieces(named)) do
+    if pc.stored then read_stored(pc) else read_piece(pc) end
   end
   z:gather_params()
   opt:load_state_dict(sd, {adopt = true})
@@ -812,6 +860,7 @@ function Trainer:step(step)
     -- micro-batch its own key, or they would all draw the same noise
     local l, st = self.model:forward(tokens, step * per_step + at)
     local t2 = now(dev)
+    z:begin_backward(micro == self.accum, 1 / per_step)
     self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
     local t3 = now(dev)
     t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
@@ -840,7 +889,7 @@ function Trainer:step(step)
   else
     self.skipped_run = 0
     self.optimizer:step(lr, self.model:active_masks(self.groups))
-    z:after_step()
+    z:after_step(self.optimizer, lr, z.expert_store and self.model.sparse and self.model:layer_masks())
     update_router_biases(self, loads)
   end
   t.optim = now(dev) - t4

@@ -161,6 +161,28 @@ function Zero:unit(name, kind, layout, o)
   return u
 end
 
+-- u = z:stored_unit(name, layout, es, layer): an experts unit whose
+-- parameters, gradients and AdamW states live in the expert store es
+-- (moelua.expert_store) as layer `layer` of it: no buffer here, no
+-- optimizer group (the store updates its experts: step), its gradient
+-- norm's parts from the store. One process only, for now.
+function Zero:stored_unit(name, layout, es, layer)
+  self:check_store()
+  local u = {name = name, kind = "experts", layout = layout, numel = layout:numel(),
+             part = layout:partition(0, 1), rank = 0, world = 1, stored = es, layer = layer}
+  self.units[#self.units + 1] = u
+  self.expert_store = es
+  return u
+end
+
+-- An expert store needs one process at stage 0 (an error otherwise).
+function Zero:check_store()
+  if self.world > 1 or self.stage > 0 then
+    errors.user(string.format("--expert-budget: the expert store is not built for sharded training yet " ..
+                              "(--zero %d on %d ranks): use it with one process at --zero 0", self.stage, self.world))
+  end
+end
+
 -- ---- the lifecycle ----------------------------------------------------------
 
 function Zero:begin(phase, units)
@@ -241,9 +263,20 @@ end
 -- Gradients to zero (the start of a step, or a skipped step).
 function Zero:zero_grad()
   for _, u in ipairs(self.units) do
-    if not u.grads:storage_released() then u.grads:zero_() end
-    if self.per_unit then u.shard_grads:zero_() end   -- otherwise a slice of grads
+    if u.stored then
+      u.stored:zero_grads()
+    else
+      if not u.grads:storage_released() then u.grads:zero_() end
+      if self.per_unit then u.shard_grads:zero_() end   -- otherwise a slice of grads
+    end
   end
+end
+
+-- Before each micro-batch's backward: whether it is the step's last, with
+-- the gradients' scale (1 / micro-batches of all ranks): an expert store
+-- finishes each expert's gradient at its last backward use then.
+function Zero:begin_backward(last, scale)
+  if self.expert_store then self.expert_store.final_scale = last and scale or nil end
 end
 
 -- ---- collectives ------------------------------------------------------------
@@ -324,7 +357,9 @@ function Zero:reduce_grads(scale)
   for _, u in ipairs(self.units) do
     local what = "gradient of unit " .. u.name
     local g = u.grads
-    if self.stage == 0 then
+    if u.stored then   -- scaled expert by expert as each became final
+      u.stored:finish_grads(scale)
+    elseif self.stage == 0 then
       if u.world > 1 then self:_timed("all_reduce", u.group.all_reduce, u.group, g, what) end
     else
       if not self.per_unit and u.world > 1 then   -- (per unit: after each unit's backward)
@@ -332,7 +367,7 @@ function Zero:reduce_grads(scale)
       end
       g = u.shard_grads
     end
-    if scale ~= 1 then C.scale_(g, scale) end
+    if scale ~= 1 and not u.stored then C.scale_(g, scale) end
   end
 end
 
@@ -391,7 +426,7 @@ function Zero:groups()
     self.group_at[#out] = {unit = u, offset = r.offset, n = r.n, expert = r.expert, experts = experts}
   end
   for _, u in ipairs(self.units) do
-    local off, len = 0, u.numel
+    local off, len = 0, u.stored and 0 or u.numel
     if self.stage > 0 then off, len = u.part.offset, math.max(0, math.min(u.part.shard, u.numel - u.part.offset)) end
     for _, r in ipairs(ranges(u, off, len)) do
       local g = r.group
@@ -414,28 +449,61 @@ function Zero:agree_active(mask, what)
   return mask:copy_(tensor.tensor(v, {dtype = "u8"}))
 end
 
+-- The parts of group i's gradient [lo, hi) (unit offsets) the norm sums:
+-- cut at segment ends and, in a per-expert segment, at every expert (so
+-- the experts' parts are the ones an expert store sums, expert by expert).
+function Zero:_norm_parts(i, g, lo, hi, out)
+  local at = self.group_at[i]
+  local u = at.unit
+  for _, p in ipairs(u.layout:pieces(lo, hi - lo)) do
+    local seg = u.layout:segment(p.segment)
+    local S = seg.experts and seg.numel // seg.experts
+    local a, b = p.offset, p.offset + p.n
+    while a < b do
+      local cut = S and math.min(b, p.offset - p.seg_offset + ((a - (p.offset - p.seg_offset)) // S + 1) * S) or b
+      out[#out + 1] = g.grads:view_at(a - at.offset, {cut - a})
+      a = cut
+    end
+  end
+end
+
 -- The global gradient norm (squares of each rank's shard, summed over
 -- ranks in rank order), and the clip of every group's gradient to max_norm
--- (torch.nn.utils.clip_grad_norm_'s factor). groups: Zero:groups()'s.
+-- (torch.nn.utils.clip_grad_norm_'s factor). groups: Zero:groups()'s. On
+-- a rank the squares are summed part by part in unit order (f64, one
+-- part after another: an expert is a part of its own), an expert store's
+-- units from the store's parts; z.clip_coef is the factor applied (1: none).
 function Zero:clip_grad_norm(groups, max_norm)
-  local mine = {}
+  local parts = {}
   for i, g in ipairs(groups) do
     if not g.frozen then
       local at = self.group_at[i]
       local u, lo, hi = at.unit, at.offset, at.offset + g.grads:numel()
       if self.stage == 0 and u.world > 1 then   -- whole gradients: count the shard's part only
         lo, hi = math.max(lo, u.part.offset), math.min(hi, u.part.offset + u.part.shard)
-        if hi > lo then mine[#mine + 1] = g.grads:view_at(lo - at.offset, {hi - lo}) end
-      else
-        mine[#mine + 1] = g.grads
+      end
+      if hi > lo then
+        parts[u] = parts[u] or {}
+        self:_norm_parts(i, g, lo, hi, parts[u])
       end
     end
   end
-  local sum = C.grad_sumsq(mine)
+  local sum = 0
+  for _, u in ipairs(self.units) do
+    if u.stored then
+      if not (u.groups and u.groups.gate_up.frozen) then
+        for _, v in ipairs(u.stored:grad_sumsq_parts(u.layer)) do sum = sum + v end
+      end
+    else
+      for _, t in ipairs(parts[u] or {}) do sum = sum + C.grad_sumsq({t}) end
+    end
+  end
   if self.world > 1 then sum = self:all_reduce_numbers({sum}, "sum", "gradient norm")[1] end
   local total = math.sqrt(sum)
   local coef = max_norm / (total + 1e-6)
+  self.clip_coef = 1
   if total == total and total < math.huge and coef < 1 then
+    self.clip_coef = coef
     for _, g in ipairs(groups) do
       if not g.frozen then C.scale_(g.grads, coef) end
     end
@@ -443,8 +511,15 @@ function Zero:clip_grad_norm(groups, max_norm)
   return total
 end
 
--- After the optimizer: stages 1-2 all-gather the updated shards.
-function Zero:after_step()
+-- After the optimizer's step (opt, at lr, with the model's per-layer
+-- activity masks for lazy Adam): an expert store updates its experts
+-- (with the clip of clip_grad_norm); stages 1-2 all-gather the updated shards.
+function Zero:after_step(opt, lr, masks)
+  for _, u in ipairs(self.units) do
+    if u.stored and u.layer == 0 then
+      u.stored:step(opt, lr, self.clip_coef or 1, u.groups.gate_up, masks)
+    end
+  end
   if self.stage == 1 or self.stage == 2 then self:gather_params() end
 end
 
@@ -472,18 +547,30 @@ end
 
 -- This rank's pieces of the named parameters (model:named_parameters():
 -- {name, tensor = a view of its unit's params, unit}): {name, at (elements
--- into the named tensor), n, unit, lo (offset in the unit)}.
+-- into the named tensor), n, unit, lo (offset in the unit)}; an expert
+-- store's parameter is one piece {name, at = 0, n, unit, stored, shape}.
 function Zero:pieces(named)
   local out = {}
   for _, p in ipairs(named) do
-    local u, start = p.unit, start_of(p)
-    local lo = math.max(start, u.part.offset)
-    local hi = math.min(start + p.tensor:numel(), u.part.offset + u.part.shard)
-    if hi > lo then
-      out[#out + 1] = {name = p.name, at = lo - start, n = hi - lo, unit = u, lo = lo, frozen = self:frozen(p)}
+    if p.stored then   -- an expert store's: whole, read and written through the store
+      local n = p.shape[1] * p.shape[2]
+      out[#out + 1] = {name = p.name, at = 0, n = n, unit = p.unit, stored = p.stored, shape = p.shape,
+                       frozen = self:frozen(p)}
+    else
+      out[#out + 1] = self:_piece(p)
     end
   end
   return out
+end
+
+-- This rank's part of named parameter p (a view of its unit), or nil.
+function Zero:_piece(p)
+  local u, start = p.unit, start_of(p)
+  local lo = math.max(start, u.part.offset)
+  local hi = math.min(start + p.tensor:numel(), u.part.offset + u.part.shard)
+  if hi > lo then
+    return {name = p.name, at = lo - start, n = hi - lo, unit = u, lo = lo, frozen = self:frozen(p)}
+  end
 end
 
 -- A piece's parameters on this rank (a view of the shard at stage 3).

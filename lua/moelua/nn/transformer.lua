@@ -50,6 +50,7 @@ local LMHead = require "moelua.nn.lm_head"
 local unit = require "moelua.unit"
 local zero = require "moelua.zero"
 local errors = require "moelua.errors"
+local expert_store = require "moelua.expert_store"
 
 local Transformer = {}
 Transformer.__index = Transformer
@@ -63,7 +64,7 @@ local OPTIONS = {
   experts = {"integer"}, topk = {"integer", 2}, rope_theta = {"number", 1e6},
   norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
   dtype = {"string", "f32"}, device = {"string", "cpu"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
-  zero = {"table", false},
+  zero = {"table", false}, store = {"table", false},
   aux_weight = {"number", 0.02}, max_position = {"integer", 131072},
   ce_rows = {"integer", 256}, ce_chunk = {"integer", 4096},
 }
@@ -139,6 +140,14 @@ local function check_options(opts)
          "or \"full\", got %s", i - 1, tostring(c))
   end
   o.checkpoint_per_layer = per
+  if o.store then   -- {path =, budget = bytes [, prefetch = 2]}: the experts in a moelua.expert_store
+    local st = o.store
+    need(type(st.path) == "string" and math.type(st.budget) == "integer" and st.budget > 0
+         and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0),
+         "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0]}")
+    need(o.device == "cpu" and o.dtype == "f32",
+         "option 'store': the expert store holds f32 experts on the cpu (the GPU's pinned tier is not built yet)")
+  end
   -- moe sub-options, checked by moelua.moe without allocating
   local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype,
               device = o.device}
@@ -183,6 +192,12 @@ function Transformer.new(opts)
   end
   -- this rank's experts: [first, first + El) of every block (all of them without expert parallelism)
   self.local_experts, self.first_expert = o.experts // ep, self.zero.ep_rank * (o.experts // ep)
+  if o.store then   -- every check before the store's file is made
+    if ep > 1 then errors.user("--expert-budget: the expert store is not built for expert parallelism yet (--ep 1)") end
+    self.zero:check_store()
+    self.expert_store = expert_store.new{path = o.store.path, budget = o.store.budget, prefetch = o.store.prefetch,
+                                         layers = o.layers, experts = o.experts, dim = D, ffn = o.ffn}
+  end
   local draw_offset = 0
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at
   -- the next offset of its stream (the same weights at any sharding and on
@@ -191,6 +206,15 @@ function Transformer.new(opts)
   -- (counter offset + i / 4, lane i mod 4). An experts unit of expert
   -- parallelism holds El of the E experts: its segment at local offset s
   -- starts at s ep + first (numel / El) of the whole unit's stream.
+  local function draw_into(view, g)
+    local draw, lead = {std = o.init_std, seed = o.seed, offset = draw_offset + g // 4}, g % 4
+    if o.device == "cpu" and lead == 0 then
+      view:normal_(draw)
+    else   -- from the counter holding element g; on the cpu (normals differ by an ulp across devices)
+      local drawn <close> = tensor.empty({lead + view:numel()}, {dtype = dt})
+      view:copy_(drawn:normal_(draw):narrow(1, lead + 1, view:numel()))
+    end
+  end
   local function new_unit(name, kind, layout, ep_whole)
     local n = layout:numel()
     local function init(params)
@@ -199,19 +223,27 @@ function Transformer.new(opts)
         if LABELS[seg.name] == "norms" or seg.name == "norm" then
           view:fill_(1)
         else
-          local g = ep_whole and seg.offset * ep + self.first_expert * (seg.numel // self.local_experts) or seg.offset
-          local draw, lead = {std = o.init_std, seed = o.seed, offset = draw_offset + g // 4}, g % 4
-          if o.device == "cpu" and lead == 0 then
-            view:normal_(draw)
-          else   -- from the counter holding element g; on the cpu (normals differ by an ulp across devices)
-            local drawn <close> = tensor.empty({lead + seg.numel}, {dtype = dt})
-            view:copy_(drawn:normal_(draw):narrow(1, lead + 1, seg.numel))
-          end
+          draw_into(view, ep_whole and seg.offset * ep + self.first_expert * (seg.numel // self.local_experts)
+                            or seg.offset)
         end
       end
     end
     local u = self.zero:unit(name, kind, layout, {dtype = dt, device = o.device, init = init})
     draw_offset = draw_offset + ((ep_whole and n * ep or n) + 3) // 4
+    return u
+  end
+  -- An experts unit in the expert store: each expert's slab drawn from its
+  -- elements of the unit's stream (gate_up at e 2 F D, down at E 2 F D + e D F).
+  local function stored_unit(name, layout, layer)
+    local E, F = o.experts, o.ffn
+    local u = self.zero:stored_unit(name, layout, self.expert_store, layer)
+    for e = 0, E - 1 do
+      self.expert_store:fill(layer, e, function(v)
+        draw_into(v.params:view_at(0, {2 * F * D}), e * 2 * F * D)
+        draw_into(v.params:view_at(2 * F * D, {D * F}), E * 2 * F * D + e * D * F)
+      end)
+    end
+    draw_offset = draw_offset + (layout:numel() + 3) // 4
     return u
   end
   self.units = self.zero.units
@@ -224,12 +256,16 @@ function Transformer.new(opts)
   self.embed = Embedding.new{weight = pe.embed, grad = ge.embed}
   -- blocks
   self.blocks = {}
+  local recompute = {}   -- the layers whose MoE forward runs again in backward (an expert store's order)
+  for i = 1, o.layers do recompute[i - 1] = CHECKPOINT[o.checkpoint_per_layer[i]][2] end
   for i = 1, o.layers do
     local ldense, lexperts = layouts(o, i - 1, self.local_experts)
     local ud = new_unit("layers." .. (i - 1) .. ".dense", "dense", ldense)
-    local ux = new_unit("layers." .. (i - 1) .. ".experts", "experts", lexperts, ep > 1)
+    local name = "layers." .. (i - 1) .. ".experts"
+    local ux = self.expert_store and stored_unit(name, lexperts, i - 1) or new_unit(name, "experts", lexperts, ep > 1)
     local p, g = ldense:views(ud.params), ldense:views(ud.grads)
-    local xp, xg = lexperts:views(ux.params), lexperts:views(ux.grads)
+    local xp, xg = {}, {}
+    if not ux.stored then xp, xg = lexperts:views(ux.params), lexperts:views(ux.grads) end
     local mo = {}
     for k, v in pairs(o.moe_opts) do mo[k] = v end
     mo.seed, mo.layer = o.seed, i - 1
@@ -246,7 +282,8 @@ function Transformer.new(opts)
                            grads = {q = g.q, k = g.k, v = g.v, o = g.o}},
       moe = MoEBlock.new(mo, {params = {wg = p.wg, gate_up = xp.gate_up, down = xp.down},
                               grads = {wg = g.wg, gate_up = xg.gate_up, down = xg.down},
-                              pool = self.pool, zero = self.zero}),
+                              pool = self.pool, zero = self.zero,
+                              store = ux.stored and {es = ux.stored, layer = i - 1, recompute = recompute}}),
     }
     self.blocks[i].moe.layer.profile = self.profile
   end
@@ -504,8 +541,8 @@ function Transformer:reinit_expert(layer, dead, from, std)
     error(string.format("moelua.nn.Transformer:reinit_expert: no layer %s (the model has %d)", tostring(layer),
                         #self.blocks), 2)
   end
-  if self.zero.ep > 1 then   -- the two experts may live on different ranks
-    error("moelua.nn.Transformer:reinit_expert: not with expert parallelism (--ep > 1)", 2)
+  if self.zero.ep > 1 or self.expert_store then   -- the two experts may live on different ranks, or in the store
+    error("moelua.nn.Transformer:reinit_expert: not with expert parallelism (--ep > 1) or an expert store", 2)
   end
   local z = self.zero
   z:edit(b.dense, function() z:edit(b.experts, function() b.moe.layer:reinit_expert(dead, from, std) end) end)
@@ -604,6 +641,16 @@ function Transformer:param_groups(o)
   return self.zero:groups()
 end
 
+-- masks = model:layer_masks(): {[i] = u8 [E]}, every MoE layer's active
+-- experts (model:active_experts), agreed over ranks.
+function Transformer:layer_masks()
+  local layer = {}
+  for i = 1, #self.blocks do
+    layer[i] = self.zero:agree_active(self:active_experts(i), "active experts of layer " .. (i - 1))
+  end
+  return layer
+end
+
 -- masks = model:active_masks(groups): {[gi] = u8 [experts of the group]}
 -- for the groups of param_groups{sparse = true} that carry experts
 -- (AdamW:step's argument). With several ranks every layer's mask is first
@@ -612,8 +659,7 @@ end
 function Transformer:active_masks(groups)
   local masks = {}
   if not self.sparse then return masks end
-  local z, layer = self.zero, {}
-  for i = 1, #self.blocks do layer[i] = z:agree_active(self:active_experts(i), "active experts of layer " .. (i - 1)) end
+  local z, layer = self.zero, self:layer_masks()
   for gi, g in ipairs(groups) do
     local i = g.experts and tonumber(g.name:match("^layers%.(%d+)%.experts"))
     if i then
@@ -649,7 +695,13 @@ local function named(self, which, all)
     for e = 0, self.opts.experts - 1 do
       local ep = pre .. "block_sparse_moe.experts." .. e .. "."
       local l = e - first + 1   -- the expert's place in this rank's unit
-      if l >= 1 and l <= El then
+      if u.stored then   -- in the store: where in expert e's slab (its parameters: gate_up, then down)
+        for _, w in ipairs{{"w1", 0, {F, D}, "gate_up"}, {"w2", 2 * F * D, {D, F}, "down"},
+                           {"w3", F * D, {F, D}, "gate_up"}} do
+          out[#out + 1] = {name = ep .. w[1] .. ".weight", shape = w[3], unit = u, segment = w[4],
+                           stored = {es = u.stored, layer = i - 1, expert = e, at = w[2], which = which}}
+        end
+      elseif l >= 1 and l <= El then
         local gu = xp.gate_up:select(1, l)
         add(ep .. "w1.weight", gu:narrow(1, 1, F))
         add(ep .. "w2.weight", xp.down:select(1, l))
@@ -715,13 +767,22 @@ function Transformer:load_named(tensors, opts)
     by_unit[p.unit] = by_unit[p.unit] or {}
     table.insert(by_unit[p.unit], p)
   end
+  local function load(p, into)
+    local t = tensors[p.name]
+    if ckpt.is_source(t) then t:read_into(into) else into:copy_(t) end
+  end
   for _, u in ipairs(self.units) do   -- one unit's whole parameters at a time (ZeRO-3)
-    self.zero:edit(u, function()
+    if u.stored then   -- an expert store's: each into its expert's slab
       for _, p in ipairs(by_unit[u]) do
-        local t = tensors[p.name]
-        if ckpt.is_source(t) then t:read_into(p.tensor) else p.tensor:copy_(t) end
+        local st = p.stored
+        load(p, st.es:acquire(st.layer, st.expert).params:view_at(st.at, p.shape))
+        st.es:release(st.layer, st.expert, true)
       end
-    end)
+    else
+      self.zero:edit(u, function()
+        for _, p in ipairs(by_unit[u]) do load(p, p.tensor) end
+      end)
+    end
   end
 end
 

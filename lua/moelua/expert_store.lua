@@ -1,0 +1,218 @@
+-- moelua.expert_store: a model's experts under a byte budget (DESIGN.md,
+-- Bounded expert memory). Every expert of every MoE block is one slab of a
+-- backing file (moelua.store: fallocated, pread/pwrite, never mapped) and
+-- only `slots` of them are resident at once, in cache slots charged to the
+-- ledger's `cache`; the store's policy evicts the expert needed furthest
+-- ahead in the step's known order, LRU across steps.
+--
+--   local es = expert_store.new{path =, budget = bytes, layers = L, experts = E,
+--                               dim = D, ffn = F [, prefetch = 2]}      -- f32
+--   local v = es:acquire(l, e)    -- slot views of layer l's (0-based) expert e
+--   ... v.gate_up [2F, D], v.down [D, F], v.dgate_up, v.ddown ...
+--   es:release(l, e, dirty)
+--
+-- A slab holds everything of one expert that a step touches, in the layout
+-- of its unit (gate_up then down, so one expert is 3 D F contiguous
+-- elements), four times: parameters, gradients, AdamW's exp_avg and
+-- exp_avg_sq. So the budget bounds the resident parameters, gradients and
+-- optimizer states of experts together, and a slot is the unit of I/O.
+--
+-- A step (the model and the trainer drive it; moelua.moe runs the experts
+-- one at a time, ascending, so y and dx sum as one call does):
+--   forward and backward   each layer's experts with tokens, acquired in turn
+--   the last micro-batch   an expert's gradient is final after its backward:
+--                          it is scaled (1 / micro-batches) and its squares
+--                          summed (the gradient norm's per-expert parts) before
+--                          its slot is released
+--   the optimizer          after the global norm (which may skip the step or
+--                          clip): every expert's update in one pass (step),
+--                          its gradient zeroed before the write-back
+-- An update at an expert's last backward use would save that pass, but the
+-- step's norm is not known then: a non-finite norm skips the step and a
+-- clip scales every gradient, so the update waits for the norm.
+--
+-- The backing file is mutated in place and removed on close: it is never a
+-- recovery source (checkpoints hold every expert's bytes).
+local store = require "moelua.store"
+local C = require "moelua.optim_c"
+local errors = require "moelua.errors"
+
+local expert_store = {}
+
+local ES = {}
+ES.__index = ES
+
+local function mib(n) return string.format("%.2f MiB", n / 2^20) end
+
+-- es = expert_store.new{...}: checked before anything is created; the
+-- errors name the recipe's options (--expert-budget, --expert-store).
+function expert_store.new(o)
+  local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
+  local n = 3 * D * F                                   -- one expert's parameters
+  local slab_bytes = 4 * n * 4                          -- f32 (the store's slots are f32 views)
+  local slot_bytes = (slab_bytes + 63) // 64 * 64
+  local slots = math.min(o.budget // slot_bytes, L * E)
+  if slots < 1 then
+    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: its parameters, gradients " ..
+                              "and AdamW states)", mib(o.budget), mib(slot_bytes)))
+  end
+  local ok, s = pcall(store.open, {path = o.path, slabs = L * E, slab_bytes = slab_bytes, slots = slots,
+                                   prefetch = o.prefetch or 2})
+  if not ok then errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", "")) end
+  local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = n, slots = slots, slot_bytes = slot_bytes,
+                             views_of = {}, touched = {}, sumsq = {}, steps = {}, routed = {}}, ES)
+  return self
+end
+
+function ES:slab(l, e) return l * self.E + e end
+
+-- The views of slot i (made once): the expert's parameters, gradients and
+-- states, each 3 D F elements, and the weight matrices the kernels take.
+function ES:views(i)
+  local v = self.views_of[i]
+  if v then return v end
+  local t, n, D, F = self.s:slot(i), self.n, self.D, self.F
+  v = {params = t:view_at(0, {n}), grads = t:view_at(n, {n}), exp_avg = t:view_at(2 * n, {n}),
+       exp_avg_sq = t:view_at(3 * n, {n}), gate_up = t:view_at(0, {2 * F, D}), down = t:view_at(2 * F * D, {D, F}),
+       dgate_up = t:view_at(n, {2 * F, D}), ddown = t:view_at(n + 2 * F * D, {D, F})}
+  self.views_of[i] = v
+  return v
+end
+
+function ES:acquire(l, e)
+  return self:views((self.s:acquire(self:slab(l, e))))
+end
+
+function ES:release(l, e, dirty)
+  self.s:release(self:slab(l, e), dirty)
+end
+
+-- es:fill(l, e, fn): expert e of layer l starts as fn(v) writes v.params
+-- (the rest zero), written straight to its slab (before the first step).
+function ES:fill(l, e, fn)
+  local v = self:views(0)
+  v.grads:zero_(); v.exp_avg:zero_(); v.exp_avg_sq:zero_()
+  fn(v)
+  self.s:write(0, self:slab(l, e))
+end
+
+-- Layer l's forward has routed: `has` = {[e] = true} for its experts with
+-- tokens. The store's schedule becomes the order the step will touch the
+-- slabs in from here on: layer l's experts, the later layers' (taken
+-- whole), then backward from the last layer down (as routed; a layer in
+-- `recompute` runs its forward again first), then the optimizer's pass.
+function ES:routed_layer(l, has, recompute)
+  self.routed[l] = has
+  local seq, E = {}, self.E
+  local function layer(i, which)
+    for e = 0, E - 1 do
+      if not which or which[e] then seq[#seq + 1] = i * E + e end
+    end
+  end
+  layer(l, has)
+  for i = l + 1, self.L - 1 do layer(i) end
+  for i = self.L - 1, 0, -1 do
+    local which = i <= l and self.routed[i] or nil
+    if recompute[i] then layer(i, which) end
+    layer(i, which)
+  end
+  for i = 0, self.L - 1 do layer(i) end
+  self.s:schedule(seq)
+end
+
+-- After an expert's backward: its gradient is dirty until the step; in the
+-- last micro-batch it is final, scaled and its squares summed.
+function ES:after_backward(l, e, v, scale)
+  local slab = self:slab(l, e)
+  self.touched[slab] = true
+  if scale then self:_finish(slab, v, scale) end
+end
+
+function ES:_finish(slab, v, scale)
+  if scale ~= 1 then C.scale_(v.grads, scale) end
+  self.sumsq[slab] = {C.grad_sumsq({v.grads:narrow(1, 1, 2 * self.F * self.D)}),
+                      C.grad_sumsq({v.grads:narrow(1, 2 * self.F * self.D + 1, self.D * self.F)})}
+end
+
+-- After the last micro-batch: the experts whose gradient an earlier
+-- micro-batch made and the last did not finish (scale as there).
+function ES:finish_grads(scale)
+  for slab in pairs(self.touched) do
+    if not self.sumsq[slab] then
+      local l, e = slab // self.E, slab % self.E
+      self:_finish(slab, self:acquire(l, e), scale)
+      self:release(l, e, true)
+    end
+  end
+end
+
+-- The squares of layer l's experts' gradients, in the order of its unit's
+-- layout (every expert's gate_up, then every expert's down: the parts the
+-- resident unit's norm sums), 0 for an expert without gradient.
+function ES:grad_sumsq_parts(l)
+  local out, E = {}, self.E
+  for k = 1, 2 do
+    for e = 0, E - 1 do
+      local p = self.sumsq[l * E + e]
+      out[#out + 1] = p and p[k] or 0
+    end
+  end
+  return out
+end
+
+-- Gradients back to zero without a step (a skipped step): the experts
+-- that have one.
+function ES:zero_grads()
+  for slab in pairs(self.touched) do
+    local l, e = slab // self.E, slab % self.E
+    self:acquire(l, e).grads:zero_()
+    self:release(l, e, true)
+  end
+  self.touched, self.sumsq = {}, {}
+end
+
+-- The optimizer's pass (AdamW, after opt:step): every expert of every layer
+-- in slab order, gradient times coef (a clip, when < 1), updated like the
+-- resident unit's groups (attrs: the experts group's weight_decay, lr_mult,
+-- frozen; opt: the optimizer), its gradient zeroed, written back. Lazy Adam
+-- (attrs.experts): only active experts (masks[l + 1], u8 [E]), each with its
+-- own step count.
+function ES:step(opt, lr, coef, attrs, masks)
+  if opt.kind ~= "AdamW" then
+    errors.user("--expert-budget: the expert store updates its experts with AdamW (the optimizer is " ..
+                tostring(opt.kind) .. ")")
+  end
+  local o, E = opt.opts, self.E
+  local hp = {lr = lr * (attrs.lr_mult or 1), beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
+              weight_decay = attrs.weight_decay or o.weight_decay, step = opt.t}
+  if not attrs.frozen then
+    local seq = {}
+    for slab = 0, self.L * E - 1 do seq[#seq + 1] = slab end
+    self.s:schedule(seq)
+    for l = 0, self.L - 1 do
+      local active = attrs.experts and masks[l + 1]:totable()
+      for e = 0, E - 1 do
+        if not active or active[e + 1] ~= 0 then
+          local v = self:acquire(l, e)
+          if coef < 1 then C.scale_(v.grads, coef) end
+          if active then
+            local slab = self:slab(l, e)
+            self.steps[slab] = (self.steps[slab] or 0) + 1
+            hp.step = self.steps[slab]
+          end
+          C.adamw_step(v.params, v.grads, v.exp_avg, v.exp_avg_sq, hp)
+          v.grads:zero_()
+          self:release(l, e, true)
+          self.touched[self:slab(l, e)] = nil
+        end
+      end
+    end
+  end
+  self:zero_grads()   -- what was not updated (frozen, inactive)
+end
+
+function ES:stats() return self.s:stats() end
+
+function ES:close() self.s:close() end
+
+return expert_store
