@@ -71,6 +71,11 @@ local opts = options.parse(arg, {
   {"prefetch", 1, "ZeRO-3: units gathered ahead of use", min = 0},
   {"reduce-every", "micro", "ZeRO-2/3: reduce-scatter gradients every micro-batch or once per step (micro, step)"},
   {"ep", 1, "expert parallelism: ranks that split each block's experts (divides the ranks and --experts)", min = 1},
+  -- bounded expert memory (one process)
+  {"expert-budget", "", "keep at most this many bytes of experts (parameters, gradients, AdamW states) " ..
+                        "resident, e.g. 64MiB; the rest in --expert-store"},
+  {"expert-store", "", "the expert store's backing file (default RUN_DIR/experts.store; a disk, not tmpfs)"},
+  {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
@@ -139,6 +144,14 @@ if opts.budget_gib > 0 then
   end
 end
 
+-- --expert-budget: the experts in an expert store (moelua.expert_store)
+-- under that many resident bytes, its file in the run directory by default.
+local store
+if opts.expert_budget ~= "" then
+  store = {budget = options.bytes("expert-budget", opts.expert_budget), prefetch = opts.expert_prefetch,
+           path = opts.expert_store ~= "" and opts.expert_store or train.expert_store_path(opts.run_dir)}
+end
+
 -- The model and its optimizer, built twice: once in the memory plan below
 -- (address space only), then for real.
 local function build()
@@ -146,7 +159,7 @@ local function build()
     vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save}, device = opts.device, zero = zero.new(zero_opts),
+    moe = {save = opts.save}, device = opts.device, zero = zero.new(zero_opts), store = store,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
   local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})

@@ -42,24 +42,38 @@ local expert_store = {}
 local ES = {}
 ES.__index = ES
 
-local function mib(n) return string.format("%.2f MiB", n / 2^20) end
+-- n bytes for a person: "384.00 KiB".
+local function size(n)
+  local units, i = {"B", "KiB", "MiB", "GiB", "TiB"}, 1
+  while n >= 1024 and i < #units do n, i = n / 1024, i + 1 end
+  return i == 1 and string.format("%d B", n) or string.format("%.2f %s", n, units[i])
+end
 
--- es = expert_store.new{...}: checked before anything is created; the
--- errors name the recipe's options (--expert-budget, --expert-store).
-function expert_store.new(o)
-  local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
-  local n = 3 * D * F                                   -- one expert's parameters
-  local slab_bytes = 4 * n * 4                          -- f32 (the store's slots are f32 views)
+-- slots, slot_bytes = expert_store.check{budget = bytes, layers =, experts =,
+-- dim =, ffn =}: how many experts the budget keeps resident (at most all
+-- of them) and a slot's bytes; a budget below one expert is a user error
+-- naming --expert-budget. Nothing is created.
+function expert_store.check(o)
+  local slab_bytes = 4 * 3 * o.dim * o.ffn * 4          -- 4 f32 copies of 3 D F
   local slot_bytes = (slab_bytes + 63) // 64 * 64
-  local slots = math.min(o.budget // slot_bytes, L * E)
+  local slots = math.min(o.budget // slot_bytes, o.layers * o.experts)
   if slots < 1 then
     errors.user(string.format("--expert-budget %s is smaller than one expert (%s: its parameters, gradients " ..
-                              "and AdamW states)", mib(o.budget), mib(slot_bytes)))
+                              "and AdamW states)", size(o.budget), size(slot_bytes)))
   end
+  return slots, slot_bytes, slab_bytes
+end
+
+-- es = expert_store.new{...}: checked (expert_store.check) before the
+-- store's file is made; the errors name the recipe's options
+-- (--expert-budget, --expert-store).
+function expert_store.new(o)
+  local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
+  local slots, slot_bytes, slab_bytes = expert_store.check(o)
   local ok, s = pcall(store.open, {path = o.path, slabs = L * E, slab_bytes = slab_bytes, slots = slots,
                                    prefetch = o.prefetch or 2})
   if not ok then errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", "")) end
-  local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = n, slots = slots, slot_bytes = slot_bytes,
+  local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
                              views_of = {}, touched = {}, sumsq = {}, steps = {}, routed = {}}, ES)
   return self
 end
@@ -101,19 +115,27 @@ end
 -- slabs in from here on: layer l's experts, the later layers' (taken
 -- whole), then backward from the last layer down (as routed; a layer in
 -- `recompute` runs its forward again first), then the optimizer's pass.
+-- In backward (es.phase, moelua.zero's begin) a layer's forward is such a
+-- recompute: then its backward and the earlier layers' follow.
 function ES:routed_layer(l, has, recompute)
-  self.routed[l] = has
   local seq, E = {}, self.E
   local function layer(i, which)
     for e = 0, E - 1 do
       if not which or which[e] then seq[#seq + 1] = i * E + e end
     end
   end
-  layer(l, has)
-  for i = l + 1, self.L - 1 do layer(i) end
-  for i = self.L - 1, 0, -1 do
+  local last = l
+  if self.phase ~= "backward" then
+    self.routed[l] = has
+    layer(l, has)
+    for i = l + 1, self.L - 1 do layer(i) end
+    last = self.L - 1
+  else
+    layer(l, has)
+  end
+  for i = last, 0, -1 do
     local which = i <= l and self.routed[i] or nil
-    if recompute[i] then layer(i, which) end
+    if recompute[i] and i ~= l then layer(i, which) end
     layer(i, which)
   end
   for i = 0, self.L - 1 do layer(i) end

@@ -97,6 +97,21 @@ function options.parse(argv, spec, usage)
   return values
 end
 
+local UNITS = {B = 1, KiB = 2^10, MiB = 2^20, GiB = 2^30, TiB = 2^40}
+
+-- options.bytes(name, text): a size option's bytes (an integer): a number
+-- of bytes or a number with B, KiB, MiB, GiB or TiB ("64MiB", "1.5GiB");
+-- anything else is a user error naming --name.
+function options.bytes(name, text)
+  local num, unit = tostring(text):match("^%s*([%d%.]+)%s*(%a*)%s*$")
+  local v = tonumber(num or "")
+  local scale = UNITS[unit ~= "" and unit or "B"]
+  if not v or not scale or v * scale < 1 or v * scale >= 2^62 then
+    fail("option --%s expects a size such as 64MiB or 1.5GiB (B, KiB, MiB, GiB, TiB), got '%s'", name, tostring(text))
+  end
+  return math.floor(v * scale)
+end
+
 -- --device's value, checked: "cpu" or "cuda" (a user error otherwise).
 function options.device(value)
   if value ~= "cpu" and value ~= "cuda" then fail("--device must be cpu or cuda, got '%s'", tostring(value)) end

@@ -903,6 +903,7 @@ function Trainer:step(step)
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z)
+  if z.expert_store then m.expert_store = z.expert_store:stats() end   -- counters since the start
   if z.world > 1 then m.comm_seconds = comm_seconds(z) end
   if z.ep > 1 then   -- bytes each rank sent to the others in expert parallelism's exchanges
     m.all_to_all_bytes = {}
@@ -1099,9 +1100,18 @@ function train.plan(cfg)
     local layers = c.model.moe_layers and c.model:moe_layers() or {}
     exchange = layers[1] and layers[1].recv_rows
   end
+  local user_error   -- a user error of the build (a bad option) is raised as such, not as a failed plan
+  local function guarded(plan)
+    local ok, err = pcall(step, plan)
+    if not ok then
+      if errors.is_user(err) then user_error = err end
+      error(err, 0)
+    end
+  end
   local function plan_twice()
-    local books, why, failed = mem.plan(step)
-    if books then books, why, failed = mem.plan(step, {pool_bytes = pool_bytes}) end
+    local books, why, failed = mem.plan(guarded)
+    if books then books, why, failed = mem.plan(guarded, {pool_bytes = pool_bytes}) end
+    if user_error then error(user_error, 0) end
     return books, why, failed
   end
   local ok, books, why, failed = pcall(plan_twice)
@@ -1134,6 +1144,8 @@ end
 
 -- What a run writes in its run_dir; --overwrite removes these and nothing else.
 local RUN_FILES = {"metrics.jsonl", "ckpt", "plots"}
+-- An expert store's backing file while the job runs (train.expert_store_path).
+local STORE_FILE = "experts.store"
 
 local function normal_path(p)
   p = p:gsub("/+", "/"):gsub("/%./", "/"):gsub("^%./", ""):gsub("/%.?$", "")
@@ -1155,9 +1167,24 @@ local function run_contents(run_dir)
   if st.type ~= "dir" then errors.user("moelua.train: run directory '" .. run_dir .. "' is not a directory") end
   local names = {}
   for _, n in ipairs(fs.listdir(run_dir)) do
-    if n ~= "attach" then names[#names + 1] = n end
+    if n ~= "attach" and n ~= STORE_FILE then names[#names + 1] = n end
   end
   return names
+end
+
+-- train.expert_store_path(run_dir): where a run's expert store
+-- (moelua.expert_store) keeps its backing file by default, with the run
+-- directory made. A file found there was left by a job that was killed:
+-- a store removes its file when it closes, and a run resumes from its
+-- checkpoints, never from the store; it is removed, saying so.
+function train.expert_store_path(run_dir)
+  local path = run_dir .. "/" .. STORE_FILE
+  if fs.stat(path) then
+    os.remove(path)
+    io.stdout:write("moelua.train: removed ", path, ", the expert store of a job that did not end\n")
+  end
+  fs.mkdir_p(run_dir)
+  return path
 end
 
 -- train.check_run_dir(cfg): the run directory may be written (see the
