@@ -6,7 +6,7 @@
 -- ahead in the step's known order, LRU across steps.
 --
 --   local es = expert_store.new{path =, budget = bytes, layers = L, experts = E,
---                               dim = D, ffn = F [, prefetch = 2]}      -- f32
+--                               dim = D, ffn = F [, prefetch = 2, inference = false]}   -- f32
 --   local v = es:acquire(l, e)    -- slot views of layer l's (0-based) expert e
 --   ... v.gate_up [2F, D], v.down [D, F], v.dgate_up, v.ddown ...
 --   es:release(l, e, dirty)
@@ -31,6 +31,12 @@
 -- step's norm is not known then: a non-finite norm skips the step and a
 -- clip scales every gradient, so the update waits for the norm.
 --
+-- Inference (inference = true: generation, evaluation): a slab is the
+-- expert's parameters alone, and only the routed layer's order is known
+-- (a token's next layer routes after this one has run), so its experts are
+-- kept and hinted, and eviction beyond them is least recently used: the
+-- field report's LRU with prefetch, which fits decoding.
+--
 -- The backing file is mutated in place and removed on close: it is never a
 -- recovery source (checkpoints hold every expert's bytes).
 local store = require "moelua.store"
@@ -54,12 +60,14 @@ end
 -- of them) and a slot's bytes; a budget below one expert is a user error
 -- naming --expert-budget. Nothing is created.
 function expert_store.check(o)
-  local slab_bytes = 4 * 3 * o.dim * o.ffn * 4          -- 4 f32 copies of 3 D F
+  local copies = o.inference and 1 or 4
+  local slab_bytes = copies * 3 * o.dim * o.ffn * 4     -- f32 copies of 3 D F
   local slot_bytes = (slab_bytes + 63) // 64 * 64
   local slots = math.min(o.budget // slot_bytes, o.layers * o.experts)
   if slots < 1 then
-    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: its parameters, gradients " ..
-                              "and AdamW states)", size(o.budget), size(slot_bytes)))
+    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: its parameters%s)",
+                              size(o.budget), size(slot_bytes),
+                              o.inference and "" or ", gradients and AdamW states"))
   end
   return slots, slot_bytes, slab_bytes
 end
@@ -74,7 +82,8 @@ function expert_store.new(o)
                                    prefetch = o.prefetch or 2})
   if not ok then errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", "")) end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
-                             views_of = {}, touched = {}, sumsq = {}, steps = {}, routed = {}}, ES)
+                             inference = o.inference, views_of = {}, touched = {}, sumsq = {}, steps = {},
+                             routed = {}}, ES)
   return self
 end
 
@@ -86,9 +95,11 @@ function ES:views(i)
   local v = self.views_of[i]
   if v then return v end
   local t, n, D, F = self.s:slot(i), self.n, self.D, self.F
-  v = {params = t:view_at(0, {n}), grads = t:view_at(n, {n}), exp_avg = t:view_at(2 * n, {n}),
-       exp_avg_sq = t:view_at(3 * n, {n}), gate_up = t:view_at(0, {2 * F, D}), down = t:view_at(2 * F * D, {D, F}),
-       dgate_up = t:view_at(n, {2 * F, D}), ddown = t:view_at(n + 2 * F * D, {D, F})}
+  v = {params = t:view_at(0, {n}), gate_up = t:view_at(0, {2 * F, D}), down = t:view_at(2 * F * D, {D, F})}
+  if not self.inference then
+    v.grads, v.exp_avg, v.exp_avg_sq = t:view_at(n, {n}), t:view_at(2 * n, {n}), t:view_at(3 * n, {n})
+    v.dgate_up, v.ddown = t:view_at(n, {2 * F, D}), t:view_at(n + 2 * F * D, {D, F})
+  end
   self.views_of[i] = v
   return v
 end
@@ -105,7 +116,7 @@ end
 -- (the rest zero), written straight to its slab (before the first step).
 function ES:fill(l, e, fn)
   local v = self:views(0)
-  v.grads:zero_(); v.exp_avg:zero_(); v.exp_avg_sq:zero_()
+  if not self.inference then v.grads:zero_(); v.exp_avg:zero_(); v.exp_avg_sq:zero_() end
   fn(v)
   self.s:write(0, self:slab(l, e))
 end
@@ -123,6 +134,11 @@ function ES:routed_layer(l, has, recompute)
     for e = 0, E - 1 do
       if not which or which[e] then seq[#seq + 1] = i * E + e end
     end
+  end
+  if self.inference then   -- no backward, no step: this layer's order, LRU beyond it
+    layer(l, has)
+    self.s:schedule(seq)
+    return
   end
   local last = l
   if self.phase ~= "backward" then

@@ -175,6 +175,33 @@ train.run(cfg)
     same_files(dir("whole/ckpt/step-000005"), dir("killed/ckpt/step-000005"))
   end)
 
+  it("generation with a budget of one expert gives the bytes and routing of resident experts", function()
+    local inspect = require "moelua.inspect"
+    local ck = dir("whole/ckpt/step-000005")   -- the run of the test above
+    local o = {n = 12, temperature = 1.0, top_p = 0.95, seed = 7, seq_len = 24}
+    local resident = inspect.open(ck):generate("alpha beta", o)
+    local h = inspect.open(ck, {store = {path = dir("gen.store"), budget = 3 * D * F * 4, inference = true}})
+    local stored = h:generate("alpha beta", o)
+    assert.are.equal(resident.text, stored.text)
+    assert.are.same(resident.trace, stored.trace)
+    local st = h.model.expert_store:stats()
+    assert.are.equal(1, st.slots)
+    assert.are.equal(3 * D * F * 4, st.slab_bytes)   -- inference: the parameters alone
+    assert.is_true(st.misses > 0 and st.bytes_read > 0)
+    h.model.expert_store:close()
+    assert.is_nil(fs.stat(dir("gen.store")))
+  end)
+
+  it("recipes/generate.lua prints the continuation and the store's traffic", function()
+    local args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", "--n", "8",
+                  "--greedy", "--expert-budget", "64KiB", "--expert-store", dir("gen2.store")}
+    local code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
+    assert.are.equal(0, code, out)
+    support.has(out, "8 bytes in ")
+    assert.is_not_nil(out:find("experts: %d+ of 8 resident %(%d+%.%d+ MiB%), hit rate [%d.]+%% %(%d+ hits, %d+ misses%)"), out)
+    assert.is_nil(fs.stat(dir("gen2.store")), "the store's file is removed at exit")
+  end)
+
   describe("bad input", function()
     local function recipe(args)
       local p = assert(io.popen(support.host_command(args) .. " 2>&1"))

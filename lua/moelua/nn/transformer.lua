@@ -140,11 +140,12 @@ local function check_options(opts)
          "or \"full\", got %s", i - 1, tostring(c))
   end
   o.checkpoint_per_layer = per
-  if o.store then   -- {path =, budget = bytes [, prefetch = 2]}: the experts in a moelua.expert_store
+  if o.store then   -- {path =, budget = bytes [, prefetch = 2, inference]}: the experts in a moelua.expert_store
     local st = o.store
     need(type(st.path) == "string" and math.type(st.budget) == "integer" and st.budget > 0
-         and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0),
-         "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0]}")
+         and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0)
+         and (st.inference == nil or type(st.inference) == "boolean"),
+         "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0, inference = boolean]}")
     need(o.device == "cpu" and o.dtype == "f32",
          "option 'store': the expert store holds f32 experts on the cpu (the GPU's pinned tier is not built yet)")
   end
@@ -196,7 +197,8 @@ function Transformer.new(opts)
     if ep > 1 then errors.user("--expert-budget: the expert store is not built for expert parallelism yet (--ep 1)") end
     self.zero:check_store()
     self.expert_store = expert_store.new{path = o.store.path, budget = o.store.budget, prefetch = o.store.prefetch,
-                                         layers = o.layers, experts = o.experts, dim = D, ffn = o.ffn}
+                                         inference = o.store.inference, layers = o.layers, experts = o.experts,
+                                         dim = D, ffn = o.ffn}
   end
   local draw_offset = 0
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at
