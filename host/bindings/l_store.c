@@ -6,7 +6,9 @@
  *   store.open{path=, slabs=, slab_bytes=, slots=, prefetch=2, category="params"} -> s
  *                          creates the backing file at path (never an existing
  *                          one, never on tmpfs), fallocated: slabs * slab_bytes
- *                          on the `file` book under category; `slots` slots of
+ *                          on the `file` book under category (or category =
+ *                          {params = b1, grads = b2, ...}: a slab's bytes per
+ *                          category, adding up to slab_bytes); `slots` slots of
  *                          slab_bytes (a multiple of 4) as one `cache` allocation
  *                          on the cpu book. prefetch: scheduled slabs hinted
  *                          after each acquire. Inside mem.plan: the plan's
@@ -88,7 +90,17 @@ static int l_store_open(lua_State *L)
     o.nslots = opt_count(L, fn, "slots");
     o.prefetch_depth = (size_t)ml_opt_integer(L, 1, fn, "prefetch", 2, 0, INT64_MAX);
     o.category = ML_CAT_PARAMS;
-    if (lua_getfield(L, 1, "category") != LUA_TNIL) {
+    if (lua_getfield(L, 1, "category") == LUA_TTABLE) {   /* {category = bytes of a slab, ...} */
+        lua_pushnil(L);
+        while (lua_next(L, -2)) {
+            int c = lua_type(L, -2) == LUA_TSTRING ? ml_category_from_name(lua_tostring(L, -2)) : -1;
+            if (c < 0 || !lua_isinteger(L, -1) || lua_tointeger(L, -1) < 1)
+                ml_error(L, fn, "option 'category': expected {<category> = bytes >= 1 of a slab, ...} "
+                         "(params, grads, optim, acts, pool, comm, cache, other)");
+            o.cat_bytes[c] = (size_t)lua_tointeger(L, -1);
+            lua_pop(L, 1);
+        }
+    } else if (!lua_isnil(L, -1)) {
         int c = lua_type(L, -1) == LUA_TSTRING ? ml_category_from_name(lua_tostring(L, -1)) : -1;
         if (c < 0)
             ml_error(L, fn, "option 'category': unknown category '%s' (params, grads, optim, acts, "

@@ -27,6 +27,12 @@ static ml_status check_opts(const ml_store_opts *o, ml_err *e)
         return ml_err_set(e, ML_EINVAL, "slots must be >= 1, got 0");
     if ((unsigned)o->category >= ML_NCAT)
         return ml_err_set(e, ML_EINVAL, "category %d is not a ledger category", (int)o->category);
+    size_t split = 0;
+    for (int c = 0; c < ML_NCAT; c++)
+        split += o->cat_bytes[c];
+    if (split != 0 && split != o->slab_bytes)
+        return ml_err_set(e, ML_EINVAL, "a slab's bytes per category add up to %zu, not slab_bytes "
+                          "(%zu)", split, o->slab_bytes);
     /* file offsets and the slots' bytes fit an off_t and an int64 numel */
     if (o->slab_bytes > (size_t)INT64_MAX / 2 || o->nslabs > (size_t)INT64_MAX / o->slab_bytes)
         return ml_err_set(e, ML_EINVAL, "slabs * slab_bytes (%zu * %zu) is too large", o->nslabs,
@@ -103,7 +109,6 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     s->nslots = o->nslots;
     s->stride = (o->slab_bytes + 63) & ~(size_t)63;
     s->prefetch_depth = o->prefetch_depth;
-    s->file_cat = o->category;
     s->path = strdup(o->path);
     if (!s->path || alloc_tables(s) != 0) {
         ml_store_close(s);
@@ -111,8 +116,18 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     }
     /* the budgets first, so a refusal creates no file */
     size_t file_bytes = s->nslabs * s->slab_bytes;
-    ml_status st = ml_tier_charge(h, ML_TIER_FILE, s->file_cat, file_bytes, "allocating",
-                                  &s->file_book, e);
+    int split = 0;
+    for (int c = 0; c < ML_NCAT; c++)
+        split |= o->cat_bytes[c] != 0;
+    ml_status st = ML_OK;
+    for (int c = 0; c < ML_NCAT && st == ML_OK; c++) {
+        size_t n = split ? s->nslabs * o->cat_bytes[c] : c == (int)o->category ? file_bytes : 0;
+        if (n > 0) {
+            st = ml_tier_charge(h, ML_TIER_FILE, (ml_category)c, n, "allocating", &s->file_book, e);
+            if (st == ML_OK)
+                s->file_bytes[c] = n;
+        }
+    }
     if (st == ML_OK) {
         ml_category saved = h->category;
         int64_t n = (int64_t)(s->nslots * s->stride);
@@ -138,8 +153,9 @@ void ml_store_close(ml_expert_store *s)
         ml_storage_release_memory(s->slots.st, "the expert store was closed");
         ml_tensor_drop(&s->slots);
     }
-    if (s->file_book)
-        ml_ledger_credit(s->file_book, s->file_cat, s->nslabs * s->slab_bytes);
+    for (int c = 0; c < ML_NCAT; c++)
+        if (s->file_bytes[c])
+            ml_ledger_credit(s->file_book, (ml_category)c, s->file_bytes[c]);
     if (s->fd >= 0) {
         close(s->fd);
         unlink(s->path);

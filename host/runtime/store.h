@@ -43,7 +43,9 @@ typedef struct {
     const char *path;       /* the backing file to create */
     size_t nslabs, slab_bytes, nslots;
     size_t prefetch_depth;  /* scheduled slabs hinted after each acquire */
-    ml_category category;   /* of the file's bytes on the file book */
+    ml_category category;   /* of the file's bytes on the file book, unless: */
+    size_t cat_bytes[ML_NCAT];  /* a slab's bytes per category (all 0: the slab is
+                                   `category`'s; else they add up to slab_bytes) */
 } ml_store_opts;
 
 typedef struct ml_expert_store {
@@ -55,7 +57,7 @@ typedef struct ml_expert_store {
     size_t prefetch_depth;
     ml_tensor slots;        /* u8 [nslots * stride] under `cache`; slot i at i * stride */
     ml_ledger *file_book;   /* where the file's bytes go back */
-    ml_category file_cat;
+    size_t file_bytes[ML_NCAT];   /* charged to file_book, per category */
     /* residency */
     int64_t *slot_slab;     /* [nslots] the slab a slot holds, -1: free */
     int64_t *slab_slot;     /* [nslabs] the slot holding a slab, -1: not resident */

@@ -78,8 +78,10 @@ end
 function expert_store.new(o)
   local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
   local slots, slot_bytes, slab_bytes = expert_store.check(o)
+  local b = 3 * D * F * 4   -- a slab's parameters (f32), then gradients and AdamW's two states
   local ok, s = pcall(store.open, {path = o.path, slabs = L * E, slab_bytes = slab_bytes, slots = slots,
-                                   prefetch = o.prefetch or 2})
+                                   prefetch = o.prefetch or 2,
+                                   category = o.inference and "params" or {params = b, grads = b, optim = 2 * b}})
   if not ok then errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", "")) end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
                              inference = o.inference, views_of = {}, touched = {}, sumsq = {}, steps = {},

@@ -60,7 +60,7 @@ static int exists(const char *path) { return access(path, F_OK) == 0; }
 static ml_expert_store *open_store(ml_host *h, const char *name, size_t slabs, size_t slab_bytes,
                                    size_t slots, size_t prefetch, ml_err *e)
 {
-    ml_store_opts o = {path_of(name), slabs, slab_bytes, slots, prefetch, ML_CAT_PARAMS};
+    ml_store_opts o = {.path = path_of(name), .nslabs = slabs, .slab_bytes = slab_bytes, .nslots = slots, .prefetch_depth = prefetch, .category = ML_CAT_PARAMS};
     ml_expert_store *s = NULL;
     ml_store_open(h, &o, &s, e);
     return s;
@@ -291,7 +291,7 @@ static void test_refusals(void)
     if (statfs("/dev/shm", &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
         char p[128];
         snprintf(p, sizeof p, "/dev/shm/moelua-store-test-%d", (int)getpid());
-        ml_store_opts o = {p, 2, 64, 1, 0, ML_CAT_PARAMS};
+        ml_store_opts o = {.path = p, .nslabs = 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
         ml_status st = ml_store_open(&h, &o, &s, &e);
         ok(st == ML_EINVAL && strstr(e.msg, "is on tmpfs: its pages are memory, so the store would "
                                      "not bound anything; put --expert-store on a disk") &&
@@ -317,18 +317,18 @@ static void test_refusals(void)
     h.books[ML_CPU].budget[ML_CAT_CACHE] = 0;
 
     /* bad options */
-    ml_store_opts o = {path_of("bad"), 0, 64, 1, 0, ML_CAT_PARAMS};
+    ml_store_opts o = {.path = path_of("bad"), .nslabs = 0, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slabs must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){path_of("bad"), 2, 0, 1, 0, ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 0, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slab_bytes must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){path_of("bad"), 2, 64, 0, 0, ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 64, .nslots = 0, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slots must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){path_of("bad"), SIZE_MAX / 2, 64, 1, 0, ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = SIZE_MAX / 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strstr(e.msg, "is too large"), "options: %s", e.msg);
-    o = (ml_store_opts){path_of("nodir/x"), 2, 64, 1, 0, ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("nodir/x"), .nslabs = 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strstr(e.msg, "cannot create") &&
        strstr(e.msg, "No such file or directory"), "options: %s", e.msg);
     ok(h.books[ML_TIER_FILE].total == 0 && h.books[ML_CPU].total == 0 && !exists(path_of("bad")),
@@ -355,7 +355,7 @@ static void test_full_disk(void)
         ml_host h;
         ml_host_init(&h);
         ml_err e = {{0}};
-        ml_store_opts o = {path_of("full"), 16, 64 << 10, 1, 0, ML_CAT_PARAMS};
+        ml_store_opts o = {.path = path_of("full"), .nslabs = 16, .slab_bytes = 64 << 10, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
         ml_expert_store *s = NULL;
         ml_status st = ml_store_open(&h, &o, &s, &e);
         int good = st == ML_EIO && !s && !exists(path_of("full")) && h.books[ML_TIER_FILE].total == 0 &&
@@ -417,6 +417,32 @@ static void test_plan(void)
     ml_host_free(&h);
 }
 
+/* A slab's bytes split by category on the file book (an expert's
+ * parameters, gradients and states); a split that does not add up. */
+static void test_categories(void)
+{
+    ml_host h;
+    ml_host_init(&h);
+    ml_err e;
+    ml_store_opts o = {.path = path_of("cats"), .nslabs = 3, .slab_bytes = 64, .nslots = 1,
+                       .category = ML_CAT_PARAMS};
+    o.cat_bytes[ML_CAT_PARAMS] = 16;
+    o.cat_bytes[ML_CAT_GRADS] = 16;
+    o.cat_bytes[ML_CAT_OPTIM] = 32;
+    ml_expert_store *s = NULL;
+    ok(ml_store_open(&h, &o, &s, &e) == ML_OK, "categories: open");
+    const ml_ledger *f = &h.books[ML_TIER_FILE];
+    ok(f->cur[ML_CAT_PARAMS] == 48 && f->cur[ML_CAT_GRADS] == 48 && f->cur[ML_CAT_OPTIM] == 96 &&
+       f->total == 192, "categories: 3 slabs' 16 + 16 + 32 bytes on the file book by category");
+    ml_store_close(s);
+    ok(f->total == 0 && f->cur[ML_CAT_OPTIM] == 0, "categories: credited back by category");
+    o.cat_bytes[ML_CAT_OPTIM] = 16;
+    ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL &&
+       strcmp(e.msg, "a slab's bytes per category add up to 48, not slab_bytes (64)") == 0 &&
+       !exists(path_of("cats")), "categories: a split that does not add up: %s", e.msg);
+    ml_host_free(&h);
+}
+
 int main(void)
 {
     if (make_dir() != 0) {
@@ -429,6 +455,7 @@ int main(void)
     test_refusals();
     test_full_disk();
     test_plan();
+    test_categories();
     ok(rmdir(dir) == 0, "every file the stores made is gone (%s is empty)", dir);
     return tap_done();
 }

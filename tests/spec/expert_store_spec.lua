@@ -91,8 +91,12 @@ describe("expert store in training", function()
     assert.is_true(most > 0 and most <= budget, string.format("cache peak %d, budget %d", most, budget))
     assert.is_true(#r.losses >= 0)
     assert.are.equal(plan.total_peak, mem.stats().cpu.total_peak)
-    -- the backing file: every expert's slab, on the file tier while the store is open
-    assert.are.equal(L * E * EXPERT, mem.stats().file.total)
+    -- the backing file: every expert's slab, on the file tier while the store is open,
+    -- a quarter parameters, a quarter gradients, half AdamW states
+    local file = mem.stats().file
+    assert.are.equal(L * E * EXPERT, file.total)
+    assert.are.same({L * E * EXPERT // 4, L * E * EXPERT // 4, L * E * EXPERT // 2},
+                    {file.current.params, file.current.grads, file.current.optim})
     local path = dir("bound.store")
     assert.is_not_nil(fs.stat(path))
     model.expert_store:close()

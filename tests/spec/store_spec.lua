@@ -252,6 +252,12 @@ describe("bad input", function()
     assert.are.equal("moelua.store.open: option 'category': unknown category 'weights' (params, grads, optim, "
                      .. "acts, pool, comm, cache, other)",
                      e(store.open, {path = fresh_path(), slabs = 1, slab_bytes = 4, slots = 1, category = "weights"}))
+    assert.are.equal("moelua.store.open: option 'category': expected {<category> = bytes >= 1 of a slab, ...} " ..
+                     "(params, grads, optim, acts, pool, comm, cache, other)",
+                     e(store.open, {path = fresh_path(), slabs = 1, slab_bytes = 8, slots = 1,
+                                    category = {params = 4, weights = 4}}))
+    assert.are.equal("moelua.store.open: a slab's bytes per category add up to 4, not slab_bytes (8)",
+                     e(store.open, {path = fresh_path(), slabs = 1, slab_bytes = 8, slots = 1, category = {params = 4}}))
     has(e(store.open, {path = fresh_path(), slabs = 1, slab_bytes = 4, slots = 1, budget = 5}),
         "moelua.store.open: unknown option 'budget'")
   end)
