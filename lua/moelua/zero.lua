@@ -492,7 +492,7 @@ function Zero:clip_grad_norm(groups, max_norm)
   local sum = 0
   for _, u in ipairs(self.units) do
     if u.stored then
-      if not (u.groups and u.groups.gate_up.frozen) then
+      if not (u.groups and u.groups.gate_up.frozen) then   -- (experts.gate_up and .down share attributes)
         for _, v in ipairs(u.stored:grad_sumsq_parts(u.layer)) do sum = sum + v end
       end
     else
@@ -517,8 +517,8 @@ end
 -- (with the clip of clip_grad_norm); stages 1-2 all-gather the updated shards.
 function Zero:after_step(opt, lr, masks)
   for _, u in ipairs(self.units) do
-    if u.stored and u.layer == 0 then
-      u.stored:step(opt, lr, self.clip_coef or 1, u.groups.gate_up, masks)
+    if u.stored and u.layer == 0 then   -- (one pass over every layer's experts)
+      u.stored:step(opt, lr, self.clip_coef or 1, u.groups and u.groups.gate_up or {}, masks)
     end
   end
   if self.stage == 1 or self.stage == 2 then self:gather_params() end
