@@ -3,14 +3,15 @@
 # First the bandwidths that bound it, measured with dd on the disk under
 # out_dir (where every store file of this script lives): the disk itself
 # (O_DIRECT read and write) and the page cache (a buffered read of a cached
-# file, a buffered overwrite of it in place), which serves a store file smaller than
-# free memory after its first read. Then training: all experts resident (no
-# store), then budgets of 100%, 50%, 25% of all slabs' bytes and two slabs,
-# each with --expert-prefetch 2 and 0. Then generation (--greedy --n 32) from
-# a checkpoint of a short resident run of the same model (60 steps): all
-# resident, 100%, 50%, 25% and one (inference) slab, three runs each. Before each run the load
-# and the machine's disk traffic so far (/proc/vmstat) go to load.txt.
-# recipes/bench/store_summary.lua makes the tables from out_dir.
+# file, a buffered overwrite of it in place), which serves a store file
+# smaller than free memory after its first read. Then training: all experts
+# resident (no store), then budgets of 100%, 50%, 25% of all slabs' bytes
+# and two slabs, each with --expert-prefetch 2 and 0. Then generation
+# (--greedy --n 32) from the checkpoint of a short resident run of the same
+# model (60 steps): all resident, 100%, 50%, 25% and one (inference) slab,
+# three runs each. Before each run the load and the machine's disk traffic
+# so far (/proc/vmstat) go to load.txt. recipes/bench/store_summary.lua
+# makes the tables from out_dir.
 #   recipes/bench/store.sh [out_dir=runs/bench/store] [steps=12]
 # Model: D=256, 4 layers, 8 heads / 4 kv, E=8 top-2, F=512, seq_len 512,
 # 2 threads, checkpoint moe. A training slab (parameters, gradients, both
