@@ -77,7 +77,7 @@ local opts = options.parse(arg, {
   {"expert-store", "", "the expert store's backing file (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
   {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs), updated " ..
-                               "chunk by chunk through 4 MiB of staging (one process, --device cpu)"},
+                               "chunk by chunk through at most 4 MiB of staging (one process, --device cpu)"},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")

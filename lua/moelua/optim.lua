@@ -463,7 +463,9 @@ local function open_offload(groups, oo)
   chunk = math.max(1, math.min(chunk, n))
   local ok, s = pcall(store.open, {path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
                                    slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim"})
-  if not ok then offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""))) end
+  if not ok then   -- (the store's tmpfs hint names the expert store's option: not this one)
+    offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""):gsub("put %-%-expert%-store on", "put it on")))
+  end
   return {s = s, chunk = chunk, base = base, n = n, views = {}}
 end
 
@@ -717,7 +719,9 @@ function AdamW:read_state(gi, k, e, off, n, fn)
   if e then t = t[e] end
   if not t then fail("AdamW:read_state", "group %d has no %s%s yet", gi, k, e and (" for expert " .. e) or "") end
   if not self.offload then return fn(t:view_at(off, {n}), 0) end
-  each_chunk(self.offload, offload_lo(self, gi, e, off), n, false, function(m, v, at) fn(k == "exp_avg" and m or v, at) end)
+  each_chunk(self.offload, offload_lo(self, gi, e, off), n, false, function(m, v, at)
+    fn(k == "exp_avg" and m or v, at)
+  end)
 end
 
 -- opt:write_state(gi, k, e, off, n, fn): as read_state, but fn fills the
@@ -733,7 +737,9 @@ function AdamW:write_state(gi, k, e, off, n, fn)
   else
     st.exp_avg, st.exp_avg_sq = true, true
   end
-  each_chunk(self.offload, offload_lo(self, gi, e, off), n, true, function(m, v, at) fn(k == "exp_avg" and m or v, at) end)
+  each_chunk(self.offload, offload_lo(self, gi, e, off), n, true, function(m, v, at)
+    fn(k == "exp_avg" and m or v, at)
+  end)
 end
 
 -- Offloaded: zeroes group gi's states (expert e's, or the group's whole
@@ -775,7 +781,9 @@ local function load_offloaded(self, sd, adopt)
   end
   for i, gs in ipairs(sd.groups) do   -- everything checked before anything changes
     local g = self.groups[i]
-    if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then fail(fn, "group %d: 'step' must be an integer", i) end
+    if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
+      fail(fn, "group %d: 'step' must be an integer", i)
+    end
     if g.experts then
       local S = g.params:numel() // g.experts
       for _, k in ipairs(GIVEN_STATES) do

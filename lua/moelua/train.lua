@@ -351,8 +351,8 @@ end
 -- those back, so a checkpoint saved at any world size and stage resumes at
 -- any other. Frozen parameters have no optimizer states.
 
--- (also an offloaded optimizer's: its states are read and written by range
--- through its staging, never as whole tensors)
+-- The same path serves an expert store and an offloaded optimizer, whose
+-- states are read and written by range through its staging, never whole.
 local function sharded(self)
   local z = self.model.zero
   return z.world > 1 or z.stage >= 1 or z.expert_store ~= nil or self.optimizer.offload ~= nil
@@ -1300,6 +1300,7 @@ function train.run(cfg)
       ok, m = pcall(self.step, self, step)
       -- a signal an offloaded optimizer held through its pass: the step is whole, stop after it
       stop = ok and (self.optimizer.held_interrupts or 0) > 0
+      self.optimizer.held_interrupts = nil
     end
     if not ok then
       self.model.safe_point = nil                -- set during the step

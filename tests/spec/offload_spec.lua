@@ -238,6 +238,27 @@ train.run(cfg)
       assert.is_nil(fs.stat(dir("api.store")))
     end)
 
+    it("the API: a resident optimizer's state_dict loads into an offloaded one, markers come out", function()
+      local gs = groups()
+      for _, g in ipairs(gs) do g.grads:copy_(m.randn({g.grads:numel()})) end
+      local res = optim.AdamW(gs, {lr = 1e-2})
+      res:step()
+      local off = optim.AdamW(gs, {offload = {path = dir("load.store"), chunk = 100}})
+      off:load_state_dict(res:state_dict())
+      local sd = off:state_dict()
+      assert.are.same({1, 1, true, true}, {sd.t, sd.groups[1].step, sd.groups[1].exp_avg, sd.groups[1].exp_avg_sq})
+      for i, g in ipairs(gs) do
+        for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+          local got = {}
+          off:read_state(i, k, nil, 0, g.params:numel(), function(v, at)
+            for j, x in ipairs(v:totable()) do got[at + j] = x end
+          end)
+          assert.are.same(res:state_dict().groups[i][k]:totable(), got, k .. " of group " .. i)
+        end
+      end
+      off:close()
+    end)
+
     it("the recipe: --zero 1, --device cuda, a run directory on tmpfs", function()
       local base = {"recipes/longctx.lua", "--steps", "1", "--seq-len", "64", "--data", root .. "/corpus.txt",
                     "--offload-optimizer"}
