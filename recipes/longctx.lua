@@ -76,6 +76,8 @@ local opts = options.parse(arg, {
                         "resident, e.g. 64MiB; the rest in --expert-store"},
   {"expert-store", "", "the expert store's backing file (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
+  {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs), updated " ..
+                               "chunk by chunk through at most 4 MiB of staging (one process, --device cpu)"},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
@@ -126,10 +128,18 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
+if opts.offload_optimizer and opts.device ~= "cpu" then
+  errors.user("--offload-optimizer: not built for --device " .. opts.device .. " yet (the GPU's tier would hold " ..
+              "the states in pinned host memory and the fp32 master weights too): use --device cpu")
+end
 options.device(opts.device)
 dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
 local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep}
 zero.new(zero_opts)   -- its errors before anything is allocated
+if opts.offload_optimizer and (opts.zero > 0 or dist.world() > 1) then
+  errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d ranks): " ..
+                            "use one process at --zero 0", opts.zero, dist.world()))
+end
 if opts.experts % opts.ep ~= 0 then
   errors.user(string.format("--ep %d: the expert-parallel size must divide --experts (%d)", opts.ep, opts.experts))
 end
@@ -152,6 +162,10 @@ if opts.expert_budget ~= "" then
            path = opts.expert_store ~= "" and opts.expert_store or train.expert_store_path(opts.run_dir)}
 end
 
+-- --offload-optimizer: AdamW's states in a file of the run directory
+-- (moelua.optim's offload: 2 staging slots of 2^18 elements of each state).
+local offload = opts.offload_optimizer and {path = train.optim_store_path(opts.run_dir)} or nil
+
 -- The model and its optimizer, built twice: once in the memory plan below
 -- (address space only), then for real.
 local function build()
@@ -162,7 +176,12 @@ local function build()
     moe = {save = opts.save}, device = opts.device, zero = zero.new(zero_opts), store = store,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
-  local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
+  local o = {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1, offload = offload}
+  if not offload then return model, optim.AdamW(groups, o), groups end
+  local ok, opt = pcall(optim.AdamW, groups, o)
+  if not ok then   -- the offload's store could not be made (tmpfs, a full disk): the option's error
+    errors.user("--offload-optimizer: " .. tostring(opt):gsub("^.-moelua%.optim%.AdamW: option 'offload': ", ""))
+  end
   return model, opt, groups
 end
 local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed, holdout = 0.01}

@@ -69,6 +69,31 @@
 -- interrupted (DESIGN.md, Layers): the kernels ignore Ctrl-C and every group
 -- is updated by one C call, so Ctrl-C takes effect after the whole step.
 --
+-- Offload (AdamW, one CPU process, f32): optim.AdamW(groups, {...,
+-- offload = {path =, chunk = 262144, slots = 2}}) keeps exp_avg and
+-- exp_avg_sq of every unfrozen group in a moelua.store backing file at path
+-- (created, fallocated, never on tmpfs, removed by opt:close() or when the
+-- optimizer is collected), none of them resident: the groups are laid end
+-- to end in one state space of N elements, cut in chunks of `chunk`
+-- elements (default 1 MiB of f32 per state; at most N), and slab c holds
+-- chunk c of exp_avg then of exp_avg_sq (8 chunk bytes). step() runs
+-- C.adamw_step on each chunk's part of each group (a lazy group: each
+-- active expert's slice, with its own count) through `slots` store slots
+-- (the staging: slots x 8 chunk bytes, 64-byte aligned, charged by the
+-- store to the ledger's `cache`; the file to the `file` book under
+-- "optim"), with the same hp and t as resident states: the update is
+-- elementwise, so the result is bitwise the same. Given states are
+-- ignored (never committed); a sparse group's i64 step counts stay
+-- resident under "optim". A step's pass runs with interrupts held
+-- (moelua.host.hold_interrupts): opt.held_interrupts counts the signals
+-- held, for the caller to act on once the step is complete. States cannot
+-- be handed out as tensors: state_dict() gives `true` for each state that
+-- exists (a sparse group: {[e] = true}) and the live step counts;
+-- read_state / write_state stream a range through the staging;
+-- state_tensor gives only "steps"; load_state_dict takes markers (the
+-- values written with write_state) or tensors (copied in), and zeroes the
+-- states sd does not have; zero_states() makes every state zero and absent.
+--
 -- Clipping: optim.clip_expert_norms(grads_flat, E, bounds) clips each
 -- expert's gradient slice to its bound (computed by the recipe, e.g. from
 -- its load); optim.clip_grad_norm(groups, max_norm) clips the global norm.
@@ -76,6 +101,8 @@
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local C = require "moelua.optim_c"
+local store = require "moelua.store"
+local host = require "moelua.host"
 
 local optim = {}
 
@@ -394,7 +421,87 @@ local AdamW = setmetatable({}, Base)
 AdamW.__index = AdamW
 
 local ADAMW_OPTS = {lr = {"number", 1e-3}, beta1 = {"number", 0.9}, beta2 = {"number", 0.999},
-                    eps = {"number", 1e-8}, weight_decay = {"number", 1e-2}}
+                    eps = {"number", 1e-8}, weight_decay = {"number", 1e-2}, offload = {"table", nil}}
+
+-- ---- offload: the states in a store (see the header) -----------------------------
+
+local OFFLOAD_CHUNK = 1 << 18   -- elements of each state per slab: 1 MiB of f32
+
+local function offload_fail(fmt, ...)
+  error(string.format("moelua.optim.AdamW: option 'offload': " .. fmt, ...), 4)
+end
+
+-- The store of the unfrozen groups' states: {s, chunk, base = {[group] =
+-- its first element in the state space}, n, views}. Checked before the
+-- file is made.
+local function open_offload(groups, oo)
+  for k in pairs(oo) do
+    if k ~= "path" and k ~= "chunk" and k ~= "slots" then
+      offload_fail("unknown key '%s' (expected one of: chunk, path, slots)", tostring(k))
+    end
+  end
+  if type(oo.path) ~= "string" or oo.path == "" then
+    offload_fail("'path' (the backing file) must be a file name, got %s", type(oo.path))
+  end
+  local chunk, slots = oo.chunk or OFFLOAD_CHUNK, oo.slots or 2
+  if math.type(chunk) ~= "integer" or chunk < 1 then
+    offload_fail("'chunk' must be an integer >= 1 (elements), got %s", tostring(chunk))
+  end
+  if math.type(slots) ~= "integer" or slots < 1 then
+    offload_fail("'slots' must be an integer >= 1, got %s", tostring(slots))
+  end
+  local base, n = {}, 0
+  for i, g in ipairs(groups) do
+    if not g.frozen then
+      if g.params:dtype() ~= "f32" or g.params:device() ~= "cpu" then
+        offload_fail("group %d is %s on %s, offloaded states are f32 on the cpu (the store's slots are " ..
+                     "f32 host memory)", i, g.params:dtype(), g.params:device())
+      end
+      base[i], n = n, n + g.params:numel()
+    end
+  end
+  chunk = math.max(1, math.min(chunk, n))
+  local ok, s = pcall(store.open, {path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
+                                   slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim"})
+  if not ok then   -- (the store's tmpfs hint names the expert store's option: not this one)
+    offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""):gsub("put %-%-expert%-store on", "put it on")))
+  end
+  return {s = s, chunk = chunk, base = base, n = n, views = {}}
+end
+
+-- Slot i's chunk of exp_avg and of exp_avg_sq (views made once).
+local function slot_views(of, i)
+  local v = of.views[i]
+  if not v then
+    local t = of.s:slot(i)
+    v = {t:view_at(0, {of.chunk}), t:view_at(of.chunk, {of.chunk})}
+    of.views[i] = v
+  end
+  return v[1], v[2]
+end
+
+-- fn(m, v, at, len) for each chunk's part of the state space [lo, lo + n)
+-- in turn, its slab acquired (released dirty when `dirty`, also when fn
+-- raises); m and v: the part's exp_avg and exp_avg_sq, at: its offset from lo.
+local function each_chunk(of, lo, n, dirty, fn)
+  local C, s, a = of.chunk, of.s, lo
+  while a < lo + n do
+    local c = a // C
+    local hi = math.min(lo + n, (c + 1) * C)
+    local m, v = slot_views(of, (s:acquire(c)))
+    local ok, err = pcall(fn, m:view_at(a - c * C, {hi - a}), v:view_at(a - c * C, {hi - a}), a - lo, hi - a)
+    s:release(c, dirty)
+    if not ok then error(err, 0) end
+    a = hi
+  end
+end
+
+-- Where group gi's state range starts in the state space: its expert e's
+-- slice (sparse) at offset off.
+local function offload_lo(self, gi, e, off)
+  local g = self.groups[gi]
+  return self.offload.base[gi] + (e and (e - 1) * (g.params:numel() // g.experts) or 0) + off
+end
 
 function optim.AdamW(groups, opts)
   local o = check_opts("AdamW", opts, ADAMW_OPTS)
@@ -405,6 +512,10 @@ function optim.AdamW(groups, opts)
   check_number("AdamW", "option 'weight_decay'", o.weight_decay, 0)
   local self = setmetatable({kind = "AdamW", opts = o, groups = check_groups("AdamW", groups, true),
                              state = {}, t = 0, skipped_expert_steps = 0}, AdamW)
+  if o.offload then
+    for _, g in ipairs(self.groups) do g.exp_avg, g.exp_avg_sq = nil, nil end   -- given states: ignored
+    self.offload = open_offload(self.groups, o.offload)
+  end
   for i, g in ipairs(self.groups) do
     -- the state is also the job moelua.optim_c.step_all reads (and whose
     -- step count it advances); hp is reused every step (no table per step)
@@ -437,11 +548,78 @@ end
 -- is the u8 [E] mask of sparse group i (required for those groups). Lua only
 -- checks masks and allocates states; the update of every group is one C call
 -- (moelua.optim_c.step_all), so Ctrl-C cannot cut a step between groups.
+-- Sparse group i's mask from active_masks (checked; level: the caller's, for error).
+local function group_mask(i, g, active_masks, level)
+  local mask = active_masks and active_masks[i]
+  if not tensor.is_tensor(mask) or mask:dtype() ~= "u8" or mask:numel() ~= g.experts then
+    error(string.format("moelua.optim.AdamW:step: group %d has experts = %d and needs active_masks[%d] " ..
+                        "(u8 [%d]), got %s", i, g.experts, i, g.experts,
+                        tensor.is_tensor(mask) and (mask:dtype() .. " [" .. mask:numel() .. "]") or type(mask)), level)
+  end
+  return mask
+end
+
+-- The offloaded step: the same updates as step_all's jobs (t = the
+-- group's count + 1, a lazy group's active experts with their own), each
+-- group's range chunk by chunk in state-space order (the store's
+-- schedule), with interrupts held; then the counts, as step_all.
+local function offloaded_step(self, lr, active_masks)
+  local of, planning = self.offload, mem.planning()
+  local runs, seq, skipped = {}, {}, 0
+  local function add(i, g, st, at, n, t, e)   -- elements [at, at + n) of group i, at count t
+    local lo = of.base[i] + at
+    runs[#runs + 1] = {lo = lo, n = n, at = at, g = g, st = st, t = t, e = e}
+    for c = lo // of.chunk, (lo + n - 1) // of.chunk do seq[#seq + 1] = c end
+  end
+  for i, g in ipairs(self.groups) do
+    if not g.frozen then
+      local st = self.state[i]
+      st.hp.lr = lr * g.lr_mult
+      if g.experts then
+        local mask, S = group_mask(i, g, active_masks, 4), g.params:numel() // g.experts
+        -- in a plan the mask means nothing: every expert, the worst case
+        local active, counts = not planning and mask:totable()
+        for e = 1, g.experts do
+          if planning or active[e] ~= 0 then
+            if not st.steps then st.steps = zeros_optim(g.experts, "i64", "cpu") end
+            counts = counts or planning or st.steps:totable()
+            st.exp_avg[e], st.exp_avg_sq[e] = true, true
+            add(i, g, st, (e - 1) * S, S, planning and 1 or counts[e] + 1, e)
+          else
+            skipped = skipped + 1
+          end
+        end
+      else
+        st.exp_avg, st.exp_avg_sq = true, true
+        add(i, g, st, 0, g.params:numel(), st.step + 1)
+      end
+    end
+  end
+  of.s:schedule(seq)
+  self.held_interrupts = host.hold_interrupts(function()
+    for _, r in ipairs(runs) do
+      local g, hp = r.g, r.st.hp
+      hp.step = r.t
+      each_chunk(of, r.lo, r.n, true, function(m, v, at, len)
+        C.adamw_step(g.params:view_at(r.at + at, {len}), g.grads:view_at(r.at + at, {len}), m, v, hp)
+      end)
+    end
+  end)
+  for _, r in ipairs(runs) do
+    if r.e then r.st.steps:narrow(1, r.e, 1):fill_(r.t) else r.st.step = r.t end
+  end
+  self.t, self.skipped_expert_steps = self.t + 1, self.skipped_expert_steps + skipped
+end
+
 function AdamW:step(lr, active_masks)
   lr = step_lr("AdamW:step", self, lr)
   if active_masks ~= nil and type(active_masks) ~= "table" then
     fail("AdamW:step", "active_masks must be a table {[group] = u8 tensor}, got %s",
          type(active_masks))
+  end
+  if self.offload then
+    offloaded_step(self, lr, active_masks)   -- (not a tail call: errors name the caller of step)
+    return
   end
   local jobs, n, idle = self.jobs, 0, 0
   for i, g in ipairs(self.groups) do
@@ -450,12 +628,7 @@ function AdamW:step(lr, active_masks)
       st.hp.lr = lr * g.lr_mult
       local run = true
       if g.experts then
-        local mask = active_masks and active_masks[i]
-        if not tensor.is_tensor(mask) or mask:dtype() ~= "u8" or mask:numel() ~= g.experts then
-          fail("AdamW:step", "group %d has experts = %d and needs active_masks[%d] (u8 [%d]), got %s",
-               i, g.experts, i, g.experts,
-               tensor.is_tensor(mask) and (mask:dtype() .. " [" .. mask:numel() .. "]") or type(mask))
-        end
+        local mask = group_mask(i, g, active_masks, 3)
         st.active = mask
         -- experts active for the first time (in a plan: every expert without states, the worst case)
         local k = C.unstated(mask, st.exp_avg, self.fresh)
@@ -489,6 +662,10 @@ function AdamW:state_tensor(gi, k, e)
   if k ~= "exp_avg" and k ~= "exp_avg_sq" and k ~= "steps" then
     fail(fn, "state must be \"exp_avg\", \"exp_avg_sq\" or \"steps\", got %s", tostring(k))
   end
+  if self.offload and k ~= "steps" then
+    fail(fn, "the states of group %d are offloaded (option 'offload'): read and write them with " ..
+         "read_state / write_state", gi)
+  end
   if not g.experts then
     if e ~= nil or k == "steps" then
       fail(fn, "group %d is dense: it has no %s", gi, k == "steps" and "per-expert steps" or "experts")
@@ -506,6 +683,173 @@ function AdamW:state_tensor(gi, k, e)
   end
   if not st[k][e] then add_expert_states(st, g, {e}, 1) end
   return st[k][e]
+end
+
+-- Group gi, state k (exp_avg or exp_avg_sq), expert e (sparse groups) and
+-- elements [off, off + n) of that state, checked for read_state / write_state.
+local function check_range(self, fn, gi, k, e, off, n)
+  local g = self.groups[gi]
+  if g == nil then fail(fn, "no group %s (the optimizer has %d)", tostring(gi), #self.groups) end
+  if k ~= "exp_avg" and k ~= "exp_avg_sq" then
+    fail(fn, "state must be \"exp_avg\" or \"exp_avg_sq\", got %s", tostring(k))
+  end
+  if g.frozen then fail(fn, "group %d is frozen: it has no states", gi) end
+  if g.experts and (math.type(e) ~= "integer" or e < 1 or e > g.experts) then
+    fail(fn, "group %d has experts 1..%d, got %s", gi, g.experts, tostring(e))
+  elseif not g.experts and e ~= nil then
+    fail(fn, "group %d is dense: it has no experts", gi)
+  end
+  local size = g.experts and g.params:numel() // g.experts or g.params:numel()
+  if math.type(off) ~= "integer" or math.type(n) ~= "integer" or off < 0 or n < 0 or off + n > size then
+    fail(fn, "elements [%s, %s + %s) are outside the state's %d", tostring(off), tostring(off), tostring(n), size)
+  end
+  return g, self.state[gi]
+end
+
+-- opt:read_state(gi, k, e, off, n, fn): elements [off, off + n) of state k
+-- ("exp_avg" or "exp_avg_sq") of group gi (of expert e, 1-based, in a
+-- sparse group; e = nil in a dense one) as calls fn(view, at) over
+-- consecutive parts (at: the part's offset from off): one call with a
+-- view of the live tensor when the states are resident, one per chunk
+-- through the staging when they are offloaded. The state must exist
+-- (state_dict() names it). For checkpoint writers: fn reads the view.
+function AdamW:read_state(gi, k, e, off, n, fn)
+  local _, st = check_range(self, "AdamW:read_state", gi, k, e, off, n)
+  local t = st[k]
+  if e then t = t[e] end
+  if not t then fail("AdamW:read_state", "group %d has no %s%s yet", gi, k, e and (" for expert " .. e) or "") end
+  if not self.offload then return fn(t:view_at(off, {n}), 0) end
+  each_chunk(self.offload, offload_lo(self, gi, e, off), n, false, function(m, v, at)
+    fn(k == "exp_avg" and m or v, at)
+  end)
+end
+
+-- opt:write_state(gi, k, e, off, n, fn): as read_state, but fn fills the
+-- views (a checkpoint loader): the state is made first when absent, as
+-- state_tensor does (resident: the live tensor; offloaded: the pair marked
+-- present), and offloaded parts are written back.
+function AdamW:write_state(gi, k, e, off, n, fn)
+  local g, st = check_range(self, "AdamW:write_state", gi, k, e, off, n)
+  if not self.offload then return fn(self:state_tensor(gi, k, e):view_at(off, {n}), 0) end
+  if e then
+    st.exp_avg[e], st.exp_avg_sq[e] = true, true
+    if not st.steps then st.steps = zeros_optim(g.experts, "i64", "cpu") end   -- with its first pair, as resident
+  else
+    st.exp_avg, st.exp_avg_sq = true, true
+  end
+  each_chunk(self.offload, offload_lo(self, gi, e, off), n, true, function(m, v, at)
+    fn(k == "exp_avg" and m or v, at)
+  end)
+end
+
+-- Offloaded: zeroes group gi's states (expert e's, or the group's whole
+-- range) in the store.
+local function zero_offloaded(self, gi, e)
+  local g = self.groups[gi]
+  local n = e and g.params:numel() // g.experts or g.params:numel()
+  each_chunk(self.offload, offload_lo(self, gi, e, 0), n, true, function(m, v) m:zero_(); v:zero_() end)
+end
+
+-- opt:zero_states(): every state zero and absent (offloaded states: a
+-- loader's clean slate; the counts are load_state_dict's).
+function AdamW:zero_states()
+  if not self.offload then fail("AdamW:zero_states", "the states are resident: load_state_dict replaces them") end
+  for i, g in ipairs(self.groups) do
+    if not g.frozen then
+      local st = self.state[i]
+      zero_offloaded(self, i)
+      if g.experts then st.exp_avg, st.exp_avg_sq = {}, {} else st.exp_avg, st.exp_avg_sq = nil, nil end
+    end
+  end
+end
+
+-- load_state_dict of offloaded states: sd as Base:load_state_dict's, but a
+-- state may be `true` (present, its values written with write_state) as
+-- well as a tensor (copied in, chunk by chunk); a state sd lacks is zeroed
+-- and absent. The step counts are resident (load_state).
+local function load_offloaded(self, sd, adopt)
+  local fn = "AdamW:load_state_dict"
+  if type(sd) ~= "table" or type(sd.groups) ~= "table" then
+    fail(fn, "expected a table from state_dict(), got %s", type(sd))
+  end
+  if sd.kind ~= self.kind then fail(fn, "state of a %s optimizer, this is %s", tostring(sd.kind), self.kind) end
+  if #sd.groups ~= #self.groups then
+    fail(fn, "state has %d groups, optimizer has %d", #sd.groups, #self.groups)
+  end
+  local function check(i, what, v, n)
+    if v ~= nil and v ~= true then check_state(fn, i, what, v, "f32", n) end
+  end
+  for i, gs in ipairs(sd.groups) do   -- everything checked before anything changes
+    local g = self.groups[i]
+    if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
+      fail(fn, "group %d: 'step' must be an integer", i)
+    end
+    if g.experts then
+      local S = g.params:numel() // g.experts
+      for _, k in ipairs(GIVEN_STATES) do
+        if gs[k] ~= nil and (type(gs[k]) ~= "table" or tensor.is_tensor(gs[k])) then
+          fail(fn, "group %d: '%s' must be a table {[expert] = true or tensor} (sparse group)", i, k)
+        end
+        for e = 1, g.experts do check(i, string.format("%s[%d]", k, e), gs[k] and gs[k][e], S) end
+      end
+      for e = 1, g.experts do
+        if (gs.exp_avg and gs.exp_avg[e] ~= nil) ~= (gs.exp_avg_sq and gs.exp_avg_sq[e] ~= nil) then
+          fail(fn, "group %d: expert %d has one of exp_avg and exp_avg_sq, not both", i, e)
+        end
+      end
+      if gs.steps ~= nil then check_state(fn, i, "steps", gs.steps, "i64", g.experts) end
+    else
+      for _, k in ipairs(GIVEN_STATES) do check(i, k, gs[k], g.params:numel()) end
+      if (gs.exp_avg == nil) ~= (gs.exp_avg_sq == nil) then
+        fail(fn, "group %d has one of exp_avg and exp_avg_sq, not both", i)
+      end
+    end
+    for _, k in ipairs(GIVEN_STATES) do
+      if gs[k] ~= nil and g.frozen then fail(fn, "group %d is frozen: it has no %s", i, k) end
+    end
+  end
+  for i, gs in ipairs(sd.groups) do
+    local g, st = self.groups[i], self.state[i]
+    local function take(e, src_m, src_v)   -- one pair (expert e's, or the group's): copied, kept or dropped
+      local had = e and st.exp_avg[e] or not e and st.exp_avg
+      if src_m == nil and had then zero_offloaded(self, i, e) end
+      for k, src in pairs{exp_avg = src_m, exp_avg_sq = src_v} do
+        if tensor.is_tensor(src) then
+          local flat = src:reshape({src:numel()})
+          each_chunk(self.offload, offload_lo(self, i, e, 0), src:numel(), true, function(m, v, at, len)
+            (k == "exp_avg" and m or v):copy_(flat:view_at(at, {len}))
+          end)
+        end
+      end
+      local has = src_m ~= nil or nil
+      if e then st.exp_avg[e], st.exp_avg_sq[e] = has, has else st.exp_avg, st.exp_avg_sq = has, has end
+    end
+    if g.experts then
+      for e = 1, g.experts do take(e, gs.exp_avg and gs.exp_avg[e], gs.exp_avg_sq and gs.exp_avg_sq[e]) end
+      load_state(st, "steps", gs.steps, "i64", "cpu", adopt)
+    elseif not g.frozen then
+      take(nil, gs.exp_avg, gs.exp_avg_sq)
+    end
+    st.step = gs.step
+  end
+  self.t = math.tointeger(sd.t) or 0
+  self.skipped_expert_steps = math.tointeger(sd.skipped_expert_steps) or 0
+end
+
+function AdamW:load_state_dict(sd, opts)
+  if not self.offload then return Base.load_state_dict(self, sd, opts) end
+  load_offloaded(self, sd, opts and opts.adopt)
+end
+
+-- opt:close(): an offloaded optimizer's store closed (its file removed);
+-- the optimizer cannot step afterwards. Resident: nothing to do.
+function AdamW:close()
+  if self.offload then self.offload.s:close() end
+end
+
+-- An offloaded optimizer's store counters (moelua.store's stats), or nil.
+function AdamW:offload_stats()
+  return self.offload and self.offload.s:stats()
 end
 
 -- ---- SGD ------------------------------------------------------------------------

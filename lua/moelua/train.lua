@@ -40,7 +40,10 @@
 -- through a step and agreed after it, and rank 0's attach requests hold
 -- for all. Rank 0 alone writes metrics and the progress line. With several
 -- ranks or a ZeRO stage, a checkpoint is written and read by ranges (each
--- rank its shards), in the files and under the names of one process.
+-- rank its shards), in the files and under the names of one process; so
+-- is one of an expert store or an offloaded optimizer (moelua.optim's
+-- offload: its states by range through its staging, read_state /
+-- write_state).
 --
 -- Rollbacks. A loss spike (a loss above its EMA by `spike_sigma` EMA
 -- standard deviations after `window` steps), `max_skipped` skipped steps in
@@ -348,9 +351,11 @@ end
 -- those back, so a checkpoint saved at any world size and stage resumes at
 -- any other. Frozen parameters have no optimizer states.
 
+-- The same path serves an expert store and an offloaded optimizer, whose
+-- states are read and written by range through its staging, never whole.
 local function sharded(self)
   local z = self.model.zero
-  return z.world > 1 or z.stage >= 1 or z.expert_store ~= nil
+  return z.world > 1 or z.stage >= 1 or z.expert_store ~= nil or self.optimizer.offload ~= nil
 end
 
 -- A stored piece's tensor of kind "params", "exp_avg" or "exp_avg_sq":
@@ -427,8 +432,9 @@ local function sharded_state(self)
       local gi, e, off = z:state_slot(pc)
       local gs = sd.groups[gi]
       for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-        local st = e and gs[k][e] or not e and gs[k]
-        if st then w[k]:write_range(pc.name, pc.at, st:view_at(off, {pc.n})) end
+        if e and gs[k][e] or not e and gs[k] then   -- the state exists: its range, part by part
+          self.optimizer:read_state(gi, k, e, off, pc.n, function(v, at) w[k]:write_range(pc.name, pc.at + at, v) end)
+        end
       end
       -- an expert's count, by the rank that holds the tensor's first element
       if e and w.steps and gs.steps and pc.at == 0 then w.steps:write_range(pc.name, 0, gs.steps:narrow(1, e, 1)) end
@@ -465,10 +471,16 @@ local function load_sharded(self, c, meta)
   local named = model:check_named(c.model, {config = c.config, source = c.dir})
   check_optim(self, c)
   local sd = {kind = opt.kind, t = meta.t, skipped_expert_steps = meta.skipped_expert_steps, groups = {}}
+  -- offloaded states: all zero first (what no name covers stays 0), then
+  -- each named range written through the optimizer's staging (write_state)
+  local offloaded = opt.offload ~= nil
+  if offloaded then opt:zero_states() end
   for gi, g in ipairs(self.groups) do
     local gs = {step = (g.frozen or not c.optim) and 0 or meta.t}
     if g.experts then
       gs.exp_avg, gs.exp_avg_sq = {}, {}   -- the experts the checkpoint names, below
+    elseif gs.step > 0 and offloaded then
+      gs.exp_avg, gs.exp_avg_sq = true, true
     elseif gs.step > 0 then   -- the live states (made now), zeroed: what no name covers stays 0
       for _, k in ipairs{"exp_avg", "exp_avg_sq"} do gs[k] = opt:state_tensor(gi, k):zero_() end
     end
@@ -499,11 +511,16 @@ local function load_sharded(self, c, meta)
     local gs = sd.groups[gi]
     for _, k in ipairs(o and {"exp_avg", "exp_avg_sq"} or {}) do
       local st = gs[k]
-      if e then
-        st[e] = st[e] or opt:state_tensor(gi, k, e):zero_()
-        st = st[e]
+      if offloaded then
+        if e then st[e] = true end
+        opt:write_state(gi, k, e, off, pc.n, function(v, at) o[k]:read_range(pc.at + at, v) end)
+      else
+        if e then
+          st[e] = st[e] or opt:state_tensor(gi, k, e):zero_()
+          st = st[e]
+        end
+        o[k]:read_range(pc.at, st:view_at(off, {pc.n}))
       end
-      o[k]:read_range(pc.at, st:view_at(off, {pc.n}))
     end
     local count = e and c.optim_steps and c.optim_steps[pc.name]
     if count then
@@ -904,6 +921,7 @@ function Trainer:step(step)
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z)
   if z.expert_store then m.expert_store = z.expert_store:stats() end   -- counters since the start
+  if self.optimizer.offload then m.optim_store = self.optimizer:offload_stats() end
   if z.world > 1 then m.comm_seconds = comm_seconds(z) end
   if z.ep > 1 then   -- bytes each rank sent to the others in expert parallelism's exchanges
     m.all_to_all_bytes = {}
@@ -1144,8 +1162,9 @@ end
 
 -- What a run writes in its run_dir; --overwrite removes these and nothing else.
 local RUN_FILES = {"metrics.jsonl", "ckpt", "plots"}
--- An expert store's backing file while the job runs (train.expert_store_path).
-local STORE_FILE = "experts.store"
+-- The backing files of an expert store (train.expert_store_path) and of
+-- an offloaded optimizer (train.optim_store_path) while the job runs.
+local STORE_FILE, OPTIM_STORE_FILE = "experts.store", "optim.store"
 
 local function normal_path(p)
   p = p:gsub("/+", "/"):gsub("/%./", "/"):gsub("^%./", ""):gsub("/%.?$", "")
@@ -1167,7 +1186,7 @@ local function run_contents(run_dir)
   if st.type ~= "dir" then errors.user("moelua.train: run directory '" .. run_dir .. "' is not a directory") end
   local names = {}
   for _, n in ipairs(fs.listdir(run_dir)) do
-    if n ~= "attach" and n ~= STORE_FILE then names[#names + 1] = n end
+    if n ~= "attach" and n ~= STORE_FILE and n ~= OPTIM_STORE_FILE then names[#names + 1] = n end
   end
   return names
 end
@@ -1177,15 +1196,21 @@ end
 -- directory made. A file found there was left by a job that was killed:
 -- a store removes its file when it closes, and a run resumes from its
 -- checkpoints, never from the store; it is removed, saying so.
-function train.expert_store_path(run_dir)
-  local path = run_dir .. "/" .. STORE_FILE
+local function store_path(run_dir, file, what)
+  local path = run_dir .. "/" .. file
   if fs.stat(path) then
     os.remove(path)
-    io.stdout:write("moelua.train: removed ", path, ", the expert store of a job that did not end\n")
+    io.stdout:write("moelua.train: removed ", path, ", the ", what, " of a job that did not end\n")
   end
   fs.mkdir_p(run_dir)
   return path
 end
+
+function train.expert_store_path(run_dir) return store_path(run_dir, STORE_FILE, "expert store") end
+
+-- train.optim_store_path(run_dir): the same for an offloaded optimizer's
+-- store (moelua.optim's offload option): RUN_DIR/optim.store.
+function train.optim_store_path(run_dir) return store_path(run_dir, OPTIM_STORE_FILE, "optimizer store") end
 
 -- train.check_run_dir(cfg): the run directory may be written (see the
 -- header's Run directories); raises a user error before anything is
@@ -1273,6 +1298,9 @@ function train.run(cfg)
       stop = ok and z:all_reduce_numbers({held}, "max", "interrupts")[1] > 0
     else
       ok, m = pcall(self.step, self, step)
+      -- a signal an offloaded optimizer held through its pass: the step is whole, stop after it
+      stop = ok and (self.optimizer.held_interrupts or 0) > 0
+      self.optimizer.held_interrupts = nil
     end
     if not ok then
       self.model.safe_point = nil                -- set during the step
