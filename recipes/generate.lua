@@ -1,7 +1,8 @@
--- recipes/generate.lua: bytes generated from a checkpoint, optionally with
--- its experts under a byte budget (moelua.expert_store, inference: only the
--- routed experts resident, least recently used evicted, the routed layer's
--- experts hinted ahead).
+-- recipes/generate.lua: text from a checkpoint, its experts optionally under a byte budget.
+--
+-- With --expert-budget the experts live in an expert store
+-- (moelua.expert_store, inference: only the routed experts resident, least
+-- recently used evicted, the routed layer's experts hinted ahead).
 --
 --   ./moelua recipes/generate.lua --ckpt runs/longctx/ckpt --prompt "int main" [--n 64]
 --   ./moelua recipes/generate.lua --ckpt DIR --expert-budget 32MiB --prompt "..."

@@ -3,14 +3,15 @@
  * (DESIGN.md, Bounded expert memory; host/runtime/store.h) as a moelua.Store
  * userdata. Slabs and slots are numbered from 0.
  *
- *   store.open{path=, slabs=, slab_bytes=, slots=, prefetch=2, category="params"} -> s
+ *   store.open{path=, slabs=, slab_bytes=, slots=, prefetch=2, category="params",
+ *              slot_category="cache"} -> s
  *                          creates the backing file at path (never an existing
  *                          one, never on tmpfs), fallocated: slabs * slab_bytes
  *                          on the `file` book under category (or category =
  *                          {params = b1, grads = b2, ...}: a slab's bytes per
  *                          category, adding up to slab_bytes); `slots` slots of
- *                          slab_bytes (a multiple of 4) as one `cache` allocation
- *                          on the cpu book. prefetch: scheduled slabs hinted
+ *                          slab_bytes (a multiple of 4) as one allocation under
+ *                          slot_category on the cpu book. prefetch: scheduled slabs hinted
  *                          after each acquire. Inside mem.plan: the plan's
  *                          books, no file, no byte moved.
  *   s:slot(i)              an f32 tensor [slab_bytes / 4] viewing slot i, valid
@@ -74,7 +75,7 @@ static int l_store_open(lua_State *L)
 {
     static const char fn[] = "moelua.store.open";
     static const char *const opts[] = {"path", "slabs", "slab_bytes", "slots", "prefetch",
-                                       "category", NULL};
+                                       "category", "slot_category", NULL};
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TTABLE);
     ml_check_opts(L, 1, fn, opts);
@@ -106,6 +107,15 @@ static int l_store_open(lua_State *L)
             ml_error(L, fn, "option 'category': unknown category '%s' (params, grads, optim, acts, "
                      "pool, comm, cache, other)", luaL_tolstring(L, -1, NULL));
         o.category = (ml_category)c;
+    }
+    lua_pop(L, 1);
+    o.slot_category = ML_CAT_CACHE;
+    if (lua_getfield(L, 1, "slot_category") != LUA_TNIL) {
+        int c = lua_type(L, -1) == LUA_TSTRING ? ml_category_from_name(lua_tostring(L, -1)) : -1;
+        if (c < 0)
+            ml_error(L, fn, "option 'slot_category': unknown category '%s' (params, grads, optim, acts, "
+                     "pool, comm, cache, other)", luaL_tolstring(L, -1, NULL));
+        o.slot_category = (ml_category)c;
     }
     lua_pop(L, 1);
     l_store *u = lua_newuserdatauv(L, sizeof *u, 0);   /* safe empty state first */

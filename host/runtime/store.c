@@ -25,8 +25,9 @@ static ml_status check_opts(const ml_store_opts *o, ml_err *e)
         return ml_err_set(e, ML_EINVAL, "slab_bytes must be >= 1, got 0");
     if (o->nslots == 0)
         return ml_err_set(e, ML_EINVAL, "slots must be >= 1, got 0");
-    if ((unsigned)o->category >= ML_NCAT)
-        return ml_err_set(e, ML_EINVAL, "category %d is not a ledger category", (int)o->category);
+    if ((unsigned)o->category >= ML_NCAT || (unsigned)o->slot_category >= ML_NCAT)
+        return ml_err_set(e, ML_EINVAL, "category %d is not a ledger category",
+                          (int)((unsigned)o->category >= ML_NCAT ? o->category : o->slot_category));
     size_t split = 0;
     for (int c = 0; c < ML_NCAT; c++)
         split += o->cat_bytes[c];
@@ -59,13 +60,13 @@ static ml_status create_file(ml_expert_store *s, size_t bytes, ml_err *e)
     struct statfs fs;
     if (fstatfs(fd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC))
         return ml_err_set(e, ML_EINVAL, "%s is on %s: its pages are memory, so the store would "
-                          "not bound anything; put --expert-store on a disk", s->path,
+                          "not bound anything; put it on a disk", s->path,
                           fs.f_type == TMPFS_MAGIC ? "tmpfs" : "ramfs");
     int err = posix_fallocate(fd, 0, (off_t)bytes);
     if (err) {
         char need[32];
         ml_format_bytes(bytes, need, sizeof need);
-        return ml_err_set(e, ML_EIO, "cannot allocate %s (%zu bytes) for the expert store at %s: "
+        return ml_err_set(e, ML_EIO, "cannot allocate %s (%zu bytes) for the store at %s: "
                           "%s (the store takes its whole file up front)", need, bytes, s->path,
                           strerror(err));
     }
@@ -131,7 +132,7 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     if (st == ML_OK) {
         ml_category saved = h->category;
         int64_t n = (int64_t)(s->nslots * s->stride);
-        h->category = ML_CAT_CACHE;
+        h->category = o->slot_category;
         st = ml_tensor_alloc(h, &s->slots, ML_CPU, ML_U8, 1, &n, e);
         h->category = saved;
     }

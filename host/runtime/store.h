@@ -46,6 +46,8 @@ typedef struct {
     ml_category category;   /* of the file's bytes on the file book, unless: */
     size_t cat_bytes[ML_NCAT];  /* a slab's bytes per category (all 0: the slab is
                                    `category`'s; else they add up to slab_bytes) */
+    ml_category slot_category;  /* of the cache slots on the cpu book (the expert
+                                   store's: cache; an optimizer's staging: optim) */
 } ml_store_opts;
 
 typedef struct ml_expert_store {

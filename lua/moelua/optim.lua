@@ -462,10 +462,9 @@ local function open_offload(groups, oo)
   end
   chunk = math.max(1, math.min(chunk, n))
   local ok, s = pcall(store.open, {path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
-                                   slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim"})
-  if not ok then   -- (the store's tmpfs hint names the expert store's option: not this one)
-    offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""):gsub("put %-%-expert%-store on", "put it on")))
-  end
+                                   slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim",
+                                   slot_category = "optim"})
+  if not ok then offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""))) end
   return {s = s, chunk = chunk, base = base, n = n, views = {}}
 end
 

@@ -60,7 +60,8 @@ static int exists(const char *path) { return access(path, F_OK) == 0; }
 static ml_expert_store *open_store(ml_host *h, const char *name, size_t slabs, size_t slab_bytes,
                                    size_t slots, size_t prefetch, ml_err *e)
 {
-    ml_store_opts o = {.path = path_of(name), .nslabs = slabs, .slab_bytes = slab_bytes, .nslots = slots, .prefetch_depth = prefetch, .category = ML_CAT_PARAMS};
+    ml_store_opts o = {.path = path_of(name), .nslabs = slabs, .slab_bytes = slab_bytes, .nslots = slots,
+                       .prefetch_depth = prefetch, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ml_expert_store *s = NULL;
     ml_store_open(h, &o, &s, e);
     return s;
@@ -291,10 +292,11 @@ static void test_refusals(void)
     if (statfs("/dev/shm", &fs) == 0 && fs.f_type == TMPFS_MAGIC) {
         char p[128];
         snprintf(p, sizeof p, "/dev/shm/moelua-store-test-%d", (int)getpid());
-        ml_store_opts o = {.path = p, .nslabs = 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+        ml_store_opts o = {.path = p, .nslabs = 2, .slab_bytes = 64, .nslots = 1,
+                           .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
         ml_status st = ml_store_open(&h, &o, &s, &e);
         ok(st == ML_EINVAL && strstr(e.msg, "is on tmpfs: its pages are memory, so the store would "
-                                     "not bound anything; put --expert-store on a disk") &&
+                                     "not bound anything; put it on a disk") &&
            strstr(e.msg, p) && !exists(p), "tmpfs: refused, the file removed: %s", e.msg);
     } else {
         printf("ok %d - # SKIP /dev/shm is not tmpfs here\n", ++ntests);
@@ -317,18 +319,23 @@ static void test_refusals(void)
     h.books[ML_CPU].budget[ML_CAT_CACHE] = 0;
 
     /* bad options */
-    ml_store_opts o = {.path = path_of("bad"), .nslabs = 0, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+    ml_store_opts o = {.path = path_of("bad"), .nslabs = 0, .slab_bytes = 64, .nslots = 1,
+                       .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slabs must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 0, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 0, .nslots = 1,
+                       .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slab_bytes must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 64, .nslots = 0, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = 2, .slab_bytes = 64, .nslots = 0,
+                       .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strcmp(e.msg, "slots must be >= 1, got 0") == 0,
        "options: %s", e.msg);
-    o = (ml_store_opts){.path = path_of("bad"), .nslabs = SIZE_MAX / 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("bad"), .nslabs = SIZE_MAX / 2, .slab_bytes = 64, .nslots = 1,
+                       .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strstr(e.msg, "is too large"), "options: %s", e.msg);
-    o = (ml_store_opts){.path = path_of("nodir/x"), .nslabs = 2, .slab_bytes = 64, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+    o = (ml_store_opts){.path = path_of("nodir/x"), .nslabs = 2, .slab_bytes = 64, .nslots = 1,
+                       .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strstr(e.msg, "cannot create") &&
        strstr(e.msg, "No such file or directory"), "options: %s", e.msg);
     ok(h.books[ML_TIER_FILE].total == 0 && h.books[ML_CPU].total == 0 && !exists(path_of("bad")),
@@ -355,7 +362,8 @@ static void test_full_disk(void)
         ml_host h;
         ml_host_init(&h);
         ml_err e = {{0}};
-        ml_store_opts o = {.path = path_of("full"), .nslabs = 16, .slab_bytes = 64 << 10, .nslots = 1, .prefetch_depth = 0, .category = ML_CAT_PARAMS};
+        ml_store_opts o = {.path = path_of("full"), .nslabs = 16, .slab_bytes = 64 << 10, .nslots = 1,
+                           .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
         ml_expert_store *s = NULL;
         ml_status st = ml_store_open(&h, &o, &s, &e);
         int good = st == ML_EIO && !s && !exists(path_of("full")) && h.books[ML_TIER_FILE].total == 0 &&
@@ -374,7 +382,7 @@ static void test_full_disk(void)
     int status = 0;
     waitpid(pid, &status, 0);
     ok(WIFEXITED(status) && WEXITSTATUS(status) == 0 && strstr(msg, path_of("full")) &&
-       strstr(msg, "cannot allocate 1.00 MiB (1048576 bytes) for the expert store at"),
+       strstr(msg, "cannot allocate 1.00 MiB (1048576 bytes) for the store at"),
        "full disk: ML_EIO naming the path and the bytes, the partial file removed: %s", msg);
 }
 
@@ -425,7 +433,7 @@ static void test_categories(void)
     ml_host_init(&h);
     ml_err e;
     ml_store_opts o = {.path = path_of("cats"), .nslabs = 3, .slab_bytes = 64, .nslots = 1,
-                       .category = ML_CAT_PARAMS};
+                       .category = ML_CAT_PARAMS, .slot_category = ML_CAT_OPTIM};
     o.cat_bytes[ML_CAT_PARAMS] = 16;
     o.cat_bytes[ML_CAT_GRADS] = 16;
     o.cat_bytes[ML_CAT_OPTIM] = 32;
@@ -434,6 +442,8 @@ static void test_categories(void)
     const ml_ledger *f = &h.books[ML_TIER_FILE];
     ok(f->cur[ML_CAT_PARAMS] == 48 && f->cur[ML_CAT_GRADS] == 48 && f->cur[ML_CAT_OPTIM] == 96 &&
        f->total == 192, "categories: 3 slabs' 16 + 16 + 32 bytes on the file book by category");
+    ok(h.books[ML_CPU].cur[ML_CAT_OPTIM] == 64 && h.books[ML_CPU].cur[ML_CAT_CACHE] == 0,
+       "categories: the slot under the slot category given (optim)");
     ml_store_close(s);
     ok(f->total == 0 && f->cur[ML_CAT_OPTIM] == 0, "categories: credited back by category");
     o.cat_bytes[ML_CAT_OPTIM] = 16;

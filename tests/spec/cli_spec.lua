@@ -231,7 +231,7 @@ describe("moelua command line", function()
         end
         p:close()
         assert.is_true(n >= 3)
-        assert(out:find("\n  tiny.lua     recipes/longctx.lua at smoke-test size (seconds, not minutes).\n", 1, true), out)
+        assert(out:find("\n  tiny.lua      recipes/longctx.lua at smoke-test size (seconds, not minutes).\n", 1, true), out)
         assert.are.equal(out, select(2, run({"-h"})))
         -- --help does not run what follows it
         code, out = run({"--help", "-e", "print('ran')"})

@@ -1131,7 +1131,7 @@ describe("optimizer bad input", function()
     e(function() optim.AdamW({{params = f32, grads = f32, experts = 3}}) end,
       "moelua.optim.AdamW: group 1: 'experts' must be an integer >= 1 dividing 8 elements, got 3")
     e(function() optim.AdamW({{params = f32, grads = f32}}, {betas = {0.9, 0.99}}) end,
-      "moelua.optim.AdamW: unknown option 'betas' (expected one of: beta1, beta2, eps, lr, weight_decay)")
+      "moelua.optim.AdamW: unknown option 'betas' (expected one of: beta1, beta2, eps, lr, offload, weight_decay)")
     e(function() optim.AdamW({{params = f32, grads = f32}}, {beta2 = 1.5}) end,
       "moelua.optim.AdamW: option 'beta2' must be a number in [0, 1), got 1.5")
     e(function() optim.SGD({{params = f32, grads = f32, experts = 2}}) end,

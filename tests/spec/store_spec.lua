@@ -274,7 +274,7 @@ describe("bad input", function()
     if fs:match("tmpfs") then
       local shm = "/dev/shm/moelua-store-spec-" .. tostring(math.random(1 << 30))
       assert.are.equal("moelua.store.open: " .. shm .. " is on tmpfs: its pages are memory, so the store "
-                       .. "would not bound anything; put --expert-store on a disk",
+                       .. "would not bound anything; put it on a disk",
                        e(store.open, {path = shm, slabs = 1, slab_bytes = 4, slots = 1}))
       assert.is_false(exists(shm))
     end
