@@ -363,14 +363,10 @@ local function load_state(st, k, src, dt, device, adopt, given)
   end
 end
 
--- Copies sd's states into this optimizer's (allocating them under "optim"
--- where needed); states absent from sd are freed. sd is checked whole before
--- anything changes. opts.adopt: where this optimizer has no state yet, take
--- sd's tensor itself when it fits (no copy: a loader that built sd for
--- this call hands its tensors over instead of holding them twice).
-function Base:load_state_dict(sd, opts)
-  local adopt = opts and opts.adopt
-  local fn = self.kind .. ":load_state_dict"
+-- sd is a state_dict() of this kind of optimizer with one entry per group
+-- (the checks every load_state_dict makes first), and every group's step
+-- an integer.
+local function check_state_dict(fn, self, sd)
   if type(sd) ~= "table" or type(sd.groups) ~= "table" then
     fail(fn, "expected a table from state_dict(), got %s", type(sd))
   end
@@ -380,11 +376,24 @@ function Base:load_state_dict(sd, opts)
   if #sd.groups ~= #self.groups then
     fail(fn, "state has %d groups, optimizer has %d", #sd.groups, #self.groups)
   end
-  for i, gs in ipairs(sd.groups) do     -- check everything before changing anything
-    local g = self.groups[i]
+  for i, gs in ipairs(sd.groups) do
     if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
       fail(fn, "group %d: 'step' must be an integer", i)
     end
+  end
+end
+
+-- Copies sd's states into this optimizer's (allocating them under "optim"
+-- where needed); states absent from sd are freed. sd is checked whole before
+-- anything changes. opts.adopt: where this optimizer has no state yet, take
+-- sd's tensor itself when it fits (no copy: a loader that built sd for
+-- this call hands its tensors over instead of holding them twice).
+function Base:load_state_dict(sd, opts)
+  local adopt = opts and opts.adopt
+  local fn = self.kind .. ":load_state_dict"
+  check_state_dict(fn, self, sd)
+  for i, gs in ipairs(sd.groups) do     -- check everything before changing anything
+    local g = self.groups[i]
     if g.experts then check_expert_states(fn, i, g, gs) end
     for _, k in ipairs(STATE_TENSORS) do
       local src = gs[k]
@@ -768,21 +777,12 @@ end
 -- and absent. The step counts are resident (load_state).
 local function load_offloaded(self, sd, adopt)
   local fn = "AdamW:load_state_dict"
-  if type(sd) ~= "table" or type(sd.groups) ~= "table" then
-    fail(fn, "expected a table from state_dict(), got %s", type(sd))
-  end
-  if sd.kind ~= self.kind then fail(fn, "state of a %s optimizer, this is %s", tostring(sd.kind), self.kind) end
-  if #sd.groups ~= #self.groups then
-    fail(fn, "state has %d groups, optimizer has %d", #sd.groups, #self.groups)
-  end
+  check_state_dict(fn, self, sd)
   local function check(i, what, v, n)
     if v ~= nil and v ~= true then check_state(fn, i, what, v, "f32", n) end
   end
   for i, gs in ipairs(sd.groups) do   -- everything checked before anything changes
     local g = self.groups[i]
-    if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
-      fail(fn, "group %d: 'step' must be an integer", i)
-    end
     if g.experts then
       local S = g.params:numel() // g.experts
       for _, k in ipairs(GIVEN_STATES) do
