@@ -207,6 +207,25 @@ function support.mpiexec_command(n, args, limit)
                        support.shell_quote(support.host_path()), table.concat(words, " "))
 end
 
+-- A new empty directory on a disk, for files that must not be on tmpfs
+-- (a store's backing file refuses it, and /tmp may be one): build/<name>.
+function support.disk_dir(name)
+  local dir = "build/" .. name
+  support.remove_dir(dir)
+  assert(os.execute("mkdir -p " .. support.shell_quote(dir)))
+  return dir
+end
+
+-- Asserts that two checkpoint directories hold byte-identical files
+-- (default: the model and AdamW's two states).
+function support.same_checkpoint_files(a, b, files)
+  local fs = require "moelua.fs"
+  for _, f in ipairs(files or {"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors"}) do
+    assert.is_not_nil(fs.stat(a .. "/" .. f), f)
+    assert.are.equal(fs.sha256(a .. "/" .. f), fs.sha256(b .. "/" .. f), f)
+  end
+end
+
 -- Runs tests/tools/zero_run.lua (a tiny model under moelua.zero) on n
 -- ranks over the corpus with the options ({stage = 3, ...}: --stage 3);
 -- asserts it exited 0 and returns per rank (0-based) the parsed

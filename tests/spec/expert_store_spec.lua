@@ -47,17 +47,9 @@ end
 
 local function store_at(path, experts) return {path = path, budget = experts * EXPERT, prefetch = 2} end
 
-local function same_files(a, b)
-  for _, f in ipairs{"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors"} do
-    assert.are.equal(fs.sha256(a .. "/" .. f), fs.sha256(b .. "/" .. f), f)
-  end
-end
-
 describe("expert store in training", function()
   setup(function()
-    root = "build/expert_store_spec"
-    support.remove_dir(root)
-    fs.mkdir_p(root)
+    root = support.disk_dir("expert_store_spec")
     support.write_corpus(root .. "/corpus.txt", 11, 3000)
     m.threads(1)
   end)
@@ -71,7 +63,7 @@ describe("expert store in training", function()
       local r2, model = run(dir("st_" .. tag), store_at(dir("st_" .. tag .. ".store"), 2), case.o)
       for s = 0, 4 do assert.are.equal(r0.losses[s], r2.losses[s], "step " .. s) end
       -- parameters and optimizer states: the final checkpoints, byte for byte
-      same_files(dir("res_" .. tag .. "/ckpt/step-000004"), dir("st_" .. tag .. "/ckpt/step-000004"))
+      support.same_checkpoint_files(dir("res_" .. tag .. "/ckpt/step-000004"), dir("st_" .. tag .. "/ckpt/step-000004"))
       local st = model.expert_store:stats()
       assert.are.equal(2, st.slots)
       assert.is_true(st.evictions > 0 and st.writebacks > 0, "the budget was not a bound: nothing was evicted")
@@ -176,7 +168,7 @@ train.run(cfg)
     local r = run(dir("killed"), store_at(dir("killed.store"), 2),
                   {steps = 6, ckpt_every = 3, resume = dir("killed/ckpt/step-000002")})
     for s = 3, 5 do assert.are.equal(ref.losses[s], r.losses[s], "step " .. s) end
-    same_files(dir("whole/ckpt/step-000005"), dir("killed/ckpt/step-000005"))
+    support.same_checkpoint_files(dir("whole/ckpt/step-000005"), dir("killed/ckpt/step-000005"))
   end)
 
   it("generation with a budget of one expert gives the bytes and routing of resident experts", function()

@@ -60,20 +60,11 @@ local function run(run_dir, o)
   return r, cfg.model, cfg.optimizer, plan
 end
 
-local function same_files(a, b, files)
-  for _, f in ipairs(files or {"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors"}) do
-    assert.is_not_nil(fs.stat(a .. "/" .. f), f)
-    assert.are.equal(fs.sha256(a .. "/" .. f), fs.sha256(b .. "/" .. f), f)
-  end
-end
-
 local function current(book, cat) return mem.stats()[book].current[cat] or 0 end
 
 describe("optimizer offload", function()
   setup(function()
-    root = "build/offload_spec"
-    support.remove_dir(root)
-    fs.mkdir_p(root)
+    root = support.disk_dir("offload_spec")
     support.write_corpus(root .. "/corpus.txt", 11, 3000)
     m.threads(1)
   end)
@@ -96,7 +87,7 @@ describe("optimizer offload", function()
       -- parameters, states (and a lazy group's counts): the final checkpoints, byte for byte
       local files = case.o.sparse and {"model.safetensors", "optim/exp_avg.safetensors", "optim/exp_avg_sq.safetensors",
                                         "optim/steps.safetensors"} or nil
-      same_files(dir("res_" .. tag .. "/ckpt/step-000004"), dir("off_" .. tag .. "/ckpt/step-000004"), files)
+      support.same_checkpoint_files(dir("res_" .. tag .. "/ckpt/step-000004"), dir("off_" .. tag .. "/ckpt/step-000004"), files)
       -- resident: the staging slots and a lazy group's i64 counts (both `optim`), nothing else
       local counts, sparse = 0, 0
       for i, g in ipairs(opt.groups) do
@@ -127,7 +118,7 @@ describe("optimizer offload", function()
       local r = run(dir("resumed_" .. tag), {offload = dir("resumed_" .. tag .. ".store"), sparse = sparse, steps = 6,
                                              ckpt_every = 3, resume = dir("whole_" .. tag .. "/ckpt/step-000002")})
       for s = 3, 5 do assert.are.equal(ref.losses[s], r.losses[s], tag .. " step " .. s) end
-      same_files(dir("whole_" .. tag .. "/ckpt/step-000005"), dir("resumed_" .. tag .. "/ckpt/step-000005"))
+      support.same_checkpoint_files(dir("whole_" .. tag .. "/ckpt/step-000005"), dir("resumed_" .. tag .. "/ckpt/step-000005"))
       collectgarbage(); collectgarbage()
     end
   end)
@@ -172,7 +163,7 @@ train.run(cfg)
     assert.is_nil(fs.stat(dir("int.store")), "the store's file is removed at exit")
     -- step 4 whole: resuming from it gives the uninterrupted run's step 5 (the test above)
     run(dir("int"), {offload = dir("int2.store"), steps = 6, ckpt_every = 3, resume = dir("int/ckpt/step-000004")})
-    same_files(dir("whole_dense/ckpt/step-000005"), dir("int/ckpt/step-000005"))
+    support.same_checkpoint_files(dir("whole_dense/ckpt/step-000005"), dir("int/ckpt/step-000005"))
   end)
 
   it("rolls back to a checkpoint like resident states (a planted bad batch, lazy Adam)", function()
@@ -184,7 +175,7 @@ train.run(cfg)
     assert.are.equal(1, r0.rollbacks)
     assert.are.equal(1, r1.rollbacks)
     for s = 0, 6 do assert.are.equal(r0.losses[s], r1.losses[s], "step " .. s) end
-    same_files(dir("rb_res/ckpt/step-000006"), dir("rb_off/ckpt/step-000006"))
+    support.same_checkpoint_files(dir("rb_res/ckpt/step-000006"), dir("rb_off/ckpt/step-000006"))
     collectgarbage(); collectgarbage()
   end)
 
@@ -194,7 +185,7 @@ train.run(cfg)
     local r0 = run(dir("es"), {store = store("es.store"), steps = 3})
     local r1, model, opt = run(dir("es_off"), {store = store("es_off.store"), offload = dir("es_off.optim"), steps = 3})
     for s = 0, 2 do assert.are.equal(r0.losses[s], r1.losses[s], "step " .. s) end
-    same_files(dir("es/ckpt/step-000002"), dir("es_off/ckpt/step-000002"))
+    support.same_checkpoint_files(dir("es/ckpt/step-000002"), dir("es_off/ckpt/step-000002"))
     assert.is_true(opt:offload_stats().misses > 0)
     model.expert_store:close()
     opt:close()
