@@ -214,11 +214,11 @@ if not plan then
                       opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
 end
 say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
-                    "acts %.1f, pool %.1f MiB at the peak)", opts.device, plan.total_peak / 2^20,
+                    "acts %.1f, pool %.1f MiB at the peak, in %s)", opts.device, plan.total_peak / 2^20,
                     plan.budget_total > 0 and string.format(" of a %.2f GiB budget", plan.budget_total / 2^30)
                       or ", no budget",
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
-                    plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20))
+                    plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20, plan.peak_phase))
 
 local ex = plan.expert_exchange
 if ex then

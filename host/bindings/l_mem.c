@@ -9,6 +9,8 @@
  *                                 a device the cpu book and every other one holding bytes
  *   mem.stats()                   {cpu = {...}, cuda = {...}, pinned = {...}, file = {...}}
  *   mem.reset_peak([device])
+ *   mem.phase(text)               the phase of the work from now on; a book's peak_phase is
+ *                                 the one its total peaked in
  *   mem.budget{total=, params=, ..., device=, force=}   sizes in bytes; 0 removes;
  *                                 more than the device can hold needs force = true;
  *                                 returns the old budgets with their device
@@ -97,6 +99,8 @@ static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_
     lua_setfield(L, -2, "frees");
     ml_setfield_int(L, "total", (lua_Integer)lg->total);
     ml_setfield_int(L, "total_peak", (lua_Integer)lg->total_peak);
+    lua_pushstring(L, lg->peak_phase);
+    lua_setfield(L, -2, "peak_phase");
     ml_setfield_int(L, "reserved", (lua_Integer)lg->reserved);
     ml_setfield_int(L, "reserved_peak", (lua_Integer)lg->reserved_peak);
     ml_setfield_int(L, "budget_total", (lua_Integer)lg->budget_total);
@@ -138,6 +142,20 @@ static int l_mem_stats(lua_State *L)
         lua_setfield(L, -2, ml_tier_names[t]);
     }
     return 1;
+}
+
+/* mem.phase(text): what the host does from now on ("forward of layer 3"),
+ * on every book (the plan's too): the phase when a book's total peaks is
+ * its stats' peak_phase. */
+static int l_mem_phase(lua_State *L)
+{
+    ml_host *h = ml_host_of(L);
+    const char *text = luaL_checkstring(L, 1);
+    for (int t = 0; t < ML_NTIERS; t++) {
+        ml_ledger_set_phase(&h->books[t], text);
+        ml_ledger_set_phase(&h->plan_books[t], text);
+    }
+    return 0;
 }
 
 static int l_mem_reset_peak(lua_State *L)
@@ -387,6 +405,7 @@ static const luaL_Reg mem_functions[] = {
     {"empty_cache", l_mem_empty_cache},
     {"report", l_mem_report},
     {"stats", l_mem_stats},
+    {"phase", l_mem_phase},
     {"reset_peak", l_mem_reset_peak},
     {"budget", l_mem_budget},
     {"category", l_mem_category},

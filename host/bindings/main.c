@@ -14,10 +14,12 @@
  * option: a REPL when stdin is a terminal, else stdin is the script.
  *
  *   moelua plot RUN_DIR [OUT_DIR]
- * The one subcommand: when argv[1] is exactly "plot" and no file named
- * "plot" exists in the current directory (else it is a script, as in lua.c),
- * the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR}) (arg[0] =
- * "plot"); main returning false makes the exit status 1.
+ *   moelua plan RECIPE [--max-seq] [recipe options]
+ * Subcommands: when argv[1] is exactly "plot" (or "plan") and no file of
+ * that name exists in the current directory (else it is a script, as in
+ * lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
+ * (moelua.plan_cli's for plan; arg[0] = the subcommand); main returning
+ * false makes the exit status 1.
  *
  *   moelua attach RUN_DIR
  * The same rule for "attach": a REPL on a running job's socket (a job
@@ -180,12 +182,14 @@ static int pushargs(lua_State *L)
     return n;
 }
 
-/* `moelua plot ...`: moelua.plot.main with the words after "plot". */
-static int handle_plot(lua_State *L)
+/* `moelua plot ...` / `moelua plan ...`: the module's main with the words
+ * after the subcommand. */
+static int handle_subcommand(lua_State *L, const char *module)
 {
-    static const char code[] =
-        "return require('moelua.plot').main(table.move(arg, 1, #arg, 1, {}))";
-    int status = luaL_loadbuffer(L, code, sizeof code - 1, "=plot");
+    char code[128];
+    int n = snprintf(code, sizeof code, "return require('%s').main(table.move(arg, 1, #arg, 1, {}))",
+                     module);
+    int status = luaL_loadbuffer(L, code, (size_t)n, "=subcommand");
     if (status == LUA_OK)
         status = ml_docall(L, 0, 1);
     if (status != LUA_OK)
@@ -290,6 +294,7 @@ static void usage_text(FILE *f)
 {
     fprintf(f, "usage: %s [options] [script [args]]\n"
             "       %s plot RUN_DIR [OUT_DIR]\n"
+            "       %s plan RECIPE [--max-seq] [recipe options]\n"
             "       %s attach RUN_DIR\n"
             "Available options are:\n"
             "  -e stat      execute string 'stat'\n"
@@ -304,7 +309,7 @@ static void usage_text(FILE *f)
             "  -h, --help   show this help: options, subcommands and recipes\n"
             "  --           stop handling options\n"
             "  -            execute stdin and stop handling options\n",
-            progname, progname, progname);
+            progname, progname, progname, progname);
 }
 
 static void print_usage(const char *badoption)
@@ -498,6 +503,9 @@ static void print_help(void)
     printf("Subcommands:\n"
            "  plot RUN_DIR [OUT_DIR]  draw RUN_DIR/metrics.jsonl as SVG plots in OUT_DIR\n"
            "                          (default RUN_DIR/plots)\n"
+           "  plan RECIPE [options]   the recipe's memory plan: its account book at the peak,\n"
+           "                          nothing allocated (--max-seq: the longest --seq-len\n"
+           "                          that fits the budget)\n"
            "  attach RUN_DIR          a Lua prompt inside the job training in RUN_DIR (one\n"
            "                          started with --attach); Ctrl-D detaches\n");
     print_recipes();
@@ -599,8 +607,12 @@ static int pmain(lua_State *L)
     int argc = (int)lua_tointeger(L, 1);
     char **argv = (char **)lua_touserdata(L, 2);
     int script = 1;
-    int plot = argc > 1 && strcmp(argv[1], "plot") == 0 && access("plot", F_OK) != 0;
-    int args = plot ? 0 : collectargs(argv, &script);
+    const char *sub = NULL;   /* a subcommand's module */
+    if (argc > 1 && strcmp(argv[1], "plot") == 0 && access("plot", F_OK) != 0)
+        sub = "moelua.plot";
+    else if (argc > 1 && strcmp(argv[1], "plan") == 0 && access("plan", F_OK) != 0)
+        sub = "moelua.plan_cli";
+    int args = sub ? 0 : collectargs(argv, &script);
     int has_script = script > 0 && script < argc;
     luaL_checkversion(L);
     if (args == has_error) {
@@ -635,7 +647,7 @@ static int pmain(lua_State *L)
         return 0;
     if (!runargs(L, argv, has_script ? script : argc))
         return 0;
-    if (has_script && (plot ? handle_plot(L) : handle_script(L, argv + script)) != LUA_OK)
+    if (has_script && (sub ? handle_subcommand(L, sub) : handle_script(L, argv + script)) != LUA_OK)
         return 0;
     if (args & has_i) {
         ml_repl(L);

@@ -84,6 +84,7 @@ void ml_ledger_charge(ml_ledger *lg, ml_category cat, size_t n)
     if (lg->total > lg->total_peak) {
         lg->total_peak = lg->total;
         memcpy(lg->at_peak, lg->cur, sizeof lg->at_peak);
+        memcpy(lg->peak_phase, lg->phase, sizeof lg->peak_phase);
     }
     if (!lg->caching || lg->reserved < lg->total)
         ml_ledger_set_reserved(lg, lg->total);
@@ -112,10 +113,16 @@ void ml_ledger_set_reserved(ml_ledger *lg, size_t reserved)
         lg->reserved_peak = reserved;
 }
 
+void ml_ledger_set_phase(ml_ledger *lg, const char *phase)
+{
+    snprintf(lg->phase, sizeof lg->phase, "%s", phase);
+}
+
 void ml_ledger_reset_peak(ml_ledger *lg)
 {
     memcpy(lg->peak, lg->cur, sizeof lg->peak);
     memcpy(lg->at_peak, lg->cur, sizeof lg->at_peak);
+    memcpy(lg->peak_phase, lg->phase, sizeof lg->peak_phase);
     lg->total_peak = lg->total;
     lg->reserved_peak = lg->reserved;
 }

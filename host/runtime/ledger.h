@@ -33,6 +33,8 @@ typedef struct {
     size_t peak[ML_NCAT];           /* each category's own peak */
     size_t total, total_peak;
     size_t at_peak[ML_NCAT];        /* breakdown at the moment of total_peak */
+    char phase[64];                 /* what the host is doing (ml_ledger_set_phase) */
+    char peak_phase[64];            /* ... at the moment of total_peak */
     uint64_t nalloc[ML_NCAT], nfree[ML_NCAT];
     int caching;                    /* 1: a caching allocator reports `reserved`;
                                        0: reserved follows total (CPU) */
@@ -66,6 +68,9 @@ void ml_ledger_credit(ml_ledger *lg, ml_category cat, size_t n);
 void ml_ledger_set_reserved(ml_ledger *lg, size_t reserved);
 
 void ml_ledger_reset_peak(ml_ledger *lg);
+/* The phase of the work that charges the ledger from now on ("forward of
+ * layer 3"), kept beside the breakdown when the total peaks. */
+void ml_ledger_set_phase(ml_ledger *lg, const char *phase);
 /* cap samples, one per change (interval 0) or at most one per interval s. cap 0 turns it off. */
 int ml_ledger_timeline(ml_ledger *lg, size_t cap, double interval);
 

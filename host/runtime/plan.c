@@ -23,6 +23,8 @@ ml_status ml_plan_begin(ml_host *h, ml_plan_saved *saved, ml_err *e)
             v->budget[c] = real->budget[c];
         }
         v->total = v->total_peak = real->total;
+        memcpy(v->phase, real->phase, sizeof v->phase);
+        memcpy(v->peak_phase, real->phase, sizeof v->peak_phase);
         v->caching = real->caching;
         v->reserved = v->reserved_peak = real->reserved;
         v->budget_total = real->budget_total;

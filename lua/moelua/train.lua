@@ -890,6 +890,7 @@ function Trainer:step(step)
   local t4 = now(dev)
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
+  mem.phase("optimizer")
   z:reduce_grads(1 / per_step)
   local norm = z:clip_grad_norm(self.optimizer.groups, self.clip or math.huge)
   loss, ce, aux, zl = mean_over_ranks(z, loss, ce, aux, zl)
@@ -1093,8 +1094,9 @@ end
 -- for on this rank (moelua.moe's recv_rows: {worst, capacity, bound}). When an
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
--- total_peak is what the run needs). Any other failure raises. The
--- recipe's state table, the data cursor, the host's RNG and the budgets are
+-- total_peak is what the run needs). Any other failure raises. Under
+-- `moelua plan RECIPE` (train.plan_only, moelua.plan_cli) a plan that fits
+-- is printed and the program ends. The recipe's state table, the data cursor, the host's RNG and the budgets are
 -- left as they were; the hooks run inside the plans (four steps), so what
 -- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
@@ -1126,8 +1128,27 @@ function train.plan(cfg)
       error(err, 0)
     end
   end
+  -- fn(...) with every budget of every book lifted (as they were after)
+  local function unbudgeted(fn, ...)
+    local old = {}
+    for _, d in ipairs{"cpu", "cuda", "pinned", "file"} do
+      local lift = {total = 0, device = d}
+      for k in pairs(mem.stats()[d].budget) do lift[k] = 0 end
+      old[#old + 1] = mem.budget(lift)
+    end
+    local r = table.pack(pcall(fn, ...))
+    for _, b in ipairs(old) do
+      b.force = true   -- the budgets as they were: not a new request to check against the machine now
+      mem.budget(b)
+    end
+    if not r[1] then error(r[2], 0) end
+    return table.unpack(r, 2, r.n)
+  end
+  -- The first plan only learns the pool's high-water mark: its pool grows
+  -- block after block, which the run's (reserved at that mark) never does,
+  -- so no budget applies to it; the second is the run's.
   local function plan_twice()
-    local books, why, failed = mem.plan(guarded)
+    local books, why, failed = unbudgeted(mem.plan, guarded)
     if books then books, why, failed = mem.plan(guarded, {pool_bytes = pool_bytes}) end
     if user_error then error(user_error, 0) end
     return books, why, failed
@@ -1138,6 +1159,8 @@ function train.plan(cfg)
   if books then
     books[device].pool_bytes = pool_bytes
     books[device].expert_exchange = exchange
+    -- `moelua plan RECIPE`: the book is the answer, the run is not made
+    if train.plan_only then require("moelua.plan_cli").finish(train.plan_only, device, books[device], books) end
     return books[device]
   end
   for d, book in pairs(failed) do   -- a refusal while building: the book that refused
@@ -1145,13 +1168,8 @@ function train.plan(cfg)
   end
   if failed[device].refused == 0 then error(why, 0) end
   -- What the run needs: the same plan with the budgets lifted.
-  local lifted = {total = 0, device = device}
-  for k in pairs(failed[device].budget) do lifted[k] = 0 end
-  local budgets = mem.budget(lifted)
   local need, why2
-  ok, need, why2 = pcall(plan_twice)
-  budgets.force = true   -- the budgets as they were: not a new request to check against the machine now
-  mem.budget(budgets)
+  ok, need, why2 = pcall(unbudgeted, mem.plan, guarded, {pool_bytes = pool_bytes})
   cfg.data:set_state(data_state)
   if not ok then error(need, 0) end
   if not need then error(why2, 0) end

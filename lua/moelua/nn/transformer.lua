@@ -386,8 +386,9 @@ function Transformer:forward(tokens, step)
     if tokens:device() ~= self.opts.device then tokens = tokens:to(self.opts.device) end
     local ids, targets = tokens:narrow(1, 1, S), tokens:narrow(1, 2, S)
     local st = {ids = ids, targets = targets, frames = {}, step = step, S = S}
-    local z, units = self.zero, self.units
+    local z, units, L = self.zero, self.units, #self.blocks
     z:begin("forward", units)
+    mem.phase("forward, embedding")
     z:acquire(units[1])
     local e = self.embed:forward(ids)
     z:release(units[1])
@@ -396,6 +397,7 @@ function Transformer:forward(tokens, step)
     st.h0 = h
     local lstats = {}
     for i, b in ipairs(self.blocks) do
+      mem.phase(string.format("forward, layer %d of %d", i, L))
       local f = {mark = self.pool:mark(), x = h}
       f.h1 = self.pool:tensor({S, D}, dt)
       f.h2 = self.pool:tensor({S, D}, dt)
@@ -416,6 +418,7 @@ function Transformer:forward(tokens, step)
       if self.safe_point then self.safe_point("forward", i) end
     end
     st.hL = h
+    mem.phase("forward, loss")
     local uf = units[#units]
     z:acquire(uf)
     st.hf, st.rf = self.norm:forward(h)
@@ -449,6 +452,7 @@ function Transformer:backward(w)
     local _, coefs = moe.aux_loss(layers, w.aux_weight or 0, w.z_weight or 0)
     local z, units = self.zero, self.units
     z:begin("backward", self.backward_order)
+    mem.phase("backward, loss")
     z:acquire(units[#units])
     local dhf = self.head:backward(st.hf, st.targets, st.lse, w.ce_weight or 1.0)
     local dx = self.norm:backward(dhf, st.hL, st.rf)
@@ -461,6 +465,7 @@ function Transformer:backward(w)
     local dh = self.dh:copy_(dx)
     dx:free()
     for i = #self.blocks, 1, -1 do
+      mem.phase(string.format("backward, layer %d of %d", i, #self.blocks))
       local b, f = self.blocks[i], st.frames[i]
       z:acquire(b.dense)
       z:acquire(b.experts)
@@ -488,6 +493,7 @@ function Transformer:backward(w)
       self.pool:rewind(f.mark)
       if self.safe_point then self.safe_point("backward", i) end
     end
+    mem.phase("backward, embedding")
     z:acquire(units[1])
     self.embed:backward(dh, st.ids)
     z:after_backward(units[1])

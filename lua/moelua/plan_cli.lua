@@ -1,0 +1,153 @@
+-- moelua.plan_cli: `moelua plan RECIPE [--max-seq] [recipe options]`, the
+-- memory a training run needs before anything is allocated (DESIGN.md, The
+-- memory ledger: the planner).
+--
+-- The recipe runs as it would, with its options, up to its memory plan:
+-- moelua.train.plan, the dry run of the recipe's build and first steps
+-- (every kernel skipped, no tensor memory mapped), then prints the account
+-- book of every tier at the peak, the phase of the step the peak is in,
+-- and ends the program: nothing of the model is allocated. A plan over the
+-- budget is the recipe's own error (exit status 1).
+--
+-- --max-seq: the longest --seq-len whose plan fits the budget (the
+-- recipe's --budget-gib, or 90% of the memory available), by doubling and
+-- then bisection over such plans, each in a child process (a recipe runs
+-- once per process: its options and data are set up when it starts).
+local errors = require "moelua.errors"
+
+local M = {}
+
+local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}
+
+local function mib(n) return string.format("%.2f MiB", n / 2^20) end
+
+local function usage()
+  errors.user("usage: moelua plan RECIPE [--max-seq] [recipe options] (e.g. moelua plan recipes/longctx.lua " ..
+              "--seq-len 32768)")
+end
+
+-- The table of one planned book (mem.stats()'s format): each category's
+-- own peak, its bytes at the total's peak and their share.
+local function book_lines(name, b, out)
+  out[#out + 1] = string.format("  %-8s %14s %14s %7s", name, "peak", "at peak", "share")
+  for _, c in ipairs(CATEGORIES) do
+    if (b.peak[c] or 0) > 0 then
+      out[#out + 1] = string.format("  %-8s %14s %14s %6.1f%%", c, mib(b.peak[c]), mib(b.at_peak[c] or 0),
+                                    b.total_peak > 0 and 100 * (b.at_peak[c] or 0) / b.total_peak or 0)
+    end
+  end
+  out[#out + 1] = string.format("  %-8s %14s %14s %6.1f%%", "total", mib(b.total_peak), mib(b.total_peak), 100)
+end
+
+-- train.plan's report in plan mode: the book of the model's device (plan,
+-- with train.plan's pool_bytes and expert_exchange), the other tiers that
+-- hold bytes (books), then the program ends (exit status 0).
+function M.finish(recipe, device, plan, books)
+  local out = {string.format("moelua plan: %s (%s): peak %s%s, in %s", recipe, device, mib(plan.total_peak),
+                             plan.budget_total > 0 and " of a " .. mib(plan.budget_total) .. " budget" or "",
+                             plan.peak_phase ~= "" and plan.peak_phase or "the build")}
+  book_lines(device, plan, out)
+  for _, tier in ipairs{"pinned", "file"} do
+    local b = books[tier]
+    if b and b.total_peak > 0 then
+      out[#out + 1] = ""
+      book_lines(tier, b, out)
+    end
+  end
+  if plan.pool_bytes then
+    out[#out + 1] = string.format("the step's stack pool is reserved at %s (its high-water mark: no step grows it)",
+                                  mib(plan.pool_bytes))
+  end
+  local ex = plan.expert_exchange
+  if ex then
+    out[#out + 1] = string.format("expert exchange: each MoE layer's receive buffers planned for %d rows " ..
+                                  "(every token of the group to this rank's experts: %d%s)", ex.bound, ex.worst,
+                                  ex.capacity and string.format("; capacity of its experts: %d", ex.capacity) or "")
+  end
+  out[#out + 1] = "outside the ledger (not planned): the Lua heap and the process's code and libraries" ..
+                  (device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces" or "")
+  io.stdout:write(table.concat(out, "\n"), "\n")
+  io.stdout:flush()
+  os.exit(0, true)
+end
+
+-- The path of this host, for child processes.
+local function host_path()
+  local p = assert(io.popen("readlink /proc/" .. io.open("/proc/self/stat"):read("n") .. "/exe"))
+  local path = p:read("l")
+  p:close()
+  return path
+end
+
+local function quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- One plan at seq_len in a child: true and its peak (bytes) when it fits,
+-- false and what it needs when it is over the budget; any other failure is
+-- an error with the child's words.
+local function probe(host, recipe, rest, seq_len)
+  local words = {quote(host), "plan", quote(recipe)}
+  for _, a in ipairs(rest) do words[#words + 1] = quote(a) end
+  words[#words + 1] = "--seq-len"
+  words[#words + 1] = tostring(seq_len)
+  local p = assert(io.popen(table.concat(words, " ") .. " 2>&1"))
+  local text = p:read("a")
+  local ok = p:close()
+  local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
+  if ok and peak then return true, tonumber(peak) * 2^20 end
+  local need = text:match("needs ([%d.]+) MiB at its peak")
+  if need then return false, tonumber(need) * 2^20 end
+  errors.user(string.format("moelua plan --max-seq: the plan at --seq-len %d failed: %s", seq_len, text))
+end
+
+function M.max_seq(recipe, rest)
+  for i = #rest, 1, -1 do   -- the probes set --seq-len
+    if rest[i]:match("^%-%-seq%-len=") then
+      table.remove(rest, i)
+    elseif rest[i] == "--seq-len" then
+      table.remove(rest, i + 1)
+      table.remove(rest, i)
+    end
+  end
+  local host = host_path()
+  local lo = 64
+  local fits, peak = probe(host, recipe, rest, lo)
+  if not fits then
+    errors.user(string.format("moelua plan --max-seq: not even --seq-len %d fits the budget (it needs %s)", lo,
+                              mib(peak)))
+  end
+  local lo_peak, hi, hi_need = peak, nil, nil
+  while not hi do   -- doubling to the first length that does not fit
+    local n = lo * 2
+    if n > 1 << 24 then
+      errors.user(string.format("moelua plan --max-seq: --seq-len %d still fits; the search stops there", lo))
+    end
+    fits, peak = probe(host, recipe, rest, n)
+    if fits then lo, lo_peak = n, peak else hi, hi_need = n, peak end
+  end
+  while hi - lo > 1 do
+    local mid = (lo + hi) // 2
+    fits, peak = probe(host, recipe, rest, mid)
+    if fits then lo, lo_peak = mid, peak else hi, hi_need = mid, peak end
+  end
+  print(string.format("moelua plan --max-seq: --seq-len %d fits (peak %s); %d does not (it needs %s)", lo,
+                      mib(lo_peak), hi, mib(hi_need)))
+  return true
+end
+
+function M.main(args)
+  local recipe = args[1]
+  if not recipe or recipe:match("^%-") then usage() end
+  local rest, max_seq = {}, false
+  for i = 2, #args do
+    if args[i] == "--max-seq" then max_seq = true else rest[#rest + 1] = args[i] end
+  end
+  if max_seq then return M.max_seq(recipe, rest) end
+  local fn, err = loadfile(recipe)
+  if not fn then errors.user("moelua plan: " .. tostring(err)) end
+  require("moelua.train").plan_only = recipe
+  arg = {[0] = recipe, table.unpack(rest)}
+  fn(table.unpack(rest))
+  errors.user("moelua plan: " .. recipe .. " ended without a memory plan (moelua.train.plan)")
+end
+
+return M
