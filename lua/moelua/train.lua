@@ -1216,6 +1216,7 @@ end
 -- checkpoints, never from the store; it is removed, saying so.
 local function store_path(run_dir, file, what)
   local path = run_dir .. "/" .. file
+  if train.plan_only then return path end   -- `moelua plan`: nothing is written
   if fs.stat(path) then
     os.remove(path)
     io.stdout:write("moelua.train: removed ", path, ", the ", what, " of a job that did not end\n")
