@@ -30,6 +30,12 @@
  *                            same color (integers >= 0), ranked by key; every
  *                            rank calls it; errors name "group <label>(color C)"
  *   dist.world_group()       the world as a group
+ *   dist.plan_world(rank, world)  before init: init makes a planned world
+ *                            (moelua plan --world: no MPI; this process is
+ *                            that rank; collectives only inside mem.plan)
+ *   dist.planned()           is the world a planned one?
+ *   dist.planned_group(rank, world [, label])  a group of a planned world
+ *                            of the given shape (a split needs every rank)
  *   g:rank(), g:world(), g:set_context(text), g:all_gather(...), g:iall_gather(...),
  *   g:reduce_scatter(...), g:all_reduce(...), g:all_reduce_numbers(...),
  *   g:broadcast(...), g:all_to_all_v(...), g:barrier(what), g:split(...)
@@ -59,6 +65,7 @@
 #define GROUP_MT "moelua.dist.Group"
 #define REQ_MT "moelua.dist.Request"
 #define COMM_KEY "moelua.dist.comm"   /* registry: the communicator's userdata */
+#define PLAN_KEY "moelua.dist.plan_world"   /* registry: {rank, world} of dist.plan_world */
 #define DEFAULT_TIMEOUT 300.0
 
 typedef struct {
@@ -155,10 +162,19 @@ static int l_dist_init(lua_State *L)
         luaL_setmetatable(L, GROUP_MT);
         ml_err e;
         ml_host *h = ml_host_of(L);
-        ml_check_op(L, fn, (nccl ? ml_comm_init_nccl : ml_comm_init)(h, timeout, debug, &b->c, &e),
-                    &e);
+        if (lua_getfield(L, LUA_REGISTRYINDEX, PLAN_KEY) == LUA_TTABLE) {   /* dist.plan_world */
+            lua_geti(L, -1, 1);
+            lua_geti(L, -2, 2);
+            int r = (int)lua_tointeger(L, -2), w = (int)lua_tointeger(L, -1);
+            lua_pop(L, 3);
+            ml_check_op(L, fn, ml_comm_init_planned(h, r, w, timeout, &b->c, &e), &e);
+        } else {
+            lua_pop(L, 1);
+            ml_check_op(L, fn, (nccl ? ml_comm_init_nccl : ml_comm_init)(h, timeout, debug, &b->c, &e),
+                        &e);
+        }
         lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
-        if (ml_comm_world(b->c) > 1) {   /* long kernels advance prefetches between tiles */
+        if (ml_comm_world(b->c) > 1 && !ml_comm_planned(b->c)) {   /* long kernels advance prefetches between tiles */
             h->progress = progress;
             h->progress_ud = b->c;
         }
@@ -204,6 +220,54 @@ static int l_dist_world_group(lua_State *L)
 {
     if (!push_world(L))
         ml_error(L, "moelua.dist.world_group", "call moelua.dist.init first");
+    return 1;
+}
+
+/* dist.plan_world(rank, world), before dist.init: init then makes a
+ * planned world (moelua plan --world; host/runtime/comm.h). */
+static int l_dist_plan_world(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.plan_world";
+    int rank = check_nonneg_int(L, 1, fn, "rank");
+    int world = check_nonneg_int(L, 2, fn, "world");
+    if (world < 1 || rank >= world)
+        ml_error(L, fn, "expected 0 <= rank < world, got rank %d of %d", rank, world);
+    if (comm_of(L))
+        ml_error(L, fn, "moelua.dist.init has run: a planned world is chosen before it");
+    lua_createtable(L, 2, 0);
+    lua_pushinteger(L, rank);
+    lua_rawseti(L, -2, 1);
+    lua_pushinteger(L, world);
+    lua_rawseti(L, -2, 2);
+    lua_setfield(L, LUA_REGISTRYINDEX, PLAN_KEY);
+    return 0;
+}
+
+static int l_dist_planned(lua_State *L)
+{
+    ml_comm *c = comm_of(L);
+    lua_pushboolean(L, c && ml_comm_planned(c));
+    return 1;
+}
+
+/* dist.planned_group(rank, world [, label]): a group of the planned world. */
+static int l_dist_planned_group(lua_State *L)
+{
+    static const char fn[] = "moelua.dist.planned_group";
+    lua_settop(L, 3);
+    int rank = check_nonneg_int(L, 1, fn, "rank");
+    int world = check_nonneg_int(L, 2, fn, "world");
+    const char *label = lua_isnil(L, 3) ? NULL : check_string(L, 3, fn, "label");
+    if (!push_world(L))
+        ml_error(L, fn, "call moelua.dist.init first");
+    ml_comm *c = comm_of(L);
+    l_comm *b = lua_newuserdatauv(L, sizeof *b, 1);
+    b->c = NULL;
+    luaL_setmetatable(L, GROUP_MT);
+    lua_pushvalue(L, -2);
+    lua_setiuservalue(L, -2, 1);   /* the group holds the world */
+    ml_err e;
+    ml_check_op(L, fn, ml_comm_planned_group(c, rank, world, label, &b->c, &e), &e);
     return 1;
 }
 
@@ -521,6 +585,9 @@ static const luaL_Reg dist_functions[] = {
     {"rank", l_dist_rank},
     {"world", l_dist_world},
     {"world_group", l_dist_world_group},
+    {"plan_world", l_dist_plan_world},
+    {"planned", l_dist_planned},
+    {"planned_group", l_dist_planned_group},
     {"progress", l_dist_progress},
     {"abort", l_dist_abort},
     {NULL, NULL}

@@ -104,6 +104,7 @@ struct ml_comm {
     ml_comm_req *pending;
     ml_nccl *nccl;              /* CUDA tensors' communicator, or NULL */
     char no_nccl[256];          /* why nccl is NULL, when world > 1 */
+    int planned;                /* a planned world's (ml_comm_init_planned): no MPI */
 };
 
 /* ---- time, messages ---------------------------------------------------------- */
@@ -580,6 +581,30 @@ ml_status ml_comm_init_nccl(ml_host *h, double timeout_s, int debug, ml_comm **o
     return comm_make(h, timeout_s, debug, 1, out, e);
 }
 
+ml_status ml_comm_init_planned(ml_host *h, int rank, int world, double timeout_s, ml_comm **out,
+                               ml_err *e)
+{
+    *out = NULL;
+    if (world < 1 || rank < 0 || rank >= world)
+        return ml_err_set(e, ML_EINVAL, "a planned world needs 0 <= rank < world, got rank %d of %d",
+                          rank, world);
+    if (ml_comm_launched())
+        return ml_err_set(e, ML_EINVAL, "a planned world is for a process alone, not one under mpiexec");
+    ml_comm *c = calloc(1, sizeof *c);
+    if (!c)
+        return ml_err_set(e, ML_EALLOC, "out of memory for a communicator");
+    *c = (ml_comm){.h = h, .rank = rank, .world = world, .world_rank = rank, .mc = MPI_COMM_NULL,
+                   .timeout = timeout_s, .refs = 1, .planned = 1};
+    snprintf(c->no_nccl, sizeof c->no_nccl, "a planned world carries no data");
+    *out = c;
+    return ML_OK;
+}
+
+int ml_comm_planned(const ml_comm *c)
+{
+    return c->planned;
+}
+
 int ml_comm_nccl(const ml_comm *c)
 {
     return c->nccl != NULL;
@@ -760,6 +785,10 @@ static ml_status begin(ml_comm *c, coll_desc *d, comm_opcode op, ml_dtype dt, in
 {
     if (c->broken[0])
         return fail_broken(c, e);
+    if (c->planned)
+        return ml_err_set(e, ML_EINVAL, "%s: a planned world of %d ranks (moelua plan --world) runs "
+                          "collectives only inside a memory plan", what && what[0] ? what : "collective",
+                          c->world);
     *d = (coll_desc){.op = op, .dtype = dt, .count = count, .arg = arg, .seq = ++c->seq};
     snprintf(d->what, sizeof d->what, "%s", what ? what : "");
     const ml_comm *k = c;   /* a group without a context of its own shows its parent's */
@@ -1346,10 +1375,44 @@ static ml_status split_mpi(ml_comm *c, const coll_desc *d, ml_comm *g, int color
     return ML_OK;
 }
 
+/* g, made, joins c's groups. */
+static void adopt_group(ml_comm *c, ml_comm *g)
+{
+    g->parent = c;
+    c->refs++;
+    g->sibling = c->children;
+    c->children = g;
+}
+
+ml_status ml_comm_planned_group(ml_comm *c, int rank, int world, const char *label, ml_comm **out,
+                                ml_err *e)
+{
+    *out = NULL;
+    if (!c->planned)
+        return ml_err_set(e, ML_EINVAL, "a group of given rank and world is for a planned world only "
+                          "(split a real one)");
+    if (world < 1 || rank < 0 || rank >= world || world > c->world)
+        return ml_err_set(e, ML_EINVAL, "a planned group needs 0 <= rank < world <= %d, got rank %d "
+                          "of %d", c->world, rank, world);
+    ml_comm *g = calloc(1, sizeof *g);
+    if (!g)
+        return ml_err_set(e, ML_EALLOC, "out of memory for a communicator");
+    *g = (ml_comm){.h = c->h, .rank = rank, .world = world, .world_rank = c->world_rank,
+                   .mc = MPI_COMM_NULL, .timeout = c->timeout, .refs = 1, .planned = 1};
+    snprintf(g->group, sizeof g->group, "%s", label && label[0] ? label : "planned");
+    snprintf(g->no_nccl, sizeof g->no_nccl, "a planned world carries no data");
+    adopt_group(c, g);
+    *out = g;
+    return ML_OK;
+}
+
 ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_comm **out,
                         ml_err *e)
 {
     *out = NULL;
+    if (c->planned)
+        return ml_err_set(e, ML_EINVAL, "a planned world (moelua plan --world) cannot split: a split "
+                          "needs every rank's color; make its groups with a given rank and world");
     if (color < 0)
         return ml_err_set(e, ML_EINVAL, "color must be an integer >= 0, got %d", color);
     if (key < 0)
@@ -1373,10 +1436,7 @@ ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_co
     if (g->world > 1)
         snprintf(g->no_nccl, sizeof g->no_nccl, "NCCL does not carry groups yet (group %s): CUDA "
                  "tensors travel in the world communicator only", g->group);
-    g->parent = c;
-    c->refs++;
-    g->sibling = c->children;
-    c->children = g;
+    adopt_group(c, g);
     *out = g;
     return ML_OK;
 }

@@ -86,6 +86,19 @@ ml_status ml_comm_init(ml_host *h, double timeout_s, int debug, ml_comm **out, m
 /* The same, with NCCL also in world 1; ML_EINVAL ("option nccl: ...")
  * when it cannot be had. */
 ml_status ml_comm_init_nccl(ml_host *h, double timeout_s, int debug, ml_comm **out, ml_err *e);
+/* A world of `world` ranks that exists only in memory plans (moelua plan
+ * --world), in which this process, alone, is rank `rank`: no MPI. Inside a
+ * plan its collectives do what every planned collective does (check, book
+ * their scratch, move nothing); outside one each is an error. */
+ml_status ml_comm_init_planned(ml_host *h, int rank, int world, double timeout_s, ml_comm **out,
+                               ml_err *e);
+/* Is c (or the world it belongs to) planned? */
+int ml_comm_planned(const ml_comm *c);
+/* A group of a planned world in which this rank is `rank` of `world` (a
+ * split needs every rank's color, which a planned world does not know: the
+ * caller gives the group's shape, as moelua.zero does for its groups). */
+ml_status ml_comm_planned_group(ml_comm *c, int rank, int world, const char *label, ml_comm **out,
+                                ml_err *e);
 /* Do c's CUDA tensors travel over NCCL? */
 int ml_comm_nccl(const ml_comm *c);
 int ml_comm_rank(const ml_comm *c);

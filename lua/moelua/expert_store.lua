@@ -48,12 +48,7 @@ local expert_store = {}
 local ES = {}
 ES.__index = ES
 
--- n bytes for a person: "384.00 KiB".
-local function size(n)
-  local units, i = {"B", "KiB", "MiB", "GiB", "TiB"}, 1
-  while n >= 1024 and i < #units do n, i = n / 1024, i + 1 end
-  return i == 1 and string.format("%d B", n) or string.format("%.2f %s", n, units[i])
-end
+local size = require("moelua.measure").bytes
 
 -- slots, slot_bytes = expert_store.check{budget = bytes, layers =, experts =,
 -- dim =, ffn =}: how many experts the budget keeps resident (at most all

@@ -9,6 +9,13 @@
 -- and ends the program: nothing of the model is allocated. A plan over the
 -- budget is the recipe's own error (exit status 1).
 --
+-- --world N [--rank R]: the plan of rank R of N ranks without mpiexec (a
+-- planned world, moelua.dist.plan_world: the recipe's ZeRO stage and
+-- expert parallelism shape each rank's units and exchanges as under
+-- mpiexec, and no collective moves data). Without --rank every rank is
+-- planned, each in a child process: the largest rank's book in full, then
+-- every rank's peak.
+--
 -- --max-seq: the longest --seq-len whose plan fits the budget (the
 -- recipe's --budget-gib, or 90% of the memory available), by doubling and
 -- then bisection over such plans, each in a child process (a recipe runs
@@ -20,10 +27,11 @@ local M = {}
 local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}
 
 local function mib(n) return string.format("%.2f MiB", n / 2^20) end
+local bytes = require("moelua.measure").bytes
 
 local function usage()
-  errors.user("usage: moelua plan RECIPE [--max-seq] [recipe options] (e.g. moelua plan recipes/longctx.lua " ..
-              "--seq-len 32768)")
+  errors.user("usage: moelua plan RECIPE [--max-seq] [--world N [--rank R]] [recipe options] (e.g. " ..
+              "moelua plan recipes/longctx.lua --seq-len 32768)")
 end
 
 -- The table of one planned book (mem.stats()'s format): each category's
@@ -43,8 +51,11 @@ end
 -- with train.plan's pool_bytes and expert_exchange), the other tiers that
 -- hold bytes (books), then the program ends (exit status 0).
 function M.finish(recipe, device, plan, books)
-  local out = {string.format("moelua plan: %s (%s): peak %s%s, in %s", recipe, device, mib(plan.total_peak),
-                             plan.budget_total > 0 and " of a " .. mib(plan.budget_total) .. " budget" or "",
+  local dist = require "moelua.dist"
+  local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
+  local out = {string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
+                             mib(plan.total_peak), plan.total_peak,
+                             plan.budget_total > 0 and " of a " .. bytes(plan.budget_total) .. " budget" or "",
                              plan.peak_phase ~= "" and plan.peak_phase or "the build")}
   book_lines(device, plan, out)
   for _, tier in ipairs{"pinned", "file"} do
@@ -81,17 +92,67 @@ end
 
 local function quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
+-- `moelua plan RECIPE args...` in a child: its exit and its words.
+local function child(host, recipe, args)
+  local words = {quote(host), "plan", quote(recipe)}
+  for _, a in ipairs(args) do words[#words + 1] = quote(a) end
+  local p = assert(io.popen(table.concat(words, " ") .. " 2>&1"))
+  local text = p:read("a")
+  return p:close(), text
+end
+
+-- The value of option name in args (removed from them), or nil.
+local function take(args, name)
+  for i = #args, 1, -1 do
+    local v = args[i]:match("^%-%-" .. name:gsub("%-", "%%-") .. "=(.*)$")
+    if v then
+      table.remove(args, i)
+      return v
+    elseif args[i] == "--" .. name then
+      v = args[i + 1]
+      if v == nil then errors.user("moelua plan: --" .. name .. " needs a value") end
+      table.remove(args, i + 1)
+      table.remove(args, i)
+      return v
+    end
+  end
+end
+
+-- An integer option's value >= lo, or nil.
+local function take_int(args, name, lo)
+  local v = take(args, name)
+  if v == nil then return nil end
+  local n = math.tointeger(tonumber(v))
+  if not n or n < lo then errors.user(string.format("moelua plan: --%s must be an integer >= %d, got %s", name, lo, v)) end
+  return n
+end
+
+-- Every rank of a planned world of n ranks, each in a child.
+local function every_rank(recipe, rest, n)
+  local host, peaks, largest = host_path(), {}, nil
+  for r = 0, n - 1 do
+    local args = {table.unpack(rest)}
+    for _, a in ipairs{"--world", tostring(n), "--rank", tostring(r)} do args[#args + 1] = a end
+    local ok, text = child(host, recipe, args)
+    if not ok then io.stdout:write(text); return false end
+    local peak, phase = text:match("^moelua plan: .-: peak ([%d.]+) MiB.-, in ([^\n]*)")
+    peaks[r + 1] = {rank = r, peak = tonumber(peak), phase = phase, text = text}
+    if not largest or peaks[r + 1].peak > largest.peak then largest = peaks[r + 1] end
+  end
+  io.stdout:write(largest.text)
+  print(string.format("every rank of %d (the largest, rank %d, above):", n, largest.rank))
+  for _, p in ipairs(peaks) do print(string.format("  rank %d: peak %.2f MiB, in %s", p.rank, p.peak, p.phase)) end
+  return true
+end
+
 -- One plan at seq_len in a child: true and its peak (bytes) when it fits,
 -- false and what it needs when it is over the budget; any other failure is
 -- an error with the child's words.
 local function probe(host, recipe, rest, seq_len)
-  local words = {quote(host), "plan", quote(recipe)}
-  for _, a in ipairs(rest) do words[#words + 1] = quote(a) end
-  words[#words + 1] = "--seq-len"
-  words[#words + 1] = tostring(seq_len)
-  local p = assert(io.popen(table.concat(words, " ") .. " 2>&1"))
-  local text = p:read("a")
-  local ok = p:close()
+  local args = {table.unpack(rest)}
+  args[#args + 1] = "--seq-len"
+  args[#args + 1] = tostring(seq_len)
+  local ok, text = child(host, recipe, args)
   local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
   if ok and peak then return true, tonumber(peak) * 2^20 end
   local need = text:match("needs ([%d.]+) MiB at its peak")
@@ -100,14 +161,7 @@ local function probe(host, recipe, rest, seq_len)
 end
 
 function M.max_seq(recipe, rest)
-  for i = #rest, 1, -1 do   -- the probes set --seq-len
-    if rest[i]:match("^%-%-seq%-len=") then
-      table.remove(rest, i)
-    elseif rest[i] == "--seq-len" then
-      table.remove(rest, i + 1)
-      table.remove(rest, i)
-    end
-  end
+  take(rest, "seq-len")   -- the probes set it
   local host = host_path()
   local lo = 64
   local fits, peak = probe(host, recipe, rest, lo)
@@ -142,6 +196,13 @@ function M.main(args)
     if args[i] == "--max-seq" then max_seq = true else rest[#rest + 1] = args[i] end
   end
   if max_seq then return M.max_seq(recipe, rest) end
+  local world, rank = take_int(rest, "world", 1), take_int(rest, "rank", 0)
+  if rank and not world then errors.user("moelua plan: --rank needs --world") end
+  if world and not rank and world > 1 then return every_rank(recipe, rest, world) end
+  if world then
+    if rank and rank >= world then errors.user(string.format("moelua plan: --rank %d of --world %d", rank, world)) end
+    require("moelua.dist").plan_world(rank or 0, world)
+  end
   local fn, err = loadfile(recipe)
   if not fn then errors.user("moelua plan: " .. tostring(err)) end
   require("moelua.train").plan_only = recipe

@@ -96,7 +96,10 @@ function zero.new(o)
     units = {}, order = {}, pos = {}, pending = {}, waits = {}, sent = 0,
   }, Zero)
   if world > 1 then z.world_group = dist.world_group() end
-  if ep > 1 then   -- every rank splits, in the same order
+  if ep > 1 and dist.planned() then   -- moelua plan --world: the groups' shapes, no split
+    z.ep_group = dist.planned_group(rank % ep, ep, "expert-parallel")
+    z.edp_group = dist.planned_group(rank // ep, world // ep, "expert-data-parallel")
+  elseif ep > 1 then   -- every rank splits, in the same order
     z.ep_group = dist.split(rank // ep, rank, "expert-parallel")
     z.edp_group = dist.split(rank % ep, rank, "expert-data-parallel")
   end

@@ -41,8 +41,8 @@ describe("moelua plan", function()
     local code, out = host({"plan", "recipes/longctx.lua", "--seq-len", "2048", "--run-dir", run_dir,
                             "--expert-budget", "1MiB"})
     assert.are.equal(0, code, out)
-    assert.is_not_nil(out:find("^moelua plan: recipes/longctx.lua %(cpu%): peak [%d.]+ MiB of a [%d.]+ MiB budget, " ..
-                               "in backward, layer %d of %d\n"), out)
+    assert.is_not_nil(out:find("^moelua plan: recipes/longctx.lua %(cpu%): peak [%d.]+ MiB %(%d+ bytes%) of a " ..
+                               "[%d.]+ GiB budget, in backward, layer %d of %d\n"), out)
     for _, part in ipairs{"\n  cpu                peak        at peak   share\n", "\n  cache    ",
                           "\n  file               peak", "the step's stack pool is reserved at",
                           "outside the ledger (not planned)"} do
@@ -59,10 +59,63 @@ describe("moelua plan", function()
     support.has(out, "over the budget of 51.2 MiB (--budget-gib 0.05)")
   end)
 
-  it("needs a recipe", function()
+  it("needs a recipe; --rank needs --world", function()
     local code, out = host({"plan"})
     assert.are.equal(1, code, out)
-    support.has(out, "usage: moelua plan RECIPE [--max-seq] [recipe options]")
+    support.has(out, "usage: moelua plan RECIPE [--max-seq] [--world N [--rank R]] [recipe options]")
+    code, out = host({"plan", "recipes/longctx.lua", "--rank", "1"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan: --rank needs --world")
+    code, out = host({"plan", "recipes/longctx.lua", "--world", "2", "--rank", "2"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan: --rank 2 of --world 2")
+    code, out = host({"plan", "recipes/longctx.lua", "--world", "4", "--ep", "3"})
+    assert.are.equal(1, code, out)
+    support.has(out, "--ep 3: the expert-parallel size must divide the number of ranks (4)")
+  end)
+
+  it("a planned world: a rank's groups by shape, no collective outside a plan, no split", function()
+    local code, out = host({"-e", [[
+local dist = require "moelua.dist"
+dist.plan_world(1, 4)
+dist.init{timeout = 5}
+assert(dist.rank() == 1 and dist.world() == 4 and dist.planned() and not dist.launched())
+local g = dist.planned_group(0, 2, "ep")
+assert(g:rank() == 0 and g:world() == 2)
+print(select(2, pcall(dist.barrier, "step end")))
+print(select(2, pcall(dist.split, 0, 0, "g")))
+print(select(2, pcall(dist.plan_world, 0, 2)))
+local mem, m = require "moelua.mem", require "moelua"
+assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
+]]})
+    assert.are.equal(0, code, out)
+    support.has(out, "moelua.dist.barrier: step end: a planned world of 4 ranks (moelua plan --world) runs " ..
+                     "collectives only inside a memory plan")
+    support.has(out, "moelua.dist.split: a planned world (moelua plan --world) cannot split")
+    support.has(out, "moelua.dist.plan_world: moelua.dist.init has run: a planned world is chosen before it")
+  end)
+
+  it("--world 2 --zero 3 --ep 2: each rank's plan is that rank's measured peak under mpiexec, to the byte", function()
+    if support.mpiexec_missing() then return pending(support.mpiexec_missing()) end
+    local opts = {"--zero", "3", "--ep", "2", "--seq-len", "1024", "--dim", "32", "--ffn", "64"}
+    local run_dir = dir .. "/mp"
+    local args = {"recipes/longctx.lua", "--steps", "2", "--ckpt-every", "0", "--run-dir", run_dir}
+    for _, a in ipairs(opts) do args[#args + 1] = a end
+    local code, out = support.finish_child(assert(io.popen(support.mpiexec_command(2, args) .. " 2>&1")))
+    assert.are.equal(0, code, out)
+    local last
+    for line in io.lines(run_dir .. "/metrics.jsonl") do
+      local mm = require("dkjson").decode(line)
+      if mm.ledger_peak then last = mm end
+    end
+    for r = 0, 1 do
+      local a = {"plan", "recipes/longctx.lua", "--world", "2", "--rank", tostring(r)}
+      for _, o in ipairs(opts) do a[#a + 1] = o end
+      local c, text = host(a)
+      assert.are.equal(0, c, text)
+      local planned = tonumber(text:match("^moelua plan: .-%(cpu, rank " .. r .. " of 2%): peak [%d.]+ MiB %((%d+) bytes%)"))
+      assert.are.equal(last.ledger_peak.ranks[r + 1].total, planned, "rank " .. r)
+    end
   end)
 
   it("--max-seq: the answer trains under the budget, 1.1 x the answer is refused", function()
