@@ -461,10 +461,10 @@ function Zero:_norm_parts(i, g, lo, hi, out)
   local u = at.unit
   for _, p in ipairs(u.layout:pieces(lo, hi - lo)) do
     local seg = u.layout:segment(p.segment)
-    local S = seg.experts and seg.numel // seg.experts
-    local a, b = p.offset, p.offset + p.n
-    while a < b do
-      local cut = S and math.min(b, p.offset - p.seg_offset + ((a - (p.offset - p.seg_offset)) // S + 1) * S) or b
+    local S = seg.experts and seg.numel // seg.experts   -- one expert's elements
+    local a, b, start = p.offset, p.offset + p.n, p.offset - p.seg_offset
+    while a < b do   -- up to the end of a's expert (or of the piece)
+      local cut = S and math.min(b, start + ((a - start) // S + 1) * S) or b
       out[#out + 1] = g.grads:view_at(a - at.offset, {cut - a})
       a = cut
     end
