@@ -54,7 +54,7 @@ endif
 
 OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 
-DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libreadline-dev \
+DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libdnnl-dev libreadline-dev \
             mpich libmpich-dev pkg-config libssl-dev lua-dkjson
 BENCH_PKGS := python3 python3-torch python3-numpy
 
