@@ -54,9 +54,9 @@ endif
 
 OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 
-DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libdnnl-dev libreadline-dev \
+DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libreadline-dev \
             mpich libmpich-dev pkg-config libssl-dev lua-dkjson
-BENCH_PKGS := python3 python3-torch python3-numpy
+BENCH_PKGS := python3 python3-torch python3-numpy libblis-dev libdnnl-dev libxsmm-dev
 
 .PHONY: all deps bench-deps test run sanitize gpu-bundle bench clean
 all: $(TARGET)
