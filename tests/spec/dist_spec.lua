@@ -250,7 +250,7 @@ local function s(v)
   for i, x in ipairs(type(v) == "table" and v or v:view(-1):totable()) do o[i] = string.format("%g", x) end
   return table.concat(o, ",")
 end
-print(string.format("rank %d full %s shard %s t %s n %s b %s recv %s", r, s(full), s(shard), s(t),
+io.write(string.format("rank %d full %s shard %s t %s n %s b %s recv %s\n", r, s(full), s(shard), s(t),
   s(n), s(b), s(recv)))
 ]], 10)
     assert.are.equal(0, code, err)
@@ -322,7 +322,7 @@ local function s(v)
   for i, x in ipairs(type(v) == "table" and v or v:view(-1):totable()) do o[i] = string.format("%g", x) end
   return table.concat(o, ",")
 end
-print(string.format("rank %d ep %d/%d edp %d/%d g1 %s g2 %s n %s b %s recv %s t %s", r, ep:rank(),
+io.write(string.format("rank %d ep %d/%d edp %d/%d g1 %s g2 %s n %s b %s recv %s t %s\n", r, ep:rank(),
   ep:world(), edp:rank(), edp:world(), s(g1), s(g2), s(n), s(b), s(recv), s(t)))
 ]], 10, 4)
     assert.are.equal(0, code, err)
