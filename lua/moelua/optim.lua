@@ -363,6 +363,12 @@ local function load_state(st, k, src, dt, device, adopt, given)
   end
 end
 
+-- The optimizer's own counts from a state_dict.
+local function restore_counts(self, sd)
+  self.t = math.tointeger(sd.t) or 0
+  self.skipped_expert_steps = math.tointeger(sd.skipped_expert_steps) or 0
+end
+
 -- sd is a state_dict() of this kind of optimizer with one entry per group
 -- (the checks every load_state_dict makes first), and every group's step
 -- an integer.
@@ -420,8 +426,7 @@ function Base:load_state_dict(sd, opts)
     end
     st.step = gs.step
   end
-  self.t = math.tointeger(sd.t) or 0
-  self.skipped_expert_steps = math.tointeger(sd.skipped_expert_steps) or 0
+  restore_counts(self, sd)
 end
 
 -- ---- AdamW ----------------------------------------------------------------------
@@ -831,8 +836,7 @@ local function load_offloaded(self, sd, adopt)
     end
     st.step = gs.step
   end
-  self.t = math.tointeger(sd.t) or 0
-  self.skipped_expert_steps = math.tointeger(sd.skipped_expert_steps) or 0
+  restore_counts(self, sd)
 end
 
 function AdamW:load_state_dict(sd, opts)
