@@ -20,6 +20,7 @@ local moelua = require "moelua"
 local nn = require "moelua.nn"
 local data = require "moelua.data"
 local options = require "moelua.options"
+local errors = require "moelua.errors"
 local optim_c = require "moelua.optim_c"
 local json = require "dkjson"
 local tensor = moelua
@@ -34,20 +35,20 @@ local opts = options.parse(arg, {
   {"checkpoint", "none", "activation checkpointing per layer: none, attention, moe, full"},
   {"threads", 2, "CPU threads"},
 }, "usage: moelua recipes/eval.lua --ckpt DIR --data FILE [options]")
-if opts.ckpt == "" then error("recipes/eval.lua: --ckpt DIR is required", 0) end
-if opts.data == "" then error("recipes/eval.lua: --data FILE is required", 0) end
-if opts.seq_len < 1 then error("recipes/eval.lua: --seq-len must be >= 1", 0) end
+if opts.ckpt == "" then errors.user("recipes/eval.lua: --ckpt DIR is required") end
+if opts.data == "" then errors.user("recipes/eval.lua: --data FILE is required") end
+if opts.seq_len < 1 then errors.user("recipes/eval.lua: --seq-len must be >= 1") end
 moelua.threads(opts.threads)
 
 local model, c = nn.Transformer.from_checkpoint(opts.ckpt, {checkpoint = opts.checkpoint})
 
 local S, W = opts.seq_len, opts.seq_len + 1
 local st = moelua.fs.stat(opts.data)
-if not st or st.type ~= "file" then error("recipes/eval.lua: --data '" .. opts.data .. "' is not a readable file", 0) end
+if not st or st.type ~= "file" then errors.user("recipes/eval.lua: --data '" .. opts.data .. "' is not a readable file") end
 local width = ({bytes = 1, u16 = 2, u32 = 4})[opts.format] or 1
 if st.size // width < W then
-  error(string.format("recipes/eval.lua: '%s' has %d tokens, fewer than one window of %d (--seq-len %d + 1)",
-                      opts.data, st.size // width, W, S), 0)
+  errors.user(string.format("recipes/eval.lua: '%s' has %d tokens, fewer than one window of %d (--seq-len %d + 1)",
+                            opts.data, st.size // width, W, S))
 end
 local ds = data.open{paths = {opts.data}, format = opts.format, seq_len = opts.seq_len}
 local nwin = ds.n_tokens // W

@@ -139,6 +139,11 @@ describe("eval, init-from and the profile", function()
     code, out = sh{"recipes/eval.lua", "--ckpt", base .. "/ckpt", "--data", file, "--seq-len", "100000"}
     assert.are_not.equal(0, code)
     support.has(out, "fewer than one window of 100001")
+    assert.is_nil(out:find("traceback", 1, true), out)
+    code, out = sh{"recipes/eval.lua", "--data", file}
+    assert.are.equal(1, code, out)
+    support.has(out, "recipes/eval.lua: --ckpt DIR is required")
+    assert.is_nil(out:find("traceback", 1, true), out)
   end)
 
   it("--grad-norms: HF names, the norms of the mean CE's gradient", function()
