@@ -14,7 +14,7 @@
  * option: a REPL when stdin is a terminal, else stdin is the script.
  *
  *   moelua plot RUN_DIR [OUT_DIR]
- *   moelua plan RECIPE [--max-seq] [recipe options]
+ *   moelua plan RECIPE [--max-seq | --fit] [recipe options]
  * Subcommands: when argv[1] is exactly "plot" (or "plan") and no file of
  * that name exists in the current directory (else it is a script, as in
  * lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
@@ -294,7 +294,7 @@ static void usage_text(FILE *f)
 {
     fprintf(f, "usage: %s [options] [script [args]]\n"
             "       %s plot RUN_DIR [OUT_DIR]\n"
-            "       %s plan RECIPE [--max-seq] [recipe options]\n"
+            "       %s plan RECIPE [--max-seq | --fit] [recipe options]\n"
             "       %s attach RUN_DIR\n"
             "Available options are:\n"
             "  -e stat      execute string 'stat'\n"
@@ -505,7 +505,7 @@ static void print_help(void)
            "                          (default RUN_DIR/plots)\n"
            "  plan RECIPE [options]   the recipe's memory plan: its account book at the peak,\n"
            "                          nothing allocated (--max-seq: the longest --seq-len\n"
-           "                          that fits the budget)\n"
+           "                          that fits the budget; --fit: the knobs that make it fit)\n"
            "  attach RUN_DIR          a Lua prompt inside the job training in RUN_DIR (one\n"
            "                          started with --attach); Ctrl-D detaches\n");
     print_recipes();

@@ -40,6 +40,7 @@
 -- The backing file is mutated in place and removed on close: it is never a
 -- recovery source (checkpoints hold every expert's bytes).
 local store = require "moelua.store"
+local mem = require "moelua.mem"
 local C = require "moelua.optim_c"
 local errors = require "moelua.errors"
 
@@ -77,7 +78,10 @@ function expert_store.new(o)
   local ok, s = pcall(store.open, {path = o.path, slabs = L * E, slab_bytes = slab_bytes, slots = slots,
                                    prefetch = o.prefetch or 2,
                                    category = o.inference and "params" or {params = b, grads = b, optim = 2 * b}})
-  if not ok then errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", "")) end
+  if not ok then
+    if mem.planning() then error(s, 0) end   -- (in a plan only a budget refuses: train.plan's to report)
+    errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", ""))
+  end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
                              inference = o.inference, views_of = {}, touched = {}, sumsq = {}, steps = {},
                              routed = {}}, ES)

@@ -16,6 +16,11 @@
 -- planned, each in a child process: the largest rank's book in full, then
 -- every rank's peak.
 --
+-- --fit: the recipe's memory knobs, tried in a stated order (KNOBS below)
+-- and kept as they add up, until a plan fits: each try's peak, the options
+-- that fit and what each costs. Only knobs the recipe offers (its --help)
+-- are tried, each in a child process.
+--
 -- --max-seq: the longest --seq-len whose plan fits the budget (the
 -- recipe's --budget-gib, or 90% of the memory available), by doubling and
 -- then bisection over such plans, each in a child process (a recipe runs
@@ -30,7 +35,7 @@ local function mib(n) return string.format("%.2f MiB", n / 2^20) end
 local bytes = require("moelua.measure").bytes
 
 local function usage()
-  errors.user("usage: moelua plan RECIPE [--max-seq] [--world N [--rank R]] [recipe options] (e.g. " ..
+  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [recipe options] (e.g. " ..
               "moelua plan recipes/longctx.lua --seq-len 32768)")
 end
 
@@ -145,26 +150,31 @@ local function every_rank(recipe, rest, n)
   return true
 end
 
--- One plan at seq_len in a child: true and its peak (bytes) when it fits,
--- false and what it needs when it is over the budget; any other failure is
--- an error with the child's words.
-local function probe(host, recipe, rest, seq_len)
+-- One plan in a child: true, its peak (bytes) and its words when it fits;
+-- false, what it needs and its words when it is over the budget; any other
+-- failure is an error naming `what` with the child's words.
+local function probe(host, recipe, args, what)
+  local ok, text = child(host, recipe, args)
+  local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
+  if ok and peak then return true, tonumber(peak) * 2^20, text end
+  local need = text:match("needs ([%d.]+) MiB at its peak")
+  if need then return false, tonumber(need) * 2^20, text end
+  errors.user(string.format("moelua plan: the plan %s failed: %s", what, text))
+end
+
+-- The plan at one --seq-len.
+local function probe_seq(host, recipe, rest, seq_len)
   local args = {table.unpack(rest)}
   args[#args + 1] = "--seq-len"
   args[#args + 1] = tostring(seq_len)
-  local ok, text = child(host, recipe, args)
-  local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
-  if ok and peak then return true, tonumber(peak) * 2^20 end
-  local need = text:match("needs ([%d.]+) MiB at its peak")
-  if need then return false, tonumber(need) * 2^20 end
-  errors.user(string.format("moelua plan --max-seq: the plan at --seq-len %d failed: %s", seq_len, text))
+  return probe(host, recipe, args, "at --seq-len " .. seq_len)
 end
 
 function M.max_seq(recipe, rest)
   take(rest, "seq-len")   -- the probes set it
   local host = host_path()
   local lo = 64
-  local fits, peak = probe(host, recipe, rest, lo)
+  local fits, peak = probe_seq(host, recipe, rest, lo)
   if not fits then
     errors.user(string.format("moelua plan --max-seq: not even --seq-len %d fits the budget (it needs %s)", lo,
                               mib(peak)))
@@ -175,12 +185,12 @@ function M.max_seq(recipe, rest)
     if n > 1 << 24 then
       errors.user(string.format("moelua plan --max-seq: --seq-len %d still fits; the search stops there", lo))
     end
-    fits, peak = probe(host, recipe, rest, n)
+    fits, peak = probe_seq(host, recipe, rest, n)
     if fits then lo, lo_peak = n, peak else hi, hi_need = n, peak end
   end
   while hi - lo > 1 do
     local mid = (lo + hi) // 2
-    fits, peak = probe(host, recipe, rest, mid)
+    fits, peak = probe_seq(host, recipe, rest, mid)
     if fits then lo, lo_peak = mid, peak else hi, hi_need = mid, peak end
   end
   print(string.format("moelua plan --max-seq: --seq-len %d fits (peak %s); %d does not (it needs %s)", lo,
@@ -188,14 +198,121 @@ function M.max_seq(recipe, rest)
   return true
 end
 
+-- The recipe's options and their defaults, from RECIPE --help.
+local function recipe_options(host, recipe)
+  local p = assert(io.popen(quote(host) .. " " .. quote(recipe) .. " --help 2>&1"))
+  local out = {}
+  for line in p:lines() do
+    local name, default = line:match("^  %-%-([%w%-]+)%s+(%S*)")
+    if name then out[name] = default end
+  end
+  p:close()
+  return out
+end
+
+-- The file tier's bytes in a plan's words (0 without one).
+local function file_bytes(text)
+  local book = text:match("\n  file .-\n  total%s+([%d.]+) MiB")
+  return book and tonumber(book) * 2^20 or 0
+end
+
+-- The knobs --fit tries, in this order (each kept, the most it frees, when
+-- the next is tried): recomputing more, expert pre-activations recomputed,
+-- optimizer states offloaded, experts under halving budgets, ZeRO stages
+-- (with --world). What each costs, said when it is chosen.
+local KNOBS = {
+  {"checkpoint", {"attention", "moe", "full"}, "recomputes in backward the forward of %s"},
+  {"save", {"recompute"}, "recomputes the expert pre-activations in backward"},
+  {"offload-optimizer", {"true"}, "keeps the optimizer states in RUN_DIR/optim.store, read and written once " ..
+                                  "per step"},
+  {"expert-budget", "halving", "keeps the experts beyond %s in RUN_DIR/experts.store: a step moves up to " ..
+                               "every expert's slab in and out"},
+  {"zero", {"1", "2", "3"}, "shards over the ranks (ZeRO-%s): collectives every step"},
+}
+local WHAT = {attention = "attention", moe = "the MoE layers", full = "every layer"}
+
+function M.fit(recipe, rest)
+  local host = host_path()
+  local offered = recipe_options(host, recipe)
+  local args, tried = {table.unpack(rest)}, {}
+  local function set(name, value, into)
+    into = into or args
+    take(into, name)
+    into[#into + 1] = "--" .. name
+    into[#into + 1] = value
+  end
+  local function current(name)   -- the value given, else the recipe's default
+    local v = take({table.unpack(args)}, name)
+    if v == nil then return offered[name] end
+    return v
+  end
+  local function try(label)
+    local fits, peak, text = probe(host, recipe, args, "with " .. label)
+    tried[#tried + 1] = string.format("  %-40s %s %s", label, fits and "fits, peak" or "needs", mib(peak))
+    return fits, text
+  end
+  local fits, text = try("as given")
+  local chosen = {}
+  local world = tonumber(take({table.unpack(rest)}, "world") or "1")
+  for _, k in ipairs(KNOBS) do
+    local name = k[1]
+    if fits then break end
+    if offered[name] ~= nil and (name ~= "zero" or world > 1) then
+      local values = k[2]
+      if values == "halving" then   -- the experts' bytes first: all in the store, no budget
+        local all_in = {table.unpack(args)}
+        set(name, "1TiB", all_in)
+        set("budget-gib", "0", all_in)
+        local _, _, t = probe(host, recipe, all_in, "with every expert in the store")
+        local all = file_bytes(t)
+        values = {}
+        for d = 1, 20 do
+          if all / 2^d < 2^20 then break end
+          values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
+        end
+      end
+      local last
+      for _, v in ipairs(values) do
+        if v ~= current(name) then
+          set(name, v)
+          last = v
+          fits, text = try("--" .. name .. " " .. v)
+          if fits then break end
+        end
+      end
+      if last then chosen[#chosen + 1] = {k = k, v = last} end
+    end
+  end
+  print(string.format("moelua plan --fit: %s", recipe))
+  print(table.concat(tried, "\n"))
+  if not fits then
+    print("nothing tried fits the budget: lower --seq-len (moelua plan --max-seq finds the longest), raise the budget, " ..
+          "or add ranks (--world with --zero)")
+    return false
+  end
+  local costs, words = {}, {}
+  for _, c in ipairs(chosen) do
+    local name, v, fmt = c.k[1], c.v, c.k[3]
+    words[#words + 1] = "--" .. name .. " " .. v
+    costs[#costs + 1] = fmt:format(name == "checkpoint" and WHAT[v] or v)
+  end
+  print(string.format("fits with: %s", #words > 0 and table.concat(words, " ") or "the options as given"))
+  for _, c in ipairs(costs) do print("  cost: " .. c) end
+  if file_bytes(text) > 0 then print(string.format("  disk: %s of store files (the file tier)", mib(file_bytes(text)))) end
+  return true
+end
+
 function M.main(args)
   local recipe = args[1]
   if not recipe or recipe:match("^%-") then usage() end
-  local rest, max_seq = {}, false
+  local rest, max_seq, fit = {}, false, false
   for i = 2, #args do
-    if args[i] == "--max-seq" then max_seq = true else rest[#rest + 1] = args[i] end
+    if args[i] == "--max-seq" then max_seq = true
+    elseif args[i] == "--fit" then fit = true
+    else rest[#rest + 1] = args[i] end
   end
   if max_seq then return M.max_seq(recipe, rest) end
+  if fit then return M.fit(recipe, rest) end
   local world, rank = take_int(rest, "world", 1), take_int(rest, "rank", 0)
   if rank and not world then errors.user("moelua plan: --rank needs --world") end
   if world and not rank and world > 1 then return every_rank(recipe, rest, world) end

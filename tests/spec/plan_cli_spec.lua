@@ -1,6 +1,7 @@
--- tests/spec/plan_cli_spec.lua - `moelua plan RECIPE [--max-seq]`
+-- tests/spec/plan_cli_spec.lua - `moelua plan RECIPE [--max-seq | --fit]`
 -- (moelua.plan_cli): the recipe's account book with nothing allocated, the
--- phase of its peak (mem.phase), and the longest sequence that fits.
+-- phase of its peak (mem.phase), a rank's book in a planned world, the
+-- knobs that make a run fit, and the longest sequence that fits.
 local mem = require "moelua.mem"
 local m = require "moelua"
 local fs = require "moelua.fs"
@@ -62,7 +63,7 @@ describe("moelua plan", function()
   it("needs a recipe; --rank needs --world", function()
     local code, out = host({"plan"})
     assert.are.equal(1, code, out)
-    support.has(out, "usage: moelua plan RECIPE [--max-seq] [--world N [--rank R]] [recipe options]")
+    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [recipe options]")
     code, out = host({"plan", "recipes/longctx.lua", "--rank", "1"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan: --rank needs --world")
@@ -116,6 +117,25 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
       local planned = tonumber(text:match("^moelua plan: .-%(cpu, rank " .. r .. " of 2%): peak [%d.]+ MiB %((%d+) bytes%)"))
       assert.are.equal(last.ledger_peak.ranks[r + 1].total, planned, "rank " .. r)
     end
+  end)
+
+  it("--fit: the knobs in order until the plan fits, each one's cost; the answer fits, nothing fitting is an error", function()
+    local code, out = host({"plan", "recipes/longctx.lua", "--fit", "--seq-len", "16384", "--budget-gib", "0.09",
+                            "--checkpoint", "none", "--save", "save"})
+    assert.are.equal(0, code, out)
+    support.has(out, "\n  as given                                 needs ")
+    support.has(out, "\n  --checkpoint full                        needs ")
+    support.has(out, "\n  --save recompute                         fits, peak ")
+    support.has(out, "\nfits with: --checkpoint full --save recompute\n" ..
+                     "  cost: recomputes in backward the forward of every layer\n" ..
+                     "  cost: recomputes the expert pre-activations in backward\n")
+    -- the answer is a plan that fits
+    code, out = host({"plan", "recipes/longctx.lua", "--seq-len", "16384", "--budget-gib", "0.09",
+                      "--checkpoint", "full", "--save", "recompute"})
+    assert.are.equal(0, code, out)
+    code, out = host({"plan", "recipes/longctx.lua", "--fit", "--seq-len", "200000", "--budget-gib", "0.05"})
+    assert.are.equal(1, code, out)
+    support.has(out, "nothing tried fits the budget")
   end)
 
   it("--max-seq: the answer trains under the budget, 1.1 x the answer is refused", function()
