@@ -228,6 +228,18 @@ extern const ml_memory *const ml_memory_plan[ML_NDEVICES];
  * scratch sizes, no kernels (a plan skips them). */
 int ml_cuda_supports(ml_op op, ml_dtype dt);
 extern const ml_kernels ml_kernels_cuda_plan;
+/* Those plain-C entries, written once: the real CUDA table (backend_cuda.c)
+ * and the plan's both start with them, so a plan books every scratch the
+ * kernels will take. */
+#define ML_CUDA_SIZING                                                                  \
+    .supports = ml_cuda_supports,                                                       \
+    .dispatch_scratch_bytes = ml_dispatch_scratch_bytes_cuda,                           \
+    .dispatch_unpack_scratch_bytes = ml_dispatch_unpack_scratch_bytes_cuda,             \
+    .router_scratch_bytes = ml_router_scratch_bytes_cuda,                               \
+    .topk_scratch_bytes = ml_topk_scratch_bytes_cuda,                                   \
+    .reduce_all_scratch_bytes = ml_reduce_all_scratch_bytes_cuda,                       \
+    .sumsq_scratch_bytes = ml_sumsq_scratch_bytes_cuda,                                 \
+    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda
 
 /* The caching allocator's block size for a request of n bytes (512 B steps
  * up to 1 MiB, then 2 MiB steps): what the CUDA allocator reserves and

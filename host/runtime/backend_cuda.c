@@ -495,14 +495,7 @@ static const ml_memory cuda_memory = {
 /* ---- kernels ------------------------------------------------------------ */
 
 static const ml_kernels cuda_kernels = {
-    .supports = ml_cuda_supports,
-    .dispatch_scratch_bytes = ml_dispatch_scratch_bytes_cuda,
-    .dispatch_unpack_scratch_bytes = ml_dispatch_unpack_scratch_bytes_cuda,
-    .router_scratch_bytes = ml_router_scratch_bytes_cuda,
-    .topk_scratch_bytes = ml_topk_scratch_bytes_cuda,
-    .reduce_all_scratch_bytes = ml_reduce_all_scratch_bytes_cuda,
-    .sumsq_scratch_bytes = ml_sumsq_scratch_bytes_cuda,
-    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda,
+    ML_CUDA_SIZING,
     .fill = ml_fill_cuda,
     .arange = ml_arange_cuda,
     .binary = ml_binary_cuda,

@@ -115,13 +115,4 @@ int ml_cuda_supports(ml_op op, ml_dtype dt)
     }
 }
 
-const ml_kernels ml_kernels_cuda_plan = {
-    .supports = ml_cuda_supports,
-    .dispatch_scratch_bytes = ml_dispatch_scratch_bytes_cuda,
-    .dispatch_unpack_scratch_bytes = ml_dispatch_unpack_scratch_bytes_cuda,
-    .router_scratch_bytes = ml_router_scratch_bytes_cuda,
-    .topk_scratch_bytes = ml_topk_scratch_bytes_cuda,
-    .reduce_all_scratch_bytes = ml_reduce_all_scratch_bytes_cuda,
-    .sumsq_scratch_bytes = ml_sumsq_scratch_bytes_cuda,
-    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda,
-};
+const ml_kernels ml_kernels_cuda_plan = {ML_CUDA_SIZING};
