@@ -9,6 +9,7 @@
  *                                 a device the cpu book and every other one holding bytes
  *   mem.stats()                   {cpu = {...}, cuda = {...}, pinned = {...}, file = {...}}
  *   mem.reset_peak([device])
+ *   mem.format_bytes(n)           "1.50 MiB": bytes as the reports print them
  *   mem.phase(text)               the phase of the work from now on; a book's peak_phase is
  *                                 the one its total peaked in
  *   mem.budget{total=, params=, ..., device=, force=}   sizes in bytes; 0 removes;
@@ -141,6 +142,18 @@ static int l_mem_stats(lua_State *L)
         push_ledger(L, h, h->ledger[t], (ml_tier)t);
         lua_setfield(L, -2, ml_tier_names[t]);
     }
+    return 1;
+}
+
+/* mem.format_bytes(n): n bytes as the ledger's reports print them ("1.50 MiB"). */
+static int l_mem_format_bytes(lua_State *L)
+{
+    lua_Integer n = luaL_checkinteger(L, 1);
+    if (n < 0)
+        ml_error(L, "moelua.mem.format_bytes", "argument #1: expected bytes >= 0, got %lld", (long long)n);
+    char buf[32];
+    ml_format_bytes((size_t)n, buf, sizeof buf);
+    lua_pushstring(L, buf);
     return 1;
 }
 
@@ -405,6 +418,7 @@ static const luaL_Reg mem_functions[] = {
     {"empty_cache", l_mem_empty_cache},
     {"report", l_mem_report},
     {"stats", l_mem_stats},
+    {"format_bytes", l_mem_format_bytes},
     {"phase", l_mem_phase},
     {"reset_peak", l_mem_reset_peak},
     {"budget", l_mem_budget},

@@ -49,7 +49,7 @@ local expert_store = {}
 local ES = {}
 ES.__index = ES
 
-local size = require("moelua.measure").bytes
+local size = mem.format_bytes
 
 -- slots, slot_bytes = expert_store.check{budget = bytes, layers =, experts =,
 -- dim =, ffn =}: how many experts the budget keeps resident (at most all

@@ -2,7 +2,6 @@
 --   measure.median({3, 1, 2}) -> 2
 --   measure.peak_rss()        -> the process's peak resident bytes (VmHWM)
 --   measure.cpu()             -> {model = "AMD EPYC ...", flags = {"fma", "avx2", ...}}
---   measure.bytes(n)          -> "384.00 KiB": n bytes for a person
 local measure = {}
 
 -- The median of a list of numbers (the list is not modified).
@@ -19,12 +18,6 @@ function measure.peak_rss()
     local kb = line:match("^VmHWM:%s+(%d+)")
     if kb then return tonumber(kb) * 1024 end
   end
-end
-
-function measure.bytes(n)
-  local units, i = {"B", "KiB", "MiB", "GiB", "TiB"}, 1
-  while n >= 1024 and i < #units do n, i = n / 1024, i + 1 end
-  return i == 1 and string.format("%d B", n) or string.format("%.2f %s", n, units[i])
 end
 
 -- The first processor's model name and which of the SIMD flags that pick

@@ -32,7 +32,7 @@ local M = {}
 local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}
 
 local function mib(n) return string.format("%.2f MiB", n / 2^20) end
-local bytes = require("moelua.measure").bytes
+local bytes = require("moelua.mem").format_bytes
 
 local function usage()
   errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [recipe options] (e.g. " ..

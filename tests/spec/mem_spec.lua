@@ -17,6 +17,18 @@ local with_budget = support.with_budget
 
 local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"}
 
+describe("mem.format_bytes", function()
+  it("prints bytes as the ledger's reports do, and refuses what is not a byte count", function()
+    assert.are.equal("0 B", mem.format_bytes(0))
+    assert.are.equal("1023 B", mem.format_bytes(1023))
+    assert.are.equal("1.00 KiB", mem.format_bytes(1024))
+    assert.are.equal("1.50 MiB", mem.format_bytes(1572864))
+    assert.are.equal("20.00 GiB", mem.format_bytes(20 * 2^30 // 1))
+    support.raises("moelua.mem.format_bytes: argument #1: expected bytes >= 0, got -1", mem.format_bytes, -1)
+    support.raises("number has no integer representation", mem.format_bytes, 1.5)
+  end)
+end)
+
 describe("budgets", function()
   it("a refusal is a Lua error with the ledger table; existing tensors stay valid", function()
     collectgarbage()
