@@ -179,39 +179,39 @@ end
 -- with several ranks also ranks = each rank's own counts (rank 0 first,
 -- the tokens it routed, wherever their experts ran).
 local function expert_loads(z, stats)
-  local loads = {}
-  local per_rank = z.world > 1 and {} or nil
-  for i, l in ipairs(stats.layers or {}) do
-    local counts, max_share, entropy, dropped = l.counts:totable(), l.max_share, l.entropy, l.dropped
-    if z.world > 1 then
-      local E = #counts
-      local v = {table.unpack(counts)}
-      v[E + 1], v[E + 2] = entropy / z.world, dropped or 0
-      v = z:all_reduce_numbers(v, "sum", "expert loads of layer " .. (i - 1))
-      local total, most = 0, 0
-      for e = 1, E do
-        counts[e] = math.tointeger(v[e]) or v[e]
-        total, most = total + v[e], math.max(most, v[e])
-      end
-      max_share, entropy, dropped = total > 0 and most / total or 0, v[E + 1], math.tointeger(v[E + 2]) or v[E + 2]
+  local layers = stats.layers or {}
+  if z.world == 1 then
+    local loads = {}
+    for i, l in ipairs(layers) do
+      loads[i] = {counts = l.counts:totable(), max_share = l.max_share, entropy = l.entropy, dropped = l.dropped}
     end
-    loads[i] = {counts = counts, max_share = max_share, entropy = entropy, dropped = dropped}
-    if per_rank then
-      for e, c in ipairs(l.counts:totable()) do per_rank[(i - 1) * #counts + e] = c end
-    end
+    return loads
   end
-  if per_rank and #loads > 0 then   -- one gather for every layer
-    local keys, E = {}, #loads[1].counts
-    for j = 1, #per_rank do keys[j] = j end
-    local all = z:gather_numbers(per_rank, keys, "expert loads per rank")
-    for i, ld in ipairs(loads) do
-      ld.ranks = {}
-      for r, v in ipairs(all) do
-        local one = {}
-        for e = 1, E do one[e] = math.tointeger(v[(i - 1) * E + e]) end
-        ld.ranks[r] = one
+  local mine = {}   -- per layer its counts, entropy and drops: every rank's in one collective
+  for _, l in ipairs(layers) do
+    for _, c in ipairs(l.counts:totable()) do mine[#mine + 1] = c end
+    mine[#mine + 1], mine[#mine + 2] = l.entropy / z.world, l.dropped or 0
+  end
+  local keys = {}
+  for j = 1, #mine do keys[j] = j end
+  local ranks = #mine > 0 and z:gather_numbers(mine, keys, "expert loads") or {}
+  local loads, at = {}, 0
+  for i, l in ipairs(layers) do
+    local E = l.counts:numel()
+    local ld = {counts = {}, entropy = 0, dropped = 0, ranks = {}}
+    for r, v in ipairs(ranks) do   -- sums in rank order
+      local one = {}
+      for e = 1, E do
+        one[e] = math.tointeger(v[at + e])
+        ld.counts[e] = (ld.counts[e] or 0) + one[e]
       end
+      ld.ranks[r] = one
+      ld.entropy, ld.dropped = ld.entropy + v[at + E + 1], ld.dropped + math.tointeger(v[at + E + 2])
     end
+    local total, most = 0, 0
+    for e = 1, E do total, most = total + ld.counts[e], math.max(most, ld.counts[e]) end
+    ld.max_share = total > 0 and most / total or 0
+    loads[i], at = ld, at + E + 2
   end
   return loads
 end
