@@ -1,17 +1,21 @@
 /*
  * kernels/experts.c - the tiled SwiGLU experts of kernels/experts.h on the
- * CPU. One OpenMP region runs every tile: the threads split each GEMM by
- * output columns (one single-threaded cblas call each; OpenBLAS's own
- * threads are set to 1 for the call and restored after, so the two thread
- * pools never spin against each other) and the elementwise steps by rows or
- * columns, with a barrier between steps. Every output element is written by
- * one thread, so results are bitwise repeatable for a fixed thread count.
+ * CPU. The threads share out whole tiles, not the columns of one GEMM: each
+ * takes the next tile of the plan's sequence (experts ascending, rows
+ * ascending), runs it in its own lane of the scratch with single-threaded
+ * cblas calls (OpenBLAS's own threads are set to 1 while the kernel runs
+ * and restored after, so the two thread pools never spin against each
+ * other), and adds into the shared outputs inside an `ordered` region, so
+ * the adds happen in sequence order whichever thread ran the tile. Nothing
+ * waits but those adds: no barrier between the steps of a tile.
  *
- * Per tile, forward: gather -> GEMM h -> silu·mul -> GEMM out -> add into y.
- * Backward: gather x and dy -> h (saved or recomputed) -> GEMM dact_u =
- * dyt·down[e] -> one fused row pass (act, dw = <dact_u, act>, dh) -> scale
- * dyt by w -> GEMMs ddown += doutᵀ·act, dgate_up += dhᵀ·xt, dxt = dh·gate_up[e]
- * -> add into dx. One exp per element in each direction.
+ * Per tile, forward: gather -> GEMM h -> silu·mul -> GEMM out -> (ordered)
+ * add into y. Backward: gather x and dy -> h (saved or recomputed) -> GEMM
+ * dact_u = dyt·down[e] -> one fused row pass (act, dw = <dact_u, act>, dh)
+ * -> scale dyt by w -> GEMM dxt = dh·gate_up[e] -> (ordered) GEMMs
+ * ddown += doutᵀ·act and dgate_up += dhᵀ·xt, add dxt into dx. The weight
+ * gradients sit in the ordered region because each expert's tiles add into
+ * them in turn. One exp per element in each direction.
  */
 #include "experts.h"
 #include <cblas.h>
@@ -20,10 +24,11 @@
 #include <math.h>
 #include <string.h>
 
-/* tile · (a·D + b·F), or -1 when a size is negative or the product overflows. */
-static int64_t scratch_elems(const ml_experts_cfg *c, int64_t a, int64_t b)
+/* Elements of one lane: tile · (D + 3F) forward, tile · (3D + 4F)
+ * backward; -1 when a size is negative or the product overflows. */
+static int64_t lane_elems(const ml_experts_cfg *c, int backward)
 {
-    int64_t ad, bf, row, n;
+    int64_t a = backward ? 3 : 1, b = backward ? 4 : 3, ad, bf, row, n;
     if (c->tile < 0 || c->D < 0 || c->F < 0 || __builtin_mul_overflow(a, c->D, &ad) ||
         __builtin_mul_overflow(b, c->F, &bf) || __builtin_add_overflow(ad, bf, &row) ||
         __builtin_mul_overflow(c->tile, row, &n))
@@ -31,14 +36,24 @@ static int64_t scratch_elems(const ml_experts_cfg *c, int64_t a, int64_t b)
     return n;
 }
 
-int64_t ml_experts_forward_scratch(const ml_experts_cfg *c)
+static size_t lanes_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int lanes)
 {
-    return scratch_elems(c, 1, 3);
+    int64_t n = lane_elems(c, backward);
+    size_t b;
+    if (n < 0 || lanes < 1 || __builtin_mul_overflow((size_t)n, ml_dtype_size(dt) * (size_t)lanes, &b))
+        return SIZE_MAX;
+    return b;
 }
 
-int64_t ml_experts_backward_scratch(const ml_experts_cfg *c)
+size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads)
 {
-    return scratch_elems(c, 2, 4);
+    return lanes_bytes(dt, c, backward, nthreads);
+}
+
+size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads)
+{
+    (void)nthreads;
+    return lanes_bytes(dt, c, backward, 1);
 }
 
 /* ---- elementwise steps over one tile ------------------------------------ */
@@ -189,31 +204,20 @@ static void add_rows(void *p, int64_t lo, int64_t hi)
     }
 }
 
-/* ---- the parallel tile driver ---------------------------------------------- */
+/* ---- the tile sequence ------------------------------------------------------- */
 
-/* [lo, hi) of n items for thread tid of nt, boundaries multiples of align. */
-static void split(int64_t n, int tid, int nt, int64_t align, int64_t *lo, int64_t *hi)
+/* C [m, n] = op(A)·op(B) + beta·C (row-major): one cblas call on the
+ * calling thread (OpenBLAS runs single-threaded inside the kernels); k = 0
+ * sets C = beta·C. */
+static void gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_t m, int64_t n,
+                 int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc, double beta)
 {
-    int64_t blocks = (n + align - 1) / align;
-    *lo = blocks * tid / nt * align;
-    *hi = blocks * (tid + 1) / nt * align;
-    if (*lo > n) *lo = n;
-    if (*hi > n) *hi = n;
-}
-
-/* Columns [n0, n1) of C [m, n] = op(A) · op(B) + beta·C (row-major): one
- * single-threaded cblas call on the calling thread. */
-static void gemm_cols(ml_dtype dt, void *c, const void *a, const void *b, int64_t m, int64_t n0,
-                      int64_t n1, int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc,
-                      double beta)
-{
-    if (n1 <= n0 || m <= 0)
+    if (n <= 0 || m <= 0)
         return;
-    size_t boff = (size_t)(tb ? n0 * ldb : n0);
     enum CBLAS_TRANSPOSE TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
     if (k <= 0) {   /* C = beta·C */
         for (int64_t i = 0; i < m; i++)
-            for (int64_t j = n0; j < n1; j++) {
+            for (int64_t j = 0; j < n; j++) {
                 if (dt == ML_F32)
                     ((float *)c)[i * ldc + j] = beta == 0 ? 0.0f : (float)beta * ((float *)c)[i * ldc + j];
                 else
@@ -222,32 +226,66 @@ static void gemm_cols(ml_dtype dt, void *c, const void *a, const void *b, int64_
         return;
     }
     if (dt == ML_F32)
-        cblas_sgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)(n1 - n0), (blasint)k, 1.0f,
-                    (const float *)a, (blasint)lda, (const float *)b + boff, (blasint)ldb,
-                    (float)beta, (float *)c + n0, (blasint)ldc);
+        cblas_sgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)n, (blasint)k, 1.0f, (const float *)a,
+                    (blasint)lda, (const float *)b, (blasint)ldb, (float)beta, (float *)c, (blasint)ldc);
     else
-        cblas_dgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)(n1 - n0), (blasint)k, 1.0,
-                    (const double *)a, (blasint)lda, (const double *)b + boff, (blasint)ldb,
-                    beta, (double *)c + n0, (blasint)ldc);
+        cblas_dgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)n, (blasint)k, 1.0, (const double *)a,
+                    (blasint)lda, (const double *)b, (blasint)ldb, beta, (double *)c, (blasint)ldc);
 }
 
-/* This thread's share of a GEMM's output columns (blocks of 16). */
-#define GEMM_SPLIT(dt, c, a, b, m, n, k, ta, tb, lda, ldb, ldc, beta) do {     \
-        int64_t n0_, n1_;                                                    \
-        split((n), tid, nth, 16, &n0_, &n1_);                                \
-        gemm_cols(dt, c, a, b, m, n0_, n1_, k, ta, tb, lda, ldb, ldc, beta); \
-    } while (0)
+/* The plan's tiles as one sequence: experts ascending (a skipped expert has
+ * none), R-row tiles of each expert's positions ascending. */
+static int64_t count_tiles(const ml_experts_weights *wt, const int64_t *offsets, int64_t E, int64_t R)
+{
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (wt->gate_up[e])
+            n += (offsets[e + 1] - offsets[e] + R - 1) / R;
+    return n;
+}
 
-/* This thread's rows (or columns) of an elementwise step. */
-#define EW_SPLIT(n, align, fn, arg) do {                                     \
-        int64_t lo_, hi_;                                                    \
-        split((n), tid, nth, align, &lo_, &hi_);                             \
-        if (hi_ > lo_) fn(arg, lo_, hi_);                                    \
-    } while (0)
+/* Tile i of the sequence: its expert and first position (a walk over the
+ * experts, cheap beside a tile's GEMMs). */
+static void locate_tile(const ml_experts_weights *wt, const int64_t *offsets, int64_t R, int64_t i,
+                        int64_t *e, int64_t *p0)
+{
+    for (int64_t x = 0;; x++) {
+        int64_t n = wt->gate_up[x] ? (offsets[x + 1] - offsets[x] + R - 1) / R : 0;
+        if (i < n) {
+            *e = x;
+            *p0 = offsets[x] + i * R;
+            return;
+        }
+        i -= n;
+    }
+}
 
 static int nthreads_of(const ml_kctx *ctx)
 {
     return ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+}
+
+/* Threads for n tiles: at most one per tile. */
+static int team_of(const ml_kctx *ctx, int64_t ntiles)
+{
+    int nt = nthreads_of(ctx);
+    return ntiles < nt ? (int)(ntiles > 1 ? ntiles : 1) : nt;
+}
+
+/* Before a tile: the progress hook on the calling thread (it may drive MPI),
+ * and the interrupt flag, which stops every tile not yet started. */
+static int tile_stopped(const ml_kctx *ctx, int *stop)
+{
+    if (omp_get_thread_num() == 0)
+        ml_kctx_progress(ctx);
+    if (ml_kctx_interrupted(ctx)) {
+        #pragma omp atomic write
+        *stop = 1;
+    }
+    int s;
+    #pragma omp atomic read
+    s = *stop;
+    return s;
 }
 
 /* ---- forward ---------------------------------------------------------------- */
@@ -260,50 +298,35 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     size_t es = ml_dtype_size(dt);
-    int64_t D = c->D, F = c->F, R = c->tile;
-    char *xt = scratch;                              /* [R, D], then out [R, D] */
-    char *hbuf = xt + (size_t)(R * D) * es;          /* [R, 2F] */
-    char *act = hbuf + (size_t)(R * 2 * F) * es;     /* [R, F] */
+    int64_t D = c->D, F = c->F, R = c->tile, lane = lane_elems(c, 0);
     /* y may be NULL when it holds nothing (memset(NULL, 0, 0) is UB) */
     if (!c->accumulate && c->T * D > 0)
         memset(y, 0, (size_t)(c->T * D) * es);
-    int nt = nthreads_of(ctx), blas_threads = openblas_get_num_threads(), stop = 0;
+    int64_t ntiles = count_tiles(wt, offsets, c->E, R);
+    int nt = team_of(ctx, ntiles), blas_threads = openblas_get_num_threads(), stop = 0;
     openblas_set_num_threads(1);
-    #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w};
-        for (int64_t e = 0; e < c->E; e++) {
-            const void *gu = wt->gate_up[e], *dn = wt->down[e];
-            if (!gu)   /* skipped (the same for every thread) */
-                continue;
-            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
-                #pragma omp master
-                ml_kctx_progress(ctx);
-                #pragma omp single
-                stop = ml_kctx_interrupted(ctx);
-                /* (the implied barrier: the previous tile is done, all see stop) */
-                if (stop)
-                    goto done;
-                int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
-                void *h = p0 + r <= c->nsaved ? (char *)h_saved + (size_t)(p0 * 2 * F) * es : hbuf;
-                g.pos = order + p0;
-                g.r = r;
-                g.dst = xt; g.src = x;
-                EW_SPLIT(r, 1, gather_rows, &g);
-                #pragma omp barrier
-                GEMM_SPLIT(dt, h, xt, gu, r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
-                #pragma omp barrier
-                g.h = h; g.act = act;
-                EW_SPLIT(r, 1, swiglu_fwd, &g);
-                #pragma omp barrier
-                GEMM_SPLIT(dt, xt, act, dn, r, D, F, 0, 1, F, F, D, 0.0);
-                #pragma omp barrier
-                g.acc = y; g.rows = xt; g.scaled = 1;
-                EW_SPLIT(D, 16, add_rows, &g);
-            }
+    #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < ntiles; i++) {
+        int run = !tile_stopped(ctx, &stop);
+        int64_t e, p0;
+        locate_tile(wt, offsets, R, i, &e, &p0);
+        int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
+        char *xt = (char *)scratch + (size_t)(omp_get_thread_num() * lane) * es;  /* [R, D], then out */
+        char *hbuf = xt + (size_t)(R * D) * es;                                    /* [R, 2F] */
+        char *act = hbuf + (size_t)(R * 2 * F) * es;                               /* [R, F] */
+        void *h = p0 + r <= c->nsaved ? (char *)h_saved + (size_t)(p0 * 2 * F) * es : hbuf;
+        tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w, .pos = order + p0,
+                      .r = r, .dst = xt, .src = x, .h = h, .act = act, .acc = y, .rows = xt,
+                      .scaled = 1};
+        if (run) {
+            gather_rows(&g, 0, r);
+            gemm(dt, h, xt, wt->gate_up[e], r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
+            swiglu_fwd(&g, 0, r);
+            gemm(dt, xt, act, wt->down[e], r, D, F, 0, 1, F, F, D, 0.0);
         }
-    done:;
+        #pragma omp ordered
+        if (run)
+            add_rows(&g, 0, D);
     }
     openblas_set_num_threads(blas_threads);
     return stop ? ML_EINTERRUPTED : ML_OK;
@@ -321,12 +344,7 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     size_t es = ml_dtype_size(dt);
-    int64_t D = c->D, F = c->F, R = c->tile;
-    char *xt = scratch;                              /* [R, D] x rows */
-    char *dyt = xt + (size_t)(R * D) * es;           /* [R, D] dy rows, then w·dy, then dxt */
-    char *hbuf = dyt + (size_t)(R * D) * es;         /* [R, 2F] h (recomputed), then dh */
-    char *act = hbuf + (size_t)(R * 2 * F) * es;     /* [R, F] */
-    char *dact = act + (size_t)(R * F) * es;         /* [R, F] unscaled: dyt · down[e] */
+    int64_t D = c->D, F = c->F, R = c->tile, lane = lane_elems(c, 1);
     if (!c->accumulate) {
         if (c->T * c->k > 0)   /* dw may be NULL when it holds nothing */
             memset(dw, 0, (size_t)(c->T * c->k) * es);
@@ -335,57 +353,49 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
     for (int64_t e = 0; e < c->E; e++)
         if (wt->gate_up[e])
             touched[e] = offsets[e + 1] > offsets[e];
-    int nt = nthreads_of(ctx), blas_threads = openblas_get_num_threads(), stop = 0;
+    int64_t ntiles = count_tiles(wt, offsets, c->E, R);
+    int nt = team_of(ctx, ntiles), blas_threads = openblas_get_num_threads(), stop = 0;
     openblas_set_num_threads(1);
-    #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w, .dw = dw};
-        for (int64_t e = 0; e < c->E; e++) {
-            const void *gu = wt->gate_up[e], *dn = wt->down[e];
-            if (!gu)   /* skipped: its gradient entries are not read */
-                continue;
-            void *dgu = dwt->gate_up[e], *ddn = dwt->down[e];
-            for (int64_t p0 = offsets[e]; p0 < offsets[e + 1]; p0 += R) {
-                #pragma omp master
-                ml_kctx_progress(ctx);
-                #pragma omp single
-                stop = ml_kctx_interrupted(ctx);
-                if (stop)
-                    goto done;
-                int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
-                const void *h = p0 + r <= c->nsaved
-                                    ? (const char *)h_saved + (size_t)(p0 * 2 * F) * es : hbuf;
-                g.pos = order + p0;
-                g.r = r;
-                g.dst = xt; g.src = x;
-                EW_SPLIT(r, 1, gather_rows, &g);
-                g.dst = dyt; g.src = dy;
-                EW_SPLIT(r, 1, gather_rows, &g);
-                #pragma omp barrier
-                if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
-                    GEMM_SPLIT(dt, hbuf, xt, gu, r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
-                /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
-                GEMM_SPLIT(dt, dact, dyt, dn, r, F, D, 0, 0, D, F, F, 0.0);
-                #pragma omp barrier
-                g.h = h; g.act = act; g.dact_u = dact; g.dh = hbuf;
-                EW_SPLIT(r, 1, swiglu_bwd, &g);
-                g.dst = dyt;
-                EW_SPLIT(r, 1, scale_rows, &g);
-                #pragma omp barrier
-                /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
-                GEMM_SPLIT(dt, ddn, dyt, act, D, F, r, 1, 0, D, F, F, 1.0);
-                /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
-                GEMM_SPLIT(dt, dgu, hbuf, xt, 2 * F, D, r, 1, 0, 2 * F, D, D, 1.0);
-                #pragma omp barrier
-                /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D], into dyt (dout is consumed) */
-                GEMM_SPLIT(dt, dyt, hbuf, gu, r, D, 2 * F, 0, 0, 2 * F, D, D, 0.0);
-                #pragma omp barrier
-                g.acc = dx; g.rows = dyt; g.scaled = 0;
-                EW_SPLIT(D, 16, add_rows, &g);
-            }
+    #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < ntiles; i++) {
+        int run = !tile_stopped(ctx, &stop);
+        int64_t e, p0;
+        locate_tile(wt, offsets, R, i, &e, &p0);
+        int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
+        const void *gu = wt->gate_up[e], *dn = wt->down[e];
+        char *xt = (char *)scratch + (size_t)(omp_get_thread_num() * lane) * es;  /* [R, D] x rows */
+        char *dyt = xt + (size_t)(R * D) * es;       /* [R, D] dy rows, then w·dy */
+        char *dxt = dyt + (size_t)(R * D) * es;      /* [R, D] */
+        char *hbuf = dxt + (size_t)(R * D) * es;     /* [R, 2F] h (recomputed), then dh */
+        char *act = hbuf + (size_t)(R * 2 * F) * es; /* [R, F] */
+        char *dact = act + (size_t)(R * F) * es;     /* [R, F] unscaled: dyt · down[e] */
+        const void *h = p0 + r <= c->nsaved ? (const char *)h_saved + (size_t)(p0 * 2 * F) * es
+                                            : hbuf;
+        tile_arg g = {.dt = dt, .es = es, .D = D, .F = F, .k = c->k, .w = w, .dw = dw,
+                      .pos = order + p0, .r = r, .h = h, .act = act, .dact_u = dact, .dh = hbuf,
+                      .acc = dx, .rows = dxt, .scaled = 0};
+        if (run) {
+            g.dst = xt; g.src = x;
+            gather_rows(&g, 0, r);
+            g.dst = dyt; g.src = dy;
+            gather_rows(&g, 0, r);
+            if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
+                gemm(dt, hbuf, xt, gu, r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
+            /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
+            gemm(dt, dact, dyt, dn, r, F, D, 0, 0, D, F, F, 0.0);
+            swiglu_bwd(&g, 0, r);
+            scale_rows(&g, 0, r);
+            /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D] */
+            gemm(dt, dxt, hbuf, gu, r, D, 2 * F, 0, 0, 2 * F, D, D, 0.0);
         }
-    done:;
+        #pragma omp ordered
+        if (run) {
+            /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
+            gemm(dt, dwt->down[e], dyt, act, D, F, r, 1, 0, D, F, F, 1.0);
+            /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
+            gemm(dt, dwt->gate_up[e], hbuf, xt, 2 * F, D, r, 1, 0, 2 * F, D, D, 1.0);
+            add_rows(&g, 0, D);
+        }
     }
     openblas_set_num_threads(blas_threads);
     return stop ? ML_EINTERRUPTED : ML_OK;

@@ -37,19 +37,18 @@
  *   act [r, F]  = silu(g) * u
  *   out [r, D]  = act · down[e]ᵀ                one GEMM
  *   y[t] += w[a] · out[row of a]
- * Scratch is tile-sized (see the *_scratch functions), so no buffer size
+ * Scratch is tile-sized (ml_experts_scratch_bytes), so no buffer size
  * depends on how tokens were routed; experts with no rows run nothing.
  *
  * Determinism: y is zeroed (unless accumulating), then every tile adds its
  * rows in tile order (experts ascending, positions ascending), each row in
- * turn; threads split
- * only output columns of a GEMM or rows/columns of elementwise work, never a
- * sum. So a token's sum is over its experts in ascending expert index, fixed
- * by the plan alone, and dgate_up[e] / ddown[e] add their tiles in order.
- * The GEMMs are single-threaded OpenBLAS calls on column blocks that depend
- * on the thread count: results are bitwise repeatable for a fixed thread
- * count, not across thread counts (DESIGN.md, Tensors). The kernels set
- * OpenBLAS to one thread while they run and restore its count after.
+ * turn, and dgate_up[e] / ddown[e] add their tiles in the same order;
+ * threads never split a sum. So a token's sum is over its experts in
+ * ascending expert index, fixed by the plan alone. On the CPU each tile's
+ * GEMMs are whole single-threaded OpenBLAS calls (the threads share out
+ * tiles, not columns), so results are bitwise the same for every thread
+ * count (DESIGN.md, Tensors). The kernels set OpenBLAS to one thread while
+ * they run and restore its count after.
  *
  * Saving (the memory-time tradeoff): the caller passes h_saved [S, 2F] for
  * the first S dispatch positions. A tile with p0 + r <= S keeps its h there
@@ -103,11 +102,14 @@ typedef struct {
     void *const *down;
 } ml_experts_wgrads;
 
-/* Scratch elements (of the kernel's dtype) each direction needs:
- * forward R·(D + 3F), backward R·(2D + 4F); -1 when the count overflows
- * int64 (the caller refuses the tile). */
-int64_t ml_experts_forward_scratch(const ml_experts_cfg *c);
-int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
+/* Scratch bytes (dtype dt) of a forward (backward = 0) or backward call: one
+ * lane per tile in flight, R·(D + 3F) elements forward and R·(3D + 4F)
+ * backward. The CPU runs a tile per thread (nthreads lanes, the kernel
+ * context's thread count); CUDA one at a time (one lane). SIZE_MAX when
+ * the size overflows (the caller refuses the tile). */
+size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads);
+size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward,
+                                     int nthreads);
 
 /* Forward.
  *   y        [T, D]     out (=): every token's sum over its kept assignments
@@ -115,7 +117,7 @@ int64_t ml_experts_backward_scratch(const ml_experts_cfg *c);
  *                       were all dropped. cfg.accumulate: (+=), not zeroed
  *   h_saved  [S, 2F]    out (=): h of the run experts' positions in tiles
  *                       lying below S (NULL allowed when S = 0)
- *   scratch  [forward_scratch]
+ *   scratch  ml_experts_scratch_bytes(dt, c, 0, ctx->nthreads) bytes
  *   x        [T, D]
  *   w        [T, k]     combine weights
  *   order    [T·k], offsets [E+1]: a plan (ml_dispatch_check_plan_cpu)
@@ -134,7 +136,7 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
  *   touched   [E]        out (=) for the run experts: 1 where expert e had
  *                        rows (got a gradient), else 0; zeroed first unless
  *                        cfg.accumulate
- *   scratch   [backward_scratch]
+ *   scratch   ml_experts_scratch_bytes(dt, c, 1, ctx->nthreads) bytes
  *   h_saved   [S, 2F]    what forward saved with the same cfg, tile and S (NULL
  *                        when S = 0); only the run experts' positions are read
  *   dy [T, D], x, w, order, offsets, wt: as in forward */

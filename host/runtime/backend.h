@@ -87,7 +87,8 @@ typedef struct ml_kernels {
      * ml_dispatch_scratch_bytes_cuda; dispatch_unpack: (rows_out, div);
      * router: as ml_router_scratch_bytes;
      * topk: (rows, cols, k); reduce_all: (n); sumsq: (n); slice_norms:
-     * (n, E). */
+     * (n, E); experts: (dt, cfg, backward, the host's thread count), SIZE_MAX
+     * on overflow. */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
     size_t (*dispatch_unpack_scratch_bytes)(int64_t rows_out, int64_t div);
     size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
@@ -95,6 +96,8 @@ typedef struct ml_kernels {
     size_t (*reduce_all_scratch_bytes)(int64_t n);
     size_t (*sumsq_scratch_bytes)(int64_t n);
     size_t (*slice_norms_scratch_bytes)(int64_t n, int64_t E);
+    size_t (*experts_scratch_bytes)(ml_dtype dt, const ml_experts_cfg *c, int backward,
+                                    int nthreads);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);
@@ -239,7 +242,8 @@ extern const ml_kernels ml_kernels_cuda_plan;
     .topk_scratch_bytes = ml_topk_scratch_bytes_cuda,                                   \
     .reduce_all_scratch_bytes = ml_reduce_all_scratch_bytes_cuda,                       \
     .sumsq_scratch_bytes = ml_sumsq_scratch_bytes_cuda,                                 \
-    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda
+    .slice_norms_scratch_bytes = ml_slice_norms_scratch_bytes_cuda,                     \
+    .experts_scratch_bytes = ml_experts_scratch_bytes_cuda
 
 /* The caching allocator's block size for a request of n bytes (512 B steps
  * up to 1 MiB, then 2 MiB steps): what the CUDA allocator reserves and

@@ -67,6 +67,7 @@ static int cpu_supports(ml_op op, ml_dtype dt)
 static const ml_kernels cpu_kernels = {
     .supports = cpu_supports,
     .router_scratch_bytes = ml_router_scratch_bytes,
+    .experts_scratch_bytes = ml_experts_scratch_bytes,
     .fill = ml_fill_cpu,
     .arange = ml_arange_cpu,
     .binary = ml_binary_cpu,

@@ -721,15 +721,15 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_experts_tabl
 }
 
 /* The run's cfg: tile clamped to max(T·k, 1) rows, refused when its
- * scratch, tile·(2D + 4F) elements, cannot be counted in int64; nsaved in
+ * scratch, tile·(3D + 4F) elements, cannot be counted in int64; nsaved in
  * [0, T·k]. */
 static ml_status ex_run_cfg(const ml_experts_cfg *c, ml_experts_cfg *run, ml_err *e)
 {
     /* D is x's and F a tensor's or a table's whose [2F, D] blocks exist: no overflow */
-    int64_t row = 2 * c->D + 4 * c->F;
+    int64_t row = 3 * c->D + 4 * c->F;
     int64_t n = c->T * c->k;
     if (c->tile < 1 || c->tile > INT64_MAX / row)
-        return ml_err_set(e, ML_EINVAL, "tile = %lld is out of range (the scratch of tile·(2D + 4F) "
+        return ml_err_set(e, ML_EINVAL, "tile = %lld is out of range (the scratch of tile·(3D + 4F) "
                           "elements must fit in int64: tile <= %lld)", (long long)c->tile,
                           (long long)(INT64_MAX / row));
     if (c->nsaved < 0 || c->nsaved > n)
@@ -740,13 +740,13 @@ static ml_status ex_run_cfg(const ml_experts_cfg *c, ml_experts_cfg *run, ml_err
     return ML_OK;
 }
 
-/* Scratch bytes from the kernels' element count (-1: overflow). */
-static ml_status ex_scratch_bytes(int64_t ne, ml_dtype dt, size_t *nb, ml_err *e)
+/* The kernels' scratch bytes on dev (SIZE_MAX: overflow). */
+static ml_status ex_scratch_bytes(ml_host *h, ml_device dev, ml_dtype dt, const ml_experts_cfg *run,
+                                  int backward, size_t *nb, ml_err *e)
 {
-    size_t es = ml_dtype_size(dt);
-    if (ne < 0 || (uint64_t)ne > SIZE_MAX / es)
+    *nb = ML_KSCRATCH(h, dev, experts, dt, run, backward, h->nthreads);
+    if (*nb == SIZE_MAX)
         return ml_err_set(e, ML_EINVAL, "tile: the scratch size overflows (too many elements or bytes)");
-    *nb = (size_t)ne * es;
     return ML_OK;
 }
 
@@ -824,9 +824,9 @@ ml_status ml_op_experts_forward_table(ml_host *h, ml_tensor *y, ml_tensor *saved
     ML_TRY(ex_common(h, x, t, idx, w, plan, cfg, e));
     ml_experts_cfg run;
     ML_TRY(ex_run_cfg(cfg, &run, e));
-    size_t nb = 0;
-    ML_TRY(ex_scratch_bytes(ml_experts_forward_scratch(&run), x->dtype, &nb, e));
     ml_device dev = x->st->device;
+    size_t nb = 0;
+    ML_TRY(ex_scratch_bytes(h, dev, x->dtype, &run, 0, &nb, e));
     ML_TRY(check_pool(pool, dev, e));
     int64_t yshape[2] = {run.T, run.D}, hshape[2] = {run.nsaved, 2 * run.F};
     if (run.accumulate && !y->st)
@@ -918,7 +918,7 @@ static ml_status ex_backward(ml_host *h, const ml_experts_grads *g, const ml_ten
             return ml_err_set(e, ML_EINVAL, "%s: expected a given tensor (an accumulating call "
                               "keeps the earlier calls' entries)", gnames[i]);
     size_t nb = 0;
-    ML_TRY(ex_scratch_bytes(ml_experts_backward_scratch(&run), dt, &nb, e));
+    ML_TRY(ex_scratch_bytes(h, dev, dt, &run, 1, &nb, e));
     for (int i = 0; i < 5; i++)
         if (gt[i])
             ML_TRY(output(h, pool, gt[i], gnames[i], dev, dts[i], ndims[i], shapes[i], zero[i], e));

@@ -13,8 +13,8 @@
 --   forward vs the dense reference: f64 1e-6 (observed ~1e-15), f32 1e-5
 --   (sgemm over k <= 2F products in f32)
 --   finite differences, f64, central, step 1e-6: 1e-6
--- Dispatch, save vs recompute vs partial, run-to-run and untouched-expert
--- sentinels are compared exactly (one binary, one thread count).
+-- Dispatch, save vs recompute vs partial, run-to-run, thread counts and
+-- untouched-expert sentinels are compared exactly (one binary).
 local m = require "moelua"
 local ex = m.experts
 local support = require "tests.support"
@@ -525,6 +525,30 @@ describe("experts.backward", function()
     end
     local a, b = run(), run()
     for i = 1, 5 do assert.are.same(a[i], b[i]) end
+  end)
+
+  it("is bitwise the same for 1, 2 and 3 threads (threads share out tiles, never a sum)", function()
+    local P = problem(70, 2, 12, 10, 4, "f32")
+    local plan = ex.dispatch(P.idx, P.E)
+    local dy = randn({P.T, P.D}, "f32")
+    local before = m.threads()
+    local function run(n)
+      m.threads(n)
+      local y, saved = ex.forward(P.x, P.gate_up, P.down, P.idx, P.w, plan,
+                                  {tile = 5, partial_recompute = 0.5})
+      local g = {y, ex.backward(dy, P.x, P.gate_up, P.down, P.idx, P.w, plan, saved)}
+      for i = 1, 5 do g[i] = vals(g[i]) end
+      return g
+    end
+    local ok, err = pcall(function()
+      local one, two, three = run(1), run(2), run(3)
+      for i = 1, 5 do
+        assert.are.same(one[i], two[i])
+        assert.are.same(one[i], three[i])
+      end
+    end)
+    m.threads(before)
+    assert(ok, err)
   end)
 
   it("makes no ledger allocation after warm-up when a pool is given", function()
