@@ -13,7 +13,7 @@ override CFLAGS += -std=c11 -D_GNU_SOURCE -Wall -Wextra -Wno-unused-parameter -f
            -ffp-contract=off -I$(LUA_INC) -MMD -MP
 # Static Lua with the API exported (-Wl,-E): busted's C modules (lfs,
 # term, system) resolve lua_* against the host.
-LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -lreadline -lcrypto -lm -ldl -fopenmp -pthread
+LDLIBS  := -Wl,-E $(LUA_A) -lopenblas -ldnnl -lreadline -lcrypto -lm -ldl -fopenmp -pthread
 # MPICH for the collectives (host/runtime/comm.c); it is called only under
 # mpiexec, so a plain ./moelua never starts MPI.
 override CFLAGS += $(shell pkg-config --cflags mpich 2>/dev/null)
@@ -54,9 +54,9 @@ endif
 
 OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 
-DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libreadline-dev \
+DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libdnnl-dev libreadline-dev \
             mpich libmpich-dev pkg-config libssl-dev lua-dkjson
-BENCH_PKGS := python3 python3-torch python3-numpy libblis-dev libdnnl-dev libxsmm-dev
+BENCH_PKGS := python3 python3-torch python3-numpy libblis-dev libxsmm-dev
 
 .PHONY: all deps bench-deps test run sanitize gpu-bundle bench clean
 all: $(TARGET)

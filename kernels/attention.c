@@ -8,9 +8,9 @@
  * sgemm per tile product, softmax rows over fixed lanes (the f32 path below).
  */
 #include "attention.h"
+#include "gemm.h"
 #include "parallel.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 
@@ -288,7 +288,7 @@ static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
             int64_t nk = j0 + FB < S ? FB : S - j0;
             const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
             const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, (int)hd, scale,
+            ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 1, (int)nq, (int)nk, (int)hd, scale,
                         Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
             for (int64_t r = 0; r < nq; r++) {
                 int64_t n = i0 + r + 1 - j0 < nk ? i0 + r + 1 - j0 : nk;
@@ -305,7 +305,7 @@ static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
                 }
                 m[r] = mx;
             }
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, (int)hd, (int)nk, 1.0f,
+            ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 0, (int)nq, (int)hd, (int)nk, 1.0f,
                         sc, FB, Vb, (int)ldk, 1.0f, acc, (int)hd);
         }
         for (int64_t r = 0; r < nq; r++) {
@@ -346,9 +346,9 @@ static inline void tile_p_ds(const att_args *a, int64_t h, int64_t i0, int64_t n
                              float *sc, float *dp)
 {
     int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, hd, (float)a->scale,
+    ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 1, (int)nq, (int)nk, hd, (float)a->scale,
                 Qb, ldq, Kb, ldk, 0.0f, sc, FB);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nk, hd, 1.0f,
+    ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 1, (int)nq, (int)nk, hd, 1.0f,
                 Gb, ldq, Vb, ldk, 0.0f, dp, FB);
     probs_ds(a, h, i0, nq, j0, nk, sc, dp);
 }
@@ -358,9 +358,9 @@ static inline void tile_dkv(const att_args *a, int64_t nq, int64_t nk, const flo
                             const float *Qb, const float *Gb, float *dK, float *dV)
 {
     int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, hd, (int)nq,
+    ml_gemm(ML_F32, ML_GEMM_SERIAL, 1, 0, (int)nk, hd, (int)nq,
                 1.0f, sc, FB, Gb, ldq, 1.0f, dV, ldk);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nk, hd, (int)nq,
+    ml_gemm(ML_F32, ML_GEMM_SERIAL, 1, 0, (int)nk, hd, (int)nq,
                 (float)a->scale, dp, FB, Qb, ldq, 1.0f, dK, ldk);
 }
 
@@ -369,7 +369,7 @@ static inline void tile_dq(const att_args *a, int64_t nq, int64_t nk, const floa
                            float *dQ)
 {
     int ldq = (int)(a->H * a->hd), ldk = (int)(a->KV * a->hd), hd = (int)a->hd;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nq, hd, (int)nk, (float)a->scale,
+    ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 0, (int)nq, hd, (int)nk, (float)a->scale,
                 dp, FB, Kb, ldk, 1.0f, dQ, ldq);
 }
 
@@ -467,15 +467,14 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
     }
 }
 
-/* ml_parallel_tiles with OpenBLAS held to one thread: every sgemm above runs
- * on the calling thread, on tiles fixed by the shapes */
+/* ml_parallel_tiles with serial GEMMs: every sgemm above runs on the
+ * calling thread, on tiles fixed by the shapes */
 static ml_status tiles_blas1(int64_t n, int64_t cost, const ml_kctx *ctx, ml_tile_fn fn,
                              att_args *a)
 {
-    int blas_threads = openblas_get_num_threads();
-    openblas_set_num_threads(1);
+    int saved = ml_gemm_serial_begin();
     ml_status s = ml_parallel_tiles(n, 1, cost, ctx, fn, a);
-    openblas_set_num_threads(blas_threads);
+    ml_gemm_serial_end(saved);
     return s;
 }
 

@@ -18,7 +18,7 @@
  * them in turn. One exp per element in each direction.
  */
 #include "experts.h"
-#include <cblas.h>
+#include "gemm.h"
 #include <omp.h>
 
 #include <math.h>
@@ -206,33 +206,6 @@ static void add_rows(void *p, int64_t lo, int64_t hi)
 
 /* ---- the tile sequence ------------------------------------------------------- */
 
-/* C [m, n] = op(A)·op(B) + beta·C (row-major): one cblas call on the
- * calling thread (OpenBLAS runs single-threaded inside the kernels); k = 0
- * sets C = beta·C. */
-static void gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_t m, int64_t n,
-                 int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc, double beta)
-{
-    if (n <= 0 || m <= 0)
-        return;
-    enum CBLAS_TRANSPOSE TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
-    if (k <= 0) {   /* C = beta·C */
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < n; j++) {
-                if (dt == ML_F32)
-                    ((float *)c)[i * ldc + j] = beta == 0 ? 0.0f : (float)beta * ((float *)c)[i * ldc + j];
-                else
-                    ((double *)c)[i * ldc + j] = beta == 0 ? 0.0 : beta * ((double *)c)[i * ldc + j];
-            }
-        return;
-    }
-    if (dt == ML_F32)
-        cblas_sgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)n, (blasint)k, 1.0f, (const float *)a,
-                    (blasint)lda, (const float *)b, (blasint)ldb, (float)beta, (float *)c, (blasint)ldc);
-    else
-        cblas_dgemm(CblasRowMajor, TA, TB, (blasint)m, (blasint)n, (blasint)k, 1.0, (const double *)a,
-                    (blasint)lda, (const double *)b, (blasint)ldb, beta, (double *)c, (blasint)ldc);
-}
-
 /* The plan's tiles as one sequence: experts ascending (a skipped expert has
  * none), R-row tiles of each expert's positions ascending. */
 static int64_t count_tiles(const ml_experts_weights *wt, const int64_t *offsets, int64_t E, int64_t R)
@@ -303,8 +276,7 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
     if (!c->accumulate && c->T * D > 0)
         memset(y, 0, (size_t)(c->T * D) * es);
     int64_t ntiles = count_tiles(wt, offsets, c->E, R);
-    int nt = team_of(ctx, ntiles), blas_threads = openblas_get_num_threads(), stop = 0;
-    openblas_set_num_threads(1);
+    int nt = team_of(ctx, ntiles), blas = ml_gemm_serial_begin(), stop = 0;
     #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t i = 0; i < ntiles; i++) {
         int run = !tile_stopped(ctx, &stop);
@@ -320,15 +292,15 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
                       .scaled = 1};
         if (run) {
             gather_rows(&g, 0, r);
-            gemm(dt, h, xt, wt->gate_up[e], r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, 2 * F, D, 1.0, xt, D, wt->gate_up[e], D, 0.0, h, 2 * F);
             swiglu_fwd(&g, 0, r);
-            gemm(dt, xt, act, wt->down[e], r, D, F, 0, 1, F, F, D, 0.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, D, F, 1.0, act, F, wt->down[e], F, 0.0, xt, D);
         }
         #pragma omp ordered
         if (run)
             add_rows(&g, 0, D);
     }
-    openblas_set_num_threads(blas_threads);
+    ml_gemm_serial_end(blas);
     return stop ? ML_EINTERRUPTED : ML_OK;
 }
 
@@ -354,8 +326,7 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
         if (wt->gate_up[e])
             touched[e] = offsets[e + 1] > offsets[e];
     int64_t ntiles = count_tiles(wt, offsets, c->E, R);
-    int nt = team_of(ctx, ntiles), blas_threads = openblas_get_num_threads(), stop = 0;
-    openblas_set_num_threads(1);
+    int nt = team_of(ctx, ntiles), blas = ml_gemm_serial_begin(), stop = 0;
     #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t i = 0; i < ntiles; i++) {
         int run = !tile_stopped(ctx, &stop);
@@ -380,23 +351,23 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
             g.dst = dyt; g.src = dy;
             gather_rows(&g, 0, r);
             if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
-                gemm(dt, hbuf, xt, gu, r, 2 * F, D, 0, 1, D, D, 2 * F, 0.0);
+                ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, 2 * F, D, 1.0, xt, D, gu, D, 0.0, hbuf, 2 * F);
             /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
-            gemm(dt, dact, dyt, dn, r, F, D, 0, 0, D, F, F, 0.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 0, 0, r, F, D, 1.0, dyt, D, dn, F, 0.0, dact, F);
             swiglu_bwd(&g, 0, r);
             scale_rows(&g, 0, r);
             /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D] */
-            gemm(dt, dxt, hbuf, gu, r, D, 2 * F, 0, 0, 2 * F, D, D, 0.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 0, 0, r, D, 2 * F, 1.0, hbuf, 2 * F, gu, D, 0.0, dxt, D);
         }
         #pragma omp ordered
         if (run) {
             /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
-            gemm(dt, dwt->down[e], dyt, act, D, F, r, 1, 0, D, F, F, 1.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, D, F, r, 1.0, dyt, D, act, F, 1.0, dwt->down[e], F);
             /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
-            gemm(dt, dwt->gate_up[e], hbuf, xt, 2 * F, D, r, 1, 0, 2 * F, D, D, 1.0);
+            ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, 2 * F, D, r, 1.0, hbuf, 2 * F, xt, D, 1.0, dwt->gate_up[e], D);
             add_rows(&g, 0, D);
         }
     }
-    openblas_set_num_threads(blas_threads);
+    ml_gemm_serial_end(blas);
     return stop ? ML_EINTERRUPTED : ML_OK;
 }

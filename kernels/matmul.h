@@ -1,6 +1,7 @@
 /*
- * kernels/matmul.h - (batched) matrix multiply through BLAS: OpenBLAS on
- * the CPU, cuBLAS on CUDA. Transposes are flags, never copies.
+ * kernels/matmul.h - (batched) matrix multiply through BLAS: on the CPU
+ * kernels/gemm.h (oneDNN or OpenBLAS), cuBLAS on CUDA. Transposes are
+ * flags, never copies.
  *
  * Row-major: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b], where op(A)
  * is [m, k] (A stored [m, k] with leading dim lda, or [k, m] when ta), op(B)
@@ -25,8 +26,5 @@ ml_status ml_matmul_cpu(ml_dtype dt, void *c, const void *a, const void *b,
                         const ml_gemm_shape *s, const ml_kctx *ctx);
 ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const void *b,
                          const ml_gemm_shape *s, const ml_kctx *ctx);
-
-/* OpenBLAS thread count (CPU only; set by moelua.threads, not per call). */
-void ml_matmul_set_threads_cpu(int n);
 
 #endif

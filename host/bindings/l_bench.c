@@ -8,12 +8,19 @@
  *                                        (kernels run asynchronously there: a clock
  *                                        read without it measures launches)
  *   bench.synchronize([device])          wait for the device's queued work
- *   bench.raw_sgemm(c, a, b, calls)      seconds per call of `calls` back-to-back
- *                                        cblas_sgemm on the tensors' buffers
+ *   bench.raw_sgemm(c, a, b, calls [, library])
+ *                                        seconds per call of `calls` back-to-back
+ *                                        sgemm on the tensors' buffers, by the
+ *                                        library itself on its own threads:
+ *                                        "openblas" (default) or "onednn"
+ *   bench.gemm_libraries()               the line naming the GEMM libraries, their
+ *                                        versions and kernel paths (kernels/gemm.h)
  */
 #include "l_util.h"
+#include "../../kernels/gemm.h"
 
 #include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 #include <time.h>
 
 static double now_s(void)
@@ -60,6 +67,8 @@ static int l_bench_raw_sgemm(lua_State *L)
     lua_Integer calls = luaL_checkinteger(L, 4);
     if (calls < 1)
         ml_error(L, fn, "argument #4: calls must be >= 1");
+    static const char *const libraries[] = {"openblas", "onednn", NULL};
+    int onednn = luaL_checkoption(L, 5, "openblas", libraries);
     if (a->st->device != ML_CPU || b->st->device != ML_CPU || c->st->device != ML_CPU)
         ml_error(L, fn, "CPU tensors only");
     if (a->ndim != 2 || b->ndim != 2 || c->ndim != 2 || a->shape[1] != b->shape[0] ||
@@ -67,10 +76,20 @@ static int l_bench_raw_sgemm(lua_State *L)
         ml_error(L, fn, "expected c [m,n], a [m,k], b [k,n]");
     blasint m = (blasint)a->shape[0], k = (blasint)a->shape[1], n = (blasint)b->shape[1];
     double t0 = now_s();
-    for (lua_Integer i = 0; i < calls && !ml_host_of(L)->planning; i++)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, ml_data(a), k,
-                    ml_data(b), n, 0.0f, ml_data(c), n);
+    for (lua_Integer i = 0; i < calls && !ml_host_of(L)->planning; i++) {
+        if (onednn)
+            dnnl_sgemm('N', 'N', m, n, k, 1.0f, ml_data(a), k, ml_data(b), n, 0.0f, ml_data(c), n);
+        else
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, ml_data(a), k,
+                        ml_data(b), n, 0.0f, ml_data(c), n);
+    }
     lua_pushnumber(L, (now_s() - t0) / (double)calls);
+    return 1;
+}
+
+static int l_bench_gemm_libraries(lua_State *L)
+{
+    lua_pushstring(L, ml_gemm_describe());
     return 1;
 }
 
@@ -78,6 +97,7 @@ static const luaL_Reg bench_functions[] = {
     {"now", l_bench_now},
     {"synchronize", l_bench_synchronize},
     {"raw_sgemm", l_bench_raw_sgemm},
+    {"gemm_libraries", l_bench_gemm_libraries},
     {NULL, NULL}
 };
 

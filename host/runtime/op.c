@@ -4,6 +4,7 @@
  * reclaim-and-retry rule, argument checks.
  */
 #include "op.h"
+#include "../../kernels/gemm.h"
 #ifdef ML_WITH_CUDA
 #include "backend_cuda.h"
 #endif
@@ -50,7 +51,7 @@ ml_kctx ml_host_kctx(const ml_host *h)
 void ml_host_set_threads(ml_host *h, int n)
 {
     h->nthreads = n;
-    ml_matmul_set_threads_cpu(n);
+    ml_gemm_set_threads(n);
 }
 
 void ml_host_ledger_report(const ml_host *h, ml_tier tier, char *buf, size_t len)

@@ -1,0 +1,59 @@
+/*
+ * kernels/gemm.h - the CPU kernels' one GEMM: C = alpha·op(A)·op(B) +
+ * beta·C, row-major, transposes as flags, f32 or f64. Every CPU kernel
+ * that multiplies matrices (matmul, experts, attention) calls it, so the
+ * library behind it is chosen in one place (BENCHMARKS.md, "GEMM libraries
+ * on this machine", has the measurements behind the rule):
+ *
+ *   f64                                   OpenBLAS (oneDNN has no dgemm)
+ *   f32, CPU below AVX-512 (oneDNN's      OpenBLAS (oneDNN not measured to
+ *        avx512_core)                      win there)
+ *   f32, A·Bᵀ with few rows: M < 128      OpenBLAS (oneDNN 0.84-0.86× at
+ *        on one thread, M <= 256 on more   M 64 and 256 on two threads)
+ *   every other f32 GEMM                   oneDNN's dnnl_sgemm (1.02-1.20×
+ *                                          OpenBLAS on one thread, 1.09-1.66×
+ *                                          on two)
+ *
+ * The rule reads only the dtype, the flags, M and the thread mode, and the
+ * machine's ISA, so a given machine always sends a shape to the same
+ * library. Both libraries' one-thread results depend only on the shapes
+ * (DESIGN.md, Numerics; checked for both in BENCHMARKS.md), so kernels
+ * that run one GEMM per thread stay bitwise repeatable for every thread
+ * count; threaded GEMMs depend on the thread count, as before.
+ *
+ * Threads: a GEMM is either serial (one thread: the caller's, which may be
+ * one of a kernel's OpenMP threads) or threaded (the libraries' own
+ * threads, ml_gemm_set_threads). Kernels that run GEMMs side by side on
+ * their own threads bracket their region with ml_gemm_serial_begin/end.
+ */
+#ifndef ML_KERNELS_GEMM_H
+#define ML_KERNELS_GEMM_H
+
+#include "core.h"
+
+typedef enum { ML_GEMM_THREADED, ML_GEMM_SERIAL } ml_gemm_mode;
+
+/* C [m, n] = alpha·op(A) [m, k]·op(B) [k, n] + beta·C; ta/tb: 1 = the
+ * operand is stored transposed; lda/ldb/ldc are the row strides. m, n, k
+ * >= 0; k = 0 sets C = beta·C. dt: ML_F32 or ML_F64 (else nothing). */
+void ml_gemm(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m, int64_t n, int64_t k,
+             double alpha, const void *a, int64_t lda, const void *b, int64_t ldb, double beta,
+             void *c, int64_t ldc);
+
+/* The threads of threaded GEMMs (OpenBLAS's pool and the calling thread's
+ * OpenMP team size, which oneDNN uses). */
+void ml_gemm_set_threads(int n);
+
+/* Around a kernel region whose threads each run serial GEMMs: OpenBLAS's
+ * pool set to one thread (its threads would spin against the kernel's),
+ * restored by ml_gemm_serial_end with begin's value. */
+int ml_gemm_serial_begin(void);
+void ml_gemm_serial_end(int saved);
+
+/* Which library an f32 GEMM of this kind goes to on this machine:
+ * "oneDNN" or "OpenBLAS"; and a line naming both libraries, their
+ * versions and kernel paths (benchmark tables print it). */
+const char *ml_gemm_library(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m);
+const char *ml_gemm_describe(void);
+
+#endif
