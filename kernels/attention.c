@@ -9,19 +9,11 @@
  */
 #include "attention.h"
 #include "gemm.h"
+#include "vmath.h"
 #include "parallel.h"
 
 #include <math.h>
 #include <omp.h>
-
-/* The tile functions are also built for AVX2 and picked at load time: the
- * same IEEE operations in the same order (no FMA: -ffp-contract=off), only
- * wider, so both clones give bitwise the same results. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
-#define ML_ATT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define ML_ATT_CLONES
-#endif
 
 #define BQ 64   /* query rows per block */
 #define BK 64   /* key/value rows per block */
@@ -138,7 +130,7 @@ static inline void axpy(double *restrict y, double c, const double *restrict x, 
 
 /* ---- forward: one (head, q block) per item ------------------------------- */
 
-ML_ATT_CLONES
+ML_CLONES
 static void fwd_tile(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -190,33 +182,6 @@ static void fwd_tile(void *arg, int64_t lo, int64_t hi)
 
 /* ---- the f32 path: sgemm tiles -------------------------------------------- */
 
-/* e^x in f32 for x <= 0 (Cephes expf: round-to-nearest range reduction, a
- * degree-5 polynomial, 2^n from the exponent bits; about 1 ulp). Plain IEEE
- * operations only, so a loop over it vectorises and every clone gives the
- * same bits; x below -87.3 is clamped (e^-87.3 ~ 1e-38). */
-static inline float exp_f(float x)
-{
-    uint32_t ux;   /* clamp on the bits (a float ?: stops the vectoriser): */
-    memcpy(&ux, &x, sizeof ux);   /* negative floats order as unsigned magnitudes */
-    ux = ux < 0xC2AE999Au ? ux : 0xC2AE999Au;   /* -87.3f */
-    memcpy(&x, &ux, sizeof x);
-    float t = x * 1.44269504088896341f + 12582912.0f;   /* 1.5 * 2^23: round to integer */
-    float n = t - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * (r * r) + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float sc;
-    memcpy(&sc, &bits, sizeof sc);
-    return y * sc;
-}
-
 /* max of x[0, n), n >= 1, over LANES fixed lanes */
 static inline float row_max(const float *restrict x, int64_t n)
 {
@@ -267,7 +232,7 @@ static inline float row_exp(float *restrict x, int64_t n, int64_t nk, float z)
 }
 
 /* forward: one (head, FB query block) per item */
-ML_ATT_CLONES
+ML_CLONES
 static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -374,7 +339,7 @@ static inline void tile_dq(const att_args *a, int64_t nq, int64_t nk, const floa
 }
 
 /* dq for one (head, FB query block) per item, accumulated in place */
-ML_ATT_CLONES
+ML_CLONES
 static void dq_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -401,7 +366,7 @@ static void dq_tile32(void *arg, int64_t lo, int64_t hi)
 
 /* dk, dv for one (kv head, FB key block) per item, accumulated in place: the
  * group's query heads in order, then the query blocks i0 >= j0 in order */
-ML_ATT_CLONES
+ML_CLONES
 static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -435,7 +400,7 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
  * the same sgemms with the same operands in the same order as in dq_tile32
  * (key blocks ascending) and dkv_tile32 (heads, then query blocks), so both
  * schemes give the same bits; this one computes each tile's P and dS once. */
-ML_ATT_CLONES
+ML_CLONES
 static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -514,7 +479,7 @@ static void drow_tile(void *arg, int64_t lo, int64_t hi)
 }
 
 /* dq for one (head, q block) per item */
-ML_ATT_CLONES
+ML_CLONES
 static void dq_tile(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
@@ -552,7 +517,7 @@ static void dq_tile(void *arg, int64_t lo, int64_t hi)
 
 /* dk, dv for one (kv head, kv block) per item: the group's query heads in
  * order, then the queries i >= j in order */
-ML_ATT_CLONES
+ML_CLONES
 static void dkv_tile(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;

@@ -19,6 +19,7 @@
  */
 #include "experts.h"
 #include "gemm.h"
+#include "vmath.h"
 #include <omp.h>
 
 #include <math.h>
@@ -98,18 +99,24 @@ static void scale_rows(void *p, int64_t lo, int64_t hi)
     }
 }
 
+/* act [F] = silu(g)·u of one f32 row h = [g, u] */
+ML_CLONES
+static void swiglu_row_f32(const float *restrict h, float *restrict a, int64_t F)
+{
+    #pragma omp simd
+    for (int64_t f = 0; f < F; f++) {
+        float x = h[f];
+        a[f] = x * sigmoid_f(x) * h[F + f];
+    }
+}
+
 static void swiglu_fwd(void *p, int64_t lo, int64_t hi)
 {
     tile_arg *g = p;
     int64_t F = g->F;
     for (int64_t i = lo; i < hi; i++) {
         if (g->dt == ML_F32) {
-            const float *h = (const float *)g->h + i * 2 * F;
-            float *a = (float *)g->act + i * F;
-            for (int64_t f = 0; f < F; f++) {
-                float x = h[f];
-                a[f] = x / (1.0f + expf(-x)) * h[F + f];
-            }
+            swiglu_row_f32((const float *)g->h + i * 2 * F, (float *)g->act + i * F, F);
         } else {
             const double *h = (const double *)g->h + i * 2 * F;
             double *a = (double *)g->act + i * F;
@@ -121,40 +128,57 @@ static void swiglu_fwd(void *p, int64_t lo, int64_t hi)
     }
 }
 
-/* One pass per row: act = silu(g)·u (as forward computed it), dw[a] =
- * <dact_u, act> (f64 sum, f ascending), then with dact = w·dact_u:
- * dg = dact·u·silu'(g), du = dact·silu(g), written to dh (which may be h
- * itself: each element is read before it is written). */
+/* One f32 row of the backward: act = silu(g)·u (forward's values), dh =
+ * [dg, du] with dact = w·dact_u, dg = dact·u·silu'(g), du = dact·silu(g)
+ * (dh may be h itself: each element is read before it is written, and
+ * elements never mix); returns <dact_u, act> in f64 over 8 fixed lanes,
+ * combined in lane order. */
+ML_CLONES
+static double swiglu_bwd_row_f32(const float *h, const float *restrict dact_u, float *restrict act,
+                                 float *dh, float w, int64_t F)
+{
+    #pragma omp simd
+    for (int64_t f = 0; f < F; f++) {
+        float x = h[f], u = h[F + f];
+        float s = sigmoid_f(x);
+        float silu = x * s;
+        act[f] = silu * u;
+        float d = w * dact_u[f];
+        dh[f] = d * u * (s * (1.0f + x * (1.0f - s)));
+        dh[F + f] = d * silu;
+    }
+    double part[8] = {0};
+    int64_t f = 0;
+    for (; f + 8 <= F; f += 8) {
+        #pragma omp simd
+        for (int t = 0; t < 8; t++)
+            part[t] += (double)dact_u[f + t] * (double)act[f + t];
+    }
+    for (int t = 0; f < F; f++, t++)
+        part[t] += (double)dact_u[f] * (double)act[f];
+    double dot = part[0];
+    for (int t = 1; t < 8; t++)
+        dot += part[t];
+    return dot;
+}
+
+/* One pass per row: act, dw[a] = <dact_u, act>, dh (the f64 path: one
+ * sum, f ascending). */
 static void swiglu_bwd(void *p, int64_t lo, int64_t hi)
 {
     tile_arg *g = p;
     int64_t F = g->F;
     for (int64_t i = lo; i < hi; i++) {
         int64_t a = g->pos[i];
-        double dot = 0;
         if (g->dt == ML_F32) {
-            const float *h = (const float *)g->h + i * 2 * F;
-            const float *du_ = (const float *)g->dact_u + i * F;
-            float *act = (float *)g->act + i * F, *dh = (float *)g->dh + i * 2 * F;
-            float w = ((const float *)g->w)[a];
-            for (int64_t f = 0; f < F; f++) {
-                float x = h[f], u = h[F + f];
-                float ex = expf(-x);
-                float s = 1.0f / (1.0f + ex);
-                float silu = x / (1.0f + ex);
-                float av = silu * u;
-                act[f] = av;
-                dot += (double)du_[f] * (double)av;
-                float d = w * du_[f];
-                dh[f] = d * u * (s * (1.0f + x * (1.0f - s)));
-                dh[F + f] = d * silu;
-            }
-            ((float *)g->dw)[a] = (float)dot;
+            ((float *)g->dw)[a] = (float)swiglu_bwd_row_f32(
+                (const float *)g->h + i * 2 * F, (const float *)g->dact_u + i * F,
+                (float *)g->act + i * F, (float *)g->dh + i * 2 * F, ((const float *)g->w)[a], F);
         } else {
             const double *h = (const double *)g->h + i * 2 * F;
             const double *du_ = (const double *)g->dact_u + i * F;
             double *act = (double *)g->act + i * F, *dh = (double *)g->dh + i * 2 * F;
-            double w = ((const double *)g->w)[a];
+            double w = ((const double *)g->w)[a], dot = 0;
             for (int64_t f = 0; f < F; f++) {
                 double x = h[f], u = h[F + f];
                 double ex = exp(-x);

@@ -1,0 +1,69 @@
+/*
+ * kernels/vmath.h - f32 math that vectorises, for the CPU kernels'
+ * elementwise loops (attention's softmax, the experts' SwiGLU): plain IEEE
+ * operations only (no libm call, no float ?:), so a loop over them
+ * vectorises, and -ffp-contract=off keeps every clone's results bitwise
+ * the same. Not for CUDA (its kernels call expf).
+ */
+#ifndef ML_KERNELS_VMATH_H
+#define ML_KERNELS_VMATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* Hot loops are also built for AVX2 and picked at load time: the same IEEE
+ * operations in the same order (no FMA: -ffp-contract=off), only wider, so
+ * both clones give bitwise the same results. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
+#define ML_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ML_CLONES
+#endif
+
+/* e^x in f32 for x <= 0 (Cephes expf: round-to-nearest range reduction, a
+ * degree-5 polynomial, 2^n from the exponent bits; about 1 ulp). Plain IEEE
+ * operations only, so a loop over it vectorises and every clone gives the
+ * same bits; x below -87.3 is clamped (e^-87.3 ~ 1e-38). */
+static inline float exp_f(float x)
+{
+    uint32_t ux;   /* clamp on the bits (a float ?: stops the vectoriser): */
+    memcpy(&ux, &x, sizeof ux);   /* negative floats order as unsigned magnitudes */
+    ux = ux < 0xC2AE999Au ? ux : 0xC2AE999Au;   /* -87.3f */
+    memcpy(&x, &ux, sizeof x);
+    float t = x * 1.44269504088896341f + 12582912.0f;   /* 1.5 * 2^23: round to integer */
+    float n = t - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float sc;
+    memcpy(&sc, &bits, sizeof sc);
+    return y * sc;
+}
+
+/* The logistic sigmoid 1 / (1 + e^-x) from z = e^-|x| (exp_f's range):
+ * 1 / (1 + z) for x >= 0, z / (1 + z) below, the choice made on the sign
+ * bit. NaN stays NaN in what uses x (silu = x·s). For x below
+ * -87.3 the result is e^-87.3 ~ 1e-38 rather than smaller. */
+static inline float sigmoid_f(float x)
+{
+    uint32_t ux, uz, one = 0x3f800000u;
+    memcpy(&ux, &x, sizeof ux);
+    uint32_t mask = (uint32_t)0 - (ux >> 31), na = ux | 0x80000000u;   /* -|x| */
+    float m;
+    memcpy(&m, &na, sizeof m);
+    float z = exp_f(m);
+    memcpy(&uz, &z, sizeof uz);
+    uint32_t un = (uz & mask) | (one & ~mask);
+    float num;
+    memcpy(&num, &un, sizeof num);
+    return num / (1.0f + z);
+}
+
+#endif
