@@ -115,12 +115,13 @@ local function run(c)
     floor_pct = rate and 100 * (flops / (rate * 1e9)) / (f + b),
     peak_bytes = st.total_peak, peak_by_category = st.peak, peak_rss_bytes = peak_rss(),
     peak_reserved_bytes = device ~= "cpu" and st.reserved_peak or nil,
+    gemm = bench.gemm_libraries(),
   }
 end
 
 local ORDER = {"bench", "impl", "tokens", "dim", "ffn", "experts", "topk", "chunk", "tile", "recompute",
                "threads", "reps", "fwd_ms", "bwd_ms", "gemm_gflops", "sgemm_gflops", "floor_pct",
-               "peak_bytes", "peak_by_category", "peak_rss_bytes"}
+               "peak_bytes", "peak_by_category", "peak_rss_bytes", "gemm"}
 if device ~= "cpu" then   -- the CPU line stays as it was
   table.insert(ORDER, 3, "device")
   ORDER[#ORDER + 1] = "peak_reserved_bytes"   -- the caching allocator's, as torch's max_memory_reserved

@@ -160,7 +160,7 @@ local out = {
   -- the ledger charges the pool's capacity (blocks grow geometrically);
   -- high_water is the most bytes the model's pool ever had in use
   pool_capacity_bytes = model.pool:stats().capacity, pool_high_water_bytes = model.pool:stats().high_water,
-  pool_blocks = model.pool:stats().blocks,
+  pool_blocks = model.pool:stats().blocks, gemm = moelua.bench.gemm_libraries(),
 }
 for i, v in ipairs(times) do out.step_ms_all[i] = v * 1e3 end
 print(json.encode(out))
