@@ -20,9 +20,8 @@
  * f64 (K and V also transposed), so the inner loops vectorise over independent
  * outputs and no sum is reordered.
  *
- * f32: tiles of 128 queries x 128 keys, each product one single-threaded
- * cblas_sgemm straight on the strided inputs (OpenBLAS is held to one thread
- * for the call, as in experts.c). Forward: S = scale Q_blk K_blkᵀ, online
+ * f32: tiles of 128 queries x 128 keys, each product one serial sgemm of
+ * kernels/gemm.h straight on the strided inputs (as in experts.c). Forward: S = scale Q_blk K_blkᵀ, online
  * softmax per row with the running max in f32 and the running sum in f64
  * (each tile's row sum in f32 over 16 fixed lanes), a vectorised f32 exp
  * (about 1 ulp), acc += P V_blk in f32, then out = acc / l and lse = m +
@@ -40,9 +39,9 @@
  * every output is bitwise identical for a fixed thread count. The summation
  * order is fixed by the shapes and the block constants, never by the thread
  * count, so f64 is also bitwise identical across thread counts; f32 is too,
- * as long as a single-threaded OpenBLAS sgemm depends only on its shapes and
- * operands (true of OpenBLAS 0.3.21; the spec compares 1 and 4 threads for
- * both dtypes).
+ * as long as a serial sgemm depends only on its shapes and operands (true of
+ * OpenBLAS 0.3.21 and oneDNN 2.6, tests/c/test_gemm.c; the spec compares 1
+ * and 4 threads for both dtypes).
  *
  * Scratch: the caller passes ml_attention_scratch_bytes(hd, ctx->nthreads)
  * bytes (8-aligned), for either dtype.

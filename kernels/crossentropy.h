@@ -14,7 +14,7 @@
  * dloss / S in it, then dh += G W_c and dW_c += G^T h by BLAS.
  *
  * Numerics: the logits come from BLAS (sgemm/dgemm), whose summation order
- * depends on the OpenBLAS thread count and the block shape, so neither the
+ * depends on the GEMM thread count and the block shape, so neither the
  * loss nor the gradients are promised bitwise across thread counts or chunk
  * sizes; they agree to a normwise tolerance (the specs state it). Everything
  * after the logits is f64.

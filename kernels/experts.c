@@ -2,10 +2,10 @@
  * kernels/experts.c - the tiled SwiGLU experts of kernels/experts.h on the
  * CPU. The threads share out whole tiles, not the columns of one GEMM: each
  * takes the next tile of the plan's sequence (experts ascending, rows
- * ascending), runs it in its own lane of the scratch with single-threaded
- * cblas calls (OpenBLAS's own threads are set to 1 while the kernel runs
- * and restored after, so the two thread pools never spin against each
- * other), and adds into the shared outputs inside an `ordered` region, so
+ * ascending), runs it in its own lane of the scratch with serial GEMMs
+ * (kernels/gemm.h: the libraries' own threads are held to one while the
+ * kernel runs, so two thread pools never spin against each other), and
+ * adds into the shared outputs inside an `ordered` region, so
  * the adds happen in sequence order whichever thread ran the tile. Nothing
  * waits but those adds: no barrier between the steps of a tile.
  *

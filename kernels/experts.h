@@ -45,10 +45,9 @@
  * turn, and dgate_up[e] / ddown[e] add their tiles in the same order;
  * threads never split a sum. So a token's sum is over its experts in
  * ascending expert index, fixed by the plan alone. On the CPU each tile's
- * GEMMs are whole single-threaded OpenBLAS calls (the threads share out
- * tiles, not columns), so results are bitwise the same for every thread
- * count (DESIGN.md, Tensors). The kernels set OpenBLAS to one thread while
- * they run and restore its count after.
+ * GEMMs are whole serial calls of kernels/gemm.h (the threads share out
+ * tiles, not columns), whose results depend only on the shapes, so results
+ * are bitwise the same for every thread count (DESIGN.md, Tensors).
  *
  * Saving (the memory-time tradeoff): the caller passes h_saved [S, 2F] for
  * the first S dispatch positions. A tile with p0 + r <= S keeps its h there

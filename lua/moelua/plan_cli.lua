@@ -16,6 +16,10 @@
 -- planned, each in a child process: the largest rank's book in full, then
 -- every rank's peak.
 --
+-- --json: the same plan as one JSON object (every book's peak and at_peak
+-- per category in bytes, total_peak, the phase, pool_bytes,
+-- expert_exchange); with --world and no --rank, one line per rank.
+--
 -- --fit: the recipe's memory knobs, tried in a stated order (KNOBS below)
 -- and kept as they add up, until a plan fits: each try's peak, the options
 -- that fit and what each costs. Only knobs the recipe offers (its --help)
@@ -35,7 +39,7 @@ local function mib(n) return string.format("%.2f MiB", n / 2^20) end
 local bytes = require("moelua.mem").format_bytes
 
 local function usage()
-  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [recipe options] (e.g. " ..
+  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [recipe options] (e.g. " ..
               "moelua plan recipes/longctx.lua --seq-len 32768)")
 end
 
@@ -57,6 +61,7 @@ end
 -- hold bytes (books), then the program ends (exit status 0).
 function M.finish(recipe, device, plan, books)
   local dist = require "moelua.dist"
+  if M.json then return M.finish_json(recipe, device, plan, books) end
   local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
   local out = {string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
                              mib(plan.total_peak), plan.total_peak,
@@ -83,6 +88,25 @@ function M.finish(recipe, device, plan, books)
   out[#out + 1] = "outside the ledger (not planned): the Lua heap and the process's code and libraries" ..
                   (device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces" or "")
   io.stdout:write(table.concat(out, "\n"), "\n")
+  io.stdout:flush()
+  os.exit(0, true)
+end
+
+-- finish's JSON form: one object on stdout, then the program ends.
+function M.finish_json(recipe, device, plan, books)
+  local dist = require "moelua.dist"
+  local function book(b)
+    return {peak = b.peak, at_peak = b.at_peak, total_peak = b.total_peak, budget_total = b.budget_total}
+  end
+  local out = {recipe = recipe, device = device, peak_bytes = plan.total_peak, phase = plan.peak_phase,
+               budget_bytes = plan.budget_total, books = {[device] = book(plan)},
+               pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange}
+  if dist.planned() then out.rank, out.world = dist.rank(), dist.world() end
+  for _, tier in ipairs{"pinned", "file"} do
+    local b = books[tier]
+    if b and b.total_peak > 0 then out.books[tier] = book(b) end
+  end
+  io.stdout:write(require("dkjson").encode(out), "\n")
   io.stdout:flush()
   os.exit(0, true)
 end
@@ -132,18 +156,26 @@ local function take_int(args, name, lo)
   return n
 end
 
--- Every rank of a planned world of n ranks, each in a child.
+-- Every rank of a planned world of n ranks, each in a child; with --json,
+-- each child's line as it comes.
 local function every_rank(recipe, rest, n)
   local host, peaks, largest = host_path(), {}, nil
   for r = 0, n - 1 do
     local args = {table.unpack(rest)}
-    for _, a in ipairs{"--world", tostring(n), "--rank", tostring(r)} do args[#args + 1] = a end
+    for _, a in ipairs{"--world", tostring(n), "--rank", tostring(r), M.json and "--json" or nil} do
+      args[#args + 1] = a
+    end
     local ok, text = child(host, recipe, args)
-    if not ok then io.stdout:write(text); return false end
-    local peak, phase = text:match("^moelua plan: .-: peak ([%d.]+) MiB.-, in ([^\n]*)")
-    peaks[r + 1] = {rank = r, peak = tonumber(peak), phase = phase, text = text}
-    if not largest or peaks[r + 1].peak > largest.peak then largest = peaks[r + 1] end
+    if not ok or M.json then
+      io.stdout:write(text)
+      if not ok then return false end
+    else
+      local peak, phase = text:match("^moelua plan: .-: peak ([%d.]+) MiB.-, in ([^\n]*)")
+      peaks[r + 1] = {rank = r, peak = tonumber(peak), phase = phase, text = text}
+      if not largest or peaks[r + 1].peak > largest.peak then largest = peaks[r + 1] end
+    end
   end
+  if M.json then return true end
   io.stdout:write(largest.text)
   print(string.format("every rank of %d (the largest, rank %d, above):", n, largest.rank))
   for _, p in ipairs(peaks) do print(string.format("  rank %d: peak %.2f MiB, in %s", p.rank, p.peak, p.phase)) end
@@ -309,7 +341,11 @@ function M.main(args)
   for i = 2, #args do
     if args[i] == "--max-seq" then max_seq = true
     elseif args[i] == "--fit" then fit = true
+    elseif args[i] == "--json" then M.json = true
     else rest[#rest + 1] = args[i] end
+  end
+  if M.json and (max_seq or fit) then
+    errors.user("moelua plan: --json prints a plan's book; --max-seq and --fit print their search")
   end
   if max_seq then return M.max_seq(recipe, rest) end
   if fit then return M.fit(recipe, rest) end

@@ -85,6 +85,10 @@
 -- z_weight, lr_scale, capacity_factor, and `overrides` when `moelua attach`
 -- set any; tokens/s, ledger peaks by category, per-layer expert loads,
 -- active alarms, skipped steps, phase times) and events as their own lines.
+-- With cfg.plan (train.plan's book), the run starts with the event
+-- {event = "plan", step, planned_peak = {total, each category, ranks},
+-- phase, budget}: what the run was admitted on, in the form of the steps'
+-- ledger_peak, so a reader compares the two to the byte.
 -- phases (seconds): data, fwd, bwd, optim (the step's wall time is their
 -- sum, `step_seconds`), checkpoint (saves after this step; validation not
 -- included), and inside fwd + bwd the model's profile: attention, router,
@@ -141,23 +145,26 @@ local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps
 
 local function now(device) return bench.now(device) end
 
--- This rank's ledger peaks; with more ranks, ranks = every rank's total
--- and category peaks (rank 0's log carries them all).
-local function ledger_peaks(z)
-  local st = mem.stats().cpu
-  local peaks = {total = st.total_peak}
-  for k, v in pairs(st.peak) do peaks[k] = v end
-  if z.world > 1 then   -- every rank's total and category peaks, rank 0 first
+-- A book's peaks (mem.stats()'s format): total and each category's; with
+-- more ranks, ranks = every rank's, rank 0 first (rank 0's log carries
+-- them all).
+local function book_peaks(z, book, what)
+  local peaks = {total = book.total_peak}
+  for k, v in pairs(book.peak) do peaks[k] = v end
+  if z.world > 1 then
     local keys = {"total"}
-    for k in pairs(st.peak) do keys[#keys + 1] = k end
+    for k in pairs(book.peak) do keys[#keys + 1] = k end
     table.sort(keys)
-    peaks.ranks = z:gather_numbers(peaks, keys, "ledger peaks")
+    peaks.ranks = z:gather_numbers(peaks, keys, what)
     for _, one in ipairs(peaks.ranks) do
       for k, v in pairs(one) do one[k] = math.tointeger(v) end
     end
   end
   return peaks
 end
+
+-- This rank's measured ledger peaks (every rank's with more ranks).
+local function ledger_peaks(z) return book_peaks(z, mem.stats().cpu, "ledger peaks") end
 
 -- Every rank's seconds in each kind of collective during the step (this
 -- exchange's own wait counts in the next step's), rank 0 first.
@@ -1296,6 +1303,10 @@ function train.run(cfg)
   end
   if init_dir then self:log({event = "init_from", from = init_dir}) end
   if resuming then self:log({event = "resume", step = first, from = resumed_from}) end
+  if cfg.plan then   -- what the run was admitted on, beside what its steps measure (ledger_peak)
+    self:log({event = "plan", step = first, planned_peak = book_peaks(z, cfg.plan, "planned peaks"),
+              phase = cfg.plan.peak_phase, budget = cfg.plan.budget_total})
+  end
   self.first_step = first
   local last_good, last_good_step = nil, nil
   local t_start, last_step = now(), self.steps - 1

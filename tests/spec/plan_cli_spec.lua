@@ -53,6 +53,41 @@ describe("moelua plan", function()
     assert.is_nil(fs.stat(run_dir), "nothing was written")
   end)
 
+  it("--json: the same book as one JSON object, in bytes; with --world, one line per rank", function()
+    local json = require "dkjson"
+    local args = {"plan", "recipes/longctx.lua", "--seq-len", "512", "--expert-budget", "1MiB"}
+    local code, text = host(args)
+    assert.are.equal(0, code, text)
+    table.insert(args, 3, "--json")
+    local out
+    code, out = host(args)
+    assert.are.equal(0, code, out)
+    local b = assert(json.decode(out), out)
+    assert.are.equal("recipes/longctx.lua", b.recipe)
+    assert.are.equal("cpu", b.device)
+    -- the printed book's bytes, its categories adding up, and the file tier beside it
+    assert.is_not_nil(text:find("peak [%d.]+ MiB %(" .. b.peak_bytes .. " bytes%)"), text)
+    assert.are.equal(b.peak_bytes, b.books.cpu.total_peak)
+    local sum = 0
+    for _, v in pairs(b.books.cpu.at_peak) do sum = sum + v end
+    assert.are.equal(b.peak_bytes, sum)
+    assert.is_true(b.books.cpu.peak.cache > 0 and b.books.file.total_peak > 0)
+    assert.are.equal(text:match(", in ([^\n]*)"), b.phase)
+    assert.is_true(b.pool_bytes > 0)
+    code, out = host({"plan", "recipes/longctx.lua", "--json", "--world", "2", "--zero", "3", "--seq-len", "512"})
+    assert.are.equal(0, code, out)
+    local ranks = {}
+    for line in out:gmatch("[^\n]+") do ranks[#ranks + 1] = assert(json.decode(line), line) end
+    assert.are.equal(2, #ranks)
+    for r, one in ipairs(ranks) do
+      assert.are.same({r - 1, 2}, {one.rank, one.world})
+      assert.is_true(one.books.cpu.peak.comm > 0)
+    end
+    code, out = host({"plan", "recipes/longctx.lua", "--json", "--fit"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan: --json prints a plan's book; --max-seq and --fit print their search")
+  end)
+
   it("refuses a plan over the budget with the recipe's own error", function()
     local code, out = host({"plan", "recipes/longctx.lua", "--seq-len", "65536", "--budget-gib", "0.05"})
     assert.are.equal(1, code, out)
@@ -63,7 +98,7 @@ describe("moelua plan", function()
   it("needs a recipe; --rank needs --world", function()
     local code, out = host({"plan"})
     assert.are.equal(1, code, out)
-    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [recipe options]")
+    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [recipe options]")
     code, out = host({"plan", "recipes/longctx.lua", "--rank", "1"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan: --rank needs --world")

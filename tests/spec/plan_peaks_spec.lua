@@ -6,7 +6,8 @@
 -- (the last step's ledger_peak in its metrics.jsonl) equal to the byte both
 -- plans of it: `moelua plan` with the same options (--world 2 --rank R for
 -- a rank: a planned world, no mpiexec) and the plan the recipe makes of
--- itself before training (train.plan). Two steps a run, no validation
+-- itself before training (train.plan, the run's `plan` event in its
+-- metrics.jsonl). Two steps a run, no validation
 -- (--ckpt-every 0: neither the plans nor the steps validate).
 local support = require "tests.support"
 local json = require "dkjson"
@@ -33,77 +34,63 @@ local MODES = {
    check = function(p) assert.is_true(p.measured.cache > 0, "the experts are in the store's cache") end},
 }
 
--- LUA_INIT_5_4 of every child (it runs before the recipe or the `plan`
--- subcommand): the planned book's peak per category and total_peak go to
--- PREFIX.cli.<rank>.json when `moelua plan` prints it (moelua.plan_cli's
--- finish) and to PREFIX.run.<rank>.json when train.plan returns it to the
--- recipe, beside the run directory (which must stay empty until the run).
-local RECORD = [[
-local prefix = %q
-local function record(kind, book)
-  local peaks = {total = book.total_peak}
-  for c, v in pairs(book.peak) do peaks[c] = v end
-  local f = assert(io.open(prefix .. "." .. kind .. "." .. require("moelua.dist").rank() .. ".json", "w"))
-  f:write(require("dkjson").encode(peaks))
-  f:close()
-end
-local train, cli = require "moelua.train", require "moelua.plan_cli"
-local plan, finish = train.plan, cli.finish
-function train.plan(cfg)
-  local book, why, need = plan(cfg)
-  if book then record("run", book) end
-  return book, why, need
-end
-function cli.finish(recipe, device, book, books)
-  record("cli", book)
-  return finish(recipe, device, book, books)
-end
-]]
-
 local base   -- build/plan_peaks: an expert store's file must be on a disk
 
--- The output of a child run by `command` (the shell's words) with RECORD
--- writing under prefix; asserts that it exited 0.
-local function child(command, prefix)
-  local init = "LUA_INIT_5_4=" .. support.shell_quote(RECORD:format(prefix)) .. " "
-  local code, out = support.finish_child(assert(io.popen(init .. command .. " 2>&1")))
+-- The output of a child run by `command` (the shell's words); asserts
+-- that it exited 0.
+local function child(command)
+  local code, out = support.finish_child(assert(io.popen(command .. " 2>&1")))
   assert.are.equal(0, code, out)
   return out
 end
 
--- Plans (`moelua plan`, each rank) and then trains `recipe` for two steps
--- at seq_len in `mode`, on one process or under `mpiexec -n mode.ranks`;
--- returns per rank (1-based) the peaks of both plans and the measured ones.
+-- A book's peaks in the form of metrics.jsonl's ledger_peak: each category
+-- and the total.
+local function peaks_of(book)
+  local peaks = {total = book.total_peak}
+  for c, v in pairs(book.peak) do peaks[c] = v end
+  return peaks
+end
+
+-- Plans (`moelua plan --json`, each rank) and then trains `recipe` for two
+-- steps at seq_len in `mode`, on one process or under `mpiexec -n
+-- mode.ranks`; returns per rank (1-based) the peaks of both plans (the
+-- command's, and the recipe's own from the run's `plan` event) and the
+-- measured ones (the last step's ledger_peak).
 local function train(recipe, seq_len, mode)
   local ranks = mode.ranks
   local name = string.format("%s-%d-%s", recipe.file:match("([^/]+)%.lua$"), seq_len, mode.tag)
-  local run_dir, prefix = base .. "/" .. name, base .. "/" .. name .. ".plan"
+  local run_dir = base .. "/" .. name
   local opts = {"--steps", "2", "--ckpt-every", "0", "--seq-len", tostring(seq_len), "--run-dir", run_dir}
   for _, list in ipairs{recipe.args, mode.options(recipe)} do
     for _, a in ipairs(list) do opts[#opts + 1] = a end
   end
+  local cli = {}
   for r = 0, ranks - 1 do
-    local args = {"plan", recipe.file, table.unpack(opts)}
+    local args = {"plan", recipe.file, "--json", table.unpack(opts)}
     if ranks > 1 then   -- a rank of a planned world
       for _, a in ipairs{"--world", tostring(ranks), "--rank", tostring(r)} do args[#args + 1] = a end
     end
-    child(support.host_command(args), prefix)
+    local out = child(support.host_command(args))
+    local book = assert(json.decode(out), out)
+    cli[r + 1] = peaks_of(book.books[book.device])
   end
   local args = {recipe.file, table.unpack(opts)}
-  local out = child(ranks > 1 and support.mpiexec_command(ranks, args) or support.host_command(args), prefix)
-  local last
+  local out = child(ranks > 1 and support.mpiexec_command(ranks, args) or support.host_command(args))
+  local last, plan
   for _, m in ipairs(support.metrics(run_dir)) do
     if m.ledger_peak then last = m.ledger_peak end
+    if m.event == "plan" then plan = m.planned_peak end
   end
   assert.is_not_nil(last, "no step logged its ledger peak: " .. out)
+  assert.is_not_nil(plan, "the run logged no plan event: " .. out)
   local measured = ranks > 1 and last.ranks or {last}
+  local planned = ranks > 1 and plan.ranks or {plan}
   assert.are.equal(ranks, #measured, "ranks in the log")
-  local function planned(kind, r)
-    return json.decode(assert(support.read_file(string.format("%s.%s.%d.json", prefix, kind, r))))
-  end
+  assert.are.equal(ranks, #planned, "ranks in the plan event")
   local per_rank = {}
   for r = 1, ranks do
-    per_rank[r] = {cli = planned("cli", r - 1), run = planned("run", r - 1), measured = measured[r]}
+    per_rank[r] = {cli = cli[r], run = planned[r], measured = measured[r]}
   end
   return per_rank
 end
