@@ -241,16 +241,17 @@ static int64_t count_tiles(const ml_experts_weights *wt, const int64_t *offsets,
     return n;
 }
 
-/* Tile i of the sequence: its expert and first position (a walk over the
- * experts, cheap beside a tile's GEMMs). */
+/* Tile i of the sequence: its expert, first position and rows (a walk
+ * over the experts, cheap beside a tile's GEMMs). */
 static void locate_tile(const ml_experts_weights *wt, const int64_t *offsets, int64_t R, int64_t i,
-                        int64_t *e, int64_t *p0)
+                        int64_t *e, int64_t *p0, int64_t *r)
 {
     for (int64_t x = 0;; x++) {
         int64_t n = wt->gate_up[x] ? (offsets[x + 1] - offsets[x] + R - 1) / R : 0;
         if (i < n) {
             *e = x;
             *p0 = offsets[x] + i * R;
+            *r = offsets[x + 1] - *p0 < R ? offsets[x + 1] - *p0 : R;
             return;
         }
         i -= n;
@@ -304,9 +305,8 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
     #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t i = 0; i < ntiles; i++) {
         int run = !tile_stopped(ctx, &stop);
-        int64_t e, p0;
-        locate_tile(wt, offsets, R, i, &e, &p0);
-        int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
+        int64_t e, p0, r;
+        locate_tile(wt, offsets, R, i, &e, &p0, &r);
         char *xt = (char *)scratch + (size_t)(omp_get_thread_num() * lane) * es;  /* [R, D], then out */
         char *hbuf = xt + (size_t)(R * D) * es;                                    /* [R, 2F] */
         char *act = hbuf + (size_t)(R * 2 * F) * es;                               /* [R, F] */
@@ -354,9 +354,8 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
     #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
     for (int64_t i = 0; i < ntiles; i++) {
         int run = !tile_stopped(ctx, &stop);
-        int64_t e, p0;
-        locate_tile(wt, offsets, R, i, &e, &p0);
-        int64_t r = offsets[e + 1] - p0 < R ? offsets[e + 1] - p0 : R;
+        int64_t e, p0, r;
+        locate_tile(wt, offsets, R, i, &e, &p0, &r);
         const void *gu = wt->gate_up[e], *dn = wt->down[e];
         char *xt = (char *)scratch + (size_t)(omp_get_thread_num() * lane) * es;  /* [R, D] x rows */
         char *dyt = xt + (size_t)(R * D) * es;       /* [R, D] dy rows, then w·dy */
