@@ -60,8 +60,8 @@ end
 -- with train.plan's pool_bytes and expert_exchange), the other tiers that
 -- hold bytes (books), then the program ends (exit status 0).
 function M.finish(recipe, device, plan, books)
-  local dist = require "moelua.dist"
   if M.json then return M.finish_json(recipe, device, plan, books) end
+  local dist = require "moelua.dist"
   local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
   local out = {string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
                              mib(plan.total_peak), plan.total_peak,
