@@ -27,7 +27,7 @@ for f in $fams; do
         python3 $T/launch.py kernels/$cu.cu $B/gen/$cu.cu.cpp
     done
     g++ -std=c++20 -ffp-contract=off -Wall -Wextra -Wno-unused-parameter $SAN -I$T/include -Ikernels \
-        -I$B/gen $T/test_$f.cpp $objs -lopenblas -fopenmp -lm -pthread -o $B/test_$f
+        -I$B/gen $T/test_$f.cpp $objs -lopenblas -ldnnl -fopenmp -lm -pthread -o $B/test_$f
     echo "== $f"
     for rev in 0 1; do
         EMU_REVERSE=$rev ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 $B/test_$f \
