@@ -415,6 +415,6 @@ static int emu_finish(void)
 }
 
 static const double EPS32 = 1.0 / (1 << 24), EPS64 = 1.0 / 9007199254740992.0;
-static const ml_kctx emu_ctx = {1, nullptr, nullptr};
+static const ml_kctx emu_ctx = {1, nullptr, nullptr, nullptr, nullptr};
 
 #endif

@@ -2,8 +2,9 @@
 # CUDA kernels on the CPU: builds each kernels/<family>.cu as C++ against an
 # emulated CUDA runtime (README at the top of emu.h) with ASan + UBSan, and
 # runs it against the CPU kernels (kernels/*.c), threads in order and
-# reversed; prints the FAIL lines and each run's summary. A developer tool, not part
-# of `make test`. Usage, from the repository root:
+# reversed; prints the FAIL lines and each run's summary (a family that
+# does not build is a FAIL; the others still run). A developer tool, not
+# part of `make test`. Usage, from the repository root:
 #   tests/tools/cuda_emu/run.sh [family ...]     (default: every family)
 set -eo pipefail
 cd "$(dirname "$0")/../../.."
@@ -27,7 +28,8 @@ for f in $fams; do
         python3 $T/launch.py kernels/$cu.cu $B/gen/$cu.cu.cpp
     done
     g++ -std=c++20 -ffp-contract=off -Wall -Wextra -Wno-unused-parameter $SAN -I$T/include -Ikernels \
-        -I$B/gen $T/test_$f.cpp $objs -lopenblas -fopenmp -lm -pthread -o $B/test_$f
+        -I$B/gen $T/test_$f.cpp $objs -lopenblas -ldnnl -fopenmp -lm -pthread -o $B/test_$f \
+        || { echo "== $f"; echo "FAIL $f does not build"; status=1; continue; }
     echo "== $f"
     for rev in 0 1; do
         EMU_REVERSE=$rev ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 $B/test_$f \
