@@ -570,7 +570,7 @@ ml_status ml_attention_backward_cpu(ml_dtype dt, void *dq, void *dk, void *dv, d
     if (dt == ML_F32) {
         /* one pass over kv heads when they spread evenly over the threads,
          * else two race-free passes; the bits are the same (dqkv_tile32) */
-        int nt = ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+        int nt = ml_kctx_threads(ctx);
         int64_t nb = (S + FB - 1) / FB;
         if (KV % nt == 0)
             return tiles_blas1(KV, a.group * FB * (S / 2 + 1) * hd * nb * 10, ctx, dqkv_tile32, &a);

@@ -56,6 +56,12 @@ typedef struct {
     void *progress_ud;
 } ml_kctx;
 
+/* The CPU threads a kernel may use (1 without a context). */
+static inline int ml_kctx_threads(const ml_kctx *ctx)
+{
+    return ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+}
+
 static inline int ml_kctx_interrupted(const ml_kctx *ctx)
 {
     return ctx && ctx->interrupt && *ctx->interrupt;

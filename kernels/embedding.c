@@ -59,7 +59,7 @@ ml_status ml_embedding_backward_cpu(ml_dtype dt, void *dW, const void *dout, con
         return ML_EUNSUPPORTED;
     emb_args a = {dt, dW, dout, ids, T, V, D};
     /* one range of rows per thread: each range costs a scan of the T ids */
-    int nt = ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+    int nt = ml_kctx_threads(ctx);
     int64_t tile = (V + nt - 1) / nt;
     return ml_parallel_tiles(V, tile < 1 ? 1 : tile, (T + T * D / (V > 0 ? V : 1)) + 1, ctx,
                              bwd_rows, &a);

@@ -69,24 +69,22 @@ typedef struct {
     void *dst; const void *src;
     /* swiglu: h [r, 2F] -> act [r, F]; backward also dact_u [r, F] -> dh, dw */
     const void *h; void *act; const void *dact_u; void *dh; void *dw;
-    /* add: acc [T, D] += scale_a · rows [r, D], rows sequential per column block */
+    /* add: acc [T, D] += scale_a · rows [r, D], rows in order */
     void *acc; const void *rows; int scaled; int64_t r;
 } tile_arg;
 
-static void gather_rows(void *p, int64_t lo, int64_t hi)
+static void gather_rows(const tile_arg *g)
 {
-    tile_arg *g = p;
     size_t row = (size_t)g->D * g->es;
-    for (int64_t i = lo; i < hi; i++)
+    for (int64_t i = 0; i < g->r; i++)
         memcpy((char *)g->dst + (size_t)i * row, (const char *)g->src + (size_t)(g->pos[i] / g->k) * row,
                row);
 }
 
 /* dst rows *= w[a] in place (dout = w · dy). */
-static void scale_rows(void *p, int64_t lo, int64_t hi)
+static void scale_rows(const tile_arg *g)
 {
-    tile_arg *g = p;
-    for (int64_t i = lo; i < hi; i++) {
+    for (int64_t i = 0; i < g->r; i++) {
         if (g->dt == ML_F32) {
             float s = ((const float *)g->w)[g->pos[i]], *d = (float *)g->dst + i * g->D;
             for (int64_t c = 0; c < g->D; c++)
@@ -110,11 +108,10 @@ static void swiglu_row_f32(const float *restrict h, float *restrict a, int64_t F
     }
 }
 
-static void swiglu_fwd(void *p, int64_t lo, int64_t hi)
+static void swiglu_fwd(const tile_arg *g)
 {
-    tile_arg *g = p;
     int64_t F = g->F;
-    for (int64_t i = lo; i < hi; i++) {
+    for (int64_t i = 0; i < g->r; i++) {
         if (g->dt == ML_F32) {
             swiglu_row_f32((const float *)g->h + i * 2 * F, (float *)g->act + i * F, F);
         } else {
@@ -164,11 +161,10 @@ static double swiglu_bwd_row_f32(const float *h, const float *restrict dact_u, f
 
 /* One pass per row: act, dw[a] = <dact_u, act>, dh (the f64 path: one
  * sum, f ascending). */
-static void swiglu_bwd(void *p, int64_t lo, int64_t hi)
+static void swiglu_bwd(const tile_arg *g)
 {
-    tile_arg *g = p;
     int64_t F = g->F;
-    for (int64_t i = lo; i < hi; i++) {
+    for (int64_t i = 0; i < g->r; i++) {
         int64_t a = g->pos[i];
         if (g->dt == ML_F32) {
             ((float *)g->dw)[a] = (float)swiglu_bwd_row_f32(
@@ -196,12 +192,11 @@ static void swiglu_bwd(void *p, int64_t lo, int64_t hi)
     }
 }
 
-/* acc[t_i, c] += s_i · rows[i, c] for columns [lo, hi), rows in order:
+/* acc[t_i, :] += s_i · rows[i, :], rows in order:
  * each output element's additions happen in row order whatever the thread
  * count, even when a token appears twice in a tile. */
-static void add_rows(void *p, int64_t lo, int64_t hi)
+static void add_rows(const tile_arg *g)
 {
-    tile_arg *g = p;
     for (int64_t i = 0; i < g->r; i++) {
         int64_t a = g->pos[i], t = a / g->k;
         if (g->dt == ML_F32) {
@@ -209,20 +204,20 @@ static void add_rows(void *p, int64_t lo, int64_t hi)
             float *y = (float *)g->acc + t * g->D;
             const float *o = (const float *)g->rows + i * g->D;
             if (g->scaled)
-                for (int64_t c = lo; c < hi; c++)
+                for (int64_t c = 0; c < g->D; c++)
                     y[c] += s * o[c];
             else
-                for (int64_t c = lo; c < hi; c++)
+                for (int64_t c = 0; c < g->D; c++)
                     y[c] += o[c];
         } else {
             double s = g->scaled ? ((const double *)g->w)[a] : 1.0;
             double *y = (double *)g->acc + t * g->D;
             const double *o = (const double *)g->rows + i * g->D;
             if (g->scaled)
-                for (int64_t c = lo; c < hi; c++)
+                for (int64_t c = 0; c < g->D; c++)
                     y[c] += s * o[c];
             else
-                for (int64_t c = lo; c < hi; c++)
+                for (int64_t c = 0; c < g->D; c++)
                     y[c] += o[c];
         }
     }
@@ -258,15 +253,10 @@ static void locate_tile(const ml_experts_weights *wt, const int64_t *offsets, in
     }
 }
 
-static int nthreads_of(const ml_kctx *ctx)
-{
-    return ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
-}
-
 /* Threads for n tiles: at most one per tile. */
 static int team_of(const ml_kctx *ctx, int64_t ntiles)
 {
-    int nt = nthreads_of(ctx);
+    int nt = ml_kctx_threads(ctx);
     return ntiles < nt ? (int)(ntiles > 1 ? ntiles : 1) : nt;
 }
 
@@ -315,14 +305,14 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
                       .r = r, .dst = xt, .src = x, .h = h, .act = act, .acc = y, .rows = xt,
                       .scaled = 1};
         if (run) {
-            gather_rows(&g, 0, r);
+            gather_rows(&g);
             ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, 2 * F, D, 1.0, xt, D, wt->gate_up[e], D, 0.0, h, 2 * F);
-            swiglu_fwd(&g, 0, r);
+            swiglu_fwd(&g);
             ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, D, F, 1.0, act, F, wt->down[e], F, 0.0, xt, D);
         }
         #pragma omp ordered
         if (run)
-            add_rows(&g, 0, D);
+            add_rows(&g);
     }
     ml_gemm_serial_end(blas);
     return stop ? ML_EINTERRUPTED : ML_OK;
@@ -370,15 +360,15 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
                       .acc = dx, .rows = dxt, .scaled = 0};
         if (run) {
             g.dst = xt; g.src = x;
-            gather_rows(&g, 0, r);
+            gather_rows(&g);
             g.dst = dyt; g.src = dy;
-            gather_rows(&g, 0, r);
+            gather_rows(&g);
             if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
                 ml_gemm(dt, ML_GEMM_SERIAL, 0, 1, r, 2 * F, D, 1.0, xt, D, gu, D, 0.0, hbuf, 2 * F);
             /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
             ml_gemm(dt, ML_GEMM_SERIAL, 0, 0, r, F, D, 1.0, dyt, D, dn, F, 0.0, dact, F);
-            swiglu_bwd(&g, 0, r);
-            scale_rows(&g, 0, r);
+            swiglu_bwd(&g);
+            scale_rows(&g);
             /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D] */
             ml_gemm(dt, ML_GEMM_SERIAL, 0, 0, r, D, 2 * F, 1.0, hbuf, 2 * F, gu, D, 0.0, dxt, D);
         }
@@ -388,7 +378,7 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
             ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, D, F, r, 1.0, dyt, D, act, F, 1.0, dwt->down[e], F);
             /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
             ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, 2 * F, D, r, 1.0, hbuf, 2 * F, xt, D, 1.0, dwt->gate_up[e], D);
-            add_rows(&g, 0, D);
+            add_rows(&g);
         }
     }
     ml_gemm_serial_end(blas);

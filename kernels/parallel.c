@@ -13,7 +13,7 @@ ml_status ml_parallel_tiles(int64_t n, int64_t tile, int64_t cost_per_item,
     if (tile < 1)
         tile = 1;
     int64_t ntiles = (n + tile - 1) / tile;
-    int nt = ctx && ctx->nthreads > 0 ? ctx->nthreads : 1;
+    int nt = ml_kctx_threads(ctx);
     int64_t cost = cost_per_item > 0 ? cost_per_item : 1;
     int par = nt > 1 && ntiles > 1 && n > ML_PAR_MIN / cost;   /* n * cost > ML_PAR_MIN, without overflow */
     int skipped = 0;
