@@ -107,6 +107,12 @@ static inline ML_HD uint16_t ml_f32_to_bf16(float f)
 
 static inline ML_HD float ml_bf16_to_f32(uint16_t h) { return ml_bits_f32((uint32_t)h << 16); }
 
+/* Mixed precision (DESIGN.md, Numerics): a kernel called with dt = bf16
+ * reads and writes activations and weights in bf16, computes in f32 (or
+ * f64 where its f32 path does), and writes weight gradients in f32, the
+ * dtype this returns; every other dtype's gradients are of the dtype. */
+static inline ML_HD ml_dtype ml_grad_dtype(ml_dtype dt) { return dt == ML_BF16 ? ML_F32 : dt; }
+
 /* IEEE binary16, round to nearest even, with subnormals, infinities, NaN. */
 static inline ML_HD uint16_t ml_f32_to_f16(float f)
 {

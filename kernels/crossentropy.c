@@ -35,7 +35,7 @@ static ml_status logits_block(ml_dtype dt, void *blk, const void *h, const void 
     size_t es = ml_dtype_size(dt);
     ml_gemm_shape g = {.batch = 1, .m = nr, .n = nc, .k = D, .ta = 0, .tb = 1,
                        .lda = D, .ldb = D, .ldc = nc, .alpha = 1.0, .beta = 0.0};
-    return ml_matmul_cpu(dt, blk, (const char *)h + (size_t)(r0 * D) * es,
+    return ml_matmul_cpu(dt, dt, blk, (const char *)h + (size_t)(r0 * D) * es,
                          (const char *)W + (size_t)(c0 * D) * es, &g, ctx);
 }
 
@@ -152,14 +152,14 @@ ml_status ml_ce_backward_cpu(ml_dtype dt, void *dh, void *dW, double dloss, cons
             /* dh[r0:r0+nr] += G [nr, nc] . W[c0:c0+nc] [nc, D] */
             ml_gemm_shape g1 = {.batch = 1, .m = nr, .n = D, .k = nc, .ta = 0, .tb = 0,
                                 .lda = nc, .ldb = D, .ldc = D, .alpha = 1.0, .beta = 1.0};
-            s = ml_matmul_cpu(dt, (char *)dh + (size_t)(r0 * D) * es, scratch,
+            s = ml_matmul_cpu(dt, dt, (char *)dh + (size_t)(r0 * D) * es, scratch,
                               (const char *)W + (size_t)(c0 * D) * es, &g1, ctx);
             if (s != ML_OK)
                 return s;
             /* dW[c0:c0+nc] += G^T [nc, nr] . h[r0:r0+nr] [nr, D] */
             ml_gemm_shape g2 = {.batch = 1, .m = nc, .n = D, .k = nr, .ta = 1, .tb = 0,
                                 .lda = nc, .ldb = D, .ldc = D, .alpha = 1.0, .beta = 1.0};
-            s = ml_matmul_cpu(dt, (char *)dW + (size_t)(c0 * D) * es, scratch,
+            s = ml_matmul_cpu(dt, dt, (char *)dW + (size_t)(c0 * D) * es, scratch,
                               (const char *)h + (size_t)(r0 * D) * es, &g2, ctx);
             if (s != ML_OK)
                 return s;

@@ -47,7 +47,7 @@ static ml_status logits_block(ml_dtype dt, void *blk, const void *h, const void 
 {
     size_t es = ml_dtype_size(dt);
     ml_gemm_shape g = gemm1(nr, nc, D, 0, 1, D, D, nc, 0.0);
-    return ml_matmul_cuda(dt, blk, (const char *)h + (size_t)(r0 * D) * es,
+    return ml_matmul_cuda(dt, dt, blk, (const char *)h + (size_t)(r0 * D) * es,
                           (const char *)W + (size_t)(c0 * D) * es, &g, ctx);
 }
 
@@ -210,13 +210,13 @@ static ml_status ce_backward(ml_dtype dt, void *dh, void *dW, double dloss, cons
                 return s;
             /* dh[r0:r0+nr] += G [nr, nc] . W[c0:c0+nc] [nc, D] */
             ml_gemm_shape g1 = gemm1(nr, D, nc, 0, 0, nc, D, D, 1.0);
-            s = ml_matmul_cuda(dt, (char *)dh + (size_t)(r0 * D) * es, scratch,
+            s = ml_matmul_cuda(dt, dt, (char *)dh + (size_t)(r0 * D) * es, scratch,
                                (const char *)W + (size_t)(c0 * D) * es, &g1, ctx);
             if (s != ML_OK)
                 return s;
             /* dW[c0:c0+nc] += G^T [nc, nr] . h[r0:r0+nr] [nr, D] */
             ml_gemm_shape g2 = gemm1(nc, D, nr, 1, 0, nc, D, D, 1.0);
-            s = ml_matmul_cuda(dt, (char *)dW + (size_t)(c0 * D) * es, scratch,
+            s = ml_matmul_cuda(dt, dt, (char *)dW + (size_t)(c0 * D) * es, scratch,
                                (const char *)h + (size_t)(r0 * D) * es, &g2, ctx);
             if (s != ML_OK)
                 return s;

@@ -165,7 +165,7 @@ static ml_status gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_
                       const ml_kctx *ctx)
 {
     ml_gemm_shape s = {1, m, n, k, ta, tb, lda, ldb, ldc, m * k, k * n, m * n, 1.0, beta};
-    return ml_matmul_cuda(dt, c, a, b, &s, ctx);
+    return ml_matmul_cuda(dt, dt, c, a, b, &s, ctx);
 }
 
 /* dst2 NULL: dst only */

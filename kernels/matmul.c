@@ -7,10 +7,10 @@
 #include "matmul.h"
 #include "gemm.h"
 
-ml_status ml_matmul_cpu(ml_dtype dt, void *c, const void *a, const void *b,
+ml_status ml_matmul_cpu(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
                         const ml_gemm_shape *s, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
+    if ((dt != ML_F32 && dt != ML_F64) || cdt != dt)
         return ML_EUNSUPPORTED;
     size_t es = ml_dtype_size(dt);
     for (int64_t i = 0; i < s->batch; i++) {

@@ -4,7 +4,8 @@
  * matrix read column-major is its transpose, so C = op(A) op(B) is computed
  * as C^T = op(B)^T op(A)^T: operands swapped, m and n swapped, each
  * transpose flag kept. One cublas<S|D>gemmStridedBatched_64 call covers
- * the batch.
+ * the batch; bf16 inputs go through cublasGemmStridedBatchedEx_64 with
+ * CUBLAS_COMPUTE_32F (products summed in f32, C in bf16 or f32).
  *
  * cuBLAS is opened with dlopen on first use (libcublas.so.13, then
  * libcublas.so): the binary starts on a machine without it, and matmul
@@ -36,6 +37,7 @@ static struct {
     decltype(&cublasSetMathMode) set_math_mode;
     decltype(&cublasSgemmStridedBatched_64) sgemm;
     decltype(&cublasDgemmStridedBatched_64) dgemm;
+    decltype(&cublasGemmStridedBatchedEx_64) gemm_ex;
     decltype(&cublasGetStatusString) status_string;
 } cb;
 
@@ -76,6 +78,7 @@ static int cublas_load(void)
     SYM(set_math_mode, "cublasSetMathMode")
     SYM(sgemm, "cublasSgemmStridedBatched_64")
     SYM(dgemm, "cublasDgemmStridedBatched_64")
+    SYM(gemm_ex, "cublasGemmStridedBatchedEx_64")
 #undef SYM
     *(void **)&cb.status_string = dlsym(cb.lib, "cublasGetStatusString");  /* optional */
     return 0;
@@ -89,10 +92,11 @@ extern "C" void ml_cublas_release(void)
     }
 }
 
-extern "C" ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const void *b,
-                                    const ml_gemm_shape *s, const ml_kctx *ctx)
+extern "C" ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a,
+                                    const void *b, const ml_gemm_shape *s, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
+    int mixed = dt == ML_BF16 && (cdt == ML_BF16 || cdt == ML_F32);
+    if (!mixed && ((dt != ML_F32 && dt != ML_F64) || cdt != dt))
         return ML_EUNSUPPORTED;
     if (s->batch <= 0 || s->m <= 0 || s->n <= 0)
         return ML_OK;
@@ -117,7 +121,14 @@ extern "C" ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const v
     cublasOperation_t opa = s->ta ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t opb = s->tb ? CUBLAS_OP_T : CUBLAS_OP_N;
     /* column-major: C^T [n, m] = op(B)^T [n, k] * op(A)^T [k, m] */
-    if (dt == ML_F32) {
+    if (mixed) {
+        float alpha = (float)s->alpha, beta = (float)s->beta;
+        cudaDataType ct = cdt == ML_F32 ? CUDA_R_32F : CUDA_R_16BF;
+        st = cublas_status(cb.gemm_ex(cb.handle, opb, opa, s->n, s->m, s->k, &alpha, b, CUDA_R_16BF,
+                                      s->ldb, s->sb, a, CUDA_R_16BF, s->lda, s->sa, &beta, c, ct,
+                                      s->ldc, s->sc, s->batch, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
+    } else if (dt == ML_F32) {
         float alpha = (float)s->alpha, beta = (float)s->beta;
         st = cublas_status(cb.sgemm(cb.handle, opb, opa, s->n, s->m, s->k, &alpha,
                                     (const float *)b, s->ldb, s->sb, (const float *)a, s->lda, s->sa,

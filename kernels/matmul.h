@@ -6,8 +6,11 @@
  * Row-major: C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b], where op(A)
  * is [m, k] (A stored [m, k] with leading dim lda, or [k, m] when ta), op(B)
  * is [k, n]; batch b at offsets b*sa, b*sb, b*sc elements. C accumulates
- * when beta != 0. f32, f64 on both backends. Not bitwise stable across
- * thread counts or M (DESIGN.md): tests use normwise tolerances.
+ * when beta != 0. A and B have dtype dt, C dtype cdt: (f32, f32) and
+ * (f64, f64) on both backends; on CUDA also bf16 inputs with a bf16 or an
+ * f32 C (mixed precision: activations and weights bf16, weight gradients
+ * f32; the products summed in f32). Not bitwise stable across thread
+ * counts or M (DESIGN.md): tests use normwise tolerances.
  */
 #ifndef ML_KERNELS_MATMUL_H
 #define ML_KERNELS_MATMUL_H
@@ -22,9 +25,9 @@ typedef struct {
     double alpha, beta;
 } ml_gemm_shape;
 
-ml_status ml_matmul_cpu(ml_dtype dt, void *c, const void *a, const void *b,
+ml_status ml_matmul_cpu(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
                         const ml_gemm_shape *s, const ml_kctx *ctx);
-ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const void *b,
+ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
                          const ml_gemm_shape *s, const ml_kctx *ctx);
 
 #endif

@@ -123,8 +123,8 @@ typedef struct ml_kernels {
     ml_status (*scatter_add)(ml_dtype, void *, const void *, const int64_t *,
                              int64_t, int64_t, int64_t, int64_t, const ml_kctx *);
     ml_status (*bincount)(int64_t *, const int64_t *, int64_t, int64_t, const ml_kctx *);
-    ml_status (*matmul)(ml_dtype, void *, const void *, const void *, const ml_gemm_shape *,
-                        const ml_kctx *);
+    ml_status (*matmul)(ml_dtype, ml_dtype, void *, const void *, const void *,
+                        const ml_gemm_shape *, const ml_kctx *);
     ml_status (*rand)(ml_dtype, void *, int64_t, uint64_t, uint64_t, double, double, const ml_kctx *);
     ml_status (*randn)(ml_dtype, void *, int64_t, uint64_t, uint64_t, double, double, const ml_kctx *);
 

@@ -359,6 +359,13 @@ ml_status ml_check_same_dtype(const ml_tensor *t, const char *name, const char *
                       ml_dtype_names[t->dtype], ref, ml_dtype_names[dt]);
 }
 
+unsigned ml_float_dtypes(const ml_host *h, ml_device dev, ml_op op)
+{
+    const ml_kernels *k = h->kern[dev];
+    int bf16 = k && k->supports(op, ML_BF16);
+    return ML_DT_FLOAT | (bf16 ? ML_DT(ML_BF16) : 0u);
+}
+
 ml_status ml_prepare_output(ml_host *h, ml_tensor *t, const char *name, ml_device dev, ml_dtype dt,
                             int ndim, const int64_t *dims, ml_err *e)
 {

@@ -135,6 +135,10 @@ ml_status ml_kernel_scratch(ml_host *h, ml_tensor *t, ml_device dev, size_t nbyt
 ml_status ml_find_bad_index(ml_host *h, const ml_tensor *idx, int64_t hi, int64_t *pos,
                             int64_t *value, ml_err *e);
 
+/* The float dtypes dev runs family `op` in: f32 and f64, and bf16 where
+ * the device's kernel table says so (in a plan of CUDA on a build without
+ * it, ml_kernels_cuda_plan answers). */
+unsigned ml_float_dtypes(const ml_host *h, ml_device dev, ml_op op);
 /* t is live (storage not freed, its bytes committed), on dev, of a dtype in `dtypes`, with ndim
  * dims (ndim < 0: at least 1) and, when `contig`, contiguous. */
 ml_status ml_check_input(const ml_tensor *t, const char *name, ml_device dev, unsigned dtypes,

@@ -482,7 +482,8 @@ static ml_status blas_operand(ml_host *h, const ml_tensor *t, ml_tensor *tmp,
     return ml_op_copy(h, tmp, t, e);
 }
 
-static ml_status matmul_args(const ml_tensor *a, const ml_tensor *b, ml_gemm_shape *g, ml_err *e)
+static ml_status matmul_args(const ml_host *h, const ml_tensor *a, const ml_tensor *b,
+                             ml_gemm_shape *g, ml_err *e)
 {
     ML_TRY(ml_check_live(a, "a", e));
     ML_TRY(ml_check_live(b, "b", e));
@@ -490,10 +491,11 @@ static ml_status matmul_args(const ml_tensor *a, const ml_tensor *b, ml_gemm_sha
     if (a->dtype != b->dtype)
         return ml_err_set(e, ML_EINVAL, "dtypes differ (%s and %s)", ml_dtype_names[a->dtype],
                           ml_dtype_names[b->dtype]);
-    ML_TRY(check_float(a, e));
     if (a->ndim < 2 || a->ndim > 3 || b->ndim < 2 || b->ndim > 3 || (a->ndim == 2 && b->ndim == 3))
         return ml_err_set(e, ML_EINVAL, "expected [m,k]x[k,n], [B,m,k]x[B,k,n] or [B,m,k]x[k,n]; "
                           "got %d and %d dims", a->ndim, b->ndim);
+    ML_TRY(ml_check_input(a, "a", a->st->device, ml_float_dtypes(h, a->st->device, ML_OP_MATMUL),
+                          a->ndim, 0, e));
     g->m = a->shape[a->ndim - 2];
     g->k = a->shape[a->ndim - 1];
     g->n = b->shape[b->ndim - 1];
@@ -509,7 +511,8 @@ static ml_status matmul_args(const ml_tensor *a, const ml_tensor *b, ml_gemm_sha
     return ML_OK;
 }
 
-/* C = alpha A B + beta C on BLAS-readable operands. BLAS is not asked
+/* C = alpha A B + beta C on BLAS-readable operands (C of A's dtype, or f32
+ * for bf16 A and B: mixed precision's weight gradients, kernels/matmul.h). BLAS is not asked
  * about empty sums: with k = 0, C = beta C (C not read when beta = 0). */
 static ml_status matmul_run(ml_host *h, ml_tensor *c, const ml_tensor *a, const ml_tensor *b,
                             ml_gemm_shape *g, ml_err *e)
@@ -530,19 +533,21 @@ static ml_status matmul_run(ml_host *h, ml_tensor *c, const ml_tensor *a, const 
     if (g->m > INT32_MAX || g->n > INT32_MAX || g->k > INT32_MAX || g->lda > INT32_MAX ||
         g->ldb > INT32_MAX)
         return ml_err_set(e, ML_EINVAL, "a dimension exceeds the BLAS integer range");
-    return ml_kernel_status(ML_KCALL(h, dev, matmul, a->dtype, ml_data(c), ml_data(a), ml_data(b), g, &kc), e);
+    return ml_kernel_status(ML_KCALL(h, dev, matmul, a->dtype, c->dtype, ml_data(c), ml_data(a),
+                                     ml_data(b), g, &kc), e);
 }
 
 ml_status ml_op_matmul(ml_host *h, ml_tensor *c, const ml_tensor *a, const ml_tensor *b,
                        double alpha, double beta, ml_err *e)
 {
     ml_gemm_shape g = {.alpha = alpha, .beta = c->st ? beta : 0};
-    ML_TRY(matmul_args(a, b, &g, e));
+    ML_TRY(matmul_args(h, a, b, &g, e));
     int64_t shape[3] = {g.batch, g.m, g.n};
     int nd = a->ndim;
     const int64_t *oshape = nd == 3 ? shape : shape + 1;
     int given = c->st != NULL;
-    ML_TRY(ml_prepare_output(h, c, "out", a->st->device, a->dtype, nd, oshape, e));
+    ml_dtype cdt = given && a->dtype == ML_BF16 && c->dtype == ML_F32 ? ML_F32 : a->dtype;
+    ML_TRY(ml_prepare_output(h, c, "out", a->st->device, cdt, nd, oshape, e));
     if (given && (ml_tensors_overlap(c, a) || ml_tensors_overlap(c, b)))
         return ml_err_set(e, ML_EINVAL, "out overlaps an input");
     ml_tensor ta = {0}, tb = {0};

@@ -5,17 +5,6 @@
 
 #include <math.h>
 
-/* The dtypes dev runs family `op` in: f32 and f64, and bf16 where the
- * device's kernel table says so (in a plan of CUDA on a build without it,
- * ml_kernels_cuda_plan answers). Statistics (rstd, lse) stay f64 in every
- * case. */
-static unsigned float_dtypes(const ml_host *h, ml_device dev, ml_op op)
-{
-    const ml_kernels *k = h->kern[dev];
-    int bf16 = k && k->supports(op, ML_BF16);
-    return ML_DT_FLOAT | (bf16 ? ML_DT(ML_BF16) : 0u);
-}
-
 /* Every entry of ids (i64, contiguous) in [0, hi), else "name[i] = v is out
  * of range [0, hi)" with i counted from 1, as in Lua. The bad value is read
  * back from the device; inside a plan nothing is checked (nothing was
@@ -39,7 +28,7 @@ static ml_status rmsnorm_args(const ml_host *h, const ml_tensor *x, const ml_ten
                               int64_t *D, ml_err *e)
 {
     ml_device dev = ml_tensor_device(x);
-    unsigned dts = float_dtypes(h, dev, ML_OP_RMSNORM);
+    unsigned dts = ml_float_dtypes(h, dev, ML_OP_RMSNORM);
     ML_TRY(ml_check_input(x, "x", dev, dts, -1, 1, e));
     ML_TRY(ml_check_input(w, "w", dev, dts, 1, 1, e));
     ML_TRY(ml_check_same_dtype(w, "w", "x", x->dtype, e));
@@ -73,7 +62,7 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
     int64_t N, D;
     ML_TRY(rmsnorm_args(h, x, w, &N, &D, e));
     ml_device dev = x->st->device;
-    ML_TRY(ml_check_input(dy, "dy", dev, float_dtypes(h, dev, ML_OP_RMSNORM), -1, 1, e));
+    ML_TRY(ml_check_input(dy, "dy", dev, ml_float_dtypes(h, dev, ML_OP_RMSNORM), -1, 1, e));
     ML_TRY(ml_check_input(rstd, "rstd", dev, ML_DT(ML_F64), 1, 1, e));
     ML_TRY(ml_check_same_dtype(dy, "dy", "x", x->dtype, e));
     ML_TRY(ml_check_shape(dy, "dy", x->ndim, x->shape, e));
@@ -94,7 +83,7 @@ ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *i
 {
     ml_device dev = ml_tensor_device(ids);
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
-    ML_TRY(ml_check_input(W, "W", dev, float_dtypes(h, dev, ML_OP_EMBEDDING), 2, 1, e));
+    ML_TRY(ml_check_input(W, "W", dev, ml_float_dtypes(h, dev, ML_OP_EMBEDDING), 2, 1, e));
     int64_t T = ids->shape[0], V = W->shape[0], D = W->shape[1], so[2] = {T, D};
     ML_TRY(check_ids(h, ids, "ids", V, e));
     ML_TRY(ml_prepare_output(h, out, "out", dev, W->dtype, 2, so, e));
@@ -107,7 +96,7 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
                                    const ml_tensor *ids, int64_t V, ml_err *e)
 {
     ml_device dev = ml_tensor_device(dout);
-    unsigned dts = float_dtypes(h, dev, ML_OP_EMBEDDING);
+    unsigned dts = ml_float_dtypes(h, dev, ML_OP_EMBEDDING);
     ML_TRY(ml_check_input(dout, "dout", dev, dts, 2, 1, e));
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
     int64_t T = ids->shape[0], D = dout->shape[1], sd[2] = {T, D};
@@ -219,7 +208,7 @@ static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *
                       const char *xname, int64_t offset, double theta, int inverse, ml_err *e)
 {
     ml_device dev = ml_tensor_device(x);
-    ML_TRY(ml_check_input(x, xname, dev, float_dtypes(h, dev, ML_OP_ROPE), 3, 1, e));
+    ML_TRY(ml_check_input(x, xname, dev, ml_float_dtypes(h, dev, ML_OP_ROPE), 3, 1, e));
     int64_t S = x->shape[0], heads = x->shape[1], hd = x->shape[2];
     if (hd < 2 || hd % 2)
         return ml_err_set(e, ML_EINVAL, "%s: head dim %lld must be even and >= 2", xname,
@@ -259,7 +248,7 @@ static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor 
                           const ml_tensor *v, ml_err *e)
 {
     ml_device dev = ml_tensor_device(q);
-    unsigned dts = float_dtypes(h, dev, ML_OP_ATTENTION);
+    unsigned dts = ml_float_dtypes(h, dev, ML_OP_ATTENTION);
     ML_TRY(ml_check_input(q, "q", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(k, "k", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(v, "v", dev, dts, 3, 1, e));
@@ -311,7 +300,7 @@ ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_
     ML_TRY(qkv_args(h, q, k, v, e));
     ml_device dev = q->st->device;
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
-    unsigned dts = float_dtypes(h, dev, ML_OP_ATTENTION);
+    unsigned dts = ml_float_dtypes(h, dev, ML_OP_ATTENTION);
     ML_TRY(ml_check_input(dout, "dout", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(out, "out", dev, dts, 3, 1, e));
     ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 2, 1, e));

@@ -417,4 +417,41 @@ static int emu_finish(void)
 static const double EPS32 = 1.0 / (1 << 24), EPS64 = 1.0 / 9007199254740992.0;
 static const ml_kctx emu_ctx = {1, nullptr, nullptr, nullptr, nullptr};
 
+/* cuBLAS's stand-in (crossentropy and experts link it as ml_matmul_cuda):
+ * ml_matmul_cpu, with bf16 operands widened to f32 (CUBLAS_COMPUTE_32F:
+ * the products of bf16 values are exact in f32) and a bf16 C widened, then
+ * rounded to nearest even. Every operand's whole extent is converted. */
+extern "C" {
+#include "matmul.h"
+}
+static std::vector<float> emu_widen(const void *p, size_t n)
+{
+    std::vector<float> w(n);
+    for (size_t i = 0; i < n; i++)
+        w[i] = ml_bf16_to_f32(((const uint16_t *)p)[i]);
+    return w;
+}
+
+static ml_status emu_cublas(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
+                            const ml_gemm_shape *s, const ml_kctx *ctx)
+{
+    if (dt != ML_BF16)
+        return ml_matmul_cpu(dt, cdt, c, a, b, s, ctx);
+    if (cdt != ML_BF16 && cdt != ML_F32)
+        return ML_EUNSUPPORTED;
+    size_t na = (size_t)((s->batch - 1) * s->sa + (s->ta ? s->k : s->m) * s->lda);
+    size_t nb = (size_t)((s->batch - 1) * s->sb + (s->tb ? s->n : s->k) * s->ldb);
+    size_t nc = (size_t)((s->batch - 1) * s->sc + s->m * s->ldc);
+    std::vector<float> wa = emu_widen(a, na), wb = emu_widen(b, nb);
+    std::vector<float> wc = cdt == ML_F32 ? std::vector<float>((float *)c, (float *)c + nc) : emu_widen(c, nc);
+    ml_status st = ml_matmul_cpu(ML_F32, ML_F32, wc.data(), wa.data(), wb.data(), s, ctx);
+    for (size_t i = 0; i < nc; i++) {
+        if (cdt == ML_F32)
+            ((float *)c)[i] = wc[i];
+        else
+            ((uint16_t *)c)[i] = ml_f32_to_bf16(wc[i]);
+    }
+    return st;
+}
+
 #endif

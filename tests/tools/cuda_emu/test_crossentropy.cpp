@@ -5,10 +5,10 @@
 #include "crossentropy.cu.cpp"
 #include "emu.h"
 
-extern "C" ml_status ml_matmul_cuda(ml_dtype dt, void *c, const void *a, const void *b, const ml_gemm_shape *s,
-                                    const ml_kctx *ctx)
+extern "C" ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
+                                    const ml_gemm_shape *s, const ml_kctx *ctx)
 {
-    return ml_matmul_cpu(dt, c, a, b, s, ctx);
+    return emu_cublas(dt, cdt, c, a, b, s, ctx);
 }
 
 static void run(ml_dtype dt, int64_t S, int64_t V, int64_t D, int64_t rows, int64_t vchunk, bool nan)
