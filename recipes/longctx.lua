@@ -26,6 +26,7 @@ local function say(...) if dist.rank() == 0 then print(...) end end   -- rank 0 
 
 local opts = options.parse(arg, {
   -- the model
+  {"vocab", 256, "vocabulary size (the data are bytes: ids 0-255; a larger vocabulary only adds rows)", min = 256},
   {"dim", 64, "model width D", min = 1},
   {"layers", 2, "transformer blocks", min = 1},
   {"heads", 4, "attention heads", min = 1},
@@ -52,6 +53,8 @@ local opts = options.parse(arg, {
   -- the run
   {"seed", 0, "seed of the model, the data order and the gate noise"},
   {"device", "cpu", "where the model trains: cpu or cuda"},
+  {"dtype", "f32", "f32, or bf16 on cuda: mixed precision (bf16 weights and activations; f32 gradients, " ..
+                   "optimizer states and master weights, which checkpoints hold)"},
   {"threads", 2, "CPU threads", min = 1},
   {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)", min = 0},
   {"force-budget", false, "accept a --budget-gib above the memory available (the OOM killer, not an error, " ..
@@ -133,6 +136,11 @@ if opts.offload_optimizer and opts.device ~= "cpu" then
               "the states in pinned host memory and the fp32 master weights too): use --device cpu")
 end
 options.device(opts.device)
+if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
+  errors.user(string.format("--dtype %s: must be f32 or bf16", opts.dtype))
+elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
+  errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
+end
 dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
 local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep}
 zero.new(zero_opts)   -- its errors before anything is allocated
@@ -170,10 +178,10 @@ local offload = opts.offload_optimizer and {path = train.optim_store_path(opts.r
 -- (address space only), then for real.
 local function build()
   local model = nn.Transformer.new{
-    vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
+    vocab = opts.vocab, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save}, device = opts.device, zero = zero.new(zero_opts), store = store,
+    moe = {save = opts.save}, device = opts.device, dtype = opts.dtype, zero = zero.new(zero_opts), store = store,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
   local o = {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1, offload = offload}

@@ -479,7 +479,7 @@ local function rng(seed)
 end
 
 local function sample(logits, o, rand)
-  local V = #logits
+  local V = math.min(#logits, 256)   -- the bytes: ids above 255 (a larger --vocab) are never drawn
   if o.greedy or o.temperature == 0 then
     local best = 1
     for i = 2, V do if logits[i] > logits[best] then best = i end end

@@ -70,6 +70,7 @@ local experts = require "moelua.experts"
 local pool = require "moelua.pool"
 local mem = require "moelua.mem"
 local unit = require "moelua.unit"
+local zero = require "moelua.zero"
 local mem_planning = mem.planning
 local now = require("moelua.bench").now
 
@@ -137,8 +138,10 @@ local function check_options(opts)
   need((o.policy == "drop") == (o.capacity_factor > 0),
        "policy \"drop\" needs capacity_factor > 0, and capacity_factor needs policy \"drop\"")
   need(o.aux_scope == "model" or o.aux_scope == "layer", "option 'aux_scope' must be \"model\" or \"layer\"")
-  need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\"")
+  need(o.dtype == "f32" or o.dtype == "f64" or o.dtype == "bf16", "option 'dtype' must be \"f32\", \"f64\" or \"bf16\"")
   need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\"")
+  need(o.dtype ~= "bf16" or o.device == "cuda",
+       "option 'dtype' \"bf16\" (mixed precision) runs on cuda: the CPU's kernels are f32 and f64")
   need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
        "bias_rate, aux_weight and z_weight must be >= 0")
   return o
@@ -163,7 +166,7 @@ end
 -- of grads, checked against the options), so a model can place them in its
 -- own flat units (DESIGN.md: the router in the block's dense unit, gate_up
 -- and down in its experts unit).
-local function check_views(views, what, o, El, router_only)
+local function check_views(views, what, o, El, router_only, dtype)
   local want = {wg = {o.experts, o.dim}, gate_up = not router_only and {El, 2 * o.ffn, o.dim} or nil,
                 down = not router_only and {El, o.dim, o.ffn} or nil}
   for name, shape in pairs(want) do
@@ -172,10 +175,10 @@ local function check_views(views, what, o, El, router_only)
       error(string.format("moelua.moe.new: %s.%s must be a tensor, got %s", what, name, type(t)), 4)
     end
     local got = t:shape()
-    if table.concat(got, ",") ~= table.concat(shape, ",") or t:dtype() ~= o.dtype or t:device() ~= o.device then
+    if table.concat(got, ",") ~= table.concat(shape, ",") or t:dtype() ~= dtype or t:device() ~= o.device then
       error(string.format("moelua.moe.new: %s.%s is [%s] %s %s, expected [%s] %s %s", what, name,
                           table.concat(got, ","), t:dtype(), t:device(), table.concat(shape, ","),
-                          o.dtype, o.device), 4)
+                          dtype, o.device), 4)
     end
   end
   return views
@@ -204,12 +207,13 @@ function moe.new(opts, units)
   end
   self.local_experts = E // (self.ep and self.ep.ep or 1)
   self.store = units and units.store
+  local gdt = zero.grad_dtype(o.dtype)   -- (f32 for bf16: mixed precision)
   if self.store then
-    self.params = {wg = check_views({wg = units.params.wg}, "units.params", o, 0, true).wg}
-    self.grads = {wg = check_views({wg = units.grads.wg}, "units.grads", o, 0, true).wg}
+    self.params = {wg = check_views({wg = units.params.wg}, "units.params", o, 0, true, o.dtype).wg}
+    self.grads = {wg = check_views({wg = units.grads.wg}, "units.grads", o, 0, true, gdt).wg}
   elseif units then
-    self.params = check_views(units.params or {}, "units.params", o, self.local_experts)
-    self.grads = check_views(units.grads or {}, "units.grads", o, self.local_experts)
+    self.params = check_views(units.params or {}, "units.params", o, self.local_experts, false, o.dtype)
+    self.grads = check_views(units.grads or {}, "units.grads", o, self.local_experts, false, gdt)
   else
     local layout = unit.new("moe", {{name = "wg", shape = {E, D}}, table.unpack(moe.expert_segments(E, D, F))})
     local n = layout:numel()
@@ -221,12 +225,12 @@ function moe.new(opts, units)
       self.flat = mem.scope("params", init.to, init, o.device)
       init:free()
     end
-    self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = o.dtype, device = o.device})
+    self.grad_flat = mem.scope("grads", tensor.zeros, {n}, {dtype = gdt, device = o.device})
     self.params = layout:views(self.flat)
     self.grads = layout:views(self.grad_flat)
   end
   if o.bias_rate > 0 then   -- aux-loss-free balancing: trainer state, not a weight
-    self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = o.dtype, device = o.device})
+    self.bias = mem.scope("optim", tensor.zeros, {E}, {dtype = gdt, device = o.device})
   end
   if units and units.pool ~= nil then
     self.pool, self.shared_pool = units.pool, true

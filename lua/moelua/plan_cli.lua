@@ -29,6 +29,13 @@
 -- recipe's --budget-gib, or 90% of the memory available), by doubling and
 -- then bisection over such plans, each in a child process (a recipe runs
 -- once per process: its options and data are set up when it starts).
+--
+-- --preset NAME: a configuration of ../shared/PROBLEM.md as recipe options
+-- (PRESETS below; an option given on the command line wins), and, beside
+-- the plan, the report's own account book and where it is wrong.
+--
+-- A plan over the budget prints the book of what it needs (planned with
+-- the budgets lifted), then the recipe refuses (exit status 1).
 local errors = require "moelua.errors"
 
 local M = {}
@@ -39,9 +46,23 @@ local function mib(n) return string.format("%.2f MiB", n / 2^20) end
 local bytes = require("moelua.mem").format_bytes
 
 local function usage()
-  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [recipe options] (e.g. " ..
-              "moelua plan recipes/longctx.lua --seq-len 32768)")
+  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
+              "[recipe options] (e.g. moelua plan recipes/longctx.lua --seq-len 32768)")
 end
+
+-- Field report 1 (PROBLEM.md): the configuration, as recipes/longctx.lua's
+-- options, and its account book at 32K (decimal GB, its words).
+local PRESETS = {
+  report1 = {
+    about = "field report 1 (PROBLEM.md): Mixtral-like, hidden 4096, 8 experts top-2, 32 heads / 8 KV heads, " ..
+            "vocab 32000, bf16, batch 4 x 32K on one 80 GB GPU (75.5 GiB usable); 32 layers and F 5888 make " ..
+            "its 20B parameters; batch 4 runs as 4 accumulated micro-batches of one sequence (the same step)",
+    args = {"--device", "cuda", "--dtype", "bf16", "--vocab", "32000", "--dim", "4096", "--layers", "32",
+            "--heads", "32", "--kv-heads", "8", "--experts", "8", "--topk", "2", "--ffn", "5888",
+            "--seq-len", "32768", "--accum", "4", "--budget-gib", "75.5"},
+    book = {params = 15.2e9, acts = 28.6e9, grads = 7.6e9, optim = 22.8e9, outside = "1.2-1.8", total = "about 74"},
+  },
+}
 
 -- The table of one planned book (mem.stats()'s format): each category's
 -- own peak, its bytes at the total's peak and their share.
@@ -56,17 +77,55 @@ local function book_lines(name, b, out)
   out[#out + 1] = string.format("  %-8s %14s %14s %6.1f%%", "total", mib(b.total_peak), mib(b.total_peak), 100)
 end
 
--- train.plan's report in plan mode: the book of the model's device (plan,
--- with train.plan's pool_bytes and expert_exchange), the other tiers that
--- hold bytes (books), then the program ends (exit status 0).
-function M.finish(recipe, device, plan, books)
-  if M.json then return M.finish_json(recipe, device, plan, books) end
+local function gb(n) return string.format("%.2f", n / 1e9) end
+
+-- The preset's book beside the plan's (at the peak), and where the report
+-- is wrong, computed from the plan (PROBLEM.md, "Where the reports are wrong").
+local function preset_lines(plan, out)
+  local r, a, n = PRESETS[M.preset].book, plan.at_peak, plan.parameters
+  local states = (a.params or 0) + (a.grads or 0) + (a.optim or 0)
+  out[#out + 1] = ""
+  out[#out + 1] = "report 1's account book beside this plan (GB = 10^9 bytes; the plan's bytes at its peak):"
+  out[#out + 1] = string.format("  %-9s %12s %12s", "", "report 1", "this plan")
+  for _, c in ipairs{{"params", "params"}, {"grads", "grads"}, {"optim", "optim"}} do
+    out[#out + 1] = string.format("  %-9s %12s %12s", c[1], gb(r[c[1]]), gb(a[c[2]] or 0))
+  end
+  out[#out + 1] = string.format("  %-9s %12s %12s", "acts", gb(r.acts), gb((a.acts or 0) + (a.pool or 0) + (a.comm or 0)))
+  out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, "not planned")
+  out[#out + 1] = string.format("  %-9s %12s %12s", "total", r.total, gb(plan.total_peak))
+  out[#out + 1] = "where report 1 is wrong:"
+  out[#out + 1] = string.format("  - %s GB of 2-byte parameters is %.1fB parameters, not 20B; this model's %.2fB " ..
+                                "take %s GB in bf16", gb(r.params), r.params / 2 / 1e9, n / 1e9, gb(2 * n))
+  out[#out + 1] = string.format("  - AdamW's two fp32 moments of %.2fB parameters are %s GB (with fp32 master weights, " ..
+                                "as here: %s GB), not %s GB", n / 1e9, gb(8 * n), gb(12 * n), gb(r.optim))
+  out[#out + 1] = string.format("  - its gradients are half its 2-byte parameters; fp32 gradients (DESIGN.md) of " ..
+                                "%.2fB parameters are %s GB", n / 1e9, gb(4 * n))
+  out[#out + 1] = string.format("  - model states alone (params, grads, optim) are %s GB here, %.1f bytes per parameter%s",
+                                gb(states), states / n, plan.budget_total > 0 and states > plan.budget_total
+                                  and string.format(", over the %s budget before any activation: no setting of " ..
+                                                    "one GPU fits; ZeRO-3 shards them over ranks (--world N --zero 3)",
+                                                    bytes(plan.budget_total)) or "")
+end
+
+-- The lines of train.plan's report: the headline (the peak, or what a plan
+-- over the budget needs), the book of the model's device (plan, with
+-- train.plan's parameters, pool_bytes and expert_exchange), the other tiers
+-- that hold bytes (books), what the ledger leaves out, a preset's book.
+local function report(recipe, device, plan, books, over)
   local dist = require "moelua.dist"
   local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
-  local out = {string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
+  local out = {over and string.format("moelua plan: %s (%s): needs %s (%d bytes) at its peak, in %s: over the %s " ..
+                                      "budget (the book planned without budgets)", recipe, where,
+                                      mib(plan.total_peak), plan.total_peak,
+                                      plan.peak_phase ~= "" and plan.peak_phase or "the build", bytes(plan.budget_total))
+                    or string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
                              mib(plan.total_peak), plan.total_peak,
                              plan.budget_total > 0 and " of a " .. bytes(plan.budget_total) .. " budget" or "",
                              plan.peak_phase ~= "" and plan.peak_phase or "the build")}
+  if M.preset then out[#out + 1] = "preset " .. M.preset .. ": " .. PRESETS[M.preset].about end
+  if plan.parameters then
+    out[#out + 1] = string.format("the model: %d parameters (%.2fB)", plan.parameters, plan.parameters / 1e9)
+  end
   book_lines(device, plan, out)
   for _, tier in ipairs{"pinned", "file"} do
     local b = books[tier]
@@ -87,9 +146,25 @@ function M.finish(recipe, device, plan, books)
   end
   out[#out + 1] = "outside the ledger (not planned): the Lua heap and the process's code and libraries" ..
                   (device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces" or "")
-  io.stdout:write(table.concat(out, "\n"), "\n")
+  if M.preset and plan.parameters then preset_lines(plan, out) end
+  return out
+end
+
+-- train.plan's report in plan mode, then the program ends (exit status 0).
+function M.finish(recipe, device, plan, books)
+  if M.json then return M.finish_json(recipe, device, plan, books) end
+  io.stdout:write(table.concat(report(recipe, device, plan, books), "\n"), "\n")
   io.stdout:flush()
   os.exit(0, true)
+end
+
+-- A plan over the budget: the book of what it needs (train.plan then
+-- returns the refusal the recipe raises).
+function M.over_budget(recipe, device, plan, books)
+  if M.json then return end
+  plan.budget_total = require("moelua.mem").stats()[device].budget_total   -- (planned without: the one refused)
+  io.stdout:write(table.concat(report(recipe, device, plan, books, true), "\n"), "\n")
+  io.stdout:flush()
 end
 
 -- finish's JSON form: one object on stdout, then the program ends.
@@ -100,7 +175,8 @@ function M.finish_json(recipe, device, plan, books)
   end
   local out = {recipe = recipe, device = device, peak_bytes = plan.total_peak, phase = plan.peak_phase,
                budget_bytes = plan.budget_total, books = {[device] = book(plan)},
-               pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange}
+               pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange,
+               parameters = plan.parameters, preset = M.preset}
   if dist.planned() then out.rank, out.world = dist.rank(), dist.world() end
   for _, tier in ipairs{"pinned", "file"} do
     local b = books[tier]
@@ -343,6 +419,16 @@ function M.main(args)
     elseif args[i] == "--fit" then fit = true
     elseif args[i] == "--json" then M.json = true
     else rest[#rest + 1] = args[i] end
+  end
+  M.preset = take(rest, "preset")
+  if M.preset then   -- the preset's options where the command line gives none; children get the preset again
+    local p = PRESETS[M.preset]
+    if not p then errors.user(string.format("moelua plan: --preset %s: unknown (presets: report1)", M.preset)) end
+    for i = 1, #p.args, 2 do
+      if take({table.unpack(rest)}, p.args[i]:sub(3)) == nil then
+        rest[#rest + 1], rest[#rest + 2] = p.args[i], p.args[i + 1]
+      end
+    end
   end
   if M.json and (max_seq or fit) then
     errors.user("moelua plan: --json prints a plan's book; --max-seq and --fit print their search")

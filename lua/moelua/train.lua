@@ -135,6 +135,7 @@ local measure = require "moelua.measure"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
+local zero = require "moelua.zero"
 local host = require "moelua.host"
 local json = require "dkjson"
 
@@ -419,7 +420,7 @@ local function sharded_state(self)
   local active = experts_with_states(self, sd)
   local entries, stated, counted = {}, {}, {}
   for _, p in ipairs(model:parameter_entries()) do   -- every rank's: one header on all ranks
-    entries[#entries + 1] = {name = p.name, dtype = model.opts.dtype, shape = p.shape}
+    entries[#entries + 1] = {name = p.name, dtype = zero.grad_dtype(model.opts.dtype), shape = p.shape}   -- (masters)
     local e, experts = expert_of(p.name), active[p.unit]
     if not p.frozen then
       if not experts or experts[e] then stated[#stated + 1] = entries[#entries] end
@@ -1111,7 +1112,7 @@ function train.plan(cfg)
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
   train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
-  local pool_bytes, device, exchange = nil, "cpu", nil
+  local pool_bytes, device, exchange, nparams = nil, "cpu", nil, nil
   local data_state = cfg.data:state()   -- batch() moves the cursor
   local function step(plan)
     local c = {}
@@ -1126,6 +1127,14 @@ function train.plan(cfg)
     pool_bytes = c.model.pool and c.model.pool:stats().high_water
     local layers = c.model.moe_layers and c.model:moe_layers() or {}
     exchange = layers[1] and layers[1].recv_rows
+    if c.model.parameter_entries then   -- the whole model's (every rank's)
+      nparams = 0
+      for _, p in ipairs(c.model:parameter_entries()) do
+        local n = 1
+        for _, s in ipairs(p.shape) do n = n * s end
+        nparams = nparams + n
+      end
+    end
   end
   local user_error   -- a user error of the build (a bad option) is raised as such, not as a failed plan
   local function guarded(plan)
@@ -1164,8 +1173,7 @@ function train.plan(cfg)
   cfg.data:set_state(data_state)
   if not ok then error(books, 0) end
   if books then
-    books[device].pool_bytes = pool_bytes
-    books[device].expert_exchange = exchange
+    books[device].pool_bytes, books[device].expert_exchange, books[device].parameters = pool_bytes, exchange, nparams
     -- `moelua plan RECIPE`: the book is the answer, the run is not made
     if train.plan_only then require("moelua.plan_cli").finish(train.plan_only, device, books[device], books) end
     return books[device]
@@ -1180,6 +1188,9 @@ function train.plan(cfg)
   cfg.data:set_state(data_state)
   if not ok then error(need, 0) end
   if not need then error(why2, 0) end
+  need[device].pool_bytes, need[device].expert_exchange, need[device].parameters = pool_bytes, exchange, nparams
+  -- `moelua plan RECIPE`: the book of what it needs, then the recipe's refusal
+  if train.plan_only then require("moelua.plan_cli").over_budget(train.plan_only, device, need[device], need) end
   return nil, why, need[device]
 end
 

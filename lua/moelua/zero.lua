@@ -41,6 +41,13 @@
 -- (of the E/ep local experts) over the expert-data-parallel group: each
 -- unit's collectives run on its own group (u.group, u.world, u.rank).
 --
+-- Mixed precision (dtype "bf16", DESIGN.md Numerics): a unit's params are
+-- the bf16 compute copy the kernels read; its gradients, AdamW states and
+-- u.master, the f32 master weights, are f32 and cover the optimizer's range
+-- (whole at stage 0, the shard above). The optimizer steps the masters, and
+-- the compute copy is rounded from them after each step and each load
+-- (Zero:gather_params); checkpoints hold the masters.
+--
 -- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
 -- one world size give bitwise equal parameters (with reduce_every "micro"
 -- and accumulation > 1, stages 2-3 sum micro-batches after ranks; "step"
@@ -54,6 +61,9 @@ local C = require "moelua.optim_c"
 local now = require("moelua.bench").now
 
 local zero = {}
+
+-- The dtype of gradients, optimizer states and masters for parameters of dtype dt.
+function zero.grad_dtype(dt) return dt == "bf16" and "f32" or dt end
 
 local Zero = {}
 Zero.__index = Zero
@@ -128,28 +138,43 @@ end
 -- layout, numel, part, params, grads [, shard_params, shard_grads]}:
 -- params and grads are the whole buffers (padded) that module views point
 -- into; at stage 3, params holds memory only between acquire and release.
+-- With dtype "bf16", u.master too (the header).
 function Zero:unit(name, kind, layout, o)
   local group, rank, world = self:_group_of(kind)
   local n, part = layout:numel(), layout:partition(rank, world)
   local u = {name = name, kind = kind, layout = layout, numel = n, part = part,
              group = group, rank = rank, world = world}
   local dt = {dtype = o.dtype, device = o.device}
-  local function zeros(cat, count) return mem.scope(cat, tensor.zeros, {count}, dt) end
+  local gdt = {dtype = zero.grad_dtype(o.dtype), device = o.device}
+  local function zeros(cat, count, d) return mem.scope(cat, tensor.zeros, {count}, d or dt) end
+  local init = o.init
+  if gdt.dtype ~= dt.dtype then   -- drawn whole in f32 (the masters at stage 0), rounded into params
+    u.master = zeros("optim", self.stage == 0 and part.padded or part.shard, gdt)
+    init = function(params)
+      local whole = self.stage == 0 and u.master or zeros("comm", part.padded, gdt)
+      o.init(whole:view_at(0, {n}))
+      params:copy_(whole:view_at(0, {n}))
+      if whole ~= u.master then
+        u.master:copy_(shard_of(u, whole))
+        whole:free()
+      end
+    end
+  end
   if self.stage < 3 then
     u.params = zeros("params", part.padded)
-    o.init(u.params:view_at(0, {n}))
+    init(u.params:view_at(0, {n}))
   else   -- drawn whole (one unit at a time), then only the shard is kept
     u.shard_params = zeros("params", part.shard)
     u.params = zeros("comm", part.padded)
-    o.init(u.params:view_at(0, {n}))
+    init(u.params:view_at(0, {n}))
     u.shard_params:copy_(shard_of(u, u.params))
     u.params:release_storage(released(u, "parameters"))
   end
   -- per unit, the whole gradient is a reduction bucket held only during the
   -- unit's backward (ledger `comm`), the shard is the gradient kept
-  u.grads = zeros(self.per_unit and "comm" or "grads", part.padded)
+  u.grads = zeros(self.per_unit and "comm" or "grads", part.padded, gdt)
   if self.per_unit then
-    u.shard_grads = zeros("grads", part.shard)
+    u.shard_grads = zeros("grads", part.shard, gdt)
     u.grads:release_storage(released(u, "whole gradient"))
   elseif self.stage >= 1 then   -- reduced in place, into this rank's slice of the whole
     u.shard_grads = shard_of(u, u.grads)
@@ -158,8 +183,8 @@ function Zero:unit(name, kind, layout, o)
   -- range (whole at stage 0, the shard above): address space until the
   -- optimizer commits a group's (or an active expert's) slice
   local states = self.stage == 0 and n or part.shard
-  u.exp_avg = mem.scope("optim", tensor.reserve, {states}, dt)
-  u.exp_avg_sq = mem.scope("optim", tensor.reserve, {states}, dt)
+  u.exp_avg = mem.scope("optim", tensor.reserve, {states}, gdt)
+  u.exp_avg_sq = mem.scope("optim", tensor.reserve, {states}, gdt)
   self.units[#self.units + 1] = u
   return u
 end
@@ -256,11 +281,13 @@ function Zero:after_backward(u)
 end
 
 -- z:edit(u, fn): fn() writes u's whole parameters outside a step (a
--- checkpoint load, a recipe's reinit); at stage 3 the shard then takes them.
+-- recipe's reinit); at stage 3 the shard then takes them, and the masters
+-- their range of them.
 function Zero:edit(u, fn)
   if self.stage == 3 then self:_ready(u) end
   fn()
   if self.stage == 3 then u.shard_params:copy_(shard_of(u, u.params)) end
+  if u.master then u.master:copy_(self.stage == 0 and u.params or shard_of(u, u.params)) end
   self:release(u)
 end
 
@@ -422,7 +449,7 @@ function Zero:groups()
   local function add(u, g, off, r, experts)
     local whole = self.stage == 0
     local at = r.offset - off
-    local params = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+    local params = u.master or whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
     out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
                      grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
                      exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
@@ -524,19 +551,35 @@ function Zero:after_step(opt, lr, masks)
       u.stored:step(opt, lr, self.clip_coef or 1, u.groups and u.groups.gate_up or {}, masks)
     end
   end
-  if self.stage == 1 or self.stage == 2 then self:gather_params() end
+  if self.stage == 1 or self.stage == 2 then
+    self:gather_params()
+  else   -- every rank stepped its whole masters (0) or its shard (3)
+    for _, u in ipairs(self.units) do self:_from_master(u) end
+  end
+end
+
+-- Mixed precision: u's compute parameters over its masters' range, rounded from them.
+function Zero:_from_master(u)
+  if not u.master then return end
+  local dst = self.stage == 0 and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+  dst:copy_(u.master)
 end
 
 -- Every rank's whole parameters from each rank's shard (stages 0-2; a
--- sharded checkpoint load reads only the shards).
+-- sharded checkpoint load reads only the shards); with masters, the
+-- compute copies rounded from them (at stage 0 the masters, whole on every
+-- rank, are what is gathered).
 function Zero:gather_params()
-  if self.stage == 3 then return end
   for _, u in ipairs(self.units) do
-    if u.world > 1 then
-      local mine = mem.scope("comm", shard_of(u, u.params).clone, shard_of(u, u.params))
-      self:_timed("all_gather", u.group.all_gather, u.group, mine, u.params, "parameters of unit " .. u.name)
+    local whole = self.stage == 0 and u.master
+    if not whole then self:_from_master(u) end
+    if self.stage < 3 and u.world > 1 then
+      local flat = whole or u.params
+      local mine = mem.scope("comm", shard_of(u, flat).clone, shard_of(u, flat))
+      self:_timed("all_gather", u.group.all_gather, u.group, mine, flat, "parameters of unit " .. u.name)
       mine:free()
     end
+    if whole then self:_from_master(u) end
   end
 end
 
@@ -544,9 +587,12 @@ end
 -- A checkpoint holds whole tensors under Hugging Face names; each rank
 -- writes and reads only the elements of its own shards.
 
--- Where named parameter p starts in its unit (elements).
+-- Where named parameter p starts in its unit (elements; its view is of the
+-- masters at stage 0 with mixed precision, model:named_parameters()).
 local function start_of(p)
-  return p.tensor:storage_offset() - p.unit.params:storage_offset()
+  local u = p.unit
+  local home = u.master and p.tensor:same_storage(u.master) and u.master or u.params
+  return p.tensor:storage_offset() - home:storage_offset()
 end
 
 -- This rank's pieces of the named parameters (model:named_parameters():
@@ -577,9 +623,11 @@ function Zero:_piece(p)
   end
 end
 
--- A piece's parameters on this rank (a view of the shard at stage 3).
+-- A piece's parameters on this rank (a view of the shard at stage 3; of
+-- the f32 masters with mixed precision).
 function Zero:param_view(pc)
   local u = pc.unit
+  if u.master then return u.master:view_at(self.stage == 0 and pc.lo or pc.lo - u.part.offset, {pc.n}) end
   if self.stage == 3 then return u.shard_params:view_at(pc.lo - u.part.offset, {pc.n}) end
   return u.params:view_at(pc.lo, {pc.n})
 end

@@ -27,6 +27,9 @@
 -- the GPU (initial weights are drawn on the CPU and copied, as moelua.moe
 -- does, so a model starts from the same weights on every device); tokens
 -- may come from the CPU (the data loader's) and are copied over.
+-- `dtype = "bf16"` (cuda only) is mixed precision: bf16 weights and
+-- activations, f32 gradients, optimizer states and master weights
+-- (moelua.zero); named_parameters() and checkpoints are the f32 masters.
 --
 -- Memory: every matmul output and the residual stream live in the model's
 -- stack pool (ledger "pool"); moelua.ops outputs (norm, rope, attention,
@@ -122,10 +125,12 @@ local function check_options(opts)
   need(o.norm_eps >= 0, "option 'norm_eps' must be >= 0, got %g", o.norm_eps)
   need(o.init_std > 0, "option 'init_std' must be > 0, got %g", o.init_std)
   need(o.aux_weight >= 0, "option 'aux_weight' must be >= 0, got %g", o.aux_weight)
-  need(o.dtype == "f32" or o.dtype == "f64", "option 'dtype' must be \"f32\" or \"f64\", got %q",
-       o.dtype)
+  need(o.dtype == "f32" or o.dtype == "f64" or o.dtype == "bf16",
+       "option 'dtype' must be \"f32\", \"f64\" or \"bf16\", got %q", o.dtype)
   need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\", got %q",
        o.device)
+  need(o.dtype ~= "bf16" or o.device == "cuda", "option 'dtype' \"bf16\" (mixed precision) runs on " ..
+       "cuda: the CPU's kernels are f32 and f64 (DESIGN.md, Numerics)")
   -- checkpoint: one mode or one per layer
   local per = {}
   if type(o.checkpoint) == "string" then
@@ -185,6 +190,7 @@ function Transformer.new(opts)
   local o = check_options(opts)       -- every check before any allocation
   local self = setmetatable({opts = o}, Transformer)
   local D, V, dt = o.dim, o.vocab, o.dtype
+  local draw_dt = zero.grad_dtype(dt)   -- initial weights: the masters' dtype
   self.zero = o.zero or zero.new{}
   local ep = self.zero.ep
   if o.experts % ep ~= 0 then
@@ -213,7 +219,7 @@ function Transformer.new(opts)
     if o.device == "cpu" and lead == 0 then
       view:normal_(draw)
     else   -- from the counter holding element g; on the cpu (normals differ by an ulp across devices)
-      local drawn <close> = tensor.empty({lead + view:numel()}, {dtype = dt})
+      local drawn <close> = tensor.empty({lead + view:numel()}, {dtype = draw_dt})
       view:copy_(drawn:normal_(draw):narrow(1, lead + 1, view:numel()))
     end
   end
@@ -686,7 +692,12 @@ end
 local function named(self, which, all)
   local out = {}
   local u
-  local function add(n, t) out[#out + 1] = {name = n, tensor = t, unit = u} end
+  local function add(n, t)
+    if which == "params" and u.master and self.zero.stage == 0 then   -- the whole f32 masters
+      t = u.master:view_at(t:storage_offset() - u.params:storage_offset(), t:shape())
+    end
+    out[#out + 1] = {name = n, tensor = t, unit = u}
+  end
   local F, D, grads = self.opts.ffn, self.opts.dim, which == "grads"
   local first, El = self.first_expert, self.local_experts
   u = self.units[1]
@@ -770,6 +781,19 @@ local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
 -- mismatch (the first 8). Used by --init-from and by resume.
 function Transformer:load_named(tensors, opts)
   local params = self:check_named(tensors, opts, "load_named")
+  local z = self.zero
+  if self.opts.dtype == "bf16" then   -- into this rank's f32 masters, then the bf16 copies from them
+    for _, pc in ipairs(z:pieces(params)) do
+      local t, into = tensors[pc.name], z:param_view(pc)
+      if ckpt.is_source(t) then
+        t:read_range(pc.at, into)
+      else
+        into:copy_(t:contiguous():view({t:numel()}):narrow(1, pc.at + 1, pc.n))
+      end
+    end
+    z:gather_params()
+    return
+  end
   local by_unit = {}
   for _, p in ipairs(params) do
     by_unit[p.unit] = by_unit[p.unit] or {}
