@@ -23,9 +23,23 @@ static inline void st(ml_dtype dt, void *p, int64_t i, double v)
 
 static int64_t clamp(int64_t a, int64_t n) { return a < n ? a : n; }
 
-int64_t ml_ce_scratch_elems(int64_t S, int64_t V, int64_t rows, int64_t vchunk)
+ml_ce_scratch ml_ce_scratch_layout(ml_dtype dt, int64_t S, int64_t V, int64_t D, int64_t rows,
+                                   int64_t vchunk)
 {
-    return clamp(rows, S > 0 ? S : 1) * clamp(vchunk, V > 0 ? V : 1);
+    int64_t nr = clamp(rows, S > 0 ? S : 1), n = nr * clamp(vchunk, V > 0 ? V : 1);
+    ml_ce_scratch l = {0, 0, (size_t)n * ml_dtype_size(dt)};
+    if (dt == ML_BF16) {   /* f32 logits, then dh's f32 sums, then the bf16 copy: aligned */
+        l.acc = (size_t)n * sizeof(float);
+        l.copy = l.acc + (size_t)(nr * D) * sizeof(float);
+        l.bytes = l.copy + (size_t)n * sizeof(uint16_t);
+    }
+    return l;
+}
+
+size_t ml_ce_scratch_bytes(ml_dtype dt, int64_t S, int64_t V, int64_t D, int64_t rows,
+                           int64_t vchunk)
+{
+    return ml_ce_scratch_layout(dt, S, V, D, rows, vchunk).bytes;
 }
 
 /* block[r, c] = h[r0 + r] . W[c0 + c], r < nr, c < nc (ld = nc) */

@@ -5,8 +5,12 @@
  * saturation (ml_store). Built with --fmad=false, so add/sub/mul/div, sqrt
  * and comparisons are bit-identical to the CPU; exp, log and tanh use the
  * CUDA math library (within 2 ulp of glibc), which the GPU spec allows for.
+ * bf16 (binary, scalar and unary float ops: the model's residual adds,
+ * scales and activations) loads to f32, computes as f32 does and stores
+ * rounded to nearest even (cuda_float.cuh), so it equals the f32 op on the
+ * widened values, rounded once; the CPU has no bf16 twin.
  */
-#include "cuda_common.cuh"
+#include "cuda_float.cuh"
 
 extern "C" {
 #include "elementwise_ops.h"
@@ -74,6 +78,13 @@ template <> struct binop_of<float> {
 template <> struct binop_of<double> {
     static __device__ __forceinline__ double apply(ml_binop op, double x, double y) { return ml_binop_f64(op, x, y); }
 };
+template <> struct binop_of<ml_bf16> {
+    static __device__ __forceinline__ ml_bf16 apply(ml_binop op, ml_bf16 x, ml_bf16 y)
+    {
+        typedef ml_float<ml_bf16> F;
+        return F::store(ml_binop_f32(op, F::load(x), F::load(y)));
+    }
+};
 template <> struct binop_of<int32_t> {
     static __device__ __forceinline__ int32_t apply(ml_binop op, int32_t x, int32_t y)
     {
@@ -100,13 +111,18 @@ __global__ void binary_kernel(ml_binop op, T *out, const T *a, const T *b, int64
     }
 }
 
-/* The scalar arrives as the CPU uses it: (float)s for f32, s for f64, and
- * as a double for the integer path. */
-template <typename T, typename S>
-__global__ void scalar_kernel(ml_binop op, T *out, const T *a, S s, int reverse, int64_t n)
+/* The scalar arrives as the CPU uses it: (float)s for f32 (and bf16, which
+ * computes in f32), s for f64, and as a double for the integer path. */
+template <typename T>
+__global__ void scalar_kernel(ml_binop op, T *out, const T *a, typename ml_float<T>::acc s,
+                              int reverse, int64_t n)
 {
-    ML_CUDA_FOR(i, n) out[i] = reverse ? (T)binop_of<S>::apply(op, s, (S)a[i])
-                                       : (T)binop_of<S>::apply(op, (S)a[i], s);
+    typedef ml_float<T> F;
+    typedef binop_of<typename F::acc> B;
+    ML_CUDA_FOR(i, n) {
+        typename F::acc x = F::load(a[i]);
+        out[i] = F::store(reverse ? B::apply(op, s, x) : B::apply(op, x, s));
+    }
 }
 
 template <typename T>
@@ -133,7 +149,7 @@ static ml_status binary_launch(ml_binop op, void *out, const void *a, const void
 extern "C" ml_status ml_binary_cuda(ml_binop op, ml_dtype dt, void *out, const void *a, const void *b,
                                     int64_t n, int64_t na, int64_t nb, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64 && dt != ML_I32 && dt != ML_I64)
+    if (dt != ML_F32 && dt != ML_F64 && dt != ML_BF16 && dt != ML_I32 && dt != ML_I64)
         return ML_EUNSUPPORTED;
     if (n <= 0)
         return ML_OK;
@@ -145,6 +161,7 @@ extern "C" ml_status ml_binary_cuda(ml_binop op, ml_dtype dt, void *out, const v
     switch (dt) {
     case ML_F32: return binary_launch<float>(op, out, a, b, n, na, nb, st);
     case ML_F64: return binary_launch<double>(op, out, a, b, n, na, nb, st);
+    case ML_BF16: return binary_launch<ml_bf16>(op, out, a, b, n, na, nb, st);
     case ML_I32: return binary_launch<int32_t>(op, out, a, b, n, na, nb, st);
     default:     return binary_launch<int64_t>(op, out, a, b, n, na, nb, st);
     }
@@ -153,7 +170,7 @@ extern "C" ml_status ml_binary_cuda(ml_binop op, ml_dtype dt, void *out, const v
 extern "C" ml_status ml_binary_scalar_cuda(ml_binop op, ml_dtype dt, void *out, const void *a, double s,
                                            int reverse, int64_t n, const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64 && dt != ML_I32 && dt != ML_I64)
+    if (dt != ML_F32 && dt != ML_F64 && dt != ML_BF16 && dt != ML_I32 && dt != ML_I64)
         return ML_EUNSUPPORTED;
     if (n <= 0)
         return ML_OK;
@@ -163,12 +180,16 @@ extern "C" ml_status ml_binary_scalar_cuda(ml_binop op, ml_dtype dt, void *out, 
     unsigned blocks = ml_cuda_blocks(n, ML_CUDA_THREADS);
     switch (dt) {
     case ML_F32:
-        scalar_kernel<float, float><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+        scalar_kernel<float><<<blocks, ML_CUDA_THREADS, 0, st>>>(
             op, (float *)out, (const float *)a, (float)s, reverse, n);
         break;
     case ML_F64:
-        scalar_kernel<double, double><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+        scalar_kernel<double><<<blocks, ML_CUDA_THREADS, 0, st>>>(
             op, (double *)out, (const double *)a, s, reverse, n);
+        break;
+    case ML_BF16:
+        scalar_kernel<ml_bf16><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+            op, (ml_bf16 *)out, (const ml_bf16 *)a, (float)s, reverse, n);
         break;
     case ML_I32:
         scalar_int_kernel<int32_t><<<blocks, ML_CUDA_THREADS, 0, st>>>(
@@ -184,14 +205,14 @@ extern "C" ml_status ml_binary_scalar_cuda(ml_binop op, ml_dtype dt, void *out, 
 
 /* ---- unary -------------------------------------------------------------- */
 
-__global__ void unary_f32_kernel(ml_unop op, float *out, const float *a, int64_t n)
-{
-    ML_CUDA_FOR(i, n) out[i] = ml_unop_f32(op, a[i]);
-}
+__device__ __forceinline__ float unop_of(ml_unop op, float x) { return ml_unop_f32(op, x); }
+__device__ __forceinline__ double unop_of(ml_unop op, double x) { return ml_unop_f64(op, x); }
 
-__global__ void unary_f64_kernel(ml_unop op, double *out, const double *a, int64_t n)
+template <typename T>
+__global__ void unary_float_kernel(ml_unop op, T *out, const T *a, int64_t n)
 {
-    ML_CUDA_FOR(i, n) out[i] = ml_unop_f64(op, a[i]);
+    typedef ml_float<T> F;
+    ML_CUDA_FOR(i, n) out[i] = F::store(unop_of(op, F::load(a[i])));
 }
 
 /* Two's complement wrap-around for -INT_MIN, as on the CPU. */
@@ -208,7 +229,7 @@ extern "C" ml_status ml_unary_cuda(ml_unop op, ml_dtype dt, void *out, const voi
                                    const ml_kctx *ctx)
 {
     int is_int = dt == ML_I32 || dt == ML_I64;
-    if (!(dt == ML_F32 || dt == ML_F64 || (is_int && (op == ML_NEG || op == ML_ABS))))
+    if (!(dt == ML_F32 || dt == ML_F64 || dt == ML_BF16 || (is_int && (op == ML_NEG || op == ML_ABS))))
         return ML_EUNSUPPORTED;
     if (n <= 0)
         return ML_OK;
@@ -218,10 +239,16 @@ extern "C" ml_status ml_unary_cuda(ml_unop op, ml_dtype dt, void *out, const voi
     unsigned blocks = ml_cuda_blocks(n, ML_CUDA_THREADS);
     switch (dt) {
     case ML_F32:
-        unary_f32_kernel<<<blocks, ML_CUDA_THREADS, 0, st>>>(op, (float *)out, (const float *)a, n);
+        unary_float_kernel<float><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+            op, (float *)out, (const float *)a, n);
         break;
     case ML_F64:
-        unary_f64_kernel<<<blocks, ML_CUDA_THREADS, 0, st>>>(op, (double *)out, (const double *)a, n);
+        unary_float_kernel<double><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+            op, (double *)out, (const double *)a, n);
+        break;
+    case ML_BF16:
+        unary_float_kernel<ml_bf16><<<blocks, ML_CUDA_THREADS, 0, st>>>(
+            op, (ml_bf16 *)out, (const ml_bf16 *)a, n);
         break;
     case ML_I32:
         unary_int_kernel<int32_t, uint32_t><<<blocks, ML_CUDA_THREADS, 0, st>>>(

@@ -118,15 +118,16 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
 
 /* ---- cross-entropy ------------------------------------------------------------ */
 
-/* hs [S, D], W [V, D] (one float dtype) and targets [S] i64 on hs's device,
- * V, D >= 1, rows and chunk in range. The targets' range is checked by the
- * caller, last (it reads the device). */
-static ml_status ce_args(const ml_tensor *hs, const ml_tensor *W, const ml_tensor *tg,
-                         int64_t rows, int64_t chunk, ml_err *e)
+/* hs [S, D], W [V, D] (one float dtype the device runs cross-entropy in)
+ * and targets [S] i64 on hs's device, V, D >= 1, rows and chunk in range.
+ * The targets' range is checked by the caller, last (it reads the device). */
+static ml_status ce_args(const ml_host *h, const ml_tensor *hs, const ml_tensor *W,
+                         const ml_tensor *tg, int64_t rows, int64_t chunk, ml_err *e)
 {
     ml_device dev = ml_tensor_device(hs);
-    ML_TRY(ml_check_input(hs, "h", dev, ML_DT_FLOAT, 2, 1, e));
-    ML_TRY(ml_check_input(W, "W", dev, ML_DT_FLOAT, 2, 1, e));
+    unsigned dts = ml_float_dtypes(h, dev, ML_OP_CROSSENTROPY);
+    ML_TRY(ml_check_input(hs, "h", dev, dts, 2, 1, e));
+    ML_TRY(ml_check_input(W, "W", dev, dts, 2, 1, e));
     ML_TRY(ml_check_input(tg, "targets", dev, ML_DT(ML_I64), 1, 1, e));
     ML_TRY(ml_check_same_dtype(W, "W", "h", hs->dtype, e));
     int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0], sw[2] = {V, D};
@@ -144,12 +145,13 @@ static ml_status ce_args(const ml_tensor *hs, const ml_tensor *W, const ml_tenso
     return ML_OK;
 }
 
-/* The [rows, chunk] logits block, in hs's dtype on its device. */
+/* The kernels' scratch (the [rows, chunk] logits block and, for bf16, the
+ * backward's sums and copy) on hs's device. */
 static ml_status ce_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *hs, int64_t V,
                             int64_t rows, int64_t chunk, ml_err *e)
 {
-    int64_t n = ml_ce_scratch_elems(hs->shape[0], V, rows, chunk);
-    return ml_tensor_alloc(h, scr, hs->st->device, hs->dtype, 1, &n, e);
+    size_t n = ml_ce_scratch_bytes(hs->dtype, hs->shape[0], V, hs->shape[1], rows, chunk);
+    return ml_kernel_scratch(h, scr, hs->st->device, n, e);
 }
 
 ml_status ml_op_cross_entropy_forward(ml_host *h, double *loss, ml_tensor *lse,
@@ -158,7 +160,7 @@ ml_status ml_op_cross_entropy_forward(ml_host *h, double *loss, ml_tensor *lse,
                                       ml_err *e)
 {
     *loss = 0;
-    ML_TRY(ce_args(hs, W, targets, rows, chunk, e));
+    ML_TRY(ce_args(h, hs, W, targets, rows, chunk, e));
     ml_device dev = hs->st->device;
     int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0];
     ML_TRY(check_ids(h, targets, "targets", V, e));
@@ -179,17 +181,18 @@ ml_status ml_op_cross_entropy_backward(ml_host *h, ml_tensor *dh, ml_tensor *dW,
                                        const ml_tensor *targets, const ml_tensor *lse,
                                        int64_t rows, int64_t chunk, ml_err *e)
 {
-    ML_TRY(ce_args(hs, W, targets, rows, chunk, e));
+    ML_TRY(ce_args(h, hs, W, targets, rows, chunk, e));
     ml_device dev = hs->st->device;
     int64_t S = hs->shape[0], D = hs->shape[1], V = W->shape[0];
+    ml_dtype gdt = ml_grad_dtype(hs->dtype);
     if (!isfinite(dloss))
         return ml_err_set(e, ML_EINVAL, "dloss must be finite, got %g", dloss);
     ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 1, 1, e));
     ML_TRY(ml_check_shape(lse, "lse", 1, &S, e));
-    if (dW->st)
+    if (dW->st && gdt == hs->dtype)   /* bf16: the accumulator check says "dW must be f32" */
         ML_TRY(ml_check_same_dtype(dW, "dW", "h", hs->dtype, e));
     ML_TRY(check_ids(h, targets, "targets", V, e));
-    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, hs->dtype, 2, W->shape, e));
+    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, gdt, 2, W->shape, e));
     ML_TRY(ml_prepare_output(h, dh, "dh", dev, hs->dtype, 2, hs->shape, e));
     ml_tensor scr = {0};
     ML_TRY(ce_scratch(h, &scr, hs, V, rows, chunk, e));

@@ -283,4 +283,40 @@ describe("GPU parity: cross_entropy", function()
       support.raises("NaN in the logits", run, ops.cross_entropy_forward, h, W, targets, {rows = 3, chunk = 7})
     end
   end)
+
+  -- bf16 (h, W, dh bf16; dW f32): the logits are an f32 GEMM of the same
+  -- values on both sides, so loss and lse keep f32's 4 D eps. The device
+  -- rounds G = (softmax - onehot) dloss/S to bf16 for its two GEMMs (at most
+  -- 2^-8 per entry, about 0.4 * 2^-8 RMS): dW's increment (f32) is off by
+  -- about 0.4 * 2^-8 normwise, asserted <= 2^-8; dh by as much again from
+  -- its one rounding to bf16, asserted <= 2 * 2^-8. dW's accumulator is the
+  -- device tensor passed in (read back here: in cpu mode on_dev would round
+  -- the returned f32 dW to bf16).
+  bf16_it("bf16 matches the CPU's f32 on bf16-rounded inputs (dW f32, accumulates)", function()
+    local one = m.ones({1, 2}, {dtype = "bf16"}):to(DEV)
+    ops.cross_entropy_forward(one, one, m.tensor({0}, {dtype = "i64"}):to(DEV))
+  end, function()
+    local targets = draw_ids(S, V, 83)
+    local h, W = bf16(noncontig({}, S, D)), bf16(noncontig({}, V, D, nil, 1 / math.sqrt(D)))
+    local dW0 = noncontig({}, V, D, "f32", 1e-3)   -- of the size of the increment: += shows
+    local loss, lse = on_cpu(ops.cross_entropy_forward, h, W, targets, OPTS)
+    local gloss, glse = on_dev(ops.cross_entropy_forward, h, W, targets, OPTS)
+    rel_scalar(loss, gloss, 4 * D * EPS.f32, "loss bf16")
+    assert_close(lse, glse, 4 * D * EPS.f32, "lse bf16")
+    local dh, dW = on_cpu(ops.cross_entropy_backward, 1.7, h, W, targets, lse,
+                          {rows = OPTS.rows, chunk = OPTS.chunk, dW = dW0:clone()})
+    local gdW0 = dW0:clone():to(DEV)
+    local gdh = on_dev(ops.cross_entropy_backward, 1.7, h, W, targets, glse,
+                       {rows = OPTS.rows, chunk = OPTS.chunk, dW = gdW0})
+    assert.are.equal("bf16", gdh:dtype())
+    assert.are.equal("f32", gdW0:dtype())
+    assert_close(dh, gdh, 2 * BF16_TOL, "dh bf16")
+    local function inc(d) return d:to("cpu"):to("f64") - dW0:to("f64") end
+    assert_close(inc(dW), inc(gdW0), BF16_TOL, "dW (+=) bf16")
+    if DEV ~= "cpu" then   -- the weight gradient of bf16 inputs is f32
+      local gh, gW = h:to(DEV):contiguous(), W:to(DEV):contiguous()
+      support.raises("dW must be f32, got bf16", ops.cross_entropy_backward, 1.7, gh, gW, targets:to(DEV),
+                     glse:to(DEV), {dW = bf16(dW0):to(DEV)})
+    end
+  end)
 end)

@@ -199,6 +199,36 @@ describe("GPU parity: elementwise", function()
     assert_same(i:neg(), dev(i):neg(), "neg i32 wraps")
     assert_same(i:abs(), dev(i):abs(), "abs i32 wraps")
   end)
+
+  -- bf16 (CUDA only: the CPU refuses it) loads to f32, computes as f32 and
+  -- rounds once, so IEEE ops equal the CPU's f32 op on the widened values
+  -- cast to bf16, bit for bit; exp, log, tanh, silu and sigmoid (CUDA's,
+  -- 16 f32 eps) are within one bf16 rounding (2^-8) plus that of the f32 op.
+  local bf16_it = DEV == "cpu" and function(name) pending(name .. ": the CPU has no bf16 ops") end or it
+  bf16_it("bf16 binary, scalar and unary ops: the f32 op on the widened values, rounded once", function()
+    local function r(t) return t:to("bf16") end
+    local a = m.randn({9, 9}, {seed = 11, offset = 0}):to("bf16"):narrow(2, 2, 6):t()   -- [6, 9] strided
+    local b = r(m.randn({9}, {seed = 12, offset = 0}))
+    local af, bf, ga, gb = a:to("f32"), b:to("f32"), dev(a), dev(b)
+    for _, op in ipairs(ops) do
+      local g = ga[op](ga, gb)
+      assert.are.equal("bf16", g:dtype())
+      assert_same(r(af[op](af, bf)), g, op .. " bf16")
+      assert_same(r(af[op](af, 0.3)), ga[op](ga, 0.3), op .. " scalar bf16")
+    end
+    assert_same(r(2.5 - af), 2.5 - ga, "reverse scalar bf16")
+    assert_same(r(1 / af), 1 / ga, "reverse div bf16")
+    local xf = r(m.randn({33, 31}, {seed = 15, offset = 0})):to("f32")
+    local posf = r(xf:abs():add(0.01)):to("f32")
+    local gx, gpos = dev(r(xf)), dev(r(posf))
+    for _, op in ipairs({"neg", "abs"}) do assert_same(r(xf[op](xf)), gx[op](gx), op .. " bf16") end
+    for _, op in ipairs({"sqrt", "rsqrt"}) do assert_same(r(posf[op](posf)), gpos[op](gpos), op .. " bf16") end
+    local tol = 2^-8 + 16 * EPS.f32
+    assert_close(posf:log(), gpos:log(), tol, "log bf16")
+    for _, op in ipairs({"exp", "silu", "sigmoid", "tanh"}) do
+      assert_close(xf[op](xf), gx[op](gx), tol, op .. " bf16")
+    end
+  end)
 end)
 
 describe("GPU parity: reductions", function()
@@ -361,6 +391,38 @@ describe("GPU parity: matmul", function()
       m.matmul(ga, gb, {out = gc, alpha = 0.5, beta = 2})
       assert_close(c, gc, tol, "mm accumulate " .. dt)
     end
+  end)
+
+  -- bf16 A and B (CUDA only; mixed precision): cuBLAS forms the products
+  -- exactly in f32 and sums in f32, so against the CPU's f32 GEMM on the
+  -- widened values an f32 C (out=, the weight gradients' form) keeps the
+  -- f32 bound, 4 k eps, and a bf16 C adds its one rounding, 2^-8.
+  local bf16_it = DEV == "cpu" and function(name) pending(name .. ": the CPU has no bf16 GEMM") end or it
+  bf16_it("bf16 A, B with a bf16 C and with an f32 out= match the f32 GEMM on the widened values", function()
+    local function r(t) return t:to("bf16") end
+    local k = 64
+    local a, b = r(m.randn({37, k}, {seed = 32, offset = 0})), r(m.randn({k, 23}, {seed = 32, offset = 1000}))
+    local af, bf, ga, gb = a:to("f32"), b:to("f32"), dev(a), dev(b)
+    local tol = 4 * k * EPS.f32
+    local gc = m.matmul(ga, gb)
+    assert.are.equal("bf16", gc:dtype())
+    assert_close(m.matmul(af, bf), gc, 2^-8 + tol, "mm bf16")
+    local gbt = dev(b:t():contiguous())   -- B read transposed, as a flag
+    assert_close(m.matmul(af, bf), m.matmul(ga, gbt:t()), 2^-8 + tol, "mm nt bf16")
+    local ba = r(m.randn({3, 17, k}, {seed = 32, offset = 5000}))
+    assert_close(m.matmul(ba:to("f32"), bf), m.matmul(dev(ba), gb), 2^-8 + tol, "bmm shared B bf16")
+    -- f32 C = 0.5 A B + 2 C, accumulated in f32
+    local c = m.randn({37, 23}, {seed = 32, offset = 9000})
+    local gc32 = dev(c)
+    m.matmul(af, bf, {out = c, alpha = 0.5, beta = 2})
+    m.matmul(ga, gb, {out = gc32, alpha = 0.5, beta = 2})
+    assert.are.equal("f32", gc32:dtype())
+    assert_close(c, gc32, tol, "mm f32 out= bf16")
+    -- A^T B into a fresh f32 out (a weight gradient: dW = X^T dY)
+    local gw = m.zeros({k, 23}, {device = DEV})
+    local x = r(m.randn({37, k}, {seed = 32, offset = 13000}))
+    m.matmul(dev(x):t(), gb:narrow(1, 1, 37), {out = gw})
+    assert_close(m.matmul(x:to("f32"):t(), bf:narrow(1, 1, 37)), gw, 4 * 37 * EPS.f32, "mm tn f32 out= bf16")
   end)
 end)
 

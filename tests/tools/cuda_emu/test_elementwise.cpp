@@ -1,7 +1,9 @@
 /* kernels/elementwise.cu under the emulator against kernels/elementwise.c:
  * fill, arange, binary (broadcast over leading dims), binary_scalar and
  * unary bitwise; NaN wins max/min, integers saturate (tests/spec/gpu_spec.lua
- * allows 16 eps for exp/log/tanh on a GPU; here both sides use glibc) */
+ * allows 16 eps for exp/log/tanh on a GPU; here both sides use glibc). bf16
+ * (CUDA only; the CPU refuses it) against the CPU's f32 op on the widened
+ * inputs, rounded to bf16 once: bitwise, as the kernel computes in f32 */
 #include "cuda_util.cu.cpp"
 #include "elementwise.cu.cpp"
 #include "emu.h"
@@ -50,6 +52,19 @@ static void fill_arange(ml_dtype dt, int64_t n)
     check(nm, bytes(dt, b, n), bytes(dt, a, n), 0);
 }
 
+/* bf16, which the CPU refuses, is checked against the CPU's f32 op on the
+ * widened inputs: the reference's dtype, its input bytes and its first n
+ * outputs as dt's bytes (bf16: rounded once) */
+static ml_dtype ref_dt(ml_dtype dt) { return dt == ML_BF16 ? ML_F32 : dt; }
+static std::vector<unsigned char> ref_in(ml_dtype dt, const std::vector<unsigned char> &x, int64_t n)
+{
+    return dt == ML_BF16 ? as_dt(ML_F32, to_d(ML_BF16, x.data(), n)) : x;
+}
+static std::vector<double> ref_out(ml_dtype dt, const std::vector<unsigned char> &a, int64_t n)
+{
+    return dt == ML_BF16 ? bytes(dt, as_dt(dt, to_d(ML_F32, a.data(), n)), n) : bytes(dt, a, n);
+}
+
 static void binary(ml_dtype dt, int64_t n, int64_t na, int64_t nb)
 {
     auto x = as_dt(dt, input(dt, na)), y = as_dt(dt, input(dt, nb));
@@ -57,52 +72,53 @@ static void binary(ml_dtype dt, int64_t n, int64_t na, int64_t nb)
         for (int64_t i = 0; i < nb; i++)
             if (ml_load(dt, y.data(), i) == 0)
                 ml_store(dt, y.data(), i, 3);
+    auto rx = ref_in(dt, x, na), ry = ref_in(dt, y, nb);
     for (int op = 0; op < ML_NBINOPS; op++) {
         std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-        ml_binary_cpu((ml_binop)op, dt, a.data(), x.data(), y.data(), n, na, nb, &emu_ctx);
+        ml_binary_cpu((ml_binop)op, ref_dt(dt), a.data(), rx.data(), ry.data(), n, na, nb, &emu_ctx);
         char nm[96];
         snprintf(nm, sizeof nm, "binary %s %s n=%ld na=%ld nb=%ld", bop[op], dtn(dt), (long)n, (long)na, (long)nb);
         check_status(nm, ml_binary_cuda((ml_binop)op, dt, b.data(), x.data(), y.data(), n, na, nb, &emu_ctx),
                      ML_OK);
-        check(nm, bytes(dt, b, n), bytes(dt, a, n), 0);
+        check(nm, bytes(dt, b, n), ref_out(dt, a, n), 0);
         if (na == n) {   /* in place into a */
             auto c = x;
             check_status(std::string(nm) + " in place",
                          ml_binary_cuda((ml_binop)op, dt, c.data(), c.data(), y.data(), n, na, nb, &emu_ctx), ML_OK);
-            check(std::string(nm) + " in place", bytes(dt, c, n), bytes(dt, a, n), 0);
+            check(std::string(nm) + " in place", bytes(dt, c, n), ref_out(dt, a, n), 0);
         }
     }
 }
 
 static void scalar(ml_dtype dt, int64_t n)
 {
-    auto x = as_dt(dt, input(dt, n));
+    auto x = as_dt(dt, input(dt, n)), rx = ref_in(dt, x, n);
     for (double s : {0.3, -2.5, 3.0, 1e300, (double)NAN})
         for (int rev = 0; rev < 2; rev++)
             for (int op = 0; op < ML_NBINOPS; op++) {
                 if (is_int(dt) && rev && op == ML_DIV)   /* a zero element divisor: refused by the binding */
                     continue;
                 std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-                ml_binary_scalar_cpu((ml_binop)op, dt, a.data(), x.data(), s, rev, n, &emu_ctx);
+                ml_binary_scalar_cpu((ml_binop)op, ref_dt(dt), a.data(), rx.data(), s, rev, n, &emu_ctx);
                 char nm[96];
                 snprintf(nm, sizeof nm, "scalar %s %s n=%ld s=%g rev=%d", bop[op], dtn(dt), (long)n, s, rev);
                 check_status(nm, ml_binary_scalar_cuda((ml_binop)op, dt, b.data(), x.data(), s, rev, n, &emu_ctx),
                              ML_OK);
-                check(nm, bytes(dt, b, n), bytes(dt, a, n), 0);
+                check(nm, bytes(dt, b, n), ref_out(dt, a, n), 0);
             }
 }
 
 static void unary(ml_dtype dt, int64_t n)
 {
-    auto x = as_dt(dt, input(dt, n));
+    auto x = as_dt(dt, input(dt, n)), rx = ref_in(dt, x, n);
     for (int op = 0; op < ML_NUNOPS; op++) {
         std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-        ml_status want = ml_unary_cpu((ml_unop)op, dt, a.data(), x.data(), n, &emu_ctx);
+        ml_status want = ml_unary_cpu((ml_unop)op, ref_dt(dt), a.data(), rx.data(), n, &emu_ctx);
         char nm[96];
         snprintf(nm, sizeof nm, "unary %s %s n=%ld", uop[op], dtn(dt), (long)n);
         check_status(nm, ml_unary_cuda((ml_unop)op, dt, b.data(), x.data(), n, &emu_ctx), want);
         if (want == ML_OK)
-            check(nm, bytes(dt, b, n), bytes(dt, a, n), 0);
+            check(nm, bytes(dt, b, n), ref_out(dt, a, n), 0);
     }
 }
 
@@ -111,7 +127,7 @@ int main()
     for (ml_dtype dt : ALL)
         for (int64_t n : {15, 1, 0, 257, 1001})
             fill_arange(dt, n);
-    for (ml_dtype dt : {ML_F32, ML_F64, ML_I32, ML_I64}) {
+    for (ml_dtype dt : {ML_F32, ML_F64, ML_BF16, ML_I32, ML_I64}) {
         binary(dt, 54, 54, 9);    /* [6,9] op [9] */
         binary(dt, 54, 9, 54);
         binary(dt, 54, 54, 54);
@@ -126,6 +142,10 @@ int main()
         unary(dt, 1);
         unary(dt, 0);
     }
-    unary(ML_BF16, 10);
+    for (ml_dtype dt : {ML_BF16, ML_F16})   /* the CPU refuses both */
+        check_status(std::string("binary add ") + dtn(dt) + " cpu",
+                     ml_binary_cpu(ML_ADD, dt, nullptr, nullptr, nullptr, 4, 4, 4, &emu_ctx), ML_EUNSUPPORTED);
+    check_status("unary exp f16", ml_unary_cuda(ML_EXP, ML_F16, nullptr, nullptr, 4, &emu_ctx),
+                 ML_EUNSUPPORTED);
     return emu_finish();
 }
