@@ -131,6 +131,10 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
+if opts.expert_budget ~= "" and opts.device ~= "cpu" then
+  errors.user("--expert-budget: not built for --device " .. opts.device .. " yet (the GPU's tier is pinned host " ..
+              "memory with a copy stream): use --device cpu")
+end
 if opts.offload_optimizer and opts.device ~= "cpu" then
   errors.user("--offload-optimizer: not built for --device " .. opts.device .. " yet (the GPU's tier would hold " ..
               "the states in pinned host memory and the fp32 master weights too): use --device cpu")

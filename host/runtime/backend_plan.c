@@ -93,10 +93,12 @@ int ml_cuda_supports(ml_op op, ml_dtype dt)
     switch (op) {
     case ML_OP_FILL: case ML_OP_ARANGE: case ML_OP_COPY: case ML_OP_INDEX:
         return 1;           /* scatter_add: f32, f64, i32, i64 (the kernel says) */
-    case ML_OP_BINARY: case ML_OP_CUMSUM:
+    case ML_OP_BINARY:
+        return num || dt == ML_BF16;   /* bf16: binary and binary_scalar */
+    case ML_OP_CUMSUM:
         return num;
     case ML_OP_UNARY:
-        return num;         /* integers: neg and abs only (the kernel says) */
+        return num || dt == ML_BF16;   /* integers: neg and abs only (the kernel says) */
     case ML_OP_MATMUL:
         return flt || dt == ML_BF16;   /* bf16 A, B with a bf16 or f32 C */
     case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK:
@@ -111,7 +113,7 @@ int ml_cuda_supports(ml_op op, ml_dtype dt)
     case ML_OP_ATTENTION: case ML_OP_RMSNORM: case ML_OP_ROPE: case ML_OP_EMBEDDING:
         return flt || dt == ML_BF16;
     case ML_OP_CROSSENTROPY:
-        return flt;         /* cuBLAS logits: no bf16 GEMM */
+        return flt || dt == ML_BF16;   /* bf16 h, W, dh; f32 dW */
     default:
         return 0;
     }

@@ -155,7 +155,8 @@ ml_status ml_op_unary(ml_host *h, ml_tensor *out, ml_unop op, const ml_tensor *t
     ML_TRY(ml_check_live(t, "t", e));
     if (inplace)
         ML_TRY(ml_check_input(t, "t", t->st->device, ML_DT_ANY, t->ndim, 1, e));
-    ML_TRY(check_dtype_in(t, ML_DT_FLOAT | (op == ML_NEG || op == ML_ABS ? ML_DT_INT : 0), e));
+    ML_TRY(check_dtype_in(t, ml_float_dtypes(h, t->st->device, ML_OP_UNARY) |
+                                 (op == ML_NEG || op == ML_ABS ? ML_DT_INT : 0), e));
     ml_tensor ct = {0};
     const ml_tensor *src;
     ml_status s = elementwise_io(h, out, t, &ct, &src, e);

@@ -260,13 +260,19 @@ end
 
 -- One plan in a child: true, its peak (bytes) and its words when it fits;
 -- false, what it needs and its words when it is over the budget; any other
--- failure is an error naming `what` with the child's words.
-local function probe(host, recipe, args, what)
+-- failure is an error naming `what` with the child's words, or, when
+-- `refusable` (a knob the recipe may refuse in this configuration), nil
+-- and the child's last line.
+local function probe(host, recipe, args, what, refusable)
   local ok, text = child(host, recipe, args)
   local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
   if ok and peak then return true, tonumber(peak) * 2^20, text end
   local need = text:match("needs ([%d.]+) MiB at its peak")
   if need then return false, tonumber(need) * 2^20, text end
+  if refusable then   -- its message: the last line before any traceback, without the program's name
+    local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$")
+    return nil, (msg:gsub("^[^:]*moelua: ", ""))
+  end
   errors.user(string.format("moelua plan: the plan %s failed: %s", what, text))
 end
 
@@ -354,8 +360,13 @@ function M.fit(recipe, rest)
     if v == nil then return offered[name] end
     return v
   end
-  local function try(label)
-    local fits, peak, text = probe(host, recipe, args, "with " .. label)
+  -- a knob's value: fits (true/false) and the plan's words, or nil when the recipe refuses it
+  local function try(label, refusable)
+    local fits, peak, text = probe(host, recipe, args, "with " .. label, refusable)
+    if fits == nil then
+      tried[#tried + 1] = string.format("  %-40s refused: %s", label, peak)
+      return nil
+    end
     tried[#tried + 1] = string.format("  %-40s %s %s", label, fits and "fits, peak" or "needs", mib(peak))
     return fits, text
   end
@@ -371,20 +382,28 @@ function M.fit(recipe, rest)
         local all_in = {table.unpack(args)}
         set(name, "1TiB", all_in)
         set("budget-gib", "0", all_in)
-        local _, _, t = probe(host, recipe, all_in, "with every expert in the store")
-        local all = file_bytes(t)
+        local ok, got, t = probe(host, recipe, all_in, "with every expert in the store", true)
         values = {}
-        for d = 1, 20 do
-          if all / 2^d < 2^20 then break end
-          values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
+        if ok == nil then
+          tried[#tried + 1] = string.format("  %-40s refused: %s", "--" .. name, got)
+        else
+          local all = file_bytes(t)
+          for d = 1, 20 do
+            if all / 2^d < 2^20 then break end
+            values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
+          end
         end
       end
-      local last
+      local last, before, given = nil, {table.unpack(args)}, current(name)
       for _, v in ipairs(values) do
-        if v ~= current(name) then
+        if v ~= given then
           set(name, v)
-          last = v
-          fits, text = try("--" .. name .. " " .. v)
+          local f, t = try("--" .. name .. " " .. v, true)
+          if f == nil then   -- refused here (e.g. not built for this device): the knob is left as it was
+            args = before
+            break
+          end
+          fits, text, last = f, t, v
           if fits then break end
         end
       end

@@ -134,6 +134,38 @@ describe("mem.plan", function()
     end
   end)
 
+  it("plans mixed precision on CUDA: bf16 params, f32 gradients, masters and AdamW states, per parameter", function()
+    local o = {vocab = 64, dim = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, topk = 2,
+               device = "cuda", dtype = "bf16"}
+    -- the parameters, counted from the shapes (Mixtral's): embedding and head, per layer two norms, q, k, v, o,
+    -- the router and the experts' gate_up and down, the final norm
+    local D, hd = o.dim, o.dim // o.heads
+    local n = 2 * o.vocab * D + D + o.layers * (2 * D + 2 * D * D + 2 * D * o.kv_heads * hd + o.experts * D +
+                                               3 * o.experts * o.ffn * D)
+    local counted, built
+    local books = mem.plan(function()
+      local model = nn.Transformer.new(o)
+      local opt = optim.AdamW(model:param_groups{weight_decay = 0.1}, {lr = 1e-3})
+      built = mem.stats().cuda.total
+      local named = model:named_parameters()
+      counted = 0
+      for _, p in ipairs(named) do
+        assert.are.equal("f32", p.tensor:dtype(), p.name)   -- the names are the masters'
+        counted = counted + p.tensor:numel()
+      end
+      local loss = model:forward(m.tensor({1, 2, 3, 4, 5, 6, 7, 8, 9}):to("i64"))
+      model:backward()
+      opt:step()   -- commits AdamW's two moments
+      model:zero_grad()
+    end)
+    assert.are.equal(n, counted)
+    local peak = books.cuda.peak
+    assert.are.equal(2 * n, peak.params)   -- bf16 weights
+    assert.are.equal(4 * n, peak.grads)    -- f32 gradients
+    assert.are.equal(12 * n, peak.optim)   -- f32 masters (made with the model) and both moments
+    assert.are.equal(2 * n + 4 * n + 4 * n, built)
+  end)
+
   it("books the scratch a CUDA dispatch takes from the ledger (its per-tile ranks)", function()
     local experts = require "moelua.experts"
     -- n = 2^21 assignments over E = 2048 experts: tiles of 2048 (at most 2^22
@@ -297,6 +329,27 @@ describe("recipes/longctx.lua", function()
     assert.matches("%-%-device cuda: no usable GPU %(.+%); the plan above is what the run needs", out)
     assert.is_nil(out:find("stack traceback", 1, true))   -- a user error
     assert.is_nil(io.open(dir .. "/run/metrics.jsonl"))
+    support.remove_dir(dir)
+  end)
+
+  it("--dtype bf16 plans mixed precision on cuda; the cpu refuses it, naming the option", function()
+    local function run(args)
+      local p = assert(io.popen(support.host_command(args) .. " 2>&1"))
+      return support.finish_child(p)
+    end
+    local code, out = run({"recipes/longctx.lua", "--dtype", "bf16", "--seq-len", "256"})
+    assert.are.equal(1, code, out)
+    support.has(out, "--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
+    code, out = run({"recipes/longctx.lua", "--dtype", "f16", "--device", "cuda"})
+    assert.are.equal(1, code, out)
+    support.has(out, "--dtype f16: must be f32 or bf16")
+    if m.cuda_available() then return end   -- a GPU machine trains instead (tests/spec/gpu_train_spec.lua)
+    local dir = support.make_tmpdir()
+    code, out = run({"recipes/longctx.lua", "--device", "cuda", "--dtype", "bf16", "--seq-len", "256",
+                     "--run-dir", dir .. "/run"})
+    assert.are_not.equal(0, code)
+    assert.matches("memory plan %(cuda%): peak [%d.]+ MiB, no budget %(params [%d.]+, grads", out)
+    assert.matches("%-%-device cuda: no usable GPU", out)
     support.remove_dir(dir)
   end)
 end)
