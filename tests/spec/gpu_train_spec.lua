@@ -13,6 +13,14 @@
 -- 1e-4, far above f32 rounding of a softmax over 4 logits; below that the
 -- order is decided by rounding and may differ.
 --
+-- Mixed precision (dtype "bf16" on the GPU: bf16 weights and activations,
+-- f32 gradients, masters and AdamW states) against the CPU's f32: every
+-- activation is rounded to 8 significant bits (2^-8 relative), so a
+-- step's loss moves by about that much times the depth of the sums that
+-- feed it; 2e-2 relative over 5 steps (LOSS_TOL_BF16) bounds the drift
+-- with room. A bf16 run's checkpoint holds the f32 masters, so it resumes
+-- on the CPU as an f32 model and back.
+--
 -- Without a CUDA device the file is one pending test. With
 -- MOELUA_GPU_SPEC_DEVICE=cpu it runs CPU against CPU (checks the spec).
 local m = require "moelua"
@@ -32,24 +40,24 @@ if DEV == "cuda" and not m.cuda_available() then
   return
 end
 
-local SEQ, STEPS, LOSS_TOL, MARGIN = 64, 5, 1e-3, 1e-4
+local SEQ, STEPS, LOSS_TOL, MARGIN, LOSS_TOL_BF16 = 64, 5, 1e-3, 1e-4, 2e-2
 
 local function corpus(dir)
   return support.write_corpus(dir .. "/corpus.txt", 4242, 4000)
 end
 
-local function build(device, checkpoint)
+local function build(device, checkpoint, dtype)
   return function()
     local model = nn.Transformer.new{vocab = 256, dim = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48,
                                      experts = 4, topk = 2, seed = 5, checkpoint = checkpoint or "moe",
-                                     device = device}
+                                     device = device, dtype = dtype}
     local groups = model:param_groups{weight_decay = 0.1}
     return model, optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95}), groups
   end
 end
 
-local function cfg(path, device, over)
-  local model, opt, groups = build(device)()
+local function cfg(path, device, over, dtype)
+  local model, opt, groups = build(device, nil, dtype)()
   local c = {model = model, optimizer = opt, groups = groups, seq_len = SEQ, steps = STEPS, clip = 1.0,
              data = data.open{paths = {path}, seq_len = SEQ, seed = 1},
              lr = sched.warmup_cosine{peak = 3e-3, warmup = 2, total = STEPS}, aux_weight = 0.01,
@@ -116,6 +124,54 @@ describe("GPU training (" .. DEV .. ")", function()
     local c = cfg(path, DEV, {run_dir = dir .. "/p", steps = 2})
     c.model, c.optimizer, c.groups = nil, nil, nil
     c.build = build(DEV)
+    local plan = assert(train.plan(c))
+    c.model, c.optimizer, c.groups = c.build()
+    c.build, c.plan = nil, plan
+    m.mem.reset_peak(DEV)
+    train.run(c)
+    local s = m.mem.stats()[DEV]
+    assert.are.equal(plan.total_peak, s.total_peak)
+    for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
+  end)
+end)
+
+describe("GPU training in mixed precision (bf16 on " .. DEV .. ")", function()
+  if DEV ~= "cuda" then   -- the CPU's kernels are f32 and f64
+    pending("bf16 runs on cuda only")
+    return
+  end
+  local dir
+  before_each(function() dir = support.make_tmpdir() end)
+  after_each(function() support.remove_dir(dir) end)
+
+  local function close(a, b, what)
+    assert(math.abs(a - b) <= LOSS_TOL_BF16 * math.abs(a), string.format("%s: %.7f against %.7f", what, b, a))
+  end
+
+  it("trains 5 steps near the CPU's f32 losses (2e-2 relative), its masters f32", function()
+    local path = corpus(dir)
+    local cpu = train.run(cfg(path, "cpu", {run_dir = dir .. "/cpu"}))
+    local c = cfg(path, DEV, {run_dir = dir .. "/bf16"}, "bf16")
+    for _, p in ipairs(c.model:named_parameters()) do assert.are.equal("f32", p.tensor:dtype(), p.name) end
+    local gpu = train.run(c)
+    for step = 0, STEPS - 1 do close(cpu.losses[step], gpu.losses[step], "step " .. step) end
+  end)
+
+  it("resumes its checkpoint (f32 masters) on the CPU and back", function()
+    local path = corpus(dir)
+    local base = train.run(cfg(path, DEV, {run_dir = dir .. "/a", ckpt_every = 2, keep = 5}, "bf16"))
+    local on_cpu = train.run(cfg(path, "cpu", {run_dir = dir .. "/b", resume = dir .. "/a/ckpt/step-000001"}))
+    assert.are.equal(2, on_cpu.first_step)
+    local back = train.run(cfg(path, DEV, {run_dir = dir .. "/c", resume = dir .. "/b/ckpt/step-000004"}, "bf16"))
+    assert.are.equal(5, back.first_step)
+    for step = 2, STEPS - 1 do close(base.losses[step], on_cpu.losses[step], "step " .. step .. " resumed on cpu") end
+  end)
+
+  it("measures the peak that train.plan predicts, per category", function()
+    local path = corpus(dir)
+    local c = cfg(path, DEV, {run_dir = dir .. "/p", steps = 2}, "bf16")
+    c.model, c.optimizer, c.groups = nil, nil, nil
+    c.build = build(DEV, nil, "bf16")
     local plan = assert(train.plan(c))
     c.model, c.optimizer, c.groups = c.build()
     c.build, c.plan = nil, plan
