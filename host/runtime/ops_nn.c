@@ -67,9 +67,8 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
     ML_TRY(ml_check_same_dtype(dy, "dy", "x", x->dtype, e));
     ML_TRY(ml_check_shape(dy, "dy", x->ndim, x->shape, e));
     ML_TRY(ml_check_shape(rstd, "rstd", 1, &N, e));
-    if (dw->st)
-        ML_TRY(ml_check_same_dtype(dw, "dw", "x", x->dtype, e));
-    ML_TRY(ml_prepare_accumulator(h, dw, "dw", dev, x->dtype, 1, &D, e));
+    /* the weight gradient: f32 for bf16 x (mixed precision), else x's dtype */
+    ML_TRY(ml_prepare_accumulator(h, dw, "dw", dev, ml_grad_dtype(x->dtype), 1, &D, e));
     ML_TRY(ml_prepare_output(h, dx, "dx", dev, x->dtype, x->ndim, x->shape, e));
     ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, rmsnorm_backward, x->dtype, ml_data(dx), ml_data(dw),
@@ -101,16 +100,16 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
     int64_t T = ids->shape[0], D = dout->shape[1], sd[2] = {T, D};
     ML_TRY(ml_check_shape(dout, "dout", 2, sd, e));
+    ml_dtype gdt = ml_grad_dtype(dout->dtype);   /* f32 for bf16 dout (mixed precision) */
     if (dW->st) {
-        ML_TRY(ml_check_input(dW, "dW", dev, dts, 2, 1, e));
-        ML_TRY(ml_check_same_dtype(dW, "dW", "dout", dout->dtype, e));
+        ML_TRY(ml_check_input(dW, "dW", dev, ML_DT(gdt), 2, 1, e));
         V = dW->shape[0];
     } else if (V < 1) {
         return ml_err_set(e, ML_EINVAL, "V must be a positive integer, got %lld", (long long)V);
     }
     int64_t sw[2] = {V, D};
     ML_TRY(check_ids(h, ids, "ids", V, e));
-    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, dout->dtype, 2, sw, e));
+    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, gdt, 2, sw, e));
     ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, embedding_backward, dout->dtype, ml_data(dW),
                                      ml_data(dout), ml_data(ids), T, V, D, &c), e);
