@@ -12,9 +12,10 @@
  * Then each thread, for the columns it owns, walks the segments, adding
  * dout[t] into a register that starts from dW[v] and goes back to dW[v] at
  * the segment's end. So dW[v, d] receives its tokens in token order, one
- * add at a time in dt: the CPU's operations exactly, so f32 and f64 are
- * bitwise equal to kernels/embedding.c. bf16 adds in f32 and rounds into dW
- * once per tile that hits the row.
+ * add at a time in dW's dtype: the CPU's operations exactly, so f32 and
+ * f64 are bitwise equal to kernels/embedding.c. For bf16, dW is f32
+ * (ml_grad_dtype) and dout is widened exactly: bitwise the CPU's f32
+ * kernel on the widened dout.
  *
  * Cost: every block reads all T ids, ceil(V / EMB_ROWS) * T * 8 bytes in
  * all (about 0.6 GB, from L2, for V = 150k and T = 32k); dout is read once.
@@ -40,12 +41,14 @@ __global__ void emb_fwd_kernel(T *out, const int64_t *ids, const T *W, int64_t T
     }
 }
 
-template <typename T>
+/* dW of the gradient type G (ml_grad_dtype: f32 for a bf16 T) */
+template <typename T, typename G>
 __global__ void __launch_bounds__(EMB_THREADS)
-emb_bwd_kernel(T *dW, const T *dout, const int64_t *ids, int64_t T_, int64_t V, int64_t D)
+emb_bwd_kernel(G *dW, const T *dout, const int64_t *ids, int64_t T_, int64_t V, int64_t D)
 {
     typedef ml_float<T> F;
-    typedef typename F::acc A;
+    typedef ml_float<G> FG;
+    typedef typename FG::acc A;
     __shared__ int64_t tile_v[EMB_THREADS];   /* the tile's rows; -1: not the block's */
     __shared__ int64_t seg_t[EMB_THREADS];    /* hits sorted by (row, token): the token */
     __shared__ int64_t seg_v[EMB_THREADS];    /* and its row */
@@ -68,16 +71,16 @@ emb_bwd_kernel(T *dW, const T *dout, const int64_t *ids, int64_t T_, int64_t V, 
             __syncthreads();
             for (int64_t d = threadIdx.x; n > 0 && d < D; d += EMB_THREADS) {
                 int64_t cur = seg_v[0];
-                A acc = F::load(dW[cur * D + d]);
+                A acc = FG::load(dW[cur * D + d]);
                 for (int j = 0; j < n; j++) {
                     if (seg_v[j] != cur) {
-                        dW[cur * D + d] = F::store(acc);
+                        dW[cur * D + d] = FG::store(acc);
                         cur = seg_v[j];
-                        acc = F::load(dW[cur * D + d]);
+                        acc = FG::load(dW[cur * D + d]);
                     }
                     acc += F::load(dout[seg_t[j] * D + d]);
                 }
-                dW[cur * D + d] = F::store(acc);
+                dW[cur * D + d] = FG::store(acc);
             }
             __syncthreads();   /* the tile's lists are rewritten by the next tile */
         }
@@ -111,13 +114,13 @@ extern "C" ml_status ml_embedding_forward_cuda(ml_dtype dt, void *out, const int
     }
 }
 
-template <typename T>
+template <typename T, typename G>
 static ml_status bwd_launch(void *dW, const void *dout, const int64_t *ids, int64_t T_, int64_t V,
                             int64_t D, cudaStream_t st)
 {
     int64_t ranges = (V + EMB_ROWS - 1) / EMB_ROWS;
     unsigned blocks = (unsigned)(ranges < ML_CUDA_MAX_BLOCKS ? ranges : ML_CUDA_MAX_BLOCKS);
-    emb_bwd_kernel<T><<<blocks, EMB_THREADS, 0, st>>>((T *)dW, (const T *)dout, ids, T_, V, D);
+    emb_bwd_kernel<T, G><<<blocks, EMB_THREADS, 0, st>>>((G *)dW, (const T *)dout, ids, T_, V, D);
     return ml_cuda_launched();
 }
 
@@ -133,8 +136,8 @@ extern "C" ml_status ml_embedding_backward_cuda(ml_dtype dt, void *dW, const voi
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
     switch (dt) {
-    case ML_F32: return bwd_launch<float>(dW, dout, ids, T, V, D, st);
-    case ML_F64: return bwd_launch<double>(dW, dout, ids, T, V, D, st);
-    default:     return bwd_launch<ml_bf16>(dW, dout, ids, T, V, D, st);
+    case ML_F32: return bwd_launch<float, float>(dW, dout, ids, T, V, D, st);
+    case ML_F64: return bwd_launch<double, double>(dW, dout, ids, T, V, D, st);
+    default:     return bwd_launch<ml_bf16, float>(dW, dout, ids, T, V, D, st);
     }
 }

@@ -12,8 +12,9 @@
  * and splits the rows into 32 contiguous slices; thread (slice, column)
  * adds dy * x * rstd, the CPU's terms in f64 (bf16 widened exactly), over
  * its slice in row order, and the 32 partials of a column are then added in
- * slice order. A fixed order, so deterministic; not the CPU's single
- * sequence, which would leave the pass with D threads only.
+ * slice order and rounded once into dw (f32 for bf16: the weight gradient
+ * of mixed precision). A fixed order, so deterministic; not the CPU's
+ * single sequence, which would leave the pass with D threads only.
  */
 #include "cuda_float.cuh"
 
@@ -76,12 +77,14 @@ rms_bwd_rows_kernel(T *dx, const T *dy, const T *x, const T *w, const double *rs
 }
 
 /* dw[d] += sum_n dy[n, d] * x[n, d] * rstd[n] in f64: slices of rows in
- * row order, then the slices' partials in slice order */
-template <typename T>
+ * row order, then the slices' partials in slice order; dw of the gradient
+ * type G (ml_grad_dtype: f32 for bf16 T) */
+template <typename T, typename G>
 __global__ void __launch_bounds__(RMS_COLS * RMS_SLICES)
-rms_bwd_cols_kernel(T *dw, const T *dy, const T *x, const double *rstd, int64_t N, int64_t D)
+rms_bwd_cols_kernel(G *dw, const T *dy, const T *x, const double *rstd, int64_t N, int64_t D)
 {
     typedef ml_float<T> F;
+    typedef ml_float<G> FG;
     __shared__ double part[RMS_SLICES][RMS_COLS];
     int c = threadIdx.x % RMS_COLS, s = threadIdx.x / RMS_COLS;
     int64_t per = (N + RMS_SLICES - 1) / RMS_SLICES;
@@ -96,7 +99,7 @@ rms_bwd_cols_kernel(T *dw, const T *dy, const T *x, const double *rstd, int64_t 
         if (s == 0 && d < D) {
             for (int k = 1; k < RMS_SLICES; k++)
                 acc += part[k][c];
-            dw[d] = F::store((typename F::acc)((double)F::load(dw[d]) + acc));
+            dw[d] = FG::store((typename FG::acc)((double)FG::load(dw[d]) + acc));
         }
         __syncthreads();   /* part is rewritten by the next columns */
     }
@@ -134,7 +137,7 @@ extern "C" ml_status ml_rmsnorm_forward_cuda(ml_dtype dt, void *y, double *rstd,
     }
 }
 
-template <typename T>
+template <typename T, typename G>
 static ml_status bwd_launch(void *dx, void *dw, const void *dy, const void *x, const void *w,
                             const double *rstd, int64_t N, int64_t D, cudaStream_t st)
 {
@@ -143,8 +146,8 @@ static ml_status bwd_launch(void *dx, void *dw, const void *dy, const void *x, c
     ml_status s = ml_cuda_launched();
     if (s != ML_OK)
         return s;
-    rms_bwd_cols_kernel<T><<<ml_cuda_blocks(D, RMS_COLS), RMS_COLS * RMS_SLICES, 0, st>>>(
-        (T *)dw, (const T *)dy, (const T *)x, rstd, N, D);
+    rms_bwd_cols_kernel<T, G><<<ml_cuda_blocks(D, RMS_COLS), RMS_COLS * RMS_SLICES, 0, st>>>(
+        (G *)dw, (const T *)dy, (const T *)x, rstd, N, D);
     return ml_cuda_launched();
 }
 
@@ -160,8 +163,8 @@ extern "C" ml_status ml_rmsnorm_backward_cuda(ml_dtype dt, void *dx, void *dw, c
         return ML_EINTERRUPTED;
     cudaStream_t st = ml_cuda_stream(ctx);
     switch (dt) {
-    case ML_F32: return bwd_launch<float>(dx, dw, dy, x, w, rstd, N, D, st);
-    case ML_F64: return bwd_launch<double>(dx, dw, dy, x, w, rstd, N, D, st);
-    default:     return bwd_launch<ml_bf16>(dx, dw, dy, x, w, rstd, N, D, st);
+    case ML_F32: return bwd_launch<float, float>(dx, dw, dy, x, w, rstd, N, D, st);
+    case ML_F64: return bwd_launch<double, double>(dx, dw, dy, x, w, rstd, N, D, st);
+    default:     return bwd_launch<ml_bf16, float>(dx, dw, dy, x, w, rstd, N, D, st);
     }
 }

@@ -9,7 +9,8 @@
  * output is bitwise identical for every thread count.
  *
  * CUDA (suffix _cuda, same arguments, every pointer on the device): f32,
- * f64 and bf16 (bf16 in and out, f32 inside; rstd stays f64). A row's sums
+ * f64 and bf16 (bf16 in and out, f32 inside; rstd stays f64; dw is f32,
+ * ml_grad_dtype, the mixed-precision weight gradient). A row's sums
  * run in the compute type in a fixed tree; dw sums the CPU's f64 terms in
  * 32 row slices, then the slices in order (rmsnorm.cu). Deterministic;
  * parity with the CPU is a normwise tolerance.
@@ -32,7 +33,8 @@ ml_status ml_rmsnorm_forward_cuda(ml_dtype dt, void *y, double *rstd, const void
 
 /* Backward.
  *   dx   [N, D] dt    =   rstd * (g - x * rstd^2 * mean(g * x)),  g = dy * w
- *   dw   [D] dt       +=  sum_n dy[n] * x[n] * rstd[n] (f64, row order)
+ *   dw   [D] gdt      +=  sum_n dy[n] * x[n] * rstd[n] (f64, row order, rounded
+ *                         once to gdt = ml_grad_dtype(dt): f32 for bf16, else dt)
  *   dy   [N, D] dt, x [N, D] dt, w [D] dt, rstd [N] f64 (from the forward) */
 ml_status ml_rmsnorm_backward_cpu(ml_dtype dt, void *dx, void *dw, const void *dy, const void *x,
                                   const void *w, const double *rstd, int64_t N, int64_t D,

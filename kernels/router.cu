@@ -32,6 +32,12 @@
  * a few ulp (tests: 1e-12 relative, normwise); selection differs only if two
  * keys are within that distance.
  *
+ * bf16 (router.h): the kernels that read x, wg, dx or dwg are templates on
+ * the storage type (cuda_float.cuh's ml_float): bf16 values widened exactly,
+ * the logits rounded to f32, dx rounded to bf16 once per call, dwg f32. The
+ * same operations as the f32 kernels on the widened values, so a bf16 call
+ * is the f32 call with w and dx then rounded to bf16.
+ *
  * A NaN logit sets a flag in the call's scratch, after the rows (not
  * __device__ module state, which calls on two streams would share); later
  * kernels of the call see it and do nothing, and the call returns ML_ENAN
@@ -39,7 +45,7 @@
  * backends, so each call synchronises its stream once at the end. The
  * interrupt flag is polled between chunks.
  */
-#include "cuda_common.cuh"
+#include "cuda_float.cuh"
 
 extern "C" {
 #include "router.h"
@@ -59,9 +65,14 @@ static_assert(sizeof(router_flags) <= sizeof(double), "the flags take one f64 sl
 
 /* ---- logits: 8 lanes per dot ------------------------------------------------ */
 
-__global__ void logits_kernel(const router_flags *f, ml_dtype dt, double *rows, const void *x,
-                              const void *wg, int64_t c0, int64_t n, int64_t D, int64_t E)
+/* X: the storage type of x and wg. Products in f64 (exact for f32 and
+ * bf16), the dot rounded once to X's compute type: f32 for f32 and bf16
+ * (the fp32 router), none for f64. */
+template <typename X>
+__global__ void logits_kernel(const router_flags *f, double *rows, const X *x, const X *wg,
+                              int64_t c0, int64_t n, int64_t D, int64_t E)
 {
+    typedef ml_float<X> F;
     if (f->stop)
         return;
     int64_t G = n * E;                                   /* dots in this chunk */
@@ -74,22 +85,16 @@ __global__ void logits_kernel(const router_flags *f, ml_dtype dt, double *rows, 
         double s = 0;
         if (g < G) {
             int64_t r = g / E, e = g % E;
-            if (dt == ML_F32) {
-                const float *a = (const float *)x + (c0 + r) * D, *b = (const float *)wg + e * D;
-                for (int64_t d = sub; d < D; d += 8)
-                    s += (double)a[d] * (double)b[d];
-            } else {
-                const double *a = (const double *)x + (c0 + r) * D, *b = (const double *)wg + e * D;
-                for (int64_t d = sub; d < D; d += 8)
-                    s += a[d] * b[d];
-            }
+            const X *a = x + (c0 + r) * D, *b = wg + e * D;
+            for (int64_t d = sub; d < D; d += 8)
+                s += (double)F::load(a[d]) * (double)F::load(b[d]);
         }
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
         s += __shfl_xor_sync(0xffffffffu, s, 4);
         if (g < G && sub == 0) {
             int64_t r = g / E, e = g % E;
-            rows[r * ml_router_row_width(E) + e] = dt == ML_F32 ? (double)(float)s : s;
+            rows[r * ml_router_row_width(E) + e] = (double)(typename F::acc)s;
         }
     }
 }
@@ -265,7 +270,9 @@ static unsigned logit_blocks(int64_t n, int64_t E)
 }
 
 /* Every chunk's kernels, then the sums' close and the read-back of the
- * flag and of zsum, entropy (acc[E], acc[E + 1]) into zh. */
+ * flag and of zsum, entropy (acc[E], acc[E + 1]) into zh. X: x's and wg's
+ * storage type (dt's). */
+template <typename X>
 static ml_status forward_run(router_flags *f, sums_ws ws, ml_dtype dt, int64_t *idx, void *w,
                              int64_t *counts, double *psum, const void *x, const void *wg,
                              ml_dtype bias_dt, const void *bias, int64_t T, int64_t D, int64_t E,
@@ -283,7 +290,8 @@ static ml_status forward_run(router_flags *f, sums_ws ws, ml_dtype dt, int64_t *
         if (ml_kctx_interrupted(ctx))
             return ML_EINTERRUPTED;
         int64_t n = T - c0 < chunk ? T - c0 : chunk;
-        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(f, dt, rows, x, wg, c0, n, D, E);
+        logits_kernel<X><<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(
+            f, rows, (const X *)x, (const X *)wg, c0, n, D, E);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
         forward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
@@ -315,7 +323,7 @@ extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, 
                                             const ml_router_cfg *cfg, void *scratch,
                                             const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
+    if (dt != ML_F32 && dt != ML_F64 && dt != ML_BF16)
         return ML_EUNSUPPORTED;
     if (bias && bias_dt != ML_F32 && bias_dt != ML_F64)
         return ML_EUNSUPPORTED;
@@ -330,9 +338,22 @@ extern "C" ml_status ml_router_forward_cuda(ml_dtype dt, int64_t *idx, void *w, 
     double *rows = (double *)scratch;
     ml_status s = state_init(&f, &ws, rows + ml_router_scratch_bytes(T, D, E, cfg->chunk, 0) /
                              sizeof(double), E, st);
-    if (s == ML_OK)
-        s = forward_run(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E, cfg, rows,
-                        chunk, ctx, &nan, zh);
+    if (s == ML_OK) {
+        switch (dt) {
+        case ML_F32:
+            s = forward_run<float>(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E,
+                                   cfg, rows, chunk, ctx, &nan, zh);
+            break;
+        case ML_F64:
+            s = forward_run<double>(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D, E,
+                                    cfg, rows, chunk, ctx, &nan, zh);
+            break;
+        default:
+            s = forward_run<ml_bf16>(f, ws, dt, idx, w, counts, psum, x, wg, bias_dt, bias, T, D,
+                                     E, cfg, rows, chunk, ctx, &nan, zh);
+            break;
+        }
+    }
     if (s != ML_OK)
         return s;
     if (nan)
@@ -363,10 +384,13 @@ __global__ void backward_token_kernel(router_flags *f, ml_dtype dt, ml_router_cf
     }
 }
 
-/* dx[t, d] += sum_e dl_te wg[e, d], experts in order (f64). */
-__global__ void backward_dx_kernel(const router_flags *f, ml_dtype dt, void *dx, const void *wg,
-                                   const double *rows, int64_t c0, int64_t n, int64_t D, int64_t E)
+/* dx[t, d] += sum_e dl_te wg[e, d], experts in order (f64), rounded once
+ * to X. */
+template <typename X>
+__global__ void backward_dx_kernel(const router_flags *f, X *dx, const X *wg, const double *rows,
+                                   int64_t c0, int64_t n, int64_t D, int64_t E)
 {
+    typedef ml_float<X> F;
     if (f->stop)
         return;
     int64_t rw = ml_router_row_width(E);
@@ -376,18 +400,10 @@ __global__ void backward_dx_kernel(const router_flags *f, ml_dtype dt, void *dx,
         if (dl[4 * E] != 0.0)
             continue;
         double a = 0;
-        if (dt == ML_F32) {
-            const float *W = (const float *)wg;
-            for (int64_t e = 0; e < E; e++)
-                a += dl[e] * (double)W[e * D + d];
-            float *o = (float *)dx + (c0 + r) * D + d;
-            *o = (float)((double)*o + a);
-        } else {
-            const double *W = (const double *)wg;
-            for (int64_t e = 0; e < E; e++)
-                a += dl[e] * W[e * D + d];
-            ((double *)dx)[(c0 + r) * D + d] += a;
-        }
+        for (int64_t e = 0; e < E; e++)
+            a += dl[e] * (double)F::load(wg[e * D + d]);
+        X *o = dx + (c0 + r) * D + d;
+        *o = F::store((typename F::acc)((double)F::load(*o) + a));
     }
 }
 
@@ -395,9 +411,11 @@ __global__ void backward_dx_kernel(const router_flags *f, ml_dtype dt, void *dx,
  * The chunk's last kernel: a NaN seen in it stops the later chunks (the
  * CPU returns before this phase; dx of the chunk's other tokens is added,
  * as on the CPU). */
-__global__ void backward_dwg_kernel(router_flags *f, ml_dtype dt, double *acc, const void *x,
-                                    const double *rows, int64_t c0, int64_t n, int64_t D, int64_t E)
+template <typename X>
+__global__ void backward_dwg_kernel(router_flags *f, double *acc, const X *x, const double *rows,
+                                    int64_t c0, int64_t n, int64_t D, int64_t E)
 {
+    typedef ml_float<X> F;
     if (f->nan) {
         if (blockIdx.x == 0 && threadIdx.x == 0)
             f->stop = 1;
@@ -407,35 +425,27 @@ __global__ void backward_dwg_kernel(router_flags *f, ml_dtype dt, double *acc, c
     ML_CUDA_FOR(i, E * D) {
         int64_t e = i / D, d = i % D;
         double a = acc[i];
-        if (dt == ML_F32) {
-            const float *X = (const float *)x + c0 * D + d;
-            for (int64_t r = 0; r < n; r++)
-                a += rows[r * rw + e] * (double)X[r * D];
-        } else {
-            const double *X = (const double *)x + c0 * D + d;
-            for (int64_t r = 0; r < n; r++)
-                a += rows[r * rw + e] * X[r * D];
-        }
+        const X *xd = x + c0 * D + d;
+        for (int64_t r = 0; r < n; r++)
+            a += rows[r * rw + e] * (double)F::load(xd[r * D]);
         acc[i] = a;
     }
 }
 
-__global__ void add_acc_kernel(const router_flags *f, ml_dtype dt, void *dwg, const double *acc,
-                               int64_t ne)
+/* dwg += acc, rounded once to G, the gradient type (ml_grad_dtype). */
+template <typename G>
+__global__ void add_acc_kernel(const router_flags *f, G *dwg, const double *acc, int64_t ne)
 {
+    typedef ml_float<G> F;
     if (f->nan)
         return;
-    ML_CUDA_FOR(i, ne) {
-        if (dt == ML_F32) {
-            float *o = (float *)dwg + i;
-            *o = (float)((double)*o + acc[i]);
-        } else {
-            ((double *)dwg)[i] += acc[i];
-        }
-    }
+    ML_CUDA_FOR(i, ne)
+        dwg[i] = F::store((typename F::acc)((double)F::load(dwg[i]) + acc[i]));
 }
 
-/* Every chunk's kernels, the accumulator's add and the flag's read-back. */
+/* Every chunk's kernels, the accumulator's add and the flag's read-back.
+ * X: x's and wg's storage type (dt's); G: dwg's (ml_grad_dtype(dt)'s). */
+template <typename X, typename G>
 static ml_status backward_run(router_flags *f, ml_dtype dt, void *dx, void *dwg, const int64_t *idx,
                               const void *dw, const double *aux, double gz, const void *x,
                               const void *wg, int64_t T, int64_t D, int64_t E,
@@ -451,24 +461,25 @@ static ml_status backward_run(router_flags *f, ml_dtype dt, void *dx, void *dwg,
         if (ml_kctx_interrupted(ctx))
             return ML_EINTERRUPTED;
         int64_t n = T - c0 < chunk ? T - c0 : chunk;
-        logits_kernel<<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(f, dt, rows, x, wg, c0, n, D, E);
+        logits_kernel<X><<<logit_blocks(n, E), ML_CUDA_THREADS, 0, st>>>(
+            f, rows, (const X *)x, (const X *)wg, c0, n, D, E);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
         backward_token_kernel<<<ml_cuda_blocks(n, TOKEN_THREADS), TOKEN_THREADS, 0, st>>>(
             f, dt, *cfg, idx, dw, aux, gz, rows, c0, n, E);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
-        backward_dx_kernel<<<ml_cuda_blocks(n * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            f, dt, dx, wg, rows, c0, n, D, E);
+        backward_dx_kernel<X><<<ml_cuda_blocks(n * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            f, (X *)dx, (const X *)wg, rows, c0, n, D, E);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
-        backward_dwg_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-            f, dt, acc, x, rows, c0, n, D, E);
+        backward_dwg_kernel<X><<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+            f, acc, (const X *)x, rows, c0, n, D, E);
         if ((s = ml_cuda_launched()) != ML_OK)
             return s;
     }
-    add_acc_kernel<<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-        f, dt, dwg, acc, E * D);
+    add_acc_kernel<G><<<ml_cuda_blocks(E * D, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+        f, (G *)dwg, acc, E * D);
     if ((s = ml_cuda_launched()) != ML_OK)
         return s;
     return finish(st, f, nan, NULL, NULL);
@@ -481,7 +492,7 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
                                              const ml_router_cfg *cfg, void *scratch,
                                              const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
+    if (dt != ML_F32 && dt != ML_F64 && dt != ML_BF16)
         return ML_EUNSUPPORTED;
     if (T <= 0)
         return ML_OK;
@@ -492,9 +503,22 @@ extern "C" ml_status ml_router_backward_cuda(ml_dtype dt, void *dx, void *dwg, c
     double *rows = (double *)scratch;
     ml_status s = state_init(&f, NULL, rows + ml_router_scratch_bytes(T, D, E, cfg->chunk, 1) /
                              sizeof(double), E, st);
-    if (s == ML_OK)
-        s = backward_run(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg, rows, chunk, ctx,
-                         &nan);
+    if (s == ML_OK) {
+        switch (dt) {
+        case ML_F32:
+            s = backward_run<float, float>(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg,
+                                           rows, chunk, ctx, &nan);
+            break;
+        case ML_F64:
+            s = backward_run<double, double>(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E, cfg,
+                                             rows, chunk, ctx, &nan);
+            break;
+        default:   /* bf16: dwg is f32 (ml_grad_dtype) */
+            s = backward_run<ml_bf16, float>(f, dt, dx, dwg, idx, dw, aux, gz, x, wg, T, D, E,
+                                             cfg, rows, chunk, ctx, &nan);
+            break;
+        }
+    }
     if (s != ML_OK)
         return s;
     return nan ? ML_ENAN : ML_OK;

@@ -20,13 +20,22 @@
  * Shapes: x [T, D] and wg [E, D] (the Hugging Face Linear layout), both of
  * dtype dt (ML_F32 for training, ML_F64 for reference paths and gradient
  * checks; one implementation over the dtype); bias [E] of bias_dt (f32/f64).
+ * CUDA also runs dt = ML_BF16 (mixed precision; the CPU refuses it with
+ * ML_EUNSUPPORTED): x, wg, w, dw and dx are bf16, the router itself runs
+ * in fp32 (DESIGN.md; Megatron's fp32 router likewise): the logits are the
+ * same fixed-order f64 sums of exact bf16 products, rounded to f32 (not to
+ * bf16), and everything after them is f64 as for f32; w and dx are rounded
+ * to bf16 once on store (as Hugging Face Mixtral casts the routing weights
+ * to the hidden dtype); dwg is f32 (ml_grad_dtype). So a bf16 call equals
+ * the f32 call on the widened inputs with w and dx then rounded to bf16.
  *
  * Per token t (every quantity after the logits is in f64):
  *   l_e   = sum_d x[t,d] * wg[e,d]   products exact in f64 (an f32 x f32
  *           product fits), added into 8 interleaved partial sums (element d
  *           goes to sum d % 8), combined as ((s0+s1)+(s2+s3))+((s4+s5)+(s6+s7)),
- *           then rounded once to dt. The order depends on D only, never on the
- *           chunk size, the thread count or T: logits are bitwise invariant.
+ *           then rounded once to dt (to f32 for bf16: the fp32 router).
+ *           The order depends on D only, never on the chunk size, the
+ *           thread count or T: logits are bitwise invariant.
  *   lse   = logsumexp(l) over the RAW logits (max-subtracted);
  *           z-loss term zsum += lse^2 (ST-MoE).
  *   s_e   = l_e / tau  [+ noise * z_te]  [+ g_te if gumbel]
@@ -126,9 +135,10 @@ ml_status ml_router_forward_cpu(ml_dtype dt, int64_t *idx, void *w, int64_t *cou
  *     L = sum_tj dw[t,j] w[t,j] + sum_te aux[e] p'_te + gz * sum_t lse_t^2
  * (dw: dL/dw, zero for dropped slots; aux: dL/dp'_te for every t, or NULL;
  * gz: dL/dzsum). Noise and Gumbel terms are constants.
- *   dx  [T, D] dt  +=  dL/dx
- *   dwg [E, D] dt  +=  dL/dwg, summed per element in token order in the f64
- *                      accumulator at the end of the scratch, then added
+ *   dx  [T, D] dt  +=  dL/dx (f64 sum, added and rounded once to dt)
+ *   dwg [E, D] gdt +=  dL/dwg, summed per element in token order in the f64
+ *                      accumulator at the end of the scratch, then added;
+ *                      gdt = ml_grad_dtype(dt): f32 for bf16, else dt
  *   scratch of ml_router_scratch_bytes(T, D, E, chunk, 1) bytes, 8-aligned.
  * idx entries must be in [0, E) (the binding checks). On ML_ENAN (a NaN
  * logit in some chunk) dx may already hold the += of the chunks before it

@@ -83,12 +83,13 @@ static void scratch_give(scratch *s)
 
 /* ---- router ------------------------------------------------------------------------ */
 
-/* x or wg: a live contiguous f32/f64 matrix. */
-static ml_status router_matrix(const ml_tensor *t, const char *name, ml_err *e)
+/* x or wg: a live contiguous matrix of a float dtype the device runs the
+ * router in (f32, f64; bf16 where ml_float_dtypes says so). */
+static ml_status router_matrix(const ml_host *h, const ml_tensor *t, const char *name, ml_err *e)
 {
     ML_TRY(live(t, name, e));
-    if (t->dtype != ML_F32 && t->dtype != ML_F64)
-        return ml_err_set(e, ML_EINVAL, "%s must be f32 or f64, got %s", name, ml_dtype_names[t->dtype]);
+    ml_device dev = t->st->device;
+    ML_TRY(ml_check_input(t, name, dev, ml_float_dtypes(h, dev, ML_OP_ROUTER), t->ndim, 0, e));
     if (t->ndim != 2)
         return ml_err_set(e, ML_EINVAL, "%s must be 2-dim, got %d dims", name, t->ndim);
     if (!ml_is_contiguous(t))
@@ -97,10 +98,10 @@ static ml_status router_matrix(const ml_tensor *t, const char *name, ml_err *e)
 }
 
 /* x [T, D] and wg [E, D] of one dtype on one device, E >= 1. */
-static ml_status router_x_wg(const ml_tensor *x, const ml_tensor *wg, ml_err *e)
+static ml_status router_x_wg(const ml_host *h, const ml_tensor *x, const ml_tensor *wg, ml_err *e)
 {
-    ML_TRY(router_matrix(x, "x", e));
-    ML_TRY(router_matrix(wg, "wg", e));
+    ML_TRY(router_matrix(h, x, "x", e));
+    ML_TRY(router_matrix(h, wg, "wg", e));
     if (wg->st->device != x->st->device)
         return ml_err_set(e, ML_EINVAL, "x is on %s but wg is on %s (one device expected)",
                           ml_device_names[x->st->device], ml_device_names[wg->st->device]);
@@ -223,7 +224,7 @@ ml_status ml_op_router_forward(ml_host *h, ml_tensor *idx, ml_tensor *w, ml_rout
                                const ml_tensor *x, const ml_tensor *wg, const ml_router_cfg *cfg,
                                const ml_tensor *bias, ml_pool *pool, ml_err *e)
 {
-    ML_TRY(router_x_wg(x, wg, e));
+    ML_TRY(router_x_wg(h, x, wg, e));
     int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0];
     ml_device dev = x->st->device;
     ML_TRY(router_cfg_check(h, cfg, bias, T, E, dev, e));
@@ -248,9 +249,10 @@ ml_status ml_op_router_forward(ml_host *h, ml_tensor *idx, ml_tensor *w, ml_rout
     return router_sums(h, st, T, E, e);
 }
 
-/* grads->dx or dwg when given: contiguous, on dev, x's dtype, [a, b]. */
-static ml_status router_grad(const ml_tensor *t, const char *what, ml_dtype dt, int64_t a,
-                             int64_t b, ml_device dev, ml_err *e)
+/* grads->dx or dwg when given: contiguous, on dev, of dtype dt (x's for
+ * dx, ml_grad_dtype of x's for dwg), [a, b]. */
+static ml_status router_grad(const ml_tensor *t, const char *what, ml_dtype dt, ml_dtype xdt,
+                             int64_t a, int64_t b, ml_device dev, ml_err *e)
 {
     if (!t->st)
         return ML_OK;   /* the op allocates it */
@@ -259,8 +261,8 @@ static ml_status router_grad(const ml_tensor *t, const char *what, ml_dtype dt, 
         return ml_err_set(e, ML_EINVAL, "%s is on %s but x is on %s (one device expected)", what,
                           ml_device_names[t->st->device], ml_device_names[dev]);
     if (t->dtype != dt)
-        return ml_err_set(e, ML_EINVAL, "%s is %s but x is %s", what, ml_dtype_names[t->dtype],
-                          ml_dtype_names[dt]);
+        return ml_err_set(e, ML_EINVAL, "%s is %s but x is %s: %s must be %s", what,
+                          ml_dtype_names[t->dtype], ml_dtype_names[xdt], what, ml_dtype_names[dt]);
     const int64_t dims[2] = {a, b};
     ML_TRY(ml_check_shape(t, what, 2, dims, e));
     if (!ml_is_contiguous(t))
@@ -291,7 +293,7 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
                                 const ml_router_cfg *cfg, const ml_tensor *bias, ml_pool *pool,
                                 ml_err *e)
 {
-    ML_TRY(router_x_wg(x, wg, e));
+    ML_TRY(router_x_wg(h, x, wg, e));
     int64_t T = x->shape[0], D = x->shape[1], E = wg->shape[0], k = cfg->k;
     ml_device dev = x->st->device;
     ML_TRY(router_cfg_check(h, cfg, bias, T, E, dev, e));
@@ -316,15 +318,16 @@ ml_status ml_op_router_backward(ml_host *h, const ml_router_grads *g, const ml_t
         ML_TRY(router_vector(g->aux, "grads.aux", E, 1, dev, e));
     if (!isfinite(g->z))
         return ml_err_set(e, ML_EINVAL, "grads.z must be finite, got %g", g->z);
-    ML_TRY(router_grad(g->dx, "grads.dx", x->dtype, T, D, dev, e));
-    ML_TRY(router_grad(g->dwg, "grads.dwg", x->dtype, E, D, dev, e));
+    ml_dtype gdt = ml_grad_dtype(x->dtype);   /* dwg: f32 for bf16 x (mixed precision) */
+    ML_TRY(router_grad(g->dx, "grads.dx", x->dtype, x->dtype, T, D, dev, e));
+    ML_TRY(router_grad(g->dwg, "grads.dwg", gdt, x->dtype, E, D, dev, e));
     if ((g->dx->st && g->dx->st == x->st) || (g->dwg->st && g->dwg->st == wg->st) ||
         (g->dx->st && g->dx->st == g->dwg->st))
         return ml_err_set(e, ML_EINVAL, "grads.dx and grads.dwg must not share storage with x, wg "
                           "or each other");
     int64_t sxd[2] = {T, D}, swd[2] = {E, D};
     ML_TRY(output(h, pool, g->dx, "grads.dx", dev, x->dtype, 2, sxd, 1, e));
-    ML_TRY(output(h, pool, g->dwg, "grads.dwg", dev, x->dtype, 2, swd, 1, e));
+    ML_TRY(output(h, pool, g->dwg, "grads.dwg", dev, gdt, 2, swd, 1, e));
     scratch s;
     void *buf;
     ML_TRY(scratch_take(h, pool, dev, ML_KSCRATCH(h, dev, router, T, D, E, cfg->chunk, 1),

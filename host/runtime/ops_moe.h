@@ -50,11 +50,12 @@ typedef struct {
     const ml_tensor *aux;  /* [E] f64 dL/dp'_te (the same for every t), or NULL */
     double z;              /* dL/dzsum, finite */
     ml_tensor *dx;         /* [T, D] x's dtype */
-    ml_tensor *dwg;        /* [E, D] */
+    ml_tensor *dwg;        /* [E, D] ml_grad_dtype(x's): f32 for bf16 x */
 } ml_router_grads;
 
-/* idx [T, k] i64 (=) and w [T, k] (=) from x [T, D] and wg [E, D] (one
- * float dtype); cfg is checked (k in [1, E], chunk >= 1, temperature > 0,
+/* idx [T, k] i64 (=) and w [T, k] (=, x's dtype) from x [T, D] and wg
+ * [E, D] (one float dtype: f32, f64, or bf16 where the device runs it);
+ * cfg is checked (k in [1, E], chunk >= 1, temperature > 0,
  * eps in [0, 1), noise >= 0, the noise counters' ranges); bias [E] f32/f64
  * (finite; selection only) or NULL. ML_ENAN: a NaN logit. */
 ml_status ml_op_router_forward(ml_host *h, ml_tensor *idx, ml_tensor *w, ml_router_stats *st,

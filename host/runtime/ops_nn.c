@@ -22,6 +22,18 @@ static ml_status check_ids(ml_host *h, const ml_tensor *ids, const char *name, i
 
 /* ---- rmsnorm ------------------------------------------------------------------ */
 
+/* A given weight gradient g of the input ref of dtype dt has dtype
+ * ml_grad_dtype(dt): dt itself, or f32 for bf16 (mixed precision). */
+static ml_status check_grad_dtype(const ml_tensor *g, const char *name, const char *ref, ml_dtype dt,
+                                  ml_err *e)
+{
+    ml_dtype gdt = ml_grad_dtype(dt);
+    if (g->dtype == gdt || gdt == dt)
+        return ml_check_same_dtype(g, name, ref, gdt, e);
+    return ml_err_set(e, ML_EINVAL, "%s must be %s, got %s (the weight gradient of %s %s)", name,
+                      ml_dtype_names[gdt], ml_dtype_names[g->dtype], ml_dtype_names[dt], ref);
+}
+
 /* x [..., D] and w [D] on x's device, one float dtype the device runs
  * rmsnorm in; N rows. */
 static ml_status rmsnorm_args(const ml_host *h, const ml_tensor *x, const ml_tensor *w, int64_t *N,
@@ -68,8 +80,8 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
     ML_TRY(ml_check_shape(dy, "dy", x->ndim, x->shape, e));
     ML_TRY(ml_check_shape(rstd, "rstd", 1, &N, e));
     if (dw->st)
-        ML_TRY(ml_check_same_dtype(dw, "dw", "x", x->dtype, e));
-    ML_TRY(ml_prepare_accumulator(h, dw, "dw", dev, x->dtype, 1, &D, e));
+        ML_TRY(check_grad_dtype(dw, "dw", "x", x->dtype, e));
+    ML_TRY(ml_prepare_accumulator(h, dw, "dw", dev, ml_grad_dtype(x->dtype), 1, &D, e));
     ML_TRY(ml_prepare_output(h, dx, "dx", dev, x->dtype, x->ndim, x->shape, e));
     ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, rmsnorm_backward, x->dtype, ml_data(dx), ml_data(dw),
@@ -101,16 +113,17 @@ ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *d
     ML_TRY(ml_check_input(ids, "ids", dev, ML_DT(ML_I64), 1, 1, e));
     int64_t T = ids->shape[0], D = dout->shape[1], sd[2] = {T, D};
     ML_TRY(ml_check_shape(dout, "dout", 2, sd, e));
+    ml_dtype gdt = ml_grad_dtype(dout->dtype);
     if (dW->st) {
         ML_TRY(ml_check_input(dW, "dW", dev, dts, 2, 1, e));
-        ML_TRY(ml_check_same_dtype(dW, "dW", "dout", dout->dtype, e));
+        ML_TRY(check_grad_dtype(dW, "dW", "dout", dout->dtype, e));
         V = dW->shape[0];
     } else if (V < 1) {
         return ml_err_set(e, ML_EINVAL, "V must be a positive integer, got %lld", (long long)V);
     }
     int64_t sw[2] = {V, D};
     ML_TRY(check_ids(h, ids, "ids", V, e));
-    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, dout->dtype, 2, sw, e));
+    ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, gdt, 2, sw, e));
     ml_kctx c = ml_host_kctx(h);
     return ml_kernel_status(ML_KCALL(h, dev, embedding_backward, dout->dtype, ml_data(dW),
                                      ml_data(dout), ml_data(ids), T, V, D, &c), e);

@@ -25,7 +25,8 @@
  * (N = numel(x) / D); y and rstd are overwritten. eps >= 0. */
 ml_status ml_op_rmsnorm_forward(ml_host *h, ml_tensor *y, ml_tensor *rstd, const ml_tensor *x,
                                 const ml_tensor *w, double eps, ml_err *e);
-/* dx (=) and dw [D] (+=; allocated as zeros when empty). */
+/* dx (=) and dw [D] (+=; allocated as zeros when empty; of dtype
+ * ml_grad_dtype(x's): f32 for bf16 x). */
 ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const ml_tensor *dy,
                                  const ml_tensor *x, const ml_tensor *w, const ml_tensor *rstd,
                                  ml_err *e);
@@ -33,7 +34,8 @@ ml_status ml_op_rmsnorm_backward(ml_host *h, ml_tensor *dx, ml_tensor *dw, const
 /* out [T, D] (=) = W[ids]; ids [T] i64 in [0, V), W [V, D]. */
 ml_status ml_op_embedding_forward(ml_host *h, ml_tensor *out, const ml_tensor *ids,
                                   const ml_tensor *W, ml_err *e);
-/* dW [V, D] (+=) gets dout [T, D] at the rows ids [T]; an empty dW is
+/* dW [V, D] (+=; of dtype ml_grad_dtype(dout's): f32 for bf16 dout) gets
+ * dout [T, D] at the rows ids [T]; an empty dW is
  * allocated as zeros of V rows (V >= 1), a given one has its own V (the
  * argument is ignored). */
 ml_status ml_op_embedding_backward(ml_host *h, ml_tensor *dW, const ml_tensor *dout,

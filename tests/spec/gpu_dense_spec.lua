@@ -160,21 +160,43 @@ describe("GPU parity: rmsnorm", function()
   end)
 
   local tiny = function() return m.ones({1, 2}, {dtype = "bf16"}):to(DEV) end
-  bf16_it("bf16 matches the CPU's f32 on bf16-rounded inputs", function()
+  -- dw is f32 for bf16 inputs (mixed precision: the weight gradient of
+  -- bf16 is f32): the CPU's f64 terms summed in the device's fixed slices
+  -- and rounded once, 64 f32 eps as in f32 (the cpu mode rounds every f32
+  -- result to bf16, dw too: there 2^-8).
+  bf16_it("bf16 matches the CPU's f32 on bf16-rounded inputs (dw f32)", function()
     ops.rmsnorm_forward(tiny(), tiny():reshape({2}))
   end, function()
     local x, w, dy = bf16(noncontig({}, N, D)), bf16(noncontig_vec(D)), bf16(noncontig({}, N, D))
-    local dw0 = bf16(noncontig_vec(D))
+    local dw0 = noncontig_vec(D)
     local y, r = on_cpu(ops.rmsnorm_forward, x, w, eps)
     local gy, gr = on_dev(ops.rmsnorm_forward, x, w, eps)
     assert.are.equal("bf16", gy:dtype())
     assert_close(y, gy, BF16_TOL, "y bf16")
     assert_close(r, gr, 64 * EPS.f32, "rstd bf16")
-    local dx, dw = on_cpu(ops.rmsnorm_backward, dy, x, w, r, dw0)
+    local dx, dw = on_cpu(ops.rmsnorm_backward, dy, x, w, r, dw0:clone())
     local gdx, gdw = on_dev(ops.rmsnorm_backward, dy, x, w, r, dw0)
+    assert.are.equal("bf16", gdx:dtype())
     assert_close(dx, gdx, BF16_TOL, "dx bf16")
-    assert_close(dw, gdw, BF16_TOL, "dw bf16")
+    if DEV ~= "cpu" then assert.are.equal("f32", gdw:dtype()) end
+    assert_close(dw, gdw, DEV == "cpu" and BF16_TOL or TOL.f32.y, "dw (+=) f32 of bf16")
+    -- into zeros the op allocates: f32
+    local _, gdw0 = on_dev(ops.rmsnorm_backward, dy, x, w, r)
+    if DEV ~= "cpu" then assert.are.equal("f32", gdw0:dtype()) end
+    local _, dwz = on_cpu(ops.rmsnorm_backward, dy, x, w, r)
+    assert_close(dwz, gdw0, DEV == "cpu" and BF16_TOL or TOL.f32.y, "dw into zeros f32 of bf16")
   end)
+
+  if DEV ~= "cpu" then
+    it("bf16: a given dw must be f32", function()
+      local x = m.ones({2, 4}, {dtype = "bf16"}):to(DEV)
+      local w = m.ones({4}, {dtype = "bf16"}):to(DEV)
+      local _, r = ops.rmsnorm_forward(x, w, eps)
+      local ok, err = pcall(ops.rmsnorm_backward, x, x, w, r, m.zeros({4}, {dtype = "bf16"}):to(DEV))
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("dw must be f32, got bf16", 1, true), tostring(err))
+    end)
+  end
 end)
 
 -- ---- rope --------------------------------------------------------------------
@@ -235,17 +257,40 @@ describe("GPU parity: embedding", function()
     end
   end)
 
-  bf16_it("bf16: the forward is a copy, the backward sums in f32", function()
+  -- bf16 W and dout, dW f32 (mixed precision: the weight gradient of bf16
+  -- is f32): the device's backward adds the widened dout in f32 in token
+  -- order, the CPU's f32 adds on the same values: bitwise (the cpu mode
+  -- rounds every f32 result to bf16, dW too: there 2^-8).
+  bf16_it("bf16: the forward is a copy, the backward into an f32 dW is bitwise", function()
     ops.embedding_forward(m.tensor({0}, {dtype = "i64"}):to(DEV), m.ones({1, 2}, {dtype = "bf16"}):to(DEV))
   end, function()
     local ids = draw_ids(T, V, 78)
-    local W, dout, dW0 = bf16(noncontig({}, V, D)), bf16(noncontig({}, T, D)), bf16(noncontig({}, V, D))
+    local W, dout, dW0 = bf16(noncontig({}, V, D)), bf16(noncontig({}, T, D)), noncontig({}, V, D)
     local gy = on_dev(ops.embedding_forward, ids, W)
     assert.are.equal("bf16", gy:dtype())
     assert_same(bf16(on_cpu(ops.embedding_forward, ids, W)), gy, "forward bf16")
-    assert_close(on_cpu(ops.embedding_backward, dout, ids, dW0), on_dev(ops.embedding_backward, dout, ids, dW0),
-                 2^-5, "backward bf16")
+    for _, into in ipairs({"dW0", "zeros"}) do
+      local what = "backward bf16 into " .. into
+      local dW = on_cpu(ops.embedding_backward, dout, ids, into == "dW0" and dW0:clone() or V)
+      local gdW = on_dev(ops.embedding_backward, dout, ids, into == "dW0" and dW0 or V)
+      if DEV == "cpu" then
+        assert_close(dW, gdW, BF16_TOL, what)
+      else
+        assert.are.equal("f32", gdW:dtype())
+        assert_same(dW, gdW, what)
+      end
+    end
   end)
+
+  if DEV ~= "cpu" then
+    it("bf16: a given dW must be f32", function()
+      local dout = m.ones({1, 2}, {dtype = "bf16"}):to(DEV)
+      local ids = m.tensor({0}, {dtype = "i64"}):to(DEV)
+      local ok, err = pcall(ops.embedding_backward, dout, ids, m.zeros({3, 2}, {dtype = "bf16"}):to(DEV))
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("dW must be f32, got bf16", 1, true), tostring(err))
+    end)
+  end
 end)
 
 -- ---- cross-entropy -----------------------------------------------------------

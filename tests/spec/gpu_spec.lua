@@ -564,6 +564,130 @@ describe("GPU parity: router", function()
       assert.truthy(e:find("argument #1 (dw) is on cpu", 1, true), e)
     end
   end)
+
+  -- bf16 (mixed precision, kernels/router.h): x, wg, w, dw and dx bf16,
+  -- the router in fp32 (logits rounded to f32, the rest in f64), dwg f32.
+  -- Reference: the CPU's f32 router on the widened values, whose logits the
+  -- device reproduces bitwise; the f64 math after them differs by CUDA's
+  -- libm ulps, so idx must equal the reference wherever the top-k margin
+  -- (the smallest gap between consecutive keys of the first k + 1) exceeds
+  -- 1e-4, and counts and cp wherever every token's selection does. w and dx
+  -- (one bf16 rounding, 2^-9) within 2^-8 normwise; dwg (f32) and the f64
+  -- sums as in f32. The cpu mode (MOELUA_GPU_SPEC_DEVICE=cpu: the CPU has
+  -- no bf16) runs the "device" side in f32 on the widened values and rounds
+  -- w and dx to bf16.
+  local BF16_TOL, MARGIN = 2^-8, 1e-4
+
+  -- a bf16 tensor on the device; in the cpu mode its widened values
+  local function dev16(t) return DEV == "cpu" and t:to("f32") or dev(t) end
+  -- a bf16 result of the device; the cpu mode rounds its f32 one
+  local function got16(t) return DEV == "cpu" and t:to("bf16") or t end
+
+  -- Per token, the top-k margin of the CPU router (keys as router.h: p' + b,
+  -- or s + b for topk_softmax, read from the weights of a k + 1 run without
+  -- renorm: p', or a softmax over the selected s whose logs differ as s).
+  local function topk_margins(x, wg, c, bias)
+    local T, E, k = x:shape()[1], wg:shape()[1], c.k
+    local n = math.min(k + 1, E)
+    local idx, w = router.forward(x, wg, dev_opts(c, {k = n, renorm = false, bias = bias}))
+    local iv, wv, bv = values(idx), values(w), bias and values(bias)
+    local out = {}
+    for t = 1, T do
+      local key = {}
+      for j = 1, n do
+        local e, v = iv[(t - 1) * n + j], wv[(t - 1) * n + j]
+        key[j] = (c.mode == "topk_softmax" and math.log(v) or v) + (bv and bv[e + 1] or 0)
+      end
+      out[t] = math.huge
+      for j = 1, math.min(k, n - 1) do out[t] = math.min(out[t], key[j] - key[j + 1]) end
+    end
+    return out
+  end
+
+  -- idx rows equal wherever the margin is not tiny; returns how many differ
+  local function assert_selection(idx, gidx, margins, k, what)
+    local a, b = values(idx), values(gidx)
+    assert.are.same(idx:shape(), gidx:shape(), what)
+    local differ = 0
+    for t = 1, #margins do
+      for j = 1, k do
+        if a[(t - 1) * k + j] ~= b[(t - 1) * k + j] then
+          differ = differ + 1
+          assert(margins[t] < MARGIN, string.format("%s: token %d selects other experts with a top-k "
+                                                    .. "margin of %.3e", what, t - 1, margins[t]))
+          break
+        end
+      end
+    end
+    return differ
+  end
+
+  it("bf16 forward: idx where the top-k margin exceeds 1e-4, w within 2^-8, sums as f32", function()
+    local T, D, E = 301, 37, 8
+    local x, wg = router_problem("f32", T, D, E, 21)
+    x, wg = x:to("bf16"), wg:to("bf16")
+    local cx, cwg, gx, gwg = x:to("f32"), wg:to("f32"), dev16(x), dev16(wg)
+    local bias = m.randn({E}, {dtype = "f32", seed = 5, offset = 0, std = 0.01})
+    for ci, c in ipairs(ROUTER_CASES) do
+      for _, with_bias in ipairs({false, true}) do
+        local what = string.format("bf16 case %d%s", ci, with_bias and " +bias" or "")
+        local b = with_bias and bias or nil
+        local idx, w, s = router.forward(cx, cwg, dev_opts(c, {bias = b}))
+        local gidx, gw, gs = router.forward(gx, gwg, dev_opts(c, {bias = b and dev(b)}))
+        gw = got16(gw)
+        assert.are.equal("bf16", gw:dtype())
+        local differ = assert_selection(idx, gidx, topk_margins(cx, cwg, c, b), c.k, "idx " .. what)
+        if differ == 0 then
+          assert_same(s.counts, gs.counts, "counts " .. what)
+          rel_scalar(s.cp, gs.cp, 1e-12, "cp " .. what)
+        end
+        assert_close(w, gw, BF16_TOL, "w " .. what)
+        assert_close(s.psum, gs.psum, 1e-12, "psum " .. what)
+        rel_scalar(s.z, gs.z, 1e-12, "z " .. what)
+        rel_scalar(s.entropy, gs.entropy, 1e-12, "entropy " .. what)
+      end
+    end
+  end)
+
+  it("bf16 backward: dx (bf16) within 2^-8, dwg f32 as f32, accumulating into grads", function()
+    local T, D, E = 203, 29, 8
+    local x, wg = router_problem("f32", T, D, E, 41)
+    x, wg = x:to("bf16"), wg:to("bf16")
+    local cx, cwg, gx, gwg = x:to("f32"), wg:to("f32"), dev16(x), dev16(wg)
+    for ci, c in ipairs(ROUTER_CASES) do
+      local what = string.format("bf16 case %d", ci)
+      local idx = router.forward(cx, cwg, c)
+      local dw = m.randn({T, c.k}, {dtype = "f32", seed = 77, offset = 0}):to("bf16")
+      local aux = m.randn({E}, {dtype = "f64", seed = 78, offset = 0})
+      local dx0 = m.randn({T, D}, {dtype = "f32", seed = 79, offset = 0}):to("bf16")
+      local dwg0 = m.randn({E, D}, {dtype = "f32", seed = 80, offset = 0})
+      local dx, dwg = router.backward(dw:to("f32"), cx, cwg, idx, c,
+                                      {aux = aux, z = 0.3, dx = dx0:to("f32"), dwg = dwg0:clone()})
+      local gdx, gdwg = router.backward(dev16(dw), gx, gwg, dev(idx), c,
+                                        {aux = dev(aux), z = 0.3, dx = dev16(dx0), dwg = dev(dwg0)})
+      gdx = got16(gdx)
+      assert.are.equal("bf16", gdx:dtype())
+      assert.are.equal("f32", gdwg:dtype())
+      assert_close(dx, gdx, BF16_TOL, "dx " .. what)
+      assert_close(dwg, gdwg, ROUTER_TOL.f32, "dwg " .. what)
+      local _, gz = router.backward(dev16(dw), gx, gwg, dev(idx), c, {aux = dev(aux), z = 0.3})
+      assert.are.equal("f32", gz:dtype())   -- a new dwg: f32 zeros, then +=
+    end
+  end)
+
+  if DEV ~= "cpu" then
+    it("bf16: dw must be bf16 and a given grads.dwg f32", function()
+      local x, wg = router_problem("f32", 10, 8, 4, 1)
+      x, wg = dev(x:to("bf16")), dev(wg:to("bf16"))
+      local c = {k = 2}
+      local idx = router.forward(x, wg, c)
+      local e = errmsg(router.backward, dev(m.ones({10, 2})), x, wg, idx, c)
+      assert.truthy(e:find("dw is f32 but x is bf16", 1, true), e)
+      local dw = dev(m.ones({10, 2}, {dtype = "bf16"}))
+      e = errmsg(router.backward, dw, x, wg, idx, c, {dwg = dev(m.zeros({4, 8}, {dtype = "bf16"}))})
+      assert.truthy(e:find("grads.dwg must be f32", 1, true), e)
+    end)
+  end
 end)
 
 describe("GPU parity: dispatch", function()
