@@ -1,8 +1,8 @@
 /*
  * kernels/cuda_float.cuh - the float storage types of the CUDA dense
- * families (rmsnorm, rope, embedding, crossentropy) and elementwise, and
- * what they share: each storage type's compute type, its load and its
- * rounding store, and a block sum in a fixed tree order.
+ * families (rmsnorm, rope, embedding, crossentropy), elementwise and the
+ * router, and what they share: each storage type's compute type, its load
+ * and its rounding store, and a block sum in a fixed tree order.
  *
  * f32 and f64 compute in themselves; bf16 is stored as its 16 bits
  * (ml_bf16) and computes in f32, rounded to nearest even on store by

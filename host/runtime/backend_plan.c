@@ -101,8 +101,9 @@ int ml_cuda_supports(ml_op op, ml_dtype dt)
         return num || dt == ML_BF16;   /* integers: neg and abs only (the kernel says) */
     case ML_OP_MATMUL:
         return flt || dt == ML_BF16;   /* bf16 A, B with a bf16 or f32 C */
-    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK:
-    case ML_OP_ROUTER: case ML_OP_EXPERTS:
+    case ML_OP_ROUTER:
+        return flt || dt == ML_BF16;   /* bf16 x, wg: an fp32 router; f32 dwg */
+    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_EXPERTS:
         return flt;
     case ML_OP_DISPATCH:
         return dt == ML_I64;

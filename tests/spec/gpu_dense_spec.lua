@@ -21,9 +21,9 @@
 --   bf16 (bf16 in and out on the device, f32 inside): against the CPU's
 --     f32 result on the same bf16-rounded inputs. One rounding of the
 --     output is at most 2^-8 relative: 2^-8 for rmsnorm and rope outputs;
---     rstd stays f64 from f32 sums: 64 f32 eps. The embedding forward is
---     a copy: bitwise. Its backward rounds a row of dW into bf16 once per
---     tile of 256 tokens that hit it: here at most 12 roundings, 2^-5.
+--     rstd stays f64 from f32 sums: 64 f32 eps. Weight gradients are f32
+--     (ml_grad_dtype): rmsnorm dw 64 f32 eps as in f32; the embedding
+--     forward is a copy and its backward the CPU's f32 adds: both bitwise.
 --
 -- Without a CUDA device the whole file is one pending test. With
 -- MOELUA_GPU_SPEC_DEVICE=cpu it runs CPU against CPU, to check the spec

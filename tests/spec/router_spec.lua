@@ -601,6 +601,7 @@ describe("router bad input", function()
     has(errmsg(router.forward, m.zeros({4}), wg, {k = 1}), F .. "x must be 2-dim, got 1 dims")
     has(errmsg(router.forward, m.zeros({4, 3}, {dtype = "i64"}), wg, {k = 1}),
         F .. "x must be f32 or f64, got i64")
+    has(errmsg(router.forward, x:to("bf16"), wg:to("bf16"), {k = 1}), F .. "x must be f32 or f64, got bf16")   -- (cuda's)
     has(errmsg(router.forward, x, wg:to("f64"), {k = 1}), F .. "x is f32 but wg is f64")
     has(errmsg(router.forward, x, m.zeros({2, 5}), {k = 1}), F .. "x is [4,3] but wg is [2,5]: wg must be [E, 3]")
     has(errmsg(router.forward, x, m.zeros({0, 3}), {k = 1}), "at least one expert")
