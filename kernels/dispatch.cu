@@ -36,8 +36,11 @@
  * positions (the caller's scratch), each output
  * row's div positions sorted ascending by one thread, then one thread per
  * output element adds its rows in that order: the CPU's sum, no atomics.
+ * bf16 unpack sums in f32 in that order and rounds once: bitwise the f32
+ * sum of the widened values, rounded.
  */
 #include "cuda_common.cuh"
+#include "cuda_float.cuh"
 
 extern "C" {
 #include "dispatch.h"
@@ -251,21 +254,23 @@ __global__ void sort_rows_kernel(int64_t *pos, int64_t rows, int64_t div)
     }
 }
 
-/* out[r, c] += in[p, c] over row r's positions, ascending. */
+/* out[r, c] += in[p, c] over row r's positions, ascending, summed in
+ * ml_float<F>::acc (f32 for bf16) and stored once. */
 template <typename F>
 __global__ void unpack_kernel(F *out, const F *in, const int64_t *pos, int64_t n, int64_t cols,
                               int64_t div, int64_t rows)
 {
+    typedef ml_float<F> L;
     ML_CUDA_FOR(i, rows * cols) {
         int64_t r = i / cols, c = i % cols;
-        F v = out[i];
+        typename L::acc v = L::load(out[i]);
         for (int64_t j = 0; j < div; j++) {
             int64_t p = pos[r * div + j];
             if (p >= n)
                 break;
-            v += in[p * cols + c];
+            v += L::load(in[p * cols + c]);
         }
-        out[i] = v;
+        out[i] = L::store(v);
     }
 }
 
@@ -297,7 +302,7 @@ extern "C" ml_status ml_dispatch_unpack_cuda(ml_dtype dt, void *out, const void 
                                              int64_t div, int64_t rows_out, void *scratch,
                                              const ml_kctx *ctx)
 {
-    if (dt != ML_F32 && dt != ML_F64)
+    if (dt != ML_F32 && dt != ML_F64 && dt != ML_BF16)
         return ML_EUNSUPPORTED;
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
@@ -305,8 +310,11 @@ extern "C" ml_status ml_dispatch_unpack_cuda(ml_dtype dt, void *out, const void 
         return ML_OK;
     cudaStream_t st = ml_cuda_stream(ctx);
     int64_t *pos = (int64_t *)scratch;
-    return dt == ML_F32 ? unpack<float>(out, in, order, n, cols, div, rows_out, pos, st)
-                        : unpack<double>(out, in, order, n, cols, div, rows_out, pos, st);
+    switch (dt) {
+    case ML_F32: return unpack<float>(out, in, order, n, cols, div, rows_out, pos, st);
+    case ML_F64: return unpack<double>(out, in, order, n, cols, div, rows_out, pos, st);
+    default: return unpack<ml_bf16>(out, in, order, n, cols, div, rows_out, pos, st);
+    }
 }
 
 /* ---- validation ------------------------------------------------------------ */

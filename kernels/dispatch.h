@@ -90,6 +90,7 @@ ml_status ml_dispatch_pack_cpu(ml_dtype dt, void *out, const void *in, const int
 /* out [rows_out, cols] (+=): row order[p] / div gains row p of in
  * [n, cols], for p = 0, 1, ..., n-1 in that order for every output
  * element (a thread owns whole columns, never part of a sum). f32, f64;
+ * CUDA also bf16 (each element summed in f32 in that order, rounded once);
  * order[0 .. n) distinct, each < rows_out·div. */
 ml_status ml_dispatch_unpack_cpu(ml_dtype dt, void *out, const void *in, const int64_t *order,
                                  int64_t n, int64_t cols, int64_t div, int64_t rows_out,

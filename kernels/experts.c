@@ -25,36 +25,47 @@
 #include <math.h>
 #include <string.h>
 
-/* Elements of one lane: tile · (D + 3F) forward, tile · (3D + 4F)
- * backward; -1 when a size is negative or the product overflows. */
-static int64_t lane_elems(const ml_experts_cfg *c, int backward)
+/* R·(cd·D + cf·F) for R = c->tile: a lane's elements (CPU) or bytes
+ * (CUDA); -1 when a size is negative or the product overflows. */
+static int64_t lane_size(const ml_experts_cfg *c, int64_t cd, int64_t cf)
 {
-    int64_t a = backward ? 3 : 1, b = backward ? 4 : 3, ad, bf, row, n;
-    if (c->tile < 0 || c->D < 0 || c->F < 0 || __builtin_mul_overflow(a, c->D, &ad) ||
-        __builtin_mul_overflow(b, c->F, &bf) || __builtin_add_overflow(ad, bf, &row) ||
+    int64_t ad, bf, row, n;
+    if (c->tile < 0 || c->D < 0 || c->F < 0 || __builtin_mul_overflow(cd, c->D, &ad) ||
+        __builtin_mul_overflow(cf, c->F, &bf) || __builtin_add_overflow(ad, bf, &row) ||
         __builtin_mul_overflow(c->tile, row, &n))
         return -1;
     return n;
 }
 
-static size_t lanes_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int lanes)
+/* Elements of one CPU lane: tile · (D + 3F) forward, tile · (3D + 4F)
+ * backward. */
+static int64_t lane_elems(const ml_experts_cfg *c, int backward)
 {
-    int64_t n = lane_elems(c, backward);
-    size_t b;
-    if (n < 0 || lanes < 1 || __builtin_mul_overflow((size_t)n, ml_dtype_size(dt) * (size_t)lanes, &b))
-        return SIZE_MAX;
-    return b;
+    return backward ? lane_size(c, 3, 4) : lane_size(c, 1, 3);
 }
 
 size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads)
 {
-    return lanes_bytes(dt, c, backward, nthreads);
+    int64_t n = lane_elems(c, backward);
+    size_t b;
+    if (n < 0 || nthreads < 1 ||
+        __builtin_mul_overflow((size_t)n, ml_dtype_size(dt) * (size_t)nthreads, &b))
+        return SIZE_MAX;
+    return b;
 }
 
+/* experts.cu's one lane, in bytes: with s the size of dt and a that of the
+ * GEMM results it keeps unrounded (out, dact_u, dxt: ml_grad_dtype(dt),
+ * f32 for bf16), forward R·(a·D + 3s·F) (out [R, D] holding the gathered
+ * xt first, h [R, 2F], act [R, F]) and backward R·((s + a)·D + (3s + a)·F)
+ * (dxt [R, D] holding dyt first, dact_u [R, F], xt [R, D], h [R, 2F], act
+ * [R, F]). */
 size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads)
 {
     (void)nthreads;
-    return lanes_bytes(dt, c, backward, 1);
+    int64_t s = (int64_t)ml_dtype_size(dt), a = (int64_t)ml_dtype_size(ml_grad_dtype(dt));
+    int64_t n = backward ? lane_size(c, s + a, 3 * s + a) : lane_size(c, a, 3 * s);
+    return n < 0 ? SIZE_MAX : (size_t)n;
 }
 
 /* ---- elementwise steps over one tile ------------------------------------ */

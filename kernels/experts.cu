@@ -28,8 +28,15 @@
  * arrays of device pointers: the walk reads expert e's entries on the host
  * and hands them to cuBLAS, and skips the experts whose entry is NULL.
  * The interrupt flag is polled between tiles.
+ *
+ * bf16 (mixed precision): x, w, the weights, y, dx, dw and h_saved are
+ * bf16; every GEMM takes bf16 operands (cuBLAS sums in f32) and writes h
+ * in bf16, out, dact_u and dxt in f32, and adds the weight gradients
+ * into their f32 accumulators; the SwiGLU steps and the combine compute in
+ * f32 and round once on store (see forward() for which buffer is which).
  */
 #include "cuda_common.cuh"
+#include "cuda_float.cuh"
 
 extern "C" {
 #include "experts.h"
@@ -42,10 +49,13 @@ extern "C" {
 
 /* ---- kernels ------------------------------------------------------------------- */
 
+/* The kernels are templates over the storage type S (float, double, ml_bf16)
+ * and compute in A = ml_float<S>::acc (f32 for bf16); L is ml_float<S>. */
+
 /* dst [r, D] <- rows pos[i] / k of src [T, D], and likewise dst2 from src2
  * unless dst2 is NULL (backward gathers x and dy in one launch) */
-template <typename F>
-__global__ void gather_kernel(F *dst, const F *src, F *dst2, const F *src2, const int64_t *pos,
+template <typename S>
+__global__ void gather_kernel(S *dst, const S *src, S *dst2, const S *src2, const int64_t *pos,
                               int64_t r, int64_t D, int64_t k)
 {
     ML_CUDA_FOR(i, r * D) {
@@ -60,64 +70,76 @@ __device__ inline float ml_expm(float x) { return expf(x); }
 __device__ inline double ml_expm(double x) { return exp(x); }
 
 /* act [r, F] = silu(h[:, :F]) * h[:, F:] */
-template <typename F>
-__global__ void swiglu_fwd_kernel(F *act, const F *h, int64_t r, int64_t Fd)
+template <typename S>
+__global__ void swiglu_fwd_kernel(S *act, const S *h, int64_t r, int64_t Fd)
 {
+    typedef ml_float<S> L;
+    typedef typename L::acc A;
     ML_CUDA_FOR(i, r * Fd) {
         int64_t row = i / Fd, f = i % Fd;
-        F x = h[row * 2 * Fd + f];
-        act[i] = x / ((F)1 + ml_expm(-x)) * h[row * 2 * Fd + Fd + f];
+        A x = L::load(h[row * 2 * Fd + f]);
+        act[i] = L::store(x / ((A)1 + ml_expm(-x)) * L::load(h[row * 2 * Fd + Fd + f]));
     }
 }
 
 /* One warp per row: act, dw[a] = <dact_u, act> (f64 lane sums over f = lane,
- * lane+32, ..., then xor 16, 8, 4, 2, 1), dh = [dg, du] with dact =
- * w·dact_u (dh may be h: each element is read before it is written), and
- * dout [r, D] *= w[a] (dout = w · dy, for the weight GEMMs that follow). */
-template <typename F>
-__global__ void swiglu_bwd_kernel(F *act, F *dh, F *dw, F *dout, const F *h, const F *dact_u,
-                                  const F *w, const int64_t *pos, int64_t r, int64_t Fd, int64_t D)
+ * lane+32, ..., then xor 16, 8, 4, 2, 1; with act as stored, the value the
+ * forward's down GEMM read), dh = [dg, du] with dact = w·dact_u (dh may be
+ * h: each element is read before it is written), and dout [r, D] *= w[a]
+ * (dout = w · dy, for the weight GEMMs that follow). dact_u is in A: the
+ * GEMM wrote it unrounded. */
+template <typename S>
+__global__ void swiglu_bwd_kernel(S *act, S *dh, S *dw, S *dout, const S *h,
+                                  const typename ml_float<S>::acc *dact_u, const S *w,
+                                  const int64_t *pos, int64_t r, int64_t Fd, int64_t D)
 {
+    typedef ml_float<S> L;
+    typedef typename L::acc A;
     int lane = threadIdx.x & 31;
     int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) / 32;
     for (int64_t row = warp; row < r; row += nwarps) {
         int64_t a = pos[row];
-        F wa = w[a];
-        const F *hr = h + row * 2 * Fd, *du = dact_u + row * Fd;
-        F *ar = act + row * Fd, *dr = dh + row * 2 * Fd;
+        A wa = L::load(w[a]);
+        const S *hr = h + row * 2 * Fd;
+        const A *du = dact_u + row * Fd;
+        S *ar = act + row * Fd, *dr = dh + row * 2 * Fd;
         double dot = 0;
         for (int64_t f = lane; f < Fd; f += 32) {
-            F x = hr[f], u = hr[Fd + f];
-            F ex = ml_expm(-x);
-            F s = (F)1 / ((F)1 + ex);
-            F silu = x / ((F)1 + ex);
-            F av = silu * u;
+            A x = L::load(hr[f]), u = L::load(hr[Fd + f]);
+            A ex = ml_expm(-x);
+            A s = (A)1 / ((A)1 + ex);
+            A silu = x / ((A)1 + ex);
+            S av = L::store(silu * u);
             ar[f] = av;
-            dot += (double)du[f] * (double)av;
-            F d = wa * du[f];
-            dr[f] = d * u * (s * ((F)1 + x * ((F)1 - s)));
-            dr[Fd + f] = d * silu;
+            dot += (double)du[f] * (double)L::load(av);
+            A d = wa * du[f];
+            dr[f] = L::store(d * u * (s * ((A)1 + x * ((A)1 - s))));
+            dr[Fd + f] = L::store(d * silu);
         }
         for (int o = 16; o > 0; o >>= 1)
             dot += __shfl_xor_sync(0xffffffffu, dot, o);
         if (lane == 0)
-            dw[a] = (F)dot;
+            dw[a] = L::store((A)dot);
         for (int64_t c = lane; c < D; c += 32)
-            dout[row * D + c] *= wa;
+            dout[row * D + c] = L::store(L::load(dout[row * D + c]) * wa);
     }
 }
 
-/* acc[t, c] += (scaled ? w[a] : 1) · rows[i, c], a = pos[i], t = a / k.
- * Blocks stride over rows (x) and column blocks (y). A row's block first
- * looks for the row's token elsewhere in the tile: if an earlier row has
- * it, that row's block owns the token and this one adds nothing; else it
- * adds row i and, only when a later row has the token too, those rows
- * after it, in row order. acc is read and written once per element. */
-template <typename F>
-__global__ void combine_kernel(F *acc, const F *rows, const F *w, const int64_t *pos, int64_t r,
-                               int64_t D, int64_t k, int scaled)
+/* acc[t, c] += (scaled ? w[a] : 1) · rows[i, c], a = pos[i], t = a / k,
+ * summed in A and stored once per tile (rows are A: the GEMM's unrounded
+ * result). Blocks stride over rows (x) and column blocks (y). A row's
+ * block first looks for the row's token elsewhere in the tile: if an
+ * earlier row has it, that row's block owns the token and this one adds
+ * nothing; else it adds row i and, only when a later row has the token
+ * too, those rows after it, in row order. acc is read and written once
+ * per element. */
+template <typename S>
+__global__ void combine_kernel(S *acc, const typename ml_float<S>::acc *rows, const S *w,
+                               const int64_t *pos, int64_t r, int64_t D, int64_t k, int scaled)
 {
+    typedef ml_float<S> L;
+    typedef typename L::acc A;
     for (int64_t i = blockIdx.x; i < r; i += gridDim.x) {
         int64_t t = pos[i] / k;
         int earlier = 0, later = 0;
@@ -131,13 +153,13 @@ __global__ void combine_kernel(F *acc, const F *rows, const F *w, const int64_t 
         int64_t last = __syncthreads_count(later) ? r : i + 1;
         for (int64_t c = (int64_t)blockIdx.y * blockDim.x + threadIdx.x; c < D;
              c += (int64_t)gridDim.y * blockDim.x) {
-            F v = acc[t * D + c];
+            A v = L::load(acc[t * D + c]);
             for (int64_t j = i; j < last; j++) {
                 int64_t a = pos[j];
                 if (a / k == t)
-                    v += scaled ? w[a] * rows[j * D + c] : rows[j * D + c];
+                    v += scaled ? L::load(w[a]) * rows[j * D + c] : rows[j * D + c];
             }
-            acc[t * D + c] = v;
+            acc[t * D + c] = L::store(v);
         }
     }
 }
@@ -159,32 +181,34 @@ __global__ void touched_kernel(uint8_t *touched, touched_block b, int64_t n)
 
 static unsigned blocks_of(int64_t n) { return ml_cuda_blocks(n, ML_CUDA_THREADS); }
 
-/* C [m, n] = op(A) · op(B) + beta·C, row-major, through cuBLAS. */
-static ml_status gemm(ml_dtype dt, void *c, const void *a, const void *b, int64_t m, int64_t n,
-                      int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc, double beta,
-                      const ml_kctx *ctx)
+/* C [m, n] = op(A) · op(B) + beta·C, row-major, through cuBLAS: A and B
+ * of dt, C of cdt. */
+static ml_status gemm(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b, int64_t m,
+                      int64_t n, int64_t k, int ta, int tb, int64_t lda, int64_t ldb, int64_t ldc,
+                      double beta, const ml_kctx *ctx)
 {
     ml_gemm_shape s = {1, m, n, k, ta, tb, lda, ldb, ldc, m * k, k * n, m * n, 1.0, beta};
-    return ml_matmul_cuda(dt, dt, c, a, b, &s, ctx);
+    return ml_matmul_cuda(dt, cdt, c, a, b, &s, ctx);
 }
 
 /* dst2 NULL: dst only */
-template <typename F>
-static ml_status gather(F *dst, const void *src, F *dst2, const void *src2, const int64_t *pos,
+template <typename S>
+static ml_status gather(S *dst, const void *src, S *dst2, const void *src2, const int64_t *pos,
                         int64_t r, int64_t D, int64_t k, cudaStream_t st)
 {
-    gather_kernel<F><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dst, (const F *)src, dst2,
-                                                                    (const F *)src2, pos, r, D, k);
+    gather_kernel<S><<<blocks_of(r * D), ML_CUDA_THREADS, 0, st>>>(dst, (const S *)src, dst2,
+                                                                    (const S *)src2, pos, r, D, k);
     return ml_cuda_launched();
 }
 
-template <typename F>
-static ml_status combine(void *acc, const F *rows, const void *w, const int64_t *pos, int64_t r,
-                         int64_t D, int64_t k, int scaled, cudaStream_t st)
+template <typename S>
+static ml_status combine(void *acc, const typename ml_float<S>::acc *rows, const void *w,
+                         const int64_t *pos, int64_t r, int64_t D, int64_t k, int scaled,
+                         cudaStream_t st)
 {
     unsigned rb = ml_cuda_blocks(r, 1), cb = ml_cuda_blocks(D, ML_CUDA_THREADS);
     dim3 grid(rb, cb < 65535 ? cb : 65535);   /* grid y is at most 65535 */
-    combine_kernel<F><<<grid, ML_CUDA_THREADS, 0, st>>>((F *)acc, rows, (const F *)w, pos, r, D, k,
+    combine_kernel<S><<<grid, ML_CUDA_THREADS, 0, st>>>((S *)acc, rows, (const S *)w, pos, r, D, k,
                                                          scaled);
     return ml_cuda_launched();
 }
@@ -204,18 +228,29 @@ static ml_status host_offsets(int64_t *dst, const int64_t *offsets, int64_t e0, 
 
 /* ---- forward -------------------------------------------------------------------------- */
 
-template <typename F>
+/* The GEMM results kept unrounded (out, dact_u, dxt) are A (f32 for bf16),
+ * the dtype ml_grad_dtype(dt) names: each feeds an elementwise step in A
+ * (the combine, the SwiGLU backward), so rounding them to bf16 first would
+ * only add an error. What feeds a GEMM (xt, dyt, h, act, dh, dout) is S:
+ * the kernels that make it round once on store. h is S for the GEMM that
+ * makes it (bf16: as a bf16 Linear does, and what h_saved keeps, so saved
+ * and recomputed h stay bitwise equal). Buffers of A come first in the
+ * lane, so they are aligned for A (the lane is 8-aligned). */
+template <typename S>
 static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, const void *x,
                          const void *w, const int64_t *order, const int64_t *offsets,
                          const ml_experts_weights *wt, const ml_experts_cfg *c, const ml_kctx *ctx)
 {
+    typedef typename ml_float<S>::acc A;
     cudaStream_t st = ml_cuda_stream(ctx);
+    ml_dtype at = ml_grad_dtype(dt);
     int64_t D = c->D, Fd = c->F, R = c->tile;
-    F *xt = (F *)scratch;                 /* [R, D], then out [R, D] */
-    F *hbuf = xt + R * D;                 /* [R, 2F] */
-    F *act = hbuf + R * 2 * Fd;           /* [R, F] */
+    A *out = (A *)scratch;                /* [R, D] out; first xt [R, D] of S */
+    S *xt = (S *)out;
+    S *hbuf = (S *)(out + R * D);         /* [R, 2F] */
+    S *act = hbuf + R * 2 * Fd;           /* [R, F] */
     if (!c->accumulate)
-        TRY(ml_cuda_status(cudaMemsetAsync(y, 0, (size_t)(c->T * D) * sizeof(F), st)));
+        TRY(ml_cuda_status(cudaMemsetAsync(y, 0, (size_t)(c->T * D) * sizeof(S), st)));
     int64_t off[OFF_BLOCK + 1];
     for (int64_t eb = 0; eb < c->E; eb += OFF_BLOCK) {
         int64_t nb = c->E - eb < OFF_BLOCK ? c->E - eb : OFF_BLOCK;
@@ -229,14 +264,15 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
                 if (ml_kctx_interrupted(ctx))
                     return ML_EINTERRUPTED;
                 int64_t r = p1 - p0 < R ? p1 - p0 : R;
-                F *h = p0 + r <= c->nsaved ? (F *)h_saved + p0 * 2 * Fd : hbuf;
+                S *h = p0 + r <= c->nsaved ? (S *)h_saved + p0 * 2 * Fd : hbuf;
                 const int64_t *pos = order + p0;
-                TRY(gather<F>(xt, x, NULL, NULL, pos, r, D, c->k, st));
-                TRY(gemm(dt, h, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
-                swiglu_fwd_kernel<F><<<blocks_of(r * Fd), ML_CUDA_THREADS, 0, st>>>(act, h, r, Fd);
+                TRY(gather<S>(xt, x, NULL, NULL, pos, r, D, c->k, st));
+                TRY(gemm(dt, dt, h, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
+                swiglu_fwd_kernel<S><<<blocks_of(r * Fd), ML_CUDA_THREADS, 0, st>>>(act, h, r, Fd);
                 TRY(ml_cuda_launched());
-                TRY(gemm(dt, xt, act, dn, r, D, Fd, 0, 1, Fd, Fd, D, 0.0, ctx));
-                TRY(combine<F>(y, xt, w, pos, r, D, c->k, 1, st));
+                /* out [r, D] = act · down[e]ᵀ, over xt (read by the GEMM above only) */
+                TRY(gemm(dt, at, out, act, dn, r, D, Fd, 0, 1, Fd, Fd, D, 0.0, ctx));
+                TRY(combine<S>(y, out, w, pos, r, D, c->k, 1, st));
             }
         }
     }
@@ -249,31 +285,35 @@ extern "C" ml_status ml_experts_forward_cuda(ml_dtype dt, void *y, void *h_saved
                                              const ml_experts_weights *wt,
                                              const ml_experts_cfg *c, const ml_kctx *ctx)
 {
-    if (dt == ML_F32)
-        return forward<float>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
-    if (dt == ML_F64)
-        return forward<double>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
-    return ML_EUNSUPPORTED;
+    switch (dt) {
+    case ML_F32: return forward<float>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
+    case ML_F64: return forward<double>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
+    case ML_BF16: return forward<ml_bf16>(dt, y, h_saved, scratch, x, w, order, offsets, wt, c, ctx);
+    default: return ML_EUNSUPPORTED;
+    }
 }
 
 /* ---- backward ------------------------------------------------------------------------- */
 
-template <typename F>
+template <typename S>
 static ml_status backward(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                           uint8_t *touched, void *scratch, const void *h_saved, const void *dy,
                           const void *x, const void *w, const int64_t *order,
                           const int64_t *offsets, const ml_experts_weights *wt,
                           const ml_experts_cfg *c, const ml_kctx *ctx)
 {
+    typedef typename ml_float<S>::acc A;
     cudaStream_t st = ml_cuda_stream(ctx);
+    ml_dtype at = ml_grad_dtype(dt);      /* A's dtype, and the weight gradients' */
     int64_t D = c->D, Fd = c->F, R = c->tile;
-    F *xt = (F *)scratch;                 /* [R, D] x rows */
-    F *dyt = xt + R * D;                  /* [R, D] dy rows, then w·dy, then dxt */
-    F *hbuf = dyt + R * D;                /* [R, 2F] h (recomputed), then dh */
-    F *act = hbuf + R * 2 * Fd;           /* [R, F] */
-    F *dact = act + R * Fd;               /* [R, F] unscaled: dyt · down[e] */
+    A *dxt = (A *)scratch;                /* [R, D] dxt; first dyt [R, D] of S (dy rows, then w·dy) */
+    S *dyt = (S *)dxt;
+    A *dact = dxt + R * D;                /* [R, F] unscaled: dyt · down[e] */
+    S *xt = (S *)(dact + R * Fd);         /* [R, D] x rows */
+    S *hbuf = xt + R * D;                 /* [R, 2F] h (recomputed), then dh */
+    S *act = hbuf + R * 2 * Fd;           /* [R, F] */
     if (!c->accumulate) {
-        TRY(ml_cuda_status(cudaMemsetAsync(dw, 0, (size_t)(c->T * c->k) * sizeof(F), st)));
+        TRY(ml_cuda_status(cudaMemsetAsync(dw, 0, (size_t)(c->T * c->k) * sizeof(S), st)));
         TRY(ml_cuda_status(cudaMemsetAsync(touched, 0, (size_t)c->E, st)));
     }
     int64_t off[OFF_BLOCK + 1];
@@ -295,23 +335,23 @@ static ml_status backward(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, v
                 if (ml_kctx_interrupted(ctx))
                     return ML_EINTERRUPTED;
                 int64_t r = p1 - p0 < R ? p1 - p0 : R;
-                const F *h = p0 + r <= c->nsaved ? (const F *)h_saved + p0 * 2 * Fd : hbuf;
+                const S *h = p0 + r <= c->nsaved ? (const S *)h_saved + p0 * 2 * Fd : hbuf;
                 const int64_t *pos = order + p0;
-                TRY(gather<F>(xt, x, dyt, dy, pos, r, D, c->k, st));
+                TRY(gather<S>(xt, x, dyt, dy, pos, r, D, c->k, st));
                 if (h == hbuf)   /* recompute h [r, 2F] = xt · gate_up[e]ᵀ */
-                    TRY(gemm(dt, hbuf, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
+                    TRY(gemm(dt, dt, hbuf, xt, gu, r, 2 * Fd, D, 0, 1, D, D, 2 * Fd, 0.0, ctx));
                 /* dact_u [r, F] = dyt [r, D] · down[e] [D, F] */
-                TRY(gemm(dt, dact, dyt, dn, r, Fd, D, 0, 0, D, Fd, Fd, 0.0, ctx));
-                swiglu_bwd_kernel<F><<<ml_cuda_blocks(r * 32, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
-                    act, hbuf, (F *)dw, dyt, h, dact, (const F *)w, pos, r, Fd, D);
+                TRY(gemm(dt, at, dact, dyt, dn, r, Fd, D, 0, 0, D, Fd, Fd, 0.0, ctx));
+                swiglu_bwd_kernel<S><<<ml_cuda_blocks(r * 32, ML_CUDA_THREADS), ML_CUDA_THREADS, 0, st>>>(
+                    act, hbuf, (S *)dw, dyt, h, dact, (const S *)w, pos, r, Fd, D);
                 TRY(ml_cuda_launched());
                 /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
-                TRY(gemm(dt, ddn, dyt, act, D, Fd, r, 1, 0, D, Fd, Fd, 1.0, ctx));
+                TRY(gemm(dt, at, ddn, dyt, act, D, Fd, r, 1, 0, D, Fd, Fd, 1.0, ctx));
                 /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
-                TRY(gemm(dt, dgu, hbuf, xt, 2 * Fd, D, r, 1, 0, 2 * Fd, D, D, 1.0, ctx));
-                /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D], into dyt (dout is consumed) */
-                TRY(gemm(dt, dyt, hbuf, gu, r, D, 2 * Fd, 0, 0, 2 * Fd, D, D, 0.0, ctx));
-                TRY(combine<F>(dx, dyt, w, pos, r, D, c->k, 0, st));
+                TRY(gemm(dt, at, dgu, hbuf, xt, 2 * Fd, D, r, 1, 0, 2 * Fd, D, D, 1.0, ctx));
+                /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D], over dout (consumed above) */
+                TRY(gemm(dt, at, dxt, hbuf, gu, r, D, 2 * Fd, 0, 0, 2 * Fd, D, D, 0.0, ctx));
+                TRY(combine<S>(dx, dxt, w, pos, r, D, c->k, 0, st));
             }
         }
     }
@@ -326,11 +366,17 @@ extern "C" ml_status ml_experts_backward_cuda(ml_dtype dt, void *dx, const ml_ex
                                               const ml_experts_weights *wt,
                                               const ml_experts_cfg *c, const ml_kctx *ctx)
 {
-    if (dt == ML_F32)
+    switch (dt) {
+    case ML_F32:
         return backward<float>(dt, dx, dwt, dw, touched, scratch, h_saved, dy, x, w, order,
                                offsets, wt, c, ctx);
-    if (dt == ML_F64)
+    case ML_F64:
         return backward<double>(dt, dx, dwt, dw, touched, scratch, h_saved, dy, x, w, order,
                                 offsets, wt, c, ctx);
-    return ML_EUNSUPPORTED;
+    case ML_BF16:
+        return backward<ml_bf16>(dt, dx, dwt, dw, touched, scratch, h_saved, dy, x, w, order,
+                                 offsets, wt, c, ctx);
+    default:
+        return ML_EUNSUPPORTED;
+    }
 }

@@ -63,9 +63,12 @@
  * unscaled hidden gradient the down-projection backward computes anyway.
  *
  * Kernels never allocate and never raise; the interrupt flag is polled
- * between tiles. dtypes: f32, f64 (x, w, weights, outputs and scratch all
- * in one dtype). CPU: experts.c; CUDA: experts.cu (same arguments, suffix
- * _cuda, every pointer on the device but the cfg and the tables
+ * between tiles. dtypes dt: f32, f64 (x, w, weights, outputs and scratch
+ * all in one dtype); on CUDA also bf16 (mixed precision, DESIGN.md
+ * Numerics): x, w, the weights, y, dx, dw and h_saved in bf16, the weights'
+ * gradients (dwt) in f32 (ml_grad_dtype(dt)), the math in f32 (dw's dot
+ * in f64 as ever). CPU: experts.c; CUDA: experts.cu (same arguments,
+ * suffix _cuda, every pointer on the device but the cfg and the tables
  * themselves; GEMMs through cuBLAS, the combine in the same row order as
  * here, so results agree with the CPU normwise).
  */
@@ -94,18 +97,22 @@ typedef struct {
 } ml_experts_weights;
 
 /* Their gradients: [E] host arrays of contiguous [2F, D] and [D, F]
- * accumulators (+=); only experts run with rows are written (the entries
- * of skipped experts are not read: NULL allowed). */
+ * accumulators (+=) of dtype ml_grad_dtype(dt); only experts run with rows
+ * are written (the entries of skipped experts are not read: NULL
+ * allowed). */
 typedef struct {
     void *const *gate_up;
     void *const *down;
 } ml_experts_wgrads;
 
-/* Scratch bytes (dtype dt) of a forward (backward = 0) or backward call: one
- * lane per tile in flight, R·(D + 3F) elements forward and R·(3D + 4F)
- * backward. The CPU runs a tile per thread (nthreads lanes, the kernel
- * context's thread count); CUDA one at a time (one lane). SIZE_MAX when
- * the size overflows (the caller refuses the tile). */
+/* Scratch bytes of a forward (backward = 0) or backward call: one lane
+ * per tile in flight. The CPU runs a tile per thread (nthreads lanes, the
+ * kernel context's thread count) of R·(D + 3F) elements of dt forward and
+ * R·(3D + 4F) backward; CUDA one at a time (one lane, nthreads unused) of
+ * R·(D + 3F) elements forward and R·(2D + 4F) backward, of which R·D and,
+ * backward, R·(D + F) are f32 when dt is bf16 (experts.c says which).
+ * SIZE_MAX when the size overflows (the caller refuses the tile). Plain C
+ * (experts.c), so a plan of a CUDA run books it without a GPU. */
 size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads);
 size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward,
                                      int nthreads);
@@ -128,8 +135,9 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
 
 /* Backward, with dy [T, D] the gradient of y.
  *   dx        [T, D]     accumulates (+=)
- *   dwt       the weights' gradients: accumulate (+=), tile by tile in
- *             order; experts without rows or skipped are not written at all
+ *   dwt       the weights' gradients (ml_grad_dtype(dt)): accumulate (+=),
+ *             tile by tile in order; experts without rows or skipped are
+ *             not written at all
  *   dw        [T, k]     out (=) for the run experts' assignments; zeroed
  *                        first unless cfg.accumulate (so dropped ones are 0)
  *   touched   [E]        out (=) for the run experts: 1 where expert e had

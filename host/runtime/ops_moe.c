@@ -369,20 +369,19 @@ ml_status ml_op_router_update_bias(ml_host *h, ml_tensor *bias, const ml_tensor 
 
 /* ---- dispatch and experts: operand checks ----------------------------------------- */
 
-#define EX_FLOAT (-1)   /* f32 or f64 */
-#define EX_ANY (-2)
+#define EX_ANY (-1)
+/* Every float dtype a device may run the experts in (ml_float_dtypes says
+ * which one does). */
+#define EX_FLOATS (ML_DT_FLOAT | ML_DT(ML_BF16))
 
-/* A live contiguous tensor named `name` on dev, of dtype dt (or EX_FLOAT,
- * EX_ANY), with shape [dims...] or, when dims is NULL, ndim dims. */
+/* A live contiguous tensor named `name` on dev, of dtype dt (or EX_ANY),
+ * with shape [dims...] or, when dims is NULL, ndim dims. */
 static ml_status ex_tensor(const ml_tensor *t, const char *name, ml_device dev, int dt, int ndim,
                            const int64_t *dims, ml_err *e)
 {
     ML_TRY(live(t, name, e));
     if (dt >= 0 && t->dtype != (ml_dtype)dt)
         return ml_err_set(e, ML_EINVAL, "%s: expected dtype %s, got %s", name, ml_dtype_names[dt],
-                          ml_dtype_names[t->dtype]);
-    if (dt == EX_FLOAT && t->dtype != ML_F32 && t->dtype != ML_F64)
-        return ml_err_set(e, ML_EINVAL, "%s: expected dtype f32 or f64, got %s", name,
                           ml_dtype_names[t->dtype]);
     if (!ml_is_contiguous(t))
         return ml_err_set(e, ML_EINVAL, "%s: expected a contiguous tensor (call :contiguous())", name);
@@ -399,6 +398,19 @@ static ml_status ex_tensor(const ml_tensor *t, const char *name, ml_device dev, 
         return ml_err_set(e, ML_EINVAL, "%s: expected shape %s, got %s", name, want, have);
     }
     return ML_OK;
+}
+
+/* ex_tensor of a float dtype in dts: f32 and f64, and bf16 where dts has it
+ * (ml_float_dtypes: where the device runs the family in bf16). */
+static ml_status ex_float(const ml_tensor *t, const char *name, ml_device dev, unsigned dts,
+                          int ndim, const int64_t *dims, ml_err *e)
+{
+    ML_TRY(live(t, name, e));
+    if (!(dts & ML_DT(t->dtype)))
+        return ml_err_set(e, ML_EINVAL, "%s: expected dtype %s, got %s", name,
+                          dts & ML_DT(ML_BF16) ? "f32, f64 or bf16" : "f32 or f64",
+                          ml_dtype_names[t->dtype]);
+    return ex_tensor(t, name, dev, EX_ANY, ndim, dims, e);
 }
 
 /* "what: an [a,b] does not match bn [c,d]" */
@@ -549,7 +561,7 @@ ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *row
 {
     ML_TRY(live(rows, "rows", e));
     ml_device dev = rows->st->device;
-    ML_TRY(ex_tensor(rows, "rows", dev, EX_FLOAT, 2, NULL, e));
+    ML_TRY(ex_float(rows, "rows", dev, ml_float_dtypes(h, dev, ML_OP_DISPATCH), 2, NULL, e));
     int64_t T, kept, div;
     ML_TRY(plan_rows(h, plan, k, dev, &T, &kept, e));
     if (!out->st)
@@ -610,14 +622,15 @@ static char *ex_slice(const ml_tensor *t, int64_t E, int64_t i)
     return (char *)ml_data(t) + (size_t)i * (ml_nbytes(t) / (size_t)E);
 }
 
-/* x [T, D] with gate_up [E, 2F, D] and down [E, D, F] of x's dtype on x's
- * device, E >= 1, F >= 1, tabulated into wt. */
-static ml_status ex_tabulate(const ml_tensor *x, const ml_tensor *gate_up, const ml_tensor *down,
-                             ex_weights *wt, ml_err *e)
+/* x [T, D] of a dtype x's device runs the experts in, with gate_up
+ * [E, 2F, D] and down [E, D, F] of x's dtype on x's device, E >= 1,
+ * F >= 1, tabulated into wt. */
+static ml_status ex_tabulate(ml_host *h, const ml_tensor *x, const ml_tensor *gate_up,
+                             const ml_tensor *down, ex_weights *wt, ml_err *e)
 {
     ML_TRY(live(x, "x", e));
     ml_device dev = x->st->device;
-    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    ML_TRY(ex_float(x, "x", dev, ml_float_dtypes(h, dev, ML_OP_EXPERTS), 2, NULL, e));
     ML_TRY(ex_tensor(gate_up, "gate_up", dev, EX_ANY, 3, NULL, e));
     ML_TRY(ex_tensor(down, "down", dev, EX_ANY, 3, NULL, e));
     const char *names[] = {"gate_up", "down"};
@@ -669,7 +682,7 @@ static ml_status ex_common(ml_host *h, const ml_tensor *x, const ml_experts_tabl
 {
     ML_TRY(live(x, "x", e));
     ml_device dev = x->st->device;
-    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    ML_TRY(ex_float(x, "x", dev, ml_float_dtypes(h, dev, ML_OP_EXPERTS), 2, NULL, e));
     if (t->E < 1 || t->F < 1 || !t->w.gate_up || !t->w.down)
         return ml_err_set(e, ML_EINVAL, "table: needs E >= 1 experts, F >= 1 and both arrays, got "
                           "E = %lld, F = %lld", (long long)t->E, (long long)t->F);
@@ -769,7 +782,7 @@ ml_status ml_op_experts_tabulate(ml_experts_table *t, const void **ptrs,
 {
     ML_TRY(live(x, "x", e));
     ml_device dev = x->st->device;
-    ML_TRY(ex_tensor(x, "x", dev, EX_FLOAT, 2, NULL, e));
+    ML_TRY(ex_float(x, "x", dev, EX_FLOATS, 2, NULL, e));   /* the ops check x's device runs it */
     if (E < 1)
         return ml_err_set(e, ML_EINVAL, "E: expected a number of experts >= 1, got %lld",
                           (long long)E);
@@ -802,15 +815,16 @@ ml_status ml_op_experts_tabulate_grads(ml_experts_wgrads *gw, void **ptrs,
                                        const ml_experts_table *t, ml_err *e)
 {
     int64_t E = t->E, D = t->D, F = t->F;
+    ml_dtype gdt = ml_grad_dtype(t->dtype);   /* f32 for bf16 weights */
     for (int64_t i = 0; i < E; i++) {
         if (t->w.gate_up[i] && (!dgate_up[i] || !ddown[i]))
             return ml_err_set(e, ML_EINVAL, "%s of expert %lld: missing, but the expert runs (its "
                               "weights are given)", dgate_up[i] ? "ddown" : "dgate_up",
                               (long long)i);
         if (dgate_up[i])
-            ML_TRY(ex_block(dgate_up[i], "dgate_up", i, t->device, t->dtype, 2 * F, D, e));
+            ML_TRY(ex_block(dgate_up[i], "dgate_up", i, t->device, gdt, 2 * F, D, e));
         if (ddown[i])
-            ML_TRY(ex_block(ddown[i], "ddown", i, t->device, t->dtype, D, F, e));
+            ML_TRY(ex_block(ddown[i], "ddown", i, t->device, gdt, D, F, e));
         ptrs[i] = t->w.gate_up[i] ? ml_data(dgate_up[i]) : NULL;
         ptrs[E + i] = t->w.gate_up[i] ? ml_data(ddown[i]) : NULL;
     }
@@ -859,7 +873,7 @@ ml_status ml_op_experts_forward(ml_host *h, ml_tensor *y, ml_tensor *saved_h, co
                                 ml_err *e)
 {
     ex_weights wt;
-    ML_TRY(ex_tabulate(x, gate_up, down, &wt, e));
+    ML_TRY(ex_tabulate(h, x, gate_up, down, &wt, e));
     ml_status s = ml_op_experts_forward_table(h, y, saved_h, x, &wt.t, idx, w, plan, cfg, pool, e);
     ex_release(&wt);
     return s;
@@ -898,7 +912,8 @@ static ml_status ex_backward(ml_host *h, const ml_experts_grads *g, const ml_ten
     int64_t shapes[5][3] = {{run.T, run.D}, {run.E, 2 * run.F, run.D}, {run.E, run.D, run.F},
                             {run.T, run.k}, {run.E}};
     const int ndims[5] = {2, 3, 3, 2, 1}, zero[5] = {1, 1, 1, 0, 0};
-    const ml_dtype dts[5] = {dt, dt, dt, dt, ML_U8};
+    /* the weights' gradients in ml_grad_dtype(dt) (f32 for bf16); dw is of w's dtype */
+    const ml_dtype dts[5] = {dt, ml_grad_dtype(dt), ml_grad_dtype(dt), dt, ML_U8};
     /* outputs the kernel zeroes or writes while it reads the inputs (a
      * table's blocks are trusted not to overlap them) */
     const ml_tensor *ins[] = {dy, x, wt->gate_up, wt->down, idx, w,
@@ -946,7 +961,7 @@ ml_status ml_op_experts_backward(ml_host *h, const ml_experts_grads *g, const ml
                                  ml_experts_cfg *cfg, ml_pool *pool, ml_err *e)
 {
     ex_weights wt;
-    ML_TRY(ex_tabulate(x, gate_up, down, &wt, e));
+    ML_TRY(ex_tabulate(h, x, gate_up, down, &wt, e));
     ml_status s = ex_backward(h, g, dy, x, &wt, idx, w, plan, saved_h, cfg, pool, e);
     ex_release(&wt);
     return s;

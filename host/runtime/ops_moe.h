@@ -107,7 +107,8 @@ ml_status ml_op_dispatch_caps(ml_host *h, ml_dispatch_plan *plan, const ml_tenso
 ml_status ml_op_dispatch_pack(ml_host *h, ml_tensor *out, const ml_tensor *src,
                               const ml_dispatch_plan *plan, int64_t k, ml_pool *pool, ml_err *e);
 /* The reverse: out [T, C] or [T·k, C] (given, +=) gains row p of rows
- * [kept, C] (f32/f64, out's dtype) at row order[p] / div, for p = 0, 1,
+ * [kept, C] (out's dtype: f32, f64, or bf16 where the device runs it, CUDA,
+ * each element summed in f32 and rounded once) at row order[p] / div, for p = 0, 1,
  * ... in that order: a token's rows add in ascending expert, the experts
  * combine's order, so unpacking the per-assignment outputs of the experts
  * is bitwise their y. */
@@ -122,16 +123,17 @@ ml_status ml_op_dispatch_unpack(ml_host *h, ml_tensor *out, const ml_tensor *row
  * and then both must be given). None may overlap an input or another. */
 typedef struct {
     ml_tensor *dx;         /* [T, D] */
-    ml_tensor *dgate_up;   /* [E, 2F, D] */
-    ml_tensor *ddown;      /* [E, D, F] */
-    ml_tensor *dw;         /* [T, k] */
+    ml_tensor *dgate_up;   /* [E, 2F, D] ml_grad_dtype(x's dtype): f32 for bf16 */
+    ml_tensor *ddown;      /* [E, D, F] likewise */
+    ml_tensor *dw;         /* [T, k] w's dtype */
     ml_tensor *touched;    /* [E] u8 */
 } ml_experts_grads;
 
 /* y [T, D] (=) = the experts' weighted sum over the plan's kept
  * assignments; saved_h [S, 2F] (=) keeps h for the first S dispatch
  * positions (left empty when S = 0). x [T, D], gate_up [E, 2F, D],
- * down [E, D, F], w [T, k] of one float dtype, idx [T, k] i64, plan's
+ * down [E, D, F], w [T, k] of one float dtype (f32, f64, or bf16 where the
+ * device runs it: CUDA, mixed precision), idx [T, k] i64, plan's
  * offsets and order from ml_op_dispatch of idx (checked).
  * cfg: the caller sets tile (rows per tile asked, >= 1; the kernels run
  * min(tile, max(T·k, 1))), nsaved (S, 0 .. T·k) and accumulate (0, or 1:
@@ -173,13 +175,14 @@ typedef struct {
 /* The table of per-expert tensors for x [T, D]: gate_up[e] [2F, D] and
  * down[e] [D, F] for e in [0, E), both NULL for a skipped expert; each
  * given one live, contiguous, of x's dtype and on x's device, with one F
- * (at least one expert given). t points into ptrs, 2E host pointers the
- * caller keeps through the ops. */
+ * (at least one expert given); x f32, f64 or bf16 (the ops check that x's
+ * device runs it). t points into ptrs, 2E host pointers the caller keeps
+ * through the ops. */
 ml_status ml_op_experts_tabulate(ml_experts_table *t, const void **ptrs,
                                  const ml_tensor *const *gate_up, const ml_tensor *const *down,
                                  int64_t E, const ml_tensor *x, ml_err *e);
-/* Their gradients' table: dgate_up[e] [2F, D] and ddown[e] [D, F] of t's
- * dtype on t's device, given for every expert t runs (NULL allowed for a
+/* Their gradients' table: dgate_up[e] [2F, D] and ddown[e] [D, F] of
+ * ml_grad_dtype(t's dtype) (f32 for bf16) on t's device, given for every expert t runs (NULL allowed for a
  * skipped one; a given one is checked all the same). gw points into ptrs,
  * 2E host pointers. */
 ml_status ml_op_experts_tabulate_grads(ml_experts_wgrads *gw, void **ptrs,

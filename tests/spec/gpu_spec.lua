@@ -738,6 +738,30 @@ describe("GPU parity: dispatch", function()
     assert.are.equal(errmsg(experts.forward, x, gu, dn, idx, w, plan),
                      errmsg(experts.forward, dev(x), dev(gu), dev(dn), dev(idx), dev(w), gplan))
   end)
+
+  -- bf16 (mixed precision) runs on CUDA only: the CPU runs fp32.
+  local bf16_it = DEV == "cpu" and function(name) pending(name .. ": bf16 runs on CUDA only") end or it
+
+  bf16_it("packs bf16 bitwise and unpacks it as the CPU's f32 sum of the widened rows, rounded once", function()
+    local T, k, E, C = 1001, 4, 16, 13
+    local idx = m.rand({T, k}, {dtype = "f64", seed = 60, offset = 0}):mul(E):to("i64")
+    local o = {policy = "drop", capacity = T * k // E - 40}
+    local plan, gplan = experts.dispatch(idx, E, o), experts.dispatch(dev(idx), E, o)
+    local kept = T * k - plan.ndropped
+    local rows = m.randn({kept, C}, {dtype = "f32", seed = 61, offset = 0}):to("bf16")
+    for _, n in ipairs({T, T * k}) do
+      local what = ("[%d, %d]"):format(n, C)
+      local src = m.randn({n, C}, {dtype = "f32", seed = 62, offset = 0}):to("bf16")
+      local g = experts.pack(dev(src), gplan)
+      assert.are.equal("bf16", g:dtype())
+      assert_same(experts.pack(src, plan), g, "pack bf16 " .. what)
+      local ref, gout = src:to("f32"), dev(src)
+      experts.unpack(rows:to("f32"), plan, ref)
+      experts.unpack(dev(rows), gplan, gout)
+      assert.are.equal("bf16", gout:dtype())
+      assert_same(ref:to("bf16"), gout, "unpack bf16 into " .. what)
+    end
+  end)
 end)
 
 describe("GPU parity: experts", function()
@@ -853,6 +877,53 @@ describe("GPU parity: experts", function()
         end
       end
     end
+  end)
+
+  -- bf16 (mixed precision, CUDA only): x, the weights, w and dy rounded to
+  -- bf16, the CPU's f32 on those values as the reference. y, h, dx and dw
+  -- are bf16, each rounded once after two or three bf16-rounded
+  -- intermediates (h, act, dh, w·dy: 2^-9 each) entered f32 sums: 4·2^-8
+  -- normwise. dgate_up and ddown are f32 and accumulate: sums of products
+  -- of two bf16-rounded factors, 2·2^-8 (tests/tools/cuda_emu/test_experts.cpp
+  -- derives both and sees at most 1.1·2^-8 and 0.95·2^-8).
+  local bf16_it = DEV == "cpu" and function(name) pending(name .. ": bf16 runs on CUDA only") end or it
+
+  bf16_it("bf16 forward and backward match the CPU's f32 on the rounded inputs, f32 weight gradients", function()
+    local T, k, D, F, E = 211, 2, 24, 20, 5
+    local TOL, GTOL = 4 * 2^-8, 2 * 2^-8
+    local x, gu, dn, dy, idx, w = problem("f32", T, k, D, F, E, 29)
+    local function b(t) return t:to("bf16") end
+    local function f(t) return t:to("bf16"):to("f32") end
+    local rx, rgu, rdn, rdy, rw = f(x), f(gu), f(dn), f(dy), f(w)
+    local gx, ggu, gdn, gdy, gidx, gw = dev(b(x)), dev(b(gu)), dev(b(dn)), dev(b(dy)), dev(idx), dev(b(w))
+    local dgu0 = m.randn({E, 2 * F, D}, {dtype = "f32", seed = 99, offset = 0})
+    for oi, o in ipairs({{tile = 32, save = "save"}, {tile = 32, save = "recompute"},
+                         {tile = 17, partial_recompute = 0.5}, {tile = 64, policy = "drop", capacity = 70}}) do
+      local what = string.format("bf16 opts %d", oi)
+      local plan, gplan = experts.dispatch(idx, E, o), experts.dispatch(gidx, E, o)
+      local y, saved = experts.forward(rx, rgu, rdn, idx, rw, plan, o)
+      local gy, gsaved = experts.forward(gx, ggu, gdn, gidx, gw, gplan, o)
+      assert.are.equal("bf16", gy:dtype())
+      assert_close(y, gy:to("f32"), TOL, "y " .. what)
+      if oi == 1 then   -- dropless save: every row of h is written
+        assert.are.equal("bf16", gsaved.h:dtype())
+        assert_close(saved.h, gsaved.h:to("f32"), TOL, "h " .. what)
+      end
+      local r = {experts.backward(rdy, rx, rgu, rdn, idx, rw, plan, saved, o, {dgate_up = dgu0:clone()})}
+      local g = {experts.backward(gdy, gx, ggu, gdn, gidx, gw, gplan, gsaved, o, {dgate_up = dev(dgu0)})}
+      for i, name in ipairs({"dx", "dgate_up", "ddown", "dw"}) do
+        local grad = name == "dgate_up" or name == "ddown"
+        assert.are.equal(grad and "f32" or "bf16", g[i]:dtype(), name .. " " .. what)
+        assert_close(r[i], g[i]:to("f32"), grad and GTOL or TOL, name .. " " .. what)
+      end
+      assert_same(r[5], g[5], "touched " .. what)
+    end
+    -- the weights' gradients must be f32 (the master precision), named when not
+    local plan = experts.dispatch(gidx, E)
+    local _, saved = experts.forward(gx, ggu, gdn, gidx, gw, plan)
+    local e = errmsg(experts.backward, gdy, gx, ggu, gdn, gidx, gw, plan, saved, nil,
+                     {dgate_up = dev(b(dgu0))})
+    assert.truthy(e:find("grads.dgate_up: expected dtype f32, got bf16", 1, true), e)
   end)
 end)
 

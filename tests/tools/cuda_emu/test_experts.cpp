@@ -1,6 +1,8 @@
 /* kernels/experts.cu under the emulator against kernels/experts.c
  * (tests/spec/gpu_spec.lua's tolerance 16 (D + 2F) eps); cuBLAS is stubbed
  * with ml_matmul_cpu, so only the experts' own kernels are emulated.
+ * bf16 (mixed precision): inputs drawn and rounded to bf16, the CPU's f32
+ * kernels on the widened values are the reference (tolerances at run()).
  * Per plan: one call over all experts; one with an expert skipped (NULL
  * table entry, cfg.accumulate = 1 into prefilled outputs: nothing of it
  * written on either side); two calls over expert halves (accumulate 0
@@ -45,14 +47,29 @@ typedef std::vector<unsigned char> bytes;
 static bytes buf(size_t n, int fill) { return bytes(n + 1, (unsigned char)fill); }
 
 /* A plan and the layer's inputs: the weights as [E, 2F, D] / [E, D, F]
- * blocks the tables point into. */
+ * blocks the tables point into; dt and its size es, the weight
+ * gradients' gdt (ml_grad_dtype) and its size ges. */
 struct problem {
-    ml_dtype dt;
-    size_t es;
+    ml_dtype dt, gdt;
+    size_t es, ges;
     ml_experts_cfg c;
     std::vector<int64_t> off, order;
     bytes x, w, gu, dn, dy;
 };
+
+/* buffer b of P.dt [n] as dtype dt */
+static bytes as(ml_dtype dt, const problem &P, const bytes &b, size_t n) { return as_dt(dt, to_d(P.dt, b.data(), n)); }
+
+/* The same problem in dtype rd (the CPU's reference: bf16 widened to f32). */
+static problem widened(const problem &G, ml_dtype rd)
+{
+    problem C = G;
+    int64_t T = G.c.T, D = G.c.D, F = G.c.F, E = G.c.E;
+    C.dt = rd, C.gdt = ml_grad_dtype(rd), C.es = ml_dtype_size(rd), C.ges = ml_dtype_size(C.gdt);
+    C.x = as(rd, G, G.x, T * D), C.w = as(rd, G, G.w, T * G.c.k), C.gu = as(rd, G, G.gu, E * 2 * F * D);
+    C.dn = as(rd, G, G.dn, E * D * F), C.dy = as(rd, G, G.dy, T * D);
+    return C;
+}
 
 /* What one backend writes; the same starting values on both sides unless
  * a case says otherwise. */
@@ -70,12 +87,12 @@ struct tables {
     ml_experts_wgrads dwt;
     tables(const problem &P, outs &o, const std::vector<bool> &sel)
     {
-        int64_t E = P.c.E, gs = 2 * P.c.F * P.c.D * P.es, ds = P.c.D * P.c.F * P.es;
+        int64_t E = P.c.E, gs = 2 * P.c.F * P.c.D, ds = P.c.D * P.c.F;
         for (int64_t e = 0; e < E; e++) {
-            gu.push_back(sel[e] ? P.gu.data() + e * gs : nullptr);
-            dn.push_back(sel[e] ? P.dn.data() + e * ds : nullptr);
-            dgu.push_back(sel[e] ? o.dgu.data() + e * gs : nullptr);
-            ddn.push_back(sel[e] ? o.ddn.data() + e * ds : nullptr);
+            gu.push_back(sel[e] ? P.gu.data() + e * gs * P.es : nullptr);
+            dn.push_back(sel[e] ? P.dn.data() + e * ds * P.es : nullptr);
+            dgu.push_back(sel[e] ? o.dgu.data() + e * gs * P.ges : nullptr);
+            ddn.push_back(sel[e] ? o.ddn.data() + e * ds * P.ges : nullptr);
         }
         wt = {gu.data(), dn.data()};
         dwt = {dgu.data(), ddn.data()};
@@ -107,18 +124,22 @@ static void pass(bool cuda, const problem &P, outs &o, const std::vector<bool> &
                    P.w.data(), P.order.data(), P.off.data(), &tb.wt, &c, &emu_ctx), ML_OK);
 }
 
-/* got against want, every output, within tol */
-static void compare(const std::string &nm, const problem &P, const outs &got, const outs &want, double tol)
+/* got (of problem G) against want (of W), every output, within tol (the
+ * activations: y, h, dx, dw) and gtol (the weight gradients) */
+static void compare(const std::string &nm, const problem &G, const outs &got, const problem &W, const outs &want,
+                    double tol, double gtol)
 {
-    ml_dtype dt = P.dt;
-    int64_t T = P.c.T, D = P.c.D, F = P.c.F, E = P.c.E, n = T * P.c.k, S = P.c.nsaved;
-    check(nm + " y", to_d(dt, got.y.data(), T * D), to_d(dt, want.y.data(), T * D), tol);
-    check(nm + " h_saved", to_d(dt, got.h.data(), S * 2 * F), to_d(dt, want.h.data(), S * 2 * F), tol);
-    check(nm + " dx (+=)", to_d(dt, got.dx.data(), T * D), to_d(dt, want.dx.data(), T * D), tol);
-    check(nm + " dgate_up (+=)", to_d(dt, got.dgu.data(), E * 2 * F * D), to_d(dt, want.dgu.data(), E * 2 * F * D),
-          tol);
-    check(nm + " ddown (+=)", to_d(dt, got.ddn.data(), E * D * F), to_d(dt, want.ddn.data(), E * D * F), tol);
-    check(nm + " dw", to_d(dt, got.dw.data(), n), to_d(dt, want.dw.data(), n), tol);
+    int64_t T = G.c.T, D = G.c.D, F = G.c.F, E = G.c.E, n = T * G.c.k, S = G.c.nsaved;
+    auto cmp = [&](const std::string &what, bool grad, const bytes &g, const bytes &w, int64_t m) {
+        check(nm + what, to_d(grad ? G.gdt : G.dt, g.data(), m), to_d(grad ? W.gdt : W.dt, w.data(), m),
+              grad ? gtol : tol);
+    };
+    cmp(" y", false, got.y, want.y, T * D);
+    cmp(" h_saved", false, got.h, want.h, S * 2 * F);
+    cmp(" dx (+=)", false, got.dx, want.dx, T * D);
+    cmp(" dgate_up (+=)", true, got.dgu, want.dgu, E * 2 * F * D);
+    cmp(" ddown (+=)", true, got.ddn, want.ddn, E * D * F);
+    cmp(" dw", false, got.dw, want.dw, n);
     check(nm + " touched", std::vector<double>(got.touched.begin(), got.touched.end()),
           std::vector<double>(want.touched.begin(), want.touched.end()), 0);
 }
@@ -147,89 +168,111 @@ static void check_h_untouched(const std::string &nm, const problem &P, const out
     check(nm + " h rows not saved untouched", {(double)bad}, {0}, 0);
 }
 
+/* f32, f64: the CUDA kernels against the CPU's in dt, at one tolerance.
+ * bf16: inputs drawn in bf16, the CPU's f32 kernels on the widened values
+ * as the reference; normwise tolerances in units of 2^-8 (bf16's unit
+ * roundoff is 2^-9):
+ *   h, y, dx, dw: 4. h is one rounding (<= 2^-9); y, dx and dw are rounded
+ *     once (per expert for y, dx) after two or three bf16-rounded
+ *     intermediates entered their f32 GEMMs and sums (h, act; h, dh, w·dy),
+ *     each carrying about 2^-9 relative, amplified where silu' or a sum
+ *     cancels: about 2^-8 in all, seen up to 1.1·2^-8.
+ *   dgate_up, ddown (f32): 2. Each sums products of two factors the kernel
+ *     rounded to bf16 (w·dy by act; dh, itself from the bf16 h, by the
+ *     exact x), at most about 1.5·2^-8 per product, seen up to 0.95·2^-8;
+ *     their f32 sums differ from the CPU's only by order (~1e-7). */
 static void run(ml_dtype dt, int64_t T, int64_t k, int64_t D, int64_t F, int64_t E, int64_t tile, int64_t cap,
                 int save, std::vector<int64_t> caps = {})
 {
-    double tol = 16 * (D + 2 * F) * (dt == ML_F32 ? EPS32 : EPS64);
+    double tol = dt == ML_BF16 ? 4.0 / 256 : 16 * (D + 2 * F) * (dt == ML_F32 ? EPS32 : EPS64);
+    double gtol = dt == ML_BF16 ? 2.0 / 256 : tol;
     int64_t n = T * k;
-    problem P;
-    P.dt = dt;
-    P.es = ml_dtype_size(dt);
-    P.off.resize(E + 1);
-    P.order.resize(n);
+    problem G;   /* the CUDA side; C, the CPU's, is G widened */
+    G.dt = dt, G.gdt = ml_grad_dtype(dt), G.es = ml_dtype_size(dt), G.ges = ml_dtype_size(G.gdt);
+    G.off.resize(E + 1);
+    G.order.resize(n);
     std::vector<int64_t> idx(n), counts(E);
     std::vector<uint8_t> dropped(n);
     std::uniform_int_distribution<int64_t> u(0, E - 1);
     for (auto &i : idx)
         i = u(emu_rng);
     int64_t nd = 0;
-    ml_dispatch_cpu(P.off.data(), P.order.data(), counts.data(), dropped.data(), &nd, idx.data(), n, E, cap,
+    ml_dispatch_cpu(G.off.data(), G.order.data(), counts.data(), dropped.data(), &nd, idx.data(), n, E, cap,
                     caps.empty() ? nullptr : caps.data(), nullptr, &emu_ctx);
-    int64_t S = save == 0 ? 0 : save == 1 ? P.off[E] : P.off[E] / 2;
-    P.c = {T, k, D, F, E, tile, S, 0};
-    P.x = as_dt(dt, randn(T * D)), P.w = as_dt(dt, randn(n)), P.gu = as_dt(dt, randn(E * 2 * F * D, 0.2));
-    P.dn = as_dt(dt, randn(E * D * F, 0.2)), P.dy = as_dt(dt, randn(T * D));
-    size_t es = P.es;
+    int64_t S = save == 0 ? 0 : save == 1 ? G.off[E] : G.off[E] / 2;
+    G.c = {T, k, D, F, E, tile, S, 0};
+    G.x = as_dt(dt, randn(T * D)), G.w = as_dt(dt, randn(n)), G.gu = as_dt(dt, randn(E * 2 * F * D, 0.2));
+    G.dn = as_dt(dt, randn(E * D * F, 0.2)), G.dy = as_dt(dt, randn(T * D));
+    problem C = widened(G, dt == ML_BF16 ? ML_F32 : dt);
     std::string nm = std::string(dtn(dt)) + " T=" + std::to_string(T) + " E=" + std::to_string(E) + " tile=" +
                      std::to_string(tile) + " cap=" + std::to_string(cap) + (caps.empty() ? "" : " caps") +
                      " S=" + std::to_string(S);
     int64_t tiles = 0;
     for (int64_t e = 0; e < E; e++)
-        tiles += (P.off[e + 1] - P.off[e] + tile - 1) / tile;
+        tiles += (G.off[e + 1] - G.off[e] + tile - 1) / tile;
 
-    /* starting values: the accumulators random, the (=) outputs garbage
-     * that differs between the sides (all of it must be overwritten) */
-    outs init;
-    init.h = buf(S * 2 * F * es, 0xff);
-    init.dx = as_dt(dt, randn(T * D)), init.dgu = as_dt(dt, randn(E * 2 * F * D)), init.ddn = as_dt(dt, randn(E * D * F));
-    outs c1 = init, c2 = init;
-    c1.y = buf(T * D * es, 0), c2.y = buf(T * D * es, 0xff);
-    c1.dw = buf(n * es, 0), c2.dw = buf(n * es, 0xff);
+    /* starting values: the accumulators random (the same values on both
+     * sides), the (=) outputs garbage that differs between the sides (all
+     * of it must be overwritten) */
+    std::vector<double> dx0 = rounded(dt, randn(T * D)), dgu0 = randn(E * 2 * F * D), ddn0 = randn(E * D * F);
+    auto init = [&](const problem &P) {
+        outs o;
+        o.h = buf(S * 2 * F * P.es, 0xff);
+        o.dx = as_dt(P.dt, dx0), o.dgu = as_dt(P.gdt, dgu0), o.ddn = as_dt(P.gdt, ddn0);
+        return o;
+    };
+    outs c1 = init(C), c2 = init(G);
+    c1.y = buf(T * D * C.es, 0), c2.y = buf(T * D * G.es, 0xff);
+    c1.dw = buf(n * C.es, 0), c2.dw = buf(n * G.es, 0xff);
     c1.touched.assign(E, 9), c2.touched.assign(E, 7);
     std::vector<bool> all(E, true);
 
-    /* one call over every expert */
+    /* one call over every expert; CUDA's backward reads the CPU's h (in dt) */
     long k0 = emu_launches, g0 = gemms;
-    pass(false, P, c1, all, 0, c1.h, nm);   /* forward writes c1.h before backward reads it */
-    pass(true, P, c2, all, 0, c1.h, nm);
+    pass(false, C, c1, all, 0, c1.h, nm);   /* forward writes c1.h before backward reads it */
+    bytes hb = as(dt, C, c1.h, S * 2 * F);
+    pass(true, G, c2, all, 0, hb, nm);
     per_tile(nm + " fwd+bwd", k0, g0, tiles);
-    eat(c2.y, T * D * es), eat(c2.h, c2.h.size()), eat(c2.dx, T * D * es), eat(c2.dgu, c2.dgu.size()),
-        eat(c2.ddn, c2.ddn.size()), eat(c2.dw, n * es);
+    eat(c2.y, T * D * G.es), eat(c2.h, c2.h.size()), eat(c2.dx, T * D * G.es), eat(c2.dgu, c2.dgu.size()),
+        eat(c2.ddn, c2.ddn.size()), eat(c2.dw, n * G.es);
     if (getenv("EMU_DIGEST"))
         printf("     digest %016llx %s\n", (unsigned long long)digest, nm.c_str());
-    compare(nm, P, c2, c1, tol);
-    std::vector<bool> unsaved = saved_rows(P);
+    compare(nm, G, c2, C, c1, tol, gtol);
+    std::vector<bool> unsaved = saved_rows(G);
     unsaved.flip();
-    check_h_untouched(nm + " cuda", P, c2, unsaved);
-    check_h_untouched(nm + " cpu", P, c1, unsaved);
+    check_h_untouched(nm + " cuda", G, c2, unsaved);
+    check_h_untouched(nm + " cpu", C, c1, unsaved);
 
     /* expert s (the one with most rows) skipped, accumulating into the
      * same prefilled outputs on both sides: none of its entries change */
     int64_t s = 0;
     for (int64_t e = 1; e < E; e++)
-        if (P.off[e + 1] - P.off[e] > P.off[s + 1] - P.off[s])
+        if (G.off[e + 1] - G.off[e] > G.off[s + 1] - G.off[s])
             s = e;
     std::vector<bool> sel(E, true);
     sel[s] = false;
-    outs s1 = init;
-    s1.y = as_dt(dt, randn(T * D)), s1.dw = buf(n * es, 0xff), s1.touched.assign(E, 5);
-    outs s2 = s1;
+    std::vector<double> y0 = rounded(dt, randn(T * D));
+    outs s1 = init(C), s2 = init(G);
+    s1.y = as_dt(C.dt, y0), s1.dw = buf(n * C.es, 0xff), s1.touched.assign(E, 5);
+    s2.y = as_dt(G.dt, y0), s2.dw = buf(n * G.es, 0xff), s2.touched.assign(E, 5);
     std::string sn = nm + " skip " + std::to_string(s);
-    pass(false, P, s1, sel, 1, c1.h, sn);
-    pass(true, P, s2, sel, 1, c1.h, sn);
-    compare(sn, P, s2, s1, tol);
+    pass(false, C, s1, sel, 1, c1.h, sn);
+    pass(true, G, s2, sel, 1, hb, sn);
+    compare(sn, G, s2, C, s1, tol, gtol);
     std::vector<bool> mine(S, false);
-    for (int64_t p = P.off[s]; p < P.off[s + 1] && p < S; p++)
+    for (int64_t p = G.off[s]; p < G.off[s + 1] && p < S; p++)
         mine[p] = true;
     for (auto *o : {&s1, &s2}) {
+        const problem &P = o == &s1 ? C : G;
+        outs z = init(P);   /* the starting gradients */
         std::string side = sn + (o == &s1 ? " cpu" : " cuda");
         check_h_untouched(side, P, *o, mine);
         int64_t bad = o->touched[s] != 5;
         for (int64_t p = P.off[s]; p < P.off[s + 1]; p++)
-            bad += !std::isnan(ml_load(dt, o->dw.data(), P.order[p]));
-        size_t gs = 2 * F * D * es, ds = D * F * es;
-        bad += memcmp(o->dgu.data() + s * gs, init.dgu.data() + s * gs, gs) != 0;
-        bad += memcmp(o->ddn.data() + s * ds, init.ddn.data() + s * ds, ds) != 0;
+            bad += !std::isnan(ml_load(P.dt, o->dw.data(), P.order[p]));
+        size_t gs = 2 * F * D * P.ges, ds = D * F * P.ges;
+        bad += memcmp(o->dgu.data() + s * gs, z.dgu.data() + s * gs, gs) != 0;
+        bad += memcmp(o->ddn.data() + s * ds, z.ddn.data() + s * ds, ds) != 0;
         check(side + " dw, touched, grads untouched", {(double)bad}, {0}, 0);
     }
 
@@ -237,18 +280,18 @@ static void run(ml_dtype dt, int64_t T, int64_t k, int64_t D, int64_t F, int64_t
     std::vector<bool> lo(E), hi(E);
     for (int64_t e = 0; e < E; e++)
         lo[e] = e < E / 2, hi[e] = !lo[e];
-    outs h1 = init, h2 = init;
-    h1.y = buf(T * D * es, 0x77), h2.y = buf(T * D * es, 0xff);
-    h1.dw = buf(n * es, 0x77), h2.dw = buf(n * es, 0xff);
+    outs h1 = init(C), h2 = init(G);
+    h1.y = buf(T * D * C.es, 0x77), h2.y = buf(T * D * G.es, 0xff);
+    h1.dw = buf(n * C.es, 0x77), h2.dw = buf(n * G.es, 0xff);
     h1.touched.assign(E, 3), h2.touched.assign(E, 4);
     std::string hn = nm + " halves";
     for (int acc : {0, 1}) {
-        pass(false, P, h1, acc ? hi : lo, acc, c1.h, hn);
-        pass(true, P, h2, acc ? hi : lo, acc, c1.h, hn);
+        pass(false, C, h1, acc ? hi : lo, acc, c1.h, hn);
+        pass(true, G, h2, acc ? hi : lo, acc, hb, hn);
     }
-    compare(hn + " cuda vs cpu one call", P, h2, c1, tol);
-    compare(hn + " cpu vs cpu one call", P, h1, c1, 0);
-    compare(hn + " cuda vs cuda one call", P, h2, c2, 0);
+    compare(hn + " cuda vs cpu one call", G, h2, C, c1, tol, gtol);
+    compare(hn + " cpu vs cpu one call", C, h1, C, c1, 0, 0);
+    compare(hn + " cuda vs cuda one call", G, h2, G, c2, 0, 0);
 }
 
 int main()
@@ -263,5 +306,10 @@ int main()
         run(dt, 10, 2, 0, 4, 3, 4, -1, 1);      /* D = 0 */
         run(dt, 100, 2, 24, 20, 6, 8, -1, 2, {30, 0, 7, 200, 12, 1});   /* per-expert capacities */
     }
+    /* bf16 on CUDA against the CPU's f32 */
+    run(ML_BF16, 100, 2, 24, 20, 6, 32, -1, 1);
+    run(ML_BF16, 100, 2, 24, 20, 6, 17, -1, 2);
+    run(ML_BF16, 33, 3, 7, 5, 11, 5, 4, 0);
+    run(ML_BF16, 40, 3, 300, 8, 2, 16, -1, 2);   /* a token twice in most tiles */
     return emu_finish();
 }
