@@ -11,7 +11,8 @@
  *       per-expert capacities given)}
  *   experts.forward(x, gate_up, down, idx, w, plan, opts) -> y, saved
  *       x [T, D], gate_up [E, 2F, D], down [E, D, F], w [T, k] (one float
- *       dtype: f32 or f64); y [T, D]; saved = {tile =, nsaved = S, h = [S, 2F]
+ *       dtype: f32 or f64, or bf16 on CUDA with f32 dgate_up and ddown in
+ *       backward); y [T, D]; saved = {tile =, nsaved = S, h = [S, 2F]
  *       (absent when S = 0)}
  *   experts.backward(dy, x, gate_up, down, idx, w, plan, saved, opts, grads)
  *       -> dx, dgate_up, ddown, dw, touched
@@ -49,7 +50,7 @@
  *       order[p] of src [T·k, C] (per assignment) or row order[p] // k of
  *       src [T, C] (per token); any dtype. Reads opts.pool only.
  *   experts.unpack(rows, plan, out) -> out
- *       the reverse, summed: out [T, C] or [T·k, C] (given, f32/f64) +=
+ *       the reverse, summed: out [T, C] or [T·k, C] (given, f32/f64; bf16 on CUDA) +=
  *       row p of rows [kept, C] at its token or assignment, p ascending
  *       (the experts combine's order: unpacking the per-assignment outputs
  *       w·expert(x) is bitwise experts.forward's y).

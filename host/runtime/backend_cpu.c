@@ -59,6 +59,8 @@ static int cpu_supports(ml_op op, ml_dtype dt)
     case ML_OP_RMSNORM: case ML_OP_ROPE: case ML_OP_EMBEDDING: case ML_OP_CROSSENTROPY:
     case ML_OP_ATTENTION: case ML_OP_MATMUL: case ML_OP_ROUTER: case ML_OP_EXPERTS:
         return dt == ML_F32 || dt == ML_F64;   /* the ops ask, to name what the CPU takes */
+    case ML_OP_DISPATCH:
+        return dt == ML_I64 || dt == ML_F32 || dt == ML_F64;   /* the sort's idx; unpack's rows */
     case ML_OP_BINARY: case ML_OP_UNARY:
         return dt == ML_F32 || dt == ML_F64 || dt == ML_I32 || dt == ML_I64;
     default:

@@ -103,10 +103,12 @@ int ml_cuda_supports(ml_op op, ml_dtype dt)
         return flt || dt == ML_BF16;   /* bf16 A, B with a bf16 or f32 C */
     case ML_OP_ROUTER:
         return flt || dt == ML_BF16;   /* bf16 x, wg: an fp32 router; f32 dwg */
-    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK: case ML_OP_EXPERTS:
+    case ML_OP_EXPERTS:
+        return flt || dt == ML_BF16;   /* bf16: mixed precision, f32 weight gradients */
+    case ML_OP_REDUCE: case ML_OP_SOFTMAX: case ML_OP_TOPK:
         return flt;
     case ML_OP_DISPATCH:
-        return dt == ML_I64;
+        return dt == ML_I64 || flt || dt == ML_BF16;   /* the sort's idx; unpack's rows (pack: any) */
     case ML_OP_OPTIM:
         return flt;
     case ML_OP_RANDOM:

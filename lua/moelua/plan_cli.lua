@@ -124,7 +124,9 @@ local function report(recipe, device, plan, books, over)
                              plan.peak_phase ~= "" and plan.peak_phase or "the build")}
   if M.preset then out[#out + 1] = "preset " .. M.preset .. ": " .. PRESETS[M.preset].about end
   if plan.parameters then
-    out[#out + 1] = string.format("the model: %d parameters (%.2fB)", plan.parameters, plan.parameters / 1e9)
+    local n = plan.parameters
+    out[#out + 1] = string.format("the model: %d parameters (%s)", n,
+                                  n >= 1e9 and string.format("%.2fB", n / 1e9) or string.format("%.2fM", n / 1e6))
   end
   book_lines(device, plan, out)
   for _, tier in ipairs{"pinned", "file"} do
