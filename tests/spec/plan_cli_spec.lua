@@ -95,10 +95,45 @@ describe("moelua plan", function()
     support.has(out, "over the budget of 51.2 MiB (--budget-gib 0.05)")
   end)
 
+  it("--preset report1: report 1's model in bf16 on cuda, its book beside the plan's, where it is wrong", function()
+    local json = require "dkjson"
+    -- two of its 32 layers at 1024 tokens (all 32 at 32K plan in about a minute): the same widths
+    local args = {"plan", "recipes/longctx.lua", "--preset", "report1", "--layers", "2", "--seq-len", "1024"}
+    local jargs = {table.unpack(args)}
+    jargs[#jargs + 1] = "--json"
+    local code, text = host(jargs)
+    assert.are.equal(0, code, text)
+    local j = json.decode(text:match("([^\n]*)\n?$"))
+    -- Mixtral's parameters from the shapes: embedding and head V D each, the final norm, per layer two
+    -- norms, q and o D x D, k and v D x (KV hd), the router E x D and the experts 3 E F D
+    local V, D, L, E, F, KV, hd = 32000, 4096, 2, 8, 5888, 8, 128
+    local n = 2 * V * D + D + L * (2 * D + 2 * D * D + 2 * D * KV * hd + E * D + 3 * E * F * D)
+    assert.are.equal(n, j.parameters)
+    assert.are.equal("report1", j.preset)
+    assert.are.equal("cuda", j.device)
+    local peak = j.books.cuda.peak
+    assert.are.equal(2 * n, peak.params)   -- bf16 weights
+    assert.are.equal(4 * n, peak.grads)    -- f32 gradients
+    assert.are.equal(12 * n, peak.optim)   -- f32 masters and AdamW's two moments
+    assert.are.equal(math.floor(75.5 * 2^30), j.budget_bytes)
+    code, text = host(args)
+    assert.are.equal(0, code, text)
+    support.has(text, "\npreset report1: field report 1 (PROBLEM.md): Mixtral-like, hidden 4096")
+    support.has(text, string.format("\nthe model: %d parameters (%.2fB)\n", n, n / 1e9))
+    support.has(text, "\n  params           15.20 " .. string.format("%12.2f", 2 * n / 1e9) .. "\n")
+    support.has(text, "15.20 GB of 2-byte parameters is 7.6B parameters, not 20B")
+    support.has(text, string.format("model states alone (params, grads, optim) are %.2f GB here, 18.0 bytes per " ..
+                                    "parameter", 18 * n / 1e9))
+    code, text = host({"plan", "recipes/longctx.lua", "--preset", "report2"})
+    assert.are.equal(1, code, text)
+    support.has(text, "moelua plan: --preset report2: unknown (presets: report1)")
+  end)
+
   it("needs a recipe; --rank needs --world", function()
     local code, out = host({"plan"})
     assert.are.equal(1, code, out)
-    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [recipe options]")
+    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
+                     "[recipe options]")
     code, out = host({"plan", "recipes/longctx.lua", "--rank", "1"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan: --rank needs --world")
