@@ -66,6 +66,21 @@ local function cfg(path, device, over, dtype)
   return c
 end
 
+-- A 2-step run on DEV (of dtype) measures the peak train.plan predicted, per category.
+local function planned_is_measured(dir, dtype)
+  local c = cfg(corpus(dir), DEV, {run_dir = dir .. "/p", steps = 2}, dtype)
+  c.model, c.optimizer, c.groups = nil, nil, nil
+  c.build = build(DEV, nil, dtype)
+  local plan = assert(train.plan(c))
+  c.model, c.optimizer, c.groups = c.build()
+  c.build, c.plan = nil, plan
+  m.mem.reset_peak(DEV)
+  train.run(c)
+  local s = m.mem.stats()[DEV]
+  assert.are.equal(plan.total_peak, s.total_peak)
+  for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
+end
+
 describe("GPU training (" .. DEV .. ")", function()
   local dir
   before_each(function() dir = support.make_tmpdir() end)
@@ -120,18 +135,7 @@ describe("GPU training (" .. DEV .. ")", function()
   end)
 
   it("measures the peak that train.plan predicts, per category", function()
-    local path = corpus(dir)
-    local c = cfg(path, DEV, {run_dir = dir .. "/p", steps = 2})
-    c.model, c.optimizer, c.groups = nil, nil, nil
-    c.build = build(DEV)
-    local plan = assert(train.plan(c))
-    c.model, c.optimizer, c.groups = c.build()
-    c.build, c.plan = nil, plan
-    m.mem.reset_peak(DEV)
-    train.run(c)
-    local s = m.mem.stats()[DEV]
-    assert.are.equal(plan.total_peak, s.total_peak)
-    for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
+    planned_is_measured(dir)
   end)
 end)
 
@@ -168,17 +172,6 @@ describe("GPU training in mixed precision (bf16 on " .. DEV .. ")", function()
   end)
 
   it("measures the peak that train.plan predicts, per category", function()
-    local path = corpus(dir)
-    local c = cfg(path, DEV, {run_dir = dir .. "/p", steps = 2}, "bf16")
-    c.model, c.optimizer, c.groups = nil, nil, nil
-    c.build = build(DEV, nil, "bf16")
-    local plan = assert(train.plan(c))
-    c.model, c.optimizer, c.groups = c.build()
-    c.build, c.plan = nil, plan
-    m.mem.reset_peak(DEV)
-    train.run(c)
-    local s = m.mem.stats()[DEV]
-    assert.are.equal(plan.total_peak, s.total_peak)
-    for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
+    planned_is_measured(dir, "bf16")
   end)
 end)
