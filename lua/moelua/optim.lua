@@ -48,6 +48,11 @@
 -- 2 * (n/E) * dtype size per expert ever active, plus 8 E once any is; and
 -- opt.skipped_expert_steps counts the expert-steps skipped.
 --
+-- Mixed precision: a group may carry `compute`, the bf16 copy of its
+-- params (f32 masters) that the kernels read (contiguous, params' numel and
+-- device); each step rounds the updated params into it (to nearest even),
+-- as moelua.zero's groups of a bf16 model do.
+--
 -- Given states (AdamW): a group may carry exp_avg and exp_avg_sq, views
 -- (contiguous, params' numel, dtype and device) that the caller owns,
 -- typically views of reserved flat buffers laid out like its unit
@@ -107,7 +112,8 @@ local host = require "moelua.host"
 local optim = {}
 
 local GROUP_KEYS = {params = true, grads = true, lr_mult = true, weight_decay = true,
-                    frozen = true, experts = true, name = true, exp_avg = true, exp_avg_sq = true}
+                    frozen = true, experts = true, name = true, exp_avg = true, exp_avg_sq = true,
+                    compute = true}
 local GIVEN_STATES = {"exp_avg", "exp_avg_sq"}   -- states a caller may lay out (AdamW)
 
 local function fail(fn, fmt, ...)
@@ -155,7 +161,7 @@ local function check_groups(fn, groups, allow_experts)
     if type(g) ~= "table" then fail(fn, "group %d must be a table, got %s", i, type(g)) end
     for k in pairs(g) do
       if not GROUP_KEYS[k] then
-        fail(fn, "group %d: unknown key '%s' (expected one of: exp_avg, exp_avg_sq, experts, " ..
+        fail(fn, "group %d: unknown key '%s' (expected one of: compute, exp_avg, exp_avg_sq, experts, " ..
              "frozen, grads, lr_mult, name, params, weight_decay)", i, tostring(k))
       end
     end
@@ -195,10 +201,16 @@ local function check_groups(fn, groups, allow_experts)
              p:numel(), tostring(E))
       end
     end
+    local cp = g.compute
+    if cp ~= nil and not (tensor.is_tensor(cp) and cp:is_contiguous() and cp:numel() == p:numel()
+                          and cp:device() == p:device()) then
+      fail(fn, "group %d: 'compute' must be a contiguous tensor on %s with %d elements like params", i,
+           p:device(), p:numel())
+    end
     local exp_avg, exp_avg_sq = check_given(fn, i, g, p, allow_experts)
     out[i] = {params = p, grads = gr, lr_mult = lr_mult, weight_decay = g.weight_decay,
               frozen = g.frozen or false, experts = E, name = g.name,
-              exp_avg = exp_avg, exp_avg_sq = exp_avg_sq}
+              exp_avg = exp_avg, exp_avg_sq = exp_avg_sq, compute = cp}
   end
   return out
 end
@@ -259,6 +271,13 @@ end
 local function same_view(a, b)
   return rawequal(a, b) or (a:same_storage(b) and a:storage_offset() == b:storage_offset() and
                             a:numel() == b:numel() and a:is_contiguous() and b:is_contiguous())
+end
+
+-- After a step: every unfrozen group's compute copy rounded from its params.
+local function round_compute(self)
+  for _, g in ipairs(self.groups) do
+    if g.compute and not g.frozen then g.compute:copy_(g.params) end
+  end
 end
 
 local function step_lr(fn, self, lr)
@@ -660,6 +679,7 @@ function AdamW:step(lr, active_masks)
   end
   for k = n + 1, #jobs do jobs[k] = nil end
   C.step_all(jobs, self, idle)      -- advances the counts, self.t, self.skipped_expert_steps
+  round_compute(self)
 end
 
 -- opt:state_tensor(gi, k [, e]): the live state tensor k of group gi (of
@@ -900,6 +920,7 @@ function SGD:step(lr)
   end
   for k = n + 1, #jobs do jobs[k] = nil end
   C.step_all(jobs, self)
+  round_compute(self)
 end
 
 -- ---- clipping -------------------------------------------------------------------

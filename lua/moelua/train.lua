@@ -539,7 +539,7 @@ local function load_sharded(self, c, meta)
   for _, pc in ipairs(z:pieces(named)) do
     if pc.stored then read_stored(pc) else read_piece(pc) end
   end
-  z:gather_params()
+  z:gather_params(true)
   opt:load_state_dict(sd, {adopt = true})
 end
 

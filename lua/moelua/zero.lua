@@ -44,9 +44,9 @@
 -- Mixed precision (dtype "bf16", DESIGN.md Numerics): a unit's params are
 -- the bf16 compute copy the kernels read; its gradients, AdamW states and
 -- u.master, the f32 master weights, are f32 and cover the optimizer's range
--- (whole at stage 0, the shard above). The optimizer steps the masters, and
--- the compute copy is rounded from them after each step and each load
--- (Zero:gather_params); checkpoints hold the masters.
+-- (whole at stage 0, the shard above). The optimizer steps the masters and
+-- rounds them into the compute copy (its groups' `compute`); a load does
+-- that in Zero:gather_params(true). Checkpoints hold the masters.
 --
 -- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
 -- one world size give bitwise equal parameters (with reduce_every "micro"
@@ -449,8 +449,10 @@ function Zero:groups()
   local function add(u, g, off, r, experts)
     local whole = self.stage == 0
     local at = r.offset - off
-    local params = u.master or whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+    local own = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
+    local params = u.master or own   -- with masters, own is their compute copy
     out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
+                     compute = u.master and own:view_at(at, {r.n}) or nil,
                      grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
                      exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
                      weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen, experts = experts}
@@ -551,11 +553,7 @@ function Zero:after_step(opt, lr, masks)
       u.stored:step(opt, lr, self.clip_coef or 1, u.groups and u.groups.gate_up or {}, masks)
     end
   end
-  if self.stage == 1 or self.stage == 2 then
-    self:gather_params()
-  else   -- every rank stepped its whole masters (0) or its shard (3)
-    for _, u in ipairs(self.units) do self:_from_master(u) end
-  end
+  if self.stage == 1 or self.stage == 2 then self:gather_params() end
 end
 
 -- Mixed precision: u's compute parameters over its masters' range, rounded from them.
@@ -565,14 +563,15 @@ function Zero:_from_master(u)
   dst:copy_(u.master)
 end
 
--- Every rank's whole parameters from each rank's shard (stages 0-2; a
--- sharded checkpoint load reads only the shards); with masters, the
--- compute copies rounded from them (at stage 0 the masters, whole on every
--- rank, are what is gathered).
-function Zero:gather_params()
+-- Every rank's whole parameters from each rank's shard (stages 0-2). After
+-- a load (`loaded`: a sharded checkpoint load reads only the shards, and
+-- only into the masters where there are some) the compute copies are first
+-- rounded from the masters; at stage 0 the masters, whole on every rank,
+-- are what is gathered, and rounded after.
+function Zero:gather_params(loaded)
   for _, u in ipairs(self.units) do
-    local whole = self.stage == 0 and u.master
-    if not whole then self:_from_master(u) end
+    local whole = loaded and self.stage == 0 and u.master
+    if loaded and not whole then self:_from_master(u) end
     if self.stage < 3 and u.world > 1 then
       local flat = whole or u.params
       local mine = mem.scope("comm", shard_of(u, flat).clone, shard_of(u, flat))

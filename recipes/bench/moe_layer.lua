@@ -1,16 +1,18 @@
--- recipes/bench/moe_layer.lua: forward + backward of one MoE layer (f32, CPU or CUDA).
+-- recipes/bench/moe_layer.lua: forward + backward of one MoE layer (f32, CPU or CUDA; bf16 on CUDA).
 --   moelua recipes/bench/moe_layer.lua --tokens 32768            one config
---   moelua recipes/bench/moe_layer.lua --device cuda --tokens 32768 --dim 4096 --ffn 14336
+--   moelua recipes/bench/moe_layer.lua --device cuda --dtype bf16 --tokens 32768 --dim 4096 --ffn 14336
 --   moelua recipes/bench/moe_layer.lua --suite issue             the issue's configs
 --   moelua recipes/bench/moe_layer.lua --router-memory 1         router memory vs T (E = 64)
 -- Options: --tokens --dim --ffn --experts --topk --chunk --tile --save
--- (save | recompute | a partial_recompute fraction) --reps --device (cpu | cuda).
+-- (save | recompute | a partial_recompute fraction) --reps --device (cpu | cuda)
+-- --dtype (f32 | bf16: mixed precision, cuda only).
 -- One JSON object per config: the config, fwd_ms and bwd_ms (medians over
 -- reps after one warm-up step), gemm_gflops (expert GEMM FLOPs / time),
 -- floor_pct (time the expert GEMMs would take at this run's raw sgemm rate /
 -- measured time), peak bytes (ledger total and per category, and the
 -- process's peak RSS). On cuda the line also holds "device":"cuda": the
 -- layer, x and dy live on the GPU (x and dy drawn on the CPU and copied),
+-- "dtype" names the layer's (bf16: bf16 x, weights and dy, f32 gradients),
 -- each clock read waits for the GPU's queued work, the peaks are the cuda
 -- ledger's (peak_reserved_bytes: its caching allocator's reservation), and
 -- sgemm_gflops / floor_pct are null (the floor is a CPU BLAS figure). The
@@ -31,9 +33,13 @@ local opts = options.parse(arg, {
   {"reps", 3, "timed repetitions (medians)"}, {"suite", "", "issue: the issue's configs"},
   {"router-memory", 0, "1: router memory against T (E = 64)"},
   {"device", "cpu", "where the layer runs: cpu or cuda"},
+  {"dtype", "f32", "f32, or bf16 on cuda (mixed precision)"},
 }, "usage: moelua recipes/bench/moe_layer.lua [options]")
 
 local device = options.need_device(opts.device)
+if opts.dtype ~= "f32" and not (opts.dtype == "bf16" and device == "cuda") then
+  errors.user(string.format("--dtype %s: f32, or bf16 with --device cuda", opts.dtype))
+end
 if device == "cuda" and opts.router_memory ~= 0 then
   errors.user("--router-memory measures the CPU ledger: run it with --device cpu")
 end
@@ -77,14 +83,15 @@ end
 
 local function run(c)
   local layer_opts = {dim = c.dim, ffn = c.ffn, experts = c.experts, topk = c.topk, chunk = c.chunk,
-                      tile = c.tile, init_std = 0.02, aux_weight = 0.01, z_weight = 1e-3, device = device}
+                      tile = c.tile, init_std = 0.02, aux_weight = 0.01, z_weight = 1e-3, device = device,
+                      dtype = opts.dtype}
   if tonumber(c.save) then layer_opts.partial_recompute = tonumber(c.save) else layer_opts.save = c.save end
   local layer = moe.new(layer_opts)
   local x = moelua.randn({c.tokens, c.dim}, {seed = 1})
   local dy = moelua.randn({c.tokens, c.dim}, {seed = 2})
   if device ~= "cpu" then
-    local hx, hdy = x, dy
-    x, dy = hx:to(device), hdy:to(device)
+    local hx, hdy, to = x, dy, {device = device, dtype = opts.dtype}
+    x, dy = hx:to(to), hdy:to(to)
     hx:free(); hdy:free()
   end
   local rate = device == "cpu" and sgemm_gflops(c.dim, c.ffn) or nil
@@ -108,6 +115,7 @@ local function run(c)
   local f, b = median(fwd), median(bwd)
   return {
     bench = "moe_layer", impl = "moelua", device = device ~= "cpu" and device or nil,
+    dtype = device ~= "cpu" and opts.dtype or nil,
     tokens = c.tokens, dim = c.dim, ffn = c.ffn,
     experts = c.experts, topk = c.topk, chunk = c.chunk, tile = c.tile, recompute = tostring(c.save),
     threads = moelua.threads(), reps = c.reps, fwd_ms = 1e3 * f, bwd_ms = 1e3 * b,
@@ -124,6 +132,7 @@ local ORDER = {"bench", "impl", "tokens", "dim", "ffn", "experts", "topk", "chun
                "peak_bytes", "peak_by_category", "peak_rss_bytes", "gemm"}
 if device ~= "cpu" then   -- the CPU line stays as it was
   table.insert(ORDER, 3, "device")
+  table.insert(ORDER, 4, "dtype")
   ORDER[#ORDER + 1] = "peak_reserved_bytes"   -- the caching allocator's, as torch's max_memory_reserved
 end
 

@@ -22,7 +22,8 @@
 -- With --device cuda the model, its pool and activations live on the GPU
 -- (the data loader's tokens are copied over), every clock read waits for
 -- the GPU's queued work, and the peaks and plan are the cuda ledger's; the
--- line then also holds "device":"cuda". Every line holds params and
+-- line then also holds "device":"cuda" and "dtype" (--dtype bf16: mixed
+-- precision). Every line holds params and
 -- active_params (the experts counted at topk/experts), for MFU.
 -- The baseline is train_torch.py beside it; train_compare.sh interleaves both.
 local moelua = require "moelua"
@@ -31,6 +32,7 @@ local optim = require "moelua.optim"
 local sched = require "moelua.sched"
 local data = require "moelua.data"
 local options = require "moelua.options"
+local errors = require "moelua.errors"
 local json = require "dkjson"
 local measure = require "moelua.measure"
 local mem, bench = moelua.mem, moelua.bench
@@ -58,9 +60,13 @@ local opts = options.parse(arg, {
   {"seed", 0, "seed"},
   {"threads", 2, "CPU threads"},
   {"device", "cpu", "where the model trains: cpu or cuda"},
+  {"dtype", "f32", "f32, or bf16 on cuda (mixed precision)"},
 }, "usage: moelua recipes/bench/train.lua [options]")
 
 local device = options.need_device(opts.device)
+if opts.dtype ~= "f32" and not (opts.dtype == "bf16" and device == "cuda") then
+  errors.user(string.format("--dtype %s: f32, or bf16 with --device cuda", opts.dtype))
+end
 
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
@@ -74,7 +80,7 @@ local function build()
     vocab = 256, dim = opts.dim, layers = opts.layers, heads = opts.heads, kv_heads = opts.kv_heads,
     ffn = opts.ffn, experts = opts.experts, topk = opts.topk, seed = opts.seed,
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
-    moe = {save = opts.save}, device = device,
+    moe = {save = opts.save}, device = device, dtype = opts.dtype,
   }
   local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0, sparse = opts.sparse}
   local opt = optim.AdamW(groups, {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1})
@@ -144,7 +150,7 @@ for _, u in ipairs(model.units) do
 end
 
 local out = {
-  impl = "moelua", device = device ~= "cpu" and device or nil,
+  impl = "moelua", device = device ~= "cpu" and device or nil, dtype = device ~= "cpu" and opts.dtype or nil,
   seq_len = S, dim = opts.dim, layers = opts.layers, heads = opts.heads,
   kv_heads = opts.kv_heads, experts = opts.experts, topk = opts.topk, ffn = opts.ffn,
   checkpoint = opts.checkpoint, save = opts.save, sparse = opts.sparse, threads = moelua.threads(),

@@ -7,15 +7,16 @@
 #   1 peak         torch.matmul 8192^3, bf16 and f32: the measured peaks
 #   2 moe T        one MoE layer at Mixtral width (D 4096, F 14336, E 8,
 #                  k 2), forward + backward, T = 16384 then 32768: moelua
-#                  f32 (recipes/bench/moe_layer.lua --device cuda) and
-#                  PyTorch eager Hugging Face MixtralSparseMoeBlock in bf16
-#                  and f32 (recipes/bench/moe_layer_torch_gpu.py)
+#                  bf16 and f32 (recipes/bench/moe_layer.lua --device cuda
+#                  --dtype) and PyTorch eager Hugging Face
+#                  MixtralSparseMoeBlock in bf16 and f32
+#                  (recipes/bench/moe_layer_torch_gpu.py)
 #   3 train        one training step of the longctx model at seq 32768 on
-#                  cuda (recipes/bench/train.lua --device cuda), then the
-#                  benchmarks' model (D 256, L 4, E 8, F 512)
+#                  cuda (recipes/bench/train.lua --device cuda), bf16 then
+#                  f32, then the benchmarks' model (D 256, L 4, E 8, F 512)
 #   4 extras       while budget is left: moelua's layer at T 32768 with
 #                  4096-row expert tiles; torch's grouped_mm experts (bf16)
-#   5 summary      summary.txt: moelua f32 against torch f32 and bf16, each
+#   5 summary      summary.txt: moelua against torch eager in each dtype, each
 #                  run's share of the measured peak, tokens/s and MFU
 #                  (tests/gpu/bench_summary.py)
 #
@@ -78,10 +79,14 @@ BENCHMODEL=(--dim 256 --layers 4 --heads 4 --kv-heads 2 --experts 8 --topk 2 --f
 
 step peak 60 peak.jsonl "$PY" recipes/bench/moe_layer_torch_gpu.py --what peak --dtype bf16,f32 --reps 10 --warmup 3
 for T in 16384 32768; do
-    step "moe_moelua_$T" 100 moe.jsonl ./moelua recipes/bench/moe_layer.lua --device cuda --tokens "$T" "${MOE[@]}" --reps 3
+    step "moe_moelua_bf16_$T" 60 moe.jsonl ./moelua recipes/bench/moe_layer.lua --device cuda --dtype bf16 \
+        --tokens "$T" "${MOE[@]}" --reps 3
     step "moe_torch_$T" 60 moe.jsonl "$PY" recipes/bench/moe_layer_torch_gpu.py --what moe --tokens "$T" "${MOE[@]}" \
         --dtype bf16,f32 --reps 3 --warmup 2
+    step "moe_moelua_f32_$T" 100 moe.jsonl ./moelua recipes/bench/moe_layer.lua --device cuda --tokens "$T" "${MOE[@]}" \
+        --reps 3
 done
+step train_longctx_bf16 60 train.jsonl ./moelua recipes/bench/train.lua "${TRAIN[@]}" --dtype bf16 --steps 2
 step train_longctx 60 train.jsonl ./moelua recipes/bench/train.lua "${TRAIN[@]}" --steps 2
 step train_benchmodel 90 train.jsonl ./moelua recipes/bench/train.lua "${TRAIN[@]}" --steps 1 "${BENCHMODEL[@]}"
 step moe_moelua_32768_tile4096 60 moe.jsonl ./moelua recipes/bench/moe_layer.lua --device cuda --tokens 32768 "${MOE[@]}" \

@@ -8,13 +8,13 @@ Prints:
   - the measured matmul peaks (TFLOP/s, torch.matmul 8192^3);
   - per MoE config: fwd, bwd, total ms, the expert GEMMs' TFLOP/s and their
     share of the measured peak of the run's dtype (f32 runs: the f32 peak),
-    peak memory; then moelua f32's time over torch eager f32's and bf16's
-    (below 1: moelua is faster);
+    peak memory; then moelua's time over torch eager's in the same dtype
+    (bf16 and f32; below 1: moelua is faster);
   - per training run: tokens/s and MFU = model FLOPs per token * tokens/s /
     peak, with model FLOPs per token 6 * active params (the experts counted
     at topk/experts; the usual 6N) and, beside it, 6N plus causal
     attention's 6 * layers * seq * dim, each against the bf16 peak (the
-    usual MFU denominator) and the f32 peak (the precision moelua trains in).
+    usual MFU denominator) and the f32 peak.
 Standard library only.
 """
 import json
@@ -77,17 +77,16 @@ def main():
                r["peak_bytes"] / 2 ** 30))
         key = (r["tokens"], r["dim"], r["ffn"], r["experts"], r["topk"])
         if r["impl"] == "moelua" and r.get("tile", 256) == 256:
-            times.setdefault(key, {})["moelua"] = total
+            times.setdefault(key, {})["moelua_" + dtype] = total
         elif r["impl"] == "torch_hf" and r.get("experts_impl", "eager") == "eager":
             times.setdefault(key, {})["torch_" + dtype] = total
-    print("\nmoelua f32 time / torch eager time (below 1: moelua faster)")
+    print("\nmoelua time / torch eager time in the same dtype (below 1: moelua faster)")
     for key in sorted(times):
         t = times[key]
-        m = t.get("moelua")
         parts = []
-        for other in ("torch_f32", "torch_bf16"):
-            o = t.get(other)
-            parts.append("vs %s %s" % (other.replace("_", " "), fmt(m and o and m / o, ".2f")))
+        for d in ("bf16", "f32"):
+            m, o = t.get("moelua_" + d), t.get("torch_" + d)
+            parts.append("%s %s" % (d, fmt(m and o and m / o, ".2f")))
         print("T %d D %d F %d E %d k %d: %s" % (key + (", ".join(parts),)))
 
     print("\ntraining step (train.lua; MFU = FLOPs per token * tokens/s / peak)")
@@ -97,9 +96,9 @@ def main():
             continue
         n = r.get("active_params")
         tps = r["tokens_per_s"]
-        print("%s, model D %d L %d E %d k %d F %d, seq %d: %.0f tokens/s, step %.1f ms, params %s (active %s)" %
-              (r.get("device", "cpu"), r["dim"], r["layers"], r["experts"], r["topk"], r["ffn"], r["seq_len"],
-               tps, r["step_ms"], r.get("params"), n))
+        print("%s %s, model D %d L %d E %d k %d F %d, seq %d: %.0f tokens/s, step %.1f ms, params %s (active %s)" %
+              (r.get("device", "cpu"), r.get("dtype", "f32"), r["dim"], r["layers"], r["experts"], r["topk"],
+               r["ffn"], r["seq_len"], tps, r["step_ms"], r.get("params"), n))
         if n is None:
             continue
         f6n = 6 * n

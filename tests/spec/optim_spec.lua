@@ -706,6 +706,27 @@ describe("parameter groups and state", function()
     assert.is_nil(s.state[1].momentum_buffer)
   end)
 
+  it("rounds each stepped group's params into its compute copy (mixed precision's bf16 weights)", function()
+    for _, make in ipairs{function(gs) return optim.AdamW(gs, {lr = 0.1}) end,
+                          function(gs) return optim.SGD(gs, {lr = 0.1, momentum = 0.9}) end} do
+      local p, g, q, h = randn(16, "f32"), randn(16, "f32"), randn(16, "f32"), randn(16, "f32")
+      local cp, cq = m.zeros({16}, {dtype = "bf16"}), m.zeros({16}, {dtype = "bf16"})
+      local opt = make({{params = p, grads = g, compute = cp}, {params = q, grads = h, compute = cq, frozen = true}})
+      opt:step(); opt:step()
+      -- round to nearest even of each f32 master, by hand: the top 16 bits, plus the rounding bit
+      for i, v in ipairs(vals(p)) do
+        local u = string.unpack("<I4", string.pack("<f", v))
+        local r = (u + 0x7fff + ((u >> 16) & 1)) >> 16 << 16
+        assert.are.equal(string.unpack("<f", string.pack("<I4", r)), vals(cp:to("f32"))[i], "element " .. i)
+      end
+      assert.are.equal(0, cq:to("f32"):abs():max():item())   -- a frozen group's copy is never written
+    end
+    local e = support.errmsg(optim.AdamW, {{params = randn(16, "f32"), grads = randn(16, "f32"),
+                                            compute = m.zeros({8}, {dtype = "bf16"})}})
+    support.has(e, "moelua.optim.AdamW: group 1: 'compute' must be a contiguous tensor on cpu with 16 elements " ..
+                   "like params")
+  end)
+
   it("scales a group's lr by lr_mult and uses its own weight_decay", function()
     local p0, g = randn(16, "f32"), randn(16, "f32")
     local a, b = p0:clone(), p0:clone()
@@ -1127,7 +1148,7 @@ describe("optimizer bad input", function()
     e(function() optim.AdamW({{params = f32, grads = f64}}) end,
       "moelua.optim.AdamW: group 1: params (f32) and grads (f64) must share dtype f32 or f64")
     e(function() optim.AdamW({{params = f32, grads = f32, lr = 1}}) end,
-      "moelua.optim.AdamW: group 1: unknown key 'lr' (expected one of: exp_avg, exp_avg_sq, experts, frozen, grads, lr_mult, name, params, weight_decay)")
+      "moelua.optim.AdamW: group 1: unknown key 'lr' (expected one of: compute, exp_avg, exp_avg_sq, experts, frozen, grads, lr_mult, name, params, weight_decay)")
     e(function() optim.AdamW({{params = f32, grads = f32, experts = 3}}) end,
       "moelua.optim.AdamW: group 1: 'experts' must be an integer >= 1 dividing 8 elements, got 3")
     e(function() optim.AdamW({{params = f32, grads = f32}}, {betas = {0.9, 0.99}}) end,

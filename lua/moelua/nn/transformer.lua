@@ -791,7 +791,7 @@ function Transformer:load_named(tensors, opts)
         into:copy_(t:contiguous():view({t:numel()}):narrow(1, pc.at + 1, pc.n))
       end
     end
-    z:gather_params()
+    z:gather_params(true)
     return
   end
   local by_unit = {}
