@@ -17,7 +17,9 @@
  * divergence (one call site per phase) and deadlock; warp primitives
  * (__shfl*_sync, __ballot_sync, __match_any_sync, __syncwarp) as a
  * meeting of the lanes in mask, masks checked; static __shared__ arrays
- * refilled with 0xff (NaN, -1) before every block; atomics;
+ * and the launch's dynamic shared memory (extern __shared__, which
+ * launch.py rewrites into a pointer to it) refilled with 0xff (NaN, -1)
+ * before every block; atomics;
  * cudaMallocAsync (garbage-filled, leaks counted), cudaFreeAsync,
  * cudaMemcpyAsync, cudaMemsetAsync, synchronisation (host memory, one
  * stream); launch limits (block <= 1024 threads, grid y/z <= 65535,
@@ -28,11 +30,10 @@
  * Not emulated: the memory model (no caching or reordering; races between
  * blocks, which run one after another, and within a warp between
  * primitives go unseen); real warp scheduling (lanes meet only at the
- * primitives); extern __shared__ (attention.cu's dynamic shared memory:
- * attention was checked once with a separate, uncommitted harness); the device's
- * libm (glibc's exp/log/pow/sin/cos, CUDA's differ by 1-2 ulp); cuBLAS
- * (crossentropy and experts link ml_matmul_cpu as ml_matmul_cuda); the
- * static shared-memory limit per block; streams and events as such.
+ * primitives); the device's libm (glibc's exp/log/pow/sin/cos, CUDA's
+ * differ by 1-2 ulp); cuBLAS (crossentropy and experts link emu_cublas, the
+ * CPU's GEMM, as ml_matmul_cuda); the static shared-memory limit per block
+ * (the dynamic one, 227 KiB, is checked); streams and events as such.
  */
 #ifndef EMU_H
 #define EMU_H
@@ -310,10 +311,13 @@ void emu_run(const std::function<void()> &body, dim3 g, dim3 b, size_t smem, int
     S.body = &body;
     S.launch_line = line;
     S.exit_warned = 0;
+    std::vector<unsigned char> dyn(smem ? smem : 1);   /* malloc'ed: 16-byte aligned */
+    emu_dyn_shared = smem ? dyn.data() : nullptr;
     for (unsigned z = 0; z < g.z; z++)
         for (unsigned y = 0; y < g.y; y++)
             for (unsigned x = 0; x < g.x; x++) {
                 emu_garbage_shared();
+                memset(dyn.data(), 0xff, dyn.size());
                 blockIdx = dim3(x, y, z);
                 emu_run_block(reverse);
             }

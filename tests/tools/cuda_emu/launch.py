@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Rewrite CUDA launches `k<T><<<g, b, s, st>>>(args);` in a .cu file into
-`emu_launch([=] { k<T>(args); }, g, b, s, st);` (see emu.h). Usage:
+`emu_launch([=] { k<T>(args); }, g, b, s, st);` and each dynamic shared
+array into a pointer to the emulator's (see emu.h). Usage:
 launch.py in.cu out.cpp. Everything else passes through; #line keeps the
 compiler's and the emulator's line numbers those of the .cu file."""
+import re
 import sys
+
+# `extern __shared__ [__align__(n)] T name[];` -> `T *name = (T *)emu_dyn_shared;`
+DYN_SHARED = re.compile(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\[\];')
 
 
 def callee_start(s, i):
@@ -50,6 +55,6 @@ def rewrite(s):
 
 
 src, dst = sys.argv[1], sys.argv[2]
-text, n = rewrite(open(src).read())
+text, n = rewrite(DYN_SHARED.sub(r'\1 *\2 = (\1 *)emu_dyn_shared;', open(src).read()))
 with open(dst, 'w') as f:
     f.write('#line 1 "%s"\n' % src + text)

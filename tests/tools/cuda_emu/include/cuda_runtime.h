@@ -49,6 +49,10 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 /* ---- the emulator's state (one kernel, one block at a time) ------------ */
 
 inline dim3 threadIdx, blockIdx, gridDim, blockDim;
+/* The block's dynamic shared memory (the launch's smem bytes, refilled with
+ * 0xff before every block): launch.py rewrites `extern __shared__ T name[];`
+ * into `T *name = (T *)emu_dyn_shared;`. */
+inline unsigned char *emu_dyn_shared = nullptr;
 
 void emu_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 void emu_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
