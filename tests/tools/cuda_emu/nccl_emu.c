@@ -2,9 +2,9 @@
  * tests/tools/cuda_emu/nccl_emu.c - a stand-in libnccl.so.2 for the
  * emulated build of the whole program (moelua.sh): exactly the NCCL calls
  * host/runtime/comm_nccl.c looks up, carried by MPI point-to-point
- * messages. The program has initialised MPI (funneled: every call here
- * comes from its main thread) and "device" buffers are host memory, so a
- * buffer goes to MPI as it is and streams are ignored.
+ * messages. Under mpiexec the program has initialised MPI (funneled:
+ * every call here comes from its main thread); "device" buffers are host
+ * memory, so a buffer goes to MPI as it is, and streams are ignored.
  *
  * A communicator may be a subset of the world and only its members call
  * init, so nothing here is collective over MPI_COMM_WORLD:
@@ -19,9 +19,9 @@
  * keeps the order per source and tag), send/recv on another; a send to
  * itself is a copy, paired in order with the receive of the same group.
  * A communicator of one rank sends no message, so it works without MPI
- * (a process not under mpiexec, which moelua leaves uninitialised). Calls inside
- * ncclGroupStart/End are posted at once and complete at the group's end,
- * a call outside a group as a group of its own. A communicator made with
+ * (a process not under mpiexec). Calls inside ncclGroupStart/End are
+ * posted at once and complete at the group's end, a call outside a group
+ * as a group of its own. A communicator made with
  * config->blocking = 0 answers ncclInProgress until its init or
  * operations complete, checked by ncclCommGetAsyncError, as NCCL does;
  * otherwise the call waits.
