@@ -1433,9 +1433,15 @@ ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_co
             return s;
         }
     }
-    if (g->world > 1)
-        snprintf(g->no_nccl, sizeof g->no_nccl, "NCCL does not carry groups yet (group %s): CUDA "
-                 "tensors travel in the world communicator only", g->group);
+    if (g->world > 1 && c->nccl) {   /* the members open the group's own NCCL communicator */
+        ml_status s = nccl_setup(g, 0, e);
+        if (s != ML_OK) {
+            ml_comm_free(g);   /* (not adopted yet) */
+            return s;
+        }
+    } else if (g->world > 1) {
+        snprintf(g->no_nccl, sizeof g->no_nccl, "%s", c->no_nccl);
+    }
     adopt_group(c, g);
     *out = g;
     return ML_OK;

@@ -127,9 +127,10 @@ void ml_comm_free(ml_comm *c);
  * numbers, c's timeout and debug mode, and shows c's context while it has
  * none of its own (ml_comm_set_context). Its messages name it: "group
  * <label>(color C)" ("group color C" without a label), its rank and the
- * world rank. CUDA tensors travel in a group of one rank only (local
- * copies); NCCL does not carry groups yet, so a larger group refuses them,
- * saying so. ml_comm_progress(c) advances c's groups too. A group holds c:
+ * world rank. A group of 2+ ranks of a communicator with NCCL opens its
+ * own NCCL communicator (collective over the group's members), so CUDA
+ * tensors travel in it as in c; without NCCL in c, the group refuses them
+ * for c's reason (a group of one rank copies locally). ml_comm_progress(c) advances c's groups too. A group holds c:
  * ml_comm_free(c) before the group's is allowed, and c goes when its last
  * group does. */
 ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_comm **out,
