@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Rewrite CUDA launches `k<T><<<g, b, s, st>>>(args);` in a .cu file into
-`emu_launch([=] { k<T>(args); }, g, b, s, st);` and each dynamic shared
-array into a pointer to the emulator's (see emu.h). Usage:
+`emu_launch([=] { k<T>(args); }, g, b, s, st);`, each dynamic shared
+array into a pointer to the emulator's (see emu.h), and drops nvcc's
+`#pragma unroll` hints (g++ warns on them; they change no result). Usage:
 launch.py in.cu out.cpp. Everything else passes through; #line keeps the
 compiler's and the emulator's line numbers those of the .cu file."""
 import re
@@ -9,6 +10,9 @@ import sys
 
 # `extern __shared__ [__align__(n)] T name[];` -> `T *name = (T *)emu_dyn_shared;`
 DYN_SHARED = re.compile(r'extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([A-Za-z_][\w ]*?)\s+(\w+)\[\];')
+
+# `#pragma unroll [n]` -> an empty line (the line numbers stay the .cu's)
+UNROLL = re.compile(r'^[ \t]*#[ \t]*pragma[ \t]+unroll\b.*$', re.M)
 
 
 def callee_start(s, i):
@@ -55,6 +59,7 @@ def rewrite(s):
 
 
 src, dst = sys.argv[1], sys.argv[2]
-text, n = rewrite(DYN_SHARED.sub(r'\1 *\2 = (\1 *)emu_dyn_shared;', open(src).read()))
+text = UNROLL.sub('', DYN_SHARED.sub(r'\1 *\2 = (\1 *)emu_dyn_shared;', open(src).read()))
+text, n = rewrite(text)
 with open(dst, 'w') as f:
     f.write('#line 1 "%s"\n' % src + text)
