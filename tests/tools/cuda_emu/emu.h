@@ -428,7 +428,7 @@ static const ml_kctx emu_ctx = {1, nullptr, nullptr, nullptr, nullptr};
 extern "C" {
 #include "matmul.h"
 }
-static std::vector<float> emu_widen(const void *p, size_t n)
+static inline std::vector<float> emu_widen(const void *p, size_t n)
 {
     std::vector<float> w(n);
     for (size_t i = 0; i < n; i++)
@@ -436,8 +436,8 @@ static std::vector<float> emu_widen(const void *p, size_t n)
     return w;
 }
 
-static ml_status emu_cublas(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
-                            const ml_gemm_shape *s, const ml_kctx *ctx)
+static inline ml_status emu_cublas(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
+                                   const ml_gemm_shape *s, const ml_kctx *ctx)
 {
     if (dt != ML_BF16)
         return ml_matmul_cpu(dt, cdt, c, a, b, s, ctx);
