@@ -6,6 +6,10 @@
 #   MOELUA      the host binary (default ./moelua)
 #   TEST_BUILD  where the C test binaries are (default build/cpu)
 #   SUITES      a pattern to run a subset (default: all)
+#   EMU_GPU     1: the GPU specs once more, as emu/*, on the emulated CUDA
+#               build (tests/tools/cuda_emu/moelua.sh), so the CUDA code runs
+#               without a GPU; make test sets it when build/cuda/moelua
+#               exists (`make CUDA=1`, as CI builds first)
 set -u
 cd "$(dirname "$0")/.."
 MOELUA=${MOELUA:-./moelua}
@@ -57,5 +61,14 @@ fi
 for spec in tests/spec/*_spec.lua; do
     run_suite "spec/$(basename "$spec" .lua)" "$MOELUA" /usr/bin/busted --output=TAP "$spec"
 done
+if [ "${EMU_GPU:-}" = 1 ] && { [ -z "$SUITES" ] || [[ emu/gpu_ == *$SUITES* ]] || [[ $SUITES == emu/* ]]; }; then
+    if tests/tools/cuda_emu/moelua.sh >"$log/emu_build.out" 2>&1; then
+        for spec in tests/spec/gpu_spec.lua tests/spec/gpu_*_spec.lua; do
+            run_suite "emu/$(basename "$spec" .lua)" build/cuda_emu/moelua /usr/bin/busted --output=TAP "$spec"
+        done
+    else
+        run_suite "emu/build" sh -c "tail -20 '$log/emu_build.out'; exit 1"
+    fi
+fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
