@@ -7,7 +7,7 @@
  * ASan + UBSan. A developer tool (like tests/tools/mixtral_check.sh), not
  * part of `make test`. Build and run, from the repository root:
  *     tests/tools/cuda_emu/run.sh [family ...]
- * launch.py rewrites each `k<<<g, b, s, st>>>(args)` into emu_launch();
+ * launch.lua rewrites each `k<<<g, b, s, st>>>(args)` into emu_launch();
  * include/cuda_runtime.h stands in for the CUDA headers; test_<family>.cpp
  * includes the rewritten .cu and compares.
  *
@@ -18,7 +18,7 @@
  * (__shfl*_sync, __ballot_sync, __match_any_sync, __syncwarp) as a
  * meeting of the lanes in mask, masks checked; static __shared__ arrays
  * and the launch's dynamic shared memory (extern __shared__, which
- * launch.py rewrites into a pointer to it) refilled with 0xff (NaN, -1)
+ * launch.lua rewrites into a pointer to it) refilled with 0xff (NaN, -1)
  * before every block; atomics;
  * cudaMallocAsync (garbage-filled, leaks counted), cudaFreeAsync,
  * cudaMemcpyAsync, cudaMemsetAsync, synchronisation (host memory, one

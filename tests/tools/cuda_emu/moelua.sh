@@ -3,7 +3,7 @@
 # run by the emulator (emu.h), so `--device cuda` runs end to end on a
 # machine without a GPU: build/cuda_emu/moelua links the host and CPU
 # kernel objects of `make CUDA=1` (build/cuda/) with every kernels/*.cu
-# rewritten by launch.py and compiled as C++ (matmul.cu aside: cuBLAS's
+# rewritten by launch.lua and compiled as C++ (matmul.cu aside: cuBLAS's
 # stand-in, emu_cublas, is in emu_runtime.cpp), the emulator's runtime and
 # the CUDA runtime calls of the host (host_api.cpp); NCCL is
 # build/cuda_emu/lib/libnccl.so.2 built from nccl_emu.c (MPI messages),
@@ -28,8 +28,8 @@ for cu in kernels/*.cu; do
     f=$(basename "$cu" .cu)
     [ "$f" = matmul ] && continue
     o=$B/$f.cu.o
-    if newer "$o" "$cu" kernels/*.h kernels/*.cuh $T/include $T/launch.py; then
-        python3 $T/launch.py "$cu" $B/gen/$f.cu.cpp
+    if newer "$o" "$cu" kernels/*.h kernels/*.cuh $T/include $T/launch.lua; then
+        lua5.4 $T/launch.lua "$cu" $B/gen/$f.cu.cpp
         $EMU -c $B/gen/$f.cu.cpp -o "$o"
     fi
     objs="$objs $o"

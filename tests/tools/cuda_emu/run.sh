@@ -25,7 +25,7 @@ fams="$*"
 status=0
 for f in $fams; do
     for cu in cuda_util $f; do
-        python3 $T/launch.py kernels/$cu.cu $B/gen/$cu.cu.cpp
+        lua5.4 $T/launch.lua kernels/$cu.cu $B/gen/$cu.cu.cpp
     done
     g++ -std=c++20 -ffp-contract=off -Wall -Wextra -Wno-unused-parameter $SAN -I$T/include -Ikernels \
         -I$B/gen $T/test_$f.cpp $objs -lopenblas -ldnnl -fopenmp -lm -pthread -o $B/test_$f \

@@ -50,7 +50,7 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 inline dim3 threadIdx, blockIdx, gridDim, blockDim;
 /* The block's dynamic shared memory (the launch's smem bytes, refilled with
- * 0xff before every block): launch.py rewrites `extern __shared__ T name[];`
+ * 0xff before every block): launch.lua rewrites `extern __shared__ T name[];`
  * into `T *name = (T *)emu_dyn_shared;`. */
 inline unsigned char *emu_dyn_shared = nullptr;
 
@@ -209,7 +209,7 @@ static inline cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, cuda
 static inline cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t = 0)
 { memset(d, v, n); return cudaSuccess; }
 
-/* k<<<g, b, s, st>>>(args) is rewritten (launch.py) into
+/* k<<<g, b, s, st>>>(args) is rewritten (launch.lua) into
  * emu_launch([=] { k(args); }, g, b, s, st). */
 void emu_run(const std::function<void()> &body, dim3 g, dim3 b, size_t smem, int line);
 template <typename F>
