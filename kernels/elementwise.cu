@@ -46,7 +46,7 @@ extern "C" ml_status ml_fill_cuda(ml_dtype dt, void *out, double v, int64_t n, c
         return ML_OK;
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
-    unsigned char pattern[8];
+    unsigned char pattern[8] = {0};   /* ml_store writes dt's bytes of it */
     ml_store(dt, pattern, 0, v);
     cudaStream_t st = ml_cuda_stream(ctx);
     switch (ml_dtype_size(dt)) {
