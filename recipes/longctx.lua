@@ -53,8 +53,8 @@ local opts = options.parse(arg, {
   -- the run
   {"seed", 0, "seed of the model, the data order and the gate noise"},
   {"device", "cpu", "where the model trains: cpu or cuda"},
-  {"dtype", "f32", "f32, or bf16 on cuda: mixed precision (bf16 weights and activations; f32 gradients, " ..
-                   "optimizer states and master weights, which checkpoints hold)"},
+  {"dtype", "", "f32, or bf16 on cuda: mixed precision (bf16 weights and activations; f32 gradients, " ..
+                "optimizer states and master weights, which checkpoints hold); default: bf16 on cuda, f32 on cpu"},
   {"threads", 2, "CPU threads", min = 1},
   {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)", min = 0},
   {"force-budget", false, "accept a --budget-gib above the memory available (the OOM killer, not an error, " ..
@@ -140,6 +140,7 @@ if opts.offload_optimizer and opts.device ~= "cpu" then
               "the states in pinned host memory and the fp32 master weights too): use --device cpu")
 end
 options.device(opts.device)
+if opts.dtype == "" then opts.dtype = opts.device == "cuda" and "bf16" or "f32" end   -- DESIGN.md: GPU runs are bf16
 if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
   errors.user(string.format("--dtype %s: must be f32 or bf16", opts.dtype))
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
