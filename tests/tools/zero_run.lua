@@ -9,6 +9,8 @@
 --   --route-all e (every rank routes every token to expert e: bias +1e30)
 --   --capacity-factor f (policy "drop"; writes "dropped <layer> <n>", this
 --   rank's drops in the last forward)
+--   --device cpu|cuda --dtype f32|bf16 (the model's; bf16 on cuda: mixed
+--   precision, the saved parameters are its bf16 compute copy, widened)
 --   --stop-rank R --stop-at TEXT (rank R stops itself, SIGSTOP, at the first
 --   all-to-all whose label contains TEXT, after writing the wall clock to
 --   DIR/stopped_at)
@@ -38,13 +40,14 @@ local o = options.parse(arg, {
   {"seq-len", 32}, {"lr", 1e-2}, {"run-dir", ""}, {"ckpt-every", 0}, {"resume", ""}, {"bias-rate", 0.0},
   {"experts", 4}, {"topk", 2}, {"dead-expert", -1}, {"ep", 1}, {"adversarial", false},
   {"stop-rank", -1}, {"stop-at", ""}, {"route-all", -1}, {"capacity-factor", 0.0},
+  {"device", "cpu"}, {"dtype", "f32"},
 })
 dist.init{timeout = o.timeout}
 require("moelua").threads(1)
 local function build()
   local model = nn.Transformer.new{
     vocab = 256, dim = 16, layers = 2, heads = 2, kv_heads = 1, ffn = 24, experts = o.experts, topk = o.topk,
-    seed = 3, checkpoint = "moe",
+    seed = 3, checkpoint = "moe", device = o.device, dtype = o.dtype,
     moe = {bias_rate = (o.dead_expert >= 0 or o.adversarial or o.route_all >= 0) and 1e-3 or o.bias_rate,
            policy = o.capacity_factor > 0 and "drop" or "dropless", capacity_factor = o.capacity_factor},
     zero = zero.new{stage = o.stage, prefetch = o.prefetch, reduce_every = o.reduce_every, ep = o.ep},
@@ -85,7 +88,7 @@ local lines = {}
 for s = 0, o.steps - 1 do
   if result.losses[s] then lines[#lines + 1] = string.format("loss %d %.17g", s, result.losses[s]) end
 end
-local st = mem.stats().cpu
+local st = mem.stats()[o.device]
 lines[#lines + 1] = string.format("plan total_peak %d", plan.total_peak)
 lines[#lines + 1] = string.format("run total_peak %d", st.total_peak)
 for k, v in pairs(st.current) do lines[#lines + 1] = string.format("cur %s %d", k, v) end
@@ -93,14 +96,14 @@ for k, v in pairs(st.peak) do lines[#lines + 1] = string.format("peak %s %d", k,
 local whole = {}
 for _, u in ipairs(model.units) do
   lines[#lines + 1] = string.format("unit %s %d %d", u.name, u.numel, u.part.shard)
-  local t = tensor.zeros({u.part.padded})
+  local t = tensor.zeros({u.part.padded}, {dtype = o.dtype, device = o.device})
   if not u.shard_params then t:copy_(u.params)
   elseif u.world == 1 then t:copy_(u.shard_params)
   else u.group:all_gather(u.shard_params, t, "test " .. u.name) end
-  whole[u.name] = t:view_at(0, {u.numel})
+  whole[u.name] = t:view_at(0, {u.numel}):to({device = "cpu", dtype = zero.grad_dtype(o.dtype)})   -- (bf16: widened)
 end
 for i, layer in ipairs(model:moe_layers()) do
-  if layer.bias then whole["bias." .. i] = layer.bias end
+  if layer.bias then whole["bias." .. i] = layer.bias:to("cpu") end
   if model.layer_stats[i] then   -- (a resume that took no step ran no forward)
     local ran = {}
     for e, x in ipairs(model:active_experts(i):totable()) do ran[e] = x > 0 and "1" or "0" end
