@@ -741,7 +741,8 @@ local function named(self, which, all)
 end
 
 -- model:named_parameters(): ordered {name = HF Mixtral name, tensor = view}
--- of the parameters this rank holds (with expert parallelism: its experts).
+-- of the parameters this rank holds (with expert parallelism: its experts;
+-- with dtype "bf16" at ZeRO stage 0, views of the f32 masters).
 function Transformer:named_parameters() return named(self, "params") end
 
 -- model:parameter_entries(): every parameter of the whole model in the
