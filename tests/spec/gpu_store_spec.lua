@@ -16,6 +16,7 @@ local optim = require "moelua.optim"
 local data = require "moelua.data"
 local train = require "moelua.train"
 local mem = require "moelua.mem"
+local store = require "moelua.store"
 local support = require "tests.support"
 
 local DEV = os.getenv("MOELUA_GPU_SPEC_DEVICE") or "cuda"
@@ -60,6 +61,55 @@ end
 
 -- path: the cpu's file (a cuda store has none)
 local function store_of(name, experts) return {path = dir(name .. ".store"), budget = experts * EXPERT} end
+
+describe("moelua.store on " .. DEV, function()
+  local raw, n = nil, 0
+  setup(function() raw = support.disk_dir("gpu_store_spec_raw") end)
+  teardown(function() support.remove_dir(raw) end)
+  local function open(o)   -- a cuda store takes no path
+    n = n + 1
+    o.device = DEV
+    o.path = DEV == "cpu" and raw .. "/s" .. n or nil
+    return store.open(o)
+  end
+
+  it("slot views on the device; write, read and the policy's write-back move every slab's bytes", function()
+    local s <close> = open{slabs = 4, slab_bytes = 40, slots = 2}
+    local v0, v1 = s:slot(0), s:slot(1)
+    assert.are.equal(DEV, v0:device())
+    assert.are.equal(4 * 40, mem.stats()[TIER].total)
+    for slab = 0, 3 do
+      v0:fill_(slab + 0.5)
+      s:write(0, slab)
+    end
+    for slab = 3, 0, -1 do
+      s:read(slab, 1)
+      for _, x in ipairs(v1:totable()) do assert.are.equal(slab + 0.5, x) end
+    end
+    -- a dirty slab written back at eviction (LRU: 2 leaves for 1), read again
+    local at = s:acquire(2)
+    s:slot(at):fill_(7)
+    s:release(2, true)
+    s:acquire(3)
+    s:release(3)
+    assert.are.equal(at, (s:acquire(1)))
+    s:release(1)
+    assert.are.equal(1, s:stats().writebacks)
+    local back = s:acquire(2)
+    assert.are_not.equal(at, back)
+    for _, x in ipairs(s:slot(back):totable()) do assert.are.equal(7, x) end
+    s:release(2)
+  end)
+
+  it("a cuda store takes no file", function()
+    if DEV ~= "cuda" then return end
+    local ok, err = pcall(store.open, {device = "cuda", path = "x", slabs = 1, slab_bytes = 4, slots = 1})
+    assert.is_false(ok)
+    assert.is_not_nil(tostring(err):find("pinned host memory, not in a file", 1, true), err)
+    local s <close> = store.open{device = "cuda", slabs = 1, slab_bytes = 4, slots = 1}
+    assert.is_not_nil(tostring(s):find("pinned host memory", 1, true))
+  end)
+end)
 
 describe("GPU expert store (" .. DEV .. ", f32)", function()
   setup(function()
