@@ -121,9 +121,10 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
 
   it("a budget of two experts trains bitwise like resident experts (5 steps), the cache within it", function()
     local r0 = run(dir("resident"), nil)
+    collectgarbage()   -- the resident model's bytes, before the stored run's peak
     mem.timeline{cap = 1000000, interval = 0, device = DEV}
     mem.reset_peak()
-    local r2, model = run(dir("stored"), store_of("stored", 2))
+    local r2, model, plan = run(dir("stored"), store_of("stored", 2))
     local samples, dropped = mem.timeline(DEV)
     mem.timeline{cap = 0, device = DEV}
     for s = 0, 4 do assert.are.equal(r0.losses[s], r2.losses[s], "step " .. s) end
@@ -139,6 +140,7 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
     assert.is_true(most > 0 and most <= 2 * EXPERT, string.format("cache peak %d, budget %d", most, 2 * EXPERT))
     local dev = mem.stats()[DEV]
     assert.is_true(dev.peak.cache > 0 and dev.peak.cache <= 2 * EXPERT, "ledger peak " .. dev.peak.cache)
+    assert.are.equal(plan.total_peak, dev.total_peak, "the plan of the run with its store")
     -- the backing tier holds every slab: a quarter parameters, a quarter gradients, half AdamW states
     local tier = mem.stats()[TIER]
     assert.are.equal(L * E * EXPERT, tier.total)
@@ -147,6 +149,16 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
     model.expert_store:close()
     assert.are.equal(0, mem.stats()[TIER].total, "a closed store gives its backing bytes back")
     assert.are.equal(0, mem.stats()[DEV].current.cache)
+  end)
+
+  it("bf16 with a store is refused before anything is allocated", function()
+    if DEV ~= "cuda" then return end   -- (the CPU refuses bf16 itself)
+    local ok, err = pcall(nn.Transformer.new, {vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
+                                               experts = E, topk = 2, device = "cuda", dtype = "bf16",
+                                               store = store_of("bf16", 2)})
+    assert.is_false(ok)
+    assert.is_not_nil(tostring(err):find("option 'store': the expert store holds f32 experts", 1, true), err)
+    assert.are.equal(0, mem.stats()[TIER].total)
   end)
 
   it("saves and resumes: a run resumed from a checkpoint equals the uninterrupted one", function()
