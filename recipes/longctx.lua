@@ -76,8 +76,9 @@ local opts = options.parse(arg, {
   {"ep", 1, "expert parallelism: ranks that split each block's experts (divides the ranks and --experts)", min = 1},
   -- bounded expert memory (one process)
   {"expert-budget", "", "keep at most this many bytes of experts (parameters, gradients, AdamW states) " ..
-                        "resident, e.g. 64MiB; the rest in --expert-store"},
-  {"expert-store", "", "the expert store's backing file (default RUN_DIR/experts.store; a disk, not tmpfs)"},
+                        "resident, e.g. 64MiB; the rest in --expert-store on cpu, in pinned host memory on " ..
+                        "cuda (copied to GPU memory on a copy stream; --dtype f32)"},
+  {"expert-store", "", "the expert store's backing file on cpu (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
   {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs), updated " ..
                                "chunk by chunk through at most 4 MiB of staging (one process, --device cpu)"},
@@ -131,10 +132,6 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
-if opts.expert_budget ~= "" and opts.device ~= "cpu" then
-  errors.user("--expert-budget: not built for --device " .. opts.device .. " yet (the GPU's tier is pinned host " ..
-              "memory with a copy stream): use --device cpu")
-end
 if opts.offload_optimizer and opts.device ~= "cpu" then
   errors.user("--offload-optimizer: not built for --device " .. opts.device .. " yet (the GPU's tier would hold " ..
               "the states in pinned host memory and the fp32 master weights too): use --device cpu")
@@ -145,6 +142,14 @@ if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
   errors.user(string.format("--dtype %s: must be f32 or bf16", opts.dtype))
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
   errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
+end
+if opts.expert_budget ~= "" and opts.dtype == "bf16" then
+  errors.user("--expert-budget: the expert store holds f32 experts (with bf16 a slab would need a bf16 compute " ..
+              "copy beside its f32 masters, which is not built): use --dtype f32")
+end
+if opts.expert_store ~= "" and opts.device ~= "cpu" then
+  errors.user("--expert-store: on --device " .. opts.device .. " the expert store keeps its experts in pinned " ..
+              "host memory, not in a file (leave it out)")
 end
 dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
 local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep}

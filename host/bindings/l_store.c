@@ -3,18 +3,21 @@
  * (DESIGN.md, Bounded expert memory; host/runtime/store.h) as a moelua.Store
  * userdata. Slabs and slots are numbered from 0.
  *
- *   store.open{path=, slabs=, slab_bytes=, slots=, prefetch=2, category="params",
- *              slot_category="cache"} -> s
- *                          creates the backing file at path (never an existing
- *                          one, never on tmpfs), fallocated: slabs * slab_bytes
- *                          on the `file` book under category (or category =
- *                          {params = b1, grads = b2, ...}: a slab's bytes per
- *                          category, adding up to slab_bytes); `slots` slots of
- *                          slab_bytes (a multiple of 4) as one allocation under
- *                          slot_category on the cpu book. prefetch: scheduled slabs hinted
- *                          after each acquire. Inside mem.plan: the plan's
- *                          books, no file, no byte moved.
- *   s:slot(i)              an f32 tensor [slab_bytes / 4] viewing slot i, valid
+ *   store.open{device="cpu", path=, slabs=, slab_bytes=, slots=, prefetch=2,
+ *              category="params", slot_category="cache"} -> s
+ *                          cpu: creates the backing file at path (never an
+ *                          existing one, never on tmpfs), fallocated: slabs *
+ *                          slab_bytes on the `file` book; cuda: the slabs in
+ *                          pinned host memory on the `pinned` book (no path),
+ *                          moved on a copy stream. The backing bytes are under
+ *                          category (or category = {params = b1, grads = b2,
+ *                          ...}: a slab's bytes per category, adding up to
+ *                          slab_bytes); `slots` slots of slab_bytes (a multiple
+ *                          of 4) as one allocation under slot_category on the
+ *                          device's book. prefetch: scheduled slabs hinted
+ *                          after each acquire (cpu). Inside mem.plan: the
+ *                          plan's books, no file, no byte moved.
+ *   s:slot(i)              an f32 tensor [slab_bytes / 4] on the store's device viewing slot i, valid
  *                          while s is open (using it afterwards is an error)
  *   s:read(slab, slot)     the slab's bytes into the slot   } direct, bypassing the
  *   s:write(slot, slab)    the slot's bytes to the slab     } policy: initial fill, checkpoints
@@ -30,9 +33,10 @@
  *                          Nothing is written back implicitly: the file is not
  *                          a recovery source (read slabs out to keep them).
  *
- * Transfers are synchronous pread/pwrite on the calling thread; errors name
- * the path and the slab. Not here: the policy and the file (the runtime),
- * what a slab holds (the moe layer).
+ * Transfers are synchronous pread/pwrite on the calling thread (cpu) or
+ * copies ordered against the kernels by events (cuda); errors name the
+ * path or the tier, and the slab. Not here: the policy, the file and the
+ * pinned memory (the runtime), what a slab holds (the moe layer).
  */
 #include "libs.h"
 #include "l_util.h"
@@ -74,14 +78,20 @@ static size_t opt_count(lua_State *L, const char *fn, const char *key)
 static int l_store_open(lua_State *L)
 {
     static const char fn[] = "moelua.store.open";
-    static const char *const opts[] = {"path", "slabs", "slab_bytes", "slots", "prefetch",
+    static const char *const opts[] = {"device", "path", "slabs", "slab_bytes", "slots", "prefetch",
                                        "category", "slot_category", NULL};
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TTABLE);
     ml_check_opts(L, 1, fn, opts);
-    if (lua_getfield(L, 1, "path") != LUA_TSTRING)
+    ml_store_opts o = {.device = ml_opt_device(L, 1, fn, ML_CPU)};
+    ml_check_device(L, fn, o.device);
+    int path_type = lua_getfield(L, 1, "path");
+    if (o.device == ML_CPU && path_type != LUA_TSTRING)
         ml_error(L, fn, "option 'path' must be a file name, got %s", luaL_typename(L, -1));
-    ml_store_opts o = {.path = lua_tostring(L, -1)};   /* kept alive by the options table */
+    if (o.device == ML_CUDA && path_type != LUA_TNIL)
+        ml_error(L, fn, "option 'path': a cuda store keeps its slabs in pinned host memory, not in a "
+                 "file (leave it out)");
+    o.path = lua_tostring(L, -1);   /* kept alive by the options table */
     lua_pop(L, 1);
     o.nslabs = opt_count(L, fn, "slabs");
     o.slab_bytes = opt_count(L, fn, "slab_bytes");
@@ -273,7 +283,8 @@ static int l_store_tostring(lua_State *L)
     }
     char slab[32];
     ml_format_bytes(u->s->slab_bytes, slab, sizeof slab);
-    lua_pushfstring(L, "moelua.Store(%s, %d slabs of %s, %d slots%s)", u->s->path,
+    lua_pushfstring(L, "moelua.Store(%s, %d slabs of %s, %d slots%s)",
+                    u->s->path ? u->s->path : "pinned host memory, cuda slots",
                     (int)u->s->nslabs, slab, (int)u->s->nslots, u->s->planned ? ", planned" : "");
     return 1;
 }

@@ -59,6 +59,12 @@ typedef struct ml_memory {
      * nbytes): the total budget of a caching ledger is checked against
      * reserved + this (ml_ledger_check). */
     size_t (*reserve_bytes)(size_t nbytes);
+    /* Page-locked host memory that the device copies to and from
+     * asynchronously (CUDA: cudaHostAlloc; a plan's: address space only;
+     * NULL on a device without it, the CPU). The caller charges the
+     * `pinned` tier's book (op.h: ml_tier_charge). */
+    void *(*host_alloc)(size_t nbytes);
+    void (*host_free)(void *p, size_t nbytes);
     /* Byte copy in direction dir, ordered on stream (NULL: the default
      * stream; the call returns when the bytes are there). */
     ml_status (*memcpy)(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream);

@@ -426,6 +426,26 @@ static ml_status cuda_memcpy(void *dst, const void *src, size_t n, ml_copy_dir d
     return e == cudaSuccess ? ML_OK : device_error(e);
 }
 
+/* Pinned host memory: the copy engine reads and writes it without a
+ * staging copy, so copies on a stream are truly asynchronous. */
+static void *cuda_host_alloc(size_t nbytes)
+{
+    void *p = NULL;
+    if (cudaHostAlloc(&p, nbytes, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_host_free(void *p, size_t nbytes)
+{
+    (void)nbytes;
+    if (p)
+        cudaFreeHost(p);
+    cudaGetLastError();
+}
+
 static ml_status cuda_stream_new(void **stream)
 {
     cudaStream_t s = NULL;
@@ -482,6 +502,8 @@ static const ml_memory cuda_memory = {
     .alloc = cuda_alloc,
     .free = cuda_free,
     .reserve_bytes = cuda_reserve_bytes,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
     .memcpy = cuda_memcpy,
     .stream_new = cuda_stream_new,
     .stream_free = cuda_stream_free,

@@ -35,6 +35,10 @@ static void plan_free(void *p, size_t nbytes, ml_ledger *lg)
     munmap(p, nbytes);
 }
 
+/* Pinned host memory of a plan of CUDA: address space, like the rest. */
+static void *plan_host_alloc(size_t nbytes) { return plan_alloc(nbytes, NULL); }
+static void plan_host_free(void *p, size_t nbytes) { plan_free(p, nbytes, NULL); }
+
 static void *plan_cuda_alloc(size_t nbytes, ml_ledger *lg)
 {
     void *p = plan_alloc(nbytes, lg);
@@ -67,18 +71,21 @@ size_t ml_cuda_round_size(size_t n)
     return (n + large_step - 1) / large_step * large_step;
 }
 
-/* The two tables differ in how they charge what they hand out. */
-#define PLAN_MEMORY(alloc_, free_, reserve_bytes_) {                                   \
+/* The two tables differ in how they charge what they hand out, and in
+ * pinned host memory (the CPU has none). */
+#define PLAN_MEMORY(alloc_, free_, reserve_bytes_, host_alloc_, host_free_) {          \
     .name = "plan", .available = plan_available, .alloc = alloc_, .free = free_,      \
-    .reserve_bytes = reserve_bytes_, .memcpy = plan_memcpy,                           \
+    .reserve_bytes = reserve_bytes_, .host_alloc = host_alloc_, .host_free = host_free_, \
+    .memcpy = plan_memcpy,                                                            \
     .stream_new = ml_no_handle_new, .stream_free = ml_no_handle_free,                 \
     .event_new = ml_no_handle_new, .event_free = ml_no_handle_free,                   \
     .event_record = ml_no_event_record, .stream_wait = ml_no_stream_wait,             \
     .synchronize = ml_no_synchronize,                                                 \
 }
 
-static const ml_memory plan_cpu = PLAN_MEMORY(plan_alloc, plan_free, NULL);
-static const ml_memory plan_cuda = PLAN_MEMORY(plan_cuda_alloc, plan_cuda_free, ml_cuda_round_size);
+static const ml_memory plan_cpu = PLAN_MEMORY(plan_alloc, plan_free, NULL, NULL, NULL);
+static const ml_memory plan_cuda = PLAN_MEMORY(plan_cuda_alloc, plan_cuda_free, ml_cuda_round_size,
+                                               plan_host_alloc, plan_host_free);
 
 const ml_memory *const ml_memory_plan[ML_NDEVICES] = {&plan_cpu, &plan_cuda};
 

@@ -1,8 +1,10 @@
 /*
- * host/runtime/store.c - the expert store (store.h): the backing file, the
- * cache slots, the transfers between them and the residency policy.
+ * host/runtime/store.c - the expert store (store.h): the backing tier (a
+ * file on the CPU, pinned host memory on CUDA), the cache slots, the
+ * transfers between them and the residency policy.
  */
 #include "store.h"
+#include "backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -17,7 +19,9 @@
 
 static ml_status check_opts(const ml_store_opts *o, ml_err *e)
 {
-    if (!o->path || !o->path[0])
+    if ((unsigned)o->device >= ML_NDEVICES)
+        return ml_err_set(e, ML_EINVAL, "device %d is not a device", (int)o->device);
+    if (o->device == ML_CPU && (!o->path || !o->path[0]))
         return ml_err_set(e, ML_EINVAL, "path must name the file to create");
     if (o->nslabs == 0)
         return ml_err_set(e, ML_EINVAL, "slabs must be >= 1, got 0");
@@ -73,6 +77,38 @@ static ml_status create_file(ml_expert_store *s, size_t bytes, ml_err *e)
     return ML_OK;
 }
 
+/* CUDA's backing tier: the slabs in pinned host memory (zeros, as a new
+ * file reads; a plan's address space is left untouched), the copy stream
+ * and each slot's two events. */
+static ml_status open_pinned(ml_expert_store *s, size_t bytes, ml_err *e)
+{
+    const ml_memory *m = s->host->mem[ML_CUDA];
+    if (!m || !m->host_alloc)
+        return ml_err_set(e, ML_EINVAL, "the store's slabs live in pinned host memory on cuda, "
+                          "which this build lacks");
+    s->mem = m;
+    s->pinned = m->host_alloc(bytes);
+    if (!s->pinned) {
+        char need[32];
+        ml_format_bytes(bytes, need, sizeof need);
+        return ml_err_set(e, ML_EALLOC, "cannot pin %s (%zu bytes) of host memory for the store's "
+                          "slabs", need, bytes);
+    }
+    if (!s->planned)
+        memset(s->pinned, 0, bytes);
+    s->copied = calloc(s->nslots, sizeof *s->copied);
+    s->released = calloc(s->nslots, sizeof *s->released);
+    if (!s->copied || !s->released)
+        return ml_err_set(e, ML_EALLOC, "out of memory for the store's events");
+    ml_status st = m->stream_new(&s->copy_stream);
+    for (size_t i = 0; i < s->nslots && st == ML_OK; i++) {
+        st = m->event_new(&s->copied[i]);
+        if (st == ML_OK)
+            st = m->event_new(&s->released[i]);
+    }
+    return ml_kernel_status(st, e);
+}
+
 /* The tables of the policy, empty: no slab resident, no schedule. */
 static int alloc_tables(ml_expert_store *s)
 {
@@ -103,6 +139,7 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     if (!s)
         return ml_err_set(e, ML_EALLOC, "out of memory for the store");
     s->host = h;
+    s->device = o->device;
     s->fd = -1;
     s->planned = h->planning;
     s->nslabs = o->nslabs;
@@ -110,34 +147,37 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     s->nslots = o->nslots;
     s->stride = (o->slab_bytes + 63) & ~(size_t)63;
     s->prefetch_depth = o->prefetch_depth;
-    s->path = strdup(o->path);
-    if (!s->path || alloc_tables(s) != 0) {
+    s->path = o->device == ML_CPU ? strdup(o->path) : NULL;
+    if ((o->device == ML_CPU && !s->path) || alloc_tables(s) != 0) {
         ml_store_close(s);
         return ml_err_set(e, ML_EALLOC, "out of memory for the store's tables");
     }
     /* the budgets first, so a refusal creates no file */
-    size_t file_bytes = s->nslabs * s->slab_bytes;
+    size_t backing = s->nslabs * s->slab_bytes;
+    ml_tier tier = o->device == ML_CUDA ? ML_TIER_PINNED : ML_TIER_FILE;
     int split = 0;
     for (int c = 0; c < ML_NCAT; c++)
         split |= o->cat_bytes[c] != 0;
     ml_status st = ML_OK;
     for (int c = 0; c < ML_NCAT && st == ML_OK; c++) {
-        size_t n = split ? s->nslabs * o->cat_bytes[c] : c == (int)o->category ? file_bytes : 0;
+        size_t n = split ? s->nslabs * o->cat_bytes[c] : c == (int)o->category ? backing : 0;
         if (n > 0) {
-            st = ml_tier_charge(h, ML_TIER_FILE, (ml_category)c, n, "allocating", &s->file_book, e);
+            st = ml_tier_charge(h, tier, (ml_category)c, n, "allocating", &s->backing_book, e);
             if (st == ML_OK)
-                s->file_bytes[c] = n;
+                s->backing_bytes[c] = n;
         }
     }
     if (st == ML_OK) {
         ml_category saved = h->category;
         int64_t n = (int64_t)(s->nslots * s->stride);
         h->category = o->slot_category;
-        st = ml_tensor_alloc(h, &s->slots, ML_CPU, ML_U8, 1, &n, e);
+        st = ml_tensor_alloc(h, &s->slots, o->device, ML_U8, 1, &n, e);
         h->category = saved;
     }
-    if (st == ML_OK && !s->planned)
-        st = create_file(s, file_bytes, e);
+    if (st == ML_OK && o->device == ML_CUDA)
+        st = open_pinned(s, backing, e);
+    else if (st == ML_OK && !s->planned)
+        st = create_file(s, backing, e);
     if (st != ML_OK) {
         ml_store_close(s);
         return st;
@@ -146,17 +186,39 @@ ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **ou
     return ML_OK;
 }
 
+/* Undo open_pinned, after the copy stream has finished. */
+static void close_pinned(ml_expert_store *s)
+{
+    const ml_memory *m = s->mem;
+    if (s->copy_stream) {
+        (void)m->synchronize(s->copy_stream);   /* an error was reported by the copy that made it */
+        m->stream_free(s->copy_stream);
+    }
+    for (size_t i = 0; i < s->nslots; i++) {
+        if (s->copied && s->copied[i])
+            m->event_free(s->copied[i]);
+        if (s->released && s->released[i])
+            m->event_free(s->released[i]);
+    }
+    free(s->copied);
+    free(s->released);
+    if (s->pinned)
+        m->host_free(s->pinned, s->nslabs * s->slab_bytes);
+}
+
 void ml_store_close(ml_expert_store *s)
 {
     if (!s)
         return;
+    if (s->mem)   /* no copy may still read or write the slots or the slabs */
+        close_pinned(s);
     if (s->slots.st) {
         ml_storage_release_memory(s->slots.st, "the expert store was closed");
         ml_tensor_drop(&s->slots);
     }
     for (int c = 0; c < ML_NCAT; c++)
-        if (s->file_bytes[c])
-            ml_ledger_credit(s->file_book, (ml_category)c, s->file_bytes[c]);
+        if (s->backing_bytes[c])
+            ml_ledger_credit(s->backing_book, (ml_category)c, s->backing_bytes[c]);
     if (s->fd >= 0) {
         close(s->fd);
         unlink(s->path);
@@ -197,11 +259,9 @@ static ml_status check_index(size_t i, size_t n, const char *what, ml_err *e)
 }
 
 /* Slab <-> slot, whole, on this thread: pwrite when `out`, else pread
- * (short transfers and EINTR continue). A planned store moves nothing. */
-static ml_status transfer(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
+ * (short transfers and EINTR continue). */
+static ml_status move_file(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
 {
-    if (s->fd < 0)
-        return ML_OK;
     char *buf = ml_store_slot_data(s, slot);
     off_t off = (off_t)(slab * s->slab_bytes);
     size_t n = s->slab_bytes, done = 0;
@@ -216,6 +276,51 @@ static ml_status transfer(ml_expert_store *s, int out, size_t slab, size_t slot,
                                              : out ? "no byte was written" : "the file ended early");
         done += (size_t)r;
     }
+    return ML_OK;
+}
+
+/* Slab <-> slot on the copy stream: D2H when `out`, else H2D. The copy
+ * waits for the compute stream's last use of the slot (its `released`
+ * event), and kernels queued after it wait for the copy (its `copied`
+ * event): a read's bytes must arrive first, and a write-back must have
+ * read the slot before a kernel changes it. */
+static ml_status move_pinned(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
+{
+    const ml_memory *m = s->mem;
+    void *dev = ml_store_slot_data(s, slot), *host = s->pinned + slab * s->slab_bytes;
+    ml_status st = m->stream_wait(s->copy_stream, s->released[slot]);
+    if (st == ML_OK)
+        st = out ? m->memcpy(host, dev, s->slab_bytes, ML_COPY_D2H, s->copy_stream)
+                 : m->memcpy(dev, host, s->slab_bytes, ML_COPY_H2D, s->copy_stream);
+    if (st == ML_OK)
+        st = m->event_record(s->copied[slot], s->copy_stream);
+    if (st == ML_OK)
+        st = m->stream_wait(ml_host_kctx(s->host).stream, s->copied[slot]);
+    if (st == ML_OK)
+        return ML_OK;
+    ml_err why;
+    ml_kernel_status(st, &why);
+    return ml_err_set(e, st, "%s slab %zu (pinned host memory, slot %zu on cuda): %s",
+                      out ? "writing" : "reading", slab, slot, why.msg);
+}
+
+/* Mark the compute stream's work so far as slot's last use: a copy into
+ * or out of it waits for that (CUDA; nothing elsewhere). */
+static ml_status fence_slot(ml_expert_store *s, size_t slot, ml_err *e)
+{
+    if (!s->mem)
+        return ML_OK;
+    return ml_kernel_status(s->mem->event_record(s->released[slot], ml_host_kctx(s->host).stream), e);
+}
+
+/* Slab <-> slot in the device's way. A planned store moves nothing. */
+static ml_status transfer(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
+{
+    if (s->planned)
+        return ML_OK;
+    ML_TRY(s->device == ML_CUDA ? move_pinned(s, out, slab, slot, e)
+                                : move_file(s, out, slab, slot, e));
+    size_t n = s->slab_bytes;
     if (out) {
         s->stats.bytes_written += n;
     } else {
@@ -259,6 +364,7 @@ ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e)
     ML_TRY(check_index(slab, s->nslabs, "slab", e));
     ML_TRY(check_index(slot, s->nslots, "slot", e));
     ML_TRY(check_unpinned(s, slot, e));
+    ML_TRY(fence_slot(s, slot, e));
     if (s->slab_slot[slab] >= 0)   /* the file gets the current bytes first */
         ML_TRY(write_back(s, (size_t)s->slab_slot[slab], e));
     ML_TRY(write_back(s, slot, e));
@@ -272,6 +378,7 @@ ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e
     ML_TRY(check_index(slot, s->nslots, "slot", e));
     ML_TRY(check_index(slab, s->nslabs, "slab", e));
     ML_TRY(check_unpinned(s, slot, e));
+    ML_TRY(fence_slot(s, slot, e));
     int64_t other = s->slab_slot[slab];
     if (other >= 0 && (size_t)other != slot) {   /* its resident copy becomes stale */
         ML_TRY(check_unpinned(s, (size_t)other, e));
@@ -406,15 +513,19 @@ ml_status ml_store_release(ml_expert_store *s, size_t slab, int dirty, ml_err *e
                           slab);
     s->pins[at]--;
     s->dirty[at] |= dirty != 0;
-    return ML_OK;
+    return s->pins[at] ? ML_OK : fence_slot(s, (size_t)at, e);
 }
 
 ml_status ml_store_flush(ml_expert_store *s, ml_err *e)
 {
     ML_TRY(check_usable(s, e));
-    for (size_t i = 0; i < s->nslots; i++)
-        if (s->slot_slab[i] >= 0)
-            ML_TRY(write_back(s, i, e));
+    for (size_t i = 0; i < s->nslots; i++) {
+        if (s->slot_slab[i] < 0)
+            continue;
+        if (s->pins[i])   /* acquired: its kernels so far are what the write-back must see */
+            ML_TRY(fence_slot(s, i, e));
+        ML_TRY(write_back(s, i, e));
+    }
     return ML_OK;
 }
 

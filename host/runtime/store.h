@@ -1,18 +1,33 @@
 /*
- * host/runtime/store.h - the expert store for CPU runs (DESIGN.md, Bounded
- * expert memory): `nslabs` slabs of `slab_bytes` in a backing file and
- * `nslots` cache slots in memory, with the residency policy that decides
- * which slab a slot holds.
+ * host/runtime/store.h - the expert store (DESIGN.md, Bounded expert
+ * memory): `nslabs` slabs of `slab_bytes` in a backing tier and `nslots`
+ * cache slots on the device that computes on them, with the residency
+ * policy that decides which slab a slot holds. One policy for every
+ * device; only the byte movement differs.
  *
- * The file is created by the store (never an existing one: it is mutated
- * in place, so it is never a recovery source; a checkpoint holds the full
- * expert bytes), refused on tmpfs/ramfs (its pages would be memory),
- * fallocated whole up front and charged to the `file` tier's book; closing
- * the store removes it. The slots are one ledger allocation under `cache`
- * on the cpu book, each slot 64-byte aligned. Slabs move between the file
- * and the slots with pread/pwrite only, never through a mapping (mapped
- * pages would count in RSS and break the bound), synchronously, on the
- * calling thread; prefetch is a posix_fadvise(WILLNEED) hint.
+ * On the CPU the backing tier is a file, created by the store (never an
+ * existing one: it is mutated in place, so it is never a recovery source;
+ * a checkpoint holds the full expert bytes), refused on tmpfs/ramfs (its
+ * pages would be memory), fallocated whole up front and charged to the
+ * `file` tier's book; closing the store removes it. The slots are one
+ * ledger allocation under the slot category on the cpu book, each slot
+ * 64-byte aligned. Slabs move between the file and the slots with
+ * pread/pwrite only, never through a mapping (mapped pages would count in
+ * RSS and break the bound), synchronously, on the calling thread;
+ * prefetch is a posix_fadvise(WILLNEED) hint.
+ *
+ * On CUDA (opts.device) the backing tier is pinned host memory from the
+ * device's memory table (host_alloc; no file, the path is not used),
+ * charged to the `pinned` tier's book, and the slots are device memory
+ * on the cuda book. Slabs move with the table's memcpy (H2D, D2H) on a
+ * copy stream of the store's own: the compute stream (the kernel
+ * context's) waits for a copy's event before kernels touch its slot (a
+ * slab's arrival; a write-back's end), and a slot is written back or
+ * overwritten only after the event recorded on the compute stream at its
+ * last release (or at a direct transfer) has completed (the copy stream
+ * waits on it). Prefetch does
+ * nothing there (pinned memory needs no readahead). The calls return
+ * with the copies queued; the host never touches the pinned bytes.
  *
  * The policy (so callers never write eviction logic): ml_store_schedule
  * gives the step's future slab order once routing is known;
@@ -23,12 +38,13 @@
  * reused.
  *
  * Inside a memory plan (h->planning) a store opened there charges the
- * plan's books (the file bytes and the slots) and creates no file; its
- * policy runs but moves no bytes. A store opened outside a plan cannot
- * move slabs inside one, nor a planned store after its plan.
+ * plan's books (the backing bytes and the slots) and creates no file
+ * (pinned memory: the plan table's address space); its policy runs but
+ * moves no bytes. A store opened outside a plan cannot move slabs inside
+ * one, nor a planned store after its plan.
  *
  * Not here: the Lua binding (host/bindings/l_store.c), what a slab holds
- * and when a step acquires it (the moe layer), the GPU's pinned tier.
+ * and when a step acquires it (the moe layer).
  */
 #ifndef ML_STORE_H
 #define ML_STORE_H
@@ -40,26 +56,34 @@ typedef struct {
 } ml_store_stats;
 
 typedef struct {
-    const char *path;       /* the backing file to create */
+    ml_device device;       /* of the slots: ML_CPU (a file) or ML_CUDA (pinned host memory) */
+    const char *path;       /* the backing file to create (the CPU's; unused on CUDA) */
     size_t nslabs, slab_bytes, nslots;
     size_t prefetch_depth;  /* scheduled slabs hinted after each acquire */
-    ml_category category;   /* of the file's bytes on the file book, unless: */
+    ml_category category;   /* of the backing bytes on the file or pinned book, unless: */
     size_t cat_bytes[ML_NCAT];  /* a slab's bytes per category (all 0: the slab is
                                    `category`'s; else they add up to slab_bytes) */
-    ml_category slot_category;  /* of the cache slots on the cpu book (the expert
+    ml_category slot_category;  /* of the cache slots on the device's book (the expert
                                    store's: cache; an optimizer's staging: optim) */
 } ml_store_opts;
 
 typedef struct ml_expert_store {
     ml_host *host;
-    char *path;
-    int fd;                 /* -1: opened inside a plan, no file */
+    ml_device device;
+    char *path;             /* NULL on CUDA */
+    int fd;                 /* -1: opened inside a plan, no file, or CUDA */
     int planned;            /* opened inside a memory plan */
     size_t nslabs, slab_bytes, nslots, stride;   /* stride: slab_bytes rounded up to 64 */
     size_t prefetch_depth;
     ml_tensor slots;        /* u8 [nslots * stride] under `cache`; slot i at i * stride */
-    ml_ledger *file_book;   /* where the file's bytes go back */
-    size_t file_bytes[ML_NCAT];   /* charged to file_book, per category */
+    ml_ledger *backing_book;   /* where the file's or the pinned memory's bytes go back */
+    size_t backing_bytes[ML_NCAT];   /* charged to backing_book, per category */
+    /* CUDA: the slabs in pinned host memory, moved on a copy stream */
+    const struct ml_memory *mem;   /* the table that allocated pinned (a plan's inside a plan) */
+    char *pinned;           /* [nslabs * slab_bytes] */
+    void *copy_stream;
+    void **copied;          /* [nslots] recorded on the copy stream after each copy of the slot */
+    void **released;        /* [nslots] recorded on the compute stream when kernels are done with it */
     /* residency */
     int64_t *slot_slab;     /* [nslots] the slab a slot holds, -1: free */
     int64_t *slab_slot;     /* [nslabs] the slot holding a slab, -1: not resident */
@@ -78,13 +102,15 @@ typedef struct ml_expert_store {
 
 /* Open a store (every option checked first; a budget refusal creates no
  * file). ML_EINVAL: bad options, the path exists, is on tmpfs/ramfs or
- * cannot be created; ML_EALLOC: a budget refused the file or the slots
- * (the ledger table in e); ML_EIO: the file could not be fallocated (the
- * message names the path and the bytes needed; the partial file is
- * removed). */
+ * cannot be created; ML_EALLOC: a budget refused the backing bytes or the
+ * slots (the ledger table in e), or the pinned memory was refused;
+ * ML_EIO: the file could not be fallocated (the message names the path
+ * and the bytes needed; the partial file is removed); ML_EDEVICE: a
+ * stream or an event could not be made. */
 ml_status ml_store_open(ml_host *h, const ml_store_opts *o, ml_expert_store **out, ml_err *e);
-/* Free the slots (views of them become unusable: "the expert store was
- * closed"), credit the books and remove the file. Writes nothing back:
+/* Wait for the copy stream, free the slots (views of them become
+ * unusable: "the expert store was closed") and the pinned memory, credit
+ * the books and remove the file. Writes nothing back:
  * flush first to keep dirty slabs (the file is removed anyway; a caller
  * keeps slabs by reading them out). NULL does nothing. */
 void ml_store_close(ml_expert_store *s);
@@ -96,7 +122,9 @@ static inline void *ml_store_slot_data(const ml_expert_store *s, size_t slot)
 }
 
 /* Direct transfers that bypass the policy (the initial fill, checkpoints):
- * read copies slab into slot, write copies slot to slab, synchronously.
+ * read copies slab into slot, write copies slot to slab (synchronously on
+ * the CPU; on CUDA ordered after every kernel queued so far, and kernels
+ * queued after a read see its bytes).
  * A slot the policy holds pinned is refused. read makes the slot free
  * (what it held is written back first when dirty) and, when `slab` is
  * resident and dirty elsewhere, writes that copy back first, so read gives
@@ -104,7 +132,8 @@ static inline void *ml_store_slot_data(const ml_expert_store *s, size_t slot)
  * slot (refused when pinned), which the write made stale. */
 ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e);
 ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e);
-/* A readahead hint for slab (POSIX_FADV_WILLNEED); counts in prefetches. */
+/* A readahead hint for slab (POSIX_FADV_WILLNEED); counts in prefetches.
+ * Nothing on CUDA or in a plan. */
 void ml_store_prefetch(ml_expert_store *s, size_t slab);
 
 /* The future access order: seq[0..n) slab ids (copied); replaces the
@@ -118,7 +147,9 @@ ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml
  * resident are hinted (each once until it is read). ML_EINVAL when every
  * slot is pinned. */
 ml_status ml_store_acquire(ml_expert_store *s, size_t slab, size_t *slot, int *hit, ml_err *e);
-/* Unpin slab; dirty: its slot must be written back before reuse. */
+/* Unpin slab; dirty: its slot must be written back before reuse. On
+ * CUDA the last release records the compute stream's event that the
+ * slot's reuse waits for. */
 ml_status ml_store_release(ml_expert_store *s, size_t slab, int dirty, ml_err *e);
 /* Write back every dirty resident slab (pinned ones too). */
 ml_status ml_store_flush(ml_expert_store *s, ml_err *e);

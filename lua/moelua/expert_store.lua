@@ -1,12 +1,16 @@
 -- moelua.expert_store: a model's experts under a byte budget (DESIGN.md,
 -- Bounded expert memory). Every expert of every MoE block is one slab of a
--- backing file (moelua.store: fallocated, pread/pwrite, never mapped) and
--- only `slots` of them are resident at once, in cache slots charged to the
--- ledger's `cache`; the store's policy evicts the expert needed furthest
--- ahead in the step's known order, LRU across steps.
+-- backing tier (moelua.store) and only `slots` of them are resident at
+-- once, in cache slots charged to the ledger's `cache` on the device; the
+-- store's policy evicts the expert needed furthest ahead in the step's
+-- known order, LRU across steps. On the cpu the tier is a file
+-- (fallocated, pread/pwrite, never mapped); on cuda it is pinned host
+-- memory (the `pinned` book), copied to and from the slots in GPU memory
+-- on a copy stream of its own, ordered against the kernels by events.
 --
 --   local es = expert_store.new{path =, budget = bytes, layers = L, experts = E,
---                               dim = D, ffn = F [, prefetch = 2, inference = false]}   -- f32
+--                               dim = D, ffn = F [, device = "cpu", prefetch = 2,
+--                               inference = false]}   -- f32; path: the cpu's file
 --   local v = es:acquire(l, e)    -- slot views of layer l's (0-based) expert e
 --   ... v.gate_up [2F, D], v.down [D, F], v.dgate_up, v.ddown ...
 --   es:release(l, e, dirty)
@@ -37,7 +41,7 @@
 -- kept and hinted, and eviction beyond them is least recently used: the
 -- field report's LRU with prefetch, which fits decoding.
 --
--- The backing file is mutated in place and removed on close: it is never a
+-- The backing tier is mutated in place and dropped on close: it is never a
 -- recovery source (checkpoints hold every expert's bytes).
 local store = require "moelua.store"
 local mem = require "moelua.mem"
@@ -75,12 +79,15 @@ function expert_store.new(o)
   local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
   local slots, slot_bytes, slab_bytes = expert_store.check(o)
   local b = 3 * D * F * 4   -- a slab's parameters (f32), then gradients and AdamW's two states
-  local ok, s = pcall(store.open, {path = o.path, slabs = L * E, slab_bytes = slab_bytes, slots = slots,
+  local device = o.device or "cpu"
+  local ok, s = pcall(store.open, {device = device, path = device == "cpu" and o.path or nil,
+                                   slabs = L * E, slab_bytes = slab_bytes, slots = slots,
                                    prefetch = o.prefetch or 2,
                                    category = o.inference and "params" or {params = b, grads = b, optim = 2 * b}})
   if not ok then
     if mem.planning() then error(s, 0) end   -- (in a plan only a budget refuses: train.plan's to report)
-    errors.user("--expert-store: " .. tostring(s):gsub("^moelua%.store%.open: ", ""))
+    errors.user((device == "cpu" and "--expert-store: " or "--expert-budget: ") ..
+                tostring(s):gsub("^moelua%.store%.open: ", ""))
   end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
                              inference = o.inference, views_of = {}, touched = {}, sumsq = {}, steps = {},

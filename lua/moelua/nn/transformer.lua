@@ -151,8 +151,8 @@ local function check_options(opts)
          and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0)
          and (st.inference == nil or type(st.inference) == "boolean"),
          "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0, inference = boolean]}")
-    need(o.device == "cpu" and o.dtype == "f32",
-         "option 'store': the expert store holds f32 experts on the cpu (the GPU's pinned tier is not built yet)")
+    need(o.dtype == "f32", "option 'store': the expert store holds f32 experts (with bf16 a slab would need " ..
+         "a bf16 compute copy beside its f32 masters, which is not built)")
   end
   -- moe sub-options, checked by moelua.moe without allocating
   local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype,
@@ -204,7 +204,7 @@ function Transformer.new(opts)
     self.zero:check_store()
     self.expert_store = expert_store.new{path = o.store.path, budget = o.store.budget, prefetch = o.store.prefetch,
                                          inference = o.store.inference, layers = o.layers, experts = o.experts,
-                                         dim = D, ffn = o.ffn}
+                                         dim = D, ffn = o.ffn, device = o.device}
   end
   local draw_offset = 0
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at

@@ -1,0 +1,176 @@
+-- tests/spec/gpu_store_spec.lua - the expert store on the GPU (issue 13:
+-- "pinned host memory, a copy stream, a slot reused only after the event
+-- of its last kernel completes"), f32 on cuda: the key checks of
+-- expert_store_spec.lua there. The slabs live in pinned host memory (the
+-- `pinned` book), the slots in GPU memory (`cache` on the cuda book).
+--
+-- Same device, same kernels, same order of the experts: a budget of two
+-- experts trains bitwise like resident experts, as on the CPU.
+--
+-- Without a CUDA device the file is one pending test. With
+-- MOELUA_GPU_SPEC_DEVICE=cpu it runs on the CPU (checks the spec; the
+-- backing tier is then the file tier).
+local m = require "moelua"
+local nn = require "moelua.nn"
+local optim = require "moelua.optim"
+local data = require "moelua.data"
+local train = require "moelua.train"
+local mem = require "moelua.mem"
+local store = require "moelua.store"
+local support = require "tests.support"
+
+local DEV = os.getenv("MOELUA_GPU_SPEC_DEVICE") or "cuda"
+
+if DEV == "cuda" and not m.cuda_available() then
+  describe("GPU expert store", function()
+    pending("no CUDA device: GPU specs skipped")
+  end)
+  return
+end
+
+local SEQ, D, F, E, L = 32, 16, 24, 4, 2
+local EXPERT = 4 * 3 * D * F * 4      -- one slab: parameters, gradients, AdamW's two states (f32)
+local TIER = DEV == "cuda" and "pinned" or "file"
+
+local root
+local function dir(name) return root .. "/" .. name end
+
+local function build_with(store)
+  return function()
+    local model = nn.Transformer.new{vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
+                                     experts = E, topk = 2, seed = 3, checkpoint = "moe", store = store,
+                                     device = DEV, dtype = "f32"}
+    local groups = model:param_groups{weight_decay = 0.1}
+    return model, optim.AdamW(groups, {lr = 1e-2, weight_decay = 0.1}), groups
+  end
+end
+
+-- Trains o.steps (5) steps of 2 micro-batches, clipped (a checkpoint at the
+-- end in run_dir); returns the result, the model and the plan.
+local function run(run_dir, store, o)
+  o = o or {}
+  local cfg = {build = build_with(store), data = data.open{glob = dir("corpus.txt"), seq_len = SEQ, seed = 0,
+                                                           holdout = 0},
+               seq_len = SEQ, steps = o.steps or 5, accum = 2, clip = 0.05, lr = function() return 1e-2 end,
+               log_every = 1000, run_dir = run_dir, ckpt_every = o.ckpt_every or 0, keep = 10, resume = o.resume}
+  local plan = train.plan(cfg)
+  cfg.model, cfg.optimizer, cfg.groups = cfg.build()
+  cfg.plan = plan
+  return train.run(cfg), cfg.model, plan
+end
+
+-- path: the cpu's file (a cuda store has none)
+local function store_of(name, experts) return {path = dir(name .. ".store"), budget = experts * EXPERT} end
+
+describe("moelua.store on " .. DEV, function()
+  local raw, n = nil, 0
+  setup(function() raw = support.disk_dir("gpu_store_spec_raw") end)
+  teardown(function() support.remove_dir(raw) end)
+  local function open(o)   -- a cuda store takes no path
+    n = n + 1
+    o.device = DEV
+    o.path = DEV == "cpu" and raw .. "/s" .. n or nil
+    return store.open(o)
+  end
+
+  it("slot views on the device; write, read and the policy's write-back move every slab's bytes", function()
+    local s <close> = open{slabs = 4, slab_bytes = 40, slots = 2}
+    local v0, v1 = s:slot(0), s:slot(1)
+    assert.are.equal(DEV, v0:device())
+    assert.are.equal(4 * 40, mem.stats()[TIER].total)
+    for slab = 0, 3 do
+      v0:fill_(slab + 0.5)
+      s:write(0, slab)
+    end
+    for slab = 3, 0, -1 do
+      s:read(slab, 1)
+      for _, x in ipairs(v1:totable()) do assert.are.equal(slab + 0.5, x) end
+    end
+    -- a dirty slab written back at eviction (LRU: 2 leaves for 1), read again
+    local at = s:acquire(2)
+    s:slot(at):fill_(7)
+    s:release(2, true)
+    s:acquire(3)
+    s:release(3)
+    assert.are.equal(at, (s:acquire(1)))
+    s:release(1)
+    assert.are.equal(1, s:stats().writebacks)
+    local back = s:acquire(2)
+    assert.are_not.equal(at, back)
+    for _, x in ipairs(s:slot(back):totable()) do assert.are.equal(7, x) end
+    s:release(2)
+  end)
+
+  it("a cuda store takes no file", function()
+    if DEV ~= "cuda" then return end
+    local ok, err = pcall(store.open, {device = "cuda", path = "x", slabs = 1, slab_bytes = 4, slots = 1})
+    assert.is_false(ok)
+    assert.is_not_nil(tostring(err):find("pinned host memory, not in a file", 1, true), err)
+    local s <close> = store.open{device = "cuda", slabs = 1, slab_bytes = 4, slots = 1}
+    assert.is_not_nil(tostring(s):find("pinned host memory", 1, true))
+  end)
+end)
+
+describe("GPU expert store (" .. DEV .. ", f32)", function()
+  setup(function()
+    root = support.disk_dir("gpu_store_spec")
+    support.write_corpus(dir("corpus.txt"), 11, 3000)
+    m.threads(1)
+  end)
+  teardown(function() support.remove_dir(root) end)
+
+  it("a budget of two experts trains bitwise like resident experts (5 steps), the cache within it", function()
+    local r0 = run(dir("resident"), nil)
+    collectgarbage()   -- the resident model's bytes, before the stored run's peak
+    mem.timeline{cap = 1000000, interval = 0, device = DEV}
+    mem.reset_peak()
+    local r2, model, plan = run(dir("stored"), store_of("stored", 2))
+    local samples, dropped = mem.timeline(DEV)
+    mem.timeline{cap = 0, device = DEV}
+    for s = 0, 4 do assert.are.equal(r0.losses[s], r2.losses[s], "step " .. s) end
+    -- parameters and optimizer states: the final checkpoints (the full experts), byte for byte
+    support.same_checkpoint_files(dir("resident/ckpt/step-000004"), dir("stored/ckpt/step-000004"))
+    local st = model.expert_store:stats()
+    assert.are.equal(2, st.slots)
+    assert.is_true(st.evictions > 0 and st.writebacks > 0, "the budget was not a bound: nothing was evicted")
+    -- the cache on the device's book: never over the budget at any allocation
+    assert.are.equal(0, dropped)
+    local most = 0
+    for _, s in ipairs(samples) do most = math.max(most, s.cache) end
+    assert.is_true(most > 0 and most <= 2 * EXPERT, string.format("cache peak %d, budget %d", most, 2 * EXPERT))
+    local dev = mem.stats()[DEV]
+    assert.is_true(dev.peak.cache > 0 and dev.peak.cache <= 2 * EXPERT, "ledger peak " .. dev.peak.cache)
+    assert.are.equal(plan.total_peak, dev.total_peak, "the plan of the run with its store")
+    -- the backing tier holds every slab: a quarter parameters, a quarter gradients, half AdamW states
+    local tier = mem.stats()[TIER]
+    assert.are.equal(L * E * EXPERT, tier.total)
+    assert.are.same({L * E * EXPERT // 4, L * E * EXPERT // 4, L * E * EXPERT // 2},
+                    {tier.current.params, tier.current.grads, tier.current.optim})
+    model.expert_store:close()
+    assert.are.equal(0, mem.stats()[TIER].total, "a closed store gives its backing bytes back")
+    assert.are.equal(0, mem.stats()[DEV].current.cache)
+  end)
+
+  it("bf16 with a store is refused before anything is allocated", function()
+    if DEV ~= "cuda" then return end   -- (the CPU refuses bf16 itself)
+    local ok, err = pcall(nn.Transformer.new, {vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
+                                               experts = E, topk = 2, device = "cuda", dtype = "bf16",
+                                               store = store_of("bf16", 2)})
+    assert.is_false(ok)
+    assert.is_not_nil(tostring(err):find("option 'store': the expert store holds f32 experts", 1, true), err)
+    assert.are.equal(0, mem.stats()[TIER].total)
+  end)
+
+  it("saves and resumes: a run resumed from a checkpoint equals the uninterrupted one", function()
+    local ref, model = run(dir("whole"), store_of("whole", 2), {steps = 6, ckpt_every = 3})
+    model.expert_store:close()
+    local r, again = run(dir("resumed"), store_of("resumed", 2),
+                         {steps = 6, ckpt_every = 3, resume = dir("whole/ckpt/step-000002")})
+    again.expert_store:close()
+    for s = 3, 5 do assert.are.equal(ref.losses[s], r.losses[s], "step " .. s) end
+    support.same_checkpoint_files(dir("whole/ckpt/step-000005"), dir("resumed/ckpt/step-000005"))
+    -- the checkpoint holds the full experts: resident experts resume from it alike
+    local rr = run(dir("resident_resumed"), nil, {steps = 6, ckpt_every = 3, resume = dir("whole/ckpt/step-000002")})
+    for s = 3, 5 do assert.are.equal(ref.losses[s], rr.losses[s], "step " .. s) end
+  end)
+end)
