@@ -80,8 +80,9 @@ local opts = options.parse(arg, {
                         "cuda (copied to GPU memory on a copy stream; --dtype f32)"},
   {"expert-store", "", "the expert store's backing file on cpu (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
-  {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs), updated " ..
-                               "chunk by chunk through at most 4 MiB of staging (one process, --device cpu)"},
+  {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs) on cpu, in " ..
+                               "pinned host memory on cuda (--dtype f32), updated chunk by chunk through at " ..
+                               "most 4 MiB of staging (one process)"},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
@@ -132,16 +133,16 @@ end
 if MOELUA_RELOAD then return {hook = hook, on_rollback = on_rollback, on_alarm = on_alarm} end
 local this_file = debug.getinfo(1, "S").source:match("^@(.*)$")
 
-if opts.offload_optimizer and opts.device ~= "cpu" then
-  errors.user("--offload-optimizer: not built for --device " .. opts.device .. " yet (the GPU's tier would hold " ..
-              "the states in pinned host memory and the fp32 master weights too): use --device cpu")
-end
 options.device(opts.device)
 if opts.dtype == "" then opts.dtype = opts.device == "cuda" and "bf16" or "f32" end   -- DESIGN.md: GPU runs are bf16
 if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
   errors.user(string.format("--dtype %s: must be f32 or bf16", opts.dtype))
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
   errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
+end
+if opts.offload_optimizer and opts.dtype == "bf16" then
+  errors.user("--offload-optimizer: with --dtype bf16 the f32 master weights would have to leave the GPU too, " ..
+              "which is not built: use --dtype f32")
 end
 if opts.expert_budget ~= "" and opts.dtype == "bf16" then
   errors.user("--expert-budget: the expert store holds f32 experts (with bf16 a slab would need a bf16 compute " ..
@@ -180,9 +181,11 @@ if opts.expert_budget ~= "" then
            path = opts.expert_store ~= "" and opts.expert_store or train.expert_store_path(opts.run_dir)}
 end
 
--- --offload-optimizer: AdamW's states in a file of the run directory
--- (moelua.optim's offload: 2 staging slots of 2^18 elements of each state).
-local offload = opts.offload_optimizer and {path = train.optim_store_path(opts.run_dir)} or nil
+-- --offload-optimizer: AdamW's states in a file of the run directory on the
+-- cpu, in pinned host memory on cuda (moelua.optim's offload: 2 staging
+-- slots of 2^18 elements of each state).
+local offload = opts.offload_optimizer
+  and {path = opts.device == "cpu" and train.optim_store_path(opts.run_dir) or nil} or nil
 
 -- The model and its optimizer, built twice: once in the memory plan below
 -- (address space only), then for real.
@@ -193,7 +196,7 @@ local function build()
     checkpoint = opts.checkpoint, max_position = math.max(opts.seq_len, 131072),
     moe = {save = opts.save}, device = opts.device, dtype = opts.dtype, zero = zero.new(zero_opts), store = store,
   }
-  local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0}
+  local groups = model:param_groups{weight_decay = 0.1, router_lr_mult = 1.0, offload = offload ~= nil}
   local o = {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1, offload = offload}
   if not offload then return model, optim.AdamW(groups, o), groups end
   local ok, opt = pcall(optim.AdamW, groups, o)

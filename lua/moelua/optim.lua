@@ -74,11 +74,13 @@
 -- interrupted (DESIGN.md, Layers): the kernels ignore Ctrl-C and every group
 -- is updated by one C call, so Ctrl-C takes effect after the whole step.
 --
--- Offload (AdamW, one CPU process, f32): optim.AdamW(groups, {...,
+-- Offload (AdamW, one process, f32): optim.AdamW(groups, {...,
 -- offload = {path =, chunk = 262144, slots = 2}}) keeps exp_avg and
 -- exp_avg_sq of every unfrozen group in a moelua.store backing file at path
 -- (created, fallocated, never on tmpfs, removed by opt:close() or when the
--- optimizer is collected), none of them resident: the groups are laid end
+-- optimizer is collected) for groups on the cpu, and in the store's pinned
+-- host memory (no path) for groups on cuda, its slots then GPU memory;
+-- none of them resident: the groups are laid end
 -- to end in one state space of N elements, cut in chunks of `chunk`
 -- elements (default 1 MiB of f32 per state; at most N), and slab c holds
 -- chunk c of exp_avg then of exp_avg_sq (8 chunk bytes). step() runs
@@ -88,7 +90,8 @@
 -- store to the ledger's `cache`; the file to the `file` book under
 -- "optim"), with the same hp and t as resident states: the update is
 -- elementwise, so the result is bitwise the same. Given states are
--- ignored (never committed); a sparse group's i64 step counts stay
+-- ignored (never committed; on CUDA, where a reservation is allocated,
+-- model:param_groups{offload = true} reserves none); a sparse group's i64 step counts stay
 -- resident under "optim". A step's pass runs with interrupts held
 -- (moelua.host.hold_interrupts): opt.held_interrupts counts the signals
 -- held, for the caller to act on once the step is complete. States cannot
@@ -473,9 +476,6 @@ local function open_offload(groups, oo)
       offload_fail("unknown key '%s' (expected one of: chunk, path, slots)", tostring(k))
     end
   end
-  if type(oo.path) ~= "string" or oo.path == "" then
-    offload_fail("'path' (the backing file) must be a file name, got %s", type(oo.path))
-  end
   local chunk, slots = oo.chunk or OFFLOAD_CHUNK, oo.slots or 2
   if math.type(chunk) ~= "integer" or chunk < 1 then
     offload_fail("'chunk' must be an integer >= 1 (elements), got %s", tostring(chunk))
@@ -483,18 +483,26 @@ local function open_offload(groups, oo)
   if math.type(slots) ~= "integer" or slots < 1 then
     offload_fail("'slots' must be an integer >= 1, got %s", tostring(slots))
   end
-  local base, n = {}, 0
+  local base, n, device = {}, 0, nil
   for i, g in ipairs(groups) do
     if not g.frozen then
-      if g.params:dtype() ~= "f32" or g.params:device() ~= "cpu" then
-        offload_fail("group %d is %s on %s, offloaded states are f32 on the cpu (the store's slots are " ..
-                     "f32 host memory)", i, g.params:dtype(), g.params:device())
+      device = device or g.params:device()
+      if g.params:dtype() ~= "f32" or g.params:device() ~= device or g.compute then
+        offload_fail("group %d is %s on %s, offloaded states are f32 on the device of every group (%s; " ..
+                     "mixed precision's masters would need offloading too, which is not built)", i,
+                     g.compute and "bf16 with f32 masters" or g.params:dtype(), g.params:device(), device)
       end
       base[i], n = n, n + g.params:numel()
     end
   end
+  device = device or "cpu"
+  if device == "cpu" and (type(oo.path) ~= "string" or oo.path == "") then
+    offload_fail("'path' (the backing file) must be a file name, got %s", type(oo.path))
+  elseif device ~= "cpu" and oo.path ~= nil then
+    offload_fail("'path': on %s the states live in pinned host memory, not in a file (leave it out)", device)
+  end
   chunk = math.max(1, math.min(chunk, n))
-  local ok, s = pcall(store.open, {path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
+  local ok, s = pcall(store.open, {device = device, path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
                                    slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim",
                                    slot_category = "optim"})
   if not ok then offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""))) end

@@ -179,12 +179,6 @@ function Zero:unit(name, kind, layout, o)
   elseif self.stage >= 1 then   -- reduced in place, into this rank's slice of the whole
     u.shard_grads = shard_of(u, u.grads)
   end
-  -- AdamW's two states, one flat buffer each over this rank's optimizer
-  -- range (whole at stage 0, the shard above): address space until the
-  -- optimizer commits a group's (or an active expert's) slice
-  local states = self.stage == 0 and n or part.shard
-  u.exp_avg = mem.scope("optim", tensor.reserve, {states}, gdt)
-  u.exp_avg_sq = mem.scope("optim", tensor.reserve, {states}, gdt)
   self.units[#self.units + 1] = u
   return u
 end
@@ -442,19 +436,32 @@ end
 -- experts anywhere, becomes one group per expert slice (experts = 1;
 -- group_at[i].expert says which expert, for its activity mask and step
 -- count). z.group_at[i] = {unit, offset (in the unit), n [, expert,
--- experts]}.
-function Zero:groups()
+-- experts]}. AdamW's two states are one flat buffer each per unit over
+-- this rank's optimizer range (whole at stage 0, the shard above),
+-- reserved at the first call: address space until the optimizer commits a
+-- group's (or an active expert's) slice on the CPU, allocated on CUDA.
+-- With o.states == false (an optimizer that keeps its states elsewhere:
+-- moelua.optim's offload) the groups carry none and nothing is reserved.
+function Zero:groups(o)
+  local states = not (o and o.states == false)
   local out = {}
   self.group_at = {}
   local function add(u, g, off, r, experts)
     local whole = self.stage == 0
+    if states and not u.exp_avg then
+      local d = {dtype = zero.grad_dtype(u.params:dtype()), device = u.params:device()}
+      local n = whole and u.numel or u.part.shard
+      u.exp_avg = mem.scope("optim", tensor.reserve, {n}, d)
+      u.exp_avg_sq = mem.scope("optim", tensor.reserve, {n}, d)
+    end
     local at = r.offset - off
     local own = whole and u.params or self.stage == 3 and u.shard_params or shard_of(u, u.params)
     local params = u.master or own   -- with masters, own is their compute copy
     out[#out + 1] = {name = g.name, params = params:view_at(at, {r.n}),
                      compute = u.master and own:view_at(at, {r.n}) or nil,
                      grads = (whole and u.grads or u.shard_grads):view_at(at, {r.n}),
-                     exp_avg = u.exp_avg:view_at(at, {r.n}), exp_avg_sq = u.exp_avg_sq:view_at(at, {r.n}),
+                     exp_avg = states and u.exp_avg:view_at(at, {r.n}) or nil,
+                     exp_avg_sq = states and u.exp_avg_sq:view_at(at, {r.n}) or nil,
                      weight_decay = g.weight_decay, lr_mult = g.lr_mult, frozen = g.frozen, experts = experts}
     self.group_at[#out] = {unit = u, offset = r.offset, n = r.n, expert = r.expert, experts = experts}
   end

@@ -35,28 +35,29 @@ local TIER = DEV == "cuda" and "pinned" or "file"
 local root
 local function dir(name) return root .. "/" .. name end
 
-local function build_with(store)
+local function build_with(store, offload)
   return function()
     local model = nn.Transformer.new{vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
                                      experts = E, topk = 2, seed = 3, checkpoint = "moe", store = store,
                                      device = DEV, dtype = "f32"}
-    local groups = model:param_groups{weight_decay = 0.1}
-    return model, optim.AdamW(groups, {lr = 1e-2, weight_decay = 0.1}), groups
+    local groups = model:param_groups{weight_decay = 0.1, offload = offload ~= nil}
+    return model, optim.AdamW(groups, {lr = 1e-2, weight_decay = 0.1, offload = offload}), groups
   end
 end
 
 -- Trains o.steps (5) steps of 2 micro-batches, clipped (a checkpoint at the
--- end in run_dir); returns the result, the model and the plan.
+-- end in run_dir), AdamW's states offloaded with o.offload; returns the
+-- result, the model, the plan and the optimizer.
 local function run(run_dir, store, o)
   o = o or {}
-  local cfg = {build = build_with(store), data = data.open{glob = dir("corpus.txt"), seq_len = SEQ, seed = 0,
+  local cfg = {build = build_with(store, o.offload), data = data.open{glob = dir("corpus.txt"), seq_len = SEQ, seed = 0,
                                                            holdout = 0},
                seq_len = SEQ, steps = o.steps or 5, accum = 2, clip = 0.05, lr = function() return 1e-2 end,
                log_every = 1000, run_dir = run_dir, ckpt_every = o.ckpt_every or 0, keep = 10, resume = o.resume}
   local plan = train.plan(cfg)
   cfg.model, cfg.optimizer, cfg.groups = cfg.build()
   cfg.plan = plan
-  return train.run(cfg), cfg.model, plan
+  return train.run(cfg), cfg.model, plan, cfg.optimizer
 end
 
 -- path: the cpu's file (a cuda store has none)
@@ -149,6 +150,28 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
     model.expert_store:close()
     assert.are.equal(0, mem.stats()[TIER].total, "a closed store gives its backing bytes back")
     assert.are.equal(0, mem.stats()[DEV].current.cache)
+  end)
+
+  it("AdamW's states offloaded (--offload-optimizer) train bitwise like resident ones; only the staging is on " ..
+     "the device", function()
+    local CHUNK = 1000
+    local r0 = run(dir("opt_resident"), nil)
+    collectgarbage()
+    collectgarbage()   -- (a finalised tensor's storage goes in the second cycle)
+    mem.reset_peak()
+    local before = mem.stats()[DEV].current.optim
+    local r1, model, plan, opt = run(dir("opt_offloaded"), nil,
+                                     {offload = {path = DEV == "cpu" and dir("opt.store") or nil, chunk = CHUNK}})
+    for s = 0, 4 do assert.are.equal(r0.losses[s], r1.losses[s], "step " .. s) end
+    support.same_checkpoint_files(dir("opt_resident/ckpt/step-000004"), dir("opt_offloaded/ckpt/step-000004"))
+    -- both states of every parameter in the backing tier; on the device, the two staging slots
+    local n = 0
+    for _, p in ipairs(model:named_parameters()) do n = n + p.tensor:numel() end
+    assert.are.equal((n + CHUNK - 1) // CHUNK * 8 * CHUNK, mem.stats()[TIER].current.optim)
+    assert.are.equal(2 * 8 * CHUNK, mem.stats()[DEV].current.optim - before)   -- (8000 bytes: 64-byte aligned)
+    assert.are.equal(plan.total_peak, mem.stats()[DEV].total_peak, "the plan of the run with its offload")
+    opt:close()
+    assert.are.equal(0, mem.stats()[TIER].total, "a closed optimizer gives its backing bytes back")
   end)
 
   it("bf16 with a store is refused before anything is allocated", function()

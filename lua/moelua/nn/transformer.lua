@@ -609,17 +609,19 @@ end
 local FREEZE_KEYS = {router = true, experts = true, attention = true}
 
 -- groups = model:param_groups{weight_decay =, router_lr_mult =, freeze = {router
--- =, experts =, attention =}, sparse =}: groups in moelua.optim's format.
+-- =, experts =, attention =}, sparse =, offload =}: groups in moelua.optim's format.
 -- Norms and embeddings get weight_decay = 0; the router gets lr_mult; with
 -- sparse = true, expert groups (gate_up, down of each layer) carry experts = the
 -- experts this rank holds (E, or E/ep with expert parallelism)
--- for lazy Adam (then pass model:active_masks(groups) to AdamW:step).
+-- for lazy Adam (then pass model:active_masks(groups) to AdamW:step). With
+-- offload = true (for AdamW's offload) the groups carry no state buffers and
+-- none is reserved (moelua.zero's groups).
 function Transformer:param_groups(o)
   o = o or {}
   local fn = "moelua.nn.Transformer:param_groups"
   for k, v in pairs(o) do
     local ok = (k == "weight_decay" or k == "router_lr_mult") and type(v) == "number" and v >= 0
-      or k == "freeze" and type(v) == "table" or k == "sparse" and type(v) == "boolean"
+      or k == "freeze" and type(v) == "table" or (k == "sparse" or k == "offload") and type(v) == "boolean"
     if not ok then error(string.format("%s: bad option '%s' (%s)", fn, tostring(k), tostring(v)), 2) end
   end
   local fr = o.freeze or {}
@@ -652,7 +654,7 @@ function Transformer:param_groups(o)
     end
   end
   self.sparse = o.sparse or false
-  return self.zero:groups()
+  return self.zero:groups{states = not o.offload}
 end
 
 -- masks = model:layer_masks(): {[i] = u8 [E]}, every MoE layer's active
