@@ -109,8 +109,9 @@ static inline ML_HD float ml_bf16_to_f32(uint16_t h) { return ml_bits_f32((uint3
 
 /* Mixed precision (DESIGN.md, Numerics): a kernel called with dt = bf16
  * reads and writes activations and weights in bf16, computes in f32 (or
- * f64 where its f32 path does), and writes weight gradients in f32, the
- * dtype this returns; every other dtype's gradients are of the dtype. */
+ * f64 where its f32 path does), and writes weight gradients in f32: this
+ * returns that dtype, bf16's compute and gradient dtype (the CPU's
+ * reference dtype for a bf16 kernel too); every other dtype's is itself. */
 static inline ML_HD ml_dtype ml_grad_dtype(ml_dtype dt) { return dt == ML_BF16 ? ML_F32 : dt; }
 
 /* IEEE binary16, round to nearest even, with subnormals, infinities, NaN. */

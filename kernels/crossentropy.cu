@@ -49,17 +49,14 @@ static ml_gemm_shape gemm1(int64_t m, int64_t n, int64_t k, int ta, int tb, int6
     return g;
 }
 
-/* The dtype of the logits and of what is summed from them (L above). */
-static ml_dtype acc_dtype(ml_dtype dt) { return dt == ML_BF16 ? ML_F32 : dt; }
-
-/* block[r, c] = h[r0 + r] . W[c0 + c] in acc_dtype(dt), r < nr, c < nc
+/* block[r, c] = h[r0 + r] . W[c0 + c] in ml_grad_dtype(dt), r < nr, c < nc
  * (ld = nc) */
 static ml_status logits_block(ml_dtype dt, void *blk, const void *h, const void *W, int64_t r0,
                               int64_t nr, int64_t c0, int64_t nc, int64_t D, const ml_kctx *ctx)
 {
     size_t es = ml_dtype_size(dt);
     ml_gemm_shape g = gemm1(nr, nc, D, 0, 1, D, D, nc, 0.0);
-    return ml_matmul_cuda(dt, acc_dtype(dt), blk, (const char *)h + (size_t)(r0 * D) * es,
+    return ml_matmul_cuda(dt, ml_grad_dtype(dt), blk, (const char *)h + (size_t)(r0 * D) * es,
                           (const char *)W + (size_t)(c0 * D) * es, &g, ctx);
 }
 
@@ -218,7 +215,7 @@ static ml_status ce_backward(ml_dtype dt, void *dh, void *dW, double dloss, cons
                              const ml_kctx *ctx)
 {
     cudaStream_t st = ml_cuda_stream(ctx);
-    ml_dtype adt = acc_dtype(dt);
+    ml_dtype adt = ml_grad_dtype(dt);
     size_t es = sizeof(T), as = sizeof(L);
     ml_ce_scratch lay = ml_ce_scratch_layout(dt, S, V, D, rows, vchunk);
     bool mixed = dt == ML_BF16;

@@ -202,8 +202,8 @@ ml_status ml_op_cross_entropy_backward(ml_host *h, ml_tensor *dh, ml_tensor *dW,
         return ml_err_set(e, ML_EINVAL, "dloss must be finite, got %g", dloss);
     ML_TRY(ml_check_input(lse, "lse", dev, ML_DT(ML_F64), 1, 1, e));
     ML_TRY(ml_check_shape(lse, "lse", 1, &S, e));
-    if (dW->st && gdt == hs->dtype)   /* bf16: the accumulator check says "dW must be f32" */
-        ML_TRY(ml_check_same_dtype(dW, "dW", "h", hs->dtype, e));
+    if (dW->st)
+        ML_TRY(check_grad_dtype(dW, "dW", "h", hs->dtype, e));
     ML_TRY(check_ids(h, targets, "targets", V, e));
     ML_TRY(ml_prepare_accumulator(h, dW, "dW", dev, gdt, 2, W->shape, e));
     ML_TRY(ml_prepare_output(h, dh, "dh", dev, hs->dtype, 2, hs->shape, e));

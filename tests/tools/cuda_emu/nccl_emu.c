@@ -136,16 +136,25 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId *out)
     return ncclSuccess;
 }
 
+/* Room in the growable array *arr (n of *cap elements of `elem` bytes
+ * used) for one more: doubling, from 8; 0, or -1 when out of memory. */
+static int grow(void *arr, int n, int *cap, size_t elem)
+{
+    if (n < *cap)
+        return 0;
+    int more = *cap ? 2 * *cap : 8;
+    void *p = realloc(*(void **)arr, (size_t)more * elem);
+    if (!p)
+        return -1;
+    *(void **)arr = p;
+    *cap = more;
+    return 0;
+}
+
 static ncclResult_t track(ncclComm_t c, MPI_Request r)
 {
-    if (c->nreq == c->cap) {
-        int cap = c->cap ? 2 * c->cap : 16;
-        MPI_Request *p = realloc(c->req, (size_t)cap * sizeof *p);
-        if (!p)
-            return fail(c, ncclSystemError, "out of memory for MPI requests");
-        c->req = p;
-        c->cap = cap;
-    }
+    if (grow(&c->req, c->nreq, &c->cap, sizeof *c->req) != 0)
+        return fail(c, ncclSystemError, "out of memory for MPI requests");
     c->req[c->nreq++] = r;
     return ncclSuccess;
 }
@@ -435,14 +444,8 @@ static ncclResult_t op_begin(ncclComm_t c, const char *call)
         return fail(NULL, ncclInvalidUsage, "%s: the communicator's init has not completed",
                     call);
     if (!c->in_group) {
-        if (ngrouped == grouped_cap) {
-            int cap = grouped_cap ? 2 * grouped_cap : 8;
-            ncclComm_t *p = realloc(grouped, (size_t)cap * sizeof *p);
-            if (!p)
-                return fail(c, ncclSystemError, "out of memory for the group");
-            grouped = p;
-            grouped_cap = cap;
-        }
+        if (grow(&grouped, ngrouped, &grouped_cap, sizeof *grouped) != 0)
+            return fail(c, ncclSystemError, "out of memory for the group");
         grouped[ngrouped++] = c;
         c->in_group = 1;
     }
@@ -543,14 +546,8 @@ static ncclResult_t self_post(ncclComm_t c, int send, void *buf, size_t bytes)
         memmove(c->self, c->self + 1, (size_t)--c->nself * sizeof *c->self);
         return ncclSuccess;
     }
-    if (c->nself == c->self_cap) {
-        int cap = c->self_cap ? 2 * c->self_cap : 8;
-        emu_self *p = realloc(c->self, (size_t)cap * sizeof *p);
-        if (!p)
-            return fail(c, ncclSystemError, "out of memory for sends to itself");
-        c->self = p;
-        c->self_cap = cap;
-    }
+    if (grow(&c->self, c->nself, &c->self_cap, sizeof *c->self) != 0)
+        return fail(c, ncclSystemError, "out of memory for sends to itself");
     c->self[c->nself++] = (emu_self){buf, bytes};
     c->self_sends = send;
     return ncclSuccess;

@@ -28,7 +28,7 @@ static const double BF16_OUT = 2.0 / 256;
 
 static void run(ml_dtype dt, int64_t S, int64_t H, int64_t KV, int64_t hd)
 {
-    ml_dtype rt = dt == ML_BF16 ? ML_F32 : dt;   /* the CPU has no bf16: f32 on the rounded inputs */
+    ml_dtype rt = ml_grad_dtype(dt);   /* the CPU has no bf16: f32 on the rounded inputs */
     double tol = dt == ML_F64 ? 1e-12 : 1e-5, tol_o = dt == ML_BF16 ? BF16_OUT : tol;
     int64_t nq = S * H * hd, nk = S * KV * hd;
     auto q = rounded(dt, randn(nq)), k = rounded(dt, randn(nk)), v = rounded(dt, randn(nk));

@@ -31,7 +31,7 @@ static const double BF16_DW = 1.0 / 256, BF16_DH = 2.0 / 256;
 
 static void run(ml_dtype dt, int64_t S, int64_t V, int64_t D, int64_t rows, int64_t vchunk, bool nan)
 {
-    ml_dtype rdt = dt == ML_BF16 ? ML_F32 : dt;   /* the CPU reference's dtype */
+    ml_dtype rdt = ml_grad_dtype(dt);   /* the CPU reference's dtype */
     double eps = rdt == ML_F32 ? EPS32 : EPS64;
     std::vector<int64_t> tg(S);
     std::uniform_int_distribution<int64_t> u(0, V - 1);

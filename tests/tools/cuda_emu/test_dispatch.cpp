@@ -51,7 +51,7 @@ static void pack_unpack(const std::string &s, const int64_t *o, const int64_t *r
             if (dt == ML_U8)
                 continue;
             /* the CPU's sum (bf16: in f32 over the widened values, rounded once at the end) */
-            ml_dtype rd = dt == ML_BF16 ? ML_F32 : dt;
+            ml_dtype rd = ml_grad_dtype(dt);
             auto rin = as_dt(dt, randn(kept * cols)), u2 = as_dt(dt, randn(rows * cols));
             auto rin1 = as_dt(rd, to_d(dt, rin.data(), kept * cols)), u1 = as_dt(rd, to_d(dt, u2.data(), rows * cols));
             std::vector<unsigned char> sc(ml_dispatch_unpack_scratch_bytes_cuda(rows, div), 0xa5);

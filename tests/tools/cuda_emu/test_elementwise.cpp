@@ -52,10 +52,9 @@ static void fill_arange(ml_dtype dt, int64_t n)
     check(nm, bytes(dt, b, n), bytes(dt, a, n), 0);
 }
 
-/* bf16, which the CPU refuses, is checked against the CPU's f32 op on the
- * widened inputs: the reference's dtype, its input bytes and its first n
- * outputs as dt's bytes (bf16: rounded once) */
-static ml_dtype ref_dt(ml_dtype dt) { return dt == ML_BF16 ? ML_F32 : dt; }
+/* bf16, which the CPU refuses, is checked against the CPU's f32 op
+ * (ml_grad_dtype) on the widened inputs: the reference's input bytes and
+ * its first n outputs as dt's bytes (bf16: rounded once) */
 static std::vector<unsigned char> ref_in(ml_dtype dt, const std::vector<unsigned char> &x, int64_t n)
 {
     return dt == ML_BF16 ? as_dt(ML_F32, to_d(ML_BF16, x.data(), n)) : x;
@@ -75,7 +74,7 @@ static void binary(ml_dtype dt, int64_t n, int64_t na, int64_t nb)
     auto rx = ref_in(dt, x, na), ry = ref_in(dt, y, nb);
     for (int op = 0; op < ML_NBINOPS; op++) {
         std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-        ml_binary_cpu((ml_binop)op, ref_dt(dt), a.data(), rx.data(), ry.data(), n, na, nb, &emu_ctx);
+        ml_binary_cpu((ml_binop)op, ml_grad_dtype(dt), a.data(), rx.data(), ry.data(), n, na, nb, &emu_ctx);
         char nm[96];
         snprintf(nm, sizeof nm, "binary %s %s n=%ld na=%ld nb=%ld", bop[op], dtn(dt), (long)n, (long)na, (long)nb);
         check_status(nm, ml_binary_cuda((ml_binop)op, dt, b.data(), x.data(), y.data(), n, na, nb, &emu_ctx),
@@ -99,7 +98,7 @@ static void scalar(ml_dtype dt, int64_t n)
                 if (is_int(dt) && rev && op == ML_DIV)   /* a zero element divisor: refused by the binding */
                     continue;
                 std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-                ml_binary_scalar_cpu((ml_binop)op, ref_dt(dt), a.data(), rx.data(), s, rev, n, &emu_ctx);
+                ml_binary_scalar_cpu((ml_binop)op, ml_grad_dtype(dt), a.data(), rx.data(), s, rev, n, &emu_ctx);
                 char nm[96];
                 snprintf(nm, sizeof nm, "scalar %s %s n=%ld s=%g rev=%d", bop[op], dtn(dt), (long)n, s, rev);
                 check_status(nm, ml_binary_scalar_cuda((ml_binop)op, dt, b.data(), x.data(), s, rev, n, &emu_ctx),
@@ -113,7 +112,7 @@ static void unary(ml_dtype dt, int64_t n)
     auto x = as_dt(dt, input(dt, n)), rx = ref_in(dt, x, n);
     for (int op = 0; op < ML_NUNOPS; op++) {
         std::vector<unsigned char> a(n * 8 + 8, 0), b(n * 8 + 8, 0xff);
-        ml_status want = ml_unary_cpu((ml_unop)op, ref_dt(dt), a.data(), rx.data(), n, &emu_ctx);
+        ml_status want = ml_unary_cpu((ml_unop)op, ml_grad_dtype(dt), a.data(), rx.data(), n, &emu_ctx);
         char nm[96];
         snprintf(nm, sizeof nm, "unary %s %s n=%ld", uop[op], dtn(dt), (long)n);
         check_status(nm, ml_unary_cuda((ml_unop)op, dt, b.data(), x.data(), n, &emu_ctx), want);

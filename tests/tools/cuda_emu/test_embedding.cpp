@@ -9,7 +9,7 @@
 
 static void run(ml_dtype dt, int64_t T, int64_t V, int64_t D)
 {
-    ml_dtype rt = dt == ML_BF16 ? ML_F32 : dt, gd = ml_grad_dtype(dt);
+    ml_dtype gd = ml_grad_dtype(dt), rt = gd;   /* dW's dtype; the CPU's reference in it */
     std::vector<int64_t> ids(T + 1);
     std::uniform_int_distribution<int64_t> u(0, V - 1);
     for (int64_t i = 0; i < T; i++)

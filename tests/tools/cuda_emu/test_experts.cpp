@@ -203,7 +203,7 @@ static void run(ml_dtype dt, int64_t T, int64_t k, int64_t D, int64_t F, int64_t
     G.c = {T, k, D, F, E, tile, S, 0};
     G.x = as_dt(dt, randn(T * D)), G.w = as_dt(dt, randn(n)), G.gu = as_dt(dt, randn(E * 2 * F * D, 0.2));
     G.dn = as_dt(dt, randn(E * D * F, 0.2)), G.dy = as_dt(dt, randn(T * D));
-    problem C = widened(G, dt == ML_BF16 ? ML_F32 : dt);
+    problem C = widened(G, ml_grad_dtype(dt));
     std::string nm = std::string(dtn(dt)) + " T=" + std::to_string(T) + " E=" + std::to_string(E) + " tile=" +
                      std::to_string(tile) + " cap=" + std::to_string(cap) + (caps.empty() ? "" : " caps") +
                      " S=" + std::to_string(S);

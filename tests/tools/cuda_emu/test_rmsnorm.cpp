@@ -9,7 +9,7 @@
 
 static void run(ml_dtype dt, int64_t N, int64_t D)
 {
-    ml_dtype rt = dt == ML_BF16 ? ML_F32 : dt;   /* the CPU has no bf16: f32 on the rounded inputs */
+    ml_dtype rt = ml_grad_dtype(dt);   /* the CPU has no bf16: f32 on the rounded inputs */
     ml_dtype gd = ml_grad_dtype(dt);              /* dw's dtype */
     double tol_y = dt == ML_F32 ? 64 * EPS32 : dt == ML_F64 ? 1e-12 : 1.0 / 256;
     double tol_dx = dt == ML_F32 ? 128 * EPS32 : dt == ML_F64 ? 1e-12 : 1.0 / 256;

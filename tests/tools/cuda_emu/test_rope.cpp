@@ -6,7 +6,7 @@
 
 static void run(ml_dtype dt, int64_t S, int64_t H, int64_t hd, int64_t off, double theta, bool inplace)
 {
-    ml_dtype rt = dt == ML_BF16 ? ML_F32 : dt;
+    ml_dtype rt = ml_grad_dtype(dt);
     double tol = dt == ML_F32 ? 8 * EPS32 : dt == ML_F64 ? 1e-11 : 1.0 / 256;
     size_t n = S * H * hd;
     auto x = rounded(dt, randn(n));
