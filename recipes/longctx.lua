@@ -144,10 +144,6 @@ if opts.offload_optimizer and opts.dtype == "bf16" then
   errors.user("--offload-optimizer: with --dtype bf16 the f32 master weights would have to leave the GPU too, " ..
               "which is not built: use --dtype f32")
 end
-if opts.expert_budget ~= "" and opts.dtype == "bf16" then
-  errors.user("--expert-budget: the expert store holds f32 experts (with bf16 a slab would need a bf16 compute " ..
-              "copy beside its f32 masters, which is not built): use --dtype f32")
-end
 if opts.expert_store ~= "" and opts.device ~= "cpu" then
   errors.user("--expert-store: on --device " .. opts.device .. " the expert store keeps its experts in pinned " ..
               "host memory, not in a file (leave it out)")

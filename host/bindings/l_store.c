@@ -17,8 +17,9 @@
  *                          device's book. prefetch: scheduled slabs hinted
  *                          after each acquire (cpu). Inside mem.plan: the
  *                          plan's books, no file, no byte moved.
- *   s:slot(i)              an f32 tensor [slab_bytes / 4] on the store's device viewing slot i, valid
- *                          while s is open (using it afterwards is an error)
+ *   s:slot(i[, dtype])     a tensor [slab_bytes / size] of dtype ("f32", the default, or
+ *                          "bf16": a slab may hold both) on the store's device viewing slot i,
+ *                          valid while s is open (using it afterwards is an error)
  *   s:read(slab, slot)     the slab's bytes into the slot   } direct, bypassing the
  *   s:write(slot, slab)    the slot's bytes to the slab     } policy: initial fill, checkpoints
  *   s:schedule{slab, ...}  the future access order, once routing is known ({}: none)
@@ -136,21 +137,32 @@ static int l_store_open(lua_State *L)
     return 1;
 }
 
-/* s:slot(i): a view holding a reference to the slots' storage, which the
- * store releases on close (tensor.h: ml_storage_release_memory), so a view
- * that outlives the store is an error to use, never a dangling pointer. */
+/* s:slot(i[, dtype]): a view holding a reference to the slots' storage,
+ * which the store releases on close (tensor.h: ml_storage_release_memory),
+ * so a view that outlives the store is an error to use, never a dangling
+ * pointer. Slots are 64-byte aligned and slab_bytes a multiple of 4, so
+ * either dtype tiles a slot exactly. */
 static int l_store_slot(lua_State *L)
 {
     static const char fn[] = "Store:slot";
+    static const char *const dtypes[] = {"f32", "bf16", NULL};
+    static const ml_dtype dt_of[] = {ML_F32, ML_BF16};
     ml_expert_store *s = check_store(L, fn);
     size_t slot = check_id(L, 2, fn, "slot", s->nslots);
+    const char *name = luaL_optstring(L, 3, "f32");
+    int d = 0;
+    while (dtypes[d] && strcmp(dtypes[d], name) != 0)
+        d++;
+    if (!dtypes[d])
+        ml_error(L, fn, "dtype must be \"f32\" or \"bf16\", got \"%s\"", name);
+    size_t size = ml_dtype_size(dt_of[d]);
     ml_tensor *t = ml_pushtensor(L);
     ml_storage_retain(s->slots.st);
     t->st = s->slots.st;
-    t->offset = (int64_t)(slot * s->stride / 4);
-    t->dtype = ML_F32;
+    t->offset = (int64_t)(slot * s->stride / size);
+    t->dtype = dt_of[d];
     t->ndim = 1;
-    t->shape[0] = (int64_t)(s->slab_bytes / 4);
+    t->shape[0] = (int64_t)(s->slab_bytes / size);
     t->stride[0] = 1;
     return 1;
 }

@@ -10,16 +10,24 @@
 --
 --   local es = expert_store.new{path =, budget = bytes, layers = L, experts = E,
 --                               dim = D, ffn = F [, device = "cpu", prefetch = 2,
---                               inference = false]}   -- f32; path: the cpu's file
+--                               inference = false, dtype = "f32"]}   -- path: the cpu's file
 --   local v = es:acquire(l, e)    -- slot views of layer l's (0-based) expert e
 --   ... v.gate_up [2F, D], v.down [D, F], v.dgate_up, v.ddown ...
 --   es:release(l, e, dirty)
+--   es:edit_params(l, e, fn)      -- fn(v) writes v.params (a load): see below
 --
 -- A slab holds everything of one expert that a step touches, in the layout
 -- of its unit (gate_up then down, so one expert is 3 D F contiguous
 -- elements), four times: parameters, gradients, AdamW's exp_avg and
 -- exp_avg_sq. So the budget bounds the resident parameters, gradients and
 -- optimizer states of experts together, and a slot is the unit of I/O.
+-- With dtype "bf16" (mixed precision on cuda, as moelua.zero's units) the
+-- four are f32 (v.params are the master weights, which the optimizer steps
+-- and checkpoints hold) and a fifth part, v.compute, is their bf16 copy
+-- that the kernels read (v.gate_up and v.down view it): 18 bytes per
+-- parameter, on the ledger as zero's (compute: params, gradients: grads,
+-- masters and states: optim). Whatever writes v.params rounds v.compute
+-- from them: the optimizer's pass, fill, and edit_params (loads).
 --
 -- A step (the model and the trainer drive it; moelua.moe runs the experts
 -- one at a time, ascending, so y and dx sum as one call does):
@@ -60,14 +68,19 @@ local size = mem.format_bytes
 -- of them) and a slot's bytes; a budget below one expert is a user error
 -- naming --expert-budget. Nothing is created.
 function expert_store.check(o)
-  local copies = o.inference and 1 or 4
-  local slab_bytes = copies * 3 * o.dim * o.ffn * 4     -- f32 copies of 3 D F
+  local n = 3 * o.dim * o.ffn
+  local slab_bytes = (o.inference and 1 or 4) * n * 4     -- f32 copies of 3 D F
+  if o.dtype == "bf16" then   -- and the bf16 compute copy (padded: a slab is whole f32 elements)
+    slab_bytes = (slab_bytes + 2 * n + 3) // 4 * 4
+  end
   local slot_bytes = (slab_bytes + 63) // 64 * 64
   local slots = math.min(o.budget // slot_bytes, o.layers * o.experts)
   if slots < 1 then
-    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: its parameters%s)",
+    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: %s)",
                               size(o.budget), size(slot_bytes),
-                              o.inference and "" or ", gradients and AdamW states"))
+                              o.inference and "its parameters" or o.dtype == "bf16" and
+                              "its f32 masters, gradients and AdamW states and its bf16 copy" or
+                              "its parameters, gradients and AdamW states"))
   end
   return slots, slot_bytes, slab_bytes
 end
@@ -77,20 +90,28 @@ end
 -- (--expert-budget, --expert-store).
 function expert_store.new(o)
   local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
+  local dtype, device = o.dtype or "f32", o.device or "cpu"
+  if dtype ~= "f32" and (dtype ~= "bf16" or device ~= "cuda" or o.inference) then
+    error(string.format("moelua.expert_store.new: dtype %s: the store holds f32 experts, or bf16 ones " ..
+                        "with f32 masters for training on cuda (got device %s%s)", tostring(dtype), device,
+                        o.inference and ", inference" or ""), 2)
+  end
   local slots, slot_bytes, slab_bytes = expert_store.check(o)
   local b = 3 * D * F * 4   -- a slab's parameters (f32), then gradients and AdamW's two states
-  local device = o.device or "cpu"
+  local category = o.inference and "params" or {params = b, grads = b, optim = 2 * b}
+  if dtype == "bf16" then   -- (the masters are optimizer state, as in moelua.zero)
+    category = {params = slab_bytes - 4 * b, grads = b, optim = 3 * b}
+  end
   local ok, s = pcall(store.open, {device = device, path = device == "cpu" and o.path or nil,
                                    slabs = L * E, slab_bytes = slab_bytes, slots = slots,
-                                   prefetch = o.prefetch or 2,
-                                   category = o.inference and "params" or {params = b, grads = b, optim = 2 * b}})
+                                   prefetch = o.prefetch or 2, category = category})
   if not ok then
     if mem.planning() then error(s, 0) end   -- (in a plan only a budget refuses: train.plan's to report)
     errors.user((device == "cpu" and "--expert-store: " or "--expert-budget: ") ..
                 tostring(s):gsub("^moelua%.store%.open: ", ""))
   end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
-                             inference = o.inference, views_of = {}, touched = {}, sumsq = {}, steps = {},
+                             inference = o.inference, dtype = dtype, views_of = {}, touched = {}, sumsq = {}, steps = {},
                              routed = {}}, ES)
   return self
 end
@@ -98,12 +119,19 @@ end
 function ES:slab(l, e) return l * self.E + e end
 
 -- The views of slot i (made once): the expert's parameters, gradients and
--- states, each 3 D F elements, and the weight matrices the kernels take.
+-- states, each 3 D F elements, and the weight matrices the kernels take
+-- (of the bf16 compute copy after the four, with dtype "bf16").
 function ES:views(i)
   local v = self.views_of[i]
   if v then return v end
   local t, n, D, F = self.s:slot(i), self.n, self.D, self.F
-  v = {params = t:view_at(0, {n}), gate_up = t:view_at(0, {2 * F, D}), down = t:view_at(2 * F * D, {D, F})}
+  local w = t
+  v = {params = t:view_at(0, {n})}
+  if self.dtype == "bf16" then
+    v.compute = self.s:slot(i, "bf16"):view_at(8 * n, {n})   -- (bf16 elements after 4 n f32 ones)
+    w = v.compute
+  end
+  v.gate_up, v.down = w:view_at(0, {2 * F, D}), w:view_at(2 * F * D, {D, F})
   if not self.inference then
     v.grads, v.exp_avg, v.exp_avg_sq = t:view_at(n, {n}), t:view_at(2 * n, {n}), t:view_at(3 * n, {n})
     v.dgate_up, v.ddown = t:view_at(n, {2 * F, D}), t:view_at(n + 2 * F * D, {D, F})
@@ -120,13 +148,31 @@ function ES:release(l, e, dirty)
   self.s:release(self:slab(l, e), dirty)
 end
 
+-- v.compute rounded from v.params (mixed precision; nothing with f32).
+local function round_compute(v)
+  if v.compute then v.compute:copy_(v.params) end
+end
+
 -- es:fill(l, e, fn): expert e of layer l starts as fn(v) writes v.params
 -- (the rest zero), written straight to its slab (before the first step).
 function ES:fill(l, e, fn)
   local v = self:views(0)
   if not self.inference then v.grads:zero_(); v.exp_avg:zero_(); v.exp_avg_sq:zero_() end
   fn(v)
+  round_compute(v)
   self.s:write(0, self:slab(l, e))
+end
+
+-- es:edit_params(l, e, fn): fn(v) with expert e of layer l resident, where
+-- fn writes v.params (and may write its states): a load. The slab is then
+-- dirty, and its compute copy rounded from the new parameters, also when
+-- fn raises (so what the kernels read is what the slab holds).
+function ES:edit_params(l, e, fn)
+  local v = self:acquire(l, e)
+  local ok, err = pcall(fn, v)
+  round_compute(v)
+  self:release(l, e, true)
+  if not ok then error(err, 0) end
 end
 
 -- Layer l's forward has routed: `has` = {[e] = true} for its experts with
@@ -249,6 +295,7 @@ function ES:step(opt, lr, coef, attrs, masks)
             hp.step = self.steps[slab]
           end
           C.adamw_step(v.params, v.grads, v.exp_avg, v.exp_avg_sq, hp)
+          round_compute(v)
           v.grads:zero_()
           self:release(l, e, true)
           self.touched[self:slab(l, e)] = nil

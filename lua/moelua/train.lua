@@ -497,12 +497,13 @@ local function load_sharded(self, c, meta)
   end
   local function read_stored(pc)   -- an expert store's parameter, its states and count (absent: zero)
     local st, o = pc.stored, c.optim and not pc.frozen and c.optim[pc.name]
-    local v = st.es:acquire(st.layer, st.expert)
-    c.model[pc.name]:read_range(0, v.params:view_at(st.at, pc.shape))
-    for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
-      local t = v[k]:view_at(st.at, pc.shape)
-      if o then o[k]:read_range(0, t) else t:zero_() end
-    end
+    st.es:edit_params(st.layer, st.expert, function(v)
+      c.model[pc.name]:read_range(0, v.params:view_at(st.at, pc.shape))
+      for _, k in ipairs{"exp_avg", "exp_avg_sq"} do
+        local t = v[k]:view_at(st.at, pc.shape)
+        if o then o[k]:read_range(0, t) else t:zero_() end
+      end
+    end)
     local count, slab = o and c.optim_steps and c.optim_steps[pc.name], st.es:slab(st.layer, st.expert)
     st.es.steps[slab] = nil
     if count then
@@ -510,7 +511,6 @@ local function load_sharded(self, c, meta)
       count:read_into(n)
       st.es.steps[slab] = n:item() > 0 and n:item() or nil
     end
-    st.es:release(st.layer, st.expert, true)
   end
   local function read_piece(pc)
     c.model[pc.name]:read_range(pc.at, z:param_view(pc))

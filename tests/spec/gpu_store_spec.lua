@@ -35,22 +35,22 @@ local TIER = DEV == "cuda" and "pinned" or "file"
 local root
 local function dir(name) return root .. "/" .. name end
 
-local function build_with(store, offload)
+local function build_with(store, offload, dtype)
   return function()
     local model = nn.Transformer.new{vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
                                      experts = E, topk = 2, seed = 3, checkpoint = "moe", store = store,
-                                     device = DEV, dtype = "f32"}
+                                     device = DEV, dtype = dtype or "f32"}
     local groups = model:param_groups{weight_decay = 0.1, offload = offload ~= nil}
     return model, optim.AdamW(groups, {lr = 1e-2, weight_decay = 0.1, offload = offload}), groups
   end
 end
 
 -- Trains o.steps (5) steps of 2 micro-batches, clipped (a checkpoint at the
--- end in run_dir), AdamW's states offloaded with o.offload; returns the
--- result, the model, the plan and the optimizer.
+-- end in run_dir), AdamW's states offloaded with o.offload, in o.dtype
+-- (f32); returns the result, the model, the plan and the optimizer.
 local function run(run_dir, store, o)
   o = o or {}
-  local cfg = {build = build_with(store, o.offload), data = data.open{glob = dir("corpus.txt"), seq_len = SEQ, seed = 0,
+  local cfg = {build = build_with(store, o.offload, o.dtype), data = data.open{glob = dir("corpus.txt"), seq_len = SEQ, seed = 0,
                                                            holdout = 0},
                seq_len = SEQ, steps = o.steps or 5, accum = 2, clip = 0.05, lr = function() return 1e-2 end,
                log_every = 1000, run_dir = run_dir, ckpt_every = o.ckpt_every or 0, keep = 10, resume = o.resume}
@@ -60,8 +60,12 @@ local function run(run_dir, store, o)
   return train.run(cfg), cfg.model, plan, cfg.optimizer
 end
 
+local EXPERT_BF16 = 18 * 3 * D * F   -- with mixed precision: f32 masters, gradients and states, a bf16 copy
+
 -- path: the cpu's file (a cuda store has none)
-local function store_of(name, experts) return {path = dir(name .. ".store"), budget = experts * EXPERT} end
+local function store_of(name, experts, bytes)
+  return {path = dir(name .. ".store"), budget = experts * (bytes or EXPERT)}
+end
 
 describe("moelua.store on " .. DEV, function()
   local raw, n = nil, 0
@@ -174,16 +178,6 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
     assert.are.equal(0, mem.stats()[TIER].total, "a closed optimizer gives its backing bytes back")
   end)
 
-  it("bf16 with a store is refused before anything is allocated", function()
-    if DEV ~= "cuda" then return end   -- (the CPU refuses bf16 itself)
-    local ok, err = pcall(nn.Transformer.new, {vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
-                                               experts = E, topk = 2, device = "cuda", dtype = "bf16",
-                                               store = store_of("bf16", 2)})
-    assert.is_false(ok)
-    assert.is_not_nil(tostring(err):find("option 'store': the expert store holds f32 experts", 1, true), err)
-    assert.are.equal(0, mem.stats()[TIER].total)
-  end)
-
   it("saves and resumes: a run resumed from a checkpoint equals the uninterrupted one", function()
     local ref, model = run(dir("whole"), store_of("whole", 2), {steps = 6, ckpt_every = 3})
     model.expert_store:close()
@@ -195,5 +189,60 @@ describe("GPU expert store (" .. DEV .. ", f32)", function()
     -- the checkpoint holds the full experts: resident experts resume from it alike
     local rr = run(dir("resident_resumed"), nil, {steps = 6, ckpt_every = 3, resume = dir("whole/ckpt/step-000002")})
     for s = 3, 5 do assert.are.equal(ref.losses[s], rr.losses[s], "step " .. s) end
+  end)
+end)
+
+describe("GPU expert store (bf16: mixed precision)", function()
+  if DEV ~= "cuda" then return end   -- (the CPU's kernels are f32)
+  setup(function()
+    root = support.disk_dir("gpu_store_spec_bf16")
+    support.write_corpus(dir("corpus.txt"), 11, 3000)
+    m.threads(1)
+  end)
+  teardown(function() support.remove_dir(root) end)
+
+  it("a budget of two experts trains bitwise like resident bf16 experts, the masters in the slabs", function()
+    local r0 = run(dir("resident"), nil, {dtype = "bf16"})
+    collectgarbage()
+    mem.reset_peak()
+    local r2, model, plan = run(dir("stored"), store_of("stored", 2, EXPERT_BF16), {dtype = "bf16"})
+    for s = 0, 4 do assert.are.equal(r0.losses[s], r2.losses[s], "step " .. s) end
+    -- the checkpoints hold the f32 masters and states: byte for byte
+    support.same_checkpoint_files(dir("resident/ckpt/step-000004"), dir("stored/ckpt/step-000004"))
+    local st = model.expert_store:stats()
+    assert.are.equal(2, st.slots)
+    assert.is_true(st.evictions > 0, "the budget was not a bound: nothing was evicted")
+    local dev = mem.stats()[DEV]
+    assert.is_true(dev.peak.cache > 0 and dev.peak.cache <= 2 * EXPERT_BF16, "ledger peak " .. dev.peak.cache)
+    assert.are.equal(plan.total_peak, dev.total_peak, "the plan of the run with its store")
+    -- per expert: the bf16 copy (2 bytes a parameter), f32 gradients (4), masters and states (12)
+    local n, tier = 3 * D * F, mem.stats()[TIER]
+    assert.are.same({L * E * 2 * n, L * E * 4 * n, L * E * 12 * n},
+                    {tier.current.params, tier.current.grads, tier.current.optim})
+    model.expert_store:close()
+  end)
+
+  it("resumes from its checkpoint like the uninterrupted run, and resident bf16 experts resume from it alike",
+     function()
+    local ref, model = run(dir("whole"), store_of("whole", 2, EXPERT_BF16), {steps = 6, ckpt_every = 3,
+                                                                            dtype = "bf16"})
+    model.expert_store:close()
+    local r, again = run(dir("resumed"), store_of("resumed", 2, EXPERT_BF16),
+                         {steps = 6, ckpt_every = 3, resume = dir("whole/ckpt/step-000002"), dtype = "bf16"})
+    again.expert_store:close()
+    for s = 3, 5 do assert.are.equal(ref.losses[s], r.losses[s], "step " .. s) end
+    support.same_checkpoint_files(dir("whole/ckpt/step-000005"), dir("resumed/ckpt/step-000005"))
+    local rr = run(dir("resident_resumed"), nil, {steps = 6, ckpt_every = 3, dtype = "bf16",
+                                                  resume = dir("whole/ckpt/step-000002")})
+    for s = 3, 5 do assert.are.equal(ref.losses[s], rr.losses[s], "step " .. s) end
+  end)
+
+  it("a budget below one bf16 expert names the option and its size", function()
+    local ok, err = pcall(nn.Transformer.new, {vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
+                                               experts = E, topk = 2, device = "cuda", dtype = "bf16",
+                                               store = store_of("small", 1, EXPERT_BF16 - 64)})
+    assert.is_false(ok)
+    assert.is_not_nil(tostring(err):find("--expert-budget", 1, true), err)
+    assert.is_not_nil(tostring(err):find("its f32 masters, gradients and AdamW states and its bf16 copy", 1, true), err)
   end)
 end)

@@ -151,8 +151,6 @@ local function check_options(opts)
          and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0)
          and (st.inference == nil or type(st.inference) == "boolean"),
          "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0, inference = boolean]}")
-    need(o.dtype == "f32", "option 'store': the expert store holds f32 experts (with bf16 a slab would need " ..
-         "a bf16 compute copy beside its f32 masters, which is not built)")
   end
   -- moe sub-options, checked by moelua.moe without allocating
   local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype,
@@ -204,7 +202,7 @@ function Transformer.new(opts)
     self.zero:check_store()
     self.expert_store = expert_store.new{path = o.store.path, budget = o.store.budget, prefetch = o.store.prefetch,
                                          inference = o.store.inference, layers = o.layers, experts = o.experts,
-                                         dim = D, ffn = o.ffn, device = o.device}
+                                         dim = D, ffn = o.ffn, device = o.device, dtype = dt}
   end
   local draw_offset = 0
   -- a unit of the layout, drawn N(0, init_std) from the model's seed at
@@ -810,8 +808,7 @@ function Transformer:load_named(tensors, opts)
     if u.stored then   -- an expert store's: each into its expert's slab
       for _, p in ipairs(by_unit[u]) do
         local st = p.stored
-        load(p, st.es:acquire(st.layer, st.expert).params:view_at(st.at, p.shape))
-        st.es:release(st.layer, st.expert, true)
+        st.es:edit_params(st.layer, st.expert, function(v) load(p, v.params:view_at(st.at, p.shape)) end)
       end
     else
       self.zero:edit(u, function()
