@@ -81,8 +81,9 @@ local opts = options.parse(arg, {
   {"expert-store", "", "the expert store's backing file on cpu (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
   {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs) on cpu, in " ..
-                               "pinned host memory on cuda (--dtype f32), updated chunk by chunk through at " ..
-                               "most 4 MiB of staging (one process)"},
+                               "pinned host memory on cuda (with --dtype bf16 the f32 master weights in host " ..
+                               "memory too), updated chunk by chunk through at most 4 MiB of staging (5 MiB " ..
+                               "with bf16's masters; one process)"},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
 }, "usage: moelua recipes/longctx.lua [options]")
@@ -140,16 +141,13 @@ if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
   errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
 end
-if opts.offload_optimizer and opts.dtype == "bf16" then
-  errors.user("--offload-optimizer: with --dtype bf16 the f32 master weights would have to leave the GPU too, " ..
-              "which is not built: use --dtype f32")
-end
 if opts.expert_store ~= "" and opts.device ~= "cpu" then
   errors.user("--expert-store: on --device " .. opts.device .. " the expert store keeps its experts in pinned " ..
               "host memory, not in a file (leave it out)")
 end
 dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
-local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep}
+local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep,
+                   offload = opts.offload_optimizer}   -- (with bf16: the f32 masters in host memory)
 zero.new(zero_opts)   -- its errors before anything is allocated
 if opts.offload_optimizer and (opts.zero > 0 or dist.world() > 1) then
   errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d ranks): " ..

@@ -87,9 +87,14 @@
 -- C.adamw_step on each chunk's part of each group (a lazy group: each
 -- active expert's slice, with its own count) through `slots` store slots
 -- (the staging: slots x 8 chunk bytes, 64-byte aligned, charged by the
--- store to the ledger's `cache`; the file to the `file` book under
+-- store to the ledger's `optim`; the file to the `file` book under
 -- "optim"), with the same hp and t as resident states: the update is
--- elementwise, so the result is bitwise the same. Given states are
+-- elementwise, so the result is bitwise the same. Mixed precision (groups
+-- with `compute`): each chunk's compute copy is rounded from its updated
+-- masters there and then; masters in host memory (params on the cpu, the
+-- grads and compute copy on cuda: moelua.zero's `offload`) are staged
+-- through one more device chunk (4 chunk bytes under "optim"), copied in
+-- before the chunk's update and back after it. Given states are
 -- ignored (never committed; on CUDA, where a reservation is allocated,
 -- model:param_groups{offload = true} reserves none); a sparse group's i64 step counts stay
 -- resident under "optim". A step's pass runs with interrupts held
@@ -155,7 +160,7 @@ local function check_given(fn, i, g, p, adamw)
   return out.exp_avg, out.exp_avg_sq
 end
 
-local function check_groups(fn, groups, allow_experts)
+local function check_groups(fn, groups, allow_experts, offload)
   if type(groups) ~= "table" or #groups == 0 then
     fail(fn, "groups must be a non-empty list of tables, got %s", type(groups))
   end
@@ -171,8 +176,12 @@ local function check_groups(fn, groups, allow_experts)
     local p, gr = g.params, g.grads
     if not tensor.is_tensor(p) then fail(fn, "group %d: 'params' must be a tensor, got %s", i, type(p)) end
     if not tensor.is_tensor(gr) then fail(fn, "group %d: 'grads' must be a tensor, got %s", i, type(gr)) end
-    if p:device() ~= gr:device() then
-      fail(fn, "group %d: params are on %s but grads on %s (one device expected)", i, p:device(), gr:device())
+    local cp = g.compute
+    -- (masters in host memory beside a device's compute copy: only offloaded, which stages them)
+    local host_masters = offload and tensor.is_tensor(cp) and p:device() == "cpu" and cp:device() == gr:device()
+    if p:device() ~= gr:device() and not host_masters then
+      fail(fn, "group %d: params are on %s but grads on %s (one device expected%s)", i, p:device(), gr:device(),
+           cp and ", or f32 masters on the cpu with option 'offload'" or "")
     end
     if not p:is_contiguous() or not gr:is_contiguous() then
       fail(fn, "group %d: params and grads must be contiguous (flat units)", i)
@@ -204,11 +213,10 @@ local function check_groups(fn, groups, allow_experts)
              p:numel(), tostring(E))
       end
     end
-    local cp = g.compute
     if cp ~= nil and not (tensor.is_tensor(cp) and cp:is_contiguous() and cp:numel() == p:numel()
-                          and cp:device() == p:device()) then
+                          and cp:device() == gr:device()) then
       fail(fn, "group %d: 'compute' must be a contiguous tensor on %s with %d elements like params", i,
-           p:device(), p:numel())
+           gr:device(), p:numel())
     end
     local exp_avg, exp_avg_sq = check_given(fn, i, g, p, allow_experts)
     out[i] = {params = p, grads = gr, lr_mult = lr_mult, weight_decay = g.weight_decay,
@@ -483,15 +491,15 @@ local function open_offload(groups, oo)
   if math.type(slots) ~= "integer" or slots < 1 then
     offload_fail("'slots' must be an integer >= 1, got %s", tostring(slots))
   end
-  local base, n, device = {}, 0, nil
+  local base, n, device, staged = {}, 0, nil, false
   for i, g in ipairs(groups) do
     if not g.frozen then
-      device = device or g.params:device()
-      if g.params:dtype() ~= "f32" or g.params:device() ~= device or g.compute then
-        offload_fail("group %d is %s on %s, offloaded states are f32 on the device of every group (%s; " ..
-                     "mixed precision's masters would need offloading too, which is not built)", i,
-                     g.compute and "bf16 with f32 masters" or g.params:dtype(), g.params:device(), device)
+      device = device or g.grads:device()
+      if g.params:dtype() ~= "f32" or g.grads:device() ~= device then
+        offload_fail("group %d is %s on %s, offloaded states are f32 on the device of every group (%s)", i,
+                     g.params:dtype(), g.grads:device(), device)
       end
+      staged = staged or g.params:device() ~= device
       base[i], n = n, n + g.params:numel()
     end
   end
@@ -506,7 +514,9 @@ local function open_offload(groups, oo)
                                    slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim",
                                    slot_category = "optim"})
   if not ok then offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""))) end
-  return {s = s, chunk = chunk, base = base, n = n, views = {}}
+  -- masters in host memory: one chunk of them at a time on the device
+  local stage = staged and mem.scope("optim", tensor.zeros, {chunk}, {dtype = "f32", device = device})
+  return {s = s, chunk = chunk, base = base, n = n, views = {}, stage = stage or nil}
 end
 
 -- Slot i's chunk of exp_avg and of exp_avg_sq (views made once).
@@ -550,7 +560,7 @@ function optim.AdamW(groups, opts)
   check_number("AdamW", "option 'beta2'", o.beta2, 0, 1)
   check_number("AdamW", "option 'eps'", o.eps, 0)
   check_number("AdamW", "option 'weight_decay'", o.weight_decay, 0)
-  local self = setmetatable({kind = "AdamW", opts = o, groups = check_groups("AdamW", groups, true),
+  local self = setmetatable({kind = "AdamW", opts = o, groups = check_groups("AdamW", groups, true, o.offload),
                              state = {}, t = 0, skipped_expert_steps = 0}, AdamW)
   if o.offload then
     for _, g in ipairs(self.groups) do g.exp_avg, g.exp_avg_sq = nil, nil end   -- given states: ignored
@@ -641,7 +651,11 @@ local function offloaded_step(self, lr, active_masks)
       local g, hp = r.g, r.st.hp
       hp.step = r.t
       each_chunk(of, r.lo, r.n, true, function(m, v, at, len)
-        C.adamw_step(g.params:view_at(r.at + at, {len}), g.grads:view_at(r.at + at, {len}), m, v, hp)
+        local p = g.params:view_at(r.at + at, {len})
+        local dp = p:device() == m:device() and p or of.stage:view_at(0, {len}):copy_(p)
+        C.adamw_step(dp, g.grads:view_at(r.at + at, {len}), m, v, hp)
+        if dp ~= p then p:copy_(dp) end
+        if g.compute then g.compute:view_at(r.at + at, {len}):copy_(dp) end
       end)
     end
   end)
@@ -875,7 +889,10 @@ end
 -- opt:close(): an offloaded optimizer's store closed (its file removed);
 -- the optimizer cannot step afterwards. Resident: nothing to do.
 function AdamW:close()
-  if self.offload then self.offload.s:close() end
+  if self.offload then
+    self.offload.s:close()
+    if self.offload.stage then self.offload.stage:free() end
+  end
 end
 
 -- An offloaded optimizer's store counters (moelua.store's stats), or nil.

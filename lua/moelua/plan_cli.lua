@@ -107,6 +107,14 @@ local function preset_lines(plan, out)
                                                     bytes(plan.budget_total)) or "")
 end
 
+-- The books beside the model device's that a plan shows when they hold
+-- bytes: host memory (a cuda run's, e.g. offloaded master weights), pinned
+-- host memory, files.
+local function other_tiers(device)
+  if device == "cpu" then return {"pinned", "file"} end
+  return {"cpu", "pinned", "file"}
+end
+
 -- The lines of train.plan's report: the headline (the peak, or what a plan
 -- over the budget needs), the book of the model's device (plan, with
 -- train.plan's parameters, pool_bytes and expert_exchange), the other tiers
@@ -129,7 +137,7 @@ local function report(recipe, device, plan, books, over)
                                   n >= 1e9 and string.format("%.2fB", n / 1e9) or string.format("%.2fM", n / 1e6))
   end
   book_lines(device, plan, out)
-  for _, tier in ipairs{"pinned", "file"} do
+  for _, tier in ipairs(other_tiers(device)) do
     local b = books[tier]
     if b and b.total_peak > 0 then
       out[#out + 1] = ""
@@ -180,7 +188,7 @@ function M.finish_json(recipe, device, plan, books)
                pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange,
                parameters = plan.parameters, preset = M.preset}
   if dist.planned() then out.rank, out.world = dist.rank(), dist.world() end
-  for _, tier in ipairs{"pinned", "file"} do
+  for _, tier in ipairs(other_tiers(device)) do
     local b = books[tier]
     if b and b.total_peak > 0 then out.books[tier] = book(b) end
   end

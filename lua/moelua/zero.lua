@@ -46,7 +46,11 @@
 -- u.master, the f32 master weights, are f32 and cover the optimizer's range
 -- (whole at stage 0, the shard above). The optimizer steps the masters and
 -- rounds them into the compute copy (its groups' `compute`); a load does
--- that in Zero:gather_params(true). Checkpoints hold the masters.
+-- that in Zero:gather_params(true). Checkpoints hold the masters. With
+-- `offload` (the optimizer keeps its states off the device: moelua.optim's
+-- offload, DeepSpeed's offload_optimizer) the masters live in host memory
+-- (the cpu book, under optim) and the optimizer stages them to the device
+-- chunk by chunk.
 --
 -- Every reduction is moelua.dist's (a sum in rank order), so stages 0-3 at
 -- one world size give bitwise equal parameters (with reduce_every "micro"
@@ -68,11 +72,12 @@ function zero.grad_dtype(dt) return dt == "bf16" and "f32" or dt end
 local Zero = {}
 Zero.__index = Zero
 
-local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string", ep = "integer"}
+local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string", ep = "integer",
+                 offload = "boolean"}
 
 -- z = zero.new{stage = 0..3, prefetch = N >= 0, reduce_every = "micro"|"step",
 -- ep = expert-parallel size (divides the world; the model checks that it
--- divides the experts)}:
+-- divides the experts), offload = false (bf16's masters in host memory)}:
 -- checked before anything is allocated; each error names the option as a
 -- recipe's command line spells it.
 function zero.new(o)
@@ -80,7 +85,8 @@ function zero.new(o)
   if type(o) ~= "table" then errors.user("moelua.zero.new: options must be a table, got " .. type(o)) end
   for k, v in pairs(o) do
     if not OPTIONS[k] then
-      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every, ep)", tostring(k)))
+      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every, ep, offload)",
+                                tostring(k)))
     end
     local ok = OPTIONS[k] == "integer" and math.type(v) == "integer" or type(v) == OPTIONS[k]
     if not ok then errors.user(string.format("moelua.zero.new: option '%s' must be %s, got %s", k, OPTIONS[k], type(v))) end
@@ -99,7 +105,7 @@ function zero.new(o)
     errors.user(string.format("--ep %d: the expert-parallel size must divide the number of ranks (%d)", ep, world))
   end
   local z = setmetatable({
-    stage = stage, prefetch = prefetch, reduce_every = every, dist = dist,
+    stage = stage, prefetch = prefetch, reduce_every = every, dist = dist, offload = o.offload or false,
     rank = rank, world = world, ep = ep, ep_rank = rank % ep,
     -- stages 2-3 reduce each unit right after its backward ("micro")
     per_unit = stage >= 2 and every == "micro",
@@ -149,7 +155,8 @@ function Zero:unit(name, kind, layout, o)
   local function zeros(cat, count, d) return mem.scope(cat, tensor.zeros, {count}, d or dt) end
   local init = o.init
   if gdt.dtype ~= dt.dtype then   -- drawn whole in f32 (the masters at stage 0), rounded into params
-    u.master = zeros("optim", self.stage == 0 and part.padded or part.shard, gdt)
+    local mdt = self.offload and {dtype = gdt.dtype, device = "cpu"} or gdt
+    u.master = zeros("optim", self.stage == 0 and part.padded or part.shard, mdt)
     init = function(params)
       local whole = self.stage == 0 and u.master or zeros("comm", part.padded, gdt)
       o.init(whole:view_at(0, {n}))

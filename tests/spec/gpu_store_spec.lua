@@ -17,6 +17,7 @@ local data = require "moelua.data"
 local train = require "moelua.train"
 local mem = require "moelua.mem"
 local store = require "moelua.store"
+local zero = require "moelua.zero"
 local support = require "tests.support"
 
 local DEV = os.getenv("MOELUA_GPU_SPEC_DEVICE") or "cuda"
@@ -39,7 +40,7 @@ local function build_with(store, offload, dtype)
   return function()
     local model = nn.Transformer.new{vocab = 256, dim = D, layers = L, heads = 2, kv_heads = 1, ffn = F,
                                      experts = E, topk = 2, seed = 3, checkpoint = "moe", store = store,
-                                     device = DEV, dtype = dtype or "f32"}
+                                     device = DEV, dtype = dtype or "f32", zero = zero.new{offload = offload ~= nil}}
     local groups = model:param_groups{weight_decay = 0.1, offload = offload ~= nil}
     return model, optim.AdamW(groups, {lr = 1e-2, weight_decay = 0.1, offload = offload}), groups
   end
@@ -235,6 +236,31 @@ describe("GPU expert store (bf16: mixed precision)", function()
     local rr = run(dir("resident_resumed"), nil, {steps = 6, ckpt_every = 3, dtype = "bf16",
                                                   resume = dir("whole/ckpt/step-000002")})
     for s = 3, 5 do assert.are.equal(ref.losses[s], rr.losses[s], "step " .. s) end
+  end)
+
+  it("AdamW's states offloaded train bitwise like resident ones; the f32 masters in host memory", function()
+    local CHUNK = 1000
+    local r0 = run(dir("opt_resident"), nil, {dtype = "bf16"})
+    collectgarbage()
+    collectgarbage()
+    local before = mem.stats()
+    mem.reset_peak()
+    local r1, model, plan, opt = run(dir("opt_offloaded"), nil, {dtype = "bf16", offload = {chunk = CHUNK}})
+    for s = 0, 4 do assert.are.equal(r0.losses[s], r1.losses[s], "step " .. s) end
+    support.same_checkpoint_files(dir("opt_resident/ckpt/step-000004"), dir("opt_offloaded/ckpt/step-000004"))
+    local n, padded = 0, 0
+    for _, p in ipairs(model:named_parameters()) do n = n + p.tensor:numel() end
+    for _, u in ipairs(model.units) do padded = padded + u.master:numel() end
+    assert.is_true(padded >= n)
+    local now = mem.stats()
+    -- host memory: the masters (the units' padded lengths); pinned: both states; the device: the
+    -- two state slots and the masters' chunk
+    assert.are.equal(4 * padded, now.cpu.current.optim - before.cpu.current.optim)
+    assert.are.equal((n + CHUNK - 1) // CHUNK * 8 * CHUNK, now.pinned.current.optim)
+    assert.are.equal(2 * 8 * CHUNK + 4 * CHUNK, now.cuda.current.optim - before.cuda.current.optim)
+    assert.are.equal(plan.total_peak, now.cuda.total_peak, "the plan of the run with its offload")
+    opt:close()
+    assert.are.equal(0, mem.stats().pinned.total)
   end)
 
   it("a budget below one bf16 expert names the option and its size", function()
