@@ -115,6 +115,20 @@ local function other_tiers(device)
   return {"cpu", "pinned", "file"}
 end
 
+-- What the ledger leaves out, with what this process measured of it: its
+-- RSS less its ledger (the plan allocated nothing, so that is the code,
+-- the libraries and the Lua heap of the recipe's build: a run has the
+-- same and its data). The CUDA context and the cuBLAS and NCCL workspaces
+-- are measured only on a device (tests/spec/gpu_train_spec.lua prints the
+-- device memory outside the allocator there).
+local function outside_lines(device)
+  local host = require("moelua.mem").stats().cpu.untracked
+  return string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
+                       "(%s measured in this process: its RSS less its ledger)%s", mib(host),
+                       device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces (measured only on " ..
+                       "a device: tests/gpu/run.sh prints them)" or "")
+end
+
 -- The lines of train.plan's report: the headline (the peak, or what a plan
 -- over the budget needs), the book of the model's device (plan, with
 -- train.plan's parameters, pool_bytes and expert_exchange), the other tiers
@@ -154,8 +168,7 @@ local function report(recipe, device, plan, books, over)
                                   "(every token of the group to this rank's experts: %d%s)", ex.bound, ex.worst,
                                   ex.capacity and string.format("; capacity of its experts: %d", ex.capacity) or "")
   end
-  out[#out + 1] = "outside the ledger (not planned): the Lua heap and the process's code and libraries" ..
-                  (device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces" or "")
+  out[#out + 1] = outside_lines(device)
   if M.preset and plan.parameters then preset_lines(plan, out) end
   return out
 end
