@@ -504,18 +504,35 @@ static void map_slot(ml_expert_store *s, size_t slot, size_t slab)
     s->last_use[slot] = ++s->clock;
 }
 
-/* CUDA: slab (not resident, next needed at schedule index s->slab_next)
- * copied into a slot now, on the copy stream, so that the copy overlaps
- * the kernels queued until its acquire, which is then a hit whose kernels
- * wait for it (await_slot). The slot is the one a miss would take
- * (choose_slot), refused when its slab is needed before this one:
- * evicting it would trade this slab's miss for an earlier one. In a plan
- * the same slots are taken (the plan's counters are the run's) and no
- * byte moves. */
+/* Whether a copy-ahead of slab (not resident) may take slot `at`
+ * (choose_slot's): only as its miss would at its acquire. A free slot, or
+ * a victim needed later than slab and later than every pinned slab: once
+ * released, a pinned slab needed later would be the miss's victim, so
+ * evicting this one now would trade it for an extra read (a victim needed
+ * before slab would trade slab's miss for an earlier one). */
+static int ahead_may_take(const ml_expert_store *s, size_t at, size_t slab)
+{
+    if (s->slot_slab[at] < 0)
+        return 1;
+    size_t victim = s->slab_next[s->slot_slab[at]];
+    if (victim <= s->slab_next[slab])
+        return 0;
+    for (size_t i = 0; i < s->nslots; i++)
+        if (s->pins[i] && s->slab_next[s->slot_slab[i]] > victim)
+            return 0;
+    return 1;
+}
+
+/* CUDA: slab (not resident) copied into a slot now, on the copy stream,
+ * so that the copy overlaps the kernels queued until its acquire, which
+ * is then a hit whose kernels wait for it (await_slot). Refused (tried
+ * again at the next acquire) where ahead_may_take says no. In a plan the
+ * same slots are taken (the plan's counters are the run's) and no byte
+ * moves. */
 static ml_status copy_ahead(ml_expert_store *s, size_t slab, ml_err *e)
 {
     size_t at = choose_slot(s);
-    if (at == NONE || (s->slot_slab[at] >= 0 && s->slab_next[s->slot_slab[at]] <= s->slab_next[slab]))
+    if (at == NONE || !ahead_may_take(s, at, slab))
         return ML_OK;
     ML_TRY(vacate(s, at, e));
     ML_TRY(transfer(s, 0, slab, at, e));

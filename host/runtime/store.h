@@ -29,11 +29,12 @@
  * last release (or at a direct transfer) has completed (the copy stream
  * waits on it). Prefetch is a copy-ahead: after each acquire, each of the
  * next prefetch_depth scheduled slabs that is not resident is copied into
- * a slot right away (a free one, else the one a miss would evict, but
- * never a slab needed before it), so its copy overlaps the kernels queued
- * meanwhile, and its acquire is a hit that only waits for the copy. The
- * calls return with the copies queued; the host never touches the pinned
- * bytes.
+ * a slot right away: a free one, else the one a miss would evict if that
+ * slab is needed later than the copied one and than every pinned slab
+ * (the slot its miss would take, so the copy moves the read earlier
+ * instead of adding one). Its copy overlaps the kernels queued meanwhile,
+ * and its acquire is a hit that only waits for the copy. The calls return
+ * with the copies queued; the host never touches the pinned bytes.
  *
  * The policy (so callers never write eviction logic): ml_store_schedule
  * gives the step's future slab order once routing is known;
