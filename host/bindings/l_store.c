@@ -14,9 +14,11 @@
  *                          ...}: a slab's bytes per category, adding up to
  *                          slab_bytes); `slots` slots of slab_bytes (a multiple
  *                          of 4) as one allocation under slot_category on the
- *                          device's book. prefetch: scheduled slabs hinted
- *                          after each acquire (cpu). Inside mem.plan: the
- *                          plan's books, no file, no byte moved.
+ *                          device's book. prefetch: scheduled slabs read
+ *                          ahead after each acquire (cpu: posix_fadvise
+ *                          hints; cuda: copied into slots on the copy stream,
+ *                          only into the slot a miss would take). Inside
+ *                          mem.plan: the plan's books, no file, no byte moved.
  *   s:slot(i[, dtype])     a tensor [slab_bytes / size] of dtype ("f32", the default, or
  *                          "bf16": a slab may hold both) on the store's device viewing slot i,
  *                          valid while s is open (using it afterwards is an error)

@@ -98,7 +98,8 @@ static ml_status open_pinned(ml_expert_store *s, size_t bytes, ml_err *e)
         memset(s->pinned, 0, bytes);
     s->copied = calloc(s->nslots, sizeof *s->copied);
     s->released = calloc(s->nslots, sizeof *s->released);
-    if (!s->copied || !s->released)
+    s->unawaited = calloc(s->nslots, 1);
+    if (!s->copied || !s->released || !s->unawaited)
         return ml_err_set(e, ML_EALLOC, "out of memory for the store's events");
     ml_status st = m->stream_new(&s->copy_stream);
     for (size_t i = 0; i < s->nslots && st == ML_OK; i++) {
@@ -202,6 +203,7 @@ static void close_pinned(ml_expert_store *s)
     }
     free(s->copied);
     free(s->released);
+    free(s->unawaited);
     if (s->pinned)
         m->host_free(s->pinned, s->nslabs * s->slab_bytes);
 }
@@ -281,9 +283,11 @@ static ml_status move_file(ml_expert_store *s, int out, size_t slab, size_t slot
 
 /* Slab <-> slot on the copy stream: D2H when `out`, else H2D. The copy
  * waits for the compute stream's last use of the slot (its `released`
- * event), and kernels queued after it wait for the copy (its `copied`
- * event): a read's bytes must arrive first, and a write-back must have
- * read the slot before a kernel changes it. */
+ * event) and records its `copied` event, which kernels touching the slot
+ * must wait for (await_slot): a read's bytes must arrive first, and a
+ * write-back must have read the slot before a kernel changes it. The wait
+ * is not queued here: a copy-ahead's must not hold up the kernels queued
+ * before its slab is acquired. */
 static ml_status move_pinned(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
 {
     const ml_memory *m = s->mem;
@@ -294,10 +298,10 @@ static ml_status move_pinned(ml_expert_store *s, int out, size_t slab, size_t sl
                  : m->memcpy(dev, host, s->slab_bytes, ML_COPY_H2D, s->copy_stream);
     if (st == ML_OK)
         st = m->event_record(s->copied[slot], s->copy_stream);
-    if (st == ML_OK)
-        st = m->stream_wait(ml_host_kctx(s->host).stream, s->copied[slot]);
-    if (st == ML_OK)
+    if (st == ML_OK) {
+        s->unawaited[slot] = 1;
         return ML_OK;
+    }
     ml_err why;
     ml_kernel_status(st, &why);
     return ml_err_set(e, st, "%s slab %zu (pinned host memory, slot %zu on cuda): %s",
@@ -311,6 +315,28 @@ static ml_status fence_slot(ml_expert_store *s, size_t slot, ml_err *e)
     if (!s->mem)
         return ML_OK;
     return ml_kernel_status(s->mem->event_record(s->released[slot], ml_host_kctx(s->host).stream), e);
+}
+
+/* Kernels queued from now on wait for slot's copies so far (CUDA: the
+ * compute stream waits for its `copied` event, once per copy; the copy
+ * stream is in order, so its last copy's event covers the earlier ones). */
+static ml_status await_slot(ml_expert_store *s, size_t slot, ml_err *e)
+{
+    if (!s->mem || !s->unawaited[slot])
+        return ML_OK;
+    ML_TRY(ml_kernel_status(s->mem->stream_wait(ml_host_kctx(s->host).stream, s->copied[slot]), e));
+    s->unawaited[slot] = 0;
+    return ML_OK;
+}
+
+/* await_slot for every slot: the direct transfers and flush return with
+ * their copies awaited (and any copy-ahead's: they are rare, and kernels
+ * may touch the slots through views without an acquire). */
+static ml_status await_all(ml_expert_store *s, ml_err *e)
+{
+    for (size_t i = 0; i < s->nslots; i++)
+        ML_TRY(await_slot(s, i, e));
+    return ML_OK;
 }
 
 /* Slab <-> slot in the device's way. A planned store moves nothing. */
@@ -369,7 +395,8 @@ ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e)
         ML_TRY(write_back(s, (size_t)s->slab_slot[slab], e));
     ML_TRY(write_back(s, slot, e));
     unmap_slot(s, slot);
-    return transfer(s, 0, slab, slot, e);
+    ML_TRY(transfer(s, 0, slab, slot, e));
+    return await_all(s, e);
 }
 
 ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e)
@@ -387,12 +414,12 @@ ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e
     ML_TRY(transfer(s, 1, slab, slot, e));
     if (other >= 0 && (size_t)other == slot)
         s->dirty[slot] = 0;
-    return ML_OK;
+    return await_all(s, e);
 }
 
 void ml_store_prefetch(ml_expert_store *s, size_t slab)
 {
-    if (s->fd < 0 || slab >= s->nslabs)
+    if (s->fd < 0 || slab >= s->nslabs)   /* CUDA, a plan: no file */
         return;
     /* a hint: the kernel starts reading the range; a refusal changes nothing */
     (void)posix_fadvise(s->fd, (off_t)(slab * s->slab_bytes), (off_t)s->slab_bytes,
@@ -436,17 +463,15 @@ ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml
     return ML_OK;
 }
 
-/* A slot for a slab that is not resident: the first free one, else the
- * unpinned slot whose slab is needed furthest ahead (never again is
- * furthest; ties: least recently used), written back when dirty. */
-static ml_status take_slot(ml_expert_store *s, size_t *out, ml_err *e)
+/* The slot a slab that is not resident would take: the first free one,
+ * else the unpinned slot whose slab is needed furthest ahead (never again
+ * is furthest; ties: least recently used). NONE: every slot is pinned. */
+static size_t choose_slot(const ml_expert_store *s)
 {
     size_t best = NONE, best_next = 0;
     for (size_t i = 0; i < s->nslots; i++) {
-        if (s->slot_slab[i] < 0) {
-            *out = i;
-            return ML_OK;
-        }
+        if (s->slot_slab[i] < 0)
+            return i;
         if (s->pins[i])
             continue;
         size_t next = s->slab_next[s->slot_slab[i]];
@@ -456,24 +481,81 @@ static ml_status take_slot(ml_expert_store *s, size_t *out, ml_err *e)
             best_next = next;
         }
     }
-    if (best == NONE)
-        return ml_err_set(e, ML_EINVAL, "all %zu cache slots are in use: the budget holds fewer "
-                          "experts than one step needs at once", s->nslots);
-    ML_TRY(write_back(s, best, e));
-    unmap_slot(s, best);
+    return best;
+}
+
+/* slot emptied for another slab: the slab it holds, if any, evicted
+ * (written back first when dirty). */
+static ml_status vacate(ml_expert_store *s, size_t slot, ml_err *e)
+{
+    if (s->slot_slab[slot] < 0)
+        return ML_OK;
+    ML_TRY(write_back(s, slot, e));
+    unmap_slot(s, slot);
     s->stats.evictions++;
-    *out = best;
     return ML_OK;
 }
 
-/* Hint the next prefetch_depth scheduled slabs that are not resident. */
-static void hint_ahead(ml_expert_store *s)
+/* slot holds slab, just read: the most recently used. */
+static void map_slot(ml_expert_store *s, size_t slot, size_t slab)
+{
+    s->slot_slab[slot] = (int64_t)slab;
+    s->slab_slot[slab] = (int64_t)slot;
+    s->last_use[slot] = ++s->clock;
+}
+
+/* Whether a copy-ahead of slab (not resident) may take slot `at`
+ * (choose_slot's): only as its miss would at its acquire. A free slot, or
+ * a victim needed later than slab and later than every pinned slab: once
+ * released, a pinned slab needed later would be the miss's victim, so
+ * evicting this one now would trade it for an extra read (a victim needed
+ * before slab would trade slab's miss for an earlier one). */
+static int ahead_may_take(const ml_expert_store *s, size_t at, size_t slab)
+{
+    if (s->slot_slab[at] < 0)
+        return 1;
+    size_t victim = s->slab_next[s->slot_slab[at]];
+    if (victim <= s->slab_next[slab])
+        return 0;
+    for (size_t i = 0; i < s->nslots; i++)
+        if (s->pins[i] && s->slab_next[s->slot_slab[i]] > victim)
+            return 0;
+    return 1;
+}
+
+/* CUDA: slab (not resident) copied into a slot now, on the copy stream,
+ * so that the copy overlaps the kernels queued until its acquire, which
+ * is then a hit whose kernels wait for it (await_slot). Refused (tried
+ * again at the next acquire) where ahead_may_take says no. In a plan the
+ * same slots are taken (the plan's counters are the run's) and no byte
+ * moves. */
+static ml_status copy_ahead(ml_expert_store *s, size_t slab, ml_err *e)
+{
+    size_t at = choose_slot(s);
+    if (at == NONE || !ahead_may_take(s, at, slab))
+        return ML_OK;
+    ML_TRY(vacate(s, at, e));
+    ML_TRY(transfer(s, 0, slab, at, e));
+    map_slot(s, at, slab);
+    s->stats.prefetches++;
+    return ML_OK;
+}
+
+/* After an acquire: the next prefetch_depth scheduled slabs that are not
+ * resident are read ahead: on CUDA copied into slots (copy_ahead), on the
+ * CPU hinted (each once until it is read). */
+static ml_status read_ahead(ml_expert_store *s, ml_err *e)
 {
     for (size_t i = s->cursor; i < s->nsched && i - s->cursor < s->prefetch_depth; i++) {
         size_t slab = (size_t)s->sched[i];
-        if (s->slab_slot[slab] < 0 && !s->hinted[slab])
+        if (s->slab_slot[slab] >= 0)
+            continue;
+        if (s->device == ML_CUDA)
+            ML_TRY(copy_ahead(s, slab, e));
+        else if (!s->hinted[slab])
             ml_store_prefetch(s, slab);
     }
+    return ML_OK;
 }
 
 ml_status ml_store_acquire(ml_expert_store *s, size_t slab, size_t *slot, int *hit, ml_err *e)
@@ -484,21 +566,32 @@ ml_status ml_store_acquire(ml_expert_store *s, size_t slab, size_t *slot, int *h
     *hit = s->slab_slot[slab] >= 0;
     if (*hit) {
         at = (size_t)s->slab_slot[slab];
+        s->last_use[at] = ++s->clock;
         s->stats.hits++;
     } else {
-        ML_TRY(take_slot(s, &at, e));
+        at = choose_slot(s);
+        if (at == NONE)
+            return ml_err_set(e, ML_EINVAL, "all %zu cache slots are in use: the budget holds fewer "
+                              "experts than one step needs at once", s->nslots);
+        ML_TRY(vacate(s, at, e));
         ML_TRY(transfer(s, 0, slab, at, e));
-        s->slot_slab[at] = (int64_t)slab;
-        s->slab_slot[slab] = (int64_t)at;
+        map_slot(s, at, slab);
         s->stats.misses++;
     }
     s->pins[at]++;
-    s->last_use[at] = ++s->clock;
     if (s->cursor < s->nsched && s->sched[s->cursor] == (int64_t)slab) {
         s->slab_next[slab] = s->sched_next[s->cursor];
         s->cursor++;
     }
-    hint_ahead(s);
+    /* the kernels of this slab wait for its copies (a miss's, an earlier
+     * copy-ahead's), not for the copies read_ahead queues after them */
+    ml_status st = await_slot(s, at, e);
+    if (st == ML_OK)
+        st = read_ahead(s, e);
+    if (st != ML_OK) {   /* a device error: nothing is acquired */
+        s->pins[at]--;
+        return st;
+    }
     *slot = at;
     return ML_OK;
 }
@@ -526,7 +619,7 @@ ml_status ml_store_flush(ml_expert_store *s, ml_err *e)
             ML_TRY(fence_slot(s, i, e));
         ML_TRY(write_back(s, i, e));
     }
-    return ML_OK;
+    return await_all(s, e);
 }
 
 int64_t ml_store_resident(const ml_expert_store *s, size_t slab)

@@ -14,19 +14,26 @@
  * 64-byte aligned. Slabs move between the file and the slots with
  * pread/pwrite only, never through a mapping (mapped pages would count in
  * RSS and break the bound), synchronously, on the calling thread;
- * prefetch is a posix_fadvise(WILLNEED) hint.
+ * prefetch is a posix_fadvise(WILLNEED) hint: it moves no slab and takes
+ * no slot.
  *
  * On CUDA (opts.device) the backing tier is pinned host memory from the
  * device's memory table (host_alloc; no file, the path is not used),
  * charged to the `pinned` tier's book, and the slots are device memory
  * on the cuda book. Slabs move with the table's memcpy (H2D, D2H) on a
  * copy stream of the store's own: the compute stream (the kernel
- * context's) waits for a copy's event before kernels touch its slot (a
- * slab's arrival; a write-back's end), and a slot is written back or
+ * context's) waits for a slot's copies (a slab's arrival; a write-back's
+ * end) before kernels touch it: at the acquire that returns the slot, and
+ * before a direct transfer or flush returns. A slot is written back or
  * overwritten only after the event recorded on the compute stream at its
  * last release (or at a direct transfer) has completed (the copy stream
- * waits on it). Prefetch does
- * nothing there (pinned memory needs no readahead). The calls return
+ * waits on it). Prefetch is a copy-ahead: after each acquire, each of the
+ * next prefetch_depth scheduled slabs that is not resident is copied into
+ * a slot right away: a free one, else the one a miss would evict if that
+ * slab is needed later than the copied one and than every pinned slab
+ * (the slot its miss would take, so the copy moves the read earlier
+ * instead of adding one). Its copy overlaps the kernels queued meanwhile,
+ * and its acquire is a hit that only waits for the copy. The calls return
  * with the copies queued; the host never touches the pinned bytes.
  *
  * The policy (so callers never write eviction logic): ml_store_schedule
@@ -40,7 +47,8 @@
  * Inside a memory plan (h->planning) a store opened there charges the
  * plan's books (the backing bytes and the slots) and creates no file
  * (pinned memory: the plan table's address space); its policy runs but
- * moves no bytes. A store opened outside a plan cannot move slabs inside
+ * moves no bytes (a cuda store copies ahead there too: the plan's hits,
+ * misses, evictions and prefetches are the run's; bytes_read stays 0). A store opened outside a plan cannot move slabs inside
  * one, nor a planned store after its plan.
  *
  * Not here: the Lua binding (host/bindings/l_store.c), what a slab holds
@@ -59,7 +67,8 @@ typedef struct {
     ml_device device;       /* of the slots: ML_CPU (a file) or ML_CUDA (pinned host memory) */
     const char *path;       /* the backing file to create (the CPU's; unused on CUDA) */
     size_t nslabs, slab_bytes, nslots;
-    size_t prefetch_depth;  /* scheduled slabs hinted after each acquire */
+    size_t prefetch_depth;  /* scheduled slabs read ahead after each acquire (cpu: hinted;
+                               cuda: copied into slots) */
     ml_category category;   /* of the backing bytes on the file or pinned book, unless: */
     size_t cat_bytes[ML_NCAT];  /* a slab's bytes per category (all 0: the slab is
                                    `category`'s; else they add up to slab_bytes) */
@@ -84,6 +93,7 @@ typedef struct ml_expert_store {
     void *copy_stream;
     void **copied;          /* [nslots] recorded on the copy stream after each copy of the slot */
     void **released;        /* [nslots] recorded on the compute stream when kernels are done with it */
+    unsigned char *unawaited;  /* [nslots] copied since the compute stream last waited for `copied` */
     /* residency */
     int64_t *slot_slab;     /* [nslots] the slab a slot holds, -1: free */
     int64_t *slab_slot;     /* [nslabs] the slot holding a slab, -1: not resident */
@@ -91,7 +101,7 @@ typedef struct ml_expert_store {
     unsigned char *dirty;   /* [nslots] must be written back before reuse */
     uint64_t *last_use;     /* [nslots] clock of the last acquire (LRU) */
     uint64_t clock;
-    unsigned char *hinted;  /* [nslabs] prefetched and not read since */
+    unsigned char *hinted;  /* [nslabs] hinted (cpu) and not read since */
     /* the schedule: sched[cursor..nsched) is still ahead */
     int64_t *sched;         /* [nsched] slab ids */
     size_t *sched_next;     /* [nsched] the next index of the same slab, SIZE_MAX: none */
@@ -132,8 +142,9 @@ static inline void *ml_store_slot_data(const ml_expert_store *s, size_t slot)
  * slot (refused when pinned), which the write made stale. */
 ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e);
 ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e);
-/* A readahead hint for slab (POSIX_FADV_WILLNEED); counts in prefetches.
- * Nothing on CUDA or in a plan. */
+/* The CPU's readahead hint for slab (POSIX_FADV_WILLNEED); counts in
+ * prefetches. Nothing on CUDA (its read-ahead is the acquire's copy-ahead,
+ * which takes slots under the policy) or in a plan. */
 void ml_store_prefetch(ml_expert_store *s, size_t slab);
 
 /* The future access order: seq[0..n) slab ids (copied); replaces the
@@ -141,11 +152,15 @@ void ml_store_prefetch(ml_expert_store *s, size_t slab);
  * it (LRU). */
 ml_status ml_store_schedule(ml_expert_store *s, const int64_t *seq, size_t n, ml_err *e);
 /* Make slab resident and pin it: *slot its slot, *hit whether it was
- * resident. A miss takes a free slot or evicts (writing back a dirty
- * victim), then reads the slab. The cursor moves past seq[cursor] when it
- * is this slab; then the next prefetch_depth scheduled slabs that are not
- * resident are hinted (each once until it is read). ML_EINVAL when every
- * slot is pinned. */
+ * resident (a slab copied ahead is a hit). A miss takes a free slot or
+ * evicts (writing back a dirty victim), then reads the slab. The cursor
+ * moves past seq[cursor] when it is this slab; then the next
+ * prefetch_depth scheduled slabs that are not resident are read ahead:
+ * hinted on the CPU (each once until it is read), copied ahead on CUDA
+ * (each counts in prefetches, bytes_read and, for its victim, evictions
+ * and writebacks; one refused for want of a slot is tried again at the
+ * next acquire). ML_EINVAL when every slot is pinned; ML_EDEVICE when a
+ * copy could not be queued (then nothing is acquired). */
 ml_status ml_store_acquire(ml_expert_store *s, size_t slab, size_t *slot, int *hit, ml_err *e);
 /* Unpin slab; dirty: its slot must be written back before reuse. On
  * CUDA the last release records the compute stream's event that the

@@ -272,3 +272,138 @@ describe("GPU expert store (bf16: mixed precision)", function()
     assert.is_not_nil(tostring(err):find("its f32 masters, gradients and AdamW states and its bf16 copy", 1, true), err)
   end)
 end)
+
+-- Prefetch on cuda is a copy-ahead: after each acquire the next `prefetch`
+-- scheduled slabs that are not resident are copied into slots at once (a
+-- free one, else the one a miss would evict, never a slab needed sooner),
+-- and their acquires are hits. The CPU hints instead (its counters are
+-- store_spec.lua's), so the counters here are cuda's.
+describe("GPU expert store: copy-ahead (" .. DEV .. ")", function()
+  local raw, n = nil, 0
+  setup(function()
+    raw = support.disk_dir("gpu_store_spec_ahead")
+    support.write_corpus(raw .. "/corpus.txt", 11, 3000)
+    root = raw
+    m.threads(1)
+  end)
+  teardown(function() support.remove_dir(raw) end)
+  local function open(o)
+    n = n + 1
+    o.device = DEV
+    o.path = DEV == "cpu" and raw .. "/s" .. n or nil
+    return store.open(o)
+  end
+  local function counters(st)
+    return {hits = st.hits, misses = st.misses, prefetches = st.prefetches, evictions = st.evictions,
+            writebacks = st.writebacks}
+  end
+
+  it("turns misses into hits, and the copied slabs' bytes are there at the acquire", function()
+    if DEV ~= "cuda" then return end
+    -- 2 slots, slabs 0 1 2 in turn, prefetch 1:
+    --   0  miss into slot 0; copy-ahead 1 into the free slot 1
+    --   1  hit; copy-ahead 2 evicts 0 (never needed again), dirty: written back first
+    --   2  hit
+    -- Without prefetch: three misses (and the same eviction).
+    for _, depth in ipairs{1, 0} do
+      local s <close> = open{slabs = 3, slab_bytes = 40, slots = 2, prefetch = depth}
+      local v = s:slot(0)
+      for slab = 0, 2 do
+        v:fill_(slab + 0.5)
+        s:write(0, slab)
+      end
+      s:schedule{0, 1, 2}
+      local got = {}
+      for _, slab in ipairs{0, 1, 2} do
+        local at, hit = s:acquire(slab)
+        got[#got + 1] = hit
+        for _, x in ipairs(s:slot(at):totable()) do assert.are.equal(slab + 0.5, x, "slab " .. slab) end
+        if slab == 0 then s:slot(at):fill_(9) end
+        s:release(slab, slab == 0)
+      end
+      local st = s:stats()
+      if depth == 1 then
+        assert.are.same({false, true, true}, got)
+        assert.are.same({hits = 2, misses = 1, prefetches = 2, evictions = 1, writebacks = 1}, counters(st))
+      else
+        assert.are.same({false, false, false}, got)
+        assert.are.same({hits = 0, misses = 3, prefetches = 0, evictions = 1, writebacks = 1}, counters(st))
+      end
+      assert.are.same({3 * 40, 4 * 40}, {st.bytes_read, st.bytes_written})   -- (the fill's three writes)
+      -- slab 0's write-back (queued before slab 2's copy into its slot) holds the kernel's bytes
+      s:schedule{}
+      local at = s:acquire(0)
+      for _, x in ipairs(s:slot(at):totable()) do assert.are.equal(9, x) end
+      s:release(0)
+    end
+  end)
+
+  -- 2 slots, the order 0 1 0 2, prefetch 2:
+  --   0  miss into slot 0; copy-ahead 1 into the free slot 1 (0 is resident)
+  --   1  hit; 2 (index 3) is not copied: the only unpinned slot holds 0,
+  --      needed sooner (index 2)
+  --   0  hit; copy-ahead 2 evicts 1 (never needed again)
+  --   2  hit
+  local function refusal(s, check)
+    s:schedule{0, 1, 0, 2}
+    local got = {}
+    for i, slab in ipairs{0, 1, 0, 2} do
+      local _, hit = s:acquire(slab)
+      got[i] = hit
+      if i == 2 then check() end
+      s:release(slab)
+    end
+    return got, counters(s:stats()), s:stats().bytes_read
+  end
+
+  it("never evicts a slab needed before the one it would copy; a plan takes the same slots", function()
+    if DEV ~= "cuda" then return end
+    local s <close> = open{slabs = 3, slab_bytes = 40, slots = 2, prefetch = 2}
+    local got, c, read = refusal(s, function()
+      assert.is_nil(s:resident(2), "2 was copied ahead over 0, which is needed first")
+      assert.are.equal(0, s:resident(0))
+    end)
+    assert.are.same({false, true, true, true}, got)
+    assert.are.same({hits = 3, misses = 1, prefetches = 2, evictions = 1, writebacks = 0}, c)
+    assert.are.equal(3 * 40, read)
+    -- inside a plan the policy is the same (only no byte moves)
+    local pgot, pc, pread
+    mem.plan(function()
+      local p <close> = store.open{device = DEV, slabs = 3, slab_bytes = 40, slots = 2, prefetch = 2}
+      pgot, pc, pread = refusal(p, function() assert.is_nil(p:resident(2)) end)
+    end)
+    assert.are.same(got, pgot)
+    assert.are.same(c, pc)
+    assert.are.equal(0, pread)
+  end)
+
+  -- Copy-ahead moves reads earlier without adding any: each copy takes the
+  -- slot its miss would have taken, so the traffic, the evictions and the
+  -- write-backs are prefetch 0's, and every copy turns a miss into a hit.
+  it("trains bitwise alike with prefetch 2 and 0 and with resident experts (budgets of 2 and 3 experts)",
+     function()
+    local r0 = run(dir("ahead_resident"), nil, {steps = 3})
+    for _, budget in ipairs{2, 3} do
+      local st = {}
+      for _, depth in ipairs{0, 2} do
+        local name = string.format("ahead_b%d_p%d", budget, depth)
+        local o = store_of(name, budget)
+        o.prefetch = depth
+        local r, model = run(dir(name), o, {steps = 3})
+        for s = 0, 2 do assert.are.equal(r0.losses[s], r.losses[s], name .. " step " .. s) end
+        support.same_checkpoint_files(dir("ahead_resident/ckpt/step-000002"), dir(name .. "/ckpt/step-000002"))
+        st[depth] = model.expert_store:stats()
+        model.expert_store:close()
+      end
+      local p0, p2 = st[0], st[2]
+      if DEV == "cuda" then
+        assert.is_true(p2.prefetches > 0, "budget " .. budget .. ": nothing was copied ahead")
+        assert.are.equal(p0.hits + p2.prefetches, p2.hits, "budget " .. budget .. ": a copy is a hit")
+        assert.are.equal(p0.hits + p0.misses, p2.hits + p2.misses)
+      end
+      for _, k in ipairs{"bytes_read", "bytes_written", "evictions", "writebacks"} do
+        assert.are.equal(p0[k], p2[k], "budget " .. budget .. ": " .. k)
+      end
+    end
+  end)
+end)

@@ -4,9 +4,18 @@
  * build of the whole program (moelua.sh): compiled against the real
  * cuda_runtime_api.h, so the host objects of `make CUDA=1` link to these
  * instead of cudart. One emulated device: "memory" is host memory
- * (cudaMalloc fills it with garbage, as the device gives), every call
- * completes before it returns (kernels run when launched, emu.h), so
- * streams and events are handles with nothing behind them.
+ * (cudaMalloc fills it with garbage, as the device gives). Kernels run
+ * when launched (emu.h) and so does everything on the legacy default
+ * stream (moelua's compute stream). A created stream (the expert store's
+ * copy stream) is lazy: its cudaMemcpyAsync and its waits for events run
+ * only when something needs them: a wait for an event recorded after them
+ * on an eager stream, a synchronize, an event query, a free (which
+ * synchronizes, as cudaFree does). So a kernel that touches a slot
+ * without waiting for the slot's copy sees the bytes from before the copy
+ * (a missed wait fails a bitwise test instead of passing by luck), and a
+ * copy that does not wait for the kernels it should (its stream's wait
+ * for the compute stream's event) still sees their bytes: those kernels
+ * have run, so that direction is not checked.
  *
  * Not here: the kernels' own runtime calls (include/cuda_runtime.h) and
  * the error state they share (emu_runtime.cpp: emu_take_error).
@@ -14,6 +23,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <set>
 
 #include <cuda_runtime_api.h>
 
@@ -24,15 +35,65 @@ extern "C" int emu_peek_error(void);
 static const size_t EMU_DEVICE_BYTES = (size_t)80 << 30;
 static size_t emu_device_used = 0;
 
-/* A handle for a stream or an event: distinct, non-null, never read. */
-static void *emu_handle(void)
+struct emu_block { size_t n; };
+
+/* A lazy stream: ops[0..) are queued and not yet run; `queued` counts every
+ * op ever queued, `done` those run. An op is a copy, or (dst null) a wait
+ * for `upto` ops of stream `on`. */
+struct emu_stream;
+struct emu_op {
+    void *dst;
+    const void *src;
+    size_t n;
+    emu_stream *on;
+    uint64_t upto;
+};
+struct emu_stream {
+    std::deque<emu_op> ops;
+    uint64_t queued = 0, done = 0;
+};
+/* An event: the point of the lazy stream it was last recorded on (on null:
+ * recorded on an eager stream, or never: complete). */
+struct emu_event {
+    emu_stream *on = nullptr;
+    uint64_t upto = 0;
+};
+
+static std::set<emu_stream *> emu_streams;
+
+/* Run s's queued ops until `upto` of them have run. */
+static void emu_run(emu_stream *s, uint64_t upto)
 {
-    static char handles[1 << 16];
-    static size_t next = 0;
-    return &handles[next++ % sizeof handles];
+    while (s->done < upto) {
+        emu_op op = s->ops.front();
+        s->ops.pop_front();
+        s->done++;
+        if (op.dst)
+            memmove(op.dst, op.src, op.n);
+        else
+            emu_run(op.on, op.upto);
+    }
 }
 
-struct emu_block { size_t n; };
+static void emu_run_all(void)
+{
+    for (emu_stream *s : emu_streams)
+        emu_run(s, s->queued);
+}
+
+/* The lazy stream behind a handle; null: an eager one (the default
+ * stream, cudaStreamLegacy, cudaStreamPerThread). */
+static emu_stream *emu_lazy(cudaStream_t h)
+{
+    emu_stream *s = (emu_stream *)h;
+    return emu_streams.count(s) ? s : nullptr;
+}
+
+static void emu_queue(emu_stream *s, emu_op op)
+{
+    s->ops.push_back(op);
+    s->queued++;
+}
 
 extern "C" {
 
@@ -40,7 +101,11 @@ cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
 cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
 cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void)
+{
+    emu_run_all();
+    return cudaSuccess;
+}
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
 {
@@ -77,6 +142,7 @@ cudaError_t cudaMalloc(void **p, size_t n)
 
 cudaError_t cudaFree(void *p)
 {
+    emu_run_all();
     if (p) {
         emu_block *b = (emu_block *)((char *)p - 256);
         emu_device_used -= b->n;
@@ -85,7 +151,7 @@ cudaError_t cudaFree(void *p)
     return cudaSuccess;
 }
 
-/* Pinned host memory is host memory here (every copy is synchronous). */
+/* Pinned host memory is host memory here. */
 cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int)
 {
     *p = aligned_alloc(256, (n + 255) & ~(size_t)255);
@@ -94,6 +160,7 @@ cudaError_t cudaHostAlloc(void **p, size_t n, unsigned int)
 
 cudaError_t cudaFreeHost(void *p)
 {
+    emu_run_all();
     free(p);
     return cudaSuccess;
 }
@@ -104,29 +171,80 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind, cudaStream_t)
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind, cudaStream_t h)
 {
-    memmove(dst, src, n);
+    if (emu_stream *s = emu_lazy(h))
+        emu_queue(s, {dst, src, n, nullptr, 0});
+    else
+        memmove(dst, src, n);
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int)
 {
-    *s = (cudaStream_t)emu_handle();
+    emu_stream *st = new emu_stream;
+    emu_streams.insert(st);
+    *s = (cudaStream_t)st;
     return cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
+
+cudaError_t cudaStreamDestroy(cudaStream_t h)
+{
+    /* its work completes first, as on a device; the struct is kept (a few
+     * bytes a stream): events recorded on it may still be waited for */
+    if (emu_stream *s = emu_lazy(h)) {
+        emu_run(s, s->queued);
+        emu_streams.erase(s);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t h)
+{
+    if (emu_stream *s = emu_lazy(h))
+        emu_run(s, s->queued);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t h, cudaEvent_t e, unsigned int)
+{
+    emu_event *ev = (emu_event *)e;
+    if (!ev->on || ev->on->done >= ev->upto)
+        return cudaSuccess;
+    if (emu_stream *s = emu_lazy(h))
+        emu_queue(s, {nullptr, nullptr, 0, ev->on, ev->upto});
+    else
+        emu_run(ev->on, ev->upto);
+    return cudaSuccess;
+}
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int)
 {
-    *e = (cudaEvent_t)emu_handle();
+    *e = (cudaEvent_t) new emu_event;
     return cudaSuccess;
 }
-cudaError_t cudaEventDestroy(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    delete (emu_event *)e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t h)
+{
+    emu_event *ev = (emu_event *)e;
+    ev->on = emu_lazy(h);
+    ev->upto = ev->on ? ev->on->queued : 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e)
+{
+    emu_event *ev = (emu_event *)e;
+    if (ev->on)
+        emu_run(ev->on, ev->upto);
+    return cudaSuccess;
+}
 
 /* The kernels' launch errors (emu.h) are the ones there are. */
 cudaError_t cudaGetLastError(void) { return (cudaError_t)emu_take_error(); }
