@@ -27,7 +27,8 @@
 -- that the kernels read (v.gate_up and v.down view it): 18 bytes per
 -- parameter, on the ledger as zero's (compute: params, gradients: grads,
 -- masters and states: optim). Whatever writes v.params rounds v.compute
--- from them: the optimizer's pass, fill, and edit_params (loads).
+-- from them: an update (at the expert's acquire), fill, and edit_params
+-- (loads).
 --
 -- A step (the model and the trainer drive it; moelua.moe runs the experts
 -- one at a time, ascending, so y and dx sum as one call does):
@@ -37,11 +38,20 @@
 --                          summed (the gradient norm's per-expert parts) before
 --                          its slot is released
 --   the optimizer          after the global norm (which may skip the step or
---                          clip): every expert's update in one pass (step),
---                          its gradient zeroed before the write-back
--- An update at an expert's last backward use would save that pass, but the
--- step's norm is not known then: a non-finite norm skips the step and a
--- clip scales every gradient, so the update waits for the norm.
+--                          clip): every expert's update is queued (step),
+--                          not run: it runs at the expert's next acquire,
+--                          before anything reads its slot (the next step's
+--                          forward, a checkpoint), with the gradient, clip
+--                          coefficient, lr and step count of its own step,
+--                          then its gradient is zeroed and the slab is dirty
+-- So a step reads and writes each expert's slab in its forward and its
+-- backward only: the optimizer's pass over every slab is gone, and the
+-- results are bitwise the eager pass's (the update is elementwise on the
+-- same inputs). The update cannot run earlier, at the expert's last
+-- backward use: the step's norm is not known then (a non-finite norm
+-- skips the step, a clip scales every gradient). An expert without tokens
+-- in later steps keeps its updates queued, in order (dense AdamW moves it
+-- every step), until it is next acquired.
 --
 -- Inference (inference = true: generation, evaluation): a slab is the
 -- expert's parameters alone, and only the routed layer's order is known
@@ -112,11 +122,16 @@ function expert_store.new(o)
   end
   local self = setmetatable({s = s, L = L, E = E, D = D, F = F, n = 3 * D * F, slots = slots, slot_bytes = slot_bytes,
                              inference = o.inference, dtype = dtype, views_of = {}, touched = {}, sumsq = {}, steps = {},
-                             routed = {}}, ES)
+                             routed = {}, queued = {}, updated = {}}, ES)
   return self
 end
 
 function ES:slab(l, e) return l * self.E + e end
+
+-- v.compute rounded from v.params (mixed precision; nothing with f32).
+local function round_compute(v)
+  if v.compute then v.compute:copy_(v.params) end
+end
 
 -- The views of slot i (made once): the expert's parameters, gradients and
 -- states, each 3 D F elements, and the weight matrices the kernels take
@@ -140,17 +155,32 @@ function ES:views(i)
   return v
 end
 
+-- The views of expert e of layer l, resident and pinned; its queued
+-- updates (step) run first, in order.
 function ES:acquire(l, e)
-  return self:views((self.s:acquire(self:slab(l, e))))
+  local slab = self:slab(l, e)
+  local v = self:views((self.s:acquire(slab)))
+  local q = self.queued[slab]
+  if q then
+    self.queued[slab] = nil
+    for _, u in ipairs(q) do
+      if u.coef < 1 then C.scale_(v.grads, u.coef) end
+      u.hp.step = u.step
+      C.adamw_step(v.params, v.grads, v.exp_avg, v.exp_avg_sq, u.hp)
+      round_compute(v)
+      v.grads:zero_()
+    end
+    self.updated[slab] = true
+  end
+  return v
 end
 
+-- Unpin expert e of layer l; dirty: the caller wrote its slot (an update
+-- that ran at its acquire makes it dirty too).
 function ES:release(l, e, dirty)
-  self.s:release(self:slab(l, e), dirty)
-end
-
--- v.compute rounded from v.params (mixed precision; nothing with f32).
-local function round_compute(v)
-  if v.compute then v.compute:copy_(v.params) end
+  local slab = self:slab(l, e)
+  self.s:release(slab, dirty or self.updated[slab] or false)
+  self.updated[slab] = nil
 end
 
 -- es:fill(l, e, fn): expert e of layer l starts as fn(v) writes v.params
@@ -179,7 +209,7 @@ end
 -- tokens. The store's schedule becomes the order the step will touch the
 -- slabs in from here on: layer l's experts, the later layers' (taken
 -- whole), then backward from the last layer down (as routed; a layer in
--- `recompute` runs its forward again first), then the optimizer's pass.
+-- `recompute` runs its forward again first).
 -- In backward (es.phase, moelua.zero's begin) a layer's forward is such a
 -- recompute: then its backward and the earlier layers' follow.
 function ES:routed_layer(l, has, recompute)
@@ -208,7 +238,6 @@ function ES:routed_layer(l, has, recompute)
     if recompute[i] and i ~= l then layer(i, which) end
     layer(i, which)
   end
-  for i = 0, self.L - 1 do layer(i) end
   self.s:schedule(seq)
 end
 
@@ -265,12 +294,14 @@ function ES:zero_grads()
   self.touched, self.sumsq = {}, {}
 end
 
--- The optimizer's pass (AdamW, after opt:step): every expert of every layer
--- in slab order, gradient times coef (a clip, when < 1), updated like the
--- resident unit's groups (attrs: the experts group's weight_decay, lr_mult,
--- frozen; opt: the optimizer), its gradient zeroed, written back. Lazy Adam
--- (attrs.experts): only active experts (masks[l + 1], u8 [E]), each with its
--- own step count.
+-- The optimizer's step (AdamW, after opt:step): every expert of every
+-- layer gets its update queued (the header: it runs at the expert's next
+-- acquire): gradient times coef (a clip, when < 1), then AdamW like the
+-- resident unit's groups (attrs: the experts group's weight_decay,
+-- lr_mult, frozen; opt: the optimizer), the gradient zeroed. Lazy Adam
+-- (attrs.experts): only active experts (masks[l + 1], u8 [E]), each with
+-- its own step count. The gradients of the experts not updated (frozen,
+-- inactive) are zeroed now.
 function ES:step(opt, lr, coef, attrs, masks)
   if opt.kind ~= "AdamW" then
     errors.user("--expert-budget: the expert store updates its experts with AdamW (the optimizer is " ..
@@ -278,27 +309,21 @@ function ES:step(opt, lr, coef, attrs, masks)
   end
   local o, E = opt.opts, self.E
   local hp = {lr = lr * (attrs.lr_mult or 1), beta1 = o.beta1, beta2 = o.beta2, eps = o.eps,
-              weight_decay = attrs.weight_decay or o.weight_decay, step = opt.t}
+              weight_decay = attrs.weight_decay or o.weight_decay}
   if not attrs.frozen then
-    local seq = {}
-    for slab = 0, self.L * E - 1 do seq[#seq + 1] = slab end
-    self.s:schedule(seq)
     for l = 0, self.L - 1 do
       local active = attrs.experts and masks[l + 1]:totable()
       for e = 0, E - 1 do
         if not active or active[e + 1] ~= 0 then
-          local v = self:acquire(l, e)
-          if coef < 1 then C.scale_(v.grads, coef) end
+          local slab, step = self:slab(l, e), opt.t
           if active then
-            local slab = self:slab(l, e)
             self.steps[slab] = (self.steps[slab] or 0) + 1
-            hp.step = self.steps[slab]
+            step = self.steps[slab]
           end
-          C.adamw_step(v.params, v.grads, v.exp_avg, v.exp_avg_sq, hp)
-          round_compute(v)
-          v.grads:zero_()
-          self:release(l, e, true)
-          self.touched[self:slab(l, e)] = nil
+          local q = self.queued[slab] or {}
+          q[#q + 1] = {hp = hp, coef = coef, step = step}
+          self.queued[slab] = q
+          self.touched[slab] = nil
         end
       end
     end

@@ -114,18 +114,23 @@ describe("expert store in training", function()
     opt:step(1e-2)
     model.zero:after_step(opt, 1e-2)
     -- The order: forward 0 1 2 3, backward 0 1 2 3 (one schedule, from the
-    -- routing), then the optimizer's pass 0 1 2 3 (its own schedule); 2 slots,
-    -- a miss evicts the slab needed furthest ahead (never again: the least
-    -- recently used). Slots after each access:
+    -- routing); the optimizer queues each expert's update instead of a pass
+    -- over the slabs. 2 slots, a miss evicts the slab needed furthest ahead
+    -- (never again: the least recently used). Slots after each access:
     --   forward   0 m {0}, 1 m {0 1}, 2 m evict 1 (next at 5 > 4) {0 2}, 3 m evict 2 {0 3}
     --   backward  0 h, 1 m evict 0 (8 > 7) {1 3}, 2 m evict 1 (9 > 7) {2 3}, 3 h
-    --   optimizer 0 m evict 3 (3 > 2) {2 0}, 1 m evict 0 (never) {2 1}, 2 h,
-    --             3 m evict 1 (both never: 1 less recent) {2 3}
-    local st = model.expert_store:stats()
-    assert.are.same({hits = 3, misses = 9, evictions = 7},
+    local es = model.expert_store
+    local st = es:stats()
+    assert.are.same({hits = 2, misses = 6, evictions = 4},
                     {hits = st.hits, misses = st.misses, evictions = st.evictions})
     assert.is_true(st.prefetches > 0 and st.prefetches <= st.misses)
-    model.expert_store:close()
+    for e = 0, E - 1 do assert.are.equal(1, #es.queued[e], "expert " .. e .. "'s update is queued") end
+    -- the next forward runs them, each at its expert's acquire (its slab then dirty):
+    --   0 m evict 3 (its next use, 3, is after 2's) {2 0}, 1 m evict 0 (4 > 2) {2 1}, 2 h, 3 m
+    model:forward(tokens, 0)
+    assert.is_nil(next(es.queued), "every queued update ran")
+    assert.are.same({st.hits + 1, st.misses + 3}, {es:stats().hits, es:stats().misses})
+    es:close()
   end)
 
   it("a run killed mid-step resumes from its last checkpoint like an uninterrupted run", function()
