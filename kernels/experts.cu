@@ -10,10 +10,10 @@
  *
  * Per wave, forward (3 kernels, 2 grouped GEMMs): gather (which also
  * stores the wave's GEMM pointer arrays and its rows' assignment ids) ->
- * GEMM h -> silu·mul -> GEMM out -> combine into y. Backward (3 kernels, 3
- * grouped GEMMs, 4 when a tile of the wave recomputes h, and 2 per round
- * of weight gradients): gather x and dy in one launch -> h (saved or
- * recomputed) -> GEMM dact_u = dyt·down[e] -> one warp per row (act, dw =
+ * GEMM h -> silu·mul -> GEMM out -> combine into y. Backward (3 kernels;
+ * grouped GEMMs: dact_u and dxt, h when a tile of the wave recomputes it,
+ * ddown and dgate_up once per round): gather x and dy in one launch -> h
+ * (saved or recomputed) -> GEMM dact_u = dyt·down[e] -> one warp per row (act, dw =
  * <dact_u, act> in f64 lanes combined by a fixed xor tree, dh, and dyt
  * scaled by w) -> GEMMs ddown += doutᵀ·act and dgate_up += dhᵀ·xt, per
  * round -> GEMM dxt = dh·gate_up[e] -> combine into dx. Round j holds the
@@ -229,7 +229,7 @@ __global__ void combine_kernel(S *acc, const typename ml_float<S>::acc *rows, co
                 int64_t a = pos[j];
                 if (a / k != t)
                     continue;
-                if (j >= v.ro[tile + 1]) {   /* a later tile: its combine would load the stored sum */
+                if (j >= v.ro[tile + 1]) {   /* a later tile, whose combine loads the stored sum */
                     val = L::load(L::store(val));
                     while (j >= v.ro[tile + 1])
                         tile++;
@@ -424,7 +424,8 @@ static ml_status forward(ml_dtype dt, void *y, void *h_saved, void *scratch, con
                 D, D, 2 * Fd, 0.0);
             add(P, os, act + ro * Fd, wt->down[e], out + ro * D, r, D, Fd, 0, 1, Fd, Fd, D, 0.0);
         }
-        TRY(gather<S>(xt, x, NULL, NULL, pos, ptrs, P, 3 * FWD_STEPS * WAVE, order, v, D, c->k, st));
+        TRY(gather<S>(xt, x, NULL, NULL, pos, ptrs, P, 3 * FWD_STEPS * WAVE, order, v, D, c->k,
+                      st));
         TRY(grouped(dt, dt, hs, ptrs, 0, hs.n, ctx));
         swiglu_fwd_kernel<S><<<blocks_of(v.ro[v.n] * Fd), ML_CUDA_THREADS, 0, st>>>(act, v, Fd);
         TRY(ml_cuda_launched());
@@ -521,7 +522,8 @@ static ml_status backward(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, v
                     continue;
                 int64_t r = v.ro[i + 1] - v.ro[i], ro = v.ro[i], e = h.e[i];
                 /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
-                add(P, dd, dyt + ro * D, act + ro * Fd, dwt->down[e], D, Fd, r, 1, 0, D, Fd, Fd, 1.0);
+                add(P, dd, dyt + ro * D, act + ro * Fd, dwt->down[e], D, Fd, r, 1, 0, D, Fd, Fd,
+                    1.0);
                 /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
                 add(P, dg, hbuf + ro * 2 * Fd, xt + ro * D, dwt->gate_up[e], 2 * Fd, D, r, 1, 0,
                     2 * Fd, D, D, 1.0);

@@ -9,11 +9,11 @@
  *
  * ml_matmul_grouped_cuda runs many problems of their own shapes at once
  * (experts.cu's waves): consecutive problems of one shape form a group,
- * and all groups go to one cublasGemmGroupedBatchedEx_64 call (f32, and
- * bf16 into bf16 C); where cuBLAS's grouped GEMM refuses the dtypes (bf16
- * into f32 C, f64) or is missing (cuBLAS < 12.5), each group is one
- * cublasGemmBatchedEx_64 call. Both read their pointer arrays from the
- * device.
+ * and the groups go to one cublasGemmGroupedBatchedEx_64 call per 64
+ * groups (f32, and bf16 into bf16 C); where cuBLAS's grouped GEMM refuses
+ * the dtypes (bf16 into f32 C, f64) or is missing (cuBLAS < 12.5), each
+ * group is one cublasGemmBatchedEx_64 call. Both read their pointer arrays
+ * from the device.
  *
  * cuBLAS is opened with dlopen on first use (libcublas.so.13, then
  * libcublas.so): the binary starts on a machine without it, and matmul
