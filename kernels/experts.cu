@@ -1,8 +1,9 @@
 /*
  * kernels/experts.cu - the tiled SwiGLU experts of kernels/experts.h on
  * CUDA: the CPU's tile walk (experts ascending, positions ascending, tiles
- * of R rows), run in waves of up to ML_EXPERTS_WAVE consecutive tiles
- * (experts.h; an expert may span waves, a wave experts), each step one
+ * of R rows), run in waves of up to ML_EXPERTS_WAVE consecutive tiles of
+ * one expert (experts.h; an expert may span waves, a wave never spans
+ * experts: see Determinism), each step one
  * kernel or one grouped GEMM over the whole wave (ml_matmul_grouped_cuda,
  * the dlopen'ed cuBLAS of kernels/matmul.cu) on the context's stream. The
  * tile stays the unit of every GEMM: a grouped GEMM's problems are the
@@ -17,10 +18,11 @@
  * <dact_u, act> in f64 lanes combined by a fixed xor tree, dh, and dyt
  * scaled by w) -> GEMMs ddown += doutᵀ·act and dgate_up += dhᵀ·xt, per
  * round -> GEMM dxt = dh·gate_up[e] -> combine into dx. Round j holds the
- * j-th tile of each expert in the wave: two tiles of one expert never add
- * into its accumulators in one call (a race), and they add in tile order.
- * So a wave of tiles from many experts costs one round; of one expert's
- * tiles, as many rounds as tiles. matmul.cu says how many cuBLAS calls a
+ * j-th tile of the wave: two tiles of one expert never add into its
+ * accumulators in one call (a race), and they add in tile order. So the
+ * weight gradients take a call per tile, the other steps one per wave
+ * (the launches of an expert with many rows drop by the wave's width;
+ * an expert of one tile saves nothing). matmul.cu says how many cuBLAS calls a
  * grouped GEMM makes (one, or one per run of equal shapes where cuBLAS's
  * grouped GEMM refuses the dtypes: bf16 into f32, f64).
  *
@@ -34,8 +36,14 @@
  * results are bitwise those of a walk tile by tile (the emulator checks
  * waves of 1, 3 and ML_EXPERTS_WAVE tiles) and a token's sum is over its
  * experts in ascending expert index; no float atomics. cuBLAS orders its
- * k-sums its own way (deterministic for a fixed GPU and group), so results
- * equal the CPU's within a normwise tolerance, not bitwise.
+ * k-sums its own way (deterministic for a fixed GPU and the same calls),
+ * so results equal the CPU's within a normwise tolerance, not bitwise.
+ * Waves never span experts so that the cuBLAS calls of an expert depend
+ * only on its own rows: a call over a subset of whole experts (the expert
+ * store runs one expert per call) makes the very calls that one call over
+ * all experts makes for them, so experts.h's bitwise subsets hold on a GPU
+ * too (a grouped or batched call may choose its kernels by the whole
+ * batch).
  *
  * The walk needs the plan's offsets on the host: they are read back in
  * blocks of 256 experts into a stack buffer (one synchronising copy per
@@ -337,7 +345,7 @@ struct wave_host {
  * (those whose gate_up is NULL skipped), each one's positions in tiles of
  * R rows. Per block of OFF_BLOCK experts: its offsets to the host, then
  * block(eb, nb, off), then its waves, each run(wave_host) after an
- * interrupt poll; a wave ends with its block. h rows (hrow bytes) are in
+ * interrupt poll; a wave ends with its expert. h rows (hrow bytes) are in
  * h_saved for the tiles below nsaved, else in hbuf. */
 template <typename Block, typename Run>
 static ml_status walk(const int64_t *offsets, const ml_experts_weights *wt, const ml_experts_cfg *c,
@@ -374,9 +382,9 @@ static ml_status walk(const int64_t *offsets, const ml_experts_weights *wt, cons
                 if (v.n == width)
                     TRY(flush());
             }
+            if (v.n)
+                TRY(flush());
         }
-        if (v.n)
-            TRY(flush());
     }
     return ML_OK;
 }

@@ -22,11 +22,9 @@
  * rest: results are bitwise one call's over all experts, because every
  * token's sum still runs over its experts in ascending order and every
  * tile (never spanning two experts) has the same rows, GEMM shapes and
- * saved-or-recomputed choice whatever else runs (on CUDA a wave groups
- * other tiles with a tile's GEMMs: bitwise as long as cuBLAS gives each
- * problem of a grouped call what it gives it alone, as the emulator's
- * stand-in does; a GPU's cuBLAS may pick its kernels by the whole group,
- * so there expect normwise agreement). For bitwise y and dx the
+ * saved-or-recomputed choice whatever else runs (on CUDA the waves of
+ * an expert's tiles, and so its cuBLAS calls, depend only on its own
+ * rows: experts.cu). For bitwise y and dx the
  * calls go in ascending expert order (each call's experts after the
  * previous call's): those sums are ordered; the weights' gradients, dw and
  * touched are per expert and do not depend on the order of the calls.
@@ -112,7 +110,7 @@ typedef struct {
 } ml_experts_wgrads;
 
 /* CUDA runs the walk's tiles in waves of up to ML_EXPERTS_WAVE consecutive
- * tiles (experts.cu): a launch per step covers a whole wave, the wave's
+ * tiles of one expert (experts.cu): a launch per step covers a whole wave, the wave's
  * rows lie one after another in the scratch, at most
  * ml_experts_wave_rows(c) = min(WAVE·R, T·k) of them. */
 #define ML_EXPERTS_WAVE 8
