@@ -54,18 +54,30 @@ size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backwa
     return b;
 }
 
-/* experts.cu's one lane, in bytes: with s the size of dt and a that of the
- * GEMM results it keeps unrounded (out, dact_u, dxt: ml_grad_dtype(dt),
- * f32 for bf16), forward R·(a·D + 3s·F) (out [R, D] holding the gathered
- * xt first, h [R, 2F], act [R, F]) and backward R·((s + a)·D + (3s + a)·F)
- * (dxt [R, D] holding dyt first, dact_u [R, F], xt [R, D], h [R, 2F], act
- * [R, F]). */
+/* experts.cu's wave, in bytes: with s the size of dt, a that of the GEMM
+ * results it keeps unrounded (out, dact_u, dxt: ml_grad_dtype(dt), f32
+ * for bf16) and W = ml_experts_wave_rows(c), first 3·ML_EXPERTS_WAVE
+ * device pointers per GEMM step (the grouped GEMMs' A, B and C arrays; 2
+ * steps forward, 5 backward) and the rows' assignment ids (W int64), then
+ * forward W·(a·D + 3s·F) (out [W, D] holding the gathered xt first, h
+ * [W, 2F], act [W, F]) and backward W·((s + a)·D + (3s + a)·F) (dxt [W,
+ * D] holding dyt first, dact_u [W, F], xt [W, D], h [W, 2F], act [W, F]).
+ */
 size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads)
 {
     (void)nthreads;
     int64_t s = (int64_t)ml_dtype_size(dt), a = (int64_t)ml_dtype_size(ml_grad_dtype(dt));
-    int64_t n = backward ? lane_size(c, s + a, 3 * s + a) : lane_size(c, a, 3 * s);
-    return n < 0 ? SIZE_MAX : (size_t)n;
+    int64_t n, head, total;
+    if (c->T < 0 || c->k < 0 || c->tile < 0 || __builtin_mul_overflow(c->T, c->k, &n))
+        return SIZE_MAX;
+    ml_experts_cfg w = *c;
+    w.tile = ml_experts_wave_rows(c);
+    int64_t rows = backward ? lane_size(&w, s + a, 3 * s + a) : lane_size(&w, a, 3 * s);
+    head = 3 * ML_EXPERTS_WAVE * (backward ? 5 : 2) * (int64_t)sizeof(void *) +
+           w.tile * (int64_t)sizeof(int64_t);
+    if (rows < 0 || __builtin_add_overflow(head, rows, &total))
+        return SIZE_MAX;
+    return (size_t)total;
 }
 
 /* ---- elementwise steps over one tile ------------------------------------ */

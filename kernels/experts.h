@@ -11,8 +11,8 @@
  * so the experts may lie anywhere and in any order: a rank or a cache slot
  * holds any subset (DESIGN.md, expert parallelism and the expert store).
  * The tables are host arrays on every backend (CUDA reads them on the host
- * to issue one cuBLAS call per tile); the pointers in them are on the
- * kernel's device.
+ * to point its grouped cuBLAS calls at them); the pointers in them are on
+ * the kernel's device.
  *
  * Subsets: an expert whose gate_up entry is NULL is skipped, rows or not:
  * none of its positions is read or written (no y rows added, no h saved
@@ -22,7 +22,9 @@
  * rest: results are bitwise one call's over all experts, because every
  * token's sum still runs over its experts in ascending order and every
  * tile (never spanning two experts) has the same rows, GEMM shapes and
- * saved-or-recomputed choice whatever else runs. For bitwise y and dx the
+ * saved-or-recomputed choice whatever else runs (on CUDA the waves of
+ * an expert's tiles, and so its cuBLAS calls, depend only on its own
+ * rows: experts.cu). For bitwise y and dx the
  * calls go in ascending expert order (each call's experts after the
  * previous call's): those sums are ordered; the weights' gradients, dw and
  * touched are per expert and do not depend on the order of the calls.
@@ -37,8 +39,9 @@
  *   act [r, F]  = silu(g) * u
  *   out [r, D]  = act · down[e]ᵀ                one GEMM
  *   y[t] += w[a] · out[row of a]
- * Scratch is tile-sized (ml_experts_scratch_bytes), so no buffer size
- * depends on how tokens were routed; experts with no rows run nothing.
+ * Scratch is tile-sized (ml_experts_scratch_bytes; CUDA's wave-sized),
+ * so no buffer size depends on how tokens were routed; experts with no
+ * rows run nothing.
  *
  * Determinism: y is zeroed (unless accumulating), then every tile adds its
  * rows in tile order (experts ascending, positions ascending), each row in
@@ -63,14 +66,15 @@
  * unscaled hidden gradient the down-projection backward computes anyway.
  *
  * Kernels never allocate and never raise; the interrupt flag is polled
- * between tiles. dtypes dt: f32, f64 (x, w, weights, outputs and scratch
- * all in one dtype); on CUDA also bf16 (mixed precision, DESIGN.md
- * Numerics): x, w, the weights, y, dx, dw and h_saved in bf16, the weights'
- * gradients (dwt) in f32 (ml_grad_dtype(dt)), the math in f32 (dw's dot
- * in f64 as ever). CPU: experts.c; CUDA: experts.cu (same arguments,
+ * between tiles (CUDA: between waves). dtypes dt: f32, f64 (x, w,
+ * weights, outputs and scratch all in one dtype); on CUDA also bf16
+ * (mixed precision, DESIGN.md Numerics): x, w, the weights, y, dx, dw and
+ * h_saved in bf16, the weights' gradients (dwt) in f32
+ * (ml_grad_dtype(dt)), the math in f32 (dw's dot in f64 as ever). CPU: experts.c; CUDA: experts.cu (same arguments,
  * suffix _cuda, every pointer on the device but the cfg and the tables
- * themselves; GEMMs through cuBLAS, the combine in the same row order as
- * here, so results agree with the CPU normwise).
+ * themselves; grouped GEMMs through cuBLAS, the combine in the same row
+ * order and with the same roundings as tile by tile, so results agree with
+ * the CPU normwise).
  */
 #ifndef ML_KERNELS_EXPERTS_H
 #define ML_KERNELS_EXPERTS_H
@@ -105,13 +109,27 @@ typedef struct {
     void *const *down;
 } ml_experts_wgrads;
 
-/* Scratch bytes of a forward (backward = 0) or backward call: one lane
- * per tile in flight. The CPU runs a tile per thread (nthreads lanes, the
- * kernel context's thread count) of R·(D + 3F) elements of dt forward and
- * R·(3D + 4F) backward; CUDA one at a time (one lane, nthreads unused) of
- * R·(D + 3F) elements forward and R·(2D + 4F) backward, of which R·D and,
- * backward, R·(D + F) are f32 when dt is bf16 (experts.c says which).
- * SIZE_MAX when the size overflows (the caller refuses the tile). Plain C
+/* CUDA runs the walk's tiles in waves of up to ML_EXPERTS_WAVE consecutive
+ * tiles of one expert (experts.cu): a launch per step covers a whole wave, the wave's
+ * rows lie one after another in the scratch, at most
+ * ml_experts_wave_rows(c) = min(WAVE·R, T·k) of them. */
+#define ML_EXPERTS_WAVE 8
+
+static inline int64_t ml_experts_wave_rows(const ml_experts_cfg *c)
+{
+    int64_t n = c->T * c->k;
+    return c->tile > n / ML_EXPERTS_WAVE ? n : ML_EXPERTS_WAVE * c->tile;
+}
+
+/* Scratch bytes of a forward (backward = 0) or backward call. The CPU runs
+ * a tile per thread (nthreads lanes, the kernel context's thread count) of
+ * R·(D + 3F) elements of dt forward and R·(3D + 4F) backward. CUDA runs a
+ * wave at a time (nthreads unused): W = ml_experts_wave_rows(c) rows of
+ * D + 3F elements forward and 2D + 4F backward, of which D and, backward,
+ * D + F are f32 when dt is bf16, plus W int64 (the rows' assignment ids)
+ * and 3·WAVE device pointers per GEMM step (2 forward, 5 backward: the
+ * grouped GEMMs' arrays); experts.c says which buffer is which. SIZE_MAX
+ * when the size overflows (the caller refuses the tile). Plain C
  * (experts.c), so a plan of a CUDA run books it without a GPU. */
 size_t ml_experts_scratch_bytes(ml_dtype dt, const ml_experts_cfg *c, int backward, int nthreads);
 size_t ml_experts_scratch_bytes_cuda(ml_dtype dt, const ml_experts_cfg *c, int backward,

@@ -30,4 +30,15 @@ ml_status ml_matmul_cpu(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const
 ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
                          const ml_gemm_shape *s, const ml_kctx *ctx);
 
+/* count independent GEMMs in one go (CUDA only; kernels/experts.cu's
+ * waves): problem i is C_i = alpha·op(A_i)·op(B_i) + beta·C_i with the
+ * row-major shape s[i] (batch, sa, sb and sc unused) and the matrices
+ * a[i], b[i], c[i], where a, b and c are DEVICE arrays of count pointers
+ * (cuBLAS reads them on the context's stream: fill them there first). dt
+ * and cdt as ml_matmul_cuda. The problems may run in any order or at
+ * once: no C may overlap another problem's A, B or C. */
+ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t count, const ml_gemm_shape *s,
+                                 const void *const *a, const void *const *b, void *const *c,
+                                 const ml_kctx *ctx);
+
 #endif

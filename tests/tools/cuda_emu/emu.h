@@ -32,7 +32,8 @@
  * primitives go unseen); real warp scheduling (lanes meet only at the
  * primitives); the device's libm (glibc's exp/log/pow/sin/cos, CUDA's
  * differ by 1-2 ulp); cuBLAS (crossentropy and experts link emu_cublas, the
- * CPU's GEMM, as ml_matmul_cuda); the static shared-memory limit per block
+ * CPU's GEMM, as ml_matmul_cuda, and experts emu_cublas_grouped, the same
+ * per problem, as ml_matmul_grouped_cuda); the static shared-memory limit per block
  * (the dynamic one, 227 KiB, is checked); streams and events as such.
  */
 #ifndef EMU_H
@@ -456,6 +457,22 @@ static inline ml_status emu_cublas(ml_dtype dt, ml_dtype cdt, void *c, const voi
             ((uint16_t *)c)[i] = ml_f32_to_bf16(wc[i]);
     }
     return st;
+}
+
+/* cuBLAS's grouped GEMM's stand-in: emu_cublas per problem, in order (a,
+ * b and c are the "device" arrays of pointers, host memory here) */
+static inline ml_status emu_cublas_grouped(ml_dtype dt, ml_dtype cdt, int64_t count, const ml_gemm_shape *s,
+                                           const void *const *a, const void *const *b, void *const *c,
+                                           const ml_kctx *ctx)
+{
+    for (int64_t i = 0; i < count; i++) {
+        if (s[i].m <= 0 || s[i].n <= 0)
+            continue;
+        ml_status st = emu_cublas(dt, cdt, c[i], a[i], b[i], &s[i], ctx);
+        if (st != ML_OK)
+            return st;
+    }
+    return ML_OK;
 }
 
 #endif

@@ -1,16 +1,19 @@
 /* kernels/experts.cu under the emulator against kernels/experts.c
- * (tests/spec/gpu_spec.lua's tolerance 16 (D + 2F) eps); cuBLAS is stubbed
- * with ml_matmul_cpu, so only the experts' own kernels are emulated.
+ * (tests/spec/gpu_spec.lua's tolerance 16 (D + 2F) eps); cuBLAS's grouped
+ * GEMM is stubbed with ml_matmul_cpu per problem, so only the experts' own
+ * kernels are emulated.
  * bf16 (mixed precision): inputs drawn and rounded to bf16, the CPU's f32
  * kernels on the widened values are the reference (tolerances at run()).
- * Per plan: one call over all experts; one with an expert skipped (NULL
- * table entry, cfg.accumulate = 1 into prefilled outputs: nothing of it
- * written on either side); two calls over expert halves (accumulate 0
- * then 1), against the CPU's one call and bitwise against each backend's
- * own one call (experts.h: "results are bitwise one call's").
- * Prints kernel launches and GEMM calls per tile; EMU_DIGEST=1 prints a
- * digest of each case's device outputs (to compare two versions of
- * experts.cu bitwise) */
+ * Per plan: one call over all experts; the same in waves of 1 tile (the
+ * walk tile by tile) and of 3, bitwise the default width's (experts.cu:
+ * waves change no result); one with an expert skipped (NULL table entry,
+ * cfg.accumulate = 1 into prefilled outputs: nothing of it written on
+ * either side); two calls over expert halves (accumulate 0 then 1),
+ * against the CPU's one call and bitwise against each backend's own one
+ * call (experts.h: "results are bitwise one call's").
+ * Prints kernel launches and grouped GEMM calls per tile; EMU_DIGEST=1
+ * prints a digest of each case's device outputs (to compare two versions
+ * of experts.cu bitwise) */
 #include "cuda_util.cu.cpp"
 #include "experts.cu.cpp"
 #include "emu.h"
@@ -19,14 +22,15 @@ extern "C" {
 }
 
 static long gemms = 0;
-extern "C" ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a, const void *b,
-                                    const ml_gemm_shape *s, const ml_kctx *ctx)
+extern "C" ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t count, const ml_gemm_shape *s,
+                                            const void *const *a, const void *const *b, void *const *c,
+                                            const ml_kctx *ctx)
 {
     gemms++;
-    return emu_cublas(dt, cdt, c, a, b, s, ctx);
+    return emu_cublas_grouped(dt, cdt, count, s, a, b, c, ctx);
 }
 
-/* launches (kernels, GEMMs) since the last call, per tile */
+/* launches (kernels, grouped GEMMs) since the last call, per tile */
 static void per_tile(const std::string &what, long &k0, long &g0, int64_t tiles)
 {
     printf("     %-52s %.2f kernels + %.2f GEMMs per tile (%ld tiles)\n", what.c_str(),
@@ -100,10 +104,11 @@ struct tables {
 };
 
 /* Forward then backward over the experts in sel, on the CPU (ctx
- * emu_ctx, nthreads lanes of scratch) or CUDA (one lane); backward reads
- * hb (the CPU's one-call h, so its comparisons do not compound forward's). */
+ * emu_ctx, nthreads lanes of scratch) or CUDA (waves of width tiles);
+ * backward reads hb (the CPU's one-call h, so its comparisons do not
+ * compound forward's). */
 static void pass(bool cuda, const problem &P, outs &o, const std::vector<bool> &sel, int acc, const bytes &hb,
-                 const std::string &nm)
+                 const std::string &nm, int width = WAVE)
 {
     ml_experts_cfg c = P.c;
     c.accumulate = acc;
@@ -114,14 +119,21 @@ static void pass(bool cuda, const problem &P, outs &o, const std::vector<bool> &
     bytes sf(sz(0), 0xa5), sb(sz(1), 0xa5);
     void *h = c.nsaved ? o.h.data() : nullptr;
     const void *hr = c.nsaved ? hb.data() : nullptr;
-    auto f = cuda ? ml_experts_forward_cuda : ml_experts_forward_cpu;
-    auto b = cuda ? ml_experts_backward_cuda : ml_experts_backward_cpu;
-    check_status(nm + (cuda ? " fwd cuda" : " fwd cpu"),
-                 f(P.dt, o.y.data(), h, sf.data(), P.x.data(), P.w.data(), P.order.data(), P.off.data(), &tb.wt, &c,
-                   &emu_ctx), ML_OK);
-    check_status(nm + (cuda ? " bwd cuda" : " bwd cpu"),
-                 b(P.dt, o.dx.data(), &tb.dwt, o.dw.data(), o.touched.data(), sb.data(), hr, P.dy.data(), P.x.data(),
-                   P.w.data(), P.order.data(), P.off.data(), &tb.wt, &c, &emu_ctx), ML_OK);
+    ml_status fs, bs;
+    if (cuda) {
+        fs = forward_at(P.dt, o.y.data(), h, sf.data(), P.x.data(), P.w.data(), P.order.data(), P.off.data(),
+                        &tb.wt, &c, width, &emu_ctx);
+        bs = backward_at(P.dt, o.dx.data(), &tb.dwt, o.dw.data(), o.touched.data(), sb.data(), hr, P.dy.data(),
+                         P.x.data(), P.w.data(), P.order.data(), P.off.data(), &tb.wt, &c, width, &emu_ctx);
+    } else {
+        fs = ml_experts_forward_cpu(P.dt, o.y.data(), h, sf.data(), P.x.data(), P.w.data(), P.order.data(),
+                                    P.off.data(), &tb.wt, &c, &emu_ctx);
+        bs = ml_experts_backward_cpu(P.dt, o.dx.data(), &tb.dwt, o.dw.data(), o.touched.data(), sb.data(), hr,
+                                     P.dy.data(), P.x.data(), P.w.data(), P.order.data(), P.off.data(), &tb.wt,
+                                     &c, &emu_ctx);
+    }
+    check_status(nm + (cuda ? " fwd cuda" : " fwd cpu"), fs, ML_OK);
+    check_status(nm + (cuda ? " bwd cuda" : " bwd cpu"), bs, ML_OK);
 }
 
 /* got (of problem G) against want (of W), every output, within tol (the
@@ -243,6 +255,15 @@ static void run(ml_dtype dt, int64_t T, int64_t k, int64_t D, int64_t F, int64_t
     check_h_untouched(nm + " cuda", G, c2, unsaved);
     check_h_untouched(nm + " cpu", C, c1, unsaved);
 
+    /* waves of 1 tile (the walk tile by tile) and of 3: bitwise the
+     * default width's, from the same starting values */
+    for (int width : {1, 3}) {
+        outs cw = init(G);
+        cw.y = buf(T * D * G.es, 0xff), cw.dw = buf(n * G.es, 0xff), cw.touched.assign(E, 7);
+        pass(true, G, cw, all, 0, hb, nm, width);
+        compare(nm + " waves of " + std::to_string(width) + " vs " + std::to_string(WAVE), G, cw, G, c2, 0, 0);
+    }
+
     /* expert s (the one with most rows) skipped, accumulating into the
      * same prefilled outputs on both sides: none of its entries change */
     int64_t s = 0;
@@ -311,5 +332,10 @@ int main()
     run(ML_BF16, 100, 2, 24, 20, 6, 17, -1, 2);
     run(ML_BF16, 33, 3, 7, 5, 11, 5, 4, 0);
     run(ML_BF16, 40, 3, 300, 8, 2, 16, -1, 2);   /* a token twice in most tiles */
+    /* after the cases above, which keep their draws (EMU_DIGEST) */
+    for (ml_dtype dt : {ML_F32, ML_F64, ML_BF16}) {
+        run(dt, 100, 2, 6, 5, 6, 3, -1, 2);     /* experts of more tiles than a wave: rounds */
+        run(dt, 60, 2, 4, 3, 300, 1, -1, 2);    /* waves end with each block of 256 experts */
+    }
     return emu_finish();
 }
