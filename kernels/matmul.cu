@@ -12,8 +12,9 @@
  * and the groups go to one cublasGemmGroupedBatchedEx_64 call per 64
  * groups (f32, and bf16 into bf16 C); where cuBLAS's grouped GEMM refuses
  * the dtypes (bf16 into f32 C, f64) or is missing (cuBLAS < 12.5), each
- * group is one cublasGemmBatchedEx_64 call. Both read their pointer arrays
- * from the device.
+ * group is one cublasGemmBatchedEx_64 call (also from the first time the
+ * grouped GEMM says NOT_SUPPORTED on). Both read their pointer arrays from
+ * the device.
  *
  * cuBLAS is opened with dlopen on first use (libcublas.so.13, then
  * libcublas.so): the binary starts on a machine without it, and matmul
@@ -196,21 +197,6 @@ struct groups {
     float alpha[GROUPS], beta[GROUPS];
 };
 
-/* the groups' problems through one grouped call (f32, or bf16 into bf16) */
-static ml_status groups_run(groups &g, ml_dtype dt, const void *const *a, const void *const *b,
-                            void *const *c)
-{
-    if (!g.n)
-        return ML_OK;
-    cudaDataType t = cuda_type(dt);
-    ml_status st = cublas_status(cb.grouped_ex(cb.handle, g.ta, g.tb, g.m, g.nn, g.k, g.alpha,
-                                               b + g.first, t, g.lda, a + g.first, t, g.ldb,
-                                               g.beta, c + g.first, t, g.ldc, g.n, g.size,
-                                               CUBLAS_COMPUTE_32F));
-    g.n = 0;
-    return st != ML_OK ? st : ml_cuda_launched();
-}
-
 /* problems [i, i + n) of shape s through one batched call */
 static ml_status batched_run(ml_dtype dt, ml_dtype cdt, const ml_gemm_shape *s, int64_t n,
                              const void *const *a, const void *const *b, void *const *c)
@@ -222,6 +208,34 @@ static ml_status batched_run(ml_dtype dt, ml_dtype cdt, const ml_gemm_shape *s, 
         cuda_type(dt), s->ldb, a, cuda_type(dt), s->lda, f64 ? (const void *)&s->beta : &bf, c,
         cuda_type(cdt), s->ldc, n, f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F,
         CUBLAS_GEMM_DEFAULT));
+    return st != ML_OK ? st : ml_cuda_launched();
+}
+
+/* The groups' problems (of shapes s) through one grouped call (f32, or
+ * bf16 into bf16). A cuBLAS that refuses it (NOT_SUPPORTED: its grouped
+ * GEMM covers fewer dtypes on some versions and GPUs; nothing ran) is not
+ * asked again: these groups and all later ones go through batched calls. */
+static ml_status groups_run(groups &g, ml_dtype dt, const ml_gemm_shape *s, const void *const *a,
+                            const void *const *b, void *const *c)
+{
+    if (!g.n)
+        return ML_OK;
+    cudaDataType t = cuda_type(dt);
+    cublasStatus_t r = cb.grouped_ex(cb.handle, g.ta, g.tb, g.m, g.nn, g.k, g.alpha, b + g.first,
+                                     t, g.lda, a + g.first, t, g.ldb, g.beta, c + g.first, t,
+                                     g.ldc, g.n, g.size, CUBLAS_COMPUTE_32F);
+    int64_t n = g.n;
+    g.n = 0;
+    if (r == CUBLAS_STATUS_NOT_SUPPORTED) {
+        cb.grouped_ex = NULL;
+        for (int64_t i = 0, p = g.first; i < n; p += g.size[i++]) {
+            ml_status st = batched_run(dt, dt, &s[p], g.size[i], a + p, b + p, c + p);
+            if (st != ML_OK)
+                return st;
+        }
+        return ML_OK;
+    }
+    ml_status st = cublas_status(r);
     return st != ML_OK ? st : ml_cuda_launched();
 }
 
@@ -239,10 +253,10 @@ extern "C" ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t c
     ml_status st = ready(ctx);
     if (st != ML_OK)
         return st;
-    int grouped = cb.grouped_ex && cdt == dt && dt != ML_F64;
     groups g;
     g.n = 0;
     for (int64_t i = 0, j; i < count; i = j) {
+        int grouped = cb.grouped_ex && cdt == dt && dt != ML_F64;   /* (groups_run may refuse it) */
         for (j = i + 1; j < count && same_shape(&s[i], &s[j]); j++)
             ;
         if (s[i].m <= 0 || s[i].n <= 0)   /* nothing to compute */
@@ -252,7 +266,7 @@ extern "C" ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t c
                 return st;
             continue;
         }
-        if (g.n && (g.n == GROUPS || g.next != i) && (st = groups_run(g, dt, a, b, c)) != ML_OK)
+        if (g.n && (g.n == GROUPS || g.next != i) && (st = groups_run(g, dt, s, a, b, c)) != ML_OK)
             return st;
         if (!g.n)
             g.first = i;
@@ -263,5 +277,5 @@ extern "C" ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t c
         g.alpha[n] = (float)s[i].alpha, g.beta[n] = (float)s[i].beta;
         g.next = j;
     }
-    return groups_run(g, dt, a, b, c);
+    return groups_run(g, dt, s, a, b, c);
 }
