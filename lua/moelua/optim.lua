@@ -654,7 +654,7 @@ local function offloaded_step(self, lr, active_masks)
         local p = g.params:view_at(r.at + at, {len})
         local dp = p:device() == m:device() and p or of.stage:view_at(0, {len}):copy_(p)
         C.adamw_step(dp, g.grads:view_at(r.at + at, {len}), m, v, hp)
-        if dp ~= p then p:copy_(dp) end
+        if not rawequal(dp, p) then p:copy_(dp) end
         if g.compute then g.compute:view_at(r.at + at, {len}):copy_(dp) end
       end)
     end
