@@ -2,17 +2,57 @@
  * host/runtime/backend_cpu.c - the CPU's two tables: 64-byte aligned host
  * memory (no streams: every copy is done when it returns) and the
  * kernels/<family>.c implementations.
+ *
+ * Buffers of HUGE_MIN bytes and more are mappings of their own, 2 MiB
+ * aligned and rounded, with transparent huge pages asked for (madvise;
+ * where the system refuses them they are ordinary pages). A step's large
+ * transients (the experts' saved pre-activations: 738 MiB at T 32768) are
+ * fresh mappings every step either way (glibc maps anything above 32 MiB
+ * itself), so their first touch faults page by page; 2 MiB pages fault
+ * 512 times less: the MoE layer benchmark at T 32768 runs about 5% faster,
+ * the training step the same (its transients live in the stack pool). The
+ * ledger charges what was asked; RSS may exceed it by < 2 MiB per buffer.
+ * Under AddressSanitizer every buffer comes from malloc, where it checks
+ * overflows.
  */
 #include "backend.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 static int cpu_available(void) { return 1; }
+
+#define HUGE_PAGE ((size_t)2 << 20)
+#ifdef __SANITIZE_ADDRESS__
+#define HUGE_MIN SIZE_MAX
+#else
+#define HUGE_MIN ((size_t)8 << 20)
+#endif
+
+static size_t huge_len(size_t nbytes) { return (nbytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
+
+/* len bytes (a multiple of HUGE_PAGE) at a HUGE_PAGE boundary: a mapping
+ * one huge page longer, its ends cut off */
+static void *map_huge(size_t len)
+{
+    char *m = mmap(NULL, len + HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    char *a = (char *)(((uintptr_t)m + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (a > m)
+        munmap(m, (size_t)(a - m));
+    munmap(a + len, (size_t)(m + HUGE_PAGE - a));
+    (void)madvise(a, len, MADV_HUGEPAGE);   /* a hint: refused, the pages are small */
+    return a;
+}
 
 static void *cpu_alloc(size_t nbytes, ml_ledger *lg)
 {
     (void)lg;
+    if (nbytes >= HUGE_MIN)
+        return map_huge(huge_len(nbytes));
     void *p = NULL;
     size_t rounded = (nbytes + 63) & ~(size_t)63;
     return posix_memalign(&p, 64, rounded) == 0 ? p : NULL;
@@ -20,8 +60,11 @@ static void *cpu_alloc(size_t nbytes, ml_ledger *lg)
 
 static void cpu_free(void *p, size_t nbytes, ml_ledger *lg)
 {
-    (void)nbytes; (void)lg;
-    free(p);
+    (void)lg;
+    if (p && nbytes >= HUGE_MIN)
+        munmap(p, huge_len(nbytes));
+    else
+        free(p);
 }
 
 static ml_status cpu_memcpy(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream)

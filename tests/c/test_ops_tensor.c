@@ -7,10 +7,12 @@
  * view into a contiguous tensor, matmul (plain and with a transposed
  * operand) against a product computed by hand, a broadcast add, a sum
  * reduction over a dim and over everything, a refused argument (status and
- * message, nothing allocated), and the ledger back to zero. Not here: the
+ * message, nothing allocated), buffers on both sides of the CPU backend's
+ * huge-page threshold (backend_cpu.c), and the ledger back to zero. Not here: the
  * Lua bindings and their messages (tests/spec/math_spec.lua,
  * math_errors_spec.lua, tensor_spec.lua).
  */
+#include <stdint.h>
 #include <string.h>
 
 #include "ops_math.h"
@@ -138,12 +140,38 @@ static void test_add_sum(void)
     ml_tensor_drop(&x);
 }
 
+/* f32 tensors just under and just over 8 MiB (backend_cpu.c maps the
+ * latter on its own, at a 2 MiB boundary, except under ASan): filled to
+ * the last element, charged to the ledger at the size asked, freed. */
+static void test_large_buffers(void)
+{
+    ml_err e;
+    int64_t n[2] = {((int64_t)8 << 20) / 4 - 1, ((int64_t)8 << 20) / 4 + 1};
+    for (int i = 0; i < 2; i++) {
+        ml_tensor t = {0};
+        size_t before = h.books[ML_CPU].total;
+        ok(ml_tensor_alloc(&h, &t, ML_CPU, ML_F32, 1, &n[i], &e) == ML_OK &&
+           h.books[ML_CPU].total - before == (size_t)n[i] * 4,
+           "%lld f32: allocated, the ledger charged %lld bytes", (long long)n[i], (long long)n[i] * 4);
+        const float *d = ml_data(&t);
+        ok(ml_op_fill(&h, &t, 3.5, &e) == ML_OK && d[0] == 3.5f && d[n[i] / 2] == 3.5f &&
+           d[n[i] - 1] == 3.5f, "%lld f32: written and read to the last element", (long long)n[i]);
+#ifndef __SANITIZE_ADDRESS__
+        if (i == 1)
+            ok((uintptr_t)d % ((uintptr_t)2 << 20) == 0, "over 8 MiB: at a 2 MiB boundary (huge pages)");
+#endif
+        ml_tensor_drop(&t);
+        ok(h.books[ML_CPU].total == before, "%lld f32: freed", (long long)n[i]);
+    }
+}
+
 int main(void)
 {
     ml_host_init(&h);
     test_arange_views_copy();
     test_matmul();
     test_add_sum();
+    test_large_buffers();
     ok(h.books[ML_CPU].total == 0, "ledger: back to zero after every tensor is dropped");
     ml_host_free(&h);
     return tap_done();
