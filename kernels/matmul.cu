@@ -134,6 +134,23 @@ static ml_status ready(const ml_kctx *ctx)
     return cublas_status(cb.set_stream(cb.handle, ml_cuda_stream(ctx)));
 }
 
+/* What every entry does first: the dtypes checked, then (unless there is
+ * nothing to compute) the interrupt and ready(). *go: the GEMMs are to run
+ * (then ML_OK); else the status to return. */
+static ml_status start(ml_dtype dt, ml_dtype cdt, int empty, const ml_kctx *ctx, int *go)
+{
+    *go = 0;
+    if (!types_ok(dt, cdt))
+        return ML_EUNSUPPORTED;
+    if (empty)
+        return ML_OK;
+    if (ml_kctx_interrupted(ctx))
+        return ML_EINTERRUPTED;
+    ml_status st = ready(ctx);
+    *go = st == ML_OK;
+    return st;
+}
+
 static cudaDataType cuda_type(ml_dtype dt)
 {
     return dt == ML_BF16 ? CUDA_R_16BF : dt == ML_F32 ? CUDA_R_32F : CUDA_R_64F;
@@ -144,14 +161,9 @@ static cublasOperation_t op(int t) { return t ? CUBLAS_OP_T : CUBLAS_OP_N; }
 extern "C" ml_status ml_matmul_cuda(ml_dtype dt, ml_dtype cdt, void *c, const void *a,
                                     const void *b, const ml_gemm_shape *s, const ml_kctx *ctx)
 {
-    if (!types_ok(dt, cdt))
-        return ML_EUNSUPPORTED;
-    if (s->batch <= 0 || s->m <= 0 || s->n <= 0)
-        return ML_OK;
-    if (ml_kctx_interrupted(ctx))
-        return ML_EINTERRUPTED;
-    ml_status st = ready(ctx);
-    if (st != ML_OK)
+    int go;
+    ml_status st = start(dt, cdt, s->batch <= 0 || s->m <= 0 || s->n <= 0, ctx, &go);
+    if (!go)
         return st;
     cublasOperation_t opa = op(s->ta), opb = op(s->tb);
     /* column-major: C^T [n, m] = op(B)^T [n, k] * op(A)^T [k, m] */
@@ -244,14 +256,9 @@ extern "C" ml_status ml_matmul_grouped_cuda(ml_dtype dt, ml_dtype cdt, int64_t c
                                             const void *const *b, void *const *c,
                                             const ml_kctx *ctx)
 {
-    if (!types_ok(dt, cdt))
-        return ML_EUNSUPPORTED;
-    if (count <= 0)
-        return ML_OK;
-    if (ml_kctx_interrupted(ctx))
-        return ML_EINTERRUPTED;
-    ml_status st = ready(ctx);
-    if (st != ML_OK)
+    int go;
+    ml_status st = start(dt, cdt, count <= 0, ctx, &go);
+    if (!go)
         return st;
     groups g;
     g.n = 0;
