@@ -473,31 +473,29 @@ static size_t type_size(ncclDataType_t t)
 }
 
 /* *bytes = count elements of t; an unknown type fails. */
-static ncclResult_t op_bytes(const char *call, size_t count, ncclDataType_t t, size_t *bytes)
+/* An operation's start: its *bytes (count elements of t), then, called
+ * outside a group, a group of its own (*own: op_end ends it), then
+ * op_begin. An unknown data type fails before any group starts. */
+static ncclResult_t op_enter(ncclComm_t c, const char *call, size_t count, ncclDataType_t t,
+                             size_t *bytes, int *own)
 {
     *bytes = count * type_size(t);
-    return type_size(t) ? ncclSuccess
-                        : fail(NULL, ncclInvalidArgument, "%s: unknown data type %d", call, (int)t);
-}
-
-/* Starts the group of an operation called outside one. */
-static int own_group(void)
-{
-    if (group_depth > 0)
-        return 0;
-    ncclGroupStart();
-    return 1;
+    *own = 0;
+    if (!type_size(t))
+        return fail(NULL, ncclInvalidArgument, "%s: unknown data type %d", call, (int)t);
+    if (group_depth == 0) {
+        ncclGroupStart();
+        *own = 1;
+    }
+    return op_begin(c, call);
 }
 
 ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
                            ncclDataType_t datatype, ncclComm_t c, cudaStream_t stream)
 {
     size_t n;
-    ncclResult_t t = op_bytes("ncclAllGather", sendcount, datatype, &n);
-    if (t != ncclSuccess)
-        return t;
-    int own = own_group();
-    t = op_begin(c, "ncclAllGather");
+    int own;
+    ncclResult_t t = op_enter(c, "ncclAllGather", sendcount, datatype, &n, &own);
     char *out = recvbuff;
     if (t == ncclSuccess && n > 0)
         memmove(out + (size_t)c->rank * n, sendbuff, n);   /* in place when sendbuff is there */
@@ -515,11 +513,8 @@ ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                            ncclDataType_t datatype, int root, ncclComm_t c, cudaStream_t stream)
 {
     size_t n;
-    ncclResult_t t = op_bytes("ncclBroadcast", count, datatype, &n);
-    if (t != ncclSuccess)
-        return t;
-    int own = own_group();
-    t = op_begin(c, "ncclBroadcast");
+    int own;
+    ncclResult_t t = op_enter(c, "ncclBroadcast", count, datatype, &n, &own);
     if (t == ncclSuccess && (root < 0 || root >= c->nranks))
         t = fail(c, ncclInvalidArgument, "ncclBroadcast: root %d of %d ranks", root, c->nranks);
     if (t == ncclSuccess && n > 0 && c->rank == root) {
@@ -557,11 +552,8 @@ static ncclResult_t p2p(const char *call, int send, void *buf, size_t count,
                         ncclDataType_t datatype, int peer, ncclComm_t c)
 {
     size_t n;
-    ncclResult_t t = op_bytes(call, count, datatype, &n);
-    if (t != ncclSuccess)
-        return t;
-    int own = own_group();
-    t = op_begin(c, call);
+    int own;
+    ncclResult_t t = op_enter(c, call, count, datatype, &n, &own);
     if (t == ncclSuccess && (peer < 0 || peer >= c->nranks))
         t = fail(c, ncclInvalidArgument, "%s: peer %d of %d ranks", call, peer, c->nranks);
     if (t == ncclSuccess && n > 0)
