@@ -167,9 +167,9 @@ function ES:acquire(l, e)
       if u.coef < 1 then C.scale_(v.grads, u.coef) end
       u.hp.step = u.step
       C.adamw_step(v.params, v.grads, v.exp_avg, v.exp_avg_sq, u.hp)
-      round_compute(v)
       v.grads:zero_()
     end
+    round_compute(v)   -- (once: nothing reads the copy between the updates)
     self.updated[slab] = true
   end
   return v
