@@ -216,6 +216,21 @@ function support.disk_dir(name)
   return dir
 end
 
+-- A moelua.store s of 4 slabs and at least 2 slots: slab i filled with
+-- i + 0.5 through slot 0 and written, then each read back into slot 1, in
+-- reverse, and every element checked (store_spec, gpu_store_spec).
+function support.store_round_trip(s)
+  local v0, v1 = s:slot(0), s:slot(1)
+  for slab = 0, 3 do
+    v0:fill_(slab + 0.5)
+    s:write(0, slab)
+  end
+  for slab = 3, 0, -1 do
+    s:read(slab, 1)
+    for _, x in ipairs(v1:totable()) do assert.are.equal(slab + 0.5, x) end
+  end
+end
+
 -- Asserts that two checkpoint directories hold byte-identical files
 -- (default: the model and AdamW's two states).
 function support.same_checkpoint_files(a, b, files)

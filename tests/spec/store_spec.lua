@@ -53,14 +53,7 @@ describe("moelua.store", function()
     local v0, v1 = s:slot(0), s:slot(1)
     assert.are.same({10}, v0:size())
     assert.are.equal("f32", v0:dtype())
-    for slab = 0, 3 do
-      v0:fill_(slab + 0.5)
-      s:write(0, slab)
-    end
-    for slab = 3, 0, -1 do
-      s:read(slab, 1)
-      for _, x in ipairs(v1:totable()) do assert.are.equal(slab + 0.5, x) end
-    end
+    support.store_round_trip(s)
     local st = s:stats()
     assert.are.equal(160, st.bytes_written)
     assert.are.equal(160, st.bytes_read)
