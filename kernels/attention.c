@@ -50,7 +50,7 @@ typedef struct {
     double *lse_out, *drow, *scratch;
     const double *lse;
     const void *q, *k, *v, *o, *dout;
-    int64_t S, H, KV, hd, group;
+    int64_t S, P, H, KV, hd, group;   /* S query rows at positions P.. of P + S keys */
     double scale;
 } att_args;
 
@@ -146,12 +146,12 @@ static void fwd_tile(void *arg, int64_t lo, int64_t hi)
             l[r] = 0;
         }
         memset(acc, 0, (size_t)(nq * hd) * sizeof(double));
-        for (int64_t j0 = 0; j0 < i1; j0 += BK) {
-            int64_t j1 = j0 + BK < i1 ? j0 + BK : i1;
+        for (int64_t j0 = 0; j0 < a->P + i1; j0 += BK) {
+            int64_t j1 = j0 + BK < a->P + i1 ? j0 + BK : a->P + i1;
             load_rows_t(a->dt, a->k, j0, j1 - j0, a->KV, g, hd, Kt);
             load_rows(a->dt, a->v, j0, j1 - j0, a->KV, g, hd, Vb);
             for (int64_t r = 0; r < nq; r++) {
-                int64_t i = i0 + r, n = (j1 < i + 1 ? j1 : i + 1) - j0;
+                int64_t i = a->P + i0 + r, n = (j1 < i + 1 ? j1 : i + 1) - j0;
                 if (n <= 0)
                     continue;
                 row_dots(sc, Q + r * hd, Kt, hd);
@@ -236,7 +236,7 @@ ML_CLONES
 static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
-    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
+    int64_t S = a->S, P = a->P, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd, ldk = a->KV * hd;
     double *l = my_scratch(a);
     float *m = (float *)(l + FB), *sc = (float *)(l + 2 * FB), *acc = sc + FB * FB;
     float scale = (float)a->scale;
@@ -249,15 +249,20 @@ static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
             l[r] = 0;
         }
         memset(acc, 0, (size_t)(nq * hd) * sizeof(float));
-        for (int64_t j0 = 0; j0 <= i0; j0 += FB) {
-            int64_t nk = j0 + FB < S ? FB : S - j0;
+        for (int64_t j0 = 0; j0 < P + i0 + nq; j0 += FB) {
+            int64_t nk = j0 + FB < P + S ? FB : P + S - j0;
             const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
             const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
             ml_gemm(ML_F32, ML_GEMM_SERIAL, 0, 1, (int)nq, (int)nk, (int)hd, scale,
                         Qb, (int)ldq, Kb, (int)ldk, 0.0f, sc, FB);
             for (int64_t r = 0; r < nq; r++) {
-                int64_t n = i0 + r + 1 - j0 < nk ? i0 + r + 1 - j0 : nk;
-                float *row = sc + r * FB, mx = row_max(row, n);
+                int64_t n = P + i0 + r + 1 - j0 < nk ? P + i0 + r + 1 - j0 : nk;
+                float *row = sc + r * FB;
+                if (n <= 0) {   /* keys past this row's position (only when P > 0) */
+                    memset(row, 0, (size_t)nk * sizeof(float));
+                    continue;
+                }
+                float mx = row_max(row, n);
                 mx = m[r] > mx ? m[r] : mx;
                 float corr = m[r] == -INFINITY ? 0.0f : exp_f(m[r] - mx);
                 float s = row_exp(row, n, nk, mx);
@@ -444,20 +449,22 @@ static ml_status tiles_blas1(int64_t n, int64_t cost, const ml_kctx *ctx, ml_til
 }
 
 ml_status ml_attention_forward_cpu(ml_dtype dt, void *out, double *lse, const void *q,
-                                   const void *k, const void *v, int64_t S, int64_t H,
-                                   int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx)
+                                   const void *k, const void *v, int64_t Sq, int64_t Sk,
+                                   int64_t H, int64_t KV, int64_t hd, void *scratch,
+                                   const ml_kctx *ctx)
 {
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
-    if (hd < 1 || hd > ML_ATT_HD_MAX || KV < 1 || H % KV != 0)
+    if (hd < 1 || hd > ML_ATT_HD_MAX || KV < 1 || H % KV != 0 || Sq < 0 || Sq > Sk)
         return ML_EUNSUPPORTED;
+    int64_t P = Sk - Sq;
     att_args a = {.dt = dt, .out = out, .lse_out = lse, .scratch = scratch, .q = q, .k = k,
-                  .v = v, .S = S, .H = H, .KV = KV, .hd = hd, .group = H / KV,
+                  .v = v, .S = Sq, .P = P, .H = H, .KV = KV, .hd = hd, .group = H / KV,
                   .scale = 1.0 / sqrt((double)hd)};
     if (dt == ML_F32)
-        return tiles_blas1(H * ((S + FB - 1) / FB), FB * (S / 2 + 1) * hd * 4, ctx, fwd_tile32, &a);
-    int64_t nqb = (S + BQ - 1) / BQ;
-    return ml_parallel_tiles(H * nqb, 1, BQ * (S / 2 + 1) * hd * 2, ctx, fwd_tile, &a);
+        return tiles_blas1(H * ((Sq + FB - 1) / FB), FB * (P + Sq / 2 + 1) * hd * 4, ctx, fwd_tile32, &a);
+    int64_t nqb = (Sq + BQ - 1) / BQ;
+    return ml_parallel_tiles(H * nqb, 1, BQ * (P + Sq / 2 + 1) * hd * 2, ctx, fwd_tile, &a);
 }
 
 /* ---- backward ------------------------------------------------------------- */

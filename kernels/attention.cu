@@ -10,7 +10,8 @@
  * dynamic shared memory as the accumulation type (f32 for f32 and bf16,
  * f64 for f64), rows padded to an odd stride against bank conflicts.
  *
- * Forward: one block per (query tile, head), key tiles up to the diagonal,
+ * Forward: one block per (query tile, head), key tiles up to the diagonal
+ * (with a KV cache, Sq < Sk: up to the tile's last query's position),
  * online softmax (running max in the accumulation type, running sum in
  * f64), lse = m + log l. Backward: drow = dout . out per (head, row) in
  * f64; dk, dv per (key tile, kv head) over the group's heads and the query
@@ -90,11 +91,13 @@ __device__ __forceinline__ int keys_seen(int64_t i, int64_t j0, int64_t S)
 
 /* ---- kernels --------------------------------------------------------------- */
 
-/* out, lse for one (query tile blockIdx.x, head blockIdx.y) */
+/* out, lse for one (query tile blockIdx.x, head blockIdx.y); query i sits at
+ * position P + i of the Sk keys, P = Sk - Sq. A row past its last key in a
+ * tile (P > 0 only) sees no key there: its max stays, corr = exp(0) = 1. */
 template <typename T, typename A>
 __global__ void __launch_bounds__(AT_THREADS)
-fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t S, int64_t H,
-           int64_t KV, int hd, A scale)
+fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t Sq, int64_t Sk,
+           int64_t H, int64_t KV, int hd, A scale)
 {
     extern __shared__ __align__(16) unsigned char smem[];
     int ld = hd | 1;
@@ -107,11 +110,12 @@ fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t S, i
     #pragma unroll
     for (int e = 0; e < AT_NE; e++)
         acc[e] = 0;
-    load_tile(Qs, ld, q, i0, S, H, h, hd);
-    for (int64_t j0 = 0; j0 <= i0; j0 += AT_B) {
-        int nv = keys_seen(i, j0, S);
+    int64_t P = Sk - Sq, iend = P + (i0 + AT_B < Sq ? i0 + AT_B : Sq);
+    load_tile(Qs, ld, q, i0, Sq, H, h, hd);
+    for (int64_t j0 = 0; j0 < iend; j0 += AT_B) {
+        int nv = keys_seen(P + i, j0, Sk);
         __syncthreads();   /* the previous tile's V and P are read */
-        load_tile(KVs, ld, k, j0, S, KV, g, hd);
+        load_tile(KVs, ld, k, j0, Sk, KV, g, hd);
         __syncthreads();
         Ss[row * AT_B + col] = dot(Qs + row * ld, KVs + col * ld, hd) * scale;
         __syncthreads();   /* scores complete, K read */
@@ -119,7 +123,7 @@ fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t S, i
         for (int c = 0; c < nv; c++)
             mx = Ss[row * AT_B + c] > mx ? Ss[row * AT_B + c] : mx;
         Ps[row * AT_B + col] = col < nv ? at_exp(Ss[row * AT_B + col] - mx) : (A)0;
-        load_tile(KVs, ld, v, j0, S, KV, g, hd);
+        load_tile(KVs, ld, v, j0, Sk, KV, g, hd);
         __syncthreads();
         A corr = m == (A)-INFINITY ? (A)0 : at_exp(m - mx);
         l *= corr;
@@ -138,7 +142,7 @@ fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t S, i
         }
         m = mx;
     }
-    if (i >= S)
+    if (i >= Sq)
         return;
     double inv = 1.0 / l;
     #pragma unroll
@@ -148,7 +152,7 @@ fwd_kernel(T *out, double *lse, const T *q, const T *k, const T *v, int64_t S, i
             st_el(out, (i * H + h) * hd + d, (A)(acc[e] * inv));
     }
     if (col == 0)
-        lse[h * S + i] = (double)m + log(l);
+        lse[h * Sq + i] = (double)m + log(l);
 }
 
 /* drow[h, i] = dout_i . out_i in f64, d ascending */
@@ -304,14 +308,15 @@ static ml_status allow_smem(F *kernel, size_t bytes)
 
 template <typename T, typename A>
 static ml_status fwd_launch(void *out, double *lse, const void *q, const void *k, const void *v,
-                            int64_t S, int64_t H, int64_t KV, int hd, const ml_kctx *ctx)
+                            int64_t Sq, int64_t Sk, int64_t H, int64_t KV, int hd,
+                            const ml_kctx *ctx)
 {
     ml_status s = allow_smem(fwd_kernel<T, A>, smem_bytes<A>(ML_ATT_HD_MAX, 2, 2));
     if (s != ML_OK)
         return s;
-    dim3 grid((unsigned)((S + AT_B - 1) / AT_B), (unsigned)H);
+    dim3 grid((unsigned)((Sq + AT_B - 1) / AT_B), (unsigned)H);
     fwd_kernel<T, A><<<grid, AT_THREADS, smem_bytes<A>(hd, 2, 2), ml_cuda_stream(ctx)>>>(
-        (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, S, H, KV, hd,
+        (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, Sq, Sk, H, KV, hd,
         (A)(1.0 / sqrt((double)hd)));
     return ml_cuda_launched();
 }
@@ -363,22 +368,22 @@ static ml_status check_args(ml_dtype dt, int64_t S, int64_t H, int64_t KV, int64
 }
 
 extern "C" ml_status ml_attention_forward_cuda(ml_dtype dt, void *out, double *lse, const void *q,
-                                               const void *k, const void *v, int64_t S, int64_t H,
-                                               int64_t KV, int64_t hd, void *scratch,
+                                               const void *k, const void *v, int64_t Sq, int64_t Sk,
+                                               int64_t H, int64_t KV, int64_t hd, void *scratch,
                                                const ml_kctx *ctx)
 {
-    ml_status s = check_args(dt, S, H, KV, hd);
-    if (s != ML_OK || S == 0 || H == 0)
+    ml_status s = Sq < 0 || Sq > Sk ? ML_EUNSUPPORTED : check_args(dt, Sq, H, KV, hd);
+    if (s != ML_OK || Sq == 0 || H == 0)
         return s;
     if (ml_kctx_interrupted(ctx))
         return ML_EINTERRUPTED;
     switch (dt) {
     case ML_F32:
-        return fwd_launch<float, float>(out, lse, q, k, v, S, H, KV, (int)hd, ctx);
+        return fwd_launch<float, float>(out, lse, q, k, v, Sq, Sk, H, KV, (int)hd, ctx);
     case ML_F64:
-        return fwd_launch<double, double>(out, lse, q, k, v, S, H, KV, (int)hd, ctx);
+        return fwd_launch<double, double>(out, lse, q, k, v, Sq, Sk, H, KV, (int)hd, ctx);
     default:
-        return fwd_launch<uint16_t, float>(out, lse, q, k, v, S, H, KV, (int)hd, ctx);
+        return fwd_launch<uint16_t, float>(out, lse, q, k, v, Sq, Sk, H, KV, (int)hd, ctx);
     }
 }
 

@@ -8,6 +8,13 @@
  * h / (H / KV) (DESIGN.md, Numerics). Scale 1/sqrt(hd); query i attends to
  * keys j <= i.
  *
+ * The forward also takes fewer queries than keys (decoding against a KV
+ * cache): q [Sq, H, hd] holds the last Sq of Sk positions, so query i sits at
+ * position P + i, P = Sk - Sq, and attends to keys j <= P + i. Each query
+ * row walks the same key blocks in the same order as row P + i of the square
+ * call, so f64 gives the same bits as that row; f32 differs only where the
+ * tile sgemm's shape does (its M is the number of query rows).
+ *
  * f64 (the reference; gradient checks run on it): per (head, block of 64
  * queries), key/value blocks of 64 rows stream through an online softmax
  * (running max and sum in f64); the log-sum-exp of every row is saved. A K/V
@@ -64,14 +71,16 @@
 size_t ml_attention_scratch_bytes(int64_t hd, int nthreads);
 
 /* Forward.
- *   out [S, H, hd] dt   =
- *   lse [H, S] f64      =   log sum_j<=i exp(s_ij), saved for the backward
- *   q [S, H, hd] dt, k, v [S, KV, hd] dt; 1 <= hd <= ML_ATT_HD_MAX */
+ *   out [Sq, H, hd] dt   =
+ *   lse [H, Sq] f64      =   log sum_j<=P+i exp(s_ij), saved for the backward
+ *   q [Sq, H, hd] dt, k, v [Sk, KV, hd] dt; Sq <= Sk (Sq = Sk to train);
+ *   1 <= hd <= ML_ATT_HD_MAX */
 ml_status ml_attention_forward_cpu(ml_dtype dt, void *out, double *lse, const void *q,
-                                   const void *k, const void *v, int64_t S, int64_t H,
-                                   int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx);
+                                   const void *k, const void *v, int64_t Sq, int64_t Sk,
+                                   int64_t H, int64_t KV, int64_t hd, void *scratch,
+                                   const ml_kctx *ctx);
 
-/* Backward.
+/* Backward (square: the S queries of S keys).
  *   dq [S, H, hd] dt     =
  *   dk, dv [S, KV, hd] dt =
  *   drow [H, S] f64      =   scratch (dout_i . out_i)
@@ -83,8 +92,9 @@ ml_status ml_attention_backward_cpu(ml_dtype dt, void *dq, void *dk, void *dv, d
 
 #ifdef ML_WITH_CUDA
 ml_status ml_attention_forward_cuda(ml_dtype dt, void *out, double *lse, const void *q,
-                                    const void *k, const void *v, int64_t S, int64_t H,
-                                    int64_t KV, int64_t hd, void *scratch, const ml_kctx *ctx);
+                                    const void *k, const void *v, int64_t Sq, int64_t Sk,
+                                    int64_t H, int64_t KV, int64_t hd, void *scratch,
+                                    const ml_kctx *ctx);
 ml_status ml_attention_backward_cuda(ml_dtype dt, void *dq, void *dk, void *dv, double *drow,
                                      const void *dout, const void *q, const void *k, const void *v,
                                      const void *out, const double *lse, int64_t S, int64_t H,

@@ -20,11 +20,12 @@
  *   rope_forward(x [S, heads, hd] [, opts])              -> y
  *   rope_backward(dy [S, heads, hd] [, opts])            -> dx
  *       opts: theta (default 10000), offset (position of row 1, default 0)
- *   attention_forward(q [S, H, hd], k [S, KV, hd], v)    -> out [S, H, hd], lse [H, S] f64
- *   attention_backward(dout, q, k, v, out, lse)          -> dq, dk, dv
+ *   attention_forward(q [S, H, hd], k [Sk, KV, hd], v)   -> out [S, H, hd], lse [H, S] f64
+ *       Sk >= S: q holds the last S of Sk positions (decoding against a KV cache)
+ *   attention_backward(dout, q, k, v, out, lse)          -> dq, dk, dv (Sk = S)
  *
- * A device runs a function when its kernel table has the family (CUDA has
- * none of these yet: its tensors get "not supported" from the kernel call).
+ * A device runs a function in the dtypes its kernel table supports for the
+ * family (CUDA adds bf16 to all but cross-entropy).
  *
  * Not here: the checks and the kernel calls (host/runtime/ops_nn.c),
  * modules, parameters (lua/moelua/nn).

@@ -187,8 +187,8 @@ typedef struct ml_kernels {
                              const int64_t *, const double *, int64_t, int64_t, int64_t, int64_t,
                              int64_t, void *, const ml_kctx *);
     ml_status (*attention_forward)(ml_dtype, void *, double *, const void *, const void *,
-                                   const void *, int64_t, int64_t, int64_t, int64_t, void *,
-                                   const ml_kctx *);
+                                   const void *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   void *, const ml_kctx *);
     ml_status (*attention_backward)(ml_dtype, void *, void *, void *, double *, const void *,
                                     const void *, const void *, const void *, const void *,
                                     const double *, int64_t, int64_t, int64_t, int64_t, void *,

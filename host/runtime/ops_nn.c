@@ -258,10 +258,11 @@ ml_status ml_op_rope_backward(ml_host *h, ml_tensor *dx, const ml_tensor *dy, in
 
 /* ---- attention ---------------------------------------------------------------- */
 
-/* q [S, H, hd], k, v [S, KV, hd] on q's device, one float dtype the
- * device runs attention in; H % KV == 0, hd in [1, ML_ATT_HD_MAX]. */
+/* q [S, H, hd], k, v [Sk, KV, hd] on q's device, one float dtype the
+ * device runs attention in; H % KV == 0, hd in [1, ML_ATT_HD_MAX]; Sk = S
+ * when square (training), else Sk >= S (a KV cache's keys). */
 static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor *k,
-                          const ml_tensor *v, ml_err *e)
+                          const ml_tensor *v, int square, ml_err *e)
 {
     ml_device dev = ml_tensor_device(q);
     unsigned dts = ml_float_dtypes(h, dev, ML_OP_ATTENTION);
@@ -271,7 +272,10 @@ static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor 
     ML_TRY(ml_check_same_dtype(k, "k", "q", q->dtype, e));
     ML_TRY(ml_check_same_dtype(v, "v", "q", q->dtype, e));
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1];
-    int64_t sk[3] = {S, KV, hd};
+    int64_t sk[3] = {square ? S : k->shape[0], KV, hd};
+    if (sk[0] < S)
+        return ml_err_set(e, ML_EINVAL, "k has %lld positions, fewer than q's %lld",
+                          (long long)sk[0], (long long)S);
     ML_TRY(ml_check_shape(k, "k", 3, sk, e));
     ML_TRY(ml_check_shape(v, "v", 3, sk, e));
     if (KV < 1 || H % KV)
@@ -294,16 +298,17 @@ static ml_status attention_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *
 ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, const ml_tensor *q,
                                   const ml_tensor *k, const ml_tensor *v, ml_err *e)
 {
-    ML_TRY(qkv_args(h, q, k, v, e));
+    ML_TRY(qkv_args(h, q, k, v, 0, e));
     ml_device dev = q->st->device;
-    int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
+    int64_t S = q->shape[0], Sk = k->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1];
+    int64_t sl[2] = {H, S};
     ML_TRY(ml_prepare_output(h, out, "out", dev, q->dtype, 3, q->shape, e));
     ML_TRY(ml_prepare_output(h, lse, "lse", dev, ML_F64, 2, sl, e));
     ml_kctx c = ml_host_kctx(h);
     ml_tensor scr = {0};
     ML_TRY(attention_scratch(h, &scr, q, &c, e));
     ml_status s = ML_KCALL(h, dev, attention_forward, q->dtype, ml_data(out), ml_data(lse),
-                           ml_data(q), ml_data(k), ml_data(v), S, H, KV, hd, ml_data(&scr), &c);
+                           ml_data(q), ml_data(k), ml_data(v), S, Sk, H, KV, hd, ml_data(&scr), &c);
     ml_tensor_drop(&scr);
     return ml_kernel_status(s, e);
 }
@@ -313,7 +318,7 @@ ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_
                                    const ml_tensor *v, const ml_tensor *out, const ml_tensor *lse,
                                    ml_err *e)
 {
-    ML_TRY(qkv_args(h, q, k, v, e));
+    ML_TRY(qkv_args(h, q, k, v, 1, e));
     ml_device dev = q->st->device;
     int64_t S = q->shape[0], H = q->shape[1], hd = q->shape[2], KV = k->shape[1], sl[2] = {H, S};
     unsigned dts = ml_float_dtypes(h, dev, ML_OP_ATTENTION);

@@ -65,11 +65,13 @@ ml_status ml_op_rope_backward(ml_host *h, ml_tensor *dx, const ml_tensor *dy, in
                               double theta, ml_err *e);
 
 /* Causal grouped-query attention: out [S, H, hd] (=), lse [H, S] f64 (=)
- * from q [S, H, hd], k, v [S, KV, hd]; H % KV == 0, hd in [1, ML_ATT_HD_MAX]. */
+ * from q [S, H, hd], k, v [Sk, KV, hd]; H % KV == 0, hd in [1, ML_ATT_HD_MAX].
+ * Sk >= S: the queries are the last S positions (decoding against a KV
+ * cache); the backward takes Sk = S only. */
 ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, const ml_tensor *q,
                                   const ml_tensor *k, const ml_tensor *v, ml_err *e);
-/* dq [S, H, hd], dk, dv [S, KV, hd] (all =) from dout, and out, lse of the
- * forward. */
+/* dq [S, H, hd], dk, dv [S, KV, hd] (all =) from dout, and out, lse of a
+ * square forward (k, v [S, KV, hd]). */
 ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_tensor *dv,
                                    const ml_tensor *dout, const ml_tensor *q, const ml_tensor *k,
                                    const ml_tensor *v, const ml_tensor *out, const ml_tensor *lse,

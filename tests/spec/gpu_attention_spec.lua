@@ -124,6 +124,31 @@ describe("GPU parity: attention", function()
     end
   end)
 
+  it("decodes against a KV cache: the device's last rows of its square call, the CPU's within tolerance", function()
+    -- {Sq, Sk, H, KV, hd}: one query, several, across 16-row tiles and the CPU's 128
+    for n, c in ipairs({{1, 17, 4, 2, 8}, {3, 45, 4, 1, 64}, {20, 150, 2, 1, 32}}) do
+      local Sq, Sk, H, KV, hd = c[1], c[2], c[3], c[4], c[5]
+      local what = string.format("Sq=%d Sk=%d H=%d KV=%d hd=%d", Sq, Sk, H, KV, hd)
+      for _, dt in ipairs({"f64", "f32", LOW}) do
+        local g = support.generator(50 * n, dt == LOW and "f32" or dt)
+        local q, k, v = g.randn({Sk, H, hd}), g.randn({Sk, KV, hd}), g.randn({Sk, KV, hd})
+        if dt == LOW then q, k, v = q:to("bf16"):to("f32"), k:to("bf16"):to("f32"), v:to("bf16"):to("f32") end
+        local ql = q:narrow(1, Sk - Sq + 1, Sq):contiguous()
+        local gq, gl, gk, gv = on(DEV, q:to(dt), ql:to(dt), k:to(dt), v:to(dt))
+        local out, lse = ops.attention_forward(gl, gk, gv)
+        local sq_out, sq_lse = ops.attention_forward(gq, gk, gv)
+        -- bitwise on CUDA (its tiles are its own sums); the CPU's f32 tiles are sgemm calls of another M
+        local same = (DEV == "cuda" or dt == "f64") and assert_same or function(a, b, w) assert_close(b, a, TOL.f32, w) end
+        same(out, sq_out:narrow(1, Sk - Sq + 1, Sq):contiguous(), "out = the square's rows " .. dt .. " " .. what)
+        same(lse, sq_lse:narrow(2, Sk - Sq + 1, Sq):contiguous(), "lse = the square's rows " .. dt .. " " .. what)
+        local cout, clse = ops.attention_forward(ql, k, v)
+        local tol = dt == LOW and TOL.bf16 or TOL[dt]
+        assert_close(cout, out:to("cpu"):to(cout:dtype()), tol, "out " .. dt .. " " .. what)
+        assert_close(clse, lse, tol, "lse " .. dt .. " " .. what)
+      end
+    end
+  end)
+
   it("is deterministic: two device runs give the same bits", function()
     for _, dt in ipairs({"f32", LOW}) do
       local c = {45, 4, 2, 64}

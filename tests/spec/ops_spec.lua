@@ -133,24 +133,26 @@ local function ref_rope(x, S, NH, hd, offset, theta, dt)
   return y
 end
 
--- naive softmax(Q K^T / sqrt(hd)) V with the causal mask, GQA
-local function ref_attention(q, k, v, S, H, KV, hd)
+-- naive softmax(Q K^T / sqrt(hd)) V with the causal mask, GQA; the S
+-- queries sit at positions P.. (P > 0: a KV cache holds P + S keys)
+local function ref_attention(q, k, v, S, H, KV, hd, P)
   local out, G, scale = {}, H // KV, 1 / math.sqrt(hd)
+  P = P or 0
   for h = 0, H - 1 do
     local g = h // G
     for i = 0, S - 1 do
-      local sc, mx = {}, -math.huge
-      for j = 0, i do
+      local sc, mx, last = {}, -math.huge, P + i
+      for j = 0, last do
         local z = 0
         for d = 1, hd do z = z + q[(i * H + h) * hd + d] * k[(j * KV + g) * hd + d] end
         sc[j] = z * scale
         mx = math.max(mx, sc[j])
       end
       local sum = 0
-      for j = 0, i do sc[j] = math.exp(sc[j] - mx); sum = sum + sc[j] end
+      for j = 0, last do sc[j] = math.exp(sc[j] - mx); sum = sum + sc[j] end
       for d = 1, hd do
         local o = 0
-        for j = 0, i do o = o + sc[j] / sum * v[(j * KV + g) * hd + d] end
+        for j = 0, last do o = o + sc[j] / sum * v[(j * KV + g) * hd + d] end
         out[(i * H + h) * hd + d] = o
       end
     end
@@ -423,6 +425,27 @@ describe("moelua.ops attention", function()
     end
   end)
 
+  it("decodes against a KV cache: q the last Sq of Sk positions (f64: bitwise the square call's rows)", function()
+    -- Sk past the f64 path's 64-key block and the f32 path's 128-key tile
+    for _, c in ipairs({{1, 9, 4, 2, 4}, {3, 70, 2, 1, 8}, {5, 140, 3, 3, 6}}) do
+      local Sq, Sk, H, KV, hd = c[1], c[2], c[3], c[4], c[5]
+      local P = Sk - Sq
+      local q, k, v = randflat(Sk * H * hd), randflat(Sk * KV * hd), randflat(Sk * KV * hd)
+      local qlast = {table.unpack(q, P * H * hd + 1)}
+      local ref = ref_attention(qlast, k, v, Sq, H, KV, hd, P)
+      local tk, tv = T(k, {Sk, KV, hd}), T(v, {Sk, KV, hd})
+      local out, lse = ops.attention_forward(T(qlast, {Sq, H, hd}), tk, tv)
+      assert_close(out, ref, 1e-12, "f64 Sk=" .. Sk)
+      assert.are.same({H, Sq}, lse:shape())
+      local sq_out, sq_lse = ops.attention_forward(T(q, {Sk, H, hd}), tk, tv)
+      assert_same(out, sq_out:narrow(1, P + 1, Sq):contiguous(), "out = the square call's last rows")
+      assert_same(lse, sq_lse:narrow(2, P + 1, Sq):contiguous(), "lse = the square call's last columns")
+      local o32 = ops.attention_forward(T(qlast, {Sq, H, hd}, "f32"), T(k, {Sk, KV, hd}, "f32"),
+                                        T(v, {Sk, KV, hd}, "f32"))
+      assert_close(o32, ref, 1e-6, "f32 Sk=" .. Sk)
+    end
+  end)
+
   it("gradients of q, k and v match finite differences (GQA)", function()
     for _, c in ipairs({{6, 4, 2, 4}, {67, 2, 1, 2}}) do
       local S, H, KV, hd = c[1], c[2], c[3], c[4]
@@ -494,6 +517,8 @@ describe("moelua.ops attention", function()
     has(errmsg(ops.attention_forward, q, m.randn({4, 3, 8}), m.randn({4, 3, 8})), fn .. "q has 4 heads, not a multiple of k's 3")
     has(errmsg(ops.attention_forward, q, k, m.randn({4, 2, 6})), fn .. "v is [4,2,6] but must be [4,2,8]")
     has(errmsg(ops.attention_forward, q, k:to("f64"), k), "k is f64 but q is f32")
+    has(errmsg(ops.attention_forward, q, m.randn({3, 2, 8}), m.randn({3, 2, 8})), fn .. "k has 3 positions, fewer than q's 4")
+    has(errmsg(ops.attention_forward, q, m.randn({6, 2, 8}), k), fn .. "v is [4,2,8] but must be [6,2,8]")
     has(errmsg(ops.attention_forward, m.randn({2, 1, 300}), m.randn({2, 1, 300}), m.randn({2, 1, 300})),
         "head dim 300 must be in [1, 256]")
     has(errmsg(ops.attention_forward, q, k, k:transpose(1, 2)), "moelua.ops.attention_forward: v must be contiguous")
@@ -502,6 +527,8 @@ describe("moelua.ops attention", function()
         "moelua.ops.attention_backward: lse is [4,3] but must be [4,4]")
     has(errmsg(ops.attention_backward, out, q, k, k, out, m.zeros({4, 4})), "moelua.ops.attention_backward: lse must be f64, got f32")
     has(errmsg(ops.attention_backward, m.randn({4, 4, 7}), q, k, k, out, lse), "dout is [4,4,7] but must be [4,4,8]")
+    local k6 = m.randn({6, 2, 8})
+    has(errmsg(ops.attention_backward, out, q, k6, k6, out, lse), "moelua.ops.attention_backward: k is [6,2,8] but must be [4,2,8]")
   end)
 end)
 
