@@ -70,41 +70,45 @@ for _, b in ipairs{{"100", 1}, {"50", 2}, {"25", 4}, {"two", 0}} do
   end
 end
 
-print("| budget | prefetch | slots | tok/s | step s | fastest step s | experts s | optim s | read MiB | written MiB | hits | misses | "
-      .. "cache peak MiB | budget MiB | page-cache s | disk s | page-cache / step | disk / step | loss | disk MiB in / out |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-for _, r in ipairs(runs) do
-  local ss = steps(string.format("%s/%s/metrics.jsonl", dir, r[1]))
-  if ss then
-    local tps, secs, ex, opt = {}, {}, {}, {}
-    for i = 2, #ss do
-      tps[#tps + 1], secs[#secs + 1] = ss[i].tokens_per_s, ss[i].step_seconds
-      ex[#ex + 1], opt[#opt + 1] = ss[i].phases.experts, ss[i].phases.optim
+local trained = false   -- (store.sh's part "generate" runs no training)
+for _, r in ipairs(runs) do trained = trained or steps(string.format("%s/%s/metrics.jsonl", dir, r[1])) ~= nil end
+if trained then
+  print("| budget | prefetch | slots | tok/s | step s | fastest step s | experts s | optim s | read MiB | written MiB | hits | misses | "
+        .. "cache peak MiB | budget MiB | page-cache s | disk s | page-cache / step | disk / step | loss | disk MiB in / out |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  for _, r in ipairs(runs) do
+    local ss = steps(string.format("%s/%s/metrics.jsonl", dir, r[1]))
+    if ss then
+      local tps, secs, ex, opt = {}, {}, {}, {}
+      for i = 2, #ss do
+        tps[#tps + 1], secs[#secs + 1] = ss[i].tokens_per_s, ss[i].step_seconds
+        ex[#ex + 1], opt[#opt + 1] = ss[i].phases.experts, ss[i].phases.optim
+      end
+      local last, prev = ss[#ss], ss[#ss - 1]
+      local a, b = last.expert_store or {}, prev.expert_store or {}
+      local function d(k) return (a[k] or 0) - (b[k] or 0) end
+      local rd, wr = d("bytes_read"), d("bytes_written")
+      local step = measure.median(secs)
+      local tcache = rd / bw.cache_read + wr / bw.cache_write
+      local tdisk = rd / bw.disk_read + wr / bw.disk_write
+      print(string.format("| %s | %s | %s | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %d | %d | %.1f | %s | %.3f | %.3f | %.2f | %.2f | %.6f | %s |",
+                          r[2], r[4] or "-", a.slots and tostring(a.slots) or "-", measure.median(tps), step,
+                          math.min(table.unpack(secs)), measure.median(ex), measure.median(opt), rd / MiB, wr / MiB, d("hits"), d("misses"),
+                          (last.ledger_peak.cache or 0) / MiB, r[3] > 0 and string.format("%.1f", r[3] / MiB) or "-",
+                          tcache, tdisk, tcache / step, tdisk / step, last.loss, disk_cells(r[1])))
+    else
+      print(string.format("| %s | %s | no result |", r[2], r[4] or "-"))
     end
-    local last, prev = ss[#ss], ss[#ss - 1]
-    local a, b = last.expert_store or {}, prev.expert_store or {}
-    local function d(k) return (a[k] or 0) - (b[k] or 0) end
-    local rd, wr = d("bytes_read"), d("bytes_written")
-    local step = measure.median(secs)
-    local tcache = rd / bw.cache_read + wr / bw.cache_write
-    local tdisk = rd / bw.disk_read + wr / bw.disk_write
-    print(string.format("| %s | %s | %s | %.0f | %.3f | %.3f | %.3f | %.3f | %.1f | %.1f | %d | %d | %.1f | %s | %.3f | %.3f | %.2f | %.2f | %.6f | %s |",
-                        r[2], r[4] or "-", a.slots and tostring(a.slots) or "-", measure.median(tps), step,
-                        math.min(table.unpack(secs)), measure.median(ex), measure.median(opt), rd / MiB, wr / MiB, d("hits"), d("misses"),
-                        (last.ledger_peak.cache or 0) / MiB, r[3] > 0 and string.format("%.1f", r[3] / MiB) or "-",
-                        tcache, tdisk, tcache / step, tdisk / step, last.loss, disk_cells(r[1])))
-  else
-    print(string.format("| %s | %s | no result |", r[2], r[4] or "-"))
   end
+  print()
+  print(string.format("tok/s, step s, experts s, optim s: medians over steps 2-%d (the phases' seconds per step); " ..
+                      "fastest step s: the least of those steps' seconds; " ..
+                      "read, written, hits, misses: the store's counters in the last step; page-cache s, disk s: " ..
+                      "read / read bandwidth + written / write bandwidth; disk MiB in / out: the whole machine's " ..
+                      "reads from and writes to its disks while the run ran (/proc/vmstat; other jobs included).",
+                      bw.steps))
+  print()
 end
-print()
-print(string.format("tok/s, step s, experts s, optim s: medians over steps 2-%d (the phases' seconds per step); " ..
-                    "fastest step s: the least of those steps' seconds; " ..
-                    "read, written, hits, misses: the store's counters in the last step; page-cache s, disk s: " ..
-                    "read / read bandwidth + written / write bandwidth; disk MiB in / out: the whole machine's " ..
-                    "reads from and writes to its disks while the run ran (/proc/vmstat; other jobs included).",
-                    bw.steps))
-print()
 
 local function gen(name)   -- the text and the statistics line of OUT_DIR/gen_<name>.log
   local f = io.open(string.format("%s/gen_%s.log", dir, name))
@@ -148,5 +152,5 @@ print("hits, misses, MiB read, prefetch hints: the first run's (every run's are 
       "runs' output equals the first resident run's; disk MiB: the three runs together.")
 if base then
   print()
-  print("Generated (greedy, every budget): " .. string.format("%q", base.text))
+  print("Generated (every budget): " .. string.format("%q", base.text))
 end

@@ -86,6 +86,26 @@ local function planned_is_measured(dir, dtype)
   end
 end
 
+-- The tiny model's logits on `device` (of dtype) for a prefill of 10
+-- tokens and then 6 decoded one at a time against a KV cache (as f32 on the cpu).
+local function decode_logits(dir, device, dtype)
+  local toks = data.open{paths = {corpus(dir)}, seq_len = SEQ, seed = 1}:batch(0):totable()
+  local model = build(device, nil, dtype)()
+  local cache = model:kv_cache(16)
+  local out = {model:decode(m.tensor({table.unpack(toks, 1, 10)}):to("i64"), cache):to("cpu")}
+  for p = 11, 16 do out[#out + 1] = model:decode(m.tensor({toks[p]}):to("i64"), cache):to("cpu") end
+  cache:free()
+  return out
+end
+
+-- DEV's decoded logits (in dtype) against the CPU's f32 ones, normwise within tol.
+local function decodes_like_cpu(dir, dtype, tol)
+  local cpu, dev = decode_logits(dir, "cpu"), decode_logits(dir, DEV, dtype)
+  for i = 1, #cpu do
+    support.assert_close(support.values(dev[i]:to("f32")), support.values(cpu[i]), tol, "logits of decode " .. i)
+  end
+end
+
 describe("GPU training (" .. DEV .. ")", function()
   local dir
   before_each(function() dir = support.make_tmpdir() end)
@@ -142,6 +162,10 @@ describe("GPU training (" .. DEV .. ")", function()
   it("measures the peak that train.plan predicts, per category", function()
     planned_is_measured(dir)
   end)
+
+  it("decodes with a KV cache: a prefill, then a token at a time, with the CPU's logits (1e-5 relative)", function()
+    decodes_like_cpu(dir, nil, 1e-5)
+  end)
 end)
 
 describe("GPU training in mixed precision (bf16 on " .. DEV .. ")", function()
@@ -178,5 +202,9 @@ describe("GPU training in mixed precision (bf16 on " .. DEV .. ")", function()
 
   it("measures the peak that train.plan predicts, per category", function()
     planned_is_measured(dir, "bf16")
+  end)
+
+  it("decodes with a KV cache near the CPU's f32 logits (2e-2 relative)", function()
+    decodes_like_cpu(dir, "bf16", LOSS_TOL_BF16)
   end)
 end)

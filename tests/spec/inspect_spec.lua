@@ -121,6 +121,31 @@ describe("moelua.inspect", function()
     end
   end)
 
+  it("generation decodes with a KV cache: each byte as the full forward of its context, restarts included", function()
+    -- seq_len 6: the prompt's last 6 bytes are prefilled, then one byte a
+    -- position; a full cache restarts from its last 3 bytes. Each greedy byte
+    -- is the argmax of a full forward over the bytes since the last restart.
+    local S, n, prompt = 6, 14, "#include <s"
+    local g = h:generate(prompt, {n = n, greedy = true, seq_len = S})
+    local bytes, from, len = {prompt:byte(1, -1)}, #prompt - S + 1, S
+    for i = 1, n do
+      local ctx = {table.unpack(bytes, from)}
+      assert.are.equal(len, #ctx, "context of byte " .. i)
+      ctx[#ctx + 1] = 0
+      h.model:forward(m.tensor(ctx):to("i64"), 0)
+      local lg = h.model:last_logits():totable()
+      h.model:_release()
+      local best = 1
+      for j = 2, 256 do if lg[j] > lg[best] then best = j end end
+      assert.are.equal(best - 1, g.tokens[i], "byte " .. i)
+      bytes[#bytes + 1] = g.tokens[i]
+      if len == S then from, len = #bytes - S // 2 + 1, S // 2 else len = len + 1 end
+    end
+    assert.are.equal(0, h.model.pool:stats().used)
+    support.raises("moelua.inspect.generate: option 'seq_len' must be an integer >= 1", h.generate, h, "x",
+                   {seq_len = 0})
+  end)
+
   it("compare of a report with itself shows no change", function()
     local rows, s = inspect.compare(report, report, 1)
     assert.are.equal(h.model.opts.experts, #rows)

@@ -288,6 +288,70 @@ describe("nn.Transformer", function()
     assert.are.equal(0, model.pool:stats().used)
   end)
 
+  it("decode with a KV cache gives each position's logits and routing of a full forward", function()
+    -- f64: the cached attention row is bitwise the square one's; the
+    -- projections and experts run GEMMs of other shapes (normwise 1e-12).
+    -- f32: 1e-5. A prefill of 5 tokens, then one token at a time.
+    for _, c in ipairs({{"f64", 1e-12}, {"f32", 1e-5}}) do
+      local model, N = tiny{dtype = c[1]}, #TOKENS
+      local function full(p)   -- logits and routing at position p of tokens 1..p
+        local ctx = {table.unpack(TOKENS, 1, p)}
+        ctx[p + 1] = 0
+        model:forward(m.tensor(ctx):to("i64"), 0)
+        local lg, layers = model:last_logits(), {}
+        for l, b in ipairs(model.blocks) do
+          local row = b.moe.layer.ctx.idx:select(1, p):totable()
+          for j = 1, #row do row[j] = math.tointeger(row[j]) end
+          layers[l] = row
+        end
+        model:_release()
+        return lg, layers
+      end
+      local cache = model:kv_cache(N)
+      local p = 5
+      local route = {}
+      local lg = model:decode(m.tensor({table.unpack(TOKENS, 1, p)}):to("i64"), cache, route)
+      while true do
+        assert.are.equal(p, cache.len)
+        local ref, layers = full(p)
+        support.assert_close(support.values(lg), support.values(ref), c[2], c[1] .. " logits at " .. p)
+        assert.are.same(layers, route.layers, c[1] .. " routing at " .. p)
+        if p == N then break end
+        p = p + 1
+        lg = model:decode(m.tensor({TOKENS[p]}):to("i64"), cache, route)
+      end
+      support.raises("20 positions cached and 1 new exceed the cache's 20", model.decode, model,
+                     m.tensor({1}):to("i64"), cache)
+      cache:reset()
+      assert.are.equal(0, cache.len)
+      cache:free()
+    end
+  end)
+
+  it("decode: bad arguments are errors naming them; the cache is booked under acts and freed", function()
+    local model = tiny{dtype = "f32"}
+    collectgarbage(); collectgarbage()
+    local before = mem.stats().cpu.current
+    local cache = model:kv_cache(8)
+    local acts = mem.stats().cpu.current.acts - before.acts
+    assert.are.equal(2 * TINY.layers * 8 * TINY.kv_heads * (TINY.dim // TINY.heads) * 4, acts)
+    local fn = "moelua.nn.Transformer:decode: "
+    support.raises(fn .. "ids must be an i64 tensor [n] with n >= 1", model.decode, model, m.tensor({1, 2}), cache)
+    support.raises(fn .. "ids must be an i64 tensor [n] with n >= 1", model.decode, model,
+                   m.zeros({0}, {dtype = "i64"}), cache)
+    support.raises(fn .. "argument #2: expected this model's KV cache", model.decode, model,
+                   m.tensor({1}):to("i64"), {len = 0})
+    local other = tiny{dtype = "f32", layers = 1}:kv_cache(8)
+    support.raises(fn .. "argument #2: expected this model's KV cache", model.decode, model,
+                   m.tensor({1}):to("i64"), other)
+    support.raises("moelua.nn.KVCache.new: option 'positions' must be an integer >= 1, got 0", model.kv_cache,
+                   model, 0)
+    model:decode(m.tensor({1, 2, 3}):to("i64"), cache)
+    other:free(); cache:free()
+    collectgarbage(); collectgarbage()
+    for k, v in pairs(before) do assert.are.equal(v, mem.stats().cpu.current[k], k) end
+  end)
+
   it("bad options fail with the option's name before any allocation", function()
     collectgarbage()
     local before = mem.stats().cpu.allocs

@@ -10,6 +10,7 @@
 --   local y, ctx = att:forward(x)        -- x [S, D] -> y [S, D] (a pool view)
 --   local dx = att:backward(dy, ctx)     -- weight grads accumulate (+=)
 --   att:release(ctx)                     -- frees ctx's non-pool tensors
+--   local y = att:decode(x, kv, pos)     -- inference: x [n, D] at positions pos.. (below)
 --
 -- Projections and outputs are views into the caller's stack pool (the
 -- caller marks and rewinds, LIFO); rope/attention outputs come from
@@ -69,6 +70,28 @@ function Attention:forward(x)
     account(self, t0, proj + core, x:device())
   end
   return y, {x = x, qr = qr, kr = kr, v = v, o = o, lse = lse}
+end
+
+-- y = att:decode(x, kv, pos): the forward of x [n, D] at positions
+-- [pos, pos + n) against a KV cache's layer kv = {k =, v =} (moelua.nn.KVCache)
+-- that holds the keys (after RoPE) and values of positions [0, pos): the
+-- new keys and values are written to rows [pos, pos + n), the queries
+-- attend to rows [0, pos + n) (attention_forward with fewer queries than
+-- keys). Nothing is saved for a backward; y [n, D] is a pool view.
+function Attention:decode(x, kv, pos)
+  local n, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
+  local rope = {theta = self.rope.theta, offset = pos}
+  local q = linear(self.pool, x, p.q)
+  local qr = ops.rope_forward(q:view({n, H, hd}), rope)
+  local kr = ops.rope_forward(linear(self.pool, x, p.k):view({n, KV, hd}), rope)
+  kv.k:narrow(1, pos + 1, n):copy_(kr)
+  kv.v:narrow(1, pos + 1, n):copy_(linear(self.pool, x, p.v):view({n, KV, hd}))
+  kr:free()
+  local o, lse = ops.attention_forward(qr, kv.k:narrow(1, 1, pos + n), kv.v:narrow(1, 1, pos + n))
+  qr:free(); lse:free()
+  local y = linear(self.pool, o:view({n, H * hd}), p.o)
+  o:free()
+  return y
 end
 
 function Attention:backward(dy, c)

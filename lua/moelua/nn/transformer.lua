@@ -50,6 +50,7 @@ local RMSNorm = require "moelua.nn.rmsnorm"
 local Attention = require "moelua.nn.attention"
 local MoEBlock = require "moelua.nn.moe_block"
 local LMHead = require "moelua.nn.lm_head"
+local KVCache = require "moelua.nn.kv_cache"
 local unit = require "moelua.unit"
 local zero = require "moelua.zero"
 local errors = require "moelua.errors"
@@ -961,6 +962,85 @@ function Transformer:last_logits()
   self.zero:acquire(uf)
   local out = tensor.matmul(h, self.final_params.lm_head:t())
   self.zero:release(uf)
+  return out:view({self.opts.vocab})
+end
+
+-- ---- decoding with a KV cache -----------------------------------------------
+
+-- cache = model:kv_cache(positions): a moelua.nn.KVCache for this model's
+-- layers and kv heads, in its dtype on its device, holding up to
+-- `positions` positions.
+function Transformer:kv_cache(positions)
+  local o = self.opts
+  return KVCache.new{layers = o.layers, positions = positions, kv_heads = o.kv_heads, head_dim = o.head_dim,
+                     dtype = o.dtype, device = o.device}
+end
+
+-- logits = model:decode(ids, cache [, route]): inference, nothing saved for
+-- a backward. ids i64 [n] are the tokens at positions [cache.len, cache.len
+-- + n) (a prompt to prefill, then one generated token at a time); each
+-- layer's attention adds their keys and values to the cache and attends
+-- over all its positions (Attention:decode), its MoE block routes the n
+-- tokens only; cache.len advances by n. Returns the LM head's logits at
+-- the last of them, f32 [V] (a new tensor). With route = {}, route.layers[l]
+-- and route.weights[l] become that position's top-k experts (0-based ids)
+-- and combine weights in layer l. Each layer's activations end with it
+-- (the pool is rewound per layer): memory is the cache and one layer of n
+-- tokens.
+function Transformer:decode(ids, cache, route)
+  local FNd = "moelua.nn.Transformer:decode: "
+  if not tensor.is_tensor(ids) or ids:dim() ~= 1 or ids:dtype() ~= "i64" or ids:numel() < 1 then
+    error(FNd .. "ids must be an i64 tensor [n] with n >= 1", 2)
+  end
+  if getmetatable(cache) ~= KVCache or #cache.layers ~= #self.blocks then
+    error(FNd .. "argument #2: expected this model's KV cache (model:kv_cache(positions))", 2)
+  end
+  local n, pos = ids:numel(), cache.len
+  if pos + n > cache.positions then
+    error(string.format("%s%d positions cached and %d new exceed the cache's %d", FNd, pos, n, cache.positions), 2)
+  end
+  self:_release()
+  local out = mem.scope("acts", function()
+    local D, dt, z, units, p = self.opts.dim, {dtype = self.opts.dtype}, self.zero, self.units, self.pool
+    if ids:device() ~= self.opts.device then ids = ids:to(self.opts.device) end
+    z:begin("forward", units)
+    z:acquire(units[1])
+    local e = self.embed:forward(ids)
+    z:release(units[1])
+    local h, h1 = p:tensor({n, D}, dt):copy_(e), p:tensor({n, D}, dt)
+    e:free()
+    for i, b in ipairs(self.blocks) do
+      local mark = p:mark()
+      z:acquire(b.dense)
+      local a, r1 = b.norm1:forward(h)
+      h1:copy_(h):add_(b.attn:decode(a, cache.layers[i], pos))
+      a:free(); r1:free()
+      z:acquire(b.experts)
+      local m, r2 = b.norm2:forward(h1)
+      h:copy_(h1):add_((b.moe:forward(m, 0)))
+      m:free(); r2:free()
+      z:release(b.experts)
+      z:release(b.dense)
+      if route then
+        local c = b.moe.layer.ctx
+        local row = c.idx:select(1, n):totable()
+        for j = 1, #row do row[j] = math.tointeger(row[j]) end
+        route.layers = route.layers or {}
+        route.weights = route.weights or {}
+        route.layers[i], route.weights[i] = row, c.w:select(1, n):to("f64"):totable()
+      end
+      p:rewind(mark)
+    end
+    local uf = units[#units]
+    z:acquire(uf)
+    local hf, rf = self.norm:forward(h:narrow(1, n, 1))
+    local lg = tensor.matmul(hf, self.final_params.lm_head:t())
+    z:release(uf)
+    hf:free(); rf:free()
+    return lg
+  end)
+  self.pool:reset()
+  cache.len = pos + n
   return out:view({self.opts.vocab})
 end
 
