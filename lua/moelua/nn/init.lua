@@ -8,5 +8,6 @@ return {
   Attention = require "moelua.nn.attention",
   MoEBlock = require "moelua.nn.moe_block",
   LMHead = require "moelua.nn.lm_head",
+  KVCache = require "moelua.nn.kv_cache",
   Transformer = require "moelua.nn.transformer",
 }
