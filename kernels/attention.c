@@ -54,6 +54,16 @@ typedef struct {
     double scale;
 } att_args;
 
+/* Block t of n in the order 0, n-1, 1, n-2, ...: causal work grows (query
+ * blocks) or shrinks (key blocks) linearly with the block, so each pair
+ * has the same work and the threads' contiguous ranges of items (OpenMP's
+ * static schedule) get equal shares. Which thread runs a block changes no
+ * bit: every output element belongs to one block. */
+static inline int64_t zigzag(int64_t t, int64_t n)
+{
+    return t % 2 ? n - 1 - t / 2 : t / 2;
+}
+
 /* this thread's scratch: f64: 6 blocks of BQ * hd f64 and 4 of BQ; f32: see
  * f32_stride */
 static double *my_scratch(const att_args *a)
@@ -139,7 +149,7 @@ static void fwd_tile(void *arg, int64_t lo, int64_t hi)
     double *m = Vb + BK * hd, *l = m + BQ, *sc = l + BQ;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
-        int64_t i0 = (it % nqb) * BQ, i1 = i0 + BQ < S ? i0 + BQ : S, nq = i1 - i0;
+        int64_t i0 = zigzag(it % nqb, nqb) * BQ, i1 = i0 + BQ < S ? i0 + BQ : S, nq = i1 - i0;
         load_rows(a->dt, a->q, i0, nq, a->H, h, hd, Q);
         for (int64_t r = 0; r < nq; r++) {
             m[r] = -INFINITY;
@@ -242,7 +252,7 @@ static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
     float scale = (float)a->scale;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
-        int64_t i0 = (it % nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
+        int64_t i0 = zigzag(it % nqb, nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
         const float *Qb = (const float *)a->q + (i0 * a->H + h) * hd;
         for (int64_t r = 0; r < nq; r++) {
             m[r] = -INFINITY;
@@ -353,7 +363,7 @@ static void dq_tile32(void *arg, int64_t lo, int64_t hi)
     float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
-        int64_t i0 = (it % nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
+        int64_t i0 = zigzag(it % nqb, nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
         size_t off = (size_t)((i0 * a->H + h) * hd);
         const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
         float *dQ = (float *)a->dq + off;
@@ -380,7 +390,7 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
     float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
-        int64_t j0 = (it % nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
+        int64_t j0 = zigzag(it % nkb, nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
         size_t koff = (size_t)((j0 * a->KV + g) * hd);
         const float *Kb = (const float *)a->k + koff, *Vb = (const float *)a->v + koff;
         float *dK = (float *)a->dk + koff, *dV = (float *)a->dv + koff;
@@ -495,7 +505,7 @@ static void dq_tile(void *arg, int64_t lo, int64_t hi)
     double *Kb = Kt + BK * hd, *Vt = Kb + BK * hd, *sc = Vt + BK * hd, *dp = sc + BQ;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
-        int64_t i0 = (it % nqb) * BQ, i1 = i0 + BQ < S ? i0 + BQ : S, nq = i1 - i0;
+        int64_t i0 = zigzag(it % nqb, nqb) * BQ, i1 = i0 + BQ < S ? i0 + BQ : S, nq = i1 - i0;
         load_rows(a->dt, a->q, i0, nq, a->H, h, hd, Q);
         load_rows(a->dt, a->dout, i0, nq, a->H, h, hd, G);
         memset(acc, 0, (size_t)(nq * hd) * sizeof(double));
@@ -533,7 +543,7 @@ static void dkv_tile(void *arg, int64_t lo, int64_t hi)
     double *Q = av + BK * hd, *G = Q + hd, *sc = G + hd, *dp = sc + BQ;
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
-        int64_t j0 = (it % nkb) * BK, j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
+        int64_t j0 = zigzag(it % nkb, nkb) * BK, j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         load_rows_t(a->dt, a->k, j0, nk, a->KV, g, hd, Kt);
         load_rows_t(a->dt, a->v, j0, nk, a->KV, g, hd, Vt);
         memset(ak, 0, (size_t)(nk * hd) * sizeof(double));
