@@ -14,14 +14,16 @@ typedef struct {
     double theta, sign;   /* sign +1: forward, -1: inverse rotation */
 } rope_args;
 
+/* Rows [lo, hi) (a tile of 16: its rows stay in L1), pair index outer so
+ * that inv_freq_i is one pow per tile, not per row. */
 static void rope_rows(void *arg, int64_t lo, int64_t hi)
 {
     const rope_args *a = arg;
     int64_t half = a->hd / 2;
-    for (int64_t s = lo; s < hi; s++) {
-        double p = (double)(a->offset + s);
-        for (int64_t i = 0; i < half; i++) {
-            double ang = p * pow(a->theta, -(double)(2 * i) / (double)a->hd);
+    for (int64_t i = 0; i < half; i++) {
+        double inv_freq = pow(a->theta, -(double)(2 * i) / (double)a->hd);
+        for (int64_t s = lo; s < hi; s++) {
+            double ang = (double)(a->offset + s) * inv_freq;
             double c = cos(ang), sn = sin(ang);
             if (a->dt == ML_F32) {
                 c = (double)(float)c;
