@@ -11,7 +11,8 @@
 --   ./moelua recipes/generate.lua --ckpt runs/longctx/ckpt --prompt "int main" [--n 64]
 --   ./moelua recipes/generate.lua --ckpt DIR --expert-budget 32MiB --prompt "..."
 --
--- Prints the prompt and its continuation, then one line: bytes per second
+-- Prints the prompt and its continuation (each byte as it is drawn, so
+-- Ctrl-C keeps what was shown), then one line: bytes per second
 -- and, with a budget, the store's hit rate and the bytes it read. Sampling
 -- is moelua.inspect's generate (temperature, top-p, a seeded generator;
 -- --greedy takes the most likely byte), so a budget changes no byte.
@@ -49,11 +50,16 @@ end
 local h = inspect.open(opts.ckpt, extra)
 local es = h.model.expert_store
 local before = es and es:stats()
+io.write(opts.prompt)
+io.stdout:flush()
 local t0 = now()
-local g = h:generate(opts.prompt, {n = opts.n, temperature = opts.temperature, top_p = opts.top_p, seed = opts.seed,
-                                   greedy = opts.greedy or opts.temperature == 0, seq_len = opts.seq_len})
+local ok, err = pcall(h.generate, h, opts.prompt, {
+  n = opts.n, temperature = opts.temperature, top_p = opts.top_p, seed = opts.seed,
+  greedy = opts.greedy or opts.temperature == 0, seq_len = opts.seq_len,
+  on_byte = function(c) io.write(c); io.stdout:flush() end})
 local seconds = now() - t0
-print(g.text)
+print()   -- ends the text's line, also before an error (Ctrl-C) is printed
+if not ok then error(err, 0) end
 local line = string.format("%d bytes in %.2f s: %.1f bytes/s", opts.n, seconds, opts.n / seconds)
 if es then
   local st = es:stats()

@@ -198,6 +198,7 @@ train.run(cfg)
                   "--greedy", "--expert-budget", "64KiB", "--expert-store", dir("gen2.store")}
     local code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
     assert.are.equal(0, code, out)
+    assert.are.equal("alpha", out:sub(1, 5), out)   -- the prompt, then the bytes as they are drawn
     support.has(out, "8 bytes in ")
     assert.is_not_nil(out:find("experts: %d+ of 8 resident %(%d+%.%d+ MiB%), hit rate [%d.]+%% %(%d+ hits, %d+ misses%)"), out)
     assert.is_nil(fs.stat(dir("gen2.store")), "the store's file is removed at exit")

@@ -142,8 +142,14 @@ describe("moelua.inspect", function()
       if len == S then from, len = #bytes - S // 2 + 1, S // 2 else len = len + 1 end
     end
     assert.are.equal(0, h.model.pool:stats().used)
+    local streamed = {}
+    local g2 = h:generate(prompt, {n = n, greedy = true, seq_len = S, on_byte = function(c) streamed[#streamed + 1] = c end})
+    assert.are.equal(g.generated, table.concat(streamed))
+    assert.are.equal(g.generated, g2.generated)
     support.raises("moelua.inspect.generate: option 'seq_len' must be an integer >= 1", h.generate, h, "x",
                    {seq_len = 0})
+    support.raises("moelua.inspect.generate: option 'on_byte' must be a function", h.generate, h, "x",
+                   {on_byte = "print"})
   end)
 
   it("compare of a report with itself shows no change", function()
