@@ -347,10 +347,19 @@ local function recipe_options(host, recipe)
   return out
 end
 
--- The file tier's bytes in a plan's words (0 without one).
-local function file_bytes(text)
-  local book = text:match("\n  file .-\n  total%s+([%d.]+) MiB")
+-- A tier book's total in a plan's words (0 without one): "file" (a cpu
+-- run's store files), "pinned" (a cuda run's host memory behind its
+-- offloaded optimizer and its expert store).
+local function tier_bytes(text, tier)
+  local book = text:match("\n  " .. tier .. " .-\n  total%s+([%d.]+) MiB")
   return book and tonumber(book) * 2^20 or 0
+end
+
+-- The expert store's slots in a plan's words: the `cache` row of the
+-- first book (the run's device), 0 without one.
+local function cache_bytes(text)
+  local peak = text:match("\n  cache%s+([%d.]+) MiB")
+  return peak and tonumber(peak) * 2^20 or 0
 end
 
 -- The knobs --fit tries, in this order (each kept, the most it frees, when
@@ -360,10 +369,10 @@ end
 local KNOBS = {
   {"checkpoint", {"attention", "moe", "full"}, "recomputes in backward the forward of %s"},
   {"save", {"recompute"}, "recomputes the expert pre-activations in backward"},
-  {"offload-optimizer", {"true"}, "keeps the optimizer states in RUN_DIR/optim.store, read and written once " ..
-                                  "per step"},
-  {"expert-budget", "halving", "keeps the experts beyond %s in RUN_DIR/experts.store: a step moves up to " ..
-                               "every expert's slab in and out"},
+  {"offload-optimizer", {"true"}, "keeps the optimizer states in the slower tier (a cpu run's RUN_DIR/optim.store, " ..
+                                  "a cuda run's host memory), read and written once per step"},
+  {"expert-budget", "halving", "keeps the experts beyond %s in the slower tier (a cpu run's RUN_DIR/experts.store, " ..
+                               "a cuda run's pinned host memory): a step moves up to every expert's slab in and out"},
   {"zero", {"1", "2", "3"}, "shards over the ranks (ZeRO-%s): collectives every step"},
 }
 local WHAT = {attention = "attention", moe = "the MoE layers", full = "every layer"}
@@ -401,7 +410,7 @@ function M.fit(recipe, rest)
     if fits then break end
     if offered[name] ~= nil and (name ~= "zero" or world > 1) then
       local values = k[2]
-      if values == "halving" then   -- the experts' bytes first: all in the store, no budget
+      if values == "halving" then   -- the experts' bytes first: every slab resident, no device budget
         local all_in = {table.unpack(args)}
         set(name, "1TiB", all_in)
         set("budget-gib", "0", all_in)
@@ -410,7 +419,7 @@ function M.fit(recipe, rest)
         if ok == nil then
           tried[#tried + 1] = string.format("  %-40s refused: %s", "--" .. name, got)
         else
-          local all = file_bytes(t)
+          local all = cache_bytes(t)
           for d = 1, 20 do
             if all / 2^d < 2^20 then break end
             values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
@@ -448,7 +457,13 @@ function M.fit(recipe, rest)
   end
   print(string.format("fits with: %s", #words > 0 and table.concat(words, " ") or "the options as given"))
   for _, c in ipairs(costs) do print("  cost: " .. c) end
-  if file_bytes(text) > 0 then print(string.format("  disk: %s of store files (the file tier)", mib(file_bytes(text)))) end
+  if tier_bytes(text, "file") > 0 then
+    print(string.format("  disk: %s of store files (the file tier)", mib(tier_bytes(text, "file"))))
+  end
+  if tier_bytes(text, "pinned") > 0 then
+    print(string.format("  pinned host memory: %s (the tier behind offloaded states and stored experts)",
+                        mib(tier_bytes(text, "pinned"))))
+  end
   return true
 end
 

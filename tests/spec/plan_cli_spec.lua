@@ -208,6 +208,22 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
     support.has(out, "nothing tried fits the budget")
   end)
 
+  it("--fit on cuda: halving expert budgets (the store's slots), its backing in pinned host memory", function()
+    local model = {"--device", "cuda", "--dtype", "bf16", "--dim", "1024", "--layers", "4", "--experts", "8",
+                   "--ffn", "2048", "--seq-len", "4096"}
+    local code, out = host({"plan", "recipes/longctx.lua", "--fit", "--budget-gib", "1", table.unpack(model)})
+    assert.are.equal(0, code, out)
+    -- a bf16 slab is 18 bytes per parameter: 3 D F 18 = 108 MiB, 32 of them 3456 MiB; halving from there
+    support.has(out, "\n  --expert-budget 1728.00MiB               needs ")
+    support.has(out, "\n  --expert-budget 432.00MiB                fits, peak ")
+    support.has(out, "\nfits with: --checkpoint full --offload-optimizer true --expert-budget 432.00MiB\n")
+    support.has(out, "a cuda run's pinned host memory): a step moves up to every expert's slab in and out")
+    support.has(out, "\n  pinned host memory: 3558.00 MiB (the tier behind offloaded states and stored experts)")
+    code, out = host({"plan", "recipes/longctx.lua", "--budget-gib", "1", "--checkpoint", "full", "--offload-optimizer",
+                      "--expert-budget", "432MiB", table.unpack(model)})
+    assert.are.equal(0, code, out)
+  end)
+
   it("--max-seq: the answer trains under the budget, 1.1 x the answer is refused", function()
     local budget = {"--budget-gib", "0.08", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                     "--ffn", "64", "--experts", "4"}
