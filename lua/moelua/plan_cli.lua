@@ -102,9 +102,10 @@ local function preset_lines(plan, out)
                                 "%.2fB parameters are %s GB", n / 1e9, gb(4 * n))
   out[#out + 1] = string.format("  - model states alone (params, grads, optim) are %s GB here, %.1f bytes per parameter%s",
                                 gb(states), states / n, plan.budget_total > 0 and states > plan.budget_total
-                                  and string.format(", over the %s budget before any activation: no setting of " ..
-                                                    "one GPU fits; ZeRO-3 shards them over ranks (--world N --zero 3)",
-                                                    bytes(plan.budget_total)) or "")
+                                  and string.format(", over the %s budget before any activation: one GPU fits " ..
+                                                    "only with states moved to host memory (--offload-optimizer, " ..
+                                                    "--expert-budget); ZeRO-3 shards them over ranks (--world N " ..
+                                                    "--zero 3); --fit tries both", bytes(plan.budget_total)) or "")
 end
 
 -- The books beside the model device's that a plan shows when they hold

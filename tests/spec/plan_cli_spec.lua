@@ -124,6 +124,13 @@ describe("moelua plan", function()
     support.has(text, "15.20 GB of 2-byte parameters is 7.6B parameters, not 20B")
     support.has(text, string.format("model states alone (params, grads, optim) are %.2f GB here, 18.0 bytes per " ..
                                     "parameter", 18 * n / 1e9))
+    local small = {table.unpack(args)}
+    small[#small + 1], small[#small + 2] = "--budget-gib", "10"
+    code, text = host(small)
+    assert.are.equal(1, code, text)   -- the book of what it needs, then the recipe refuses
+    support.has(text, "parameter, over the 10.00 GiB budget before any activation: one GPU fits only with states " ..
+                      "moved to host memory (--offload-optimizer, --expert-budget); ZeRO-3 shards them over ranks " ..
+                      "(--world N --zero 3); --fit tries both")
     code, text = host({"plan", "recipes/longctx.lua", "--preset", "report2"})
     assert.are.equal(1, code, text)
     support.has(text, "moelua plan: --preset report2: unknown (presets: report1)")
