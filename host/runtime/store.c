@@ -339,13 +339,13 @@ static ml_status await_all(ml_expert_store *s, ml_err *e)
     return ML_OK;
 }
 
-/* Slab <-> slot in the device's way. A planned store moves nothing. */
+/* Slab <-> slot in the device's way. A planned store moves nothing but
+ * counts the bytes a run would move (its counters are the run's). */
 static ml_status transfer(ml_expert_store *s, int out, size_t slab, size_t slot, ml_err *e)
 {
-    if (s->planned)
-        return ML_OK;
-    ML_TRY(s->device == ML_CUDA ? move_pinned(s, out, slab, slot, e)
-                                : move_file(s, out, slab, slot, e));
+    if (!s->planned)
+        ML_TRY(s->device == ML_CUDA ? move_pinned(s, out, slab, slot, e)
+                                    : move_file(s, out, slab, slot, e));
     size_t n = s->slab_bytes;
     if (out) {
         s->stats.bytes_written += n;

@@ -163,6 +163,22 @@ local function report(recipe, device, plan, books, over)
     out[#out + 1] = string.format("the step's stack pool is reserved at %s (its high-water mark: no step grows it)",
                                   mib(plan.pool_bytes))
   end
+  local ps = plan.per_step
+  if ps and ps.forward_flop then
+    out[#out + 1] = string.format("per step (%d micro-batch%s of %d tokens): %.2f TFLOP of forward matmuls, %.2f TFLOP " ..
+                                  "recomputed in backward (activation checkpointing, expert pre-activations)",
+                                  ps.micro_batches, ps.micro_batches == 1 and "" or "es", ps.seq_len,
+                                  ps.forward_flop / 1e12, ps.recompute_flop / 1e12)
+  end
+  -- (a plan routes every token to every expert's tiles: the expert store's worst case)
+  for _, s in ipairs{{"experts", "the expert store", " with every expert routed (the plan's worst case)"},
+                     {"optim", "the offloaded optimizer", ""}} do
+    local t = ps and ps[s[1]]
+    if t then
+      out[#out + 1] = string.format("per step%s: %s reads %s and writes %s (%d of %d acquisitions miss)", s[3], s[2],
+                                    mib(t.read), mib(t.written), t.misses, t.hits + t.misses)
+    end
+  end
   local ex = plan.expert_exchange
   if ex then
     out[#out + 1] = string.format("expert exchange: each MoE layer's receive buffers planned for %d rows " ..
@@ -200,7 +216,7 @@ function M.finish_json(recipe, device, plan, books)
   local out = {recipe = recipe, device = device, peak_bytes = plan.total_peak, phase = plan.peak_phase,
                budget_bytes = plan.budget_total, books = {[device] = book(plan)},
                pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange,
-               parameters = plan.parameters, preset = M.preset}
+               parameters = plan.parameters, preset = M.preset, per_step = plan.per_step}
   if dist.planned() then out.rank, out.world = dist.rank(), dist.world() end
   for _, tier in ipairs(other_tiers(device)) do
     local b = books[tier]
@@ -458,6 +474,9 @@ function M.fit(recipe, rest)
   end
   print(string.format("fits with: %s", #words > 0 and table.concat(words, " ") or "the options as given"))
   for _, c in ipairs(costs) do print("  cost: " .. c) end
+  for line in text:gmatch("[^\n]+") do   -- the chosen plan's FLOPs and traffic
+    if line:match("^per step") then print("  " .. line) end
+  end
   if tier_bytes(text, "file") > 0 then
     print(string.format("  disk: %s of store files (the file tier)", mib(tier_bytes(text, "file"))))
   end

@@ -1100,7 +1100,12 @@ end
 -- mem.stats().cpu's fields: peak, at_peak, total_peak, budget_total, ...; a
 -- CUDA run plans on any machine) and pool_bytes; with expert parallelism
 -- also expert_exchange, the rows an MoE layer's receive buffers are planned
--- for on this rank (moelua.moe's recv_rows: {worst, capacity, bound}). When an
+-- for on this rank (moelua.moe's recv_rows: {worst, capacity, bound}), and
+-- per_step: what the second planned step does, {micro_batches, seq_len,
+-- forward_flop, recompute_flop (model:flops of each micro-batch), experts =
+-- and optim = {read, written, hits, misses}: the expert store's and the
+-- offloaded optimizer's traffic, a plan's counters being a run's (every
+-- expert routed: a plan's routing is the worst case)}. When an
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
 -- total_peak is what the run needs). Any other failure raises. Under
@@ -1113,8 +1118,13 @@ function train.plan(cfg)
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
   train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
-  local pool_bytes, device, exchange, nparams = nil, "cpu", nil, nil
+  local pool_bytes, device, exchange, nparams, per_step = nil, "cpu", nil, nil, nil
   local data_state = cfg.data:state()   -- batch() moves the cursor
+  -- the stores' counters (moelua.store's stats): the expert store's, the offloaded optimizer's
+  local function store_counters(c)
+    local es = c.model.zero and c.model.zero.expert_store
+    return {experts = es and es:stats(), optim = c.optimizer.offload and c.optimizer:offload_stats()}
+  end
   local function step(plan)
     local c = {}
     for k, v in pairs(cfg) do c[k] = v end
@@ -1123,7 +1133,19 @@ function train.plan(cfg)
     c.state, c.attach, c.plan = deep_copy(cfg.state or {}), nil, plan
     local t = new_trainer(c)
     t:step(0)
+    local before = store_counters(c)
     t:step(1)
+    -- per step (the second: the first has cold caches): store traffic and matmul FLOPs
+    per_step = {micro_batches = t.accum, seq_len = cfg.seq_len}
+    for k, now_ in pairs(store_counters(c)) do
+      local b = before[k]
+      per_step[k] = {read = now_.bytes_read - b.bytes_read, written = now_.bytes_written - b.bytes_written,
+                     hits = now_.hits - b.hits, misses = now_.misses - b.misses}
+    end
+    if c.model.flops and cfg.seq_len then
+      local f = c.model:flops(cfg.seq_len)
+      per_step.forward_flop, per_step.recompute_flop = t.accum * f.forward, t.accum * f.recompute
+    end
     if t.val_every > 0 then t:validate() end
     pool_bytes = c.model.pool and c.model.pool:stats().high_water
     local layers = c.model.moe_layers and c.model:moe_layers() or {}
@@ -1175,6 +1197,7 @@ function train.plan(cfg)
   if not ok then error(books, 0) end
   if books then
     books[device].pool_bytes, books[device].expert_exchange, books[device].parameters = pool_bytes, exchange, nparams
+    books[device].per_step = per_step
     -- `moelua plan RECIPE`: the book is the answer, the run is not made
     if train.plan_only then require("moelua.plan_cli").finish(train.plan_only, device, books[device], books) end
     return books[device]
@@ -1190,6 +1213,7 @@ function train.plan(cfg)
   if not ok then error(need, 0) end
   if not need then error(why2, 0) end
   need[device].pool_bytes, need[device].expert_exchange, need[device].parameters = pool_bytes, exchange, nparams
+  need[device].per_step = per_step
   -- `moelua plan RECIPE`: the book of what it needs, then the recipe's refusal
   if train.plan_only then require("moelua.plan_cli").over_budget(train.plan_only, device, need[device], need) end
   return nil, why, need[device]

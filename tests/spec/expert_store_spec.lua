@@ -83,6 +83,16 @@ describe("expert store in training", function()
     assert.is_true(most > 0 and most <= budget, string.format("cache peak %d, budget %d", most, budget))
     assert.is_true(#r.losses >= 0)
     assert.are.equal(plan.total_peak, mem.stats().cpu.total_peak)
+    -- the plan's store traffic per step (its second) is the run's second step's, every expert routed here
+    local steps = {}
+    for _, o in ipairs(support.metrics(dir("bound"))) do
+      if o.step and not o.event then steps[#steps + 1] = o.expert_store end
+    end
+    local a, b, want = steps[1], steps[2], plan.per_step.experts
+    assert.are.same({want.read, want.written, want.hits, want.misses},
+                    {b.bytes_read - a.bytes_read, b.bytes_written - a.bytes_written, b.hits - a.hits,
+                     b.misses - a.misses})
+    assert.is_true(want.read > 0 and want.written > 0)
     -- the backing file: every expert's slab, on the file tier while the store is open,
     -- a quarter parameters, a quarter gradients, half AdamW states
     local file = mem.stats().file

@@ -328,6 +328,21 @@ describe("nn.Transformer", function()
     end
   end)
 
+  it("flops: forward matmuls by hand, and what each checkpoint mode and recomputed pre-activations add", function()
+    local S, D, V, L, H, KV, F, E, k = 10, TINY.dim, TINY.vocab, TINY.layers, TINY.heads, TINY.kv_heads, TINY.ffn,
+        TINY.experts, TINY.topk
+    local hd = D // H
+    local attn = 2 * S * D * (2 * H * hd + 2 * KV * hd) + 2 * H * hd * S * (S + 1)
+    local moe = 2 * S * D * E + 6 * S * k * D * F
+    local pre = 4 * S * k * D * F
+    for _, c in ipairs({{"none", "save", 0}, {"attention", "save", L * attn}, {"moe", "save", L * moe},
+                        {"full", "recompute", L * (attn + moe + pre)}}) do
+      local f = tiny{checkpoint = c[1], moe = {save = c[2]}}:flops(S)
+      assert.are.equal(2 * S * D * V + L * (attn + moe), f.forward, c[1])
+      assert.are.equal(c[3], f.recompute, c[1] .. ", " .. c[2])
+    end
+  end)
+
   it("decode: bad arguments are errors naming them; the cache is booked under acts and freed", function()
     local model = tiny{dtype = "f32"}
     collectgarbage(); collectgarbage()

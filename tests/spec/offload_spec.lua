@@ -99,6 +99,15 @@ describe("optimizer offload", function()
       assert.are.equal(counts + SLOTS * STRIDE, current("cpu", "optim") - optim0)
       assert.are.equal(0, current("cpu", "cache") - cache0)
       local st = opt:offload_stats()
+      -- the plan's traffic per step is the run's
+      local steps = {}
+      for _, m in ipairs(support.metrics(dir("off_" .. tag))) do
+        if m.step and not m.event then steps[#steps + 1] = m.optim_store end
+      end
+      local a, b, want = steps[1], steps[2], plan.per_step.optim
+      assert.are.same({want.read, want.written, want.misses},
+                      {b.bytes_read - a.bytes_read, b.bytes_written - a.bytes_written, b.misses - a.misses})
+      assert.is_true(case.o.sparse or want.read > 0)
       assert.are.equal(SLOTS, st.slots)
       assert.is_true(st.slabs > 4 * SLOTS and st.evictions > 0 and st.writebacks > 0, "the staging was not a bound")
       assert.are.equal(st.slabs * 8 * CHUNK, current("file", "optim"))

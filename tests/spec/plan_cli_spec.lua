@@ -205,7 +205,8 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
     support.has(out, "\n  --save recompute                         fits, peak ")
     support.has(out, "\nfits with: --checkpoint full --save recompute\n" ..
                      "  cost: recomputes in backward the forward of every layer\n" ..
-                     "  cost: recomputes the expert pre-activations in backward\n")
+                     "  cost: recomputes the expert pre-activations in backward\n" ..
+                     "  per step (1 micro-batch of 16384 tokens): ")
     -- the answer is a plan that fits
     code, out = host({"plan", "recipes/longctx.lua", "--seq-len", "16384", "--budget-gib", "0.09",
                       "--checkpoint", "full", "--save", "recompute"})
@@ -226,6 +227,9 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
     support.has(out, "\nfits with: --checkpoint full --offload-optimizer true --expert-budget 432.00MiB\n")
     support.has(out, "a cuda run's pinned host memory): a step moves up to every expert's slab in and out")
     support.has(out, "\n  pinned host memory: 3558.00 MiB (the tier behind offloaded states and stored experts)")
+    -- what the chosen knobs move and recompute per step (the plan's second step)
+    support.has(out, "\n  per step with every expert routed (the plan's worst case): the expert store reads ")
+    support.has(out, "\n  per step: the offloaded optimizer reads 102.00 MiB and writes 102.00 MiB (")
     code, out = host({"plan", "recipes/longctx.lua", "--budget-gib", "1", "--checkpoint", "full", "--offload-optimizer",
                       "--expert-budget", "432MiB", table.unpack(model)})
     assert.are.equal(0, code, out)

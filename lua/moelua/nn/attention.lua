@@ -34,9 +34,9 @@ function Attention.new(o)
   return self
 end
 
--- Forward matmul FLOPs for S tokens: the four projections and causal
--- Q K^T and P V (S (S + 1) / 2 scores per head).
-local function forward_flops(self, S)
+-- proj, core = att:flops(S): forward matmul FLOPs for S tokens: the four
+-- projections and causal Q K^T and P V (S (S + 1) / 2 scores per head).
+function Attention:flops(S)
   local proj = 2 * S * self.D * (2 * self.H * self.hd + 2 * self.KV * self.hd)
   local core = 2 * self.H * self.hd * S * (S + 1)
   return proj, core
@@ -66,7 +66,7 @@ function Attention:forward(x)
   local o, lse = ops.attention_forward(qr, kr, v)                  -- [S, H, hd], [H, S] f64
   local y = linear(self.pool, o:view({S, H * hd}), p.o)            -- [S, D]
   if t0 then
-    local proj, core = forward_flops(self, S)
+    local proj, core = self:flops(S)
     account(self, t0, proj + core, x:device())
   end
   return y, {x = x, qr = qr, kr = kr, v = v, o = o, lse = lse}
@@ -114,7 +114,7 @@ function Attention:backward(dy, c)
   tensor.matmul(dv2, p.v, {out = dx, beta = 1})
   dq:free(); dk:free(); dv:free()
   if t0 then   -- projections: 2x forward; flash backward: 5 matmuls (Q K^T recomputed) vs 2
-    local proj, core = forward_flops(self, S)
+    local proj, core = self:flops(S)
     account(self, t0, 2 * proj + 2.5 * core, dy:device())
   end
   return dx

@@ -540,6 +540,26 @@ function Transformer:profile_summary()
   return out
 end
 
+-- f = model:flops(S): the matmul FLOPs (2 per multiply-add) of one
+-- micro-batch of S tokens, every token running its k experts (none
+-- dropped): f.forward (attention's projections and causal core, router,
+-- experts, LM head) and f.recompute, what backward computes again: the
+-- forward of a checkpointed attention or MoE half, and with save =
+-- "recompute" the experts' pre-activations (x gate_up^T, 4 D F per row).
+function Transformer:flops(S)
+  local o = self.opts
+  local rows = S * o.topk
+  local router, experts = 2 * S * o.dim * o.experts, 6 * rows * o.dim * o.ffn
+  local f = {forward = 2 * S * o.dim * o.vocab, recompute = 0}
+  for _, b in ipairs(self.blocks) do
+    local proj, core = b.attn:flops(S)
+    f.forward = f.forward + proj + core + router + experts
+    if b.ck_attn then f.recompute = f.recompute + proj + core end
+    if b.ck_moe then f.recompute = f.recompute + router + experts end
+    if o.moe_opts.save == "recompute" then f.recompute = f.recompute + 4 * rows * o.dim * o.ffn end
+  end
+  return f
+end
 
 -- ---- settings, parameters, config -------------------------------------------
 
