@@ -282,11 +282,11 @@ local function every_rank(recipe, rest, n)
       args[#args + 1] = a
     end
     local ok, text = child(host, recipe, args)
-    if not ok or M.json then
+    local peak, phase = text:match("^moelua plan: .-: peak ([%d.]+) MiB.-, in ([^\n]*)")
+    if M.json or not ok or not peak then   -- (a child that ends without a plan's headline failed too)
       io.stdout:write(text)
-      if not ok then return false end
+      if not ok or not (peak or M.json) then return false end
     else
-      local peak, phase = text:match("^moelua plan: .-: peak ([%d.]+) MiB.-, in ([^\n]*)")
       peaks[r + 1] = {rank = r, peak = tonumber(peak), phase = phase, text = text}
       if not largest or peaks[r + 1].peak > largest.peak then largest = peaks[r + 1] end
     end
