@@ -175,8 +175,9 @@ local function report(recipe, device, plan, books, over)
                      {"optim", "the offloaded optimizer", ""}} do
     local t = ps and ps[s[1]]
     if t then
-      out[#out + 1] = string.format("per step%s: %s reads %s and writes %s (%d of %d acquisitions miss)", s[3], s[2],
-                                    mib(t.read), mib(t.written), t.misses, t.hits + t.misses)
+      out[#out + 1] = string.format("per step%s: %s reads %s and writes %s (%d acquisitions: %d misses, " ..
+                                    "%d prefetches)", s[3], s[2], mib(t.read), mib(t.written), t.hits + t.misses,
+                                    t.misses, t.prefetches)
     end
   end
   local ex = plan.expert_exchange

@@ -1103,7 +1103,7 @@ end
 -- for on this rank (moelua.moe's recv_rows: {worst, capacity, bound}), and
 -- per_step: what the second planned step does, {micro_batches, seq_len,
 -- forward_flop, recompute_flop (model:flops of each micro-batch), experts =
--- and optim = {read, written, hits, misses}: the expert store's and the
+-- and optim = {read, written, hits, misses, prefetches}: the expert store's and the
 -- offloaded optimizer's traffic, a plan's counters being a run's (every
 -- expert routed: a plan's routing is the worst case)}. When an
 -- allocation would cross a budget: nil, the budget error (with the planned
@@ -1140,7 +1140,8 @@ function train.plan(cfg)
     for k, now_ in pairs(store_counters(c)) do
       local b = before[k]
       per_step[k] = {read = now_.bytes_read - b.bytes_read, written = now_.bytes_written - b.bytes_written,
-                     hits = now_.hits - b.hits, misses = now_.misses - b.misses}
+                     hits = now_.hits - b.hits, misses = now_.misses - b.misses,
+                     prefetches = now_.prefetches - b.prefetches}
     end
     if c.model.flops and cfg.seq_len then
       local f = c.model:flops(cfg.seq_len)
