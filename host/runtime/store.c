@@ -419,11 +419,13 @@ ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e
 
 void ml_store_prefetch(ml_expert_store *s, size_t slab)
 {
-    if (s->fd < 0 || slab >= s->nslabs)   /* CUDA, a plan: no file */
-        return;
-    /* a hint: the kernel starts reading the range; a refusal changes nothing */
-    (void)posix_fadvise(s->fd, (off_t)(slab * s->slab_bytes), (off_t)s->slab_bytes,
-                        POSIX_FADV_WILLNEED);
+    if (s->device != ML_CPU || slab >= s->nslabs || (s->fd < 0 && !s->planned))
+        return;   /* CUDA copies ahead instead; a closed store */
+    /* a hint: the kernel starts reading the range; a refusal changes nothing
+     * (a plan has no file, and counts the hint as its run would) */
+    if (s->fd >= 0)
+        (void)posix_fadvise(s->fd, (off_t)(slab * s->slab_bytes), (off_t)s->slab_bytes,
+                            POSIX_FADV_WILLNEED);
     s->hinted[slab] = 1;
     s->stats.prefetches++;
 }

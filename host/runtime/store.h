@@ -47,9 +47,10 @@
  * Inside a memory plan (h->planning) a store opened there charges the
  * plan's books (the backing bytes and the slots) and creates no file
  * (pinned memory: the plan table's address space); its policy runs but
- * moves no bytes (a cuda store copies ahead there too: the plan's hits,
- * misses, evictions and prefetches are the run's; bytes_read stays 0). A store opened outside a plan cannot move slabs inside
- * one, nor a planned store after its plan.
+ * moves no bytes, and every counter is the run's: hits, misses,
+ * evictions, prefetches (a cpu store's hints, a cuda store's copies
+ * ahead) and the bytes a run would read and write. A store opened outside
+ * a plan cannot move slabs inside one, nor a planned store after its plan.
  *
  * Not here: the Lua binding (host/bindings/l_store.c), what a slab holds
  * and when a step acquires it (the moe layer).
@@ -143,8 +144,9 @@ static inline void *ml_store_slot_data(const ml_expert_store *s, size_t slot)
 ml_status ml_store_read(ml_expert_store *s, size_t slab, size_t slot, ml_err *e);
 ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e);
 /* The CPU's readahead hint for slab (POSIX_FADV_WILLNEED); counts in
- * prefetches. Nothing on CUDA (its read-ahead is the acquire's copy-ahead,
- * which takes slots under the policy) or in a plan. */
+ * prefetches (in a plan too, with no file to hint). Nothing on CUDA (its
+ * read-ahead is the acquire's copy-ahead, which takes slots under the
+ * policy). */
 void ml_store_prefetch(ml_expert_store *s, size_t slab);
 
 /* The future access order: seq[0..n) slab ids (copied); replaces the

@@ -386,11 +386,27 @@ static void test_full_disk(void)
        "full disk: ML_EIO naming the path and the bytes, the partial file removed: %s", msg);
 }
 
+/* What test_plan runs on a real store and on a planned one: a schedule, a
+ * miss (with a hint ahead), a dirty release, a write, a read, a flush. */
+static int store_ops(ml_expert_store *s, ml_err *e)
+{
+    size_t slot;
+    int hit;
+    const int64_t seq[3] = {0, 1, 2};
+    return s && ml_store_schedule(s, seq, 3, e) == ML_OK && ml_store_acquire(s, 0, &slot, &hit, e) == ML_OK &&
+           ml_store_release(s, 0, 1, e) == ML_OK && ml_store_write(s, 1, 3, e) == ML_OK &&
+           ml_store_read(s, 3, 1, e) == ML_OK && ml_store_flush(s, e) == ML_OK;
+}
+
 static void test_plan(void)
 {
     ml_host h;
     ml_host_init(&h);
     ml_err e;
+    ml_expert_store *twin = open_store(&h, "twin", 4, 100, 2, 1, &e);
+    ok(store_ops(twin, &e), "plan: the ops on a real store");
+    ml_store_stats want = twin->stats;
+    ml_store_close(twin);
     ml_expert_store *real = open_store(&h, "real", 4, 64, 2, 0, &e);
     ml_plan_saved saved;
     ml_plan_begin(&h, &saved, &e);
@@ -400,14 +416,11 @@ static void test_plan(void)
        h.plan_books[ML_CPU].cur[ML_CAT_CACHE] == 2 * 64 + 2 * 128 &&
        h.books[ML_TIER_FILE].total == 4 * 64 && h.books[ML_CPU].total == 2 * 64,
        "plan: the plan's books are charged (on top of the real store), the real ones are not");
+    ok(store_ops(s, &e) && memcmp(&s->stats, &want, sizeof want) == 0 && want.misses == 1 &&
+       want.bytes_read == 200 && want.bytes_written == 200 && want.prefetches == 1,
+       "plan: the policy runs without a file and counts what the real store moved and hinted");
     size_t slot;
     int hit;
-    const int64_t seq[3] = {0, 1, 2};
-    ok(s && ml_store_schedule(s, seq, 3, &e) == ML_OK && ml_store_acquire(s, 0, &slot, &hit, &e) == ML_OK &&
-       ml_store_release(s, 0, 1, &e) == ML_OK && ml_store_write(s, 1, 3, &e) == ML_OK &&
-       ml_store_read(s, 3, 1, &e) == ML_OK && ml_store_flush(s, &e) == ML_OK &&
-       s->stats.misses == 1 && s->stats.bytes_read == 0 && s->stats.bytes_written == 0 &&
-       s->stats.prefetches == 0, "plan: the policy runs and moves no byte");
     ok(ml_store_acquire(real, 0, &slot, &hit, &e) == ML_EINVAL &&
        strstr(e.msg, "the store was opened outside moelua.mem.plan, which cannot move its slabs"),
        "plan: a real store refuses: %s", e.msg);
