@@ -38,7 +38,9 @@
 -- per layer ("none", "attention", "moe", "full") rewinds the part it does not
 -- keep right after computing it, and backward recomputes it (same inputs,
 -- same kernels, same routing keys: the gradients are bitwise those of
--- "none" at a fixed thread count). Backward walks the layers in reverse and
+-- "none" at a fixed thread count). "full" keeps [h2] alone (the next
+-- layer's input): backward recomputes the attention half first, which
+-- gives h1 again, and keeps its context through the MoE half's backward. Backward walks the layers in reverse and
 -- rewinds each frame (LIFO); the residual gradient is one [S, D] buffer.
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
@@ -404,19 +406,22 @@ function Transformer:forward(tokens, step)
     for i, b in ipairs(self.blocks) do
       mem.phase(string.format("forward, layer %d of %d", i, L))
       local f = {mark = self.pool:mark(), x = h}
-      f.h1 = self.pool:tensor({S, D}, dt)
+      local full = b.ck_attn and b.ck_moe   -- the frame keeps h2 alone: backward recomputes h1 too
+      if not full then f.h1 = self.pool:tensor({S, D}, dt) end
       f.h2 = self.pool:tensor({S, D}, dt)
+      local kept = self.pool:mark()
+      local h1 = f.h1 or self.pool:tensor({S, D}, dt)
       f.amark = self.pool:mark()
       z:acquire(b.dense)
-      local ac = attn_part(b, h, f.h1)
+      local ac = attn_part(b, h, h1)
       if b.ck_attn then attn_release(b, ac); self.pool:rewind(f.amark) else f.attn = ac end
       f.mmark = self.pool:mark()
       z:acquire(b.experts)
-      local mc, s = moe_part(b, f.h1, f.h2, step)
+      local mc, s = moe_part(b, h1, f.h2, step)
       z:release(b.experts)
       z:release(b.dense)
       lstats[i] = self:_keep_stats(i, s)
-      if b.ck_moe then mc.m:free(); mc.r2:free(); self.pool:rewind(f.mmark) else f.moe = mc end
+      if b.ck_moe then mc.m:free(); mc.r2:free(); self.pool:rewind(full and kept or f.mmark) else f.moe = mc end
       st.frames[i] = f
       h = f.h2
       -- an optional self.safe_point(phase, layer) after each block (the trainer's attach polls)
@@ -474,21 +479,28 @@ function Transformer:backward(w)
       local b, f = self.blocks[i], st.frames[i]
       z:acquire(b.dense)
       z:acquire(b.experts)
+      -- full checkpointing: the attention half again first, for h1 (its
+      -- context then waits, on top of the pool, for its backward)
+      local h1, ac = f.h1, f.attn
+      if not h1 then
+        h1 = self.pool:tensor({S, D}, dt)
+        ac = attn_part(b, f.x, h1)
+      end
+      local mmark = f.h1 and f.mmark or self.pool:mark()
       -- moe half: dh is dL/dh2; dh1 = dh + norm2'(moe'(dh))
       local mc = f.moe
       if not mc then
         local kept = b.moe.layer.stats
-        mc = moe_part(b, f.h1, self.pool:tensor({S, D}, dt), st.step)
+        mc = moe_part(b, h1, self.pool:tensor({S, D}, dt), st.step)
         b.moe.layer.stats = kept
       end
       local dm = b.moe:backward(dh, coefs[i])
       z:after_backward(b.experts)
-      dx = b.norm2:backward(dm, f.h1, mc.r2)
+      dx = b.norm2:backward(dm, h1, mc.r2)
       dh:add_(dx)
       dx:free(); mc.m:free(); mc.r2:free()
-      self.pool:rewind(f.mmark)
+      self.pool:rewind(mmark)
       -- attention half
-      local ac = f.attn
       if not ac then ac = attn_part(b, f.x, self.pool:tensor({S, D}, dt)) end
       local da = b.attn:backward(dh, ac.actx)
       dx = b.norm1:backward(da, f.x, ac.r1)
