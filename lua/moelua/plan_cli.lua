@@ -6,8 +6,11 @@
 -- moelua.train.plan, the dry run of the recipe's build and first steps
 -- (every kernel skipped, no tensor memory mapped), then prints the account
 -- book of every tier at the peak, the phase of the step the peak is in,
--- and ends the program: nothing of the model is allocated. A plan over the
--- budget is the recipe's own error (exit status 1).
+-- what a step computes and moves (train.plan's per_step: forward and
+-- recomputed matmul FLOPs, the expert store's and the offloaded
+-- optimizer's traffic), and ends the program: nothing of the model is
+-- allocated. A plan over the budget is the recipe's own error (exit
+-- status 1).
 --
 -- --world N [--rank R]: the plan of rank R of N ranks without mpiexec (a
 -- planned world, moelua.dist.plan_world: the recipe's ZeRO stage and
@@ -18,12 +21,13 @@
 --
 -- --json: the same plan as one JSON object (every book's peak and at_peak
 -- per category in bytes, total_peak, the phase, pool_bytes,
--- expert_exchange); with --world and no --rank, one line per rank.
+-- expert_exchange, per_step); with --world and no --rank, one line per rank.
 --
 -- --fit: the recipe's memory knobs, tried in a stated order (KNOBS below)
 -- and kept as they add up, until a plan fits: each try's peak, the options
--- that fit and what each costs. Only knobs the recipe offers (its --help)
--- are tried, each in a child process.
+-- that fit and what each costs (in words, then the chosen plan's FLOPs,
+-- traffic and host tiers). Only knobs the recipe offers (its --help) are
+-- tried, each in a child process.
 --
 -- --max-seq: the longest --seq-len whose plan fits the budget (the
 -- recipe's --budget-gib, or 90% of the memory available), by doubling and
