@@ -1048,9 +1048,8 @@ function Transformer:decode(ids, cache, route)
       h1:copy_(h):add_(b.attn:decode(a, cache.layers[i], pos))
       a:free(); r1:free()
       z:acquire(b.experts)
-      local m, r2 = b.norm2:forward(h1)
-      h:copy_(h1):add_((b.moe:forward(m, 0)))
-      m:free(); r2:free()
+      local mc = moe_part(b, h1, h, 0)   -- h = h1 + moe(norm2(h1)): this layer's input is spent
+      mc.m:free(); mc.r2:free()
       z:release(b.experts)
       z:release(b.dense)
       if route then
