@@ -419,8 +419,8 @@ ml_status ml_store_write(ml_expert_store *s, size_t slot, size_t slab, ml_err *e
 
 void ml_store_prefetch(ml_expert_store *s, size_t slab)
 {
-    if (s->device != ML_CPU || slab >= s->nslabs || (s->fd < 0 && !s->planned))
-        return;   /* CUDA copies ahead instead; a closed store */
+    if (s->device != ML_CPU || slab >= s->nslabs)   /* CUDA copies ahead instead */
+        return;
     /* a hint: the kernel starts reading the range; a refusal changes nothing
      * (a plan has no file, and counts the hint as its run would) */
     if (s->fd >= 0)
