@@ -40,8 +40,8 @@
 
 #define HELD_MSG  "moelua: interrupt held until the checkpoint is written " \
                   "(interrupt again to abort and lose it)\n"
-#define ABORT_MSG "moelua: second interrupt during a checkpoint save: aborting, " \
-                  "the checkpoint being written is lost\n"
+#define ABORT_MSG "moelua: second interrupt while the first is held: aborting, " \
+                  "the checkpoint or step being finished is lost\n"
 #define KILL_MSG  "moelua: second interrupt before the first was handled " \
                   "(a C call that does not stop): killing the process\n"
 

@@ -1355,18 +1355,88 @@ function train.run(cfg)
     errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
                               dir and ("; saved " .. dir) or "; no step completed, nothing saved"))
   end
+  -- After a step: its alarms, and a rollback when one is due. Returns the
+  -- step to replay from after a rollback; else nil, why and collapsing.
+  local function judge(step, m)
+    local fired, collapsed, collapsing = self:check_balance(m)
+    local why = (not m.skipped and self:spike(m.loss)) and "loss spike"
+             or (self.skipped_run >= self.rollback.max_skipped and "skipped steps")
+             or (collapsed and "router collapse") or nil
+    for _, a in ipairs(fired) do
+      self:log(a)
+      self:end_line()
+      self:call_hook(step, "on_alarm", self.state, a, self.model)
+    end
+    if not (why and last_good) then return nil, why, collapsing end
+    self:log(m)
+    self:progress(m, step, last_step, t_start)
+    local n = (self.rollbacks_to[last_good] or 0) + 1
+    if n > self.rollback.max_rollbacks then
+      self:end_line(true)
+      self:log({event = "stopped", step = step, reason = why, rollbacks = n - 1, last_good = last_good})
+      errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
+                                "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
+                                "(--resume %s) after changing what fails (a lower --lr, more --warmup, " ..
+                                "--clip)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
+                                last_good, last_good))
+    end
+    self.rollbacks_to[last_good] = n
+    local back = last_good_step
+    -- past the offending batches, and past those of every earlier rollback to this checkpoint
+    self.skip_to[last_good] = (self.skip_to[last_good] or 0) + (step - back)
+    self:restore(last_good, true)
+    self.skipped_run = 0
+    result.rollbacks = result.rollbacks + 1
+    local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
+                   data_offset = self.data_offset, rollbacks_to = n}
+    self:end_line()
+    if self:call_hook(step, "on_rollback", self.state, event) == false then
+      self:call_hook(step, "on_rollback", self.state, event)
+    end
+    self.pending_rollback = event    -- logged when the replay starts, with its lr scale
+    return back + 1
+  end
+  local function validate()
+    local v = self:validate()
+    if v then
+      self.val_loss = v
+      self:log({event = "validation", step = step, loss = v})
+    end
+  end
+  -- After a step that stands: its checkpoints, metrics line and progress.
+  -- Returns the checkpoint written, if any, and the signals held in its save.
+  local function record(step, m, why, collapsing)
+    local dir, held = nil, 0
+    if attach_wants_checkpoint(self) and self.run_dir then   -- asked for from `moelua attach`
+      dir, held = self:save(step, "attach")
+    end
+    if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
+      local t0 = now()
+      local h
+      dir, h = self:save(step, "every")
+      held = held + h
+      -- good: not a step that asked for a rollback it could not take, nor one inside a collapse
+      if dir and not why and not collapsing then
+        last_good, last_good_step = dir, step
+        if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
+      end
+      m.phases.checkpoint = now() - t0
+    end
+    self:log(m)
+    self:progress(m, step, last_step, t_start)
+    return dir, held
+  end
   while step <= last_step do
-    local ok, m, stop
+    local ok, m, held
     if z.world > 1 then
       -- every rank stops at the same step: Ctrl-C (mpiexec passes it to
-      -- each) is held through the step, and the ranks agree on it after
-      local held
+      -- each) is held through the step and what follows it, and the ranks
+      -- agree on it after
       held, ok, m = host.hold_interrupts(pcall, self.step, self, step)
-      stop = ok and z:all_reduce_numbers({held}, "max", "interrupts")[1] > 0
     else
       ok, m = pcall(self.step, self, step)
       -- a signal an offloaded optimizer held through its pass: the step is whole, stop after it
-      stop = ok and (self.optimizer.held_interrupts or 0) > 0
+      held = self.optimizer.held_interrupts or 0
       self.optimizer.held_interrupts = nil
     end
     if not ok then
@@ -1377,73 +1447,36 @@ function train.run(cfg)
       error(m, 0)
     end
     result.losses[step] = m.loss
-    local fired, collapsed, collapsing = self:check_balance(m)
-    local why = (not m.skipped and self:spike(m.loss)) and "loss spike"
-             or (self.skipped_run >= self.rollback.max_skipped and "skipped steps")
-             or (collapsed and "router collapse") or nil
-    for _, a in ipairs(fired) do
-      self:log(a)
-      self:end_line()
-      self:call_hook(step, "on_alarm", self.state, a, self.model)
-    end
-    if why and last_good then
-      self:log(m)
-      self:progress(m, step, last_step, t_start)
-      local n = (self.rollbacks_to[last_good] or 0) + 1
-      if n > self.rollback.max_rollbacks then
-        self:end_line(true)
-        self:log({event = "stopped", step = step, reason = why, rollbacks = n - 1, last_good = last_good})
-        errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
-                                  "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
-                                  "(--resume %s) after changing what fails (a lower --lr, more --warmup, " ..
-                                  "--clip)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
-                                  last_good, last_good))
-      end
-      self.rollbacks_to[last_good] = n
-      local back = last_good_step
-      -- past the offending batches, and past those of every earlier rollback to this checkpoint
-      self.skip_to[last_good] = (self.skip_to[last_good] or 0) + (step - back)
-      self:restore(last_good, true)
-      self.skipped_run = 0
-      result.rollbacks = result.rollbacks + 1
-      local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
-                     data_offset = self.data_offset, rollbacks_to = n}
-      self:end_line()
-      if self:call_hook(step, "on_rollback", self.state, event) == false then
-        self:call_hook(step, "on_rollback", self.state, event)
-      end
-      self.pending_rollback = event    -- logged when the replay starts, with its lr scale
-      step = back + 1
+    -- Between steps a signal is held until the bookkeeping is done (none
+    -- of a rollback's restore, a checkpoint or a metrics line is cut in
+    -- half), then stops the run as after a step. Validation, which can
+    -- take as long as a step, is interrupted like one on a single rank.
+    local h, replay, why, collapsing = host.hold_interrupts(judge, step, m)
+    held = held + h
+    local dir, in_save
+    if replay then
+      step = replay
     else
       if self.val_every > 0 and (step + 1) % self.val_every == 0 then
-        local v = self:validate()
-        if v then
-          self.val_loss = v
-          self:log({event = "validation", step = step, loss = v})
+        if z.world > 1 then
+          held = held + host.hold_interrupts(validate)
+        else
+          local vok, err = pcall(validate)
+          if not vok and not tostring(err):find("interrupted") then error(err, 0) end
+          held = held + (vok and 0 or 1)
         end
       end
-      local dir, held
-      if attach_wants_checkpoint(self) and self.run_dir then   -- asked for from `moelua attach`
-        dir, held = self:save(step, "attach")
-      end
-      if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
-        local t0 = now()
-        local h
-        dir, h = self:save(step, "every")
-        held = (held or 0) + h
-        -- good: not a step that asked for a rollback it could not take, nor one inside a collapse
-        if dir and not why and not collapsing then
-          last_good, last_good_step = dir, step
-          if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
-        end
-        m.phases.checkpoint = now() - t0
-      end
-      self:log(m)
-      self:progress(m, step, last_step, t_start)
-      if held and held > 0 then interrupted(step + 1, dir, " (during the checkpoint save, which finished)") end
+      h, dir, in_save = host.hold_interrupts(record, step, m, why, collapsing)
+      held = held + h
       step = step + 1
     end
-    if stop then interrupted(step, (self:save(step - 1, "interrupt"))) end
+    if z.world > 1 then held = z:all_reduce_numbers({held}, "max", "interrupts")[1] end
+    if held > 0 then
+      if dir then
+        interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil)
+      end
+      interrupted(step, (self:save(step - 1, "interrupt")))
+    end
   end
   self:end_line(true)
   if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients

@@ -11,8 +11,8 @@ local errmsg = support.errmsg
 
 local HELD = "moelua: interrupt held until the checkpoint is written " ..
              "(interrupt again to abort and lose it)\n"
-local ABORT = "moelua: second interrupt during a checkpoint save: aborting, " ..
-              "the checkpoint being written is lost\n"
+local ABORT = "moelua: second interrupt while the first is held: aborting, " ..
+              "the checkpoint or step being finished is lost\n"
 
 -- Every child starts with this: signal(name) sends the child the signal
 -- through kill(1) (io.popen: os.execute's system() ignores SIGINT in the

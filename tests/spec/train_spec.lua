@@ -216,16 +216,41 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
-  -- A script that trains tiny in its own run directory, sends itself
-  -- SIGINT from the hook at step 3 (the first Ctrl-C), and `extra` more
-  -- from inside the interrupt save (at its first fsync): Ctrl-C pressed
-  -- again while the checkpoint is being written.
-  local function ctrl_c_during_save(dir, extra)
+  -- A script that trains tiny in its own run directory and presses Ctrl-C
+  -- (sends itself SIGINT) from `trigger`, Lua code run before training
+  -- that may call ctrl_c() and wrap `on_step(step)`, called at each step's
+  -- start (the recipe's hook).
+  local function ctrl_c_child(dir, trigger, ckpt_every)
     local path = os.tmpname()
     support.write_file(path, string.format([[
       local pid = math.tointeger(io.open("/proc/self/stat"):read("n"))
       -- not os.execute: system() ignores SIGINT in the caller while its child runs
       local function ctrl_c() io.popen("kill -INT " .. pid):close() end
+      local function on_step(step) end
+      %s
+      arg = {[0] = "recipes/tiny.lua", "--steps", "50", "--seq-len", "64", "--run-dir", %q,
+             "--ckpt-every", "%d"}
+      local train = require "moelua.train"
+      local run = train.run
+      train.run = function(cfg)
+        local hook = cfg.hook
+        cfg.hook = function(step, state, ctl)
+          on_step(step)
+          return hook(step, state, ctl)
+        end
+        return run(cfg)
+      end
+      dofile("recipes/tiny.lua")
+    ]], trigger, dir, ckpt_every or 0))
+    local code, out = support.finish_child(assert(io.popen(support.host_command({path}) .. " 2>&1")))
+    os.remove(path)
+    return code, out
+  end
+
+  -- Ctrl-C at step 3, and `extra` more from inside the interrupt save (at
+  -- its first fsync): Ctrl-C pressed again while the checkpoint is being written.
+  local function ctrl_c_during_save(dir, extra)
+    return ctrl_c_child(dir, string.format([[
       local fs = require "moelua.fs"
       local fsync, sent = fs.fsync, false
       fs.fsync = function(...)            -- the save's first fsync: its files are being written
@@ -235,23 +260,50 @@ describe("recipes", function()
         end
         return fsync(...)
       end
-      arg = {[0] = "recipes/tiny.lua", "--steps", "50", "--seq-len", "64", "--run-dir", %q, "--ckpt-every", "0"}
-      local train = require "moelua.train"
-      local run = train.run
-      train.run = function(cfg)
-        local hook = cfg.hook
-        cfg.hook = function(step, state, ctl)
-          if step == 3 then ctrl_c() end
-          return hook(step, state, ctl)
-        end
-        return run(cfg)
-      end
-      dofile("recipes/tiny.lua")
-    ]], extra, dir))
-    local code, out = support.finish_child(assert(io.popen(support.host_command({path}) .. " 2>&1")))
-    os.remove(path)
-    return code, out
+      on_step = function(step) if step == 3 then ctrl_c() end end
+    ]], extra))
   end
+
+  it("finish the bookkeeping between steps before a Ctrl-C stops them", function()
+    local dir = support.make_tmpdir()
+    -- pressed while step 3's metrics line is being encoded: the hook raises at the next Lua instruction
+    local code, out = ctrl_c_child(dir, [[
+      local json = require "dkjson"
+      local encode = json.encode
+      json.encode = function(obj, ...)
+        if obj.step == 3 and not obj.event then ctrl_c() end
+        return encode(obj, ...)
+      end
+    ]])
+    assert.are.equal(1, code, out)
+    assert.matches("interrupt held until the checkpoint is written", out)
+    assert.matches("interrupted at step 4; saved [^\n]*step%-000003", out)
+    assert.is_nil(out:find("stack traceback", 1, true), out)
+    assert.are.equal(3, ckpt.load(dir .. "/ckpt").trainer.step)
+    local lines = support.read_file(dir .. "/metrics.jsonl")
+    assert.matches('"step":3', lines)    -- the line was written whole
+    support.remove_dir(dir)
+  end)
+
+  it("interrupt validation like a step, and save the step before it", function()
+    local dir = support.make_tmpdir()
+    -- --ckpt-every 3 validates after step 2; Ctrl-C in its first forward
+    local code, out = ctrl_c_child(dir, [[
+      local Transformer = require("moelua.nn").Transformer
+      local forward, armed = Transformer.forward, false
+      Transformer.forward = function(self, tokens, rng_step)
+        if armed and rng_step == 0 then armed = false; ctrl_c() end
+        return forward(self, tokens, rng_step)
+      end
+      on_step = function(step) armed = step == 2 end
+    ]], 3)
+    assert.are.equal(1, code, out)
+    assert.matches("interrupted at step 3; saved [^\n]*step%-000002", out)
+    assert.is_nil(out:find("stack traceback", 1, true), out)
+    assert.are.equal(2, ckpt.load(dir .. "/ckpt").trainer.step)
+    assert.is_nil(support.read_file(dir .. "/metrics.jsonl"):find('"event":"validation"', 1, true))
+    support.remove_dir(dir)
+  end)
 
   it("hold a second Ctrl-C until the interrupt checkpoint is written; it loads", function()
     local dir = support.make_tmpdir()
