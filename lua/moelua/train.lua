@@ -1478,15 +1478,17 @@ function train.run(cfg)
       interrupted(step, (self:save(step - 1, "interrupt")))
     end
   end
-  self:end_line(true)
-  if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
   result.skipped = self.skipped
   result.first_step, result.first_loss = first, result.losses[first]
   result.final_loss = result.losses[last_step]
-  local held
-  if self.run_dir then result.checkpoint, held = self:save(last_step, "final") end
+  -- the last step is whole: a signal from here on waits for the final save
+  local held = host.hold_interrupts(function()
+    self:end_line(true)
+    if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
+    if self.run_dir then result.checkpoint = self:save(last_step, "final") end
+  end)
+  if held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
   if self.metrics then self.metrics:close() end
-  if held and held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
   return result
 end
 

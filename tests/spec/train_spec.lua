@@ -285,6 +285,23 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
+  it("finish the final save before a Ctrl-C during it stops the run, and log it", function()
+    local dir = support.make_tmpdir()
+    local code, out = ctrl_c_child(dir, [[
+      local fs = require "moelua.fs"
+      local fsync, sent = fs.fsync, false
+      fs.fsync = function(...)            -- --ckpt-every 0: the only save is the final one
+        if not sent then sent = true; ctrl_c() end
+        return fsync(...)
+      end
+    ]])
+    assert.are.equal(1, code, out)
+    assert.matches("interrupted at step 50 %(during the final save, which finished%); saved [^\n]*step%-000049", out)
+    assert.are.equal(49, ckpt.load(dir .. "/ckpt").trainer.step)
+    assert.matches('"event":"interrupted"', support.read_file(dir .. "/metrics.jsonl"))
+    support.remove_dir(dir)
+  end)
+
   it("interrupt validation like a step, and save the step before it", function()
     local dir = support.make_tmpdir()
     -- --ckpt-every 3 validates after step 2; Ctrl-C in its first forward
