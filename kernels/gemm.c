@@ -33,9 +33,9 @@ static int use_onednn(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m)
 {
     if (dt != ML_F32 || !onednn_machine())
         return 0;
-    if (!ta && tb && m < (mode == ML_GEMM_SERIAL ? 128 : 257))
-        return 0;
-    return 1;
+    /* threaded calls never go to OpenBLAS: its pool spins (sched_yield)
+     * after each call and takes the cores from the OpenMP threads next */
+    return !(mode == ML_GEMM_SERIAL && !ta && tb && m < 128);
 }
 
 /* C = beta·C for k = 0 (neither library is asked: BLAS leaves k = 0 to

@@ -8,11 +8,16 @@
  *   f64                                   OpenBLAS (oneDNN has no dgemm)
  *   f32, CPU below AVX-512 (oneDNN's      OpenBLAS (oneDNN not measured to
  *        avx512_core)                      win there)
- *   f32, A·Bᵀ with few rows: M < 128      OpenBLAS (oneDNN 0.84-0.86× at
- *        on one thread, M <= 256 on more   M 64 and 256 on two threads)
+ *   f32, A·Bᵀ with few rows, serial:      OpenBLAS (oneDNN 0.84-0.86× at
+ *        M < 128                           M 64)
  *   every other f32 GEMM                   oneDNN's dnnl_sgemm (1.02-1.20×
  *                                          OpenBLAS on one thread, 1.09-1.66×
- *                                          on two)
+ *                                          on two; threaded A·Bᵀ at M <= 256
+ *                                          too: faster in isolation on
+ *                                          OpenBLAS, but its pool then spins
+ *                                          against the kernels' threads, and
+ *                                          a training step is 4-9% faster
+ *                                          without it)
  *
  * The rule reads only the dtype, the flags, M and the thread mode, and the
  * machine's ISA, so a given machine always sends a shape to the same
