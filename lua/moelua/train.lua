@@ -101,9 +101,11 @@
 -- (model:load_named, which resume uses too); the optimizer starts fresh.
 -- Ctrl-C or SIGTERM (a kernel's "interrupted" error) abandons the current
 -- step, saves a checkpoint of the last completed step and raises a user
--- error naming it. Every save runs under moelua.host.hold_interrupts: a
--- signal during a save waits for the save to finish (then counts as
--- Ctrl-C), and only a second one aborts it.
+-- error naming it. Every save, and the bookkeeping between steps (alarms,
+-- a rollback's restore, the metrics line), runs under
+-- moelua.host.hold_interrupts: a signal then waits for that work to finish
+-- (then counts as Ctrl-C after the step), and only a second one aborts it.
+-- Validation is interrupted like a step (the step before it is saved).
 --
 -- reload = {file = F, names = {...}, arg = {...}}: the named hooks ("hook",
 -- "on_rollback") are re-read from F while the job runs. At the start of
