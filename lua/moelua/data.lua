@@ -28,6 +28,7 @@
 -- with distinct global indices), shuffling inside a window.
 local fs = require "moelua.fs"
 local T = require "moelua.tensor"
+local errors = require "moelua.errors"
 
 local data = {}
 
@@ -38,8 +39,9 @@ local WIDTH = {bytes = 1, u8 = 1, u16 = 2, u32 = 4}
 local OPTIONS = {paths = true, glob = true, format = true, seq_len = true, seed = true,
                  holdout = true}
 
+-- A bad path, file or argument: a user error (printed without a traceback).
 local function fail(fn, fmt, ...)
-  error(string.format("moelua.data.%s: " .. fmt, fn, ...), 3)
+  errors.user(string.format("moelua.data.%s: " .. fmt, fn, ...))
 end
 
 -- splitmix64: a 64-bit mixing function (wrapping integer arithmetic).
@@ -83,7 +85,9 @@ local function expand(pattern)
       fail("open", "glob: '**' must be a whole path component followed by a pattern, got '%s'",
            pattern)
     end
-    return fs.glob(pattern)
+    local ok, paths = pcall(fs.glob, pattern)
+    if not ok then fail("open", "%s", tostring(paths)) end
+    return paths
   end
   if rest:find("**", 1, true) then
     fail("open", "glob: only one '**' is supported, got '%s'", pattern)

@@ -138,6 +138,8 @@ local function check_options(opts)
   need((o.policy == "drop") == (o.capacity_factor > 0),
        "policy \"drop\" needs capacity_factor > 0, and capacity_factor needs policy \"drop\"")
   need(o.aux_scope == "model" or o.aux_scope == "layer", "option 'aux_scope' must be \"model\" or \"layer\"")
+  need(o.save == "save" or o.save == "recompute",
+       string.format("option 'save' must be \"save\" or \"recompute\", got %s", o.save))
   need(o.dtype == "f32" or o.dtype == "f64" or o.dtype == "bf16", "option 'dtype' must be \"f32\", \"f64\" or \"bf16\"")
   need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\"")
   need(o.dtype ~= "bf16" or o.device == "cuda",

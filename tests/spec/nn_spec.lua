@@ -375,7 +375,7 @@ describe("nn.Transformer", function()
       {{checkpoint = "some"}, "'checkpoint'"}, {{checkpoint = {"none"}}, "'checkpoint'"},
       {{moe = {polcy = "drop"}}, "'moe.polcy'"}, {{moe = {policy = "drop"}}, "capacity_factor"},
       {{topk = 9}, "'topk'"}, {{layers = "2"}, "'layers'"}, {{vocabulary = 3}, "'vocabulary'"},
-      {{ffn = 0}, "'ffn'"},
+      {{ffn = 0}, "'ffn'"}, {{moe = {save = "bogus"}}, "'save'"},
     }
     for _, c in ipairs(cases) do
       local msg = support.errmsg(tiny, c[1])

@@ -155,6 +155,26 @@ describe("recipes", function()
     assert.matches("option %-%-steps expects a number, got 'many'", out)
   end)
 
+  it("print a model shape, a choice or a corpus that cannot be, without a traceback and before any run", function()
+    local dir = support.make_tmpdir()
+    for _, c in ipairs({
+      {{"--topk", "9"}, "option 'topk' = 9 must be in 1..experts %(4%)"},
+      {{"--kv-heads", "3"}, "option 'kv_heads' = 3 must divide heads = 4"},
+      {{"--checkpoint", "bogus"}, "option 'checkpoint' %(layer 0%) must be \"none\""},
+      {{"--save", "bogus"}, "option 'save' must be \"save\" or \"recompute\", got bogus"},
+      {{"--data", "/nonexistent/*.h"}, "moelua.data.open: moelua.fs.glob: '/nonexistent/%*.h'"},
+    }) do
+      local args = {"recipes/tiny.lua", "--steps", "1", "--run-dir", dir .. "/run"}
+      for _, a in ipairs(c[1]) do args[#args + 1] = a end
+      local code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
+      assert.are.equal(1, code, out)
+      assert.matches(c[2], out)
+      assert.is_nil(out:find("traceback", 1, true), out)
+      assert.is_nil(require("moelua.fs").stat(dir .. "/run/ckpt"), c[1][1])
+    end
+    support.remove_dir(dir)
+  end)
+
   it("list every option with --help", function()
     local p = assert(io.popen(support.host_command({"recipes/longctx.lua", "--help"}) .. " 2>&1"))
     local code, out = support.finish_child(p)

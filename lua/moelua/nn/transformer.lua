@@ -81,7 +81,8 @@ local MOE_KEYS = {chunk = true, mode = true, renorm = true, temperature = true, 
 local CHECKPOINT = {none = {false, false}, attention = {true, false}, moe = {false, true},
                     full = {true, true}}
 
-local function fail(fmt, ...) error(FN .. ": " .. string.format(fmt, ...), 4) end
+-- A bad option: a user error (a recipe prints it without a traceback).
+local function fail(fmt, ...) errors.user(FN .. ": " .. string.format(fmt, ...)) end
 
 local function check_options(opts)
   if type(opts) ~= "table" then fail("options must be a table, got %s", type(opts)) end
