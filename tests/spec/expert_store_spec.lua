@@ -212,6 +212,14 @@ train.run(cfg)
     support.has(out, "8 bytes in ")
     assert.is_not_nil(out:find("experts: %d+ of 8 resident %(%d+%.%d+ MiB%), hit rate [%d.]+%% %(%d+ hits, %d+ misses%)"), out)
     assert.is_nil(fs.stat(dir("gen2.store")), "the store's file is removed at exit")
+    for _, c in ipairs{{"1.5", "option %-%-top%-p must be at most 1, got 1.5"},
+                       {"0", "option %-%-top%-p must be at least 1e%-06, got 0"}} do
+      args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", "--top-p", c[1]}
+      code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
+      assert.are.equal(1, code, out)
+      assert.matches(c[2], out)
+      assert.are_not.equal("alpha", out:sub(1, 5), out)   -- refused before the prompt is echoed
+    end
   end)
 
   describe("bad input", function()
