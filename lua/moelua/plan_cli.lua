@@ -330,7 +330,10 @@ local function probe_seq(host, recipe, rest, seq_len)
 end
 
 function M.max_seq(recipe, rest)
-  take(rest, "seq-len")   -- the probes set it
+  local given = take(rest, "seq-len")
+  if given then   -- the probes set it: a value given would be dropped without a word
+    errors.user(string.format("moelua plan --max-seq searches --seq-len itself: leave out --seq-len %s", given))
+  end
   local host = host_path()
   local lo = 64
   local fits, peak = probe_seq(host, recipe, rest, lo)

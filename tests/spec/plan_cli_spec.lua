@@ -136,7 +136,7 @@ describe("moelua plan", function()
     support.has(text, "moelua plan: --preset report2: unknown (presets: report1)")
   end)
 
-  it("needs a recipe; --rank needs --world", function()
+  it("needs a recipe; --rank needs --world; --max-seq sets --seq-len itself", function()
     local code, out = host({"plan"})
     assert.are.equal(1, code, out)
     support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
@@ -150,6 +150,9 @@ describe("moelua plan", function()
     code, out = host({"plan", "recipes/longctx.lua", "--world", "4", "--ep", "3"})
     assert.are.equal(1, code, out)
     support.has(out, "--ep 3: the expert-parallel size must divide the number of ranks (4)")
+    code, out = host({"plan", "recipes/longctx.lua", "--max-seq", "--seq-len", "4096"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan --max-seq searches --seq-len itself: leave out --seq-len 4096")
   end)
 
   it("a planned world: a rank's groups by shape, no collective outside a plan, no split", function()
