@@ -562,7 +562,8 @@ end
 function ckpt.load(path)
   if type(path) ~= "string" then fail("load", "argument #1: expected a path, got %s", type(path)) end
   local st = fs.stat(path)
-  if not st or st.type ~= "dir" then fail("load", "'%s' is not a directory", path) end
+  if not st then fail("load", "'%s' does not exist", path) end
+  if st.type ~= "dir" then fail("load", "'%s' is not a directory", path) end
   local dir = path
   if exists(join(path, "latest")) then
     local ok, d = pcall(read_pointer, path, "latest")
