@@ -799,7 +799,8 @@ end
 function plot.run(run_dir, out_dir)
   local r = plot.read(run_dir)
   out_dir = out_dir or (run_dir .. "/plots")
-  require("moelua.fs").mkdir_p(out_dir)
+  local ok, err = pcall(require("moelua.fs").mkdir_p, out_dir)
+  if not ok then fail("cannot create the output directory: %s", tostring(err)) end
   local paths = {}
   for _, name in ipairs({"loss", "experts", "memory", "throughput"}) do
     paths[name] = write(out_dir .. "/" .. name .. ".svg", plot[name .. "_svg"](r))

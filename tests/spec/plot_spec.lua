@@ -442,6 +442,10 @@ describe("moelua.plot", function()
     support.has(support.errmsg(plot.run, dir), "no step records")
     support.write_file(dir .. "/metrics.jsonl", '{"event":"checkpoint","step":0}\n')
     support.has(support.errmsg(plot.run, dir), "no step records")
+    support.write_file(dir .. "/metrics.jsonl", '{"step":0,"loss":1}\n')
+    support.has(support.errmsg(plot.run, dir, dir .. "/metrics.jsonl"),
+                "moelua.plot: cannot create the output directory: moelua.fs.mkdir_p: '" .. dir ..
+                "/metrics.jsonl' exists and is not a directory")
     -- the command: status 1, one line, no traceback
     local code, out = support.finish_child(assert(io.popen(support.host_command({"plot", dir .. "/nope"}) .. " 2>&1")))
     assert.are.equal(1, code)
