@@ -255,9 +255,14 @@ say(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len
                     opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
 local result = train.run(run)
 
-say(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
-                    result.first_loss, result.final_loss, result.first_step, opts.steps - 1,
-                    result.skipped, result.rollbacks))
+if result.first_step == opts.steps then   -- resumed from the last step: nothing trained, what was loaded saved
+  say(string.format("no step left to train: the checkpoint holds step %d, the last of --steps %d",
+                    opts.steps - 1, opts.steps))
+else
+  say(string.format("loss %.4f -> %.4f over steps %d..%d (%d skipped, %d rollbacks)",
+                      result.first_loss, result.final_loss, result.first_step, opts.steps - 1,
+                      result.skipped, result.rollbacks))
+end
 if attached then attached:close() end
 say(mem.report())
 say("checkpoint: " .. tostring(result.checkpoint))

@@ -1334,6 +1334,13 @@ function train.run(cfg)
     local back
     back, resumed_from = self:restore(cfg.resume)
     first = back + 1
+    -- a resume that takes no step saves what it loaded (at another world
+    -- size: a resharded checkpoint); one past the last step would save it
+    -- under an earlier step than it holds
+    if first > self.steps then
+      errors.user(string.format("moelua.train: %s holds step %d, past the last step of steps = %d (step %d): " ..
+                                "steps must be at least %d", resumed_from, back, self.steps, self.steps - 1, first))
+    end
   end
   if self.run_dir and not self.silent then
     if mode == "overwrite" then clear_run_dir(self.run_dir) end

@@ -155,6 +155,33 @@ describe("recipes", function()
     assert.matches("option %-%-steps expects a number, got 'many'", out)
   end)
 
+  it("refuse to resume past --steps, or into another shape, writing nothing; say when nothing is left", function()
+    local dir = support.make_tmpdir()
+    local function tiny(extra)
+      local args = {"recipes/tiny.lua", "--seq-len", "64", "--run-dir", dir .. "/run"}
+      for _, a in ipairs(extra) do args[#args + 1] = a end
+      return support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
+    end
+    local code, out = tiny({"--steps", "3"})
+    assert.are.equal(0, code, out)
+    local metrics = support.read_file(dir .. "/run/metrics.jsonl")
+    code, out = tiny({"--steps", "2", "--resume", dir .. "/run/ckpt"})
+    assert.are.equal(1, code, out)
+    assert.matches("holds step 2, past the last step of steps = 2 %(step 1%): steps must be at least 3", out)
+    code, out = tiny({"--steps", "5", "--dim", "64", "--resume", dir .. "/run/ckpt"})
+    assert.are.equal(1, code, out)
+    assert.matches("does not match the model: config.json has hidden_size = 32, the model has 64", out)
+    assert.is_nil(out:find("traceback", 1, true), out)
+    assert.are.equal(2, ckpt.load(dir .. "/run/ckpt").trainer.step)
+    assert.are.equal(metrics, support.read_file(dir .. "/run/metrics.jsonl"))
+    -- resumed at its last step: nothing to train, and the recipe says so
+    code, out = tiny({"--steps", "3", "--resume", dir .. "/run/ckpt"})
+    assert.are.equal(0, code, out)
+    assert.matches("no step left to train: the checkpoint holds step 2, the last of %-%-steps 3", out)
+    assert.are.equal(2, ckpt.load(dir .. "/run/ckpt").trainer.step)
+    support.remove_dir(dir)
+  end)
+
   it("print a model shape, a choice or a corpus that cannot be, without a traceback and before any run", function()
     local dir = support.make_tmpdir()
     for _, c in ipairs({

@@ -901,8 +901,8 @@ function Transformer:check_named(tensors, opts, caller)
     local shown = {}
     for i = 1, math.min(#problems, 8) do shown[i] = problems[i] end
     local more = #problems > 8 and string.format("; and %d more", #problems - 8) or ""
-    error(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
-                        table.concat(shown, "; "), more), level)
+    errors.user(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
+                              table.concat(shown, "; "), more))
   end
   return params
 end
