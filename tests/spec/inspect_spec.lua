@@ -150,6 +150,12 @@ describe("moelua.inspect", function()
                    {seq_len = 0})
     support.raises("moelua.inspect.generate: option 'on_byte' must be a function", h.generate, h, "x",
                    {on_byte = "print"})
+    support.raises("moelua.inspect.generate: option 'n' must be an integer >= 1", h.generate, h, "x", {n = 0})
+    support.raises("moelua.inspect.generate: unknown option 'tempreature'", h.generate, h, "x",
+                   {tempreature = 0.5})
+    support.raises("moelua.inspect.generate: option 'temperature' must be a number >= 0", h.generate, h, "x",
+                   {temperature = "hot"})
+    support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
   end)
 
   it("compare of a report with itself shows no change", function()
