@@ -34,6 +34,7 @@
 local tensor = require "moelua.tensor"
 local fs = require "moelua.fs"
 local nn = require "moelua.nn"
+local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
 local json = require "dkjson"
@@ -106,6 +107,10 @@ end
 
 function Handle:run(x, opts)
   opts = opts or {}
+  if type(opts) ~= "table" then fail("run", "argument #2: expected an options table, got %s", type(opts)) end
+  for k in pairs(opts) do
+    if k ~= "seq_len" then fail("run", "unknown option '%s' (expected seq_len)", tostring(k)) end
+  end
   local s = read_input("run", x)
   local model = self.model
   local S = opts.seq_len or 256
@@ -375,8 +380,10 @@ local function run_topk(fn, run_dir, opts)
     end
     return opts.topk
   end
-  for _, dir in ipairs({run_dir .. "/ckpt/latest", run_dir .. "/ckpt/last_good"}) do
-    local f = io.open(dir .. "/config.json", "r")
+  -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
+  for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
+    local ok, dir = pcall(pointer, run_dir .. "/ckpt")
+    local f = ok and dir and io.open(dir .. "/config.json", "r")
     if f then
       local c = json.decode(f:read("a"))
       f:close()

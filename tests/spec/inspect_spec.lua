@@ -37,6 +37,11 @@ describe("moelua.inspect", function()
   end)
   teardown(function() support.remove_dir(root) end)
 
+  it("loads takes top-k from the checkpoint that ckpt/latest names", function()
+    local run = root .. "/run"
+    assert.are.equal(tostring(inspect.loads(run, 1, {topk = 2})), tostring(inspect.loads(run, 1)))
+  end)
+
   it("counts sum to tokens x k, shares to 1, per layer", function()
     local cfg = h.model.opts
     assert.are.equal(#text, report.tokens)
@@ -156,6 +161,8 @@ describe("moelua.inspect", function()
     support.raises("moelua.inspect.generate: option 'temperature' must be a number >= 0", h.generate, h, "x",
                    {temperature = "hot"})
     support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
+    support.raises("moelua.inspect.run: unknown option 'seqlen' (expected seq_len)", h.run, h, "abc", {seqlen = 8})
+    support.raises("moelua.inspect.run: argument #2: expected an options table, got number", h.run, h, "abc", 8)
   end)
 
   it("compare of a report with itself shows no change", function()
