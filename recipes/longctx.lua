@@ -150,8 +150,8 @@ local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = o
                    offload = opts.offload_optimizer}   -- (with bf16: the f32 masters in host memory)
 zero.new(zero_opts)   -- its errors before anything is allocated
 if opts.offload_optimizer and (opts.zero > 0 or dist.world() > 1) then
-  errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d ranks): " ..
-                            "use one process at --zero 0", opts.zero, dist.world()))
+  errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d rank%s): " ..
+                            "use one process at --zero 0", opts.zero, dist.world(), dist.world() == 1 and "" or "s"))
 end
 if opts.experts % opts.ep ~= 0 then
   errors.user(string.format("--ep %d: the expert-parallel size must divide --experts (%d)", opts.ep, opts.experts))

@@ -208,7 +208,8 @@ end
 function Zero:check_store()
   if self.world > 1 or self.stage > 0 then
     errors.user(string.format("--expert-budget: the expert store is not built for sharded training yet " ..
-                              "(--zero %d on %d ranks): use it with one process at --zero 0", self.stage, self.world))
+                              "(--zero %d on %d rank%s): use it with one process at --zero 0", self.stage, self.world,
+                              self.world == 1 and "" or "s"))
   end
 end
 

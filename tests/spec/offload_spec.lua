@@ -266,7 +266,7 @@ train.run(cfg)
       support.remove_dir(shm)
       for _, c in ipairs{
         {{"--zero", "1", "--run-dir", dir("bad")},
-         "--offload-optimizer: not built for sharded training yet (--zero 1 on 1 ranks): use one process at --zero 0"},
+         "--offload-optimizer: not built for sharded training yet (--zero 1 on 1 rank): use one process at --zero 0"},
         {{"--run-dir", shm}, "--offload-optimizer: " .. shm .. "/optim.store is on tmpfs"},
       } do
         local a = {table.unpack(base)}
