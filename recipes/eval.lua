@@ -60,6 +60,15 @@ local loss_sum, z_sum, n_lt = 0, 0, 0
 model:zero_grad()
 for i = 1, nwin do
   local tokens = ds:window((i - 1) * W)
+  if opts.format ~= "bytes" then   -- a token file for another vocabulary: say so, not the embedding's bounds check
+    local f = tokens:to("f64")
+    local top = math.tointeger(f:max():item())
+    f:free()
+    if top >= model.opts.vocab then
+      errors.user(string.format("recipes/eval.lua: --data '%s' (--format %s) holds token id %d, outside the " ..
+                                "checkpoint's vocabulary of %d", opts.data, opts.format, top, model.opts.vocab))
+    end
+  end
   local loss, st = model:forward(tokens, 0)
   loss_sum = loss_sum + loss
   for _, l in ipairs(st.layers) do

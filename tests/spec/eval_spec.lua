@@ -144,6 +144,12 @@ describe("eval, init-from and the profile", function()
     assert.are.equal(1, code, out)
     support.has(out, "recipes/eval.lua: --ckpt DIR is required")
     assert.is_nil(out:find("traceback", 1, true), out)
+    -- a token file for a larger vocabulary: the text's byte pairs read as u16 ids
+    code, out = sh{"recipes/eval.lua", "--ckpt", base .. "/ckpt", "--data", file, "--seq-len", "8", "--format", "u16"}
+    assert.are.equal(1, code, out)
+    support.has(out, "recipes/eval.lua: --data '" .. file .. "' (--format u16) holds token id ")
+    support.has(out, ", outside the checkpoint's vocabulary of 256")
+    assert.is_nil(out:find("traceback", 1, true), out)
   end)
 
   it("--grad-norms: HF names, the norms of the mean CE's gradient", function()
