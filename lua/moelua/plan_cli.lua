@@ -49,6 +49,15 @@ local CATEGORIES = {"params", "grads", "optim", "acts", "pool", "comm", "cache",
 local function mib(n) return string.format("%.2f MiB", n / 2^20) end
 local bytes = require("moelua.mem").format_bytes
 
+-- FLOPs in the largest unit that keeps a digit before the point (a tiny
+-- model's step is MFLOPs, report 1's is PFLOPs)
+local function flop(n)
+  for _, u in ipairs{{1e15, "PFLOP"}, {1e12, "TFLOP"}, {1e9, "GFLOP"}} do
+    if n >= u[1] then return string.format("%.2f %s", n / u[1], u[2]) end
+  end
+  return string.format("%.2f MFLOP", n / 1e6)
+end
+
 local function usage()
   errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
               "[recipe options] (e.g. moelua plan recipes/longctx.lua --seq-len 32768)")
@@ -169,10 +178,10 @@ local function report(recipe, device, plan, books, over)
   end
   local ps = plan.per_step
   if ps and ps.forward_flop then
-    out[#out + 1] = string.format("per step (%d micro-batch%s of %d tokens): %.2f TFLOP of forward matmuls, %.2f TFLOP " ..
+    out[#out + 1] = string.format("per step (%d micro-batch%s of %d tokens): %s of forward matmuls, %s " ..
                                   "recomputed in backward (activation checkpointing, expert pre-activations)",
                                   ps.micro_batches, ps.micro_batches == 1 and "" or "es", ps.seq_len,
-                                  ps.forward_flop / 1e12, ps.recompute_flop / 1e12)
+                                  flop(ps.forward_flop), flop(ps.recompute_flop))
   end
   -- (a plan routes every token to every expert's tiles: the expert store's worst case)
   for _, s in ipairs{{"experts", "the expert store", " with every expert routed (the plan's worst case)"},

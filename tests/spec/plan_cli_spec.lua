@@ -153,6 +153,11 @@ describe("moelua plan", function()
     code, out = host({"plan", "recipes/longctx.lua", "--max-seq", "--seq-len", "4096"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan --max-seq searches --seq-len itself: leave out --seq-len 4096")
+    -- FLOPs in a unit that shows them: a tiny step's are MFLOPs
+    code, out = host({"plan", "recipes/tiny.lua", "--seq-len", "64"})
+    assert.are.equal(0, code, out)
+    assert.is_truthy(out:find("per step %(1 micro%-batch of 64 tokens%): %d+%.%d%d MFLOP of forward matmuls, " ..
+                              "%d+%.%d%d MFLOP recomputed in backward"), out)
   end)
 
   it("a planned world: a rank's groups by shape, no collective outside a plan, no split", function()
