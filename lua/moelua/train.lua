@@ -1344,8 +1344,11 @@ function train.run(cfg)
   end
   if self.run_dir and not self.silent then
     if mode == "overwrite" then clear_run_dir(self.run_dir) end
-    fs.mkdir_p(self.run_dir)
-    self.metrics = assert(io.open(self.run_dir .. "/metrics.jsonl", mode == "resume" and "a" or "w"))
+    local ok, err = pcall(fs.mkdir_p, self.run_dir)
+    if not ok then errors.user("moelua.train: the run directory cannot be created: " .. tostring(err)) end
+    local f, why = io.open(self.run_dir .. "/metrics.jsonl", mode == "resume" and "a" or "w")
+    if not f then errors.user("moelua.train: cannot write the run's metrics: " .. why) end
+    self.metrics = f
   end
   if init_dir then self:log({event = "init_from", from = init_dir}) end
   if resuming then self:log({event = "resume", step = first, from = resumed_from}) end

@@ -182,7 +182,7 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
-  it("print a model shape, a choice or a corpus that cannot be, without a traceback and before any run", function()
+  it("print a model shape, a choice, a corpus or a run directory that cannot be, without a traceback", function()
     local dir = support.make_tmpdir()
     for _, c in ipairs({
       {{"--topk", "9"}, "option 'topk' = 9 must be in 1..experts %(4%)"},
@@ -190,6 +190,8 @@ describe("recipes", function()
       {{"--checkpoint", "bogus"}, "option 'checkpoint' %(layer 0%) must be \"none\""},
       {{"--save", "bogus"}, "option 'save' must be \"save\" or \"recompute\", got bogus"},
       {{"--data", "/nonexistent/*.h"}, "moelua.data.open: moelua.fs.glob: '/nonexistent/%*.h'"},
+      {{"--run-dir", "/proc/moelua-run"}, "moelua.train: the run directory cannot be created: moelua.fs.mkdir_p: " ..
+                                          "cannot create '/proc/moelua%-run'"},
     }) do
       local args = {"recipes/tiny.lua", "--steps", "1", "--run-dir", dir .. "/run"}
       for _, a in ipairs(c[1]) do args[#args + 1] = a end
