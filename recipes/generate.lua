@@ -39,6 +39,9 @@ local opts = options.parse(arg, {
 }, "usage: moelua recipes/generate.lua --ckpt DIR --prompt TEXT [options]")
 if opts.ckpt == "" then errors.user("recipes/generate.lua: --ckpt DIR is required") end
 if opts.prompt == "" then errors.user("recipes/generate.lua: --prompt TEXT is required") end
+if opts.expert_store ~= "" and opts.expert_budget == "" then
+  errors.user("--expert-store: the expert store's file is used only with --expert-budget (give both, or neither)")
+end
 moelua.threads(opts.threads)
 
 local extra

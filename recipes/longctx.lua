@@ -141,6 +141,9 @@ if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
   errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
 end
+if opts.expert_store ~= "" and opts.expert_budget == "" then
+  errors.user("--expert-store: the expert store's file is used only with --expert-budget (give both, or neither)")
+end
 if opts.expert_store ~= "" and opts.device ~= "cpu" then
   errors.user("--expert-store: on --device " .. opts.device .. " the expert store keeps its experts in pinned " ..
               "host memory, not in a file (leave it out)")

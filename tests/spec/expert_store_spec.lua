@@ -212,9 +212,11 @@ train.run(cfg)
     support.has(out, "8 bytes in ")
     assert.is_not_nil(out:find("experts: %d+ of 8 resident %(%d+%.%d+ MiB%), hit rate [%d.]+%% %(%d+ hits, %d+ misses%)"), out)
     assert.is_nil(fs.stat(dir("gen2.store")), "the store's file is removed at exit")
-    for _, c in ipairs{{"1.5", "option %-%-top%-p must be at most 1, got 1.5"},
-                       {"0", "option %-%-top%-p must be at least 1e%-06, got 0"}} do
-      args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", "--top-p", c[1]}
+    for _, c in ipairs{{{"--top-p", "1.5"}, "option %-%-top%-p must be at most 1, got 1.5"},
+                       {{"--top-p", "0"}, "option %-%-top%-p must be at least 1e%-06, got 0"},
+                       {{"--expert-store", dir("lone.store")}, "%-%-expert%-store: the expert store's file is used " ..
+                                                               "only with %-%-expert%-budget"}} do
+      args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)
       assert.matches(c[2], out)
@@ -242,6 +244,7 @@ train.run(cfg)
         {{"--expert-budget", "8MiB", "--expert-store", "/dev/shm/moelua_spec.store"},
          "--expert-store: /dev/shm/moelua_spec.store is on tmpfs"},
         {{"--expert-budget", "8MiB", "--zero", "1"}, "--expert-budget: the expert store is not built for sharded training yet"},
+        {{"--expert-store", dir("lone.store")}, "--expert-store: the expert store's file is used only with --expert-budget"},
       } do
         local code, out = recipe(with(c[1], "bad"))
         assert.are.equal(1, code, out)
