@@ -22,7 +22,7 @@ local inspect = require "moelua.inspect"
 local errors = require "moelua.errors"
 local now = require("moelua.bench").now
 
-local opts = options.parse(arg, {
+local opts, given = options.parse(arg, {
   {"ckpt", "", "checkpoint: a step directory, a ckpt root with `latest`, or a Mixtral directory"},
   {"prompt", "", "the text to continue"},
   {"n", 64, "bytes to generate", min = 1},
@@ -39,8 +39,9 @@ local opts = options.parse(arg, {
 }, "usage: moelua recipes/generate.lua --ckpt DIR --prompt TEXT [options]")
 if opts.ckpt == "" then errors.user("recipes/generate.lua: --ckpt DIR is required") end
 if opts.prompt == "" then errors.user("recipes/generate.lua: --prompt TEXT is required") end
-if opts.expert_store ~= "" and opts.expert_budget == "" then
-  errors.user("--expert-store: the expert store's file is used only with --expert-budget (give both, or neither)")
+if opts.expert_budget == "" and (given.expert_store or given.expert_prefetch) then
+  errors.user(string.format("--expert-%s: used only with --expert-budget (the store's %s)",
+                            given.expert_store and "store" or "prefetch", given.expert_store and "file" or "hints"))
 end
 moelua.threads(opts.threads)
 

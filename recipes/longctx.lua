@@ -24,7 +24,7 @@ local zero = require "moelua.zero"
 local mem = moelua.mem
 local function say(...) if dist.rank() == 0 then print(...) end end   -- rank 0 speaks for the job
 
-local opts = options.parse(arg, {
+local opts, given = options.parse(arg, {
   -- the model
   {"vocab", 256, "vocabulary size (the data are bytes: ids 0-255; a larger vocabulary only adds rows)", min = 256},
   {"dim", 64, "model width D", min = 1},
@@ -141,9 +141,6 @@ if opts.dtype ~= "f32" and opts.dtype ~= "bf16" then
 elseif opts.dtype == "bf16" and opts.device ~= "cuda" then
   errors.user("--dtype bf16: mixed precision runs on --device cuda (the CPU's kernels are f32)")
 end
-if opts.expert_store ~= "" and opts.expert_budget == "" then
-  errors.user("--expert-store: the expert store's file is used only with --expert-budget (give both, or neither)")
-end
 if opts.expert_store ~= "" and opts.device ~= "cpu" then
   errors.user("--expert-store: on --device " .. opts.device .. " the expert store keeps its experts in pinned " ..
               "host memory, not in a file (leave it out)")
@@ -152,6 +149,17 @@ dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
 local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep,
                    offload = opts.offload_optimizer}   -- (with bf16: the f32 masters in host memory)
 zero.new(zero_opts)   -- its errors before anything is allocated
+-- an option the others leave unused is refused, not ignored
+for _, u in ipairs{{"expert_store", opts.expert_budget == "", "--expert-store: the expert store's file is used " ..
+                                                              "only with --expert-budget (give both, or neither)"},
+                   {"expert_prefetch", opts.expert_budget == "", "--expert-prefetch: the expert store's hints " ..
+                                                                 "are used only with --expert-budget"},
+                   {"prefetch", opts.zero < 3, "--prefetch: ZeRO-3 gathers units ahead of use; --zero " .. opts.zero ..
+                                               " gathers none"},
+                   {"reduce_every", opts.zero < 2, "--reduce-every: when ZeRO-2 and 3 reduce-scatter gradients; --zero " ..
+                                                   opts.zero .. " reduces them once per step"}} do
+  if given[u[1]] and u[2] then errors.user(u[3]) end
+end
 if opts.offload_optimizer and (opts.zero > 0 or dist.world() > 1) then
   errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d rank%s): " ..
                             "use one process at --zero 0", opts.zero, dist.world(), dist.world() == 1 and "" or "s"))

@@ -57,9 +57,11 @@ function options.help(spec, out)
   end
 end
 
--- values = options.parse(argv, spec [, usage]): spec is a list of {name, default, help}.
+-- values, given = options.parse(argv, spec [, usage]): spec is a list of
+-- {name, default, help}; given[key] is true for each option on the command
+-- line (so a recipe can refuse one that its other options make unused).
 function options.parse(argv, spec, usage)
-  local byname, values = {}, {}
+  local byname, values, given = {}, {}, {}
   for _, o in ipairs(spec) do
     byname[o[1]] = o
     values[key(o[1])] = o[2]
@@ -92,9 +94,10 @@ function options.parse(argv, spec, usage)
       end
     end
     values[key(o[1])] = convert(o, text)
+    given[key(o[1])] = true
     i = i + 1
   end
-  return values
+  return values, given
 end
 
 local UNITS = {B = 1, KiB = 2^10, MiB = 2^20, GiB = 2^30, TiB = 2^40}

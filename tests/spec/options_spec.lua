@@ -9,9 +9,12 @@ local SPEC = {{"steps", 5, "optimizer steps", min = 1}, {"device", "cpu", "cpu o
 
 describe("moelua.options", function()
   it("parses values of the defaults' types and checks bounds", function()
-    local o = options.parse({"--steps", "7"}, SPEC, "usage")
+    local o, given = options.parse({"--steps", "7"}, SPEC, "usage")
     assert.are.equal(7, o.steps)
     assert.are.equal("cpu", o.device)
+    assert.are.same({steps = true}, given)   -- what the command line gave, not the defaults
+    o, given = options.parse({"--device=cpu", "--steps", "5"}, SPEC, "usage")
+    assert.are.same({steps = true, device = true}, given)
     support.raises("option --steps must be at least 1, got 0", options.parse, {"--steps", "0"}, SPEC, "usage")
     support.raises("option --device needs a value", options.parse, {"--device"}, SPEC, "usage")
   end)

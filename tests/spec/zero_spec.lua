@@ -20,10 +20,14 @@ describe("moelua.zero.new", function()
     support.raises("option 'offload' must be boolean, got string", zero.new, {offload = "yes"})
   end)
 
-  it("a recipe refuses a wrong --zero, --prefetch or --reduce-every before anything is allocated", function()
+  it("a recipe refuses a wrong or unused --zero, --prefetch or --reduce-every before anything is allocated", function()
     for _, case in ipairs{{{"--zero", "4"}, "option --zero must be at most 3, got 4"},
                           {{"--prefetch", "-1"}, "option --prefetch must be at least 0, got -1"},
-                          {{"--reduce-every", "always"}, "--reduce-every always: must be micro or step"}} do
+                          {{"--reduce-every", "always"}, "--reduce-every always: must be micro or step"},
+                          -- given, but unused at the stage
+                          {{"--prefetch", "2"}, "--prefetch: ZeRO-3 gathers units ahead of use; --zero 0 gathers none"},
+                          {{"--reduce-every", "step"}, "--reduce-every: when ZeRO-2 and 3 reduce-scatter gradients; " ..
+                                                       "--zero 0 reduces them once per step"}} do
       local p = assert(io.popen(support.host_command({"recipes/longctx.lua", case[1][1], case[1][2]}) .. " 2>&1"))
       local code, out = support.finish_child(p)
       assert.are.equal(1, code)
