@@ -1408,7 +1408,7 @@ function train.run(cfg)
     self.pending_rollback = event    -- logged when the replay starts, with its lr scale
     return back + 1
   end
-  local function validate()
+  local function validate(step)
     local v = self:validate()
     if v then
       self.val_loss = v
@@ -1471,9 +1471,9 @@ function train.run(cfg)
     else
       if self.val_every > 0 and (step + 1) % self.val_every == 0 then
         if z.world > 1 then
-          held = held + host.hold_interrupts(validate)
+          held = held + host.hold_interrupts(validate, step)
         else
-          local vok, err = pcall(validate)
+          local vok, err = pcall(validate, step)
           if not vok and not tostring(err):find("interrupted") then error(err, 0) end
           held = held + (vok and 0 or 1)
         end

@@ -40,8 +40,9 @@
 -- same kernels, same routing keys: the gradients are bitwise those of
 -- "none" at a fixed thread count). "full" keeps [h2] alone (the next
 -- layer's input): backward recomputes the attention half first, which
--- gives h1 again, and keeps its context through the MoE half's backward. Backward walks the layers in reverse and
--- rewinds each frame (LIFO); the residual gradient is one [S, D] buffer.
+-- gives h1 again, and keeps its context through the MoE half's backward.
+-- Backward walks the layers in reverse and rewinds each frame (LIFO); the
+-- residual gradient is one [S, D] buffer.
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local pool = require "moelua.pool"
