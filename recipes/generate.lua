@@ -39,10 +39,11 @@ local opts, given = options.parse(arg, {
 }, "usage: moelua recipes/generate.lua --ckpt DIR --prompt TEXT [options]")
 if opts.ckpt == "" then errors.user("recipes/generate.lua: --ckpt DIR is required") end
 if opts.prompt == "" then errors.user("recipes/generate.lua: --prompt TEXT is required") end
-if opts.expert_budget == "" and (given.expert_store or given.expert_prefetch) then
-  errors.user(string.format("--expert-%s: used only with --expert-budget (the store's %s)",
-                            given.expert_store and "store" or "prefetch", given.expert_store and "file" or "hints"))
-end
+options.refuse_unused(given, {
+  {"expert-store", opts.expert_budget == "", "the expert store's file is used only with --expert-budget " ..
+                                             "(give both, or neither)"},
+  {"expert-prefetch", opts.expert_budget == "", "the expert store's hints are used only with --expert-budget"},
+})
 moelua.threads(opts.threads)
 
 local extra

@@ -149,17 +149,14 @@ dist.init{timeout = opts.comm_timeout, debug = opts.comm_debug}
 local zero_opts = {stage = opts.zero, prefetch = opts.prefetch, reduce_every = opts.reduce_every, ep = opts.ep,
                    offload = opts.offload_optimizer}   -- (with bf16: the f32 masters in host memory)
 zero.new(zero_opts)   -- its errors before anything is allocated
--- an option the others leave unused is refused, not ignored
-for _, u in ipairs{{"expert_store", opts.expert_budget == "", "--expert-store: the expert store's file is used " ..
-                                                              "only with --expert-budget (give both, or neither)"},
-                   {"expert_prefetch", opts.expert_budget == "", "--expert-prefetch: the expert store's hints " ..
-                                                                 "are used only with --expert-budget"},
-                   {"prefetch", opts.zero < 3, "--prefetch: ZeRO-3 gathers units ahead of use; --zero " .. opts.zero ..
-                                               " gathers none"},
-                   {"reduce_every", opts.zero < 2, "--reduce-every: when ZeRO-2 and 3 reduce-scatter gradients; --zero " ..
-                                                   opts.zero .. " reduces them once per step"}} do
-  if given[u[1]] and u[2] then errors.user(u[3]) end
-end
+options.refuse_unused(given, {
+  {"expert-store", opts.expert_budget == "", "the expert store's file is used only with --expert-budget " ..
+                                             "(give both, or neither)"},
+  {"expert-prefetch", opts.expert_budget == "", "the expert store's hints are used only with --expert-budget"},
+  {"prefetch", opts.zero < 3, "ZeRO-3 gathers units ahead of use; --zero " .. opts.zero .. " gathers none"},
+  {"reduce-every", opts.zero < 2, "when ZeRO-2 and 3 reduce-scatter gradients; --zero " .. opts.zero ..
+                                  " reduces them once per step"},
+})
 if opts.offload_optimizer and (opts.zero > 0 or dist.world() > 1) then
   errors.user(string.format("--offload-optimizer: not built for sharded training yet (--zero %d on %d rank%s): " ..
                             "use one process at --zero 0", opts.zero, dist.world(), dist.world() == 1 and "" or "s"))

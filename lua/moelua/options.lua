@@ -100,6 +100,16 @@ function options.parse(argv, spec, usage)
   return values, given
 end
 
+-- options.refuse_unused(given, rules): rules = {{name, unused, why}, ...};
+-- an option given on the command line while `unused` is true (the other
+-- options leave it without effect) is a user error "--name: why", not
+-- silently ignored.
+function options.refuse_unused(given, rules)
+  for _, r in ipairs(rules) do
+    if given[key(r[1])] and r[2] then fail("--%s: %s", r[1], r[3]) end
+  end
+end
+
 local UNITS = {B = 1, KiB = 2^10, MiB = 2^20, GiB = 2^30, TiB = 2^40}
 
 -- options.bytes(name, text): a size option's bytes (an integer): a number

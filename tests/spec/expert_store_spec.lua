@@ -214,9 +214,10 @@ train.run(cfg)
     assert.is_nil(fs.stat(dir("gen2.store")), "the store's file is removed at exit")
     for _, c in ipairs{{{"--top-p", "1.5"}, "option %-%-top%-p must be at most 1, got 1.5"},
                        {{"--top-p", "0"}, "option %-%-top%-p must be at least 1e%-06, got 0"},
-                       {{"--expert-store", dir("lone.store")}, "%-%-expert%-store: used only with %-%-expert%-budget " ..
-                                                               "%(the store's file%)"},
-                       {{"--expert-prefetch", "1"}, "%-%-expert%-prefetch: used only with %-%-expert%-budget"}} do
+                       {{"--expert-store", dir("lone.store")}, "%-%-expert%-store: the expert store's file is used " ..
+                                                               "only with %-%-expert%-budget %(give both, or neither%)"},
+                       {{"--expert-prefetch", "1"}, "%-%-expert%-prefetch: the expert store's hints are used only " ..
+                                                    "with %-%-expert%-budget"}} do
       args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)

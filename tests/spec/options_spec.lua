@@ -15,6 +15,8 @@ describe("moelua.options", function()
     assert.are.same({steps = true}, given)   -- what the command line gave, not the defaults
     o, given = options.parse({"--device=cpu", "--steps", "5"}, SPEC, "usage")
     assert.are.same({steps = true, device = true}, given)
+    options.refuse_unused(given, {{"steps", false, "never"}})   -- given, but used
+    support.raises("--device: unused here", options.refuse_unused, given, {{"device", true, "unused here"}})
     support.raises("option --steps must be at least 1, got 0", options.parse, {"--steps", "0"}, SPEC, "usage")
     support.raises("option --device needs a value", options.parse, {"--device"}, SPEC, "usage")
   end)
