@@ -11,31 +11,44 @@
 #include <oneapi/dnnl/dnnl.h>
 
 #include <stdio.h>
+#include <strings.h>
 
-/* oneDNN takes f32 GEMMs only where it was measured to win: AVX-512 cores.
- * (0: not asked yet, 1: no, 2: yes; threads may ask at once, and agree.) */
-static int onednn_machine(void)
+/* What this machine's libraries run, asked once (threads may ask at once,
+ * and agree): bit 1, oneDNN has AVX-512 (avx512_core), where it was
+ * measured to win; bit 2, OpenBLAS's kernel is AVX-512 too, the only case in
+ * which it was measured to win anything (serial A·Bᵀ with few rows). The
+ * environment may hold OpenBLAS to an AVX2 kernel on an AVX-512 machine
+ * (OPENBLAS_CORETYPE): there oneDNN is 1.5-1.8x it on those shapes. */
+enum { ONEDNN_AVX512 = 1, OPENBLAS_AVX512 = 2 };
+
+static int machine(void)
 {
-    static int state;
+    static int state;   /* 0: not asked yet, else 4 | the bits */
     int s;
     #pragma omp atomic read
     s = state;
     if (!s) {
-        dnnl_cpu_isa_t isa = dnnl_get_effective_cpu_isa();
-        s = (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core ? 2 : 1;
+        const char *core = openblas_get_corename();
+        s = 4;
+        if ((dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core)
+            s |= ONEDNN_AVX512;
+        if (!strcasecmp(core, "SkylakeX") || !strcasecmp(core, "Cooperlake") ||
+            !strcasecmp(core, "SapphireRapids"))
+            s |= OPENBLAS_AVX512;
         #pragma omp atomic write
         state = s;
     }
-    return s == 2;
+    return s;
 }
 
 static int use_onednn(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m)
 {
-    if (dt != ML_F32 || !onednn_machine())
+    int s = machine();
+    if (dt != ML_F32 || !(s & ONEDNN_AVX512))
         return 0;
     /* threaded calls never go to OpenBLAS: its pool spins (sched_yield)
      * after each call and takes the cores from the OpenMP threads next */
-    return !(mode == ML_GEMM_SERIAL && !ta && tb && m < 128);
+    return !(mode == ML_GEMM_SERIAL && !ta && tb && m < 128 && (s & OPENBLAS_AVX512));
 }
 
 /* C = beta·C for k = 0 (neither library is asked: BLAS leaves k = 0 to
@@ -114,6 +127,6 @@ const char *ml_gemm_describe(void)
     snprintf(line, sizeof line, "%s(%s); oneDNN %d.%d.%d (isa 0x%x)%s",
              OPENBLAS_VERSION + 1, openblas_get_corename(), v->major, v->minor, v->patch,
              (unsigned)dnnl_get_effective_cpu_isa(),
-             onednn_machine() ? "" : ": not used below AVX-512");
+             machine() & ONEDNN_AVX512 ? "" : ": not used below AVX-512");
     return line;
 }

@@ -8,8 +8,10 @@
  *   f64                                   OpenBLAS (oneDNN has no dgemm)
  *   f32, CPU below AVX-512 (oneDNN's      OpenBLAS (oneDNN not measured to
  *        avx512_core)                      win there)
- *   f32, A·Bᵀ with few rows, serial:      OpenBLAS (oneDNN 0.84-0.86× at
- *        M < 128                           M 64)
+ *   f32, A·Bᵀ with few rows, serial:      OpenBLAS if its own kernel is
+ *        M < 128                           AVX-512 (oneDNN 0.84-0.86× there
+ *                                          at M 64; 1.5-1.8× OpenBLAS held
+ *                                          to its AVX2 kernel)
  *   every other f32 GEMM                   oneDNN's dnnl_sgemm (1.02-1.20×
  *                                          OpenBLAS on one thread, 1.09-1.66×
  *                                          on two; threaded A·Bᵀ at M <= 256
@@ -19,8 +21,9 @@
  *                                          a training step is 4-9% faster
  *                                          without it)
  *
- * The rule reads only the dtype, the flags, M and the thread mode, and the
- * machine's ISA, so a given machine always sends a shape to the same
+ * The rule reads only the dtype, the flags, M and the thread mode, the
+ * machine's ISA and OpenBLAS's kernel (which OPENBLAS_CORETYPE may set), so
+ * a given machine and environment always send a shape to the same
  * library. Both libraries' one-thread results depend only on the shapes
  * (DESIGN.md, Numerics; checked for both in BENCHMARKS.md), so kernels
  * that run one GEMM per thread stay bitwise repeatable for every thread
