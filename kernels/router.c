@@ -17,6 +17,7 @@
 #include "router.h"
 #include "router_ops.h"
 #include "parallel.h"
+#include "vmath.h"
 
 #include <math.h>
 
@@ -105,6 +106,7 @@ static double recompute(rt_arg *g, int64_t t, double *row)
     return lse;
 }
 
+ML_CLONES
 static void forward_tile(void *p, int64_t lo, int64_t hi)
 {
     rt_arg *g = p;
@@ -160,6 +162,7 @@ ml_status ml_router_forward_cpu(ml_dtype dt, int64_t *idx, void *w, int64_t *cou
     return ML_OK;
 }
 
+ML_CLONES
 static void backward_tile(void *p, int64_t lo, int64_t hi)
 {
     rt_arg *g = p;
@@ -203,6 +206,7 @@ static void backward_tile(void *p, int64_t lo, int64_t hi)
 /* Phase B of the backward: acc[e, d] += sum over the chunk's tokens, in
  * token order, of dl_te x_td. Item = a block of TILE_COLS columns for every
  * expert, so each x row of the chunk is read once. */
+ML_CLONES
 static void dwg_tile(void *p, int64_t lo, int64_t hi)
 {
     rt_arg *g = p;
@@ -217,10 +221,12 @@ static void dwg_tile(void *p, int64_t lo, int64_t hi)
                 double v = dl[e], *acc = g->acc + e * D;
                 if (g->dt == ML_F32) {
                     const float *x = (const float *)g->x + t * D;
+                    #pragma omp simd
                     for (int64_t d = d0; d < d1; d++)
                         acc[d] += v * (double)x[d];
                 } else {
                     const double *x = (const double *)g->x + t * D;
+                    #pragma omp simd
                     for (int64_t d = d0; d < d1; d++)
                         acc[d] += v * x[d];
                 }

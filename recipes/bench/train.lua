@@ -14,7 +14,9 @@
 -- First a memory plan of the same code (moelua.mem.plan). Then one warm-up
 -- step (--warmup), mem.reset_peak() and `steps` timed steps. Prints one JSON
 -- line: the config, tokens_per_s and step_ms (medians over the timed
--- steps), the phases (data/fwd/bwd/optim, medians, ms), the ledger's peak
+-- steps), the phases (data/fwd/bwd/optim, medians, ms), model_ms (the
+-- model's own timers inside fwd + bwd: attention, router, dispatch, experts,
+-- ce; medians, ms), the ledger's peak
 -- (total, per category, acts+pool) over the timed steps, the ledger's
 -- current optim bytes, the optimizer's skipped_expert_steps and the process's
 -- peak RSS (VmHWM, warm-up included, as for the PyTorch baseline), and the
@@ -114,13 +116,18 @@ local function run(model, groups, opt, steps)
   for i = 1, opts.warmup do w = step(model, groups, opt, i - 1) end
   if opts.warmup > 0 then collectgarbage(); mem.reset_peak() end
   local times, phases, losses = {}, {data = {}, fwd = {}, bwd = {}, optim = {}}, {}
+  local parts = {}   -- the model's own timers (model.profile), per step
   for i = 1, steps do
     local t, loss = step(model, groups, opt, opts.warmup + i - 1)
     times[i] = t.total
     for k, v in pairs(phases) do v[#v + 1] = t[k] end
+    for k, v in pairs(model:profile_summary().seconds) do
+      parts[k] = parts[k] or {}
+      parts[k][i] = v
+    end
     losses[i] = loss
   end
-  return w, times, phases, losses
+  return w, times, phases, losses, parts
 end
 
 -- The ledger's peak predicted by a dry run of the same code (moelua.mem.plan:
@@ -130,7 +137,7 @@ local plan = assert(mem.plan(function()
   run(model, groups, opt, 1)
 end))[device]
 local model, groups, opt = build()
-local w, times, phases, losses = run(model, groups, opt, opts.steps)
+local w, times, phases, losses, parts = run(model, groups, opt, opts.steps)
 
 local st = mem.stats()[device]
 local peak = {total = st.total_peak}
@@ -141,6 +148,8 @@ local S = opts.seq_len
 local step_s = median(times)
 local ph = {}
 for k, v in pairs(phases) do ph[k] = median(v) * 1e3 end
+local model_ms = {}
+for k, v in pairs(parts) do model_ms[k] = median(v) * 1e3 end
 -- parameters, and those a token uses (topk of the experts)
 local params, active = 0, 0
 for _, u in ipairs(model.units) do
@@ -156,7 +165,7 @@ local out = {
   checkpoint = opts.checkpoint, save = opts.save, sparse = opts.sparse, threads = moelua.threads(),
   steps = opts.steps, warmup = opts.warmup, warmup_ms = w.total * 1e3,
   tokens_per_s = S / step_s, step_ms = step_s * 1e3, step_ms_all = {},
-  phases_ms = ph, loss_first = losses[1], loss_last = losses[#losses],
+  phases_ms = ph, model_ms = model_ms, loss_first = losses[1], loss_last = losses[#losses],
   peak_ledger_bytes = peak, ledger_at_peak_bytes = at_peak,
   peak_acts_pool_bytes = (st.peak.acts or 0) + (st.peak.pool or 0),
   optim_bytes = (st.current or {}).optim, skipped_expert_steps = opt.skipped_expert_steps,
