@@ -12,7 +12,8 @@
  * includes the rewritten .cu and compares.
  *
  * Emulated: threadIdx/blockIdx/blockDim/gridDim (3-D), every block of a
- * grid in turn, each CUDA thread a fiber (ucontext) of one OS thread that
+ * grid in turn, each CUDA thread a fiber (its own stack, emu_ctx_switch) of
+ * one OS thread that
  * runs until it waits at a barrier; __syncthreads (and _count) checked for
  * divergence (one call site per phase) and deadlock; warp primitives
  * (__shfl*_sync, __ballot_sync, __match_any_sync, __syncwarp) as a
@@ -43,7 +44,6 @@
 #include <memory>
 #include <random>
 #include <string>
-#include <ucontext.h>
 
 extern "C" {
 #include "core.h"
@@ -104,8 +104,28 @@ __attribute__((no_sanitize("address"))) static void emu_garbage_shared(void)
 enum { EMU_RUN, EMU_AT_BLOCK, EMU_AT_WARP, EMU_DONE };
 static const size_t EMU_STACK = 256 * 1024;
 
+/* A fiber switch: callee-saved registers, MXCSR and the x87 control word
+ * pushed on the running stack, its stack pointer stored in *from, `to`'s
+ * popped. swapcontext does the same plus a sigprocmask system call per
+ * switch, which on a paravirtualised machine made the emulated suites
+ * several times slower. Local to each file that includes this header. */
+extern "C" void emu_ctx_switch(void **from, void *to);
+__asm__(".text\n"
+        ".local emu_ctx_switch\n"
+        ".type emu_ctx_switch, @function\n"
+        "emu_ctx_switch:\n"
+        "    pushq %rbp\n    pushq %rbx\n    pushq %r12\n"
+        "    pushq %r13\n    pushq %r14\n    pushq %r15\n"
+        "    subq $8, %rsp\n    stmxcsr (%rsp)\n    fnstcw 4(%rsp)\n"
+        "    movq %rsp, (%rdi)\n    movq %rsi, %rsp\n"
+        "    ldmxcsr (%rsp)\n    fldcw 4(%rsp)\n    addq $8, %rsp\n"
+        "    popq %r15\n    popq %r14\n    popq %r13\n"
+        "    popq %r12\n    popq %rbx\n    popq %rbp\n"
+        "    ret\n"
+        ".size emu_ctx_switch, .-emu_ctx_switch\n");
+
 struct emu_fiber {
-    ucontext_t ctx;
+    void *sp = nullptr;   /* saved by emu_ctx_switch */
     char *stack = nullptr;
     void *fake = nullptr;
     int state = EMU_DONE, line = 0;
@@ -116,7 +136,7 @@ static struct {
     std::vector<emu_fiber> f;
     std::vector<emu_warp_x> wx;
     std::vector<uint32_t> live;     /* per warp: lanes not yet ended */
-    ucontext_t main;
+    void *main_sp = nullptr;
     void *main_fake = nullptr;
     const void *main_bottom = nullptr;
     size_t main_size = 0;
@@ -130,7 +150,7 @@ static void emu_yield(void)
 {
     emu_fiber &f = S.f[S.cur];
     EMU_ASAN_START(f.state == EMU_DONE ? nullptr : &f.fake, S.main_bottom, S.main_size);
-    swapcontext(&f.ctx, &S.main);
+    emu_ctx_switch(&f.sp, S.main_sp);
     EMU_ASAN_FINISH(f.fake, &S.main_bottom, &S.main_size);
 }
 
@@ -149,7 +169,7 @@ static void emu_switch_to(unsigned t)
     S.cur = t;
     threadIdx = dim3(t % blockDim.x, t / blockDim.x % blockDim.y, t / (blockDim.x * blockDim.y));
     EMU_ASAN_START(&S.main_fake, S.f[t].stack, EMU_STACK);
-    swapcontext(&S.main, &S.f[t].ctx);
+    emu_ctx_switch(&S.main_sp, S.f[t].sp);
     EMU_ASAN_FINISH(S.main_fake, nullptr, nullptr);
 }
 
@@ -226,15 +246,25 @@ static void emu_deadlock(const char *why)
     emu_fail("launch at line %d, block (%u,%u,%u): %s", S.launch_line, blockIdx.x, blockIdx.y, blockIdx.z, why);
 }
 
-/* out of line: getcontext returns twice, so no loop of the caller's lives
- * across it */
-__attribute__((noinline)) static void emu_start_fiber(emu_fiber &f)
+/* A fresh fiber's stack as emu_ctx_switch leaves one: the caller's MXCSR
+ * and x87 control word, six zeroed registers, then emu_entry as the return
+ * address, above a never-used return slot so that emu_entry starts with
+ * the stack aligned as after a call. */
+static void emu_start_fiber(emu_fiber &f)
 {
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = EMU_STACK;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, emu_entry, 0);
+    uintptr_t top = ((uintptr_t)f.stack + EMU_STACK) & ~(uintptr_t)15;
+    void **sp = (void **)top;
+    *--sp = nullptr;
+    *--sp = (void *)emu_entry;
+    for (int i = 0; i < 6; i++)
+        *--sp = nullptr;
+    --sp;
+    uint32_t csr;
+    uint16_t cw;
+    __asm__ volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(csr), "=m"(cw));
+    memcpy(sp, &csr, sizeof csr);
+    memcpy((char *)sp + 4, &cw, sizeof cw);
+    f.sp = sp;
     f.state = EMU_RUN;
     f.fake = nullptr;
 }
