@@ -14,11 +14,11 @@
 #include <strings.h>
 
 /* What this machine's libraries run, asked once (threads may ask at once,
- * and agree): bit 1, oneDNN has AVX-512 (avx512_core), where it was
- * measured to win; bit 2, OpenBLAS's kernel is AVX-512 too, the only case in
- * which it was measured to win anything (serial A·Bᵀ with few rows). The
- * environment may hold OpenBLAS to an AVX2 kernel on an AVX-512 machine
- * (OPENBLAS_CORETYPE): there oneDNN is 1.5-1.8x it on those shapes. */
+ * and agree): ONEDNN_AVX512, oneDNN has AVX-512 (avx512_core), where it was
+ * measured to win; OPENBLAS_AVX512, OpenBLAS's kernel is AVX-512 too, the
+ * only case in which it was measured to win anything (serial A·Bᵀ with few
+ * rows). The environment may hold OpenBLAS to an AVX2 kernel on an AVX-512
+ * machine (OPENBLAS_CORETYPE): there oneDNN is 1.4-1.8x it on those shapes. */
 enum { ONEDNN_AVX512 = 1, OPENBLAS_AVX512 = 2 };
 
 static int machine(void)
