@@ -10,7 +10,7 @@
  *        avx512_core)                      win there)
  *   f32, A·Bᵀ with few rows, serial:      OpenBLAS if its own kernel is
  *        M < 128                           AVX-512 (oneDNN 0.84-0.86× there
- *                                          at M 64; 1.5-1.8× OpenBLAS held
+ *                                          at M 64; 1.4-1.8× OpenBLAS held
  *                                          to its AVX2 kernel)
  *   every other f32 GEMM                   oneDNN's dnnl_sgemm (1.02-1.20×
  *                                          OpenBLAS on one thread, 1.09-1.66×
