@@ -23,6 +23,54 @@
 #define ML_CLONES
 #endif
 
+/* The 16 lanes of a row's partial sums or maxima combined in registers, as
+ * a fixed tree (lane t with lane t + w, for w = 8, 4, 2, 1): GCC's vector
+ * extensions, so every clone, whatever its width, combines in this order
+ * (a loop over a float[16] compiles to a store, then scalar reloads that
+ * wait on it). */
+typedef float ml_v16f __attribute__((vector_size(64)));
+typedef int32_t ml_v16i __attribute__((vector_size(64)));
+
+/* v's lanes w .. 2w-1 brought down to lanes 0 .. w-1 (the rest repeat) */
+#define ML_V16_HALF8(v) __builtin_shuffle(v, (ml_v16i){8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15})
+#define ML_V16_HALF4(v) __builtin_shuffle(v, (ml_v16i){4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7})
+#define ML_V16_HALF2(v) __builtin_shuffle(v, (ml_v16i){2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3})
+#define ML_V16_HALF1(v) __builtin_shuffle(v, (ml_v16i){1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1})
+
+static inline float lanes16_sum(const float *part)
+{
+    ml_v16f v;
+    memcpy(&v, part, sizeof v);
+    v += ML_V16_HALF8(v);
+    v += ML_V16_HALF4(v);
+    v += ML_V16_HALF2(v);
+    v += ML_V16_HALF1(v);
+    return v[0];
+}
+
+/* the larger of each lane of v and u into v (NaN lanes lose, as in a
+ * loop of x > m ? x : m) */
+#define ML_V16_MAX(v, u)                                     \
+    do {                                                     \
+        ml_v16f u_ = (u);                                    \
+        ml_v16i gt_ = u_ > (v), ui_, vi_;                    \
+        memcpy(&ui_, &u_, sizeof ui_);                       \
+        memcpy(&vi_, &(v), sizeof vi_);                      \
+        vi_ = (ui_ & gt_) | (vi_ & ~gt_);                    \
+        memcpy(&(v), &vi_, sizeof vi_);                      \
+    } while (0)
+
+static inline float lanes16_max(const float *part)
+{
+    ml_v16f v;
+    memcpy(&v, part, sizeof v);
+    ML_V16_MAX(v, ML_V16_HALF8(v));
+    ML_V16_MAX(v, ML_V16_HALF4(v));
+    ML_V16_MAX(v, ML_V16_HALF2(v));
+    ML_V16_MAX(v, ML_V16_HALF1(v));
+    return v[0];
+}
+
 /* e^x in f32 for x <= 0 (Cephes expf: round-to-nearest range reduction, a
  * degree-5 polynomial, 2^n from the exponent bits; about 1 ulp). Plain IEEE
  * operations only, so a loop over it vectorises and every clone gives the

@@ -426,8 +426,9 @@ describe("moelua.ops attention", function()
   end)
 
   it("decodes against a KV cache: q the last Sq of Sk positions (f64: bitwise the square call's rows)", function()
-    -- Sk past the f64 path's 64-key block and the f32 path's 128-key tile
-    for _, c in ipairs({{1, 9, 4, 2, 4}, {3, 70, 2, 1, 8}, {5, 140, 3, 3, 6}}) do
+    -- Sk past the f64 path's 64-key block and the f32 path's 128-key tile;
+    -- 130 of 400: the f32 forward's last key block seen by rows 114 on only
+    for _, c in ipairs({{1, 9, 4, 2, 4}, {3, 70, 2, 1, 8}, {5, 140, 3, 3, 6}, {130, 400, 2, 1, 4}}) do
       local Sq, Sk, H, KV, hd = c[1], c[2], c[3], c[4], c[5]
       local P = Sk - Sq
       local q, k, v = randflat(Sk * H * hd), randflat(Sk * KV * hd), randflat(Sk * KV * hd)
@@ -464,9 +465,9 @@ describe("moelua.ops attention", function()
   end)
 
   it("f32 (sgemm tiles) matches the f64 path: outputs and gradients, block edges", function()
-    -- f32 tiles are 128 x 128: S = 128, 129 and 256 put the causal edge and a
-    -- partial block on the boundaries
-    for _, c in ipairs({{200, 4, 2, 32}, {128, 2, 1, 8}, {129, 2, 2, 4}, {256, 3, 1, 16}}) do
+    -- f32 tiles are 128 x 128 (the forward's query blocks 256 rows): S = 128,
+    -- 129, 256 and 300 put the causal edge and a partial block on the boundaries
+    for _, c in ipairs({{200, 4, 2, 32}, {128, 2, 1, 8}, {129, 2, 2, 4}, {256, 3, 1, 16}, {300, 2, 1, 8}}) do
       local S, H, KV, hd = c[1], c[2], c[3], c[4]
       local q, k, v = randflat(S * H * hd), randflat(S * KV * hd), randflat(S * KV * hd)
       local R = randflat(S * H * hd)
