@@ -66,6 +66,7 @@ typedef struct {
 
 /* sum_d a[d] b[d]: products in f64 (exact for f32 inputs), 8 interleaved
  * partial sums, a fixed tree, one rounding to dt. */
+ML_CLONES
 static double dot(ml_dtype dt, const void *a, const void *b, int64_t D)
 {
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
