@@ -14,9 +14,9 @@
 /* Hot loops are also built for AVX-512 and AVX2 and picked at load time:
  * the same IEEE operations in the same order (no FMA: -ffp-contract=off),
  * only wider, so every clone gives bitwise the same results (attention's
- * outputs and gradients compared bitwise across builds holding only the
- * default, the AVX2 and the AVX-512 clone; AVX-512 is 10-20% faster than
- * AVX2 on attention at S 8192 on a Zen 4). */
+ * outputs and gradients, a decode's, and the router's compared bitwise
+ * across builds holding only the default, the AVX2 and the AVX-512 clone;
+ * AVX-512 is 10-20% faster than AVX2 on attention at S 8192 on a Zen 4). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__)
 #define ML_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
