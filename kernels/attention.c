@@ -21,9 +21,10 @@
 /* The f32 path's tiles: FB query rows x FB key rows, one sgemm per product.
  * Query and key blocks share the size and start at multiples of it, so the
  * diagonal tile of a query block is its last key block. The forward takes
- * QB = 2·FB query rows against each FB-row key block: every K and V block
- * it streams from memory serves twice the rows (the tile sgemms at S 16384
- * on a Zen 5: 278-281 GFLOP/s on 2 threads against 255-257 with 128 rows). */
+ * QB = 2·FB query rows against each FB-row key block, so every K and V
+ * block it streams from memory serves twice the rows (BENCHMARKS.md,
+ * "Attention's forward": 0.91× the time at S 8192 on a Zen 5, with the
+ * softmax changes below). */
 #define FB 128
 #define QB (2 * FB)
 #define LANES 16   /* fixed partial sums/maxima per row (vmath.h's lanes16_*): vectorises, order fixed */
