@@ -48,8 +48,8 @@ static inline float lanes16_sum(const float *part)
     return v[0];
 }
 
-/* the larger of each lane of v and u into v (NaN lanes lose, as in a
- * loop of x > m ? x : m) */
+/* each lane of v becomes u's where u > v, else stays (NaN handled as in a
+ * loop of m = x > m ? x : m: a NaN u never wins, a NaN v is kept) */
 #define ML_V16_MAX(v, u)                                     \
     do {                                                     \
         ml_v16f u_ = (u);                                    \

@@ -16,11 +16,10 @@
  * one OS thread that runs until it waits at a barrier; __syncthreads (and
  * _count) checked for divergence (one call site per phase) and deadlock;
  * warp primitives (__shfl*_sync, __ballot_sync, __match_any_sync,
- * __syncwarp) as a
- * meeting of the lanes in mask, masks checked; static __shared__ arrays
- * and the launch's dynamic shared memory (extern __shared__, which
- * launch.lua rewrites into a pointer to it) refilled with 0xff (NaN, -1)
- * before every block; atomics;
+ * __syncwarp) as a meeting of the lanes in mask, masks checked; static
+ * __shared__ arrays and the launch's dynamic shared memory (extern
+ * __shared__, which launch.lua rewrites into a pointer to it) refilled
+ * with 0xff (NaN, -1) before every block; atomics;
  * cudaMallocAsync (garbage-filled, leaks counted), cudaFreeAsync,
  * cudaMemcpyAsync, cudaMemsetAsync, synchronisation (host memory, one
  * stream); launch limits (block <= 1024 threads, grid y/z <= 65535,
