@@ -23,6 +23,8 @@
 --
 -- The fingerprint (file names, sizes, mtimes and a hash of sampled bytes)
 -- is saved with the cursor; set_state refuses a state from another corpus.
+-- Its bytes are sampled at the first state() or set_state(), not at open:
+-- a run that never saves (a `moelua plan` of the recipe) reads no file.
 --
 -- Not here: tokenizers, batching several windows (call batch per micro-batch
 -- with distinct global indices), shuffling inside a window.
@@ -77,7 +79,8 @@ local function permute(i, n, seed, epoch)
 end
 
 -- Sorted paths matching pattern; "**" as a whole path component matches
--- zero or more directories (symbolic links to directories are not followed).
+-- zero or more directories (symbolic links to directories are not followed),
+-- and the walk's fs.stat of each path it visited (not to stat them twice).
 local function expand(pattern)
   local base, rest = pattern:match("^(.-)/%*%*/(.+)$")
   if not base then
@@ -87,13 +90,13 @@ local function expand(pattern)
     end
     local ok, paths = pcall(fs.glob, pattern)
     if not ok then fail("open", "%s", tostring(paths)) end
-    return paths
+    return paths, {}
   end
   if rest:find("**", 1, true) then
     fail("open", "glob: only one '**' is supported, got '%s'", pattern)
   end
   if base == "" then base = "/" end
-  local seen, out = {}, {}
+  local seen, out, stats = {}, {}, {}
   local function walk(dir, depth)
     for _, p in ipairs(fs.glob((dir:sub(-1) == "/" and dir or dir .. "/") .. rest)) do
       if not seen[p] then seen[p] = true; out[#out + 1] = p end
@@ -104,19 +107,20 @@ local function expand(pattern)
     for _, name in ipairs(names) do
       local p = (dir:sub(-1) == "/" and dir or dir .. "/") .. name
       local st = fs.stat(p)
+      stats[p] = st
       if st and st.type == "dir" and not st.link then walk(p, depth + 1) end
     end
   end
   local st = fs.stat(base)
   if st and st.type == "dir" then walk(base, 0) end
   table.sort(out)
-  return out
+  return out, stats
 end
 
 -- A few bytes of the file (at most 4 samples of 64 bytes) for the fingerprint.
-local function sample(path, size)
+local function sample(fn, path, size)
   local f, err = io.open(path, "rb")
-  if not f then fail("open", "cannot open '%s': %s", path, err) end
+  if not f then fail(fn, "cannot open '%s': %s", path, err) end
   local parts = {}
   for _, at in ipairs({0, size // 3, (2 * size) // 3, math.max(0, size - 64)}) do
     f:seek("set", at)
@@ -149,14 +153,14 @@ function data.open(opts)
     fail("open", "holdout: expected a number in [0, 1), got %s", tostring(holdout))
   end
 
-  local paths
+  local paths, stats = nil, {}
   if (opts.paths == nil) == (opts.glob == nil) then
     fail("open", "give exactly one of paths and glob")
   elseif opts.glob ~= nil then
     if type(opts.glob) ~= "string" then
       fail("open", "glob: expected a string, got %s", type(opts.glob))
     end
-    paths = expand(opts.glob)
+    paths, stats = expand(opts.glob)
     if #paths == 0 then fail("open", "glob '%s' matches no file", opts.glob) end
   else
     if type(opts.paths) ~= "table" or #opts.paths == 0 then
@@ -170,16 +174,17 @@ function data.open(opts)
   end
 
   local w = WIDTH[format]
-  local files, starts, fp = {}, {}, {format}
+  local files, starts, listed = {}, {}, {}
   local n = 0
   for _, p in ipairs(paths) do
-    local st, err = fs.stat(p)
+    local st, err = stats[p], nil
+    if not st then st, err = fs.stat(p) end
     if not st then fail("open", "cannot read '%s': %s", p, err) end
     if st.type == "file" then           -- a glob may match directories: they are skipped
       if st.size % w ~= 0 then
         fail("open", "'%s': %d bytes is not a whole number of %s tokens", p, st.size, format)
       end
-      fp[#fp + 1] = string.format("%s\0%d\0%d\0%s", p, st.size, st.mtime, sample(p, st.size))
+      listed[#listed + 1] = {p, st.size, st.mtime}
       if st.size > 0 then
         files[#files + 1] = p
         starts[#files] = n
@@ -204,8 +209,21 @@ function data.open(opts)
   return setmetatable({
     files = files, starts = starts, format = format, seq_len = S, seed = seed,
     holdout = holdout, n_tokens = n, train_end = train_end, n_train = ntrain, n_val = nval,
-    fingerprint = fs.sha256_string(table.concat(fp, "\0\0")), cursor = 0,
+    listed = listed, cursor = 0,
   }, Dataset)
+end
+
+-- The corpus's fingerprint: every listed file's name, size, mtime (as open
+-- saw them) and sampled bytes, hashed once.
+local function fingerprint(self, fn)
+  if not self.digest then
+    local fp = {self.format}
+    for i, f in ipairs(self.listed) do
+      fp[i + 1] = string.format("%s\0%d\0%d\0%s", f[1], f[2], f[3], sample(fn, f[1], f[2]))
+    end
+    self.digest = fs.sha256_string(table.concat(fp, "\0\0"))
+  end
+  return self.digest
 end
 
 -- The W tokens at global position pos, read across file boundaries.
@@ -270,7 +288,7 @@ function Dataset:n_training()
 end
 
 function Dataset:state()
-  return {cursor = self.cursor, fingerprint = self.fingerprint, seed = self.seed,
+  return {cursor = self.cursor, fingerprint = fingerprint(self, "state"), seed = self.seed,
           seq_len = self.seq_len, format = self.format, n_tokens = self.n_tokens}
 end
 
@@ -280,9 +298,10 @@ function Dataset:set_state(st)
   if math.type(st.cursor) ~= "integer" or st.cursor < 0 then
     fail("set_state", "cursor: expected a non-negative integer, got %s", tostring(st.cursor))
   end
-  if st.fingerprint ~= self.fingerprint then
+  local now = fingerprint(self, "set_state")
+  if st.fingerprint ~= now then
     fail("set_state", "the corpus changed since this state was saved (fingerprint %s, now %s): " ..
-         "files, sizes or modification times differ", tostring(st.fingerprint), self.fingerprint)
+         "files, sizes or modification times differ", tostring(st.fingerprint), now)
   end
   self.cursor = st.cursor
 end

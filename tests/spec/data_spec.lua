@@ -145,6 +145,16 @@ describe("moelua.data", function()
     has(errmsg(changed.set_state, changed, st), "moelua.data.set_state: the corpus changed")
   end)
 
+  it("reads the fingerprint's samples at the first state(), not at open (a plan reads no file)", function()
+    support.write_file(path("late"), bytes(300, 9))
+    local ds = data.open{paths = {path("late")}, seq_len = 15}
+    local gone = data.open{paths = {path("late")}, seq_len = 15}
+    local st = ds:state()
+    assert(os.remove(path("late")))
+    has(errmsg(gone.state, gone), "moelua.data.state: cannot open '" .. path("late"))
+    assert.same(st, ds:state(), "taken once")
+  end)
+
   it("expands globs, including '**'", function()
     assert(os.execute("mkdir -p " .. support.shell_quote(path("x/y/z"))))
     support.write_file(path("x/one.h"), bytes(100, 4))
@@ -210,6 +220,16 @@ describe("moelua.fs", function()
     assert.equal("dir", fs.stat(path("a")).type)
     local none, msg = fs.stat(path("missing"))
     assert.is_nil(none); has(msg, "No such file")
+    -- a link is followed (its target's type and size) and says it is one; a dangling one is missing
+    assert(os.execute("ln -s b/f1 " .. support.shell_quote(path("a/l1")) .. " && ln -s nowhere " ..
+                      support.shell_quote(path("a/l2")) .. " && ln -s b " .. support.shell_quote(path("a/l3"))))
+    st = fs.stat(path("a/l1"))
+    assert.equal("file", st.type); assert.equal(3, st.size); assert.is_true(st.link)
+    assert.is_false(fs.stat(path("a/b/f1")).link)
+    assert.equal("dir", fs.stat(path("a/l3")).type)
+    none, msg = fs.stat(path("a/l2"))
+    assert.is_nil(none); has(msg, "a/l2': No such file")
+    for _, l in ipairs{"l1", "l2", "l3"} do assert(os.remove(path("a/" .. l))) end
     fs.rename(path("a/b/f1"), path("a/f2"))
     assert.same({"b", "f2"}, fs.listdir(path("a")))
     fs.fsync(path("a/f2")); fs.fsync(path("a"))
