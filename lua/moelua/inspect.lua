@@ -142,7 +142,7 @@ function Handle:run(x, opts)
       end
     end
   end
-  model:_release()
+  model:release()
   local r = {text = s, tokens = n, predictions = n - 1, seq_len = S, chunks = chunks, experts = E,
              topk = k, layers = {}}
   r.loss = n > 1 and ce / (n - 1) or 0 / 0

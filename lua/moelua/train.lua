@@ -735,13 +735,32 @@ function Trainer:call_hook(step, name, ...)
   return false
 end
 
+-- The collector runs only where the trainer says: a full collection at
+-- each step's and validation's start, and at each micro-batch's and
+-- validation batch's, returns the last one's garbage tensors to the
+-- ledger; between, the collector is stopped (until the closer returned is
+-- closed, by return or error). A tensor left to the collector then lives
+-- to the same point in every process, whatever its Lua heap holds (a
+-- corpus's file list, a plan's books), so the ledger's peaks repeat from
+-- step to step and a plan of the same code in another process (train.plan,
+-- `moelua plan`) predicts them to the byte. Incremental collections ran
+-- when the heap's growth said so: two processes differed.
+local function hold_collector()
+  local was = collectgarbage("isrunning")
+  collectgarbage()
+  collectgarbage("stop")
+  return setmetatable({}, {__close = function() if was then collectgarbage("restart") end end})
+end
+
 function Trainer:validate()
-  collectgarbage()   -- as at a step's start
+  local gc <close> = hold_collector()
   local n = math.min(self.val_batches, self.data:n_validation())
   if n == 0 then return nil end
   local sum = 0
   for i = 1, n do
+    if i > 1 then collectgarbage() end   -- the last batch's garbage (hold_collector)
     local loss = self.model:forward(self.data:validation(i), 0)
+    self.model:release()   -- its window too, before the next step's collection
     sum = sum + loss
   end
   return sum / n
@@ -836,10 +855,7 @@ function Trainer:in_step(step, phase, layer)
 end
 
 function Trainer:step(step)
-  -- The last step's garbage tensors back to the ledger, and the collector
-  -- in the same phase at every step: the ledger's peaks then repeat from
-  -- step to step, and a plan of the same code (train.plan) predicts them.
-  collectgarbage()
+  local gc <close> = hold_collector()
   self.step_started, self.in_step_said = now(), nil
   if self.reload then self:check_reload(step) end
   local srv = self.attach
@@ -877,6 +893,7 @@ function Trainer:step(step)
   if z.world > 1 then z.dist.set_context("step " .. step) end   -- in every collective's error
   local per_step = self.accum * z.world   -- micro-batches of all ranks
   for micro = 1, self.accum do
+    if micro > 1 then collectgarbage() end   -- the last micro-batch's garbage (hold_collector)
     if srv then srv:position(micro, self.accum) end
     local t0 = now(dev)
     -- one global data order: rank r's micro-batches follow rank r-1's, so
@@ -1121,7 +1138,9 @@ function train.plan(cfg)
   end
   train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
   local pool_bytes, device, exchange, nparams, per_step = nil, "cpu", nil, nil, nil
-  local data_state = cfg.data:state()   -- batch() moves the cursor
+  -- batch() moves a moelua.data's cursor (its state() would also read the corpus for its fingerprint)
+  local cursor = cfg.data.cursor
+  local function restore_cursor() if cursor ~= nil then cfg.data.cursor = cursor end end
   -- the stores' counters (moelua.store's stats): the expert store's, the offloaded optimizer's
   local function store_counters(c)
     local es = c.model.zero and c.model.zero.expert_store
@@ -1196,7 +1215,7 @@ function train.plan(cfg)
     return books, why, failed
   end
   local ok, books, why, failed = pcall(plan_twice)
-  cfg.data:set_state(data_state)
+  restore_cursor()
   if not ok then error(books, 0) end
   if books then
     books[device].pool_bytes, books[device].expert_exchange, books[device].parameters = pool_bytes, exchange, nparams
@@ -1212,7 +1231,7 @@ function train.plan(cfg)
   -- What the run needs: the same plan with the budgets lifted.
   local need, why2
   ok, need, why2 = pcall(unbudgeted, mem.plan, guarded, {pool_bytes = pool_bytes})
-  cfg.data:set_state(data_state)
+  restore_cursor()
   if not ok then error(need, 0) end
   if not need then error(why2, 0) end
   need[device].pool_bytes, need[device].expert_exchange, need[device].parameters = pool_bytes, exchange, nparams

@@ -139,7 +139,7 @@ describe("moelua.inspect", function()
       ctx[#ctx + 1] = 0
       h.model:forward(m.tensor(ctx):to("i64"), 0)
       local lg = h.model:last_logits():totable()
-      h.model:_release()
+      h.model:release()
       local best = 1
       for j = 2, 256 do if lg[j] > lg[best] then best = j end end
       assert.are.equal(best - 1, g.tokens[i], "byte " .. i)

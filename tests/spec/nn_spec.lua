@@ -304,7 +304,7 @@ describe("nn.Transformer", function()
           for j = 1, #row do row[j] = math.tointeger(row[j]) end
           layers[l] = row
         end
-        model:_release()
+        model:release()
         return lg, layers
       end
       local cache = model:kv_cache(N)

@@ -221,18 +221,20 @@ describe("train.plan", function()
     assert.are.equal(base, plan.total)
     cfg.model, cfg.optimizer, cfg.groups = cfg.build()
     cfg.plan = plan
+    -- a Lua heap the plan did not have (a corpus's file list, say): the
+    -- tensors left to the collector die at the same points all the same
+    local ballast = {}
+    for i = 1, 200000 do ballast[i] = {i} end
     collectgarbage()
     mem.reset_peak()
     train.run(cfg)
+    assert.are.equal(200000, #ballast)
     local real = mem.stats().cpu
     assert.are.equal(real.total_peak, plan.total_peak)
     assert.are.same(real.at_peak, plan.at_peak)
-    for _, c in ipairs{"params", "grads", "optim", "acts", "pool", "comm", "cache"} do
+    for _, c in ipairs{"params", "grads", "optim", "acts", "pool", "comm", "cache", "other"} do
       assert.are.equal(plan.peak[c], real.peak[c], c)
     end
-    -- `other` is the token windows, which the collector frees: whether the
-    -- last one is still alive when the next is read may differ by one window
-    assert.is_true(math.abs(real.peak.other - plan.peak.other) <= 1025 * 8)
     assert.is_true(plan.at_peak.pool > 0 and plan.at_peak.acts > 0 and plan.at_peak.optim > 0)
     local ps = cfg.model.pool:stats()
     assert.are.equal(plan.pool_bytes, ps.high_water)

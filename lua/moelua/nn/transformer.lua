@@ -367,8 +367,10 @@ function Transformer:_keep_stats(i, stats)
   return s
 end
 
--- Frees what the last forward saved (when no backward consumed it).
-function Transformer:_release()
+-- model:release(): frees what the last forward saved for backward, when
+-- no backward will consume it (a validation forward; forward and decode
+-- call it first).
+function Transformer:release()
   local st = self.state
   if not st then self.pool:reset(); return end
   for i = #st.frames, 1, -1 do
@@ -388,7 +390,7 @@ function Transformer:forward(tokens, step)
   if not tensor.is_tensor(tokens) or tokens:dim() ~= 1 or tokens:dtype() ~= "i64" or tokens:numel() < 2 then
     error("moelua.nn.Transformer:forward: tokens must be an i64 tensor [S+1] with S >= 1", 2)
   end
-  self:_release()
+  self:release()
   step = step or 0
   return mem.scope("acts", function()
     local S, D, dt = tokens:numel() - 1, self.opts.dim, {dtype = self.opts.dtype}
@@ -1033,7 +1035,7 @@ function Transformer:decode(ids, cache, route)
   if pos + n > cache.positions then
     error(string.format("%s%d positions cached and %d new exceed the cache's %d", FNd, pos, n, cache.positions), 2)
   end
-  self:_release()
+  self:release()
   local out = mem.scope("acts", function()
     local D, dt, z, units, p = self.opts.dim, {dtype = self.opts.dtype}, self.zero, self.units, self.pool
     if ids:device() ~= self.opts.device then ids = ids:to(self.opts.device) end
