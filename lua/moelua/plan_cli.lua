@@ -30,9 +30,14 @@
 -- tried, each in a child process.
 --
 -- --max-seq: the longest --seq-len whose plan fits the budget (the
--- recipe's --budget-gib, or 90% of the memory available), by doubling and
--- then bisection over such plans, each in a child process (a recipe runs
--- once per process: its options and data are set up when it starts).
+-- recipe's --budget-gib, or 90% of the memory available), searched over
+-- such plans, each in a child process (a recipe runs once per process: its
+-- options and data are set up when it starts). A plan's peak grows almost
+-- linearly with seq_len (the activations; the pool and the rest in small
+-- steps), so each probe is where the line through two earlier probes meets
+-- the budget; a probe that does not halve the bracket (or double the
+-- length, before one is over) makes the next a bisection (or a doubling),
+-- so the search never takes much more than twice the probes of bisection.
 --
 -- --preset NAME: a configuration of ../shared/PROBLEM.md as recipe options
 -- (PRESETS below; an option given on the command line wins), and, beside
@@ -150,13 +155,14 @@ end
 local function report(recipe, device, plan, books, over)
   local dist = require "moelua.dist"
   local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
+  local budget = string.format("%s (%d bytes) budget", bytes(plan.budget_total), plan.budget_total)
   local out = {over and string.format("moelua plan: %s (%s): needs %s (%d bytes) at its peak, in %s: over the %s " ..
-                                      "budget (the book planned without budgets)", recipe, where,
+                                      "(the book planned without budgets)", recipe, where,
                                       mib(plan.total_peak), plan.total_peak,
-                                      plan.peak_phase ~= "" and plan.peak_phase or "the build", bytes(plan.budget_total))
+                                      plan.peak_phase ~= "" and plan.peak_phase or "the build", budget)
                     or string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,
                              mib(plan.total_peak), plan.total_peak,
-                             plan.budget_total > 0 and " of a " .. bytes(plan.budget_total) .. " budget" or "",
+                             plan.budget_total > 0 and " of a " .. budget or "",
                              plan.peak_phase ~= "" and plan.peak_phase or "the build")}
   if M.preset then out[#out + 1] = "preset " .. M.preset .. ": " .. PRESETS[M.preset].about end
   if plan.parameters then
@@ -312,17 +318,18 @@ local function every_rank(recipe, rest, n)
   return true
 end
 
--- One plan in a child: true, its peak (bytes) and its words when it fits;
--- false, what it needs and its words when it is over the budget; any other
--- failure is an error naming `what` with the child's words, or, when
--- `refusable` (a knob the recipe may refuse in this configuration), nil
--- and the child's last line.
+-- One plan in a child: true, its peak (bytes), its words and its budget
+-- (bytes; nil without one) when it fits; false, what it needs, its words
+-- and the budget when it is over the budget; any other failure is an error
+-- naming `what` with the child's words, or, when `refusable` (a knob the
+-- recipe may refuse in this configuration), nil and the child's last line.
 local function probe(host, recipe, args, what, refusable)
   local ok, text = child(host, recipe, args)
-  local peak = text:match("moelua plan: .-: peak ([%d.]+) MiB")
-  if ok and peak then return true, tonumber(peak) * 2^20, text end
-  local need = text:match("needs ([%d.]+) MiB at its peak")
-  if need then return false, tonumber(need) * 2^20, text end
+  local budget = math.tointeger(text:match("^moelua plan: [^\n]- %((%d+) bytes%) budget"))
+  local peak = text:match("^moelua plan: [^\n]-: peak [%d.]+ MiB %((%d+) bytes%)")
+  if ok and peak then return true, math.tointeger(peak), text, budget end
+  local need = text:match("^moelua plan: [^\n]-: needs [%d.]+ MiB %((%d+) bytes%) at its peak")
+  if need then return false, math.tointeger(need), text, budget end
   if refusable then   -- its message: the last line before any traceback, without the program's name
     local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$")
     return nil, (msg:gsub("^[^:]*moelua: ", ""))
@@ -344,28 +351,37 @@ function M.max_seq(recipe, rest)
     errors.user(string.format("moelua plan --max-seq searches --seq-len itself: leave out --seq-len %s", given))
   end
   local host = host_path()
+  local limit = 1 << 24
   local lo = 64
-  local fits, peak = probe_seq(host, recipe, rest, lo)
+  local fits, peak, _, budget = probe_seq(host, recipe, rest, lo)
   if not fits then
     errors.user(string.format("moelua plan --max-seq: not even --seq-len %d fits the budget (it needs %s)", lo,
                               mib(peak)))
   end
-  local lo_peak, hi, hi_need = peak, nil, nil
-  while not hi do   -- doubling to the first length that does not fit
-    local n = lo * 2
-    if n > 1 << 24 then
+  local lo_peak, prev, prev_peak, hi, hi_need = peak, nil, nil, nil, nil
+  local plain = true   -- the first probe doubles: one point makes no line
+  while not hi or hi - lo > 1 do
+    if not hi and lo >= limit then
       errors.user(string.format("moelua plan --max-seq: --seq-len %d still fits; the search stops there", lo))
     end
+    -- the line through the bracket's ends (before one is over: the last two fits)
+    local a, pa, b, pb = prev, prev_peak, lo, lo_peak
+    if hi then a, pa, b, pb = lo, lo_peak, hi, hi_need end
+    local n
+    if plain or not budget or pb <= pa then
+      n = hi and (lo + hi) // 2 or 2 * lo
+    else   -- the last length the line keeps under the budget
+      n = a + math.floor((budget - pa) / (pb - pa) * (b - a))
+    end
+    n = math.max(lo + 1, math.min(n, hi and hi - 1 or limit))
+    local old_lo, old_width = lo, hi and hi - lo
     fits, peak = probe_seq(host, recipe, rest, n)
-    if fits then lo, lo_peak = n, peak else hi, hi_need = n, peak end
+    if fits then prev, prev_peak, lo, lo_peak = lo, lo_peak, n, peak else hi, hi_need = n, peak end
+    local halved = old_width and hi - lo <= old_width / 2 or not old_width and (hi ~= nil or lo >= 2 * old_lo)
+    plain = not plain and not halved
   end
-  while hi - lo > 1 do
-    local mid = (lo + hi) // 2
-    fits, peak = probe_seq(host, recipe, rest, mid)
-    if fits then lo, lo_peak = mid, peak else hi, hi_need = mid, peak end
-  end
-  print(string.format("moelua plan --max-seq: --seq-len %d fits (peak %s); %d does not (it needs %s)", lo,
-                      mib(lo_peak), hi, mib(hi_need)))
+  print(string.format("moelua plan --max-seq: --seq-len %d fits (peak %s, %d bytes); %d does not (it needs %s, " ..
+                      "%d bytes)", lo, mib(lo_peak), lo_peak, hi, mib(hi_need), hi_need))
   return true
 end
 

@@ -43,7 +43,7 @@ describe("moelua plan", function()
                             "--expert-budget", "1MiB"})
     assert.are.equal(0, code, out)
     assert.is_not_nil(out:find("^moelua plan: recipes/longctx.lua %(cpu%): peak [%d.]+ MiB %(%d+ bytes%) of a " ..
-                               "[%d.]+ GiB budget, in backward, layer %d of %d\n"), out)
+                               "[%d.]+ GiB %(%d+ bytes%) budget, in backward, layer %d of %d\n"), out)
     for _, part in ipairs{"\n  cpu                peak        at peak   share\n", "\n  cache    ",
                           "\n  file               peak", "the step's stack pool is reserved at",
                           "outside the ledger (not planned)"} do
