@@ -23,10 +23,11 @@ static void reclaim_hook(ml_host *h, ml_device dev)
 
 /* h->allocated: the collector sees a small userdata, not the bytes behind
  * it: tell it (in KiB) so garbage tensors are collected at the pace they
- * are made, as Torch7's heap tracking did. */
+ * are made, as Torch7's heap tracking did. Not while it is stopped (a
+ * trainer's step: moelua.train), where a step would still run one. */
 static void allocated_hook(ml_host *h, size_t nbytes)
 {
-    if (nbytes >= ((size_t)64 << 10))
+    if (nbytes >= ((size_t)64 << 10) && lua_gc(h->hook_ud, LUA_GCISRUNNING))
         lua_gc(h->hook_ud, LUA_GCSTEP, (int)(nbytes >> 10 < INT32_MAX ? nbytes >> 10 : INT32_MAX));
 }
 

@@ -739,7 +739,8 @@ end
 -- each step's and validation's start, and at each micro-batch's and
 -- validation batch's, returns the last one's garbage tensors to the
 -- ledger; between, the collector is stopped (until the closer returned is
--- closed, by return or error). A tensor left to the collector then lives
+-- closed, by return or error), and a tensor allocation does not step it
+-- (host/bindings/l_util.c). A tensor left to the collector then lives
 -- to the same point in every process, whatever its Lua heap holds (a
 -- corpus's file list, a plan's books), so the ledger's peaks repeat from
 -- step to step and a plan of the same code in another process (train.plan,

@@ -64,6 +64,25 @@ describe("budgets", function()
     assert.are.equal(base + 32000, after, "dropped was collected, t took its place")
   end)
 
+  it("garbage tensors are collected at the pace they are made, but not while the collector is stopped", function()
+    local function churn()   -- 16 MiB of garbage, then 64 allocations of 256 KiB (each steps the collector)
+      for _ = 1, 16 do local g = m.zeros({1 << 18}) end
+      local keep = {}
+      for i = 1, 64 do keep[i] = m.zeros({1 << 16}) end
+      return cpu().total
+    end
+    collectgarbage()
+    local base = cpu().total
+    assert.is_true(churn() - base < 32 << 20, "collected while running")
+    collectgarbage()
+    collectgarbage("stop")   -- as a trainer's step holds it (moelua.train)
+    local held = churn()
+    collectgarbage("restart")
+    assert.are.equal(base + (32 << 20), held)
+    collectgarbage()
+    assert.are.equal(base, cpu().total)
+  end)
+
   it("without an explicit budget an impossible allocation is an error, not an OOM", function()
     local b = cpu().budget_total
     assert.is_true(b > 0, "the default CPU budget is set")
