@@ -325,10 +325,10 @@ end
 -- recipe may refuse in this configuration), nil and the child's last line.
 local function probe(host, recipe, args, what, refusable)
   local ok, text = child(host, recipe, args)
-  local budget = math.tointeger(text:match("^moelua plan: [^\n]- %((%d+) bytes%) budget"))
-  local peak = text:match("^moelua plan: [^\n]-: peak [%d.]+ MiB %((%d+) bytes%)")
+  local budget = math.tointeger(text:match("moelua plan: [^\n]- %((%d+) bytes%) budget"))
+  local peak = text:match("moelua plan: [^\n]-: peak [%d.]+ MiB %((%d+) bytes%)")
   if ok and peak then return true, math.tointeger(peak), text, budget end
-  local need = text:match("^moelua plan: [^\n]-: needs [%d.]+ MiB %((%d+) bytes%) at its peak")
+  local need = text:match("moelua plan: [^\n]-: needs [%d.]+ MiB %((%d+) bytes%) at its peak")
   if need then return false, math.tointeger(need), text, budget end
   if refusable then   -- its message: the last line before any traceback, without the program's name
     local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$")
