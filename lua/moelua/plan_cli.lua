@@ -534,8 +534,8 @@ function M.main(args)
   if M.preset then   -- the preset's options where the command line gives none; children get the preset again
     local p = PRESETS[M.preset]
     if not p then errors.user(string.format("moelua plan: --preset %s: unknown (presets: report1)", M.preset)) end
-    for i = 1, #p.args, 2 do
-      if take({table.unpack(rest)}, p.args[i]:sub(3)) == nil then
+    for i = 1, #p.args, 2 do   -- (not its --seq-len under --max-seq, which searches it)
+      if take({table.unpack(rest)}, p.args[i]:sub(3)) == nil and not (max_seq and p.args[i] == "--seq-len") then
         rest[#rest + 1], rest[#rest + 2] = p.args[i], p.args[i + 1]
       end
     end

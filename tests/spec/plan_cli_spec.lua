@@ -153,6 +153,10 @@ describe("moelua plan", function()
     code, out = host({"plan", "recipes/longctx.lua", "--max-seq", "--seq-len", "4096"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan --max-seq searches --seq-len itself: leave out --seq-len 4096")
+    -- a preset's own --seq-len gives way to the search
+    code, out = host({"plan", "recipes/longctx.lua", "--preset", "report1", "--max-seq", "--budget-gib", "1"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan --max-seq: not even --seq-len 64 fits the budget (it needs ")
     -- FLOPs in a unit that shows them: a tiny step's are MFLOPs
     code, out = host({"plan", "recipes/tiny.lua", "--seq-len", "64"})
     assert.are.equal(0, code, out)
