@@ -277,6 +277,9 @@ function Server:answer()
       reply(self, r.client, okr and text or ("error: " .. tostring(text)))
     end
     if n == 0 then self.paused = false end
+    -- a trainer's step holds the collector (moelua.train): what the
+    -- requests and a paused job's publishing leave is collected here
+    if #reqs > 0 or self.paused then collectgarbage() end
     timeout = 50
   until not self.paused
 end

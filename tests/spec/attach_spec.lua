@@ -311,6 +311,35 @@ describe("moelua attach", function()
                                            by_step[2].temperature, by_step[3].temperature})
   end)
 
+  it("a job paused inside a step, where the trainer holds the collector, does not grow its Lua heap", function()
+    local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 1, heads = 2, kv_heads = 1, ffn = 24,
+                                     experts = 4, topk = 2, seed = 0}
+    local ds = data.open{glob = "/usr/include/std*.h", seq_len = 32, seed = 0, holdout = 0.01}
+    local groups = model:param_groups{weight_decay = 0.1}
+    local run = dir .. "/run"
+    local srv = remote.listen(run, {steps = 2})
+    local heap, plain = {}, srv.publish
+    function srv:publish(fresh)                        -- the paused loop publishes every 50 ms
+      if self.paused then heap[#heap + 1] = collectgarbage("count") end
+      return plain(self, fresh)
+    end
+    local client
+    local function hook(step)
+      if step == 0 then   -- paused at the step's next safe point for 1.5 s
+        client = assert(io.popen("(printf 'pause()\\n'; sleep 1.5; printf 'resume()\\n') | " ..
+                                 support.host_command({"attach", run}) .. " > /dev/null 2>&1", "w"))
+        system.sleep(0.5)   -- the client relays pause() meanwhile
+      end
+    end
+    train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3}), groups = groups,
+              seq_len = 32, steps = 2, hook = hook, run_dir = run, attach = srv}
+    client:close()
+    srv:close()
+    assert.is_true(#heap >= 10, "paused for " .. #heap .. " publishes")
+    -- (from the second: the first comes before the loop's first collection)
+    assert.is_true(heap[#heap] - heap[2] < 32, string.format("the heap grew from %.0f to %.0f KiB", heap[2], heap[#heap]))
+  end)
+
   it("keeps its socket 0600 in a 0700 directory of the job's user; checks its arguments", function()
     support.has(support.errmsg(attach.listen, true), "string expected")
     support.has(support.errmsg(attach.listen, dir .. "/" .. string.rep("x", 120)),
