@@ -109,7 +109,7 @@ LIB_OBJ  := $(filter-out $(BUILD)/host/bindings/main.o $(BUILD)/host/bindings/re
 build/tests: $(TEST_BIN)
 $(BUILD)/tests/%: tests/c/%.c $(LIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Ihost/runtime -o $@ $< $(LIB_OBJ) $(LDLIBS)
+	$(CC) $(CFLAGS) -Ihost/runtime -Ihost/bindings -o $@ $< $(LIB_OBJ) $(LDLIBS)
 
 # ASan + UBSan over the whole suite (CI runs it too).
 # UBSan only prints unless told to halt, and run.sh keeps no passing log,

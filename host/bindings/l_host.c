@@ -25,6 +25,11 @@
  * The handler may run on any thread (OpenMP workers too): it touches only
  * the sig_atomic_t flags below, write(2), _exit, raise and the hook (as
  * lua.c does). Only the Lua thread changes the hold depth.
+ * On the Lua thread it runs on an alternate stack of its own (SA_ONSTACK):
+ * oneDNN 2.6's sgemm kernel (xbyak_gemm, for K > 84) moves the stack
+ * pointer into a workspace it mallocs, and a signal frame pushed there
+ * (3.3 KiB with AVX-512 state) overwrote the heap below it: "corrupted
+ * size vs. prev_size" after a Ctrl-C (tests/c/test_signals.c).
  *
  * Not here: arming the handlers around each chunk (host/bindings/main.c ml_docall),
  * consuming the flag in a binding (host/bindings/l_util.c), the REPL's own Ctrl-C at
@@ -46,6 +51,7 @@
                   "(a C call that does not stop): killing the process\n"
 
 static volatile sig_atomic_t interrupted;   /* pending, outside a hold */
+static char handler_stack[64 * 1024];      /* the handler's stack on the Lua thread */
 static volatile sig_atomic_t hold_depth;    /* holds running, nested */
 static volatile sig_atomic_t held;          /* signals held since the outermost hold began */
 static lua_State *main_L;                   /* the state whose hook the handler arms */
@@ -94,9 +100,12 @@ void ml_signals_arm(lua_State *L, ml_signals_saved *old)
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_ONSTACK;
     sigemptyset(&sa.sa_mask);
+    stack_t ss = {.ss_sp = handler_stack, .ss_size = sizeof handler_stack};
     interrupted = 0;
     main_L = L;
+    sigaltstack(&ss, &old->stack);
     sigaction(SIGINT, &sa, &old->sigint);
     sigaction(SIGTERM, &sa, &old->sigterm);
 }
@@ -105,6 +114,7 @@ void ml_signals_restore(lua_State *L, const ml_signals_saved *old)
 {
     sigaction(SIGINT, &old->sigint, NULL);
     sigaction(SIGTERM, &old->sigterm, NULL);
+    sigaltstack(&old->stack, NULL);
     lua_sethook(L, NULL, 0, 0);
     interrupted = 0;
 }

@@ -14,13 +14,16 @@
  * hook). Never set during a hold. */
 volatile sig_atomic_t *ml_interrupt_flag(void);
 
-/* The handlers a chunk runs under, and what they replaced. */
+/* The handlers a chunk runs under, and what they replaced: the actions
+ * and the calling thread's alternate signal stack. */
 typedef struct {
     struct sigaction sigint, sigterm;
+    stack_t stack;
 } ml_signals_saved;
 
-/* Install the handlers for a chunk run on L (the main thread): the first
- * signal sets the flag and arms a hook that raises "interrupted!". */
+/* Install the handlers for a chunk run on L (the main thread), on an
+ * alternate stack for this thread: the first signal sets the flag and arms
+ * a hook that raises "interrupted!". */
 void ml_signals_arm(lua_State *L, ml_signals_saved *old);
 /* Put back what ml_signals_arm replaced, remove the hook, clear the flag. */
 void ml_signals_restore(lua_State *L, const ml_signals_saved *old);
