@@ -54,7 +54,7 @@ static inline ML_HD void ml_router_scores(const ml_router_cfg *cfg, int64_t t, i
     if (!noise && !cfg->gumbel)
         return;
     for (int64_t g = 0; g * 4 < E; g++) {
-        uint32_t r0[4], r1[4], r2[4];
+        uint32_t r0[4] = {0}, r1[4] = {0}, r2[4] = {0};   /* set when used; -O3 cannot tell */
         if (noise) {
             ml_router_noise_block(cfg, t, g, 0, r0);
             ml_router_noise_block(cfg, t, g, 1, r1);
