@@ -29,7 +29,9 @@
  * oneDNN 2.6's sgemm kernel (xbyak_gemm, for K > 84) moves the stack
  * pointer into a workspace it mallocs, and a signal frame pushed there
  * (3.3 KiB with AVX-512 state) overwrote the heap below it: "corrupted
- * size vs. prev_size" after a Ctrl-C (tests/c/test_signals.c).
+ * size vs. prev_size" after a Ctrl-C (tests/c/test_signals.c). Other
+ * threads keep their own stacks; Linux hands a process's signal to the
+ * main thread unless it blocks it or already has one pending.
  *
  * Not here: arming the handlers around each chunk (host/bindings/main.c ml_docall),
  * consuming the flag in a binding (host/bindings/l_util.c), the REPL's own Ctrl-C at
