@@ -157,6 +157,8 @@ ml_status ml_router_forward_cpu(ml_dtype dt, int64_t *idx, void *w, int64_t *cou
             z += row[4 * E];
             h += row[4 * E + 1];
         }
+        if (ml_kctx_interrupted(ctx))   /* arrived during phase B: the call stops, not the next Lua line */
+            return ML_EINTERRUPTED;
     }
     *zsum = z;
     *entropy = h;
