@@ -6,7 +6,7 @@
  * pointer inside a workspace it mallocs. A signal frame pushed there lands
  * below the pointer, on the heap: a Ctrl-C during a GEMM corrupted malloc's
  * chunks (found by train_spec's Ctrl-C specs on a -O3 build). This test does
- * what that kernel does, on x86-64: moves the stack pointer into a guarded
+ * what that kernel does, on x86-64: moves the stack pointer into a filled
  * buffer, sends itself SIGINT from there, and checks that the handler ran,
  * that the buffer is untouched, and that restore puts the old signal stack
  * back. Not here: what an interrupt does to a running job (train_spec,
@@ -28,12 +28,12 @@
 
 static unsigned char workspace[WORKSPACE] __attribute__((aligned(64)));
 
+#if defined(__x86_64__)
 /* kill(getpid(), SIGINT) with the stack pointer at `top`, as code that runs
  * on a borrowed stack would be interrupted: the signal is delivered on the
  * system call's return, while the stack pointer is still there. */
 static void sigint_on_borrowed_stack(void *top)
 {
-#if defined(__x86_64__)
     __asm__ volatile(
         "mov %%rsp, %%r12\n\t"
         "mov %0, %%rsp\n\t"
@@ -47,9 +47,6 @@ static void sigint_on_borrowed_stack(void *top)
         :
         : "r"(top), "i"(SYS_getpid), "i"(SIGINT), "i"(SYS_kill)
         : "rax", "rdi", "rsi", "rcx", "r11", "r12", "memory");
-#else
-    (void)top;
-#endif
 }
 
 static size_t changed_bytes(void)
@@ -59,6 +56,7 @@ static size_t changed_bytes(void)
         n += workspace[i] != FILL;
     return n;
 }
+#endif
 
 int main(void)
 {
