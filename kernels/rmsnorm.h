@@ -3,8 +3,9 @@
  * RMSNorm in fp32): y = x * rstd * w, rstd = 1 / sqrt(mean(x^2) + eps).
  *
  * CPU: dt is ML_F32 (training) or ML_F64 (reference paths, gradient
- * checks); one implementation over the dtype. Every row is computed in f64
- * and rounded once to dt. Rows run in parallel fixed tiles; dw is summed per
+ * checks). Every row is computed in f64 and rounded once to dt; an f32
+ * row's sums run over 8 f64 lanes (column d in lane d mod 8) added in lane
+ * order, so they vectorise, an f64 row's in column order. Rows run in parallel fixed tiles; dw is summed per
  * column in row order in f64 by the thread that owns the column, so every
  * output is bitwise identical for every thread count.
  *

@@ -3,6 +3,7 @@
  */
 #include "rope.h"
 #include "parallel.h"
+#include "vmath.h"
 
 #include <math.h>
 
@@ -14,39 +15,67 @@ typedef struct {
     double theta, sign;   /* sign +1: forward, -1: inverse rotation */
 } rope_args;
 
-/* Rows [lo, hi) (a tile of 16: its rows stay in L1), pair index outer so
- * that inv_freq_i is one pow per tile, not per row. */
+enum { TILE = 16, PAIRS = 32 };   /* rows per tile (their values stay in L1), pairs per block */
+
+/* y[i], y[i + half] of one head's n pairs from x and the pairs' cos and
+ * sin, in f64 and rounded once (y may be x: each pair is read first). */
+ML_CLONES
+static void rotate_f32(float *y, const float *x, const double *c, const double *sn, int64_t n,
+                       int64_t half)
+{
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        double x0 = x[i], x1 = x[i + half];
+        y[i] = (float)(x0 * c[i] - x1 * sn[i]);
+        y[i + half] = (float)(x1 * c[i] + x0 * sn[i]);
+    }
+}
+
+ML_CLONES
+static void rotate_f64(double *y, const double *x, const double *c, const double *sn, int64_t n,
+                       int64_t half)
+{
+    #pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        double x0 = x[i], x1 = x[i + half];
+        y[i] = x0 * c[i] - x1 * sn[i];
+        y[i + half] = x1 * c[i] + x0 * sn[i];
+    }
+}
+
+/* Rows [lo, hi) (at most TILE), in blocks of PAIRS pairs: the block's
+ * cos and sin for the tile's rows first (one pow per pair, not per row),
+ * then each row's heads in one vector pass per head. */
 static void rope_rows(void *arg, int64_t lo, int64_t hi)
 {
     const rope_args *a = arg;
     int64_t half = a->hd / 2;
-    for (int64_t i = 0; i < half; i++) {
-        double inv_freq = pow(a->theta, -(double)(2 * i) / (double)a->hd);
-        for (int64_t s = lo; s < hi; s++) {
-            double ang = (double)(a->offset + s) * inv_freq;
-            double c = cos(ang), sn = sin(ang);
-            if (a->dt == ML_F32) {
-                c = (double)(float)c;
-                sn = (double)(float)sn;
-            }
-            sn *= a->sign;
-            for (int64_t h = 0; h < a->heads; h++) {
-                int64_t base = (s * a->heads + h) * a->hd;
+    double c[TILE][PAIRS], sn[TILE][PAIRS];
+    for (int64_t i0 = 0; i0 < half; i0 += PAIRS) {
+        int64_t np = half - i0 < PAIRS ? half - i0 : PAIRS;
+        for (int64_t i = 0; i < np; i++) {
+            double inv_freq = pow(a->theta, -(double)(2 * (i0 + i)) / (double)a->hd);
+            for (int64_t s = lo; s < hi; s++) {
+                double ang = (double)(a->offset + s) * inv_freq;
+                double cv = cos(ang), sv = sin(ang);
                 if (a->dt == ML_F32) {
-                    const float *x = (const float *)a->x + base;
-                    float *y = (float *)a->y + base;
-                    double x0 = x[i], x1 = x[i + half];
-                    y[i] = (float)(x0 * c - x1 * sn);
-                    y[i + half] = (float)(x1 * c + x0 * sn);
-                } else {
-                    const double *x = (const double *)a->x + base;
-                    double *y = (double *)a->y + base;
-                    double x0 = x[i], x1 = x[i + half];
-                    y[i] = x0 * c - x1 * sn;
-                    y[i + half] = x1 * c + x0 * sn;
+                    cv = (double)(float)cv;
+                    sv = (double)(float)sv;
                 }
+                c[s - lo][i] = cv;
+                sn[s - lo][i] = sv * a->sign;
             }
         }
+        for (int64_t s = lo; s < hi; s++)
+            for (int64_t h = 0; h < a->heads; h++) {
+                int64_t base = (s * a->heads + h) * a->hd + i0;
+                if (a->dt == ML_F32)
+                    rotate_f32((float *)a->y + base, (const float *)a->x + base, c[s - lo], sn[s - lo],
+                               np, half);
+                else
+                    rotate_f64((double *)a->y + base, (const double *)a->x + base, c[s - lo], sn[s - lo],
+                               np, half);
+            }
     }
 }
 
@@ -56,7 +85,7 @@ static ml_status rope_run(ml_dtype dt, void *y, const void *x, int64_t S, int64_
     if (dt != ML_F32 && dt != ML_F64)
         return ML_EUNSUPPORTED;
     rope_args a = {dt, y, x, heads, hd, offset, theta, sign};
-    return ml_parallel_tiles(S, 16, heads * hd + hd, ctx, rope_rows, &a);
+    return ml_parallel_tiles(S, TILE, heads * hd + hd, ctx, rope_rows, &a);
 }
 
 ml_status ml_rope_forward_cpu(ml_dtype dt, void *y, const void *x, int64_t S, int64_t heads,
