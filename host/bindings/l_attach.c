@@ -113,7 +113,8 @@ static int l_attach_listen(lua_State *L)
     char err[1024];
     if (ml_attach_listen(h->a, path, limit, json_path, env_path, pretty_path, err, sizeof err) != 0) {
         attach_release(h);
-        ml_error(L, fn, "%s", err);
+        /* a live job on the socket, or the system refusing one: not a bug */
+        ml_user_error(L, "%s: %s", fn, err);
     }
     return 1;
 }

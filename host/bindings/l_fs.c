@@ -18,9 +18,15 @@
  *   fs.sha256(path)           hex digest of a file (OpenSSL EVP, streamed)
  *   fs.sha256_string(s)       hex digest of a string
  *   fs.glob(pattern)          -> sorted matches of glob(3) (none: {})
+ *   fs.lock(path)             -> lock, or nil and the holder's pid (0: unknown)
+ *       an exclusive flock(2) on path (created 0644), not waited for; the
+ *       holder writes its pid there. Held until lock:release(), its
+ *       collection or the process's end (the kernel drops it then, so a
+ *       killed job leaves no stale lock); the file stays.
  *
  * Every argument is checked; errors name the function ("moelua.fs.read: ...")
- * and the path with strerror. Nothing here keeps a file open across calls.
+ * and the path with strerror. Nothing here keeps a file open across calls
+ * but a lock.
  *
  * Not here: checkpoint or corpus logic (Lua), safetensors (host/bindings/l_io.c),
  * recursive "**" globbing (glob(3) has none: lua/moelua/data.lua walks).
@@ -36,6 +42,7 @@
 #include <openssl/evp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -489,6 +496,48 @@ static int l_fs_isatty(lua_State *L)
     return 1;
 }
 
+#define LOCK_MT "moelua.fs.Lock"
+
+/* lock:release(), __gc and __close: closing the descriptor drops the flock */
+static int l_fs_lock_release(lua_State *L)
+{
+    fs_fd *f = luaL_checkudata(L, 1, LOCK_MT);
+    if (f->fd >= 0) {
+        close(f->fd);
+        f->fd = -1;
+    }
+    return 0;
+}
+
+/* fs.lock(path) */
+static int l_fs_lock(lua_State *L)
+{
+    const char *path = check_path(L, 1, "moelua.fs.lock", "path");
+    fs_fd *f = lua_newuserdatauv(L, sizeof *f, 0);
+    f->fd = -1;
+    luaL_setmetatable(L, LOCK_MT);
+    f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (f->fd < 0)
+        ml_error(L, "moelua.fs.lock", "'%s': %s", path, strerror(errno));
+    char pid[32];
+    if (flock(f->fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        ssize_t n = e == EWOULDBLOCK ? pread(f->fd, pid, sizeof pid - 1, 0) : -1;
+        close(f->fd);
+        f->fd = -1;
+        if (e != EWOULDBLOCK)
+            ml_error(L, "moelua.fs.lock", "'%s': %s", path, strerror(e));
+        pid[n > 0 ? n : 0] = '\0';
+        lua_pushnil(L);
+        lua_pushinteger(L, strtoll(pid, NULL, 10));
+        return 2;
+    }
+    int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+    if (ftruncate(f->fd, 0) != 0 || pwrite(f->fd, pid, (size_t)n, 0) != n)
+        ml_error(L, "moelua.fs.lock", "'%s': writing the pid: %s", path, strerror(errno));
+    return 1;
+}
+
 static const luaL_Reg fs_functions[] = {
     {"isatty", l_fs_isatty},
     {"read", l_fs_read},
@@ -502,6 +551,7 @@ static const luaL_Reg fs_functions[] = {
     {"sha256", l_fs_sha256},
     {"sha256_string", l_fs_sha256_string},
     {"glob", l_fs_glob},
+    {"lock", l_fs_lock},
     {NULL, NULL}
 };
 
@@ -510,6 +560,7 @@ int luaopen_moelua_fs(lua_State *L)
     static const struct { const char *name; lua_CFunction close; } mts[] = {
         {FD_MT, l_fs_fd_close}, {DIR_MT, l_fs_dir_close},
         {HASH_MT, l_fs_hash_close}, {GLOB_MT, l_fs_glob_close},
+        {LOCK_MT, l_fs_lock_release},
     };
     ml_host_of(L);  /* refuse to load outside the host */
     /* fs.read makes tensors: their metatable must exist before the first */
@@ -523,6 +574,12 @@ int luaopen_moelua_fs(lua_State *L)
         lua_setfield(L, -2, "__close");
         lua_pop(L, 1);
     }
+    luaL_getmetatable(L, LOCK_MT);
+    lua_createtable(L, 0, 1);
+    lua_pushcfunction(L, l_fs_lock_release);
+    lua_setfield(L, -2, "release");
+    lua_setfield(L, -2, "__index");
+    lua_pop(L, 1);
     luaL_newlib(L, fs_functions);
     return 1;
 }

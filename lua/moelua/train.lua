@@ -74,8 +74,11 @@
 -- reset a layer's balancing bias or reinitialise a dead expert from a
 -- live one (model:reinit_expert(layer, dead, from, noise_std)).
 --
--- Run directories. A run_dir that holds anything but an idle attach/
--- directory is refused before anything is written, unless `resume` names
+-- Run directories. One job at a time: the first write claims
+-- RUN_DIR/lock (flock, dropped when the process ends; under mpiexec rank
+-- 0's, agreed by every rank), and a second job is refused while the first
+-- lives. A run_dir that holds anything but an idle attach/ directory (or
+-- the lock) is refused before anything is written, unless `resume` names
 -- a checkpoint inside it (the run continues and metrics.jsonl is appended
 -- to) or `overwrite` is true (the previous run's metrics.jsonl, ckpt/ and
 -- plots/ are removed, each named on stdout; other files stay).
@@ -1248,7 +1251,7 @@ end
 local RUN_FILES = {"metrics.jsonl", "ckpt", "plots"}
 -- The backing files of an expert store (train.expert_store_path) and of
 -- an offloaded optimizer (train.optim_store_path) while the job runs.
-local STORE_FILE, OPTIM_STORE_FILE = "experts.store", "optim.store"
+local STORE_FILE, OPTIM_STORE_FILE, LOCK_FILE = "experts.store", "optim.store", "lock"
 
 local function normal_path(p)
   p = p:gsub("/+", "/"):gsub("/%./", "/"):gsub("^%./", ""):gsub("/%.?$", "")
@@ -1270,7 +1273,7 @@ local function run_contents(run_dir)
   if st.type ~= "dir" then errors.user("moelua.train: run directory '" .. run_dir .. "' is not a directory") end
   local names = {}
   for _, n in ipairs(fs.listdir(run_dir)) do
-    if n ~= "attach" and n ~= STORE_FILE and n ~= OPTIM_STORE_FILE then names[#names + 1] = n end
+    if n ~= "attach" and n ~= STORE_FILE and n ~= OPTIM_STORE_FILE and n ~= LOCK_FILE then names[#names + 1] = n end
   end
   return names
 end
@@ -1280,14 +1283,38 @@ end
 -- directory made. A file found there was left by a job that was killed:
 -- a store removes its file when it closes, and a run resumes from its
 -- checkpoints, never from the store; it is removed, saying so.
+-- One job per run directory: the first write into run_dir claims
+-- RUN_DIR/lock (moelua.fs.lock), held until train.run returns or raises
+-- (or the process ends). Returns nil, or the message refusing the
+-- directory because another job holds it.
+local claimed = {}
+local function claim_run_dir(run_dir)
+  if claimed[run_dir] then return nil end
+  local lock, pid = fs.lock(run_dir .. "/" .. LOCK_FILE)
+  if not lock then
+    return string.format("moelua.train: run directory '%s' is in use by another job (process %s holds %s/%s): " ..
+                         "two jobs would write one metrics.jsonl and prune each other's checkpoints. Wait for " ..
+                         "it to end or stop it, or choose another --run-dir; nothing was written",
+                         run_dir, pid > 0 and tostring(pid) or "?", run_dir, LOCK_FILE)
+  end
+  claimed[run_dir] = lock
+end
+
+local function release_run_dir(run_dir)
+  if claimed[run_dir] then claimed[run_dir]:release() end
+  claimed[run_dir] = nil
+end
+
 local function store_path(run_dir, file, what)
   local path = run_dir .. "/" .. file
   if train.plan_only then return path end   -- `moelua plan`: nothing is written
+  fs.mkdir_p(run_dir)
+  local refused = claim_run_dir(run_dir)
+  if refused then errors.user(refused) end
   if fs.stat(path) then
     os.remove(path)
     io.stdout:write("moelua.train: removed ", path, ", the ", what, " of a job that did not end\n")
   end
-  fs.mkdir_p(run_dir)
   return path
 end
 
@@ -1362,10 +1389,19 @@ function train.run(cfg)
                                 "steps must be at least %d", resumed_from, back, self.steps, self.steps - 1, first))
     end
   end
+  local refused   -- rank 0 claims the run directory for every rank
   if self.run_dir and not self.silent then
-    if mode == "overwrite" then clear_run_dir(self.run_dir) end
     local ok, err = pcall(fs.mkdir_p, self.run_dir)
     if not ok then errors.user("moelua.train: the run directory cannot be created: " .. tostring(err)) end
+    refused = claim_run_dir(self.run_dir)
+  end
+  if z.world > 1 and z:all_reduce_numbers({refused and 1 or 0}, "max", "run directory lock")[1] > 0 then
+    refused = refused or string.format("moelua.train: rank 0 could not claim run directory '%s'", self.run_dir)
+  end
+  if refused then errors.user(refused) end
+  local _ <close> = self.run_dir and setmetatable({}, {__close = function() release_run_dir(self.run_dir) end})
+  if self.run_dir and not self.silent then
+    if mode == "overwrite" then clear_run_dir(self.run_dir) end
     local f, why = io.open(self.run_dir .. "/metrics.jsonl", mode == "resume" and "a" or "w")
     if not f then errors.user("moelua.train: cannot write the run's metrics: " .. why) end
     self.metrics = f

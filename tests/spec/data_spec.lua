@@ -261,5 +261,21 @@ describe("moelua.fs", function()
     has(errmsg(fs.fsync, path("nope")), "moelua.fs.fsync: cannot open")
     has(errmsg(fs.free_bytes, path("nope")), "moelua.fs.free_bytes:")
     has(errmsg(fs.glob, {}), "moelua.fs.glob: argument #1 (pattern): expected a string")
+    has(errmsg(fs.lock, 3), "moelua.fs.lock: argument #1 (path): expected a string")
+    has(errmsg(fs.lock, path("nope/lock")), "moelua.fs.lock: '" .. path("nope/lock") .. "': No such file")
+  end)
+
+  it("locks a file for one holder at a time, naming the holder's pid", function()
+    local a = assert(fs.lock(path("lock")))
+    local pid = support.read_file(path("lock")):match("^(%d+)\n$")
+    assert.is_not_nil(pid)
+    local none, holder = fs.lock(path("lock"))   -- a second open file: refused, even in this process
+    assert.is_nil(none)
+    assert.are.equal(tonumber(pid), holder)
+    a:release()
+    a:release()                                 -- idempotent
+    local b = assert(fs.lock(path("lock")))
+    do local c <close> = b end                  -- __close drops it too
+    assert.is_not_nil((fs.lock(path("lock"))))
   end)
 end)

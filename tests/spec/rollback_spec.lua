@@ -122,6 +122,27 @@ describe("run directories", function()
     assert.matches("already holds a run", support.errmsg(train.plan, cfg))
   end)
 
+  it("refuse a directory another job holds (its lock), resumed or overwritten, before writing anything", function()
+    local fs = require "moelua.fs"
+    train.run((planted({}, {run_dir = dir, steps = 2, ckpt_every = 1})))
+    local before, ckpts = support.read_file(dir .. "/metrics.jsonl"), ckpt.list(dir .. "/ckpt")
+    -- another job: a lock of its own on the file (flock is per open file, so this process counts as one)
+    local other = assert(fs.lock(dir .. "/lock"))
+    for _, over in ipairs({{resume = dir .. "/ckpt", steps = 4}, {overwrite = true}}) do
+      over.run_dir = dir
+      local err = support.errmsg(train.run, (planted({}, over)))
+      local pid = support.read_file(dir .. "/lock"):match("^(%d+)\n$")
+      assert.is_true(err:find("run directory '" .. dir .. "' is in use by another job (process " .. pid ..
+                              " holds " .. dir .. "/lock)", 1, true) ~= nil, err)
+      assert.matches("nothing was written$", err)
+      assert.are.equal(before, support.read_file(dir .. "/metrics.jsonl"))
+      assert.are.same(ckpts, ckpt.list(dir .. "/ckpt"))
+    end
+    other:release()   -- the job ended: its directory resumes (the lock file is not a run's content)
+    local r = train.run((planted({}, {run_dir = dir, resume = dir .. "/ckpt", steps = 3})))
+    assert.are.equal(2, r.first_step)
+  end)
+
   it("append when resuming from a checkpoint of the same run, and refuse one from elsewhere", function()
     train.run((planted({}, {run_dir = dir .. "/a", steps = 2, ckpt_every = 1})))
     train.run((planted({}, {run_dir = dir .. "/b", steps = 2, ckpt_every = 1})))
