@@ -28,8 +28,9 @@
 -- One step: the hook sets this step's router and loss settings (ctl) ->
 -- `accum` micro-batches of forward + backward (gradients accumulate, then
 -- are summed over ranks and scaled by 1/(accum * ranks)) -> global gradient
--- norm (clipped when `clip`) -> a non-finite loss or norm skips the step
--- (counted) -> the optimizer step, with each experts group's active mask
+-- norm (clipped when `clip`) -> a non-finite loss or norm, or on one rank
+-- a kernel's NaN error (Trainer:guarded), skips the step (counted) -> the
+-- optimizer step, with each experts group's active mask
 -- (lazy Adam) -> the router biases -> metrics.
 --
 -- Ranks (mpiexec; the model's moelua.zero places its units): every
@@ -58,7 +59,9 @@
 -- when the replay starts, with the lr_scale and lr the hook then gives.
 -- More than `max_rollbacks` rollbacks to one checkpoint stop the run: an
 -- event {event = "stopped"} and a user error naming the last good
--- checkpoint, which stays on disk (keep-K never removes it).
+-- checkpoint, which stays on disk (keep-K never removes it). `max_skipped`
+-- skipped steps before any good checkpoint stop it too (nothing to go back
+-- to). A run resumed from its own checkpoints takes ckpt/last_good back.
 --
 -- Balance alarms (moelua.balance: loads against the even share, per
 -- layer): "hot" (an expert at >= alarms.hot times the even share for
@@ -763,8 +766,12 @@ function Trainer:validate()
   local sum = 0
   for i = 1, n do
     if i > 1 then collectgarbage() end   -- the last batch's garbage (hold_collector)
-    local loss = self.model:forward(self.data:validation(i), 0)
+    local loss = self:guarded(self.model.forward, self.model, self.data:validation(i), 0)
     self.model:release()   -- its window too, before the next step's collection
+    if self.nonfinite then   -- a kernel met a NaN: the validation loss is NaN
+      self.nonfinite = nil
+      return 0 / 0
+    end
     sum = sum + loss
   end
   return sum / n
@@ -858,6 +865,19 @@ function Trainer:in_step(step, phase, layer)
   end
 end
 
+-- fn(...), where on one rank a kernel's NaN error ("<fn>: NaN in ...": the
+-- router's logits, the LM head's) ends the micro-batches like a NaN loss:
+-- it returns nothing and leaves the message in self.nonfinite, and the step
+-- is skipped and counted. With several ranks it raises: one rank cannot
+-- skip alone while the others wait for it in a collective.
+function Trainer:guarded(fn, ...)
+  if self.model.zero.world > 1 then return fn(...) end
+  local r = table.pack(pcall(fn, ...))
+  if r[1] then return table.unpack(r, 2, r.n) end
+  if not tostring(r[2]):find(": NaN in ", 1, true) then error(r[2], 0) end
+  self.nonfinite = (tostring(r[2]):gsub("^[^\n]-:%d+: ", ""))   -- without the Lua position
+end
+
 function Trainer:step(step)
   local gc <close> = hold_collector()
   self.step_started, self.in_step_said = now(), nil
@@ -907,10 +927,12 @@ function Trainer:step(step)
     local t1 = now(dev)
     -- the gate noise is keyed by (seed, step, layer, token): give each
     -- micro-batch its own key, or they would all draw the same noise
-    local l, st = self.model:forward(tokens, step * per_step + at)
+    local l, st = self:guarded(self.model.forward, self.model, tokens, step * per_step + at)
     local t2 = now(dev)
+    if self.nonfinite then break end
     z:begin_backward(micro == self.accum, 1 / per_step)
-    self.model:backward{aux_weight = ctl.aux_weight, z_weight = ctl.z_weight}
+    self:guarded(self.model.backward, self.model, {aux_weight = ctl.aux_weight, z_weight = ctl.z_weight})
+    if self.nonfinite then break end
     local t3 = now(dev)
     t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
     ce, aux, zl = ce + st.ce / self.accum, aux + st.aux / self.accum, zl + st.z / self.accum
@@ -919,6 +941,11 @@ function Trainer:step(step)
     if srv then srv:safe_point("micro-batch") end
   end
   self.model.safe_point = nil
+  local nonfinite = self.nonfinite   -- a kernel met a NaN: the step is skipped as for a NaN loss
+  if nonfinite then
+    self.nonfinite, loss = nil, 0 / 0
+    self.model:release()
+  end
   local t4 = now(dev)
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
@@ -926,11 +953,11 @@ function Trainer:step(step)
   z:reduce_grads(1 / per_step)
   local norm = z:clip_grad_norm(self.optimizer.groups, self.clip or math.huge)
   loss, ce, aux, zl = mean_over_ranks(z, loss, ce, aux, zl)
-  local loads = expert_loads(z, last)
+  local loads = expert_loads(z, last or {})
   local max_share = 0
   for _, l in ipairs(loads) do max_share = math.max(max_share, l.max_share) end
   local m = {step = step, loss = loss, ce = ce, aux = aux, z = zl, lr = lr, grad_norm = norm,
-             loads = loads, max_share = max_share, overrides = overrides}
+             loads = loads, max_share = max_share, overrides = overrides, nonfinite = nonfinite}
   for _, k in ipairs(CONTROLS) do m[k] = ctl[k] end
   if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
     self.skipped, self.skipped_run = self.skipped + 1, self.skipped_run + 1
@@ -1414,6 +1441,11 @@ function train.run(cfg)
   end
   self.first_step = first
   local last_good, last_good_step = nil, nil
+  if resuming and self.run_dir and inside(self.run_dir, resumed_from) then   -- the run's own, at or before the resumed step
+    local ok, dir = pcall(ckpt.last_good, self.run_dir .. "/ckpt")
+    local at = ok and dir and tonumber(dir:match("step%-(%d+)$"))
+    if at and at < first then last_good, last_good_step = dir, at end
+  end
   local t_start, last_step = now(), self.steps - 1
   local step = first
   local result = {skipped = 0, rollbacks = 0, losses = {}}
@@ -1434,6 +1466,17 @@ function train.run(cfg)
       self:log(a)
       self:end_line()
       self:call_hook(step, "on_alarm", self.state, a, self.model)
+    end
+    if why == "skipped steps" and not last_good then
+      -- nothing to go back to: the steps ahead would be skipped the same way
+      self:end_line(true)
+      local latest = self.run_dir and ckpt.latest(self.run_dir .. "/ckpt")
+      self:log({event = "stopped", step = step, reason = why, rollbacks = 0})
+      errors.user(string.format("moelua.train: %d steps skipped in a row at step %d (%s), and no good checkpoint " ..
+                                "to roll back to: stopping. %s; start again (or resume from an earlier " ..
+                                "checkpoint) with a lower --lr, more --warmup or --clip",
+                                self.skipped_run, step, m.nonfinite or "a non-finite loss or gradient norm",
+                                latest and ("The run's latest checkpoint is " .. latest) or "Nothing was saved"))
     end
     if not (why and last_good) then return nil, why, collapsing end
     self:log(m)

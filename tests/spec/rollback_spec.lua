@@ -67,6 +67,52 @@ describe("rollbacks", function()
     assert.are.same({1, 1}, {n6, n8})        -- each bad batch read once, never again
   end)
 
+  it("skip a step whose router meets a NaN (a kernel's error, not a loss) and roll back past it", function()
+    -- batch 6 poisons the router's gate: its forward raises "NaN in router logits"
+    local cfg, read = planted({}, {run_dir = dir})
+    local gate
+    for _, p in ipairs(cfg.model:named_parameters()) do
+      if p.name:find("block_sparse_moe.gate.weight", 1, true) then gate = p.tensor end
+    end
+    local batch = cfg.data.batch
+    cfg.data.batch = function(self, i)
+      if i == 6 then gate:fill_(0 / 0) end
+      return batch(self, i)
+    end
+    local r = train.run(cfg)
+    assert.are.equal(1, r.rollbacks)
+    local skipped = {}
+    for _, o in ipairs(lines(dir)) do if o.skipped_total and o.nonfinite then skipped[#skipped + 1] = o end end
+    assert.are.equal(1, #skipped)
+    assert.are.equal("moelua.router.forward: NaN in router logits", skipped[1].nonfinite)
+    assert.is_true(r.final_loss == r.final_loss)   -- the restored gate trained on to a finite loss
+    local n6 = 0
+    for _, i in ipairs(read) do if i == 6 then n6 = n6 + 1 end end
+    assert.are.equal(1, n6)
+  end)
+
+  it("stop, saying so, when steps are skipped in a row and no good checkpoint exists", function()
+    local bad = setmetatable({}, {__index = function(_, i) return i >= 1 end})
+    local cfg = planted(bad, {run_dir = dir, rollback = {max_skipped = 2}})
+    local err = support.errmsg(train.run, cfg)
+    assert.matches("moelua.train: 2 steps skipped in a row at step 2 %(a non%-finite loss or gradient norm%), " ..
+                   "and no good checkpoint to roll back to: stopping%. Nothing was saved", err)
+    local stop = events(dir, "stopped")
+    assert.are.equal(1, #stop)
+    assert.are.equal("skipped steps", stop[1].reason)
+    assert.is_nil(ckpt.latest(dir .. "/ckpt"))
+  end)
+
+  it("roll back, in a resumed run, to the good checkpoint the run marked before", function()
+    train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 is saved and good, step 6 is the final
+    local cfg = planted({[8] = true}, {run_dir = dir, resume = dir .. "/ckpt"})
+    local r = train.run(cfg)
+    assert.are.equal(1, r.rollbacks)
+    local ev = events(dir, "rollback")
+    assert.are.equal(dir .. "/ckpt/step-000004", ev[1].to)
+    assert.are.equal(5, ev[1].resume_step)
+  end)
+
   it("stop after max_rollbacks with a clear message, keeping the last good checkpoint", function()
     local bad = setmetatable({}, {__index = function(_, i) return i >= 6 end})   -- every batch from 6 on
     local cfg = planted(bad, {run_dir = dir, rollback = {max_skipped = 1, max_rollbacks = 2}})
