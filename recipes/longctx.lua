@@ -44,14 +44,14 @@ local opts, given = options.parse(arg, {
   {"steps", 50, "optimizer steps", min = 1},
   {"lr", 3e-3, "peak learning rate", min = 0},
   {"warmup", 4, "warmup steps", min = 0},
-  {"clip", 1.0, "global gradient-norm clip", min = 0},
+  {"clip", 1.0, "global gradient-norm clip (0: none)", min = 0},
   {"aux-weight", 0.02, "load-balancing (HF aux) loss weight", min = 0},
   {"z-weight", 1e-3, "router z-loss weight", min = 0},
   {"temperature", 1.0, "router temperature at step 0 (x0.99 every 1000 steps)", min = 1e-6},
   {"noise", 0.1, "gate noise at step 0, decayed with the temperature", min = 0},
-  {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01", min = 0, max = 1},
+  {"eps", 0.05, "uniform share mixed into router probabilities at step 0, decayed to 0.01", min = 0, below = 1},
   -- the run
-  {"seed", 0, "seed of the model, the data order and the gate noise"},
+  {"seed", 0, "seed of the model, the data order and the gate noise", min = 0},
   {"device", "cpu", "where the model trains: cpu or cuda"},
   {"dtype", "", "f32, or bf16 on cuda: mixed precision (bf16 weights and activations; f32 gradients, " ..
                 "optimizer states and master weights, which checkpoints hold); default: bf16 on cuda, f32 on cpu"},
@@ -211,7 +211,7 @@ local ds = data.open{glob = opts.data, seq_len = opts.seq_len, seed = opts.seed,
 
 local run = {
   build = build, data = ds, seq_len = opts.seq_len,
-  steps = opts.steps, accum = opts.accum, clip = opts.clip,
+  steps = opts.steps, accum = opts.accum, clip = opts.clip > 0 and opts.clip or nil,
   lr = sched.warmup_cosine{peak = opts.lr, warmup = opts.warmup, total = math.max(opts.steps, opts.warmup + 1),
                            min = opts.lr / 10},
   hook = hook, state = {}, on_rollback = on_rollback, on_alarm = on_alarm,

@@ -12,7 +12,7 @@
 -- `--name value` or `--name=value`; a boolean option is `--name` alone or
 -- `--name=false`. `--help` prints every option with its default and exits.
 -- A numeric option may give bounds, {"steps", 50, "optimizer steps", min = 1}
--- (and max =). An unknown option, a missing value, a wrong type or a value
+-- (and max =, or below = for an open upper bound). An unknown option, a missing value, a wrong type or a value
 -- out of bounds is a user error (moelua.errors: printed without a
 -- traceback) naming the option. Dashes in names become underscores in the
 -- result.
@@ -39,6 +39,7 @@ local function convert(o, text)
     end
     if o.min and v < o.min then fail("option --%s must be at least %s, got %s", name, o.min, text) end
     if o.max and v > o.max then fail("option --%s must be at most %s, got %s", name, o.max, text) end
+    if o.below and v >= o.below then fail("option --%s must be below %s, got %s", name, o.below, text) end
     return v
   elseif t == "boolean" then
     if text == "true" or text == "1" then return true end
@@ -52,7 +53,8 @@ function options.help(spec, out)
   out = out or io.stdout
   out:write("options:\n")
   for _, o in ipairs(spec) do
-    local bounds = (o.min or o.max) and string.format(" (%s..%s)", o.min or "", o.max or "") or ""
+    local top = o.max and tostring(o.max) or o.below and ("<" .. o.below) or ""
+    local bounds = (o.min or o.max or o.below) and string.format(" (%s..%s)", o.min or "", top) or ""
     out:write(string.format("  --%-22s %-12s %s%s\n", o[1], tostring(o[2]), o[3] or "", bounds))
   end
 end

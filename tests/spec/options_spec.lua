@@ -19,6 +19,15 @@ describe("moelua.options", function()
     support.raises("--device: unused here", options.refuse_unused, given, {{"device", true, "unused here"}})
     support.raises("option --steps must be at least 1, got 0", options.parse, {"--steps", "0"}, SPEC, "usage")
     support.raises("option --device needs a value", options.parse, {"--device"}, SPEC, "usage")
+    local open = {{"eps", 0.05, "a share", min = 0, below = 1}, {"zero", 0, "a stage", min = 0, max = 3}}
+    assert.are.equal(0.5, options.parse({"--eps", "0.5"}, open, "usage").eps)
+    assert.are.equal(3, options.parse({"--zero", "3"}, open, "usage").zero)
+    support.raises("option --eps must be below 1, got 1", options.parse, {"--eps", "1"}, open, "usage")
+    support.raises("option --zero must be at most 3, got 4", options.parse, {"--zero", "4"}, open, "usage")
+    local out = {}
+    options.help(open, {write = function(_, text) out[#out + 1] = text end})
+    assert.matches("a share %(0%.%.<1%)", table.concat(out))
+    assert.matches("a stage %(0%.%.3%)", table.concat(out))
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
