@@ -1167,7 +1167,8 @@ function train.plan(cfg)
   if type(cfg.build) ~= "function" then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
-  train.check_run_dir(cfg)   -- a run that would be refused is refused before it is planned
+  -- a run that would be refused is refused before it is planned; `moelua plan` runs nothing
+  if not train.plan_only then train.check_run_dir(cfg) end
   local pool_bytes, device, exchange, nparams, per_step = nil, "cpu", nil, nil, nil
   -- batch() moves a moelua.data's cursor (its state() would also read the corpus for its fingerprint)
   local cursor = cfg.data.cursor

@@ -53,6 +53,14 @@ describe("moelua plan", function()
     assert.is_nil(fs.stat(run_dir), "nothing was written")
   end)
 
+  it("plans a recipe whose run directory already holds a run (planning writes nothing there)", function()
+    support.write_file(dir .. "/metrics.jsonl", "{}\n")
+    local code, out = host({"plan", "recipes/tiny.lua", "--run-dir", dir})
+    assert.are.equal(0, code, out)
+    support.has(out, "moelua plan: recipes/tiny.lua (cpu): peak ")
+    assert.are.equal("{}\n", support.read_file(dir .. "/metrics.jsonl"))
+  end)
+
   it("--json: the same book as one JSON object, in bytes; with --world, one line per rank", function()
     local json = require "dkjson"
     local args = {"plan", "recipes/longctx.lua", "--seq-len", "512", "--expert-budget", "1MiB"}
