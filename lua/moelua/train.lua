@@ -633,8 +633,9 @@ function Trainer:restore(dir, rollback)
     self.rollbacks_to, self.skip_to = tr.rollbacks_to or {}, tr.skip_to or {}
   end
   if tr.threads ~= tensor.threads() then
-    self:message(string.format("moelua.train: warning: checkpoint was written with %d threads, running %d: " ..
-                               "results will not be bit-identical", tr.threads, tensor.threads()), io.stderr)
+    self:message(string.format("moelua.train: warning: checkpoint was written with %d thread%s, running %d: " ..
+                               "results will not be bit-identical", tr.threads, tr.threads == 1 and "" or "s",
+                               tensor.threads()), io.stderr)
   end
   if tr.machine and tr.machine ~= self.machine then
     self:message("moelua.train: warning: checkpoint was written on another machine (" .. tr.machine .. ")",
