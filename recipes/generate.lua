@@ -43,6 +43,8 @@ options.refuse_unused(given, {
   {"expert-store", opts.expert_budget == "", "the expert store's file is used only with --expert-budget " ..
                                              "(give both, or neither)"},
   {"expert-prefetch", opts.expert_budget == "", "the expert store's hints are used only with --expert-budget"},
+  {"temperature", opts.greedy, "--greedy takes the most likely byte, whatever the temperature"},
+  {"top-p", opts.greedy, "--greedy takes the most likely byte: no nucleus to sample from"},
 })
 moelua.threads(opts.threads)
 

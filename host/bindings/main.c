@@ -665,7 +665,7 @@ static int pmain(lua_State *L)
 }
 
 /* `moelua attach RUN_DIR`; -h / --help print the usage on stdout (exit 0),
- * no run directory prints it on stderr (exit 1). */
+ * no run directory, or more than one argument, prints it on stderr (exit 1). */
 static int attach_main(int argc, char **argv)
 {
     static const char usage[] =
@@ -679,6 +679,11 @@ static int attach_main(int argc, char **argv)
         return EXIT_SUCCESS;
     }
     if (!dir || !dir[0]) {
+        fprintf(stderr, usage, progname);
+        return EXIT_FAILURE;
+    }
+    if (argc > 3) {
+        fprintf(stderr, "%s: attach takes one run directory, got also '%s'\n", progname, argv[3]);
         fprintf(stderr, usage, progname);
         return EXIT_FAILURE;
     }

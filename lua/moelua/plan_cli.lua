@@ -540,6 +540,9 @@ function M.main(args)
       end
     end
   end
+  if max_seq and fit then
+    errors.user("moelua plan: --max-seq and --fit are two searches: give one")
+  end
   if M.json and (max_seq or fit) then
     errors.user("moelua plan: --json prints a plan's book; --max-seq and --fit print their search")
   end

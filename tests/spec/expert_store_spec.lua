@@ -217,7 +217,9 @@ train.run(cfg)
                        {{"--expert-store", dir("lone.store")}, "%-%-expert%-store: the expert store's file is used " ..
                                                                "only with %-%-expert%-budget %(give both, or neither%)"},
                        {{"--expert-prefetch", "1"}, "%-%-expert%-prefetch: the expert store's hints are used only " ..
-                                                    "with %-%-expert%-budget"}} do
+                                                    "with %-%-expert%-budget"},
+                       {{"--greedy", "--temperature", "0.5"}, "%-%-temperature: %-%-greedy takes the most likely " ..
+                                                              "byte, whatever the temperature"}} do
       args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)
