@@ -195,6 +195,10 @@ function data.open(opts)
     end
   end
   starts[#files + 1] = n
+  if #listed == 0 and opts.glob then   -- a glob of directories only, such as a directory's name
+    fail("open", "glob '%s' matches no regular file (only directories: a glob such as '%s/**/*' reads the " ..
+         "files under one)", opts.glob, (opts.glob:gsub("/$", "")))
+  end
 
   local W = S + 1
   local nval = 0

@@ -175,6 +175,9 @@ describe("moelua.data", function()
     has(errmsg(data.open, {paths = files, seq_len = 4, holdout = 1}), "holdout: expected a number in [0, 1)")
     has(errmsg(data.open, {paths = {path("nope")}, seq_len = 4}), "cannot read '" .. path("nope"))
     has(errmsg(data.open, {glob = path("*.none"), seq_len = 4}), "matches no file")
+    fs.mkdir_p(path("sub"))
+    has(errmsg(data.open, {glob = path("sub"), seq_len = 4}), "glob '" .. path("sub") .. "' matches no regular " ..
+        "file (only directories: a glob such as '" .. path("sub") .. "/**/*' reads the files under one)")
     has(errmsg(data.open, {paths = files, seq_len = 5000}), "too few for one training window")
     local ds = data.open{paths = files, seq_len = 4}
     has(errmsg(ds.batch, ds, -1), "moelua.data.batch: step: expected a non-negative integer")
