@@ -121,8 +121,11 @@ function options.bytes(name, text)
   local num, unit = tostring(text):match("^%s*([%d%.]+)%s*(%a*)%s*$")
   local v = tonumber(num or "")
   local scale = UNITS[unit ~= "" and unit or "B"]
-  if not v or not scale or v * scale < 1 or v * scale >= 2^62 then
+  if not v or not scale then
     fail("option --%s expects a size such as 64MiB or 1.5GiB (B, KiB, MiB, GiB, TiB), got '%s'", name, tostring(text))
+  end
+  if v * scale < 1 or v * scale >= 2^62 then
+    fail("option --%s must be at least 1 byte and below 4 EiB, got '%s'", name, tostring(text))
   end
   return math.floor(v * scale)
 end

@@ -245,6 +245,7 @@ train.run(cfg)
       for _, c in ipairs{
         {{"--expert-budget", "1KiB"}, "--expert-budget 1.00 KiB is smaller than one expert ("},
         {{"--expert-budget", "lots"}, "option --expert-budget expects a size such as 64MiB or 1.5GiB"},
+        {{"--expert-budget", "0"}, "option --expert-budget must be at least 1 byte and below 4 EiB, got '0'"},
         {{"--expert-budget", "8MiB", "--expert-store", "/dev/shm/moelua_spec.store"},
          "--expert-store: /dev/shm/moelua_spec.store is on tmpfs"},
         {{"--expert-budget", "8MiB", "--zero", "1"}, "--expert-budget: the expert store is not built for sharded training yet"},
