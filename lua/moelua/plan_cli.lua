@@ -412,8 +412,9 @@ local function cache_bytes(text)
   return peak and tonumber(peak) * 2^20 or 0
 end
 
--- The knobs --fit tries, in this order (each kept, the most it frees, when
--- the next is tried): recomputing more, expert pre-activations recomputed,
+-- The knobs --fit tries, in this order (a value is kept only when it
+-- lowers the peak; each knob's last kept value stays when the next is
+-- tried): recomputing more, expert pre-activations recomputed,
 -- optimizer states offloaded, experts under halving budgets, ZeRO stages
 -- (with --world). What each costs, said when it is chosen.
 local KNOBS = {
@@ -450,9 +451,9 @@ function M.fit(recipe, rest)
       return nil
     end
     tried[#tried + 1] = string.format("  %-40s %s %s", label, fits and "fits, peak" or "needs", mib(peak))
-    return fits, text
+    return fits, text, peak
   end
-  local fits, text = try("as given")
+  local fits, text, peak = try("as given")
   local chosen = {}
   local world = tonumber(take({table.unpack(rest)}, "world") or "1")
   for _, k in ipairs(KNOBS) do
@@ -476,17 +477,23 @@ function M.fit(recipe, rest)
           end
         end
       end
-      local last, before, given = nil, {table.unpack(args)}, current(name)
+      local last, given = nil, current(name)
       for _, v in ipairs(values) do
         if v ~= given then
+          local before = {table.unpack(args)}
           set(name, v)
-          local f, t = try("--" .. name .. " " .. v, true)
+          local f, t, p = try("--" .. name .. " " .. v, true)
           if f == nil then   -- refused here (e.g. not built for this device): the knob is left as it was
             args = before
             break
           end
-          fits, text, last = f, t, v
-          if fits then break end
+          if p < peak then   -- kept only when it lowers the peak (an offload's staging may add more than it frees)
+            fits, text, peak, last = f, t, p, v
+            if fits then break end
+          else
+            tried[#tried] = tried[#tried] .. ": no lower, not kept"
+            args = before
+          end
         end
       end
       if last then chosen[#chosen + 1] = {k = k, v = last} end
