@@ -1425,7 +1425,7 @@ function train.run(cfg)
     refused = claim_run_dir(self.run_dir)
   end
   if z.world > 1 and z:all_reduce_numbers({refused and 1 or 0}, "max", "run directory lock")[1] > 0 then
-    refused = refused or string.format("moelua.train: rank 0 could not claim run directory '%s'", self.run_dir)
+    refused = refused or string.format("moelua.train: run directory '%s' is in use by another job (rank 0 says which)", self.run_dir)
   end
   if refused then errors.user(refused) end
   local _ <close> = self.run_dir and setmetatable({}, {__close = function() release_run_dir(self.run_dir) end})
