@@ -143,6 +143,7 @@ local measure = require "moelua.measure"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
+local attach_env = require "moelua.attach_env"
 local zero = require "moelua.zero"
 local host = require "moelua.host"
 local json = require "dkjson"
@@ -736,10 +737,17 @@ function Trainer:call_hook(step, name, ...)
   if ok then return end
   local msg = tostring(err)
   if msg:find("interrupted") then error(err, 0) end
+  self:reload_failed(step, name, msg)
+  return false
+end
+
+-- A reloaded hook failed while it ran: every reloaded hook goes back to
+-- its version from before the reload, reported as a "call" reload_error.
+function Trainer:reload_failed(step, name, msg)
+  local rl = self.reload
   for n, g in pairs(rl.previous) do self[n] = g end
   rl.previous = nil
   self:reload_error(step, rl.hash, "call", name .. ": " .. msg)
-  return false
 end
 
 -- The collector runs only where the trainer says: a full collection at
@@ -810,6 +818,39 @@ end
 local function fresh_ctl(self)
   return {temperature = 1.0, noise = 0.0, eps = 0.0, aux_weight = self.aux_weight,
           z_weight = self.z_weight, capacity_factor = nil, lr_scale = 1.0}
+end
+
+-- nil when every control the hook set is one (attach_env.SETTABLE) and in
+-- its range, else the first wrong one's message (by name).
+local function ctl_error(ctl)
+  local keys = {}
+  for k in pairs(ctl) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  for _, k in ipairs(keys) do
+    local why = attach_env.check(k, ctl[k])
+    if why then return why end
+  end
+end
+
+-- The step's controls: the hook's, checked. A reloaded hook that raises or
+-- sets a wrong control gives way to the hooks from before the reload
+-- (whose controls are taken afresh); the recipe's own hook setting one is
+-- a user error, before the step computes anything.
+function Trainer:step_controls(step)
+  local ctl = fresh_ctl(self)
+  local failed = self:call_hook(step, "hook", step, self.state, ctl) == false
+  local bad = not failed and ctl_error(ctl)
+  if bad and self.reload and self.reload.previous and self.reload.reloadable.hook then
+    self:reload_failed(step, "hook", bad)
+    failed = true
+  end
+  if failed then
+    ctl = fresh_ctl(self)
+    self:call_hook(step, "hook", step, self.state, ctl)
+    bad = ctl_error(ctl)
+  end
+  if bad then errors.user(string.format("moelua.train: step %d: the hook's ctl: %s", step, bad)) end
+  return ctl
 end
 
 -- Before a message or a recipe callback that may print: the progress
@@ -885,12 +926,8 @@ function Trainer:step(step)
   if self.reload then self:check_reload(step) end
   local srv = self.attach
   if srv then srv:poll(step) end                -- attached clients: at the step's start (set{} takes effect here)
-  local ctl = fresh_ctl(self)
   self:end_line()
-  if self:call_hook(step, "hook", step, self.state, ctl) == false then
-    ctl = fresh_ctl(self)                       -- the reloaded hook failed: the previous one, afresh
-    self:call_hook(step, "hook", step, self.state, ctl)
-  end
+  local ctl = self:step_controls(step)
   self:redraw()                                 -- below whatever the hook printed
   local set = attach_overrides(self)
   local overrides = next(set) and {} or nil

@@ -165,6 +165,29 @@ describe("train.run reload", function()
     assert.matches("reload of .* at step 4 failed %(call%): hook: .*bad hook", table.concat(stderr))
   end)
 
+  it("goes back to the previous hook when a reloaded one sets a control out of range or unknown", function()
+    for _, c in ipairs({{"-0.25", nil, "temperature must be a finite number > 0 .*got %-0%.25"},
+                        {"0.25", "ctl.tempreature = 0.2", "unknown control 'tempreature'"}}) do
+      local r = start(recipe("0.5"), function(step)
+        if step == 1 then write(path, recipe(c[1], c[2])) end
+      end)
+      assert.are.equal(5, #r.losses)
+      local steps, events = lines(dir)
+      assert.are.equal("0.5 0.5 0.5 0.5 0.5 0.5", temperatures(steps))
+      local bad = of_kind(events, "reload_error")
+      assert.are.equal(1, #bad)
+      assert.are.equal("call", bad[1].phase)
+      assert.are.equal(2, bad[1].step)
+      assert.matches("^hook: " .. c[3], bad[1].error)
+      support.remove_dir(dir .. "/run")
+    end
+  end)
+
+  it("refuses the recipe's own hook setting an unknown control, before the first step", function()
+    local err = support.errmsg(start, recipe("0.5", "ctl.tempreature = 0.2"), function() end)
+    assert.matches("moelua.train: step 0: the hook's ctl: unknown control 'tempreature' %(one of temperature, ", err)
+  end)
+
   it("rejects a hook that cannot be reloaded", function()
     assert.matches("not a reloadable hook",
                    support.errmsg(start, recipe("0.5"):gsub('names = {"hook"}', 'names = {"lr"}'),
