@@ -59,7 +59,9 @@
 -- when the replay starts, with the lr_scale and lr the hook then gives.
 -- More than `max_rollbacks` rollbacks to one checkpoint stop the run: an
 -- event {event = "stopped"} and a user error naming the last good
--- checkpoint, which stays on disk (keep-K never removes it). `max_skipped`
+-- checkpoint, which stays on disk (keep-K never removes it). A checkpoint
+-- is good when its step asked for no rollback, no layer was collapsed and
+-- it ended no run of skipped steps. `max_skipped`
 -- skipped steps before any good checkpoint stop it too (nothing to go back
 -- to). A run resumed from its own checkpoints takes ckpt/last_good back.
 --
@@ -1565,8 +1567,9 @@ function train.run(cfg)
       local h
       dir, h = self:save(step, "every")
       held = held + h
-      -- good: not a step that asked for a rollback it could not take, nor one inside a collapse
-      if dir and not why and not collapsing then
+      -- good: not a step that asked for a rollback it could not take, nor one inside a
+      -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
+      if dir and not why and not collapsing and self.skipped_run == 0 then
         last_good, last_good_step = dir, step
         if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
       end

@@ -103,6 +103,16 @@ describe("rollbacks", function()
     assert.is_nil(ckpt.latest(dir .. "/ckpt"))
   end)
 
+  it("roll back past checkpoints saved during a run of skipped steps: they are not good", function()
+    local cfg = planted({[3] = true, [4] = true, [5] = true}, {run_dir = dir, ckpt_every = 1, keep = 10,
+                                                            rollback = {max_skipped = 3}})
+    local r = train.run(cfg)
+    assert.are.equal(1, r.rollbacks)
+    local ev = events(dir, "rollback")
+    assert.are.equal(dir .. "/ckpt/step-000002", ev[1].to)   -- not step-000004, saved between skips
+    assert.are.equal(5, ev[1].step)
+  end)
+
   it("roll back, in a resumed run, to the good checkpoint the run marked before", function()
     train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 is saved and good, step 6 is the final
     local cfg = planted({[8] = true}, {run_dir = dir, resume = dir .. "/ckpt"})
@@ -315,7 +325,7 @@ describe("the console", function()
   it("prints a user error (a bad option value) without a traceback, naming the option", function()
     for _, bad in ipairs({{"--steps", "0", "option %-%-steps must be at least 1, got 0"},
                           {"--steps", "-3", "option %-%-steps must be at least 1, got %-3"},
-                          {"--eps", "2", "option %-%-eps must be at most 1, got 2"},
+                          {"--eps", "2", "option %-%-eps must be below 1, got 2"},
                           {"--seq-len", "x", "option %-%-seq%-len expects a number, got 'x'"}}) do
       local p = assert(io.popen(support.host_command({"recipes/tiny.lua", bad[1], bad[2]}) .. " 2>&1"))
       local code, text = support.finish_child(p)
