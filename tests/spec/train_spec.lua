@@ -96,9 +96,22 @@ describe("train.run", function()
   end)
 
   it("skips a step with a non-finite loss and counts it", function()
-    local r = run{hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}
+    local model, ds, groups, opt = pieces()
+    local forward, at = model.forward, nil
+    model.forward = function(self, tokens, s)   -- the loss of step 2's batch is NaN
+      local l, st = forward(self, tokens, s)
+      if at == 2 then l = 0 / 0 end
+      return l, st
+    end
+    local r = run{model = model, data = ds, groups = groups, optimizer = opt,
+                  hook = function(step) at = step end}
     assert.are.equal(1, r.skipped)
     assert.is_true(r.final_loss == r.final_loss)
+  end)
+
+  it("refuses a hook's control that is not a finite number in its range", function()
+    support.has(support.errmsg(run, {hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}),
+                "moelua.train: step 2: the hook's ctl: aux_weight must be a finite number >= 0")
   end)
 
   it("rolls back on router collapse, moves the data on and calls the recipe", function()
