@@ -11,6 +11,7 @@
 --   src:read_range(offset, dst)             -- numel(dst) elements from element offset
 --   src:read()                              -- a new CPU tensor (f32 for BF16/F16 on disk)
 --   ckpt.latest(root), ckpt.last_good(root), ckpt.mark_good(root, dir), ckpt.list(root)
+--   ckpt.json_error(v, what)   -- nil, or why v cannot be saved as JSON
 --
 -- A save writes root/step-NNNNNN.tmp/ (model.safetensors with metadata
 -- {"format": "pt"}, config.json, optim/{exp_avg,exp_avg_sq,steps}.safetensors,
@@ -111,6 +112,13 @@ local function jsonable(v, path, fn, seen)
   seen[v] = nil
   if nkeys == 0 then setmetatable(out, {__jsontype = "object"}) end
   return out
+end
+
+-- ckpt.json_error(v, what) -> nil when v can be saved in a checkpoint's
+-- JSON (trainer.json's recipe_state), else why not, naming the key.
+function ckpt.json_error(v, what)
+  local ok, err = pcall(jsonable, v, what, "save", {})
+  if not ok then return tostring(err) end
 end
 
 local function all_keys(v, keys)

@@ -930,6 +930,11 @@ function Trainer:step(step)
   if srv then srv:poll(step) end                -- attached clients: at the step's start (set{} takes effect here)
   self:end_line()
   local ctl = self:step_controls(step)
+  local unsaved = self.run_dir and ckpt.json_error(self.state, "state")
+  if unsaved then   -- now, not at the next checkpoint: the steps between would be lost
+    errors.user(string.format("moelua.train: step %d: the recipe's state cannot be saved in a checkpoint (%s)",
+                              step, (unsaved:gsub("^moelua%.ckpt%.save: ", ""))))
+  end
   self:redraw()                                 -- below whatever the hook printed
   local set = attach_overrides(self)
   local overrides = next(set) and {} or nil

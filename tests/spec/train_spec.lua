@@ -109,6 +109,15 @@ describe("train.run", function()
     assert.is_true(r.final_loss == r.final_loss)
   end)
 
+  it("refuses, at the step that makes it, a recipe state a checkpoint cannot hold", function()
+    local err = support.errmsg(run, {run_dir = dir, ckpt_every = 0, state = {},
+                                     hook = function(step, state) if step == 3 then state.fn = print end end})
+    support.has(err, "moelua.train: step 3: the recipe's state cannot be saved in a checkpoint " ..
+                     "(state.fn: a function cannot be saved in JSON)")
+    support.has(support.errmsg(run, {run_dir = dir .. "/b", state = {loss = 0 / 0}}),
+                "moelua.train: step 0: the recipe's state cannot be saved in a checkpoint (state.loss: ")
+  end)
+
   it("refuses a hook's control that is not a finite number in its range", function()
     support.has(support.errmsg(run, {hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}),
                 "moelua.train: step 2: the hook's ctl: aux_weight must be a finite number >= 0")
