@@ -33,7 +33,7 @@ local opts = options.parse(arg, {
   {"json", false, "print one JSON object"},
   {"grad-norms", false, "add per-tensor gradient L2 norms of the mean loss, by HF name"},
   {"checkpoint", "none", "activation checkpointing per layer: none, attention, moe, full"},
-  {"threads", 2, "CPU threads"},
+  {"threads", 2, "CPU threads", min = 1},
 }, "usage: moelua recipes/eval.lua --ckpt DIR --data FILE [options]")
 if opts.ckpt == "" then errors.user("recipes/eval.lua: --ckpt DIR is required") end
 if opts.data == "" then errors.user("recipes/eval.lua: --data FILE is required") end

@@ -29,7 +29,7 @@ local opts, given = options.parse(arg, {
   {"temperature", 0.8, "sampling temperature (0: the most likely byte)", min = 0},
   {"top-p", 0.9, "nucleus sampling: the smallest set of bytes holding this much probability",
    min = 1e-6, max = 1},
-  {"seed", 0, "the sampling generator's seed"},
+  {"seed", 0, "the sampling generator's seed", min = 0},
   {"greedy", false, "always the most likely byte"},
   {"seq-len", 256, "context: the KV cache's positions (a full cache restarts from its last half)", min = 1},
   {"expert-budget", "", "keep at most this many bytes of experts resident, e.g. 32MiB (default: all)"},

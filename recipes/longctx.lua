@@ -66,8 +66,8 @@ local opts, given = options.parse(arg, {
   {"max-rollbacks", 5, "rollbacks to one checkpoint before the run stops", min = 0},
   {"resume", "", "continue from a checkpoint (a directory or the ckpt root)"},
   {"attach", false, "listen on RUN_DIR/attach/sock for `moelua attach RUN_DIR` (moelua.remote)"},
-  {"init-from", "", "start from a Mixtral-format checkpoint's weights (model.safetensors or a " ..
-                    "sharded index; F32/BF16/F16; shapes must match the model options)"},
+  {"init-from", "", "start from a Mixtral-format checkpoint's weights: a directory holding model.safetensors " ..
+                    "or a sharded index (F32/BF16/F16; shapes must match the model options)"},
   -- several processes (mpiexec -n N ./moelua recipes/longctx.lua ...)
   {"zero", 0, "ZeRO stage: 0 replicates, 1 shards optimizer states, 2 also gradients, 3 also parameters",
    min = 0, max = 3},
