@@ -225,6 +225,12 @@ describe("eval, init-from and the profile", function()
     support.write_file(dir .. "/config.json", '{"hidden_size": 48, "num_local_experts": 4}')
     local msg = support.errmsg(train.init_from, model, dir)
     support.has(msg, "config.json has hidden_size = 48, the model has 32")
+    -- and one of the same shapes whose math differs
+    support.write_file(dir .. "/config.json", '{"hidden_size": 32, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}')
+    msg = support.errmsg(train.init_from, model, dir)
+    support.has(msg, "config.json has rope_theta = 10000.0, the model has 1000000.0 (the same shapes, other math)")
+    support.has(msg, "config.json has rms_norm_eps = 1e-06, the model has 1e-05")
+    assert.are.equal(0, max_diff(before, model:named_parameters()[1].tensor))
   end)
 
   it("--init-from loads BF16 and sharded checkpoints", function()

@@ -806,13 +806,19 @@ local CONFIG_KEYS = {
   {"num_local_experts", "experts"}, {"num_experts_per_tok", "topk"},
 }
 
+-- config.json keys that change the math with the same shapes (the weights
+-- were trained with them): compared as the shape keys are
+local MATH_KEYS = {"rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_act"}
+
 local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
 
 -- model:load_named(tensors [, opts]): copy a checkpoint's tensors
 -- {HF name -> tensor or moelua.ckpt source} into the parameters (a source
 -- is read straight into the parameter's view, on the model's device).
 -- Everything is checked before anything is copied: opts.config (a
--- MixtralConfig table, when given) against the model's shape keys; every
+-- MixtralConfig table, when given) against the model's shape keys and
+-- those that change its math (rope_theta, rms_norm_eps, tied embeddings,
+-- the activation); every
 -- parameter present, no other tensor, equal shapes, floating dtypes (F32,
 -- BF16, F16, F64).
 -- opts.source names the checkpoint in errors. One error lists every
@@ -872,6 +878,13 @@ function Transformer:check_named(tensors, opts, caller)
       local v = opts.config[kv[1]]
       if v ~= nil and v ~= mine[kv[1]] then
         bad("config.json has %s = %s, the model has %s", kv[1], tostring(v), tostring(mine[kv[1]]))
+      end
+    end
+    for _, k in ipairs(MATH_KEYS) do
+      local v = opts.config[k]
+      if v ~= nil and v ~= mine[k] then
+        bad("config.json has %s = %s, the model has %s (the same shapes, other math)", k, tostring(v),
+            tostring(mine[k]))
       end
     end
   end
