@@ -116,6 +116,7 @@ function Handle:run(x, opts)
   local S = opts.seq_len or 256
   if math.type(S) ~= "integer" or S < 1 then fail("run", "option 'seq_len' must be an integer >= 1") end
   if #s < 1 then fail("run", "empty input") end
+  if #s < 2 then fail("run", "1 byte of input: a prediction needs 2 (a byte and the next)") end
   local E, k, L, n = model.opts.experts, model.opts.topk, model.opts.layers, #s
   local layers = {}
   for l = 1, L do
@@ -540,8 +541,8 @@ function Handle:generate(prompt, o)
   if math.type(n) ~= "integer" or n < 1 then fail("generate", "option 'n' must be an integer >= 1") end
   if math.type(S) ~= "integer" or S < 1 then fail("generate", "option 'seq_len' must be an integer >= 1") end
   local go = {greedy = o.greedy, temperature = o.temperature or 1.0, top_p = o.top_p or 1.0}
-  if type(go.temperature) ~= "number" or go.temperature < 0 then
-    fail("generate", "option 'temperature' must be a number >= 0")
+  if type(go.temperature) ~= "number" or not (go.temperature >= 0 and go.temperature < math.huge) then
+    fail("generate", "option 'temperature' must be a finite number >= 0")
   end
   if type(go.top_p) ~= "number" or not (go.top_p > 0 and go.top_p <= 1) then
     fail("generate", "option 'top_p' must be in (0, 1]")

@@ -158,8 +158,11 @@ describe("moelua.inspect", function()
     support.raises("moelua.inspect.generate: option 'n' must be an integer >= 1", h.generate, h, "x", {n = 0})
     support.raises("moelua.inspect.generate: unknown option 'tempreature'", h.generate, h, "x",
                    {tempreature = 0.5})
-    support.raises("moelua.inspect.generate: option 'temperature' must be a number >= 0", h.generate, h, "x",
+    support.raises("moelua.inspect.generate: option 'temperature' must be a finite number >= 0", h.generate, h, "x",
                    {temperature = "hot"})
+    support.raises("moelua.inspect.generate: option 'temperature' must be a finite number >= 0", h.generate, h, "x",
+                   {temperature = 0 / 0})
+    support.raises("moelua.inspect.run: 1 byte of input: a prediction needs 2 (a byte and the next)", h.run, h, "x")
     support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
     support.raises("moelua.inspect.run: unknown option 'seqlen' (expected seq_len)", h.run, h, "abc", {seqlen = 8})
     support.raises("moelua.inspect.run: argument #2: expected an options table, got number", h.run, h, "abc", 8)
