@@ -1351,11 +1351,6 @@ local function run_contents(run_dir)
   return names
 end
 
--- train.expert_store_path(run_dir): where a run's expert store
--- (moelua.expert_store) keeps its backing file by default, with the run
--- directory made. A file found there was left by a job that was killed:
--- a store removes its file when it closes, and a run resumes from its
--- checkpoints, never from the store; it is removed, saying so.
 -- One job per run directory: the first write into run_dir claims
 -- RUN_DIR/lock (moelua.fs.lock), held until train.run returns or raises
 -- (or the process ends). Returns nil, or the message refusing the
@@ -1378,6 +1373,11 @@ local function release_run_dir(run_dir)
   claimed[run_dir] = nil
 end
 
+-- train.expert_store_path(run_dir): where a run's expert store
+-- (moelua.expert_store) keeps its backing file by default, with the run
+-- directory made. A file found there was left by a job that was killed:
+-- a store removes its file when it closes, and a run resumes from its
+-- checkpoints, never from the store; it is removed, saying so.
 local function store_path(run_dir, file, what)
   local path = run_dir .. "/" .. file
   if train.plan_only then return path end   -- `moelua plan`: nothing is written
@@ -1469,7 +1469,8 @@ function train.run(cfg)
     refused = claim_run_dir(self.run_dir)
   end
   if z.world > 1 and z:all_reduce_numbers({refused and 1 or 0}, "max", "run directory lock")[1] > 0 then
-    refused = refused or string.format("moelua.train: run directory '%s' is in use by another job (rank 0 says which)", self.run_dir)
+    refused = refused or string.format("moelua.train: run directory '%s' is in use by another job " ..
+                                       "(rank 0 says which)", self.run_dir)
   end
   if refused then errors.user(refused) end
   local _ <close> = self.run_dir and setmetatable({}, {__close = function() release_run_dir(self.run_dir) end})
