@@ -120,6 +120,8 @@ static int msghandler(lua_State *L)
     lua_pop(L, 1);
     if (user && !always)
         return 1;
+    if (strstr(msg, "\nstack traceback:\n"))
+        return 1;   /* it carries the traceback of where it was raised (moelua.train) */
     luaL_traceback(L, L, msg, 1);
     return 1;
 }

@@ -1433,6 +1433,15 @@ local function clear_run_dir(dir)
   end
 end
 
+-- The step's error, caught below and raised again after the bookkeeping:
+-- a bug's keeps the traceback of where it was raised (the host prints a
+-- message that holds one as it is); user errors and interrupts stay as
+-- they are.
+local function with_traceback(e)
+  if type(e) ~= "string" or e:find("interrupted") or e:find("\nstack traceback:\n", 1, true) then return e end
+  return debug.traceback(e, 2)
+end
+
 function train.run(cfg)
   local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
@@ -1591,9 +1600,9 @@ function train.run(cfg)
       -- every rank stops at the same step: Ctrl-C (mpiexec passes it to
       -- each) is held through the step and what follows it, and the ranks
       -- agree on it after
-      held, ok, m = host.hold_interrupts(pcall, self.step, self, step)
+      held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
     else
-      ok, m = pcall(self.step, self, step)
+      ok, m = xpcall(self.step, with_traceback, self, step)
       -- a signal an offloaded optimizer held through its pass: the step is whole, stop after it
       held = self.optimizer.held_interrupts or 0
       self.optimizer.held_interrupts = nil

@@ -112,6 +112,25 @@ describe("moelua command line", function()
         assert.matches("in upvalue 'inner'", err)
         assert.matches("in local 'outer'", err)
         assert.matches("in main chunk", err)
+        -- a bug in a training hook keeps the traceback of where it was raised (the trainer catches
+        -- a step's error and raises it again after its bookkeeping), once
+        local recipe = tmpfile("bughook.lua", [[
+local nn, optim, sched, data, train = require "moelua.nn", require "moelua.optim", require "moelua.sched",
+                                      require "moelua.data", require "moelua.train"
+local model = nn.Transformer.new{vocab = 256, dim = 16, layers = 1, heads = 2, kv_heads = 1, ffn = 24,
+                                 experts = 4, topk = 2, seed = 0}
+local ds = data.open{glob = "/usr/include/std*.h", seq_len = 32, seed = 0, holdout = 0.01}
+local groups = model:param_groups{}
+local function my_hook(step) if step == 1 then local x; return x.y end end
+train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3}), groups = groups,
+          seq_len = 32, steps = 3, lr = sched.constant(1e-3), hook = my_hook}
+]])
+        code, _, err = run({recipe})
+        assert.are.equal(1, code)
+        assert.matches("bughook%.lua:7: attempt to index a nil value %(local 'x'%)\nstack traceback:\n" ..
+                       "\t[^\n]*bughook%.lua:7: in ", err)
+        local _, n = err:gsub("stack traceback:", "")
+        assert.are.equal(1, n, err)
         -- a non-string error object is described, not lost
         code, _, err = run({"-e", "error({})"})
         assert.are.equal(1, code)
