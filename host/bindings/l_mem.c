@@ -25,10 +25,12 @@
  *   mem.planning()                true inside mem.plan
  */
 #include "l_util.h"
+
 #ifdef ML_WITH_CUDA
 #include "../runtime/backend_cuda.h"
 #endif
 
+#include <math.h>
 #include <string.h>
 
 #include "../runtime/plan.h"
@@ -187,8 +189,8 @@ static size_t check_bytes(lua_State *L, int idx, const char *fn, const char *key
 {
     int isnum;
     lua_Number v = lua_tonumberx(L, idx, &isnum);
-    if (!isnum || v < 0 || v != v || v > 9.0e18)
-        ml_error(L, fn, "option '%s' must be a byte count >= 0, got %s", key,
+    if (!isnum || v < 0 || v != v || v > 9.0e18 || v != floor(v))   /* 8 * 2^30 is a float: whole ones pass */
+        ml_error(L, fn, "option '%s' must be a whole byte count >= 0, got %s", key,
                  isnum ? lua_tostring(L, idx) : luaL_typename(L, idx));
     return (size_t)v;
 }

@@ -450,12 +450,13 @@ describe("bad input", function()
     has(errmsg(mem.budget, "x"), "table expected, got string")
     has(errmsg(mem.budget, {bogus = 1}), "moelua.mem.budget: unknown option 'bogus' (total, device, force, or a category")
     has(errmsg(mem.budget, {[1] = 5}), "unknown option 'number'")
-    assert.are.equal("moelua.mem.budget: option 'total' must be a byte count >= 0, got -1",
+    assert.are.equal("moelua.mem.budget: option 'total' must be a whole byte count >= 0, got -1",
                      errmsg(mem.budget, {total = -1}))
-    assert.are.equal("moelua.mem.budget: option 'params' must be a byte count >= 0, got string",
+    assert.are.equal("moelua.mem.budget: option 'params' must be a whole byte count >= 0, got string",
                      errmsg(mem.budget, {params = "lots"}))
-    has(errmsg(mem.budget, {acts = 0 / 0}), "moelua.mem.budget: option 'acts' must be a byte count >= 0, got")
-    has(errmsg(mem.budget, {total = 1e30}), "option 'total' must be a byte count >= 0")
+    has(errmsg(mem.budget, {acts = 0 / 0}), "moelua.mem.budget: option 'acts' must be a whole byte count >= 0, got")
+    has(errmsg(mem.budget, {total = 1e30}), "option 'total' must be a whole byte count >= 0")
+    has(errmsg(mem.budget, {total = 1.5}), "option 'total' must be a whole byte count >= 0, got 1.5")
     assert.are.equal("moelua.mem.budget: unknown device 'tpu' (cpu, cuda, pinned, file)",
                      errmsg(mem.budget, {device = "tpu", total = 1}))
     -- validated before anything changes: a good key next to a bad one is not applied
