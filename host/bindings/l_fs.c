@@ -12,6 +12,8 @@
  *   fs.fsync(path)            fsync a file or a directory
  *   fs.mkdir_p(path)          mkdir -p (mode 0777 before the umask)
  *   fs.rename(from, to)       rename(2)
+ *   fs.exchange(a, b)         swap two paths at once (renameat2 RENAME_EXCHANGE)
+ *                             -> true, or nil and why where the file system cannot
  *   fs.listdir(path)          -> sorted names, without "." and ".."
  *   fs.remove_tree(path)      rm -rf without following links; -> false if absent
  *   fs.free_bytes(path)       bytes available to this user (statvfs)
@@ -256,6 +258,24 @@ static int l_fs_rename(lua_State *L)
     if (rename(from, to) != 0)
         ml_error(L, fn, "'%s' -> '%s': %s", from, to, strerror(errno));
     return 0;
+}
+
+/* fs.exchange(a, b): both exist; renameat2's RENAME_EXCHANGE swaps them
+ * in one step. true, or nil and why when this file system cannot. */
+static int l_fs_exchange(lua_State *L)
+{
+    static const char fn[] = "moelua.fs.exchange";
+    const char *a = check_path(L, 1, fn, "a");
+    const char *b = check_path(L, 2, fn, "b");
+    if (renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) == 0) {
+        lua_pushboolean(L, 1);
+        return 1;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+        ml_error(L, fn, "'%s' <-> '%s': %s", a, b, strerror(errno));
+    lua_pushnil(L);
+    lua_pushstring(L, strerror(errno));
+    return 2;
 }
 
 static int cmp_str(const void *a, const void *b)
@@ -545,6 +565,7 @@ static const luaL_Reg fs_functions[] = {
     {"fsync", l_fs_fsync},
     {"mkdir_p", l_fs_mkdir_p},
     {"rename", l_fs_rename},
+    {"exchange", l_fs_exchange},
     {"listdir", l_fs_listdir},
     {"remove_tree", l_fs_remove_tree},
     {"free_bytes", l_fs_free_bytes},

@@ -361,7 +361,9 @@ end
 
 -- ckpt.save(root, step, state [, opts]) -> the checkpoint directory
 -- opts: keep = K (>= 1; nil keeps all), min_free = bytes that must remain
--- free after the save (default 0), fail_at = a stage (tests).
+-- free after the save (default 0), good = true: root/last_good names it
+-- too (written right after latest, before pruning, so a kill cannot leave
+-- a newer good checkpoint unmarked), fail_at = a stage (tests).
 function ckpt.save(root, step, state, opts)
   local fn = "save"
   if type(root) ~= "string" or root == "" then fail(fn, "argument #1 (root): expected a path, got %s", type(root)) end
@@ -371,7 +373,9 @@ function ckpt.save(root, step, state, opts)
   opts = opts or {}
   if type(opts) ~= "table" then fail(fn, "argument #4: expected an options table, got %s", type(opts)) end
   for k in pairs(opts) do
-    if not ({keep = 1, min_free = 1, fail_at = 1})[k] then fail(fn, "argument #4: unknown option '%s'", tostring(k)) end
+    if not ({keep = 1, min_free = 1, fail_at = 1, good = 1})[k] then
+      fail(fn, "argument #4: unknown option '%s'", tostring(k))
+    end
   end
   if opts.keep ~= nil and (math.type(opts.keep) ~= "integer" or opts.keep < 1) then
     fail(fn, "keep: expected a positive integer, got %s", tostring(opts.keep))
@@ -396,7 +400,8 @@ function ckpt.save(root, step, state, opts)
 
   fs.mkdir_p(root)
   for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
-    if name:match("^step%-%d+%.tmp$") or name:match("^step%-%d+%.replaced%.tmp$") then
+    if name:match("^step%-%d+%.tmp$") or name:match("^step%-%d+%.replaced%.tmp$") or
+       name:match("^step%-%d+%.pruned%.tmp$") then
       fs.remove_tree(join(root, name))
     end
   end
@@ -412,16 +417,25 @@ function ckpt.save(root, step, state, opts)
   end
 
   local ok, err = pcall(write_all, tmp, model, config, exp_avg, exp_avg_sq, steps, trainer, opts.fail_at, sh)
-  if ok and exists(final) then     -- re-saving a step (after a rollback): replace it
-    local old = join(root, name .. ".replaced.tmp")
-    ok, err = pcall(fs.rename, final, old)
-    if ok then
-      ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
+  local swapped
+  if ok and exists(final) then     -- re-saving a step (after a rollback, a final save): replace it
+    ok, swapped = pcall(fs.exchange, tmp, final)   -- in one step: `final` is always a whole checkpoint
+    if ok and swapped then
+      fs.fsync(root)
+      fs.remove_tree(tmp)                          -- the previous version, now under the temp name
+    elseif ok then                                 -- a file system without it: aside, then in
+      local old = join(root, name .. ".replaced.tmp")
+      ok, err = pcall(fs.rename, final, old)
       if ok then
-        fs.remove_tree(old)
-      else
-        pcall(fs.rename, old, final)   -- put the previous version back before reporting
+        ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
+        if ok then
+          fs.remove_tree(old)
+        else
+          pcall(fs.rename, old, final)   -- put the previous version back before reporting
+        end
       end
+    else
+      err = swapped
     end
   elseif ok then
     ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
@@ -431,6 +445,7 @@ function ckpt.save(root, step, state, opts)
     fail(fn, "saving step %d failed: %s; removed '%s', %s", step, tostring(err), tmp, intact)
   end
   write_pointer(root, "latest", name)
+  if opts.good then write_pointer(root, "last_good", name) end   -- with latest, before any pruning
 
   if opts.keep then
     local protect = {[final] = true}
@@ -440,12 +455,19 @@ function ckpt.save(root, step, state, opts)
     end
     -- Steps after this one belong to a run that was rolled back past: they
     -- go first; then the oldest beyond `keep`.
+    -- Each is renamed first, so no step-N that is half removed is left by a
+    -- kill: the next save clears a leftover *.pruned.tmp.
+    local function prune(dir)
+      local gone = dir .. ".pruned.tmp"
+      fs.rename(dir, gone)
+      fs.remove_tree(gone)
+    end
     local dirs, kept = step_dirs(root), {}
     for _, d in ipairs(dirs) do
-      if d.step > step and not protect[d.dir] then fs.remove_tree(d.dir) else kept[#kept + 1] = d end
+      if d.step > step and not protect[d.dir] then prune(d.dir) else kept[#kept + 1] = d end
     end
     for i = 1, #kept - opts.keep do
-      if not protect[kept[i].dir] then fs.remove_tree(kept[i].dir) end
+      if not protect[kept[i].dir] then prune(kept[i].dir) end
     end
   end
   if sh then sh.barrier("checkpoint saved") end

@@ -576,9 +576,10 @@ function Trainer:log(obj)
   self.metrics:flush()
 end
 
--- Save step's checkpoint; returns its directory and the number of
--- interrupts that arrived during the save (held until it was written).
-function Trainer:save(step, tag)
+-- Save step's checkpoint (good: ckpt/last_good names it too); returns its
+-- directory and the number of interrupts that arrived during the save
+-- (held until it was written).
+function Trainer:save(step, tag, good)
   if not self.run_dir then return nil, 0 end
   local t0 = now()
   local state
@@ -590,7 +591,8 @@ function Trainer:save(step, tag)
     state = {model = self.model:named_parameters(), config = self.model:config(),
              optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta)}
   end
-  local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, state, {keep = self.keep})
+  local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, state,
+                                         {keep = self.keep, good = good or nil})
   self:log({event = "checkpoint", step = step, dir = dir, reason = tag, seconds = now() - t0})
   return dir, held
 end
@@ -1358,7 +1360,10 @@ end
 local claimed = {}
 local function claim_run_dir(run_dir)
   if claimed[run_dir] then return nil end
-  local lock, pid = fs.lock(run_dir .. "/" .. LOCK_FILE)
+  local ok, lock, pid = pcall(fs.lock, run_dir .. "/" .. LOCK_FILE)
+  if not ok then   -- the disk, not moelua: full, read-only
+    return "moelua.train: run directory '" .. run_dir .. "' cannot be claimed: " .. tostring(lock)
+  end
   if not lock then
     return string.format("moelua.train: run directory '%s' is in use by another job (process %s holds %s/%s): " ..
                          "two jobs would write one metrics.jsonl and prune each other's checkpoints. Wait for " ..
@@ -1417,9 +1422,12 @@ function train.check_run_dir(cfg)
                               "checkpoints. Choose another --run-dir, or --overwrite to replace it; nothing " ..
                               "was written", dir, what, cfg.resume))
   end
+  local ok, latest = pcall(ckpt.latest, dir .. "/ckpt")
+  local continue = ok and latest and string.format("Continue it with --resume %s/ckpt, replace", dir)
+                   or "It holds no checkpoint to continue from: replace"
   errors.user(string.format("moelua.train: run directory '%s' already holds a run (%s); nothing was written. " ..
-                            "Continue it with --resume %s/ckpt, replace it with --overwrite (removes %s only), " ..
-                            "or choose another --run-dir", dir, what, dir, table.concat(RUN_FILES, ", ")))
+                            "%s it with --overwrite (removes %s only), or choose another --run-dir", dir, what,
+                            continue, table.concat(RUN_FILES, ", ")))
 end
 
 -- --overwrite: remove what an earlier run wrote there, saying what.
@@ -1580,14 +1588,12 @@ function train.run(cfg)
     if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
       local t0 = now()
       local h
-      dir, h = self:save(step, "every")
-      held = held + h
       -- good: not a step that asked for a rollback it could not take, nor one inside a
       -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
-      if dir and not why and not collapsing and self.skipped_run == 0 then
-        last_good, last_good_step = dir, step
-        if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", last_good) end
-      end
+      local good = not why and not collapsing and self.skipped_run == 0
+      dir, h = self:save(step, "every", good)
+      held = held + h
+      if dir and good then last_good, last_good_step = dir, step end
       m.phases.checkpoint = now() - t0
     end
     self:log(m)

@@ -143,13 +143,33 @@ describe("moelua.ckpt", function()
     -- re-saving an existing step replaces it
     local st9 = state(4, 9)
     st9.model[1].tensor:fill_(0.5)
-    ckpt.save(root, 4, st9, {keep = 2})
+    ckpt.save(root, 4, st9, {keep = 2})   -- swapped in at once (renameat2 RENAME_EXCHANGE), the old one removed
     assert.same(st9.model[1].tensor:totable(), ckpt.load(root).model[st9.model[1].name]:read():totable())
+    assert.same({"last_good", "latest", "step-000001", "step-000004"}, fs.listdir(root))
     -- a rollback to step 4: step 5 belonged to the abandoned run and goes first
     steps = {}
     for _, e in ipairs(ckpt.list(root)) do steps[#steps + 1] = e.step end
     assert.same({1, 4}, steps)
     has(errmsg(ckpt.mark_good, root, root .. "/step-000009"), "is not a checkpoint under")
+  end)
+
+  it("good = true names the save in last_good before pruning; a pruning cut short is cleared", function()
+    ckpt.save(root, 1, state(1, 1), {good = true})
+    ckpt.save(root, 2, state(2, 1), {keep = 1})
+    assert.equal(root .. "/step-000001", ckpt.last_good(root))   -- protected, kept
+    ckpt.save(root, 3, state(3, 1), {keep = 1, good = true})
+    assert.equal(root .. "/step-000003", ckpt.last_good(root))
+    local steps = {}
+    for _, e in ipairs(ckpt.list(root)) do steps[#steps + 1] = e.step end
+    assert.same({3}, steps)                                        -- step 1 was no longer the good one
+    -- a kill while a pruned checkpoint was being removed leaves it under a temp name only
+    fs.mkdir_p(root .. "/step-000002.pruned.tmp")
+    support.write_file(root .. "/step-000002.pruned.tmp/model.safetensors", "part of it")
+    assert.same({3}, (function() local t = {} for _, e in ipairs(ckpt.list(root)) do t[#t + 1] = e.step end
+                                 return t end)())
+    ckpt.save(root, 4, state(4, 1), {keep = 1})
+    assert.is_nil(fs.stat(root .. "/step-000002.pruned.tmp"))
+    has(errmsg(ckpt.save, root, 5, state(5, 1), {good = true, bogus = 1}), "argument #4: unknown option 'bogus'")
   end)
 
   it("corrupted, truncated or missing files are clear errors naming the file", function()

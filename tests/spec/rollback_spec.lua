@@ -176,6 +176,13 @@ describe("run directories", function()
     local cfg = planted({}, {run_dir = dir})
     cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
     assert.matches("already holds a run", support.errmsg(train.plan, cfg))
+    -- a run stopped before its first checkpoint: no --resume to suggest
+    local bare = dir .. "/bare"
+    require("moelua.fs").mkdir_p(bare)
+    support.write_file(bare .. "/metrics.jsonl", "{}\n")
+    err = support.errmsg(train.run, (planted({}, {run_dir = bare})))
+    assert.matches("already holds a run %(metrics%.jsonl%); nothing was written%. It holds no checkpoint to continue " ..
+                   "from: replace it with %-%-overwrite", err)
   end)
 
   it("refuse a directory another job holds (its lock), resumed or overwritten, before writing anything", function()
