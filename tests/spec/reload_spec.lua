@@ -52,6 +52,15 @@ local function of_kind(events, kind)
   return out
 end
 
+-- The one reload_error of a run: its phase and step checked, the event returned.
+local function only_error(events, phase, step)
+  local bad = of_kind(events, "reload_error")
+  assert.are.equal(1, #bad)
+  assert.are.equal(phase, bad[1].phase)
+  assert.are.equal(step, bad[1].step)
+  return bad[1]
+end
+
 describe("train.run reload", function()
   local dir, path, runs, stderr, real_stderr
 
@@ -140,10 +149,7 @@ describe("train.run reload", function()
     assert.are.equal(5, #r.losses)
     local steps, events = lines(dir)
     assert.are.equal("0.5 0.5 0.5 0.5 0.5 0.5", temperatures(steps))
-    local bad = of_kind(events, "reload_error")
-    assert.are.equal(1, #bad)
-    assert.are.equal("load", bad[1].phase)
-    assert.matches("not today", bad[1].error)
+    assert.matches("not today", only_error(events, "load", 2).error)
     assert.are.equal(0, #of_kind(events, "reload"))
     assert.matches("not today", table.concat(stderr))
   end)
@@ -157,11 +163,7 @@ describe("train.run reload", function()
     -- reloaded at step 2; it raises at step 4, where the old hook runs instead
     assert.are.equal("0.5 0.5 0.25 0.25 0.5 0.5", temperatures(steps))
     assert.are.equal(2, of_kind(events, "reload")[1].step)
-    local bad = of_kind(events, "reload_error")
-    assert.are.equal(1, #bad)
-    assert.are.equal("call", bad[1].phase)
-    assert.are.equal(4, bad[1].step)
-    assert.matches("bad hook", bad[1].error)
+    assert.matches("bad hook", only_error(events, "call", 4).error)
     assert.matches("reload of .* at step 4 failed %(call%): hook: .*bad hook", table.concat(stderr))
   end)
 
@@ -174,11 +176,7 @@ describe("train.run reload", function()
       assert.are.equal(5, #r.losses)
       local steps, events = lines(dir)
       assert.are.equal("0.5 0.5 0.5 0.5 0.5 0.5", temperatures(steps))
-      local bad = of_kind(events, "reload_error")
-      assert.are.equal(1, #bad)
-      assert.are.equal("call", bad[1].phase)
-      assert.are.equal(2, bad[1].step)
-      assert.matches("^hook: " .. c[3], bad[1].error)
+      assert.matches("^hook: " .. c[3], only_error(events, "call", 2).error)
       support.remove_dir(dir .. "/run")
     end
   end)
