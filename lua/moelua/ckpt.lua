@@ -16,10 +16,12 @@
 -- A save writes root/step-NNNNNN.tmp/ (model.safetensors with metadata
 -- {"format": "pt"}, config.json, optim/{exp_avg,exp_avg_sq,steps}.safetensors,
 -- trainer.json, then MANIFEST.sha256 of every file, in sha256sum's format),
--- fsyncs each file and directory, renames it to step-NNNNNN/, fsyncs root,
--- then replaces root/latest (a one-line file naming the directory) by
--- write-temp + fsync + rename. keep = K then removes the oldest step-*
--- directories beyond K, never the ones `latest` or `last_good` name. A failed
+-- fsyncs each file and directory, renames it to step-NNNNNN/ (or, when that
+-- step exists, swaps the two with one renameat2 RENAME_EXCHANGE), fsyncs
+-- root, then replaces root/latest (a one-line file naming the directory),
+-- and root/last_good when the save is good, by write-temp + fsync + rename.
+-- keep = K then removes the oldest step-* directories beyond K (each renamed
+-- to *.pruned.tmp first), never the ones `latest` or `last_good` name. A failed
 -- save removes its temp directory and says that the previous checkpoint is
 -- intact; leftover *.tmp directories of a crashed save are ignored by load
 -- and removed by the next save.
