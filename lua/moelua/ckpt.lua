@@ -443,8 +443,9 @@ function ckpt.save(root, step, state, opts)
     ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
   end
   if not ok then
-    pcall(fs.remove_tree, tmp)
-    fail(fn, "saving step %d failed: %s; removed '%s', %s", step, tostring(err), tmp, intact)
+    local _, removed = pcall(fs.remove_tree, tmp)   -- false: it was never made
+    fail(fn, "saving step %d failed: %s; %s, %s", step, (tostring(err):gsub("^[^\n]-%.lua:%d+: ", "")),
+         removed and ("removed '" .. tmp .. "'") or "nothing written", intact)
   end
   write_pointer(root, "latest", name)
   if opts.good then write_pointer(root, "last_good", name) end   -- with latest, before any pruning
