@@ -20,7 +20,8 @@
  *   fs.sha256(path)           hex digest of a file (OpenSSL EVP, streamed)
  *   fs.sha256_string(s)       hex digest of a string
  *   fs.glob(pattern)          -> sorted matches of glob(3) (none: {})
- *   fs.lock(path)             -> lock, or nil and the holder's pid (0: unknown)
+ *   fs.lock(path)             -> lock, or nil and the holder's pid (0: unknown),
+ *                                or false and why where the file system has no flock
  *       an exclusive flock(2) on path (created 0644), not waited for; the
  *       holder writes its pid there. Held until lock:release(), its
  *       collection or the process's end (the kernel drops it then, so a
@@ -271,10 +272,11 @@ static int l_fs_exchange(lua_State *L)
         lua_pushboolean(L, 1);
         return 1;
     }
-    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
-        ml_error(L, fn, "'%s' <-> '%s': %s", a, b, strerror(errno));
+    int e = errno;
+    if (e != EINVAL && e != ENOSYS && e != EOPNOTSUPP)
+        ml_error(L, fn, "'%s' <-> '%s': %s", a, b, strerror(e));
     lua_pushnil(L);
-    lua_pushstring(L, strerror(errno));
+    lua_pushstring(L, strerror(e));
     return 2;
 }
 
@@ -545,6 +547,11 @@ static int l_fs_lock(lua_State *L)
         ssize_t n = e == EWOULDBLOCK ? pread(f->fd, pid, sizeof pid - 1, 0) : -1;
         close(f->fd);
         f->fd = -1;
+        if (e == ENOSYS || e == ENOLCK || e == EOPNOTSUPP) {   /* a file system without flock */
+            lua_pushboolean(L, 0);
+            lua_pushstring(L, strerror(e));
+            return 2;
+        }
         if (e != EWOULDBLOCK)
             ml_error(L, "moelua.fs.lock", "'%s': %s", path, strerror(e));
         pid[n > 0 ? n : 0] = '\0';
@@ -553,8 +560,13 @@ static int l_fs_lock(lua_State *L)
         return 2;
     }
     int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
-    if (ftruncate(f->fd, 0) != 0 || pwrite(f->fd, pid, (size_t)n, 0) != n)
-        ml_error(L, "moelua.fs.lock", "'%s': writing the pid: %s", path, strerror(errno));
+    errno = 0;
+    if (ftruncate(f->fd, 0) != 0 || pwrite(f->fd, pid, (size_t)n, 0) != n) {
+        int e = errno ? errno : EIO;   /* a short write sets none */
+        close(f->fd);                  /* released before raising */
+        f->fd = -1;
+        ml_error(L, "moelua.fs.lock", "'%s': writing the pid: %s", path, strerror(e));
+    }
     return 1;
 }
 

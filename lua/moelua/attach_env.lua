@@ -66,7 +66,7 @@ attach_env.SETTABLE = {
   {name = "eps", lo = 0, hi = 1, hi_open = true, what = "in [0, 1) (uniform share mixed into the probabilities)"},
   {name = "aux_weight", lo = 0, what = ">= 0 (load-balancing loss weight)"},
   {name = "z_weight", lo = 0, what = ">= 0 (router z-loss weight)"},
-  {name = "lr_scale", lo = 0, lo_open = true, what = "> 0 (multiplies the scheduled learning rate)"},
+  {name = "lr_scale", lo = 0, what = ">= 0 (multiplies the scheduled learning rate; 0 holds the weights)"},
   {name = "capacity_factor", lo = 0, lo_open = true, what = "> 0 (a model with moe policy \"drop\" only)"},
 }
 local SETTABLE_BY = {}

@@ -365,7 +365,9 @@ end
 -- opts: keep = K (>= 1; nil keeps all), min_free = bytes that must remain
 -- free after the save (default 0), good = true: root/last_good names it
 -- too (written right after latest, before pruning, so a kill cannot leave
--- a newer good checkpoint unmarked), fail_at = a stage (tests).
+-- a newer good checkpoint unmarked), false: it is not good (last_good, if
+-- it named this step, is removed), nil: last_good is left as it is,
+-- fail_at = a stage (tests).
 function ckpt.save(root, step, state, opts)
   local fn = "save"
   if type(root) ~= "string" or root == "" then fail(fn, "argument #1 (root): expected a path, got %s", type(root)) end
@@ -378,6 +380,9 @@ function ckpt.save(root, step, state, opts)
     if not ({keep = 1, min_free = 1, fail_at = 1, good = 1})[k] then
       fail(fn, "argument #4: unknown option '%s'", tostring(k))
     end
+  end
+  if opts.good ~= nil and type(opts.good) ~= "boolean" then
+    fail(fn, "good: expected a boolean, got %s", type(opts.good))
   end
   if opts.keep ~= nil and (math.type(opts.keep) ~= "integer" or opts.keep < 1) then
     fail(fn, "keep: expected a positive integer, got %s", tostring(opts.keep))
@@ -402,8 +407,10 @@ function ckpt.save(root, step, state, opts)
 
   fs.mkdir_p(root)
   for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
-    if name:match("^step%-%d+%.tmp$") or name:match("^step%-%d+%.replaced%.tmp$") or
-       name:match("^step%-%d+%.pruned%.tmp$") then
+    local aside = name:match("^(step%-%d+)%.replaced%.tmp$")
+    if aside and not exists(join(root, aside)) then     -- killed between the fallback's two renames
+      fs.rename(join(root, name), join(root, aside))
+    elseif name:match("^step%-%d+%.tmp$") or aside or name:match("^step%-%d+%.pruned%.tmp$") then
       fs.remove_tree(join(root, name))
     end
   end
@@ -443,12 +450,18 @@ function ckpt.save(root, step, state, opts)
     ok, err = pcall(function() fs.rename(tmp, final); fs.fsync(root) end)
   end
   if not ok then
-    local _, removed = pcall(fs.remove_tree, tmp)   -- false: it was never made
+    local rok, removed = pcall(fs.remove_tree, tmp)   -- false: it was never made
+    removed = rok and removed
     fail(fn, "saving step %d failed: %s; %s, %s", step, (tostring(err):gsub("^[^\n]-%.lua:%d+: ", "")),
          removed and ("removed '" .. tmp .. "'") or "nothing written", intact)
   end
   write_pointer(root, "latest", name)
-  if opts.good then write_pointer(root, "last_good", name) end   -- with latest, before any pruning
+  if opts.good then
+    write_pointer(root, "last_good", name)   -- with latest, before any pruning
+  elseif opts.good == false then
+    local okp, good = pcall(read_pointer, root, "last_good")
+    if okp and good == final then os.remove(join(root, "last_good")) end   -- replaced by one that is not
+  end
 
   if opts.keep then
     local protect = {[final] = true}

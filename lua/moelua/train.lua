@@ -576,7 +576,7 @@ function Trainer:log(obj)
   self.metrics:flush()
 end
 
--- Save step's checkpoint (good: ckpt/last_good names it too); returns its
+-- Save step's checkpoint (good: true, false or nil, as ckpt.save takes it); returns its
 -- directory and the number of interrupts that arrived during the save
 -- (held until it was written).
 function Trainer:save(step, tag, good)
@@ -592,7 +592,7 @@ function Trainer:save(step, tag, good)
              optim = next(named) and named or nil, optim_steps = steps, trainer = trainer_state(self, step, meta)}
   end
   local held, dir = host.hold_interrupts(ckpt.save, self.run_dir .. "/ckpt", step, state,
-                                         {keep = self.keep, good = good or nil})
+                                         {keep = self.keep, good = good})
   self:log({event = "checkpoint", step = step, dir = dir, reason = tag, seconds = now() - t0})
   return dir, held
 end
@@ -825,14 +825,21 @@ local function fresh_ctl(self)
 end
 
 -- nil when every control the hook set is one (attach_env.SETTABLE) and in
--- its range, else the first wrong one's message (by name).
-local function ctl_error(ctl)
+-- its range, else the first wrong one's message (by name). A dropless
+-- model's capacity_factor is 0 (moelua.moe's default), a "drop" one's > 0.
+local function ctl_error(ctl, policy)
   local keys = {}
   for k in pairs(ctl) do keys[#keys + 1] = k end
   table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
   for _, k in ipairs(keys) do
-    local why = attach_env.check(k, ctl[k])
-    if why then return why end
+    local v = ctl[k]
+    if k == "capacity_factor" and policy ~= "drop" then
+      if v ~= 0 then return "capacity_factor must be 0 (no capacity) for a model with moe policy \"" ..
+                            tostring(policy) .. "\", got " .. tostring(v) end
+    else
+      local why = attach_env.check(k, v)
+      if why then return why end
+    end
   end
 end
 
@@ -841,9 +848,11 @@ end
 -- (whose controls are taken afresh); the recipe's own hook setting one is
 -- a user error, before the step computes anything.
 function Trainer:step_controls(step)
+  local mo = self.model.opts and self.model.opts.moe_opts
+  local policy = mo and mo.policy or "dropless"
   local ctl = fresh_ctl(self)
   local failed = self:call_hook(step, "hook", step, self.state, ctl) == false
-  local bad = not failed and ctl_error(ctl)
+  local bad = not failed and ctl_error(ctl, policy)
   if bad and self.reload and self.reload.previous and self.reload.reloadable.hook then
     self:reload_failed(step, "hook", bad)
     failed = true
@@ -851,7 +860,7 @@ function Trainer:step_controls(step)
   if failed then
     ctl = fresh_ctl(self)
     self:call_hook(step, "hook", step, self.state, ctl)
-    bad = ctl_error(ctl)
+    bad = ctl_error(ctl, policy)
   end
   if bad then errors.user(string.format("moelua.train: step %d: the hook's ctl: %s", step, bad)) end
   return ctl
@@ -911,14 +920,28 @@ function Trainer:in_step(step, phase, layer)
   end
 end
 
+-- A step's error, caught and raised again after the bookkeeping (train.run,
+-- Trainer:guarded): a bug's keeps the traceback of where it was raised
+-- (the host prints a message that holds one as it is); user errors,
+-- interrupts and a kernel's NaN stay as they are.
+local function with_traceback(e)
+  if type(e) ~= "string" or e:find("interrupted") or e:find(": NaN in ", 1, true) or
+     e:find("\nstack traceback:\n", 1, true) then
+    return e
+  end
+  return debug.traceback(e, 2)
+end
+
 -- fn(...), where on one rank a kernel's NaN error ("<fn>: NaN in ...": the
 -- router's logits, the LM head's) ends the micro-batches like a NaN loss:
 -- it returns nothing and leaves the message in self.nonfinite, and the step
 -- is skipped and counted. With several ranks it raises: one rank cannot
--- skip alone while the others wait for it in a collective.
+-- skip alone while the others wait for it in a collective; so it does at
+-- ZeRO stage 3, whose units an error leaves gathered.
 function Trainer:guarded(fn, ...)
-  if self.model.zero.world > 1 then return fn(...) end
-  local r = table.pack(pcall(fn, ...))
+  local z = self.model.zero
+  if z.world > 1 or z.stage == 3 then return fn(...) end   -- ZeRO-3 would keep the gathered units
+  local r = table.pack(xpcall(fn, with_traceback, ...))
   if r[1] then return table.unpack(r, 2, r.n) end
   if not tostring(r[2]):find(": NaN in ", 1, true) then error(r[2], 0) end
   self.nonfinite = (tostring(r[2]):gsub("^[^\n]-:%d+: ", ""))   -- without the Lua position
@@ -1359,10 +1382,17 @@ end
 -- directory because another job holds it.
 local claimed = {}
 local function claim_run_dir(run_dir)
-  if claimed[run_dir] then return nil end
+  local key = normal_path(run_dir)
+  if claimed[key] then return nil end
   local ok, lock, pid = pcall(fs.lock, run_dir .. "/" .. LOCK_FILE)
   if not ok then   -- the disk, not moelua: full, read-only
     return "moelua.train: run directory '" .. run_dir .. "' cannot be claimed: " .. tostring(lock)
+  end
+  if lock == false then   -- a file system without flock (Lustre without -o flock): run, unguarded
+    io.stderr:write("moelua.train: warning: ", run_dir, "/", LOCK_FILE, " cannot be locked here (", pid,
+                    "): nothing stops a second job on this run directory\n")
+    claimed[key] = true
+    return nil
   end
   if not lock then
     return string.format("moelua.train: run directory '%s' is in use by another job (process %s holds %s/%s): " ..
@@ -1370,12 +1400,13 @@ local function claim_run_dir(run_dir)
                          "it to end or stop it, or choose another --run-dir; nothing was written",
                          run_dir, pid > 0 and tostring(pid) or "?", run_dir, LOCK_FILE)
   end
-  claimed[run_dir] = lock
+  claimed[key] = lock
 end
 
 local function release_run_dir(run_dir)
-  if claimed[run_dir] then claimed[run_dir]:release() end
-  claimed[run_dir] = nil
+  local key = normal_path(run_dir)
+  if claimed[key] and claimed[key] ~= true then claimed[key]:release() end
+  claimed[key] = nil
 end
 
 -- train.expert_store_path(run_dir): where a run's expert store
@@ -1441,15 +1472,6 @@ local function clear_run_dir(dir)
   end
 end
 
--- The step's error, caught below and raised again after the bookkeeping:
--- a bug's keeps the traceback of where it was raised (the host prints a
--- message that holds one as it is); user errors and interrupts stay as
--- they are.
-local function with_traceback(e)
-  if type(e) ~= "string" or e:find("interrupted") or e:find("\nstack traceback:\n", 1, true) then return e end
-  return debug.traceback(e, 2)
-end
-
 function train.run(cfg)
   local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
@@ -1482,12 +1504,12 @@ function train.run(cfg)
   local refused   -- rank 0 claims the run directory for every rank
   if self.run_dir and not self.silent then
     local ok, err = pcall(fs.mkdir_p, self.run_dir)
-    if not ok then errors.user("moelua.train: the run directory cannot be created: " .. tostring(err)) end
-    refused = claim_run_dir(self.run_dir)
+    refused = ok and claim_run_dir(self.run_dir) or
+              (not ok and "moelua.train: the run directory cannot be created: " .. tostring(err)) or nil
   end
   if z.world > 1 and z:all_reduce_numbers({refused and 1 or 0}, "max", "run directory lock")[1] > 0 then
-    refused = refused or string.format("moelua.train: run directory '%s' is in use by another job " ..
-                                       "(rank 0 says which)", self.run_dir)
+    refused = refused or string.format("moelua.train: run directory '%s' cannot be used: rank 0 says why",
+                                       self.run_dir)
   end
   if refused then errors.user(refused) end
   local _ <close> = self.run_dir and setmetatable({}, {__close = function() release_run_dir(self.run_dir) end})
@@ -1532,7 +1554,7 @@ function train.run(cfg)
       self:call_hook(step, "on_alarm", self.state, a, self.model)
     end
     if why == "skipped steps" and not last_good then
-      -- nothing to go back to: the steps ahead would be skipped the same way
+      -- max_skipped in a row and nothing to go back to: the policy stops here
       self:end_line(true)
       local latest = self.run_dir and ckpt.latest(self.run_dir .. "/ckpt")
       self:log({event = "stopped", step = step, reason = why, rollbacks = 0})

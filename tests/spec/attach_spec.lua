@@ -570,7 +570,7 @@ describe("moelua attach", function()
       {"set{z_weight = -1e-3}", "set: z_weight must be a finite number >= 0"},
       {"set{eps = 1}", "set: eps must be a finite number in [0, 1)"},
       {"set{temperature = 0}", "set: temperature must be a finite number > 0"},
-      {"set{lr_scale = 1/0}", "set: lr_scale must be a finite number > 0"},
+      {"set{lr_scale = 1/0}", "set: lr_scale must be a finite number >= 0"},
       {"set{temperature = '1'}", "set: temperature must be a finite number > 0"},
       {"set{temperature = false}", "set: temperature must be a finite number > 0"},
       {"set{noise = 0.2, eps = -1}", "set: eps must be a finite number in [0, 1)"},

@@ -121,6 +121,11 @@ describe("train.run", function()
   it("refuses a hook's control that is not a finite number in its range", function()
     support.has(support.errmsg(run, {hook = function(step, _, ctl) if step == 2 then ctl.aux_weight = 0 / 0 end end}),
                 "moelua.train: step 2: the hook's ctl: aux_weight must be a finite number >= 0")
+    support.has(support.errmsg(run, {hook = function(_, _, ctl) ctl.capacity_factor = 1.25 end}),
+                "the hook's ctl: capacity_factor must be 0 (no capacity) for a model with moe policy \"dropless\"")
+    -- the edges: lr_scale 0 holds the weights, a dropless model's capacity_factor 0
+    local r = run{steps = 2, hook = function(_, _, ctl) ctl.lr_scale, ctl.capacity_factor = 0, 0 end}
+    assert.is_true(r.final_loss == r.final_loss)
   end)
 
   it("rolls back on router collapse, moves the data on and calls the recipe", function()
