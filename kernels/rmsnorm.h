@@ -5,9 +5,10 @@
  * CPU: dt is ML_F32 (training) or ML_F64 (reference paths, gradient
  * checks). Every row is computed in f64 and rounded once to dt; an f32
  * row's sums run over 8 f64 lanes (column d in lane d mod 8) added in lane
- * order, so they vectorise, an f64 row's in column order. Rows run in parallel fixed tiles; dw is summed per
- * column in row order in f64 by the thread that owns the column, so every
- * output is bitwise identical for every thread count.
+ * order, so they vectorise, an f64 row's in column order. Rows run in
+ * parallel fixed tiles; dw is summed per column in row order in f64 by the
+ * thread that owns the column, so every output is bitwise identical for
+ * every thread count.
  *
  * CUDA (suffix _cuda, same arguments, every pointer on the device): f32,
  * f64 and bf16 (bf16 in and out, f32 inside; rstd stays f64; dw is f32,

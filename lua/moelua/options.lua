@@ -12,10 +12,10 @@
 -- `--name value` or `--name=value`; a boolean option is `--name` alone or
 -- `--name=false`. `--help` prints every option with its default and exits.
 -- A numeric option may give bounds, {"steps", 50, "optimizer steps", min = 1}
--- (and max =, or below = for an open upper bound). An unknown option, a missing value, a wrong type or a value
--- out of bounds is a user error (moelua.errors: printed without a
--- traceback) naming the option. Dashes in names become underscores in the
--- result.
+-- (and max =, or below = for an open upper bound). An unknown option, a
+-- missing value, a wrong type or a value out of bounds is a user error
+-- (moelua.errors: printed without a traceback) naming the option. Dashes
+-- in names become underscores in the result.
 local errors = require "moelua.errors"
 
 local options = {}

@@ -779,12 +779,9 @@ function Trainer:validate()
   local sum = 0
   for i = 1, n do
     if i > 1 then collectgarbage() end   -- the last batch's garbage (hold_collector)
-    local loss = self:guarded(self.model.forward, self.model, self.data:validation(i), 0)
+    local ok, loss = self:guarded(self.model.forward, self.model, self.data:validation(i), 0)
     self.model:release()   -- its window too, before the next step's collection
-    if self.nonfinite then   -- a kernel met a NaN: the validation loss is NaN
-      self.nonfinite = nil
-      return 0 / 0
-    end
+    if not ok then return 0 / 0 end   -- a kernel met a NaN: the validation loss is NaN
     sum = sum + loss
   end
   return sum / n
@@ -920,31 +917,37 @@ function Trainer:in_step(step, phase, layer)
   end
 end
 
+-- Is e a kernel's NaN error ("<fn>: NaN in ...": the router's logits, the
+-- LM head's)?
+local function kernel_nan(e)
+  return type(e) == "string" and e:find(": NaN in ", 1, true) ~= nil
+end
+
 -- A step's error, caught and raised again after the bookkeeping (train.run,
 -- Trainer:guarded): a bug's keeps the traceback of where it was raised
 -- (the host prints a message that holds one as it is); user errors,
 -- interrupts and a kernel's NaN stay as they are.
 local function with_traceback(e)
-  if type(e) ~= "string" or e:find("interrupted") or e:find(": NaN in ", 1, true) or
+  if type(e) ~= "string" or e:find("interrupted") or kernel_nan(e) or
      e:find("\nstack traceback:\n", 1, true) then
     return e
   end
   return debug.traceback(e, 2)
 end
 
--- fn(...), where on one rank a kernel's NaN error ("<fn>: NaN in ...": the
--- router's logits, the LM head's) ends the micro-batches like a NaN loss:
--- it returns nothing and leaves the message in self.nonfinite, and the step
--- is skipped and counted. With several ranks it raises: one rank cannot
--- skip alone while the others wait for it in a collective; so it does at
--- ZeRO stage 3, whose units an error leaves gathered.
+-- true and fn(...)'s results; or, on one rank, false and the message
+-- (without its Lua position) when fn met a kernel's NaN error: the caller
+-- ends the micro-batches like a NaN loss, and the step is skipped and
+-- counted. With several ranks it raises: one rank cannot skip alone while
+-- the others wait for it in a collective; so it does at ZeRO stage 3,
+-- whose units an error leaves gathered.
 function Trainer:guarded(fn, ...)
   local z = self.model.zero
-  if z.world > 1 or z.stage == 3 then return fn(...) end   -- ZeRO-3 would keep the gathered units
+  if z.world > 1 or z.stage == 3 then return true, fn(...) end
   local r = table.pack(xpcall(fn, with_traceback, ...))
-  if r[1] then return table.unpack(r, 2, r.n) end
-  if not tostring(r[2]):find(": NaN in ", 1, true) then error(r[2], 0) end
-  self.nonfinite = (tostring(r[2]):gsub("^[^\n]-:%d+: ", ""))   -- without the Lua position
+  if r[1] then return table.unpack(r, 1, r.n) end
+  if not kernel_nan(r[2]) then error(r[2], 0) end
+  return false, (r[2]:gsub("^[^\n]-:%d+: ", ""))
 end
 
 function Trainer:step(step)
@@ -976,7 +979,7 @@ function Trainer:step(step)
                         capacity_factor = ctl.capacity_factor}
   local t = {data = 0, fwd = 0, bwd = 0, optim = 0}
   self.model:zero_grad()
-  local loss, ce, aux, zl, last = 0, 0, 0, 0, nil
+  local loss, ce, aux, zl, last, nonfinite = 0, 0, 0, 0, nil, nil
   local on_layer = srv and srv.on_layer
   self.model.safe_point = function(phase, layer)   -- between layers (set{} staged for the next step)
     self:in_step(step, phase, layer)
@@ -997,12 +1000,13 @@ function Trainer:step(step)
     local t1 = now(dev)
     -- the gate noise is keyed by (seed, step, layer, token): give each
     -- micro-batch its own key, or they would all draw the same noise
-    local l, st = self:guarded(self.model.forward, self.model, tokens, step * per_step + at)
+    local ok, l, st = self:guarded(self.model.forward, self.model, tokens, step * per_step + at)
     local t2 = now(dev)
-    if self.nonfinite then break end
+    if not ok then nonfinite = l; break end
     z:begin_backward(micro == self.accum, 1 / per_step)
-    self:guarded(self.model.backward, self.model, {aux_weight = ctl.aux_weight, z_weight = ctl.z_weight})
-    if self.nonfinite then break end
+    local bok, nan = self:guarded(self.model.backward, self.model,
+                                  {aux_weight = ctl.aux_weight, z_weight = ctl.z_weight})
+    if not bok then nonfinite = nan; break end
     local t3 = now(dev)
     t.data, t.fwd, t.bwd = t.data + t1 - t0, t.fwd + t2 - t1, t.bwd + t3 - t2
     ce, aux, zl = ce + st.ce / self.accum, aux + st.aux / self.accum, zl + st.z / self.accum
@@ -1011,9 +1015,8 @@ function Trainer:step(step)
     if srv then srv:safe_point("micro-batch") end
   end
   self.model.safe_point = nil
-  local nonfinite = self.nonfinite   -- a kernel met a NaN: the step is skipped as for a NaN loss
-  if nonfinite then
-    self.nonfinite, loss = nil, 0 / 0
+  if nonfinite then   -- a kernel met a NaN: the step is skipped as for a NaN loss
+    loss = 0 / 0
     self.model:release()
   end
   local t4 = now(dev)
@@ -1504,8 +1507,11 @@ function train.run(cfg)
   local refused   -- rank 0 claims the run directory for every rank
   if self.run_dir and not self.silent then
     local ok, err = pcall(fs.mkdir_p, self.run_dir)
-    refused = ok and claim_run_dir(self.run_dir) or
-              (not ok and "moelua.train: the run directory cannot be created: " .. tostring(err)) or nil
+    if ok then
+      refused = claim_run_dir(self.run_dir)
+    else
+      refused = "moelua.train: the run directory cannot be created: " .. tostring(err)
+    end
   end
   if z.world > 1 and z:all_reduce_numbers({refused and 1 or 0}, "max", "run directory lock")[1] > 0 then
     refused = refused or string.format("moelua.train: run directory '%s' cannot be used: rank 0 says why",
@@ -1527,7 +1533,8 @@ function train.run(cfg)
   end
   self.first_step = first
   local last_good, last_good_step = nil, nil
-  if resuming and self.run_dir and inside(self.run_dir, resumed_from) then   -- the run's own, at or before the resumed step
+  -- a resume from the run's own checkpoints: its last good one, at or before the resumed step
+  if resuming and self.run_dir and inside(self.run_dir, resumed_from) then
     local ok, dir = pcall(ckpt.last_good, self.run_dir .. "/ckpt")
     local at = ok and dir and tonumber(dir:match("step%-(%d+)$"))
     if at and at < first then last_good, last_good_step = dir, at end

@@ -181,8 +181,8 @@ describe("run directories", function()
     require("moelua.fs").mkdir_p(bare)
     support.write_file(bare .. "/metrics.jsonl", "{}\n")
     err = support.errmsg(train.run, (planted({}, {run_dir = bare})))
-    assert.matches("already holds a run %(metrics%.jsonl%); nothing was written%. It holds no checkpoint to continue " ..
-                   "from: replace it with %-%-overwrite", err)
+    assert.matches("already holds a run %(metrics%.jsonl%); nothing was written%. It holds no checkpoint to " ..
+                   "continue from: replace it with %-%-overwrite", err)
   end)
 
   it("refuse a directory another job holds (its lock), resumed or overwritten, before writing anything", function()
