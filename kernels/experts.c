@@ -23,6 +23,7 @@
 #include <omp.h>
 
 #include <math.h>
+#include <sched.h>
 #include <string.h>
 
 /* R·(cd·D + cf·F) for R = c->tile: a lane's elements (CPU) or bytes
@@ -104,14 +105,30 @@ static void gather_rows(const tile_arg *g)
                row);
 }
 
+/* y [n] += s · o [n] (s = 1 for plain adds: 1·o is o exactly); no FMA
+ * (-std=c11 keeps contraction off), so every clone rounds alike. */
+ML_CLONES
+static void axpy_row_f32(float *restrict y, const float *restrict o, float s, int64_t n)
+{
+    #pragma omp simd
+    for (int64_t c = 0; c < n; c++)
+        y[c] += s * o[c];
+}
+
+ML_CLONES
+static void scale_row_f32(float *d, float s, int64_t n)
+{
+    #pragma omp simd
+    for (int64_t c = 0; c < n; c++)
+        d[c] *= s;
+}
+
 /* dst rows *= w[a] in place (dout = w · dy). */
 static void scale_rows(const tile_arg *g)
 {
     for (int64_t i = 0; i < g->r; i++) {
         if (g->dt == ML_F32) {
-            float s = ((const float *)g->w)[g->pos[i]], *d = (float *)g->dst + i * g->D;
-            for (int64_t c = 0; c < g->D; c++)
-                d[c] *= s;
+            scale_row_f32((float *)g->dst + i * g->D, ((const float *)g->w)[g->pos[i]], g->D);
         } else {
             double s = ((const double *)g->w)[g->pos[i]], *d = (double *)g->dst + i * g->D;
             for (int64_t c = 0; c < g->D; c++)
@@ -224,24 +241,13 @@ static void add_rows(const tile_arg *g)
         int64_t a = g->pos[i], t = a / g->k;
         if (g->dt == ML_F32) {
             float s = g->scaled ? ((const float *)g->w)[a] : 1.0f;
-            float *y = (float *)g->acc + t * g->D;
-            const float *o = (const float *)g->rows + i * g->D;
-            if (g->scaled)
-                for (int64_t c = 0; c < g->D; c++)
-                    y[c] += s * o[c];
-            else
-                for (int64_t c = 0; c < g->D; c++)
-                    y[c] += o[c];
+            axpy_row_f32((float *)g->acc + t * g->D, (const float *)g->rows + i * g->D, s, g->D);
         } else {
             double s = g->scaled ? ((const double *)g->w)[a] : 1.0;
             double *y = (double *)g->acc + t * g->D;
             const double *o = (const double *)g->rows + i * g->D;
-            if (g->scaled)
-                for (int64_t c = 0; c < g->D; c++)
-                    y[c] += s * o[c];
-            else
-                for (int64_t c = 0; c < g->D; c++)
-                    y[c] += o[c];
+            for (int64_t c = 0; c < g->D; c++)
+                y[c] += s * o[c];
         }
     }
 }
@@ -343,6 +349,18 @@ ml_status ml_experts_forward_cpu(ml_dtype dt, void *y, void *h_saved, void *scra
 
 /* ---- backward --------------------------------------------------------------- */
 
+/* The backward's three sums over tiles, each added to in sequence order: a
+ * chain's turn is the index of the next tile that may add to it. */
+enum { CHAIN_DDOWN, CHAIN_DGATE_UP, CHAIN_DX, NCHAINS };
+
+static int64_t chain_turn(int64_t *turn)
+{
+    int64_t t;
+    #pragma omp atomic read seq_cst
+    t = *turn;
+    return t;
+}
+
 ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads *dwt, void *dw,
                                   uint8_t *touched, void *scratch, const void *h_saved,
                                   const void *dy, const void *x, const void *w,
@@ -362,10 +380,15 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
     for (int64_t e = 0; e < c->E; e++)
         if (wt->gate_up[e])
             touched[e] = offsets[e + 1] > offsets[e];
-    int64_t ntiles = count_tiles(wt, offsets, c->E, R);
+    int64_t ntiles = count_tiles(wt, offsets, c->E, R), next = 0, turn[NCHAINS] = {0};
     int nt = team_of(ctx, ntiles), blas = ml_gemm_serial_begin(), stop = 0;
-    #pragma omp parallel for ordered schedule(dynamic, 1) num_threads(nt) if (nt > 1)
-    for (int64_t i = 0; i < ntiles; i++) {
+    #pragma omp parallel num_threads(nt) if (nt > 1)
+    for (;;) {
+        int64_t i;
+        #pragma omp atomic capture
+        i = next++;
+        if (i >= ntiles)
+            break;
         int run = !tile_stopped(ctx, &stop);
         int64_t e, p0, r;
         locate_tile(wt, offsets, R, i, &e, &p0, &r);
@@ -395,13 +418,28 @@ ml_status ml_experts_backward_cpu(ml_dtype dt, void *dx, const ml_experts_wgrads
             /* dxt [r, D] = dh [r, 2F] · gate_up[e] [2F, D] */
             ml_gemm(dt, ML_GEMM_SERIAL, 0, 0, r, D, 2 * F, 1.0, hbuf, 2 * F, gu, D, 0.0, dxt, D);
         }
-        #pragma omp ordered
-        if (run) {
-            /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
-            ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, D, F, r, 1.0, dyt, D, act, F, 1.0, dwt->down[e], F);
-            /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
-            ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, 2 * F, D, r, 1.0, hbuf, 2 * F, xt, D, 1.0, dwt->gate_up[e], D);
-            add_rows(&g);
+        /* Each chain as soon as it is this tile's turn, whichever comes
+         * first: while one thread adds to ddown another may add to
+         * dgate_up, so the sums overlap instead of queueing as one. */
+        for (unsigned pending = (1u << NCHAINS) - 1; pending;) {
+            int took = 0;
+            for (int ch = 0; ch < NCHAINS; ch++) {
+                if (!(pending & (1u << ch)) || chain_turn(&turn[ch]) != i)
+                    continue;
+                if (run && ch == CHAIN_DDOWN)   /* ddown[e] [D, F] += doutᵀ [D, r] · act [r, F] */
+                    ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, D, F, r, 1.0, dyt, D, act, F, 1.0, dwt->down[e], F);
+                else if (run && ch == CHAIN_DGATE_UP)   /* dgate_up[e] [2F, D] += dhᵀ [2F, r] · xt [r, D] */
+                    ml_gemm(dt, ML_GEMM_SERIAL, 1, 0, 2 * F, D, r, 1.0, hbuf, 2 * F, xt, D, 1.0,
+                            dwt->gate_up[e], D);
+                else if (run)
+                    add_rows(&g);
+                #pragma omp atomic write seq_cst
+                turn[ch] = i + 1;
+                pending &= ~(1u << ch);
+                took = 1;
+            }
+            if (!took)
+                sched_yield();
         }
     }
     ml_gemm_serial_end(blas);
