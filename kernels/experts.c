@@ -5,17 +5,20 @@
  * ascending), runs it in its own lane of the scratch with serial GEMMs
  * (kernels/gemm.h: the libraries' own threads are held to one while the
  * kernel runs, so two thread pools never spin against each other), and
- * adds into the shared outputs inside an `ordered` region, so
- * the adds happen in sequence order whichever thread ran the tile. Nothing
- * waits but those adds: no barrier between the steps of a tile.
+ * adds into the shared sums in sequence order whichever thread ran the
+ * tile. Nothing waits but those adds: no barrier between the steps of a
+ * tile.
  *
  * Per tile, forward: gather -> GEMM h -> silu·mul -> GEMM out -> (ordered)
  * add into y. Backward: gather x and dy -> h (saved or recomputed) -> GEMM
  * dact_u = dyt·down[e] -> one fused row pass (act, dw = <dact_u, act>, dh)
- * -> scale dyt by w -> GEMM dxt = dh·gate_up[e] -> (ordered) GEMMs
- * ddown += doutᵀ·act and dgate_up += dhᵀ·xt, add dxt into dx. The weight
- * gradients sit in the ordered region because each expert's tiles add into
- * them in turn. One exp per element in each direction.
+ * -> scale dyt by w -> GEMM dxt = dh·gate_up[e] -> three sums, each taken
+ * in tile order: ddown += doutᵀ·act, dgate_up += dhᵀ·xt (GEMMs into the
+ * expert's gradients) and dx += dxt. The weight-gradient GEMMs are as much
+ * work as the rest of the tile, so one ordered region holding them all
+ * left the threads queueing with no slack; as three chains, one thread
+ * adds to ddown while the other adds to dgate_up. One exp per element in
+ * each direction.
  */
 #include "experts.h"
 #include "gemm.h"
