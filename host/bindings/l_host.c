@@ -11,6 +11,24 @@
  *       nest: an inner hold returns what arrived during it, and that
  *       signal stays held for the outer one.
  *
+ *   ... = host.interruptible(fn, ...)
+ *       fn(...) inside a hold as if outside it: a signal interrupts fn
+ *       (kernels stop, the hook raises), and fn's results or error come
+ *       back unchanged. A signal already held when it is called interrupts
+ *       fn before it starts (the interrupt error, the signal consumed); one
+ *       that arrived in fn but stopped nothing (fn's last instructions) is
+ *       held once fn has returned. Outside a hold it is a plain call. For
+ *       the one part of a held loop that a Ctrl-C may cut short: the
+ *       trainer's loop holds everything but each step's forward and
+ *       backward, so no signal lands between an update and the bookkeeping
+ *       that records it.
+ *
+ *   taken = host.take_interrupt()
+ *       true when a signal is held, which it clears: the caller acts on it
+ *       now (the trainer saves and stops), and the next signal is a first
+ *       one again, held by the save's own hold instead of aborting it.
+ *       false otherwise (always outside a hold).
+ *
  * What a signal does (lua.c's scheme, plus holds):
  * - Outside a hold, the first sets the flag that kernels poll
  *   (ml_host.interrupt) and arms a hook. It is consumed once: by a kernel,
@@ -121,14 +139,10 @@ void ml_signals_restore(lua_State *L, const ml_signals_saved *old)
     interrupted = 0;
 }
 
-/* Enter a hold; returns the signals held before it, so that its own count
- * is the difference at the end. An interrupt still pending (it arrived
- * between the call hook and here) becomes a held one: kernels inside the
- * hold must not see the flag. */
-static int hold_begin(lua_State *L)
+/* An interrupt still pending (it arrived between the call hook and here)
+ * becomes a held one: kernels inside a hold must not see the flag. */
+static void hold_pending(lua_State *L)
 {
-    hold_depth++;
-    int before = held;
     if (interrupted) {
         interrupted = 0;
         held = 1;
@@ -136,6 +150,15 @@ static int hold_begin(lua_State *L)
         lua_sethook(lua_tothread(L, -1), NULL, 0, 0);
         lua_pop(L, 1);
     }
+}
+
+/* Enter a hold; returns the signals held before it, so that its own count
+ * is the difference at the end. */
+static int hold_begin(lua_State *L)
+{
+    hold_depth++;
+    int before = held;
+    hold_pending(L);
     return before;
 }
 
@@ -150,7 +173,7 @@ static int l_host_hold_interrupts(lua_State *L)
     luaL_checktype(L, 1, LUA_TFUNCTION);
     int before = hold_begin(L);
     int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);
-    int n = held - before;
+    int n = held > before;   /* 0 when an interruptible() inside consumed the one held before */
     hold_end();
     if (status != LUA_OK)
         return lua_error(L);   /* fn's error object, as it was raised */
@@ -160,8 +183,40 @@ static int l_host_hold_interrupts(lua_State *L)
     return lua_gettop(L);
 }
 
+static int l_host_interruptible(lua_State *L)
+{
+    luaL_checktype(L, 1, LUA_TFUNCTION);
+    int depth = hold_depth;
+    if (depth == 0) {
+        lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);
+        return lua_gettop(L);
+    }
+    if (held) {   /* held before fn: it is interrupted before it starts */
+        held = 0;
+        return ml_interrupt_error(L, NULL);
+    }
+    hold_depth = 0;
+    int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);
+    hold_depth = depth;
+    hold_pending(L);
+    if (status != LUA_OK)
+        return lua_error(L);
+    return lua_gettop(L);
+}
+
+static int l_host_take_interrupt(lua_State *L)
+{
+    int taken = held != 0;
+    if (taken)   /* a signal now finds held set and aborts: none is lost between the two lines */
+        held = 0;
+    lua_pushboolean(L, taken);
+    return 1;
+}
+
 static const luaL_Reg host_functions[] = {
     {"hold_interrupts", l_host_hold_interrupts},
+    {"interruptible", l_host_interruptible},
+    {"take_interrupt", l_host_take_interrupt},
     {NULL, NULL}
 };
 

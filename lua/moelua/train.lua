@@ -107,13 +107,16 @@
 -- (model.safetensors or a sharded index, F32/BF16/F16), every tensor's
 -- name, shape and dtype checked against the model before anything changes
 -- (model:load_named, which resume uses too); the optimizer starts fresh.
--- Ctrl-C or SIGTERM (a kernel's "interrupted" error) abandons the current
--- step, saves a checkpoint of the last completed step and raises a user
--- error naming it. Every save, and the bookkeeping between steps (alarms,
--- a rollback's restore, the metrics line), runs under
--- moelua.host.hold_interrupts: a signal then waits for that work to finish
--- (then counts as Ctrl-C after the step), and only a second one aborts it.
--- Validation is interrupted like a step (the step before it is saved).
+-- Ctrl-C or SIGTERM during a step's forward or backward (a kernel's
+-- "interrupted" error) abandons the step, saves a checkpoint of the last
+-- completed step and raises a user error naming it. Everything else in the
+-- loop runs under moelua.host.hold_interrupts: the step's update, every
+-- save and the bookkeeping between steps (alarms, a rollback's restore, the
+-- metrics line). A signal there waits for that work to finish (then counts
+-- as Ctrl-C after the step: an update always stands with its checkpoint),
+-- and only a second one aborts it. Validation is interrupted like a step's
+-- forward (the step before it is saved). With several ranks the whole step
+-- is held, and the ranks agree on stopping after it.
 --
 -- reload = {file = F, names = {...}, arg = {...}}: the named hooks ("hook",
 -- "on_rollback") are re-read from F while the job runs. At the start of
@@ -950,8 +953,11 @@ function Trainer:guarded(fn, ...)
   return false, (r[2]:gsub("^[^\n]-:%d+: ", ""))
 end
 
-function Trainer:step(step)
-  local gc <close> = hold_collector()
+-- A step up to its update (Trainer:step): the controls, then the forward
+-- and backward of every micro-batch. Nothing but the gradients has changed
+-- when it ends, so on one rank a Ctrl-C may cut it short. Returns what the
+-- update needs.
+local function forward_backward(self, step)
   self.step_started, self.in_step_said = now(), nil
   if self.reload then self:check_reload(step) end
   local srv = self.attach
@@ -1019,6 +1025,26 @@ function Trainer:step(step)
     loss = 0 / 0
     self.model:release()
   end
+  return {ctl = ctl, lr = lr, overrides = overrides, t = t, loss = loss, ce = ce, aux = aux, zl = zl,
+          last = last, nonfinite = nonfinite, dev = dev, per_step = per_step}
+end
+
+-- One training step: forward_backward, then the update (or the skip) and
+-- the step's metrics. On one rank a Ctrl-C may stop the first part only
+-- (host.interruptible: train.run holds the rest), so an update never stands
+-- without the bookkeeping that records it.
+function Trainer:step(step)
+  local gc <close> = hold_collector()
+  local z = self.model.zero
+  local ok, s
+  if z.world > 1 then
+    ok, s = true, forward_backward(self, step)
+  else   -- traceback taken where a bug is raised, not where interruptible raises it again
+    ok, s = host.interruptible(xpcall, forward_backward, with_traceback, self, step)
+  end
+  if not ok then error(s, 0) end
+  local ctl, lr, t, dev, per_step = s.ctl, s.lr, s.t, s.dev, s.per_step
+  local loss, ce, aux, zl, last = s.loss, s.ce, s.aux, s.zl, s.last
   local t4 = now(dev)
   -- the model's phase timers, read before a skipped step's zero_grad resets them
   local prof = self.model.profile_summary and self.model:profile_summary()
@@ -1030,7 +1056,7 @@ function Trainer:step(step)
   local max_share = 0
   for _, l in ipairs(loads) do max_share = math.max(max_share, l.max_share) end
   local m = {step = step, loss = loss, ce = ce, aux = aux, z = zl, lr = lr, grad_norm = norm,
-             loads = loads, max_share = max_share, overrides = overrides, nonfinite = nonfinite}
+             loads = loads, max_share = max_share, overrides = s.overrides, nonfinite = s.nonfinite}
   for _, k in ipairs(CONTROLS) do m[k] = ctl[k] end
   if loss ~= loss or norm ~= norm or math.abs(loss) == math.huge or norm == math.huge then
     self.skipped, self.skipped_run = self.skipped + 1, self.skipped_run + 1
@@ -1629,68 +1655,68 @@ function train.run(cfg)
     self:progress(m, step, last_step, t_start)
     return dir, held
   end
-  while step <= last_step do
-    local ok, m, held
-    if z.world > 1 then
-      -- every rank stops at the same step: Ctrl-C (mpiexec passes it to
-      -- each) is held through the step and what follows it, and the ranks
-      -- agree on it after
-      held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
-    else
-      ok, m = xpcall(self.step, with_traceback, self, step)
-      -- a signal an offloaded optimizer held through its pass: the step is whole, stop after it
-      held = self.optimizer.held_interrupts or 0
-      self.optimizer.held_interrupts = nil
-    end
-    if not ok then
-      self.model.safe_point = nil                -- set during the step
-      if tostring(m):find("interrupted") then
-        interrupted(step, step > first and (self:save(step - 1, "interrupt")) or nil)
-      end
-      error(m, 0)
-    end
-    result.losses[step] = m.loss
-    -- Between steps a signal is held until the bookkeeping is done (none
-    -- of a rollback's restore, a checkpoint or a metrics line is cut in
-    -- half), then stops the run as after a step. Validation, which can
-    -- take as long as a step, is interrupted like one on a single rank.
-    local h, replay, why, collapsing = host.hold_interrupts(judge, step, m)
-    held = held + h
-    local dir, in_save
-    if replay then
-      step = replay
-    else
-      if self.val_every > 0 and (step + 1) % self.val_every == 0 then
-        if z.world > 1 then
-          held = held + host.hold_interrupts(validate, step)
-        else
-          local vok, err = pcall(validate, step)
-          if not vok and not tostring(err):find("interrupted") then error(err, 0) end
-          held = held + (vok and 0 or 1)
+  -- The loop and the final save run with Ctrl-C held: only a step's
+  -- forward and backward (on one rank, Trainer:step) and validation are
+  -- interruptible (host.interruptible), so no signal lands between an
+  -- update and the checkpoint and metrics line that record it.
+  local late = host.hold_interrupts(function()
+    while step <= last_step do
+      -- held through the step's update; with several ranks through all of
+      -- it: every rank stops at the same step (mpiexec passes Ctrl-C to
+      -- each), and the ranks agree on it after
+      local held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
+      if not ok then
+        self.model.safe_point = nil                -- set during the step
+        if tostring(m):find("interrupted") then
+          interrupted(step, step > first and (self:save(step - 1, "interrupt")) or nil)
         end
+        error(m, 0)
       end
-      h, dir, in_save = host.hold_interrupts(record, step, m, why, collapsing)
+      result.losses[step] = m.loss
+      -- Between steps a signal is held until the bookkeeping is done (none
+      -- of a rollback's restore, a checkpoint or a metrics line is cut in
+      -- half), then stops the run as after a step. Validation, which can
+      -- take as long as a step, is interrupted like one on a single rank.
+      local h, replay, why, collapsing = host.hold_interrupts(judge, step, m)
       held = held + h
-      step = step + 1
-    end
-    if z.world > 1 then held = z:all_reduce_numbers({held}, "max", "interrupts")[1] end
-    if held > 0 then
-      if dir then
-        interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil)
+      local dir, in_save
+      if replay then
+        step = replay
+      else
+        if self.val_every > 0 and (step + 1) % self.val_every == 0 then
+          if z.world > 1 then
+            held = held + host.hold_interrupts(validate, step)
+          else
+            local vok, err = pcall(host.interruptible, validate, step)
+            if not vok and not tostring(err):find("interrupted") then error(err, 0) end
+            held = held + (vok and 0 or 1)
+          end
+        end
+        h, dir, in_save = host.hold_interrupts(record, step, m, why, collapsing)
+        held = held + h
+        step = step + 1
       end
-      interrupted(step, (self:save(step - 1, "interrupt")))
+      if z.world > 1 then held = z:all_reduce_numbers({held}, "max", "interrupts")[1] end
+      if held > 0 then
+        host.take_interrupt()   -- acted on here: a Ctrl-C during the save below is held by it
+        if dir then
+          interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil)
+        end
+        interrupted(step, (self:save(step - 1, "interrupt")))
+      end
     end
-  end
-  result.skipped = self.skipped
-  result.first_step, result.first_loss = first, result.losses[first]
-  result.final_loss = result.losses[last_step]
-  -- the last step is whole: a signal from here on waits for the final save
-  local held = host.hold_interrupts(function()
-    self:end_line(true)
-    if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
-    if self.run_dir then result.checkpoint = self:save(last_step, "final") end
+    result.skipped = self.skipped
+    result.first_step, result.first_loss = first, result.losses[first]
+    result.final_loss = result.losses[last_step]
+    local held = host.hold_interrupts(function()
+      self:end_line(true)
+      if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
+      if self.run_dir then result.checkpoint = self:save(last_step, "final") end
+    end)
+    if held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
   end)
-  if held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
+  -- a signal held by none of the holds inside (it came between them): the run is whole and saved
+  if late > 0 then interrupted(last_step + 1, result.checkpoint) end
   if self.metrics then self.metrics:close() end
   return result
 end

@@ -1,10 +1,12 @@
--- moelua.host (host/bindings/l_host.c): hold_interrupts. In this process: its
--- results, its errors (raised again unchanged) and bad input. In children
--- that send themselves SIGINT or SIGTERM inside a hold: one signal is held
--- (fn finishes, kernels and Lua run on, held == 1, one line on stderr), a
--- second aborts with status 130 and a line saying so, holds nest, and
--- outside a hold (also after a hold that failed) a signal interrupts as
--- before (interrupt_spec.lua).
+-- moelua.host (host/bindings/l_host.c): hold_interrupts and interruptible.
+-- In this process: their results, their errors (raised again unchanged) and
+-- bad input. In children that send themselves SIGINT or SIGTERM inside a
+-- hold: one signal is held (fn finishes, kernels and Lua run on, held == 1,
+-- one line on stderr), a second aborts with status 130 and a line saying
+-- so, holds nest, and outside a hold (also after a hold that failed) a
+-- signal interrupts as before (interrupt_spec.lua); interruptible inside a
+-- hold is cut short by a signal as outside one, and a signal held before it
+-- stops it before it starts; take_interrupt clears a held signal.
 local host = require "moelua.host"
 local support = require "tests.support"
 local errmsg = support.errmsg
@@ -73,6 +75,26 @@ describe("moelua.host.hold_interrupts in this process", function()
     end)
 end)
 
+describe("moelua.host.interruptible in this process", function()
+    it("is a plain call outside a hold and inside one: fn's results, fn's error unchanged", function()
+        assert.are.same({n = 3, 1, nil, "x"},
+                        table.pack(host.interruptible(function(a, b) return a, nil, b end, 1, "x")))
+        local r = table.pack(host.hold_interrupts(host.interruptible, function(a) return a + 1 end, 1))
+        assert.are.same({n = 2, 0, 2}, r)
+        local obj = setmetatable({}, {__tostring = function() return "an object" end})
+        local ok, err = pcall(host.hold_interrupts, host.interruptible, function() error(obj) end)
+        assert.is_false(ok)
+        assert.are.equal(obj, err)
+        assert.are.equal("plain", select(2, pcall(host.interruptible, function() error("plain", 0) end)))
+    end)
+
+    it("checks its argument", function()
+        assert.matches("bad argument #1 to 'moelua%.host%.interruptible' %(function expected, got no value%)",
+                       errmsg(host.interruptible))
+        assert.matches("function expected, got table", errmsg(host.interruptible, {}))
+    end)
+end)
+
 describe("moelua.host.hold_interrupts with signals", function()
     for _, sig in ipairs({"INT", "TERM"}) do
         it("holds one SIG" .. sig .. ": fn finishes, held == 1, the script runs on", function()
@@ -126,6 +148,60 @@ describe("moelua.host.hold_interrupts with signals", function()
         assert.are.equal(130, code)
         assert.are.equal("inner\t1\nouter\t1\t1\nsecond hold, one signal\n", out)
         assert.are.equal(HELD .. HELD .. ABORT, err)
+    end)
+
+    it("interruptible: a signal inside a hold stops fn as outside one; the hold goes on", function()
+        local code, out, err = child([[
+            io.stdout:setvbuf("no")
+            local held, ok, e = host.hold_interrupts(function()
+                local ok, e = pcall(host.interruptible, function()
+                    signal("INT")
+                    while true do work() end
+                end)
+                work()   -- held again: this runs whole
+                return ok, e
+            end)
+            print("stopped", held, ok, e)
+            print("outside", host.interruptible(work))
+        ]])
+        assert.are.equal(0, code, err)
+        assert.matches("^stopped\t0\tfalse\t[^\n]*interrupted[^\n]*\noutside\t16777216.0\n$", out)
+        assert.are.equal("", err)
+    end)
+
+    it("interruptible: a signal held before it stops fn before it starts, and is used up", function()
+        local code, out, err = child([[
+            io.stdout:setvbuf("no")
+            local ran = false
+            local held, ok, e = host.hold_interrupts(function()
+                signal("TERM")
+                local ok, e = pcall(host.interruptible, function() ran = true end)
+                signal("TERM")   -- a new first signal, held: no abort
+                return ok, e
+            end)
+            print("held", held, ok, e, ran)
+        ]])
+        assert.are.equal(0, code, err)
+        assert.are.equal("held\t1\tfalse\tinterrupted!\tfalse\n", out)
+        assert.are.equal(HELD .. HELD, err)
+    end)
+
+    it("take_interrupt: clears a held signal, so the next one is held, not an abort", function()
+        local code, out, err = child([[
+            io.stdout:setvbuf("no")
+            print("outside", host.take_interrupt())
+            local held, a, b, c = host.hold_interrupts(function()
+                local none = host.take_interrupt()
+                signal("INT")
+                local taken = host.take_interrupt()
+                signal("INT")   -- a first signal again
+                return none, taken, work()
+            end)
+            print("held", held, a, b, c)
+        ]])
+        assert.are.equal(0, code, err)
+        assert.are.equal("outside\tfalse\nheld\t1\tfalse\ttrue\t16777216.0\n", out)
+        assert.are.equal(HELD .. HELD, err)
     end)
 
     it("ends with fn's error, and a signal after it interrupts as before", function()

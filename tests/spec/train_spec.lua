@@ -361,6 +361,33 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
+  it("hold a Ctrl-C during the update: the step stands and is saved as done", function()
+    local dir = support.make_tmpdir()
+    -- pressed during step 3's optimizer call (its C call returns before the hook can fire)
+    local code, out = ctrl_c_child(dir, [[
+      local optim = require "moelua.optim"
+      local ctor, armed = optim.AdamW, false
+      optim.AdamW = function(...)
+        local o = ctor(...)
+        local step = o.step
+        o.step = function(...)
+          local r = table.pack(step(...))
+          if armed then armed = false; ctrl_c() end
+          return table.unpack(r, 1, r.n)
+        end
+        return o
+      end
+      on_step = function(step) armed = step == 3 end
+    ]])
+    assert.are.equal(1, code, out)
+    assert.matches("interrupted at step 4; saved [^\n]*step%-000003", out)
+    local c = ckpt.load(dir .. "/ckpt")
+    assert.are.equal(3, c.trainer.step)
+    assert.are.equal(4, c.trainer.optim.t)   -- steps 0 to 3: the saved step holds its own update
+    assert.matches('"step":3,', support.read_file(dir .. "/metrics.jsonl"))
+    support.remove_dir(dir)
+  end)
+
   it("finish the final save before a Ctrl-C during it stops the run, and log it", function()
     local dir = support.make_tmpdir()
     local code, out = ctrl_c_child(dir, [[
