@@ -1664,10 +1664,13 @@ function train.run(cfg)
       -- held through the step's update; with several ranks through all of
       -- it: every rank stops at the same step (mpiexec passes Ctrl-C to
       -- each), and the ranks agree on it after
+      local state = deep_copy(self.state)   -- what a step abandoned by Ctrl-C leaves (its hook ran)
       local held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
       if not ok then
         self.model.safe_point = nil                -- set during the step
         if tostring(m):find("interrupted") then
+          for k in pairs(self.state) do self.state[k] = nil end
+          for k, v in pairs(state) do self.state[k] = v end
           interrupted(step, step > first and (self:save(step - 1, "interrupt")) or nil)
         end
         error(m, 0)

@@ -388,6 +388,33 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
+  it("save the recipe state a step started from when Ctrl-C abandons it after its hook ran", function()
+    local dir = support.make_tmpdir()
+    local code, out = ctrl_c_child(dir, [[
+      local train = require "moelua.train"
+      local run = train.run
+      train.run = function(cfg)   -- a hook that counts its calls in the recipe state
+        local hook = cfg.hook
+        cfg.hook = function(step, state, ctl)
+          state.calls = (state.calls or 0) + 1
+          return hook(step, state, ctl)
+        end
+        return run(cfg)
+      end
+      local Transformer = require("moelua.nn").Transformer
+      local forward, armed = Transformer.forward, false
+      Transformer.forward = function(...)   -- Ctrl-C in step 3's forward, after its hook
+        if armed then armed = false; ctrl_c() end
+        return forward(...)
+      end
+      on_step = function(step) armed = step == 3 end
+    ]])
+    assert.are.equal(1, code, out)
+    assert.matches("interrupted at step 3; saved [^\n]*step%-000002", out)
+    assert.are.equal(3, ckpt.load(dir .. "/ckpt").trainer.recipe_state.calls)   -- steps 0, 1, 2
+    support.remove_dir(dir)
+  end)
+
   it("finish the final save before a Ctrl-C during it stops the run, and log it", function()
     local dir = support.make_tmpdir()
     local code, out = ctrl_c_child(dir, [[
