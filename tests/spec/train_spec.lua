@@ -303,6 +303,17 @@ describe("recipes", function()
       -- not os.execute: system() ignores SIGINT in the caller while its child runs
       local function ctrl_c() io.popen("kill -INT " .. pid):close() end
       local function on_step(step) end
+      -- t[name] presses Ctrl-C at its first call while armed (after the call when `after`)
+      local armed = false
+      local function ctrl_c_in(t, name, after)
+        local f = t[name]
+        t[name] = function(...)
+          if armed and not after then armed = false; ctrl_c() end
+          local r = table.pack(f(...))
+          if armed and after then armed = false; ctrl_c() end
+          return table.unpack(r, 1, r.n)
+        end
+      end
       %s
       arg = {[0] = "recipes/tiny.lua", "--steps", "50", "--seq-len", "64", "--run-dir", %q,
              "--ckpt-every", "%d"}
@@ -366,15 +377,10 @@ describe("recipes", function()
     -- pressed during step 3's optimizer call (its C call returns before the hook can fire)
     local code, out = ctrl_c_child(dir, [[
       local optim = require "moelua.optim"
-      local ctor, armed = optim.AdamW, false
+      local ctor = optim.AdamW
       optim.AdamW = function(...)
         local o = ctor(...)
-        local step = o.step
-        o.step = function(...)
-          local r = table.pack(step(...))
-          if armed then armed = false; ctrl_c() end
-          return table.unpack(r, 1, r.n)
-        end
+        ctrl_c_in(o, "step", true)
         return o
       end
       on_step = function(step) armed = step == 3 end
@@ -401,12 +407,7 @@ describe("recipes", function()
         end
         return run(cfg)
       end
-      local Transformer = require("moelua.nn").Transformer
-      local forward, armed = Transformer.forward, false
-      Transformer.forward = function(...)   -- Ctrl-C in step 3's forward, after its hook
-        if armed then armed = false; ctrl_c() end
-        return forward(...)
-      end
+      ctrl_c_in(require("moelua.nn").Transformer, "forward")   -- in step 3's forward, after its hook
       on_step = function(step) armed = step == 3 end
     ]])
     assert.are.equal(1, code, out)
