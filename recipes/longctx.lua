@@ -230,11 +230,17 @@ local run = {
 local plan, why, need = train.plan(run)
 if not plan then
   io.stderr:write(why, "\n")
-  errors.user(string.format("--seq-len %d needs %.1f MiB at its peak (memory plan), over the budget of %.1f MiB " ..
-                      "(--budget-gib %g%s): lower --seq-len, raise --budget-gib, or recompute more " ..
-                      "(--checkpoint full)", opts.seq_len, need.total_peak / 2^20,
-                      mem.stats()[opts.device].budget_total / 2^20, opts.budget_gib,
-                      opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or ""))
+  -- MiB with as many decimals as tell the two apart
+  local peak, budget = need.total_peak / 2^20, mem.stats()[opts.device].budget_total / 2^20
+  local digits = 1
+  while digits < 4 and string.format("%." .. digits .. "f", peak) == string.format("%." .. digits .. "f", budget) do
+    digits = digits + 1
+  end
+  errors.user(string.format("--seq-len %d needs up to %." .. digits .. "f MiB at its peak (memory plan), over the " ..
+                            "budget of %." .. digits .. "f MiB (--budget-gib %g%s): lower --seq-len, raise " ..
+                            "--budget-gib%s", opts.seq_len, peak, budget, opts.budget_gib,
+                            opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or "",
+                            opts.checkpoint == "full" and "" or ", or recompute more (--checkpoint full)"))
 end
 say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
                     "acts %.1f, pool %.1f MiB at the peak, in %s)", opts.device, plan.total_peak / 2^20,

@@ -103,6 +103,16 @@ static ml_comm *check_comm(lua_State *L, const char *fn)
 }
 
 /* Argument idx (self at 1: it is argument #idx-1) as a string. */
+/* A communicator's status: a broken one (a timeout, a rank that died, a
+ * mismatch that debug mode found: ML_EIO) is the job's environment, a user
+ * error printed without a traceback; anything else as ml_check_op says. */
+static void check_coll(lua_State *L, const char *fn, ml_status s, const ml_err *e)
+{
+    if (s == ML_EIO)
+        ml_env_error(L, "%s: %s", fn, e->msg);
+    ml_check_op(L, fn, s, e);
+}
+
 static const char *check_string(lua_State *L, int idx, const char *fn, const char *name)
 {
     if (lua_type(L, idx) != LUA_TSTRING)
@@ -167,10 +177,10 @@ static int l_dist_init(lua_State *L)
             lua_geti(L, -2, 2);
             int r = (int)lua_tointeger(L, -2), w = (int)lua_tointeger(L, -1);
             lua_pop(L, 3);
-            ml_check_op(L, fn, ml_comm_init_planned(h, r, w, timeout, &b->c, &e), &e);
+            check_coll(L, fn, ml_comm_init_planned(h, r, w, timeout, &b->c, &e), &e);
         } else {
             lua_pop(L, 1);
-            ml_check_op(L, fn, (nccl ? ml_comm_init_nccl : ml_comm_init)(h, timeout, debug, &b->c, &e),
+            check_coll(L, fn, (nccl ? ml_comm_init_nccl : ml_comm_init)(h, timeout, debug, &b->c, &e),
                         &e);
         }
         lua_setfield(L, LUA_REGISTRYINDEX, COMM_KEY);
@@ -267,7 +277,7 @@ static int l_dist_planned_group(lua_State *L)
     lua_pushvalue(L, -2);
     lua_setiuservalue(L, -2, 1);   /* the group holds the world */
     ml_err e;
-    ml_check_op(L, fn, ml_comm_planned_group(c, rank, world, label, &b->c, &e), &e);
+    check_coll(L, fn, ml_comm_planned_group(c, rank, world, label, &b->c, &e), &e);
     return 1;
 }
 
@@ -289,7 +299,7 @@ static int all_gather(lua_State *L, ml_comm *c, const char *fn)
     ml_tensor *full = ml_checktensor_named(L, 3, fn, "argument #2 (full)");
     const char *what = check_string(L, 4, fn, "what");
     ml_err e;
-    ml_check_op(L, fn, ml_comm_all_gather(c, shard, full, what, NULL, &e), &e);
+    check_coll(L, fn, ml_comm_all_gather(c, shard, full, what, NULL, &e), &e);
     lua_settop(L, 3);
     return 1;
 }
@@ -306,7 +316,7 @@ static int iall_gather(lua_State *L, ml_comm *c, const char *fn)
     lua_pushvalue(L, 1);   /* the group stays while the request does */
     lua_setiuservalue(L, -2, 1);
     ml_err e;
-    ml_check_op(L, fn, ml_comm_all_gather(c, shard, full, what, &q->r, &e), &e);
+    check_coll(L, fn, ml_comm_all_gather(c, shard, full, what, &q->r, &e), &e);
     return 1;
 }
 
@@ -319,7 +329,7 @@ static int reduce_scatter(lua_State *L, ml_comm *c, const char *fn)
     if (!lua_isnil(L, 5) && !lua_isboolean(L, 5))
         ml_error(L, fn, "argument #4 (accumulate) must be a boolean, got %s", luaL_typename(L, 5));
     ml_err e;
-    ml_check_op(L, fn, ml_comm_reduce_scatter(c, full, shard, lua_toboolean(L, 5), what, &e), &e);
+    check_coll(L, fn, ml_comm_reduce_scatter(c, full, shard, lua_toboolean(L, 5), what, &e), &e);
     lua_settop(L, 3);
     return 1;
 }
@@ -330,7 +340,7 @@ static int all_reduce(lua_State *L, ml_comm *c, const char *fn)
     ml_tensor *t = ml_checktensor_named(L, 2, fn, "argument #1 (t)");
     const char *what = check_string(L, 3, fn, "what");
     ml_err e;
-    ml_check_op(L, fn, ml_comm_all_reduce(c, t, what, &e), &e);
+    check_coll(L, fn, ml_comm_all_reduce(c, t, what, &e), &e);
     lua_settop(L, 2);
     return 1;
 }
@@ -361,7 +371,7 @@ static int all_reduce_numbers(lua_State *L, ml_comm *c, const char *fn)
         lua_pop(L, 1);
     }
     ml_err e;
-    ml_check_op(L, fn, ml_comm_all_reduce_f64(c, v, (int)n, (ml_comm_op)op, what, &e), &e);
+    check_coll(L, fn, ml_comm_all_reduce_f64(c, v, (int)n, (ml_comm_op)op, what, &e), &e);
     lua_createtable(L, (int)n, 0);
     for (lua_Unsigned i = 0; i < n; i++) {
         lua_pushnumber(L, v[i]);
@@ -382,7 +392,7 @@ static int broadcast(lua_State *L, ml_comm *c, const char *fn)
         ml_error(L, fn, "argument #2 (root) must be a rank in [0, %d), got %lld", ml_comm_world(c),
                  (long long)root);
     ml_err e;
-    ml_check_op(L, fn, ml_comm_broadcast(c, t, (int)root, what, &e), &e);
+    check_coll(L, fn, ml_comm_broadcast(c, t, (int)root, what, &e), &e);
     lua_settop(L, 2);
     return 1;
 }
@@ -418,7 +428,7 @@ static int all_to_all_v(lua_State *L, ml_comm *c, const char *fn)
     check_rows(L, 3, fn, "send_rows", world, rows);
     check_rows(L, 5, fn, "recv_rows", world, rows + world);
     ml_err e;
-    ml_check_op(L, fn, ml_comm_all_to_all_v(c, send, rows, recv, rows + world, what, &e), &e);
+    check_coll(L, fn, ml_comm_all_to_all_v(c, send, rows, recv, rows + world, what, &e), &e);
     lua_settop(L, 4);
     return 1;
 }
@@ -427,7 +437,7 @@ static int barrier(lua_State *L, ml_comm *c, const char *fn)
 {
     const char *what = check_string(L, 2, fn, "what");
     ml_err e;
-    ml_check_op(L, fn, ml_comm_barrier(c, what, &e), &e);
+    check_coll(L, fn, ml_comm_barrier(c, what, &e), &e);
     return 0;
 }
 
@@ -445,7 +455,7 @@ static int split(lua_State *L, ml_comm *c, const char *fn)
     lua_pushvalue(L, 1);
     lua_setiuservalue(L, -2, 1);
     ml_err e;
-    ml_check_op(L, fn, ml_comm_split(c, color, key, label, &b->c, &e), &e);
+    check_coll(L, fn, ml_comm_split(c, color, key, label, &b->c, &e), &e);
     return 1;
 }
 
@@ -532,7 +542,7 @@ static int l_req_test(lua_State *L)
     int done = 1;
     ml_err e;
     if (q->r)
-        ml_check_op(L, "moelua.dist.Request:test", ml_comm_test(c, q->r, &done, &e), &e);
+        check_coll(L, "moelua.dist.Request:test", ml_comm_test(c, q->r, &done, &e), &e);
     lua_pushboolean(L, done);
     return 1;
 }
@@ -543,7 +553,7 @@ static int l_req_wait(lua_State *L)
     l_req *q = check_req(L, &c);
     ml_err e;
     if (q->r)
-        ml_check_op(L, "moelua.dist.Request:wait", ml_comm_wait(c, q->r, &e), &e);
+        check_coll(L, "moelua.dist.Request:wait", ml_comm_wait(c, q->r, &e), &e);
     return 0;
 }
 

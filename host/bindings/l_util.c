@@ -64,6 +64,24 @@ int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
     for (;;) {}  /* lua_error does not return */
 }
 
+/* msg as a moelua.errors user error, after the caller's position when
+ * `where`. */
+static void raise_user(lua_State *L, const char *msg, int where)
+{
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "moelua.errors");
+    lua_call(L, 1, 1);
+    lua_getfield(L, -1, "user");
+    if (where)
+        luaL_where(L, 1);
+    else
+        lua_pushliteral(L, "");
+    lua_pushstring(L, msg);
+    lua_concat(L, 2);
+    lua_call(L, 1, 0);
+    luaL_error(L, "%s", msg);   /* moelua.errors.user returned: raise the message anyway */
+}
+
 int ml_user_error(lua_State *L, const char *fmt, ...)
 {
     char msg[1024];
@@ -71,15 +89,18 @@ int ml_user_error(lua_State *L, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    lua_getglobal(L, "require");
-    lua_pushliteral(L, "moelua.errors");
-    lua_call(L, 1, 1);
-    lua_getfield(L, -1, "user");
-    luaL_where(L, 1);
-    lua_pushstring(L, msg);
-    lua_concat(L, 2);
-    lua_call(L, 1, 0);
-    luaL_error(L, "%s", msg);   /* moelua.errors.user returned: raise the message anyway */
+    raise_user(L, msg, 1);
+    for (;;) {}
+}
+
+int ml_env_error(lua_State *L, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    raise_user(L, msg, 0);
     for (;;) {}
 }
 

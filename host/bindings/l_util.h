@@ -26,6 +26,10 @@ int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
  * in fmt). For what the user asked wrongly, not for bugs. */
 int ml_user_error(lua_State *L, const char *fmt, ...)
     __attribute__((format(printf, 2, 3), noreturn));
+/* The same without a position: for a failure of the job's environment that
+ * no Lua line caused (a collective that timed out because a rank died). */
+int ml_env_error(lua_State *L, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3), noreturn));
 /* Raise the interrupt error: "<position>fn: interrupted", or the hook's
  * "<position>interrupted!" when fn is NULL. It stays a plain string
  * (scripts match on it); the host remembers its exact text, so that

@@ -157,7 +157,8 @@ local function report(recipe, device, plan, books, over)
   local where = dist.planned() and string.format("%s, rank %d of %d", device, dist.rank(), dist.world()) or device
   local budget = string.format("%s (%d bytes) budget", bytes(plan.budget_total), plan.budget_total)
   local out = {over and string.format("moelua plan: %s (%s): needs %s (%d bytes) at its peak, in %s: over the %s " ..
-                                      "(the book planned without budgets)", recipe, where,
+                                      "(the book planned without budgets; under one, garbage is collected before an " ..
+                                      "allocation is refused, so the run may fit in less)", recipe, where,
                                       mib(plan.total_peak), plan.total_peak,
                                       plan.peak_phase ~= "" and plan.peak_phase or "the build", budget)
                     or string.format("moelua plan: %s (%s): peak %s (%d bytes)%s, in %s", recipe, where,

@@ -150,6 +150,7 @@ local balance = require "moelua.balance"
 local errors = require "moelua.errors"
 local attach_env = require "moelua.attach_env"
 local zero = require "moelua.zero"
+local dist = require "moelua.dist"
 local host = require "moelua.host"
 local json = require "dkjson"
 
@@ -1257,7 +1258,8 @@ end
 -- expert routed: a plan's routing is the worst case)}. When an
 -- allocation would cross a budget: nil, the budget error (with the planned
 -- ledger), and the book of the same plan with the budgets lifted (its
--- total_peak is what the run needs). Any other failure raises. Under
+-- total_peak is what the run needs at most: under a budget the allocator
+-- collects garbage before it refuses). Any other failure raises. Under
 -- `moelua plan RECIPE` (train.plan_only, moelua.plan_cli) a plan that fits
 -- is printed and the program ends. The recipe's state table, the data cursor, the host's RNG and the budgets are
 -- left as they were; the hooks run inside the plans (four steps), so what
@@ -1369,7 +1371,8 @@ function train.plan(cfg)
   need[device].per_step = per_step
   -- `moelua plan RECIPE`: the book of what it needs, then the recipe's refusal
   if train.plan_only then require("moelua.plan_cli").over_budget(train.plan_only, device, need[device], need) end
-  return nil, why, need[device]
+  -- the refusal and its ledger, not the stack a step's guard took on the way
+  return nil, (tostring(why):gsub("\n*stack traceback:\n.*$", "")), need[device]
 end
 
 -- ---- run directories ---------------------------------------------------------
@@ -1446,6 +1449,7 @@ end
 local function store_path(run_dir, file, what)
   local path = run_dir .. "/" .. file
   if train.plan_only then return path end   -- `moelua plan`: nothing is written
+  if dist.rank() > 0 then return path end   -- rank 0 claims the directory, as train.run does
   fs.mkdir_p(run_dir)
   local refused = claim_run_dir(run_dir)
   if refused then errors.user(refused) end
