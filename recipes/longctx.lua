@@ -202,8 +202,11 @@ local function build()
   local o = {lr = opts.lr, beta1 = 0.9, beta2 = 0.95, weight_decay = 0.1, offload = offload}
   if not offload then return model, optim.AdamW(groups, o), groups end
   local ok, opt = pcall(optim.AdamW, groups, o)
-  if not ok then   -- the offload's store could not be made (tmpfs, a full disk): the option's error
-    errors.user("--offload-optimizer: " .. tostring(opt):gsub("^.-moelua%.optim%.AdamW: option 'offload': ", ""))
+  local why = not ok and tostring(opt):match("moelua%.optim%.AdamW: option 'offload': (.*)")
+  if why then   -- the offload's store could not be made (tmpfs, a full disk): the option's error
+    errors.user("--offload-optimizer: " .. why)
+  elseif not ok then   -- a budget's refusal, or a bug: as it was raised
+    error(opt, 0)
   end
   return model, opt, groups
 end

@@ -473,8 +473,12 @@ function M.fit(recipe, rest)
         else
           local all = cache_bytes(t)
           for d = 1, 20 do
-            if all / 2^d < 2^20 then break end
+            if all / 2^d < 2^16 then break end
             values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
+          end
+          if #values == 0 then
+            tried[#tried + 1] = string.format("  %-40s not tried: the experts hold %s in all", "--" .. name,
+                                              mib(all))
           end
         end
       end

@@ -243,6 +243,12 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
     support.has(out, "\n  --offload-optimizer true                 needs ")
     support.has(out, ": no lower, not kept\n")
     assert.is_nil(out:find("fits with: [^\n]*offload", 1), out)
+    -- under a budget too small for the optimizer's store: its book, not a refusal blamed on the option;
+    -- and experts under 2 MiB in all are still halved
+    code, out = host({"plan", "recipes/tiny.lua", "--threads", "1", "--fit", "--budget-gib", "0.0019"})
+    assert.are.equal(0, code, out)
+    support.has(out, "\n  --offload-optimizer true                 needs ")
+    support.has(out, "\n  --expert-budget 0.38MiB                  fits, peak ")
   end)
 
   it("--fit on cuda: halving expert budgets (the store's slots), its backing in pinned host memory", function()
