@@ -1637,22 +1637,32 @@ function train.run(cfg)
       self:log({event = "validation", step = step, loss = v})
     end
   end
+  -- The last recorded step's goodness (nil before one), which every save
+  -- of it (after the step, on Ctrl-C, at the end) passes on to last_good;
+  -- saved: the step a save in record wrote, so the final save is not a
+  -- second one of it.
+  local recorded_good, saved = nil, {}
+  local function save(at, tag)
+    local dir, held = self:save(at, tag, recorded_good)
+    if dir and recorded_good then last_good, last_good_step = dir, at end
+    saved.step, saved.dir = at, dir
+    return dir, held
+  end
   -- After a step that stands: its checkpoints, metrics line and progress.
   -- Returns the checkpoint written, if any, and the signals held in its save.
   local function record(step, m, why, collapsing)
     local dir, held = nil, 0
+    -- good: not a step that asked for a rollback it could not take, nor one inside a
+    -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
+    recorded_good = not why and not collapsing and self.skipped_run == 0
     if attach_wants_checkpoint(self) and self.run_dir then   -- asked for from `moelua attach`
-      dir, held = self:save(step, "attach")
+      dir, held = save(step, "attach")
     end
     if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
       local t0 = now()
       local h
-      -- good: not a step that asked for a rollback it could not take, nor one inside a
-      -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
-      local good = not why and not collapsing and self.skipped_run == 0
-      dir, h = self:save(step, "every", good)
+      dir, h = save(step, "every")
       held = held + h
-      if dir and good then last_good, last_good_step = dir, step end
       m.phases.checkpoint = now() - t0
     end
     self:log(m)
@@ -1675,7 +1685,7 @@ function train.run(cfg)
         if tostring(m):find("interrupted") then
           for k in pairs(self.state) do self.state[k] = nil end
           for k, v in pairs(state) do self.state[k] = v end
-          interrupted(step, step > first and (self:save(step - 1, "interrupt")) or nil)
+          interrupted(step, step > first and (save(step - 1, "interrupt")) or nil)
         end
         error(m, 0)
       end
@@ -1687,8 +1697,8 @@ function train.run(cfg)
       local h, replay, why, collapsing = host.hold_interrupts(judge, step, m)
       held = held + h
       local dir, in_save
-      if replay then
-        step = replay
+      if replay then   -- the weights are last_good's now
+        step, recorded_good, saved = replay, true, {}
       else
         if self.val_every > 0 and (step + 1) % self.val_every == 0 then
           if z.world > 1 then
@@ -1709,7 +1719,7 @@ function train.run(cfg)
         if dir then
           interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil)
         end
-        interrupted(step, (self:save(step - 1, "interrupt")))
+        interrupted(step, (save(step - 1, "interrupt")))
       end
     end
     result.skipped = self.skipped
@@ -1718,7 +1728,9 @@ function train.run(cfg)
     local held = host.hold_interrupts(function()
       self:end_line(true)
       if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
-      if self.run_dir then result.checkpoint = self:save(last_step, "final") end
+      if self.run_dir then
+        result.checkpoint = saved.step == last_step and saved.dir or save(last_step, "final")
+      end
     end)
     if held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
   end)

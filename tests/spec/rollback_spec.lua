@@ -114,13 +114,22 @@ describe("rollbacks", function()
   end)
 
   it("roll back, in a resumed run, to the good checkpoint the run marked before", function()
-    train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 is saved and good, step 6 is the final
+    train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 saved (every 5), step 6 the final: both good
+    assert.are.equal(dir .. "/ckpt/step-000006", ckpt.last_good(dir .. "/ckpt"))
     local cfg = planted({[8] = true}, {run_dir = dir, resume = dir .. "/ckpt"})
     local r = train.run(cfg)
     assert.are.equal(1, r.rollbacks)
     local ev = events(dir, "rollback")
-    assert.are.equal(dir .. "/ckpt/step-000004", ev[1].to)
-    assert.are.equal(5, ev[1].resume_step)
+    assert.are.equal(dir .. "/ckpt/step-000006", ev[1].to)
+    assert.are.equal(7, ev[1].resume_step)
+  end)
+
+  it("save the last step once when a save every N steps just wrote it", function()
+    train.run((planted({}, {run_dir = dir, steps = 10})))   -- saves every 5: steps 4 and 9
+    local saves = events(dir, "checkpoint")
+    assert.are.same({4, 9}, {saves[1].step, saves[2].step})
+    assert.are.equal(2, #saves)
+    assert.are.equal(dir .. "/ckpt/step-000009", ckpt.last_good(dir .. "/ckpt"))
   end)
 
   it("stop after max_rollbacks with a clear message, keeping the last good checkpoint", function()
