@@ -24,7 +24,7 @@ local zero = require "moelua.zero"
 local mem = moelua.mem
 local function say(...) if dist.rank() == 0 then print(...) end end   -- rank 0 speaks for the job
 
-local opts, given = options.parse(arg, {
+local spec = {
   -- the model
   {"vocab", 256, "vocabulary size (the data are bytes: ids 0-255; a larger vocabulary only adds rows)", min = 256},
   {"dim", 64, "model width D", min = 1},
@@ -86,7 +86,13 @@ local opts, given = options.parse(arg, {
                                "with bf16's masters; one process)"},
   {"comm-timeout", 60.0, "seconds a collective may wait before the job stops, naming it", min = 0.1},
   {"comm-debug", false, "check before every collective that all ranks call the same one"},
-}, "usage: moelua recipes/longctx.lua [options]")
+}
+-- A recipe that runs this one with other defaults (recipes/tiny.lua) sets
+-- arg.defaults: they replace these, in --help too.
+for _, o in ipairs(spec) do
+  if arg.defaults and arg.defaults[o[1]] ~= nil then o[2] = arg.defaults[o[1]] end
+end
+local opts, given = options.parse(arg, spec, "usage: moelua " .. (arg[0] or "recipes/longctx.lua") .. " [options]")
 
 -- Per-step settings. Temperature and eps preserve the order of the router
 -- scores, so on their own they never change which experts are chosen: they
