@@ -535,6 +535,10 @@ end
 function M.main(args)
   local recipe = args[1]
   if not recipe or recipe:match("^%-") then usage() end
+  if require("moelua.dist").launched() then   -- each rank would plan alone, and --fit's children fight over stdio
+    errors.user("moelua plan: plans in one process, not under mpiexec: --world N plans the N ranks of a job " ..
+                "(--rank R one of them)")
+  end
   local rest, max_seq, fit = {}, false, false
   for i = 2, #args do
     if args[i] == "--max-seq" then max_seq = true
