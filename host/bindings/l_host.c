@@ -23,6 +23,11 @@
  *       backward, so no signal lands between an update and the bookkeeping
  *       that records it.
  *
+ *   host.is_interrupt(err)
+ *       true when err is the interrupt error Ctrl-C raised last (a kernel's
+ *       "<fn>: interrupted" or the hook's "interrupted!", as raised): for a
+ *       pcall that skips what fails but must let Ctrl-C through.
+ *
  *   taken = host.take_interrupt()
  *       true when a signal is held, which it clears: the caller acts on it
  *       now (the trainer saves and stops), and the next signal is a first
@@ -204,6 +209,13 @@ static int l_host_interruptible(lua_State *L)
     return lua_gettop(L);
 }
 
+static int l_host_is_interrupt(lua_State *L)
+{
+    luaL_checkany(L, 1);
+    lua_pushboolean(L, ml_is_interrupt_error(L, 1));
+    return 1;
+}
+
 static int l_host_take_interrupt(lua_State *L)
 {
     int taken = held != 0;
@@ -217,6 +229,7 @@ static const luaL_Reg host_functions[] = {
     {"hold_interrupts", l_host_hold_interrupts},
     {"interruptible", l_host_interruptible},
     {"take_interrupt", l_host_take_interrupt},
+    {"is_interrupt", l_host_is_interrupt},
     {NULL, NULL}
 };
 

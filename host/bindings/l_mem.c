@@ -403,6 +403,10 @@ static int l_mem_plan(lua_State *L)
     }
     if (err == LUA_OK)
         return 1;
+    if (ml_is_interrupt_error(L, -2)) {   /* Ctrl-C stops the caller too, as raised */
+        lua_pop(L, 1);
+        return lua_error(L);
+    }
     const char *msg = luaL_tolstring(L, -2, NULL);   /* stack: error, books, msg */
     lua_pushnil(L);
     lua_pushfstring(L, "%s: the planned run failed (nothing was allocated): %s", fn, msg);

@@ -108,9 +108,11 @@ local function jsonable(v, path, fn, seen)
       fail(fn, "%s: key %s: keys must be strings (or list indices)", path, tostring(k))
     elseif n > 0 then
       fail(fn, "%s: mixes list entries and the key '%s'", path, k)
-    elseif k == "n" and type(v[k]) == "number" then   -- dkjson writes {n = 3} as [null, null, null]
-      fail(fn, "%s: the key 'n' holds a number, which the JSON writer takes for a list's length: rename it", path)
     end
+  end
+  if nkeys == 1 and type(v.n) == "number" then   -- dkjson writes {n = 3} as [null, null, null]
+    fail(fn, "%s: a table whose one key 'n' holds a number is taken for a list's length by the JSON writer: " ..
+         "rename the key or add another", path)
   end
   for k, x in pairs(v) do out[k] = jsonable(x, path .. "." .. tostring(k), fn, seen) end
   seen[v] = nil

@@ -31,6 +31,7 @@
 local fs = require "moelua.fs"
 local T = require "moelua.tensor"
 local errors = require "moelua.errors"
+local host = require "moelua.host"
 
 local data = {}
 
@@ -103,6 +104,7 @@ local function expand(pattern)
     end
     if depth > 64 then return end
     local ok, names = pcall(fs.listdir, dir)
+    if not ok and host.is_interrupt(names) then error(names, 0) end   -- Ctrl-C, not the directory
     if not ok then return end   -- unreadable directories are skipped, as glob(3) would
     for _, name in ipairs(names) do
       local p = (dir:sub(-1) == "/" and dir or dir .. "/") .. name

@@ -232,6 +232,7 @@ end
 -- micro-batch 1 of 2".
 function Server:where()
   if self.phase == "start" then return "at its start" end
+  if self.phase == "done" then return "after the last step" end
   local s = self.phase == "micro-batch" and "after micro-batch " .. tostring(self.micro)
             or ("after the %s of layer %s"):format(self.phase, tostring(self.layer))
   if self.micros and self.micros > 1 and self.phase ~= "micro-batch" then

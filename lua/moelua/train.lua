@@ -715,6 +715,7 @@ function Trainer:check_reload(step)
   local chunk, err = load(content, "@" .. rl.file, "t", env)
   if not chunk then return self:reload_error(step, hash, "syntax", tostring(err)) end
   local ok, hooks = pcall(chunk)
+  if not ok and host.is_interrupt(hooks) then error(hooks, 0) end   -- Ctrl-C, not the edit's fault
   if ok and type(hooks) ~= "table" then
     ok, hooks = false, "the file returned " .. type(hooks) .. ", not its hooks (return them when MOELUA_RELOAD is set)"
   end
@@ -1473,10 +1474,15 @@ function train.optim_store_path(run_dir) return store_path(run_dir, OPTIM_STORE_
 function train.check_run_dir(cfg)
   local dir = cfg.run_dir
   if not dir then return "new" end
-  if type(dir) ~= "string" or dir == "" then error("moelua.train.run: run_dir must be a path", 3) end
+  if type(dir) ~= "string" then error("moelua.train.run: run_dir must be a path", 3) end
+  if dir == "" then errors.user("moelua.train: the run directory is an empty path (--run-dir '')") end
   local names = run_contents(dir)
   local resuming = cfg.resume and cfg.resume ~= ""
   if #names == 0 then return resuming and "resume" or "new" end
+  if cfg.overwrite and resuming and inside(dir, cfg.resume) then
+    errors.user(string.format("moelua.train: --overwrite would remove the checkpoint --resume %s continues from " ..
+                              "(and the run's metrics.jsonl): give one of them; nothing was written", cfg.resume))
+  end
   if cfg.overwrite then return "overwrite" end
   if resuming and inside(dir, cfg.resume) then return "resume" end
   local what = table.concat(names, ", ")
@@ -1576,7 +1582,9 @@ function train.run(cfg)
     self:end_line(true)
     self:log({event = "interrupted", step = at, checkpoint = dir})
     errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
-                              dir and ("; saved " .. dir) or "; no step completed, nothing saved"))
+                              dir and ("; saved " .. dir) or resumed_from and
+                                ("; no step completed since the resume, nothing saved (" .. resumed_from ..
+                                 " is as it was)") or "; no step completed, nothing saved"))
   end
   -- After a step: its alarms, and a rollback when one is due. Returns the
   -- step to replay from after a rollback; else nil, why and collapsing.
@@ -1727,12 +1735,16 @@ function train.run(cfg)
     result.final_loss = result.losses[last_step]
     local held = host.hold_interrupts(function()
       self:end_line(true)
-      if self.attach then self.attach:finish(self.steps) end   -- the last step's stats for attached clients
       if self.run_dir then
         result.checkpoint = saved.step == last_step and saved.dir or save(last_step, "final")
       end
     end)
     if held > 0 then interrupted(last_step + 1, result.checkpoint, " (during the final save, which finished)") end
+    if self.attach then   -- the last step's stats for attached clients; a client's pause here ends at Ctrl-C
+      local ok, err = pcall(host.interruptible, self.attach.finish, self.attach, self.steps)
+      if not ok and host.is_interrupt(err) then interrupted(last_step + 1, result.checkpoint) end
+      if not ok then error(err, 0) end
+    end
   end)
   -- a signal held by none of the holds inside (it came between them): the run is whole and saved
   if late > 0 then interrupted(last_step + 1, result.checkpoint) end

@@ -6,7 +6,8 @@
 -- so, holds nest, and outside a hold (also after a hold that failed) a
 -- signal interrupts as before (interrupt_spec.lua); interruptible inside a
 -- hold is cut short by a signal as outside one, and a signal held before it
--- stops it before it starts; take_interrupt clears a held signal.
+-- stops it before it starts; take_interrupt clears a held signal; is_interrupt
+-- tells the interrupt error from others.
 local host = require "moelua.host"
 local support = require "tests.support"
 local errmsg = support.errmsg
@@ -202,6 +203,16 @@ describe("moelua.host.hold_interrupts with signals", function()
         assert.are.equal(0, code, err)
         assert.are.equal("outside\tfalse\nheld\t1\tfalse\ttrue\t16777216.0\n", out)
         assert.are.equal(HELD .. HELD, err)
+    end)
+
+    it("is_interrupt: true for the interrupt error as raised, false for anything else", function()
+        local code, out, err = child([[
+            local ok, e = pcall(function() signal("INT") while true do end end)
+            print(ok, host.is_interrupt(e), host.is_interrupt(e .. " (wrapped)"), host.is_interrupt("interrupted!"),
+                  host.is_interrupt({}))
+        ]])
+        assert.are.equal(0, code, err)
+        assert.are.equal("false\ttrue\tfalse\tfalse\tfalse\n", out)
     end)
 
     it("ends with fn's error, and a signal after it interrupts as before", function()

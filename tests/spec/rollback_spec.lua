@@ -181,6 +181,11 @@ describe("run directories", function()
     assert.matches("%-%-overwrite", err)
     assert.are.equal(before, support.read_file(dir .. "/metrics.jsonl"))
     assert.are.same(ckpts, ckpt.list(dir .. "/ckpt"))
+    -- --overwrite with --resume of the same run would remove the checkpoint it resumes from
+    err = support.errmsg(train.run, (planted({}, {run_dir = dir, steps = 3, resume = dir .. "/ckpt", overwrite = true})))
+    assert.matches("%-%-overwrite would remove the checkpoint %-%-resume .*/ckpt continues from", err)
+    assert.are.equal(before, support.read_file(dir .. "/metrics.jsonl"))
+    assert.are.same(ckpts, ckpt.list(dir .. "/ckpt"))
     -- train.plan refuses it too, before planning
     local cfg = planted({}, {run_dir = dir})
     cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
