@@ -64,10 +64,12 @@ int ml_error(lua_State *L, const char *fn, const char *fmt, ...)
     for (;;) {}  /* lua_error does not return */
 }
 
-/* msg as a moelua.errors user error, after the caller's position when
- * `where`. */
-static void raise_user(lua_State *L, const char *msg, int where)
+/* The formatted message as a moelua.errors user error, after the caller's
+ * position when `where`. */
+static void raise_user(lua_State *L, int where, const char *fmt, va_list ap)
 {
+    char msg[1024];
+    vsnprintf(msg, sizeof msg, fmt, ap);
     lua_getglobal(L, "require");
     lua_pushliteral(L, "moelua.errors");
     lua_call(L, 1, 1);
@@ -84,23 +86,19 @@ static void raise_user(lua_State *L, const char *msg, int where)
 
 int ml_user_error(lua_State *L, const char *fmt, ...)
 {
-    char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    raise_user(L, 1, fmt, ap);
     va_end(ap);
-    raise_user(L, msg, 1);
     for (;;) {}
 }
 
 int ml_env_error(lua_State *L, const char *fmt, ...)
 {
-    char msg[1024];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    raise_user(L, 0, fmt, ap);
     va_end(ap);
-    raise_user(L, msg, 0);
     for (;;) {}
 }
 
