@@ -1580,6 +1580,10 @@ function train.run(cfg)
   local result = {skipped = 0, rollbacks = 0, losses = {}}
   local function interrupted(at, dir, during)
     self:end_line(true)
+    if self.pending_rollback then   -- stopped before its replay: the rollback is logged all the same
+      self:log(self.pending_rollback)
+      self.pending_rollback = nil
+    end
     self:log({event = "interrupted", step = at, checkpoint = dir})
     errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
                               dir and ("; saved " .. dir) or resumed_from and

@@ -146,6 +146,17 @@ describe("rollbacks", function()
     assert.is_not_nil(ckpt.load(dir .. "/ckpt/step-000004").trainer)
   end)
 
+  it("log a rollback that a Ctrl-C stops before its replay, and save the restored step", function()
+    local pid = math.tointeger(io.open("/proc/self/stat"):read("n"))
+    -- pressed in on_rollback, inside the held bookkeeping: the run stops after the restore
+    local cfg = planted({[6] = true}, {run_dir = dir,
+                                       on_rollback = function() io.popen("kill -INT " .. pid):close() end})
+    assert.matches("interrupted at step 5; saved .*step%-000004", support.errmsg(train.run, cfg))
+    local ev = events(dir, "rollback")
+    assert.are.equal(1, #ev)
+    assert.are.same({6, dir .. "/ckpt/step-000004"}, {ev[1].step, ev[1].to})
+  end)
+
   it("give on_rollback the live recipe state: a back-off compounds, and each event carries its lr scale", function()
     local seen = {}
     local cfg = planted({[6] = true, [8] = true}, {
