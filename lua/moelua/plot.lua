@@ -20,7 +20,8 @@
 --   throughput.svg  tokens/s (faint) with its centred moving average, replayed
 --                   steps marked, and the step's time by phase as stacked areas
 --                   (data, attention, router, dispatch, experts, ce, the rest of
---                   fwd+bwd, optim, checkpoint)
+--                   fwd+bwd, optim, and checkpoint: the seconds of the saves
+--                   logged after the step's line)
 -- Errors (missing run dir or metrics.jsonl, no step records) are raised as
 -- "moelua.plot: ..." with level 0.
 local json = require "dkjson"
@@ -68,6 +69,8 @@ local function trajectory(r)
     if obj.event == "rollback" and finite(obj.resume_step) then cut(obj.resume_step)
     elseif obj.event == "resume" and finite(obj.step) then cut(obj.step)
     elseif obj.event == "validation" and finite(obj.step) and finite(obj.loss) then val[#val + 1] = obj
+    elseif obj.event == "checkpoint" and finite(obj.seconds) and #kept > 0 and kept[#kept].step == obj.step then
+      kept[#kept].save_seconds = (kept[#kept].save_seconds or 0) + obj.seconds   -- saves after the step's line
     elseif not obj.event then
       if #kept > 0 and obj.step <= kept[#kept].step then cut(obj.step, true) end
       kept[#kept + 1] = obj
@@ -709,7 +712,10 @@ function plot.throughput_svg(r)
     local fb = (finite(ph.fwd) and ph.fwd or 0) + (finite(ph.bwd) and ph.bwd or 0)
     for _, k in ipairs(PHASES) do
       local v
-      if k == "fwd+bwd other" then v = math.max(0, fb - inner) else v = finite(ph[k]) and ph[k] or 0 end
+      if k == "fwd+bwd other" then v = math.max(0, fb - inner)
+      elseif k == "checkpoint" then   -- its saves' events (older logs: a phase of the line)
+        v = finite(m.save_seconds) and m.save_seconds or finite(ph.checkpoint) and ph.checkpoint or 0
+      else v = finite(ph[k]) and ph[k] or 0 end
       stack[k][i] = v
       if v > 0 then has[k] = true end
     end

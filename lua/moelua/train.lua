@@ -98,8 +98,7 @@
 -- phase, budget}: what the run was admitted on, in the form of the steps'
 -- ledger_peak, so a reader compares the two to the byte.
 -- phases (seconds): data, fwd, bwd, optim (the step's wall time is their
--- sum, `step_seconds`), checkpoint (saves after this step; validation not
--- included), and inside fwd + bwd the model's profile: attention, router,
+-- sum, `step_seconds`), and inside fwd + bwd the model's profile: attention, router,
 -- dispatch, experts, ce; `gflops` = {attention, experts, ce} (model FLOPs
 -- per second of that phase).
 --
@@ -1075,7 +1074,6 @@ function Trainer:step(step)
     for k, v in pairs(prof.seconds) do t[k] = v end
     m.gflops = prof.gflops
   end
-  t.checkpoint = 0
   m.phases, m.skipped_total = t, self.skipped
   local seconds = t.data + t.fwd + t.bwd + t.optim
   m.step_seconds = seconds
@@ -1667,17 +1665,17 @@ function train.run(cfg)
     -- good: not a step that asked for a rollback it could not take, nor one inside a
     -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
     recorded_good = not why and not collapsing and self.skipped_run == 0
+    -- the line first: a kill during a save below leaves it (the resume logs the
+    -- steps it replays again, after its resume event); the saves' events follow it
+    self:log(m)
     if attach_wants_checkpoint(self) and self.run_dir then   -- asked for from `moelua attach`
       dir, held = save(step, "attach")
     end
     if self.ckpt_every > 0 and (step + 1) % self.ckpt_every == 0 then
-      local t0 = now()
       local h
       dir, h = save(step, "every")
       held = held + h
-      m.phases.checkpoint = now() - t0
     end
-    self:log(m)
     self:progress(m, step, last_step, t_start)
     return dir, held
   end
