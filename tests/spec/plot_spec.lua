@@ -142,10 +142,13 @@ local function synthetic(dir)
         ledger_peak = {total = (30 + s) * 2^20, params = 10 * 2^20, ["acts<&>"] = (20 + s) * 2^20},
         loads = {{counts = {10, 20, 30 + s}, max_share = 0.5, entropy = 1, dropped = 0},
                  {counts = {20, 20, 20}, max_share = 0.33, entropy = 1.1, dropped = 0}},
-        phases = {data = 0.01, fwd = 0.1, bwd = 0.2, optim = 0.05, checkpoint = 0,
+        phases = {data = 0.01, fwd = 0.1, bwd = 0.2, optim = 0.05,
                   attention = 0.1, router = 0.01, dispatch = 0.02, experts = 0.1, ce = 0.03}}
   end
-  for s = 0, 6 do step(s, 5 - s * 0.2) end
+  for s = 0, 6 do
+    step(s, 5 - s * 0.2)
+    if s == 4 then add{event = "checkpoint", step = 4, seconds = 0.3, reason = "every"} end   -- after its line
+  end
   add{event = "validation", step = 3, loss = 4.5}
   add{event = "rollback", step = 6, reason = "loss spike <&>", to = dir .. "/ckpt/step-000004", resume_step = 5}
   for s = 5, 9 do step(s, 4.1 - (s - 5) * 0.1) end
@@ -245,10 +248,10 @@ describe("moelua.plot", function()
     assert.truthy(svg.memory:find("MiB", 1, true))
     -- throughput: tokens/s and the stacked phases
     assert.are.equal(1, count(svg.throughput, 'data%-series="tokens/s"'))
-    for _, ph in ipairs({"data", "attention", "router", "dispatch", "experts", "ce", "fwd+bwd other", "optim"}) do
+    for _, ph in ipairs({"data", "attention", "router", "dispatch", "experts", "ce", "fwd+bwd other", "optim",
+                         "checkpoint"}) do   -- checkpoint: step 4's save event
       assert.truthy(svg.throughput:find('class="phase" data-series="' .. ph .. '"', 1, true), ph)
     end
-    assert.is_nil(svg.throughput:find('data-series="checkpoint"', 1, true))   -- all zero
   end)
 
   it("plots a real tiny training run (validation, rollback) with plot.run and `moelua plot`", function()
