@@ -299,6 +299,28 @@ end)
 describe("router invariance", function()
   after_each(function() m.threads(THREADS0) end)
 
+  -- f32 logits are summed four experts at a time (kernels/router.c), the
+  -- rest one by one, each rounded to f32 once: an expert's logit is the
+  -- same bits either way. Here an expert put first (its logit -1e30: never
+  -- selected, and the renormalised weights see only the selected) moves
+  -- expert 3 from the block of four to the single path.
+  it("gives an expert the same f32 logit in a block of four as alone", function()
+    local T, D = 200, 37
+    local x = randn({T, D}, "f32")
+    x:narrow(2, 1, 1):fill_(1)
+    local wg = randn({4, D}, "f32")
+    local wg5 = m.zeros({5, D}, {dtype = "f32"})
+    wg5:narrow(1, 2, 4):copy_(wg)
+    wg5:narrow(1, 1, 1):narrow(2, 1, 1):fill_(-1e30)
+    local o = {k = 2, eps = 0, renorm = true}
+    local i4, w4 = router.forward(x, wg, o)
+    local i5, w5 = router.forward(x, wg5, o)
+    local shifted = vals(i4)
+    for j = 1, #shifted do shifted[j] = shifted[j] + 1 end
+    assert.are.same(shifted, vals(i5))
+    assert.are.same(vals(w4), vals(w5))
+  end)
+
   -- every output of a forward + backward as Lua values
   local function run(x, wg, c, ga, o, chunk)
     local oo = {}
