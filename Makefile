@@ -58,6 +58,9 @@ OBJ := $(SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 # run-time check (its "very cheap" cost model). -O3 changes no result (no
 # reassociation without -ffast-math, no contraction: bitwise the same
 # outputs, BENCHMARKS.md) and makes the training step 1.02-1.05x faster.
+# One exception met so far: GCC 12.2's SLP vectorizer at -O3 dropped a
+# (double)(float) rounding inside an unrolled block loop (kernels/router.c
+# rounds in a loop of its own; router_spec checks the bits).
 # -fno-math-errno: no kernel reads errno, and without it a loop calling
 # sqrt does not vectorise (AdamW's); sqrtps rounds exactly as sqrtss does.
 KERNEL_OPT ?= -O3

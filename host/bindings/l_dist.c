@@ -102,7 +102,6 @@ static ml_comm *check_comm(lua_State *L, const char *fn)
     return c;
 }
 
-/* Argument idx (self at 1: it is argument #idx-1) as a string. */
 /* A communicator's status: a broken one (a timeout, a rank that died, a
  * mismatch that debug mode found: ML_EIO) is the job's environment, a user
  * error printed without a traceback; anything else as ml_check_op says. */
@@ -113,6 +112,7 @@ static void check_coll(lua_State *L, const char *fn, ml_status s, const ml_err *
     ml_check_op(L, fn, s, e);
 }
 
+/* Argument idx (self at 1: it is argument #idx-1) as a string. */
 static const char *check_string(lua_State *L, int idx, const char *fn, const char *name)
 {
     if (lua_type(L, idx) != LUA_TSTRING)

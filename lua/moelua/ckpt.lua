@@ -110,8 +110,8 @@ local function jsonable(v, path, fn, seen)
       fail(fn, "%s: mixes list entries and the key '%s'", path, k)
     end
   end
-  if nkeys == 1 and type(v.n) == "number" then   -- dkjson writes {n = 3} as [null, null, null]
-    fail(fn, "%s: a table whose one key 'n' holds a number is taken for a list's length by the JSON writer: " ..
+  if nkeys == 1 and math.type(v.n) == "integer" then   -- dkjson writes {n = 3} as [null, null, null]
+    fail(fn, "%s: a table whose one key 'n' holds an integer is taken for a list's length by the JSON writer: " ..
          "rename the key or add another", path)
   end
   for k, x in pairs(v) do out[k] = jsonable(x, path .. "." .. tostring(k), fn, seen) end

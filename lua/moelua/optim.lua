@@ -510,11 +510,16 @@ local function open_offload(groups, oo)
     offload_fail("'path': on %s the states live in pinned host memory, not in a file (leave it out)", device)
   end
   chunk = math.max(1, math.min(chunk, n))
-  local refused = mem.stats()[device].refused
+  local function refusals()   -- every book's: the slots on the device, the slabs in the file or pinned tier
+    local n = 0
+    for _, book in pairs(mem.stats()) do n = n + book.refused end
+    return n
+  end
+  local refused = refusals()
   local ok, s = pcall(store.open, {device = device, path = oo.path, slabs = math.max(1, (n + chunk - 1) // chunk),
                                    slab_bytes = 8 * chunk, slots = slots, prefetch = 2, category = "optim",
                                    slot_category = "optim"})
-  if not ok and mem.stats()[device].refused > refused then error(s, 0) end   -- a budget's refusal: not the option's
+  if not ok and refusals() > refused then error(s, 0) end   -- a budget's refusal: not the option's
   if not ok then offload_fail("%s", (tostring(s):gsub("^moelua%.store%.open: ", ""))) end
   -- masters in host memory: one chunk of them at a time on the device
   local stage = staged and mem.scope("optim", tensor.zeros, {chunk}, {dtype = "f32", device = device})

@@ -979,8 +979,9 @@ local function forward_backward(self, step)
   local lr = self.lr(step) * ctl.lr_scale
   if self.pending_rollback then                 -- logged now: with the lr scale the replay runs at
     local ev = self.pending_rollback
-    ev.lr_scale, ev.lr, self.pending_rollback = ctl.lr_scale, lr, nil
+    ev.lr_scale, ev.lr = ctl.lr_scale, lr
     self:log(ev)
+    self.pending_rollback = nil                 -- (after the line: a Ctrl-C between the two logs it twice, not never)
   end
   self.model:set_router{temperature = ctl.temperature, noise = ctl.noise, eps = ctl.eps,
                         capacity_factor = ctl.capacity_factor}
@@ -1584,7 +1585,8 @@ function train.run(cfg)
     end
     self:log({event = "interrupted", step = at, checkpoint = dir})
     errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
-                              dir and ("; saved " .. dir) or resumed_from and
+                              dir and ("; saved " .. dir) or not self.run_dir and "; no run directory, nothing saved"
+                                or resumed_from and
                                 ("; no step completed since the resume, nothing saved (" .. resumed_from ..
                                  " is as it was)") or "; no step completed, nothing saved"))
   end
@@ -1688,14 +1690,18 @@ function train.run(cfg)
       -- held through the step's update; with several ranks through all of
       -- it: every rank stops at the same step (mpiexec passes Ctrl-C to
       -- each), and the ranks agree on it after
-      local state = deep_copy(self.state)   -- what a step abandoned by Ctrl-C leaves (its hook ran)
+      -- what a step abandoned by Ctrl-C (one rank) leaves to the save of the step before: its hook ran
+      local state, rng = z.world == 1 and self.run_dir and deep_copy(self.state), tensor.rng_state()
       local held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
       if not ok then
         self.model.safe_point = nil                -- set during the step
         if tostring(m):find("interrupted") then
-          for k in pairs(self.state) do self.state[k] = nil end
-          for k, v in pairs(state) do self.state[k] = v end
-          interrupted(step, step > first and (save(step - 1, "interrupt")) or nil)
+          if state then
+            for k in pairs(self.state) do self.state[k] = nil end
+            for k, v in pairs(state) do self.state[k] = v end
+          end
+          tensor.rng_state(rng)
+          interrupted(step, recorded_good ~= nil and (save(step - 1, "interrupt")) or nil)
         end
         error(m, 0)
       end
@@ -1723,6 +1729,7 @@ function train.run(cfg)
         held = held + h
         step = step + 1
       end
+      if host.take_interrupt() then held = held + 1 end   -- one that came between the holds above
       if z.world > 1 then held = z:all_reduce_numbers({held}, "max", "interrupts")[1] end
       if held > 0 then
         host.take_interrupt()   -- acted on here: a Ctrl-C during the save below is held by it

@@ -279,8 +279,8 @@ describe("moelua.ckpt", function()
     has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {x = 0 / 0}}), "trainer.x: " )
     has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {[1] = 1, a = 2}}), "mixes list entries")
     has(errmsg(ckpt.save, root, 1, {model = st.model, trainer = {s = {n = 3}}}),
-        "trainer.s: a table whose one key 'n' holds a number is taken for a list's length")
-    assert.is_nil(ckpt.json_error({a = {n = "x"}, b = {n = 3, m = 1}}, "state"))   -- written as objects
+        "trainer.s: a table whose one key 'n' holds an integer is taken for a list's length")
+    assert.is_nil(ckpt.json_error({a = {n = "x"}, b = {n = 3, m = 1}, c = {n = 0.5}}, "state"))   -- objects
     has(errmsg(ckpt.save, root, 1, {model = st.model, bogus = 1}), "unknown field 'bogus'")
     has(errmsg(ckpt.save, root, 1, st, {keep = 0}), "keep: expected a positive integer")
     has(errmsg(ckpt.save, root, 1, st, {kep = 1}), "unknown option 'kep'")
