@@ -1584,11 +1584,17 @@ function train.run(cfg)
       self.pending_rollback = nil
     end
     self:log({event = "interrupted", step = at, checkpoint = dir})
-    errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "",
-                              dir and ("; saved " .. dir) or not self.run_dir and "; no run directory, nothing saved"
-                                or resumed_from and
-                                ("; no step completed since the resume, nothing saved (" .. resumed_from ..
-                                 " is as it was)") or "; no step completed, nothing saved"))
+    local what
+    if dir then
+      what = "; saved " .. dir
+    elseif not self.run_dir then
+      what = "; no run directory, nothing saved"
+    elseif resumed_from then
+      what = "; no step completed since the resume, nothing saved (" .. resumed_from .. " is as it was)"
+    else
+      what = "; no step completed, nothing saved"
+    end
+    errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "", what))
   end
   -- After a step: its alarms, and a rollback when one is due. Returns the
   -- step to replay from after a rollback; else nil, why and collapsing.
@@ -1687,11 +1693,11 @@ function train.run(cfg)
   -- update and the checkpoint and metrics line that record it.
   local late = host.hold_interrupts(function()
     while step <= last_step do
+      -- what a step abandoned by Ctrl-C (one rank) leaves to the save of the step before: its hook ran
+      local state, rng = z.world == 1 and self.run_dir and deep_copy(self.state), tensor.rng_state()
       -- held through the step's update; with several ranks through all of
       -- it: every rank stops at the same step (mpiexec passes Ctrl-C to
       -- each), and the ranks agree on it after
-      -- what a step abandoned by Ctrl-C (one rank) leaves to the save of the step before: its hook ran
-      local state, rng = z.world == 1 and self.run_dir and deep_copy(self.state), tensor.rng_state()
       local held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
       if not ok then
         self.model.safe_point = nil                -- set during the step
