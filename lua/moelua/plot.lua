@@ -10,8 +10,8 @@
 --                   its centred moving average, validation loss; the steps a
 --                   rollback abandoned (the lines logged before it for steps it
 --                   replays) drawn faint, one stretch per rollback; rollbacks as
---                   dashed lines, one label per step they went back to ("3
---                   rollbacks to step 9 (@12, @15)"), in rows above the plot
+--                   dashed lines, one label per checkpoint they went back to
+--                   ("3 rollbacks to step-000008 (@12, @15)"), in rows above the plot
 --                   where no two overlap
 --   experts.svg     per layer, a heatmap of each expert's share of the routed
 --                   tokens (rows = experts, columns = steps; the last record of
@@ -380,8 +380,10 @@ local function rollback_groups(r)
   return groups
 end
 
--- "rollback @6: loss spike -> step 5, lr x0.5", or for several to one step
--- "3 rollbacks to step 9 (@12, @15): loss spike, lr x0.125" (the last lr scale).
+-- "rollback @6: loss spike -> step-000004, lr x0.5", or for several to one
+-- checkpoint "3 rollbacks to step-000008 (@12, @15): loss spike, lr x0.125"
+-- (the last lr scale): the checkpoint, as the event's `to` and the console
+-- name it; the replay starts at the step after it.
 local function rollback_label(g)
   local reasons, seen = {}, {}
   for _, e in ipairs(g.events) do
@@ -390,15 +392,14 @@ local function rollback_label(g)
   end
   local last = g.events[#g.events]
   local lr = finite(last.lr_scale) and last.lr_scale ~= 1 and string.format(", lr x%g", last.lr_scale) or ""
+  local to = finite(g.resume) and string.format("step-%06d", g.resume - 1)
   if #g.events == 1 then
-    return string.format("rollback @%d: %s%s%s", last.step, reasons[1],
-                         finite(g.resume) and string.format(" -> step %d", g.resume) or "", lr)
+    return string.format("rollback @%d: %s%s%s", last.step, reasons[1], to and " -> " .. to or "", lr)
   end
   local at = {}
   for i = 1, math.min(#g.at, 4) do at[i] = "@" .. g.at[i] end
   if #g.at > 4 then at[#at + 1] = "..." end
-  return string.format("%d rollbacks to step %s (%s): %s%s", #g.events,
-                       finite(g.resume) and string.format("%d", g.resume) or "?",
+  return string.format("%d rollbacks to %s (%s): %s%s", #g.events, to or "?",
                        table.concat(at, ", "), table.concat(reasons, ", "), lr)
 end
 
@@ -492,7 +493,7 @@ function plot.loss_svg(r)
   end
   local items = {{"training loss (kept steps)", LOSS_COLOUR, width = 1}}
   if smoothed then items[#items + 1] = {string.format("centred mean of %d steps", 2 * half + 1), SMOOTH_COLOUR} end
-  if #r.abandoned > 0 then items[#items + 1] = {"abandoned by a rollback", ABANDONED_COLOUR, opacity = 0.45} end
+  if #r.abandoned > 0 then items[#items + 1] = {"abandoned by a rollback or resume", ABANDONED_COLOUR, opacity = 0.45} end
   if show_ce then items[#items + 1] = {"cross-entropy", PALETTE[3]} end
   if #vsteps > 0 then items[#items + 1] = {"validation loss", PALETTE[2]} end
   if #r.val_abandoned > 0 then items[#items + 1] = {"validation (abandoned)", PALETTE[2], dot = true, hollow = true} end

@@ -60,8 +60,11 @@
 -- More than `max_rollbacks` rollbacks to one checkpoint stop the run: an
 -- event {event = "stopped"} and a user error naming the last good
 -- checkpoint, which stays on disk (keep-K never removes it). A checkpoint
--- is good when its step asked for no rollback, no layer was collapsed and
--- it ended no run of skipped steps. `max_skipped`
+-- is good once the step after it stands: that step asked for no rollback,
+-- no layer was collapsed and it was not skipped (a spike shows in the loss
+-- of the step after the update that caused it, so the checkpoint holding
+-- that update is never good; the last step's checkpoint is judged by a
+-- resumed run's first step). `max_skipped`
 -- skipped steps before any good checkpoint stop it too (nothing to go back
 -- to). A run resumed from its own checkpoints takes ckpt/last_good back.
 --
@@ -1567,12 +1570,17 @@ function train.run(cfg)
               phase = cfg.plan.peak_phase, budget = cfg.plan.budget_total})
   end
   self.first_step = first
-  local last_good, last_good_step = nil, nil
+  -- last_good: the checkpoint a rollback goes back to; candidate: the
+  -- newest checkpoint, judged by the step after it (a spike shows in the
+  -- loss of the step after the update that caused it, so a checkpoint is
+  -- good only once that step stands)
+  local last_good, last_good_step, candidate = nil, nil, nil
   -- a resume from the run's own checkpoints: its last good one, at or before the resumed step
   if resuming and self.run_dir and inside(self.run_dir, resumed_from) then
     local ok, dir = pcall(ckpt.last_good, self.run_dir .. "/ckpt")
     local at = ok and dir and tonumber(dir:match("step%-(%d+)$"))
     if at and at < first then last_good, last_good_step = dir, at end
+    if first - 1 ~= last_good_step then candidate = {dir = resumed_from, step = first - 1} end
   end
   local t_start, last_step = now(), self.steps - 1
   local step = first
@@ -1655,14 +1663,15 @@ function train.run(cfg)
       self:log({event = "validation", step = step, loss = v})
     end
   end
-  -- The last recorded step's goodness (nil before one), which every save
-  -- of it (after the step, on Ctrl-C, at the end) passes on to last_good;
+  -- recorded_good: the last recorded step's verdict (nil before one);
   -- saved: the step a save in record wrote, so the final save is not a
-  -- second one of it.
+  -- second one of it. A save is the new candidate, not good yet (last_good,
+  -- if it named the step, is dropped), unless it saves last_good's own
+  -- step again (a Ctrl-C right after a rollback).
   local recorded_good, saved = nil, {}
   local function save(at, tag)
-    local dir, held = self:save(at, tag, recorded_good)
-    if dir and recorded_good then last_good, last_good_step = dir, at end
+    local dir, held = self:save(at, tag, at == last_good_step)
+    if dir and at ~= last_good_step then candidate = {dir = dir, step = at} end
     saved.step, saved.dir = at, dir
     return dir, held
   end
@@ -1671,8 +1680,15 @@ function train.run(cfg)
   local function record(step, m, why, collapsing)
     local dir, held = nil, 0
     -- good: not a step that asked for a rollback it could not take, nor one inside a
-    -- collapse, nor one of a run of skipped steps (the weights that made them non-finite)
+    -- collapse, nor a skipped one (the weights before it made it non-finite)
     recorded_good = not why and not collapsing and self.skipped_run == 0
+    if candidate then   -- the checkpoint before this step is good when this step is
+      if recorded_good then
+        if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", candidate.dir) end
+        last_good, last_good_step = candidate.dir, candidate.step
+      end
+      candidate = nil
+    end
     -- the line first: a kill during a save below leaves it (the resume logs the
     -- steps it replays again, after its resume event); the saves' events follow it
     self:log(m)
@@ -1720,7 +1736,7 @@ function train.run(cfg)
       held = held + h
       local dir, in_save
       if replay then   -- the weights are last_good's now
-        step, recorded_good, saved = replay, true, {}
+        step, recorded_good, saved, candidate = replay, true, {}, nil
       else
         if self.val_every > 0 and (step + 1) % self.val_every == 0 then
           if z.world > 1 then

@@ -237,7 +237,7 @@ describe("moelua.plot", function()
     assert.are.equal(1, count(svg.loss, 'class="series abandoned"'))
     assert.are.equal(1, count(svg.loss, 'data%-series="validation loss"'))
     assert.are.equal(1, count(svg.loss, 'class="rollback"'))
-    assert.truthy(svg.loss:find("rollback @6: loss spike &lt;&amp;&gt; -&gt; step 5", 1, true))
+    assert.truthy(svg.loss:find("rollback @6: loss spike &lt;&amp;&gt; -&gt; step-000004", 1, true))
     -- experts: 2 layers x 3 experts x 10 steps
     assert.are.equal(2, count(svg.experts, 'class="heatmap"'))
     assert.are.equal(2 * 3 * 10, count(svg.experts, 'class="cell"'))
@@ -261,13 +261,14 @@ describe("moelua.plot", function()
     local ds = data.open{glob = "/usr/include/std*.h", seq_len = 64, seed = 0, holdout = 0.01}
     local groups = model:param_groups{weight_decay = 0.1}
     local opt = optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95})
-    support.plant_collapse(model, 2, 4)   -- collapses at steps 2 and 3, twice: two rollbacks to step 2
+    support.plant_collapse(model, 2, 4)   -- collapses at steps 2 and 3, twice: two rollbacks to step 0's
+                                          -- checkpoint (step 1's is judged by step 2, collapsed)
     local r = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = 64, steps = 5,
                         lr = sched.constant(3e-3), clip = 1.0, run_dir = dir, ckpt_every = 1, keep = 5,
                         val_every = 2, val_batches = 1, alarms = {hot_steps = 1}, rollback = {collapse_steps = 2}}
     assert.are.equal(2, r.rollbacks)
     local svg = check_all(plot.run(dir, dir .. "/a"))
-    assert.truthy(svg.loss:find(">2 rollbacks to step 2 (@3): router collapse", 1, true))
+    assert.truthy(svg.loss:find(">2 rollbacks to step-000000 (@3): router collapse", 1, true))
     local rd, fired, nfired = plot.read(dir), {}, 0
     for _, e in ipairs(rd.events) do
       if e.event == "rollback" and not fired[e.step] then fired[e.step] = true; nfired = nfired + 1 end
@@ -353,7 +354,7 @@ describe("moelua.plot", function()
     assert.truthy(sm.class:find("smoothed", 1, true))
     assert.are.same(kx, path_xs(sm.d))
     assert.truthy(svg:find("centred mean of 5 steps", 1, true))
-    assert.truthy(svg:find("abandoned by a rollback", 1, true))
+    assert.truthy(svg:find("abandoned by a rollback or resume", 1, true))
     -- validation: the kept ones as a line, the abandoned ones as hollow markers
     assert.are.equal(3, #path_xs(series(svg, "validation loss").d))
     assert.are.equal(3, #elements(svg, "circle", "validation-abandoned"))
@@ -367,8 +368,8 @@ describe("moelua.plot", function()
     local lines = elements(svg, "line", "rollback")
     assert.are.equal(3, #lines)
     for i, st in ipairs({12, 15, 16}) do assert.are.equal(kx[st + 1], tonumber(lines[i].x1)) end
-    assert.truthy(svg:find(">3 rollbacks to step 9 (@12, @15): loss spike, lr x0.125</text>", 1, true))
-    assert.truthy(svg:find(">rollback @16: loss spike -&gt; step 14, lr x0.0625</text>", 1, true))
+    assert.truthy(svg:find(">3 rollbacks to step-000008 (@12, @15): loss spike, lr x0.125</text>", 1, true))
+    assert.truthy(svg:find(">rollback @16: loss spike -&gt; step-000013, lr x0.0625</text>", 1, true))
     assert.are.equal(2, #elements(svg, "text", "rollback-label"))
     local boxes = elements(svg, "rect", "rollback-label")
     assert.are.equal(2, #boxes)

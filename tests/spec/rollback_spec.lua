@@ -103,19 +103,42 @@ describe("rollbacks", function()
     assert.is_nil(ckpt.latest(dir .. "/ckpt"))
   end)
 
-  it("roll back past checkpoints saved during a run of skipped steps: they are not good", function()
+  it("roll back past checkpoints followed by a skipped step: they are not good", function()
     local cfg = planted({[3] = true, [4] = true, [5] = true}, {run_dir = dir, ckpt_every = 1, keep = 10,
                                                             rollback = {max_skipped = 3}})
     local r = train.run(cfg)
     assert.are.equal(1, r.rollbacks)
     local ev = events(dir, "rollback")
-    assert.are.equal(dir .. "/ckpt/step-000002", ev[1].to)   -- not step-000004, saved between skips
+    assert.are.equal(dir .. "/ckpt/step-000001", ev[1].to)   -- step 2's is followed by the first skip
     assert.are.equal(5, ev[1].step)
   end)
 
-  it("roll back, in a resumed run, to the good checkpoint the run marked before", function()
-    train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 saved (every 5), step 6 the final: both good
-    assert.are.equal(dir .. "/ckpt/step-000006", ckpt.last_good(dir .. "/ckpt"))
+  it("roll back past the checkpoint that holds the update a loss spike comes from", function()
+    -- the update of step 8 is planted as bad: the loss of step 9, the first
+    -- to see its weights, spikes; step 8's checkpoint holds that update, so
+    -- the rollback goes to step 7's (which step 8 judged good)
+    local cfg = planted({}, {run_dir = dir, ckpt_every = 1, keep = 10, steps = 11,
+                             rollback = {window = 3, spike_sigma = 6}})
+    local forward, step_of = cfg.model.forward, nil
+    cfg.model.forward = function(self, tokens, s)
+      local l, st = forward(self, tokens, s)
+      step_of = s
+      if s == 9 and not self.spiked then self.spiked = true; return l * 100, st end
+      return l, st
+    end
+    local r = train.run(cfg)
+    assert.are.equal(1, r.rollbacks)
+    local ev = events(dir, "rollback")
+    assert.are.equal("loss spike", ev[1].reason)
+    assert.are.equal(9, ev[1].step)
+    assert.are.equal(dir .. "/ckpt/step-000007", ev[1].to)   -- not step-000008
+    assert.are.equal(10, step_of)
+  end)
+
+  it("roll back, in a resumed run, to the checkpoint its first step judged good", function()
+    train.run((planted({}, {run_dir = dir, steps = 7})))   -- step 4 saved (every 5), step 6 the final
+    -- step 4's is good (step 5 stood); step 6's waits for a step after it
+    assert.are.equal(dir .. "/ckpt/step-000004", ckpt.last_good(dir .. "/ckpt"))
     local cfg = planted({[8] = true}, {run_dir = dir, resume = dir .. "/ckpt"})
     local r = train.run(cfg)
     assert.are.equal(1, r.rollbacks)
@@ -129,7 +152,7 @@ describe("rollbacks", function()
     local saves = events(dir, "checkpoint")
     assert.are.same({4, 9}, {saves[1].step, saves[2].step})
     assert.are.equal(2, #saves)
-    assert.are.equal(dir .. "/ckpt/step-000009", ckpt.last_good(dir .. "/ckpt"))
+    assert.are.equal(dir .. "/ckpt/step-000004", ckpt.last_good(dir .. "/ckpt"))   -- no step after 9's
   end)
 
   it("stop after max_rollbacks with a clear message, keeping the last good checkpoint", function()

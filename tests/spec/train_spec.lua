@@ -143,7 +143,7 @@ describe("train.run", function()
     assert.are.equal(1, calls)
     local ev = events(dir, "rollback")
     assert.are.equal(1, #ev)
-    assert.are.equal(2, ev[1].resume_step)        -- step 1's checkpoint: step 2's was inside the collapse
+    assert.are.equal(1, ev[1].resume_step)        -- step 0's checkpoint: step 1's weights routed step 2 into it
     assert.is_true(ev[1].data_offset > 0)
   end)
 
