@@ -630,6 +630,11 @@ function ckpt.load(path)
            "killed while writing) and cannot be loaded; the next successful save there removes it",
            dir, table.concat(partial, ", "), #partial > 1 and "are" or "is")
     end
+    local steps = step_dirs(dir)
+    if #steps > 0 then   -- a checkpoint root whose `latest` is gone: name what it holds
+      fail("load", "'%s' is a checkpoint root without its 'latest' pointer; load one of its checkpoints " ..
+           "by name: %s%s", dir, steps[#steps].dir, #steps > 1 and string.format(" (the newest of %d)", #steps) or "")
+    end
   end
   verify_manifest(dir, exists(join(dir, "trainer.json")))
   local c = {dir = dir}

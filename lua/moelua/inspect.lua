@@ -335,8 +335,11 @@ end
 -- inspect.compare(a, b, layer [, layer_b]) -> rows, text: per expert {expert, share_a, share_b,
 -- delta, se, z, changed, counts_a, counts_b}. A share is counts / (T k); a
 -- token picks an expert at most once, so counts / T is a binomial
--- proportion q and se = sqrt(qa (1 - qa) / Ta + qb (1 - qb) / Tb) / k is the
--- standard error of delta; changed when |delta| > 3 se (z = |delta| / se).
+-- proportion q, and se = sqrt(q (1 - q) (1 / Ta + 1 / Tb)) / k, with q the
+-- two reports' pooled proportion, is the standard error of delta when the
+-- share did not change (the two-proportion z-test: an expert at 0% or 100%
+-- in one small report keeps the variance the other side gives it);
+-- changed when |delta| > 3 se (z = |delta| / se).
 -- The text lists only the changed experts, or says there is no change
 -- beyond noise. layer_b (default layer) compares two layers.
 M.NOISE_SE = 3
@@ -352,8 +355,8 @@ function M.compare(a, b, l, lb)
   local rows, lines = {}, {}
   for e = 1, #la.counts do
     local d = sb[e] - sa[e]
-    local qa, qb = ta > 0 and la.counts[e] / ta or 0, tb > 0 and lbb.counts[e] / tb or 0
-    local var = (ta > 0 and qa * (1 - qa) / ta or 0) + (tb > 0 and qb * (1 - qb) / tb or 0)
+    local q = ta + tb > 0 and (la.counts[e] + lbb.counts[e]) / (ta + tb) or 0
+    local var = ta > 0 and tb > 0 and q * (1 - q) * (1 / ta + 1 / tb) or math.huge   -- nothing to compare
     local se = math.sqrt(math.max(var, 0)) / k
     local z = se > 0 and math.abs(d) / se or (d ~= 0 and math.huge or 0)
     local changed = z > M.NOISE_SE

@@ -85,6 +85,15 @@ describe("moelua.ckpt", function()
     assert.equal(root .. "/step-000004", ckpt.load(root).dir)
   end)
 
+  it("names the checkpoints of a root whose `latest` is gone", function()
+    ckpt.save(root, 1, state(1, 1))
+    ckpt.save(root, 2, state(2, 1))
+    os.remove(root .. "/latest")
+    assert.matches("'.*' is a checkpoint root without its 'latest' pointer; load one of its checkpoints by " ..
+                   "name: .*/step%-000002 %(the newest of 2%)", errmsg(ckpt.load, root))
+    assert.equal(root .. "/step-000002", ckpt.load(root .. "/step-000002").dir)
+  end)
+
   it("a process killed (SIGKILL) while saving leaves `latest` loadable", function()
     -- a child saves 4 MiB checkpoints in a loop; it is killed at several
     -- moments, and after each kill the newest complete checkpoint loads

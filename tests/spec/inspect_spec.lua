@@ -274,9 +274,9 @@ describe("moelua.inspect on reports built by hand", function()
     local a = {topk = 2, layers = {{counts = {1000, 1000, 1000, 1000}}}}     -- 2000 tokens
     local b = {topk = 2, layers = {{counts = {1060, 1000, 940, 1000}}}}      -- 2000 tokens
     local c = {topk = 2, layers = {{counts = {1200, 1000, 800, 1000}}}}
-    -- by hand, expert 0 of a -> c: q = 0.5 and 0.6 of the tokens; se = sqrt(.25/2000 + .24/2000) / 2
+    -- by hand, expert 0 of a -> c: 0.5 and 0.6 of the tokens, pooled q = 0.55; se = sqrt(q (1 - q) (2 / 2000)) / 2
     local rows, text = inspect.compare(a, c, 1)
-    local se = math.sqrt(0.25 / 2000 + 0.24 / 2000) / 2
+    local se = math.sqrt(0.55 * 0.45 * (2 / 2000)) / 2
     assert.is_true(math.abs(rows[1].se - se) < 1e-15)
     assert.is_true(math.abs(rows[1].delta - 0.05) < 1e-15)
     assert.is_true(math.abs(rows[1].z - 0.05 / se) < 1e-9)
@@ -289,9 +289,16 @@ describe("moelua.inspect on reports built by hand", function()
     rows, text = inspect.compare(a, b, 1)
     for _, row in ipairs(rows) do assert.is_false(row.changed) end
     assert.are.equal("no change beyond noise (3 standard errors) in any of the 4 experts (2000 and 2000 tokens)", text)
-    -- an expert that goes from nothing to something, with no variance on one side
+    -- an expert that goes from nothing to something: the side at 0% has no variance of its own, the
+    -- pooled one does; 0 of 10 tokens -> 5 of 10 is 2.6 se (Fisher's exact test: p = 0.03), not beyond noise
     rows = inspect.compare({topk = 1, layers = {{counts = {0, 10}}}}, {topk = 1, layers = {{counts = {5, 5}}}}, 1)
+    assert.is_false(rows[1].changed)
+    assert.is_true(math.abs(rows[1].z - 0.5 / math.sqrt(0.25 * 0.75 * 0.2)) < 1e-12)
+    rows = inspect.compare({topk = 1, layers = {{counts = {0, 100}}}}, {topk = 1, layers = {{counts = {50, 50}}}}, 1)
     assert.is_true(rows[1].changed)
+    -- an empty report: nothing to compare
+    rows = inspect.compare({topk = 1, layers = {{counts = {0, 0}}}}, {topk = 1, layers = {{counts = {5, 5}}}}, 1)
+    assert.is_false(rows[1].changed)
   end)
 
   it("loads reads a run's metrics.jsonl: steps (the replay kept after a rollback), per-expert shares and ratios, " ..
