@@ -25,6 +25,9 @@
 --     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback", "on_alarm"}},   -- hooks edited live
 --   }
 --
+-- An option not listed here, or of the wrong type, is refused by name
+-- before anything runs (train.plan takes the same table, with build).
+--
 -- One step: the hook sets this step's router and loss settings (ctl) ->
 -- `accum` micro-batches of forward + backward (gradients accumulate, then
 -- are summed over ranks and scaled by 1/(accum * ranks)) -> global gradient
@@ -1202,6 +1205,48 @@ local function settings(cfg, name, defaults)
   return out
 end
 
+-- train.run's and train.plan's options and what each must be: a misspelt
+-- or mistyped one is refused by name before anything runs (a misspelt
+-- ckpt_every saved nothing; a number for a hook failed at its first call).
+local RUN_OPTIONS = {
+  model = "table", data = "table", optimizer = "table", groups = "table", build = "function",
+  seq_len = "integer", steps = "integer", accum = "integer", lr = "function", clip = "number",
+  hook = "function", state = "table", run_dir = "string", ckpt_every = "integer", keep = "integer",
+  rollback = "table", alarms = "table", on_rollback = "function", on_alarm = "function",
+  attach = "table", val_every = "integer", val_batches = "integer", tty = "boolean",
+  log_every = "number", progress_after = "number", init_from = "string", resume = "string",
+  overwrite = "boolean", plan = "table", reload = "table", provenance = "table",
+  aux_weight = "number", z_weight = "number",
+}
+local RUN_MINIMUM = {seq_len = 1, steps = 1, accum = 1, keep = 1, val_batches = 1, log_every = 1,
+                     ckpt_every = 0, val_every = 0, clip = 0, progress_after = 0, aux_weight = 0, z_weight = 0}
+
+local function check_options(cfg, fn)
+  if type(cfg) ~= "table" then error(string.format("moelua.train.%s: expected an options table, got %s", fn,
+                                                   type(cfg)), 3) end
+  for k, v in pairs(cfg) do
+    local want = RUN_OPTIONS[k]
+    if not want then
+      local names = {}
+      for n in pairs(RUN_OPTIONS) do names[#names + 1] = n end
+      table.sort(names)
+      error(string.format("moelua.train.%s: unknown option '%s' (expected one of: %s)", fn, tostring(k),
+                          table.concat(names, ", ")), 3)
+    end
+    local callable = type(v) == "table" and getmetatable(v) and getmetatable(v).__call
+    local ok = v == false and (want == "table" or want == "function")   -- `x and {...}`: none
+            or (want == "integer" and math.type(v) == "integer") or type(v) == want
+            or (want == "function" and callable)
+    if not ok then
+      error(string.format("moelua.train.%s: %s must be a%s %s, got %s", fn, k, want == "integer" and "n" or "",
+                          want, math.type(v) or type(v)), 3)
+    end
+    if RUN_MINIMUM[k] and v < RUN_MINIMUM[k] then
+      error(string.format("moelua.train.%s: %s must be >= %d, got %s", fn, k, RUN_MINIMUM[k], tostring(v)), 3)
+    end
+  end
+end
+
 -- A trainer from run's cfg, touching no file (train.run's and train.plan's).
 local function new_trainer(cfg)
   local self = setmetatable({
@@ -1268,6 +1313,7 @@ end
 -- left as they were; the hooks run inside the plans (four steps), so what
 -- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
+  check_options(cfg, "plan")
   if type(cfg.build) ~= "function" then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
@@ -1514,6 +1560,7 @@ local function clear_run_dir(dir)
 end
 
 function train.run(cfg)
+  check_options(cfg, "run")
   local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
   local z = self.model.zero

@@ -147,6 +147,35 @@ describe("train.run", function()
     assert.is_true(ev[1].data_offset > 0)
   end)
 
+  it("refuses a misspelt or mistyped option by name before the first step", function()
+    local model, ds, groups, opt = pieces()
+    local base = {model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ, steps = 2}
+    local function with(k, v)
+      local c = {}
+      for n, x in pairs(base) do c[n] = x end
+      c[k] = v
+      return c
+    end
+    support.has(support.errmsg(train.run, with("ckpt_evry", 2)),
+                "moelua.train.run: unknown option 'ckpt_evry' (expected one of: accum, alarms, attach,")
+    support.has(support.errmsg(train.plan, with("kep", 1)), "moelua.train.plan: unknown option 'kep'")
+    support.has(support.errmsg(train.run, with("on_alarm", 5)),
+                "moelua.train.run: on_alarm must be a function, got integer")
+    support.has(support.errmsg(train.run, with("lr", 5)), "moelua.train.run: lr must be a function, got integer")
+    support.has(support.errmsg(train.run, with("data", 5)), "moelua.train.run: data must be a table, got integer")
+    support.has(support.errmsg(train.run, with("ckpt_every", 2.5)),
+                "moelua.train.run: ckpt_every must be an integer, got float")
+    support.has(support.errmsg(train.run, with("keep", 0)), "moelua.train.run: keep must be >= 1, got 0")
+    support.has(support.errmsg(train.run, with("clip", -1)), "moelua.train.run: clip must be >= 0, got -1")
+    support.has(support.errmsg(train.run, 5), "moelua.train.run: expected an options table, got number")
+    -- a schedule may be a callable table; `x and {...}` passes false for none
+    local sched_t = setmetatable({}, {__call = function() return 1e-3 end})
+    local c = with("lr", sched_t)
+    c.reload, c.steps = false, 1
+    local r = train.run(c)
+    assert.is_true(r.final_loss == r.final_loss)
+  end)
+
   it("refuses a run without its pieces", function()
     local model, ds, groups, opt = pieces()
     assert.matches("groups", support.errmsg(train.run, {model = model, data = ds, optimizer = opt}))
