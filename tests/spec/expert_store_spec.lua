@@ -143,6 +143,29 @@ describe("expert store in training", function()
     es:close()
   end)
 
+  it("frees an expert's slot when its kernel raises (Ctrl-C, a NaN): a one-slot store steps on", function()
+    local model = nn.Transformer.new{vocab = 256, dim = D, layers = 1, heads = 2, kv_heads = 1, ffn = F, experts = E,
+                                     topk = 2, seed = 3, store = {path = dir("raise.store"), budget = EXPERT}}
+    local experts = require "moelua.experts"
+    local tokens = corpus():batch(0)
+    local function step()
+      model:zero_grad()
+      model:forward(tokens, 0)
+      model.zero:begin_backward(true, 1)
+      model:backward{}
+    end
+    for _, fn in ipairs{"forward", "backward"} do
+      local real = experts[fn]
+      experts[fn] = function() experts[fn] = real; error("interrupted!", 0) end   -- once
+      local ok, err = pcall(step)
+      experts[fn] = real
+      assert.are.same({false, "interrupted!"}, {ok, err})
+      step()   -- "all 1 cache slots are in use" when the raise kept its slot
+    end
+    assert.are.equal(1, model.expert_store:stats().slots)
+    model.expert_store:close()
+  end)
+
   it("a run killed mid-step resumes from its last checkpoint like an uninterrupted run", function()
     local ref = run(dir("whole"), store_at(dir("whole.store"), 2), {steps = 6, ckpt_every = 3})
     -- the same run, killed (SIGKILL) during step 4's backward: a child process
