@@ -173,12 +173,20 @@ end
 moelua.threads(opts.threads)
 moelua.manual_seed(opts.seed)
 if opts.budget_gib > 0 then
-  local ok, err = pcall(mem.budget, {total = math.floor(opts.budget_gib * 2^30), force = opts.force_budget,
-                                     device = opts.device})
-  if not ok then
-    errors.user(string.format("--budget-gib %g: %s (from the command line: --force-budget)", opts.budget_gib,
-                              tostring(err)))
+  local bytes = math.floor(opts.budget_gib * 2^30)   -- a float when past the integers
+  if math.type(bytes) ~= "integer" or bytes < 1 then   -- 0 bytes would remove every budget
+    errors.user(string.format("--budget-gib %g is %s: give a budget in GiB, or 0 for 90%% of the memory available",
+                              opts.budget_gib, bytes < 1 and "less than one byte" or "out of range"))
   end
+  local ok, err = pcall(mem.budget, {total = bytes, force = opts.force_budget, device = opts.device})
+  if not ok then
+    -- the ledger names the API's `force = true`: the command line's is --force-budget
+    errors.user(string.format("--budget-gib %g: %s", opts.budget_gib,
+                              (tostring(err):gsub("mem%.budget{[^}]*force = true}",
+                                                  "--force-budget"))))
+  end
+elseif opts.force_budget then
+  errors.user("--force-budget accepts a --budget-gib above the memory available: give it with --budget-gib")
 end
 
 -- --expert-budget: the experts in an expert store (moelua.expert_store)

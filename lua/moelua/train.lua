@@ -569,6 +569,9 @@ end
 local function trainer_state(self, step, optim_meta)
   return {
     step = step, data_offset = self.data_offset, skipped = self.skipped,
+    -- micro-batches per step, all ranks': the stride of the data's windows
+    -- (a resume that took no step keeps the one it loaded)
+    micro_batches = self.resumed_micro_batches or self.accum * self.model.zero.world,
     rng = tensor.rng_state(), data = self.data:state(), recipe_state = self.state,
     ema = self.ema, threads = tensor.threads(), machine = self.machine, optim = optim_meta,
     provenance = self.provenance, rollbacks_to = self.rollbacks_to, skip_to = self.skip_to,
@@ -645,6 +648,7 @@ function Trainer:restore(dir, rollback)
     for k in pairs(self.state) do self.state[k] = nil end
     for k, v in pairs(tr.recipe_state or {}) do self.state[k] = v end
     self.rollbacks_to, self.skip_to = tr.rollbacks_to or {}, tr.skip_to or {}
+    self.resumed_micro_batches = tr.micro_batches
   end
   if tr.threads ~= tensor.threads() then
     self:message(string.format("moelua.train: warning: checkpoint was written with %d thread%s, running %d: " ..
@@ -1499,7 +1503,8 @@ local function store_path(run_dir, file, what)
   local path = run_dir .. "/" .. file
   if train.plan_only then return path end   -- `moelua plan`: nothing is written
   if dist.rank() > 0 then return path end   -- rank 0 claims the directory, as train.run does
-  fs.mkdir_p(run_dir)
+  local ok, err = pcall(fs.mkdir_p, run_dir)
+  if not ok then errors.user("moelua.train: the run directory cannot be created: " .. tostring(err)) end
   local refused = claim_run_dir(run_dir)
   if refused then errors.user(refused) end
   if fs.stat(path) then
@@ -1587,6 +1592,17 @@ function train.run(cfg)
     if first > self.steps then
       errors.user(string.format("moelua.train: %s holds step %d, past the last step of steps = %d (step %d): " ..
                                 "steps must be at least %d", resumed_from, back, self.steps, self.steps - 1, first))
+    end
+    -- a step reads the windows (step + offset) * micro-batches + i: another
+    -- count would read trained windows again and change the batch
+    local was, now_ = self.resumed_micro_batches, self.accum * z.world
+    if first < self.steps and was and was ~= now_ then
+      errors.user(string.format("moelua.train: %s was trained with %d micro-batches per step (ranks x accum), " ..
+                                "this run takes %d (%d rank%s x accum %d): the batch would change and the data " ..
+                                "would be read again from an earlier window; keep ranks x accum at %d%s",
+                                resumed_from, was, now_, z.world, z.world == 1 and "" or "s", self.accum, was,
+                                was % z.world == 0 and string.format(" (here: --accum %d)", was // z.world) or
+                                string.format(" (a number of ranks that divides %d)", was)))
     end
   end
   local refused   -- rank 0 claims the run directory for every rank

@@ -176,6 +176,20 @@ describe("train.run", function()
     assert.is_true(r.final_loss == r.final_loss)
   end)
 
+  it("refuses a resume at another count of micro-batches per step unless it takes no step", function()
+    run{steps = 2, accum = 2, run_dir = dir}
+    local saved = dir .. "/ckpt/step-000001"
+    local err = support.errmsg(run, {steps = 4, accum = 1, resume = saved, run_dir = dir})
+    support.has(err, "moelua.train: " .. saved .. " was trained with 2 micro-batches per step (ranks x accum), " ..
+                     "this run takes 1 (1 rank x accum 1): the batch would change and the data would be read " ..
+                     "again from an earlier window; keep ranks x accum at 2 (here: --accum 2)")
+    assert.is_true(require("moelua.errors").is_user(select(2, pcall(run, {steps = 4, resume = saved, run_dir = dir}))))
+    assert.are.equal(2, run{steps = 2, accum = 1, resume = saved, run_dir = dir}.first_step)   -- no step: saved as loaded
+    local r = run{steps = 4, accum = 2, resume = saved, run_dir = dir}
+    assert.are.equal(2, r.first_step)
+    assert.is_number(r.losses[3])
+  end)
+
   it("refuses a run without its pieces", function()
     local model, ds, groups, opt = pieces()
     assert.matches("groups", support.errmsg(train.run, {model = model, data = ds, optimizer = opt}))
@@ -248,6 +262,15 @@ describe("recipes", function()
       {{"--data", "/nonexistent/*.h"}, "moelua.data.open: moelua.fs.glob: '/nonexistent/%*.h'"},
       {{"--run-dir", "/proc/moelua-run"}, "moelua.train: the run directory cannot be created: moelua.fs.mkdir_p: " ..
                                           "cannot create '/proc/moelua%-run'"},
+      {{"--run-dir", "/proc/moelua-run", "--expert-budget", "1MiB"}, "moelua.train: the run directory cannot be " ..
+                                                                    "created: moelua.fs.mkdir_p: cannot create"},
+      {{"--budget-gib", "1e-300"}, "%-%-budget%-gib 1e%-300 is less than one byte: give a budget in GiB, or 0 for " ..
+                                   "90%% of the memory available"},
+      {{"--budget-gib", "1e30"}, "%-%-budget%-gib 1e%+30 is out of range"},
+      {{"--budget-gib", "100000"}, "%-%-budget%-gib 100000: moelua%.mem%.budget: a total budget of .* %-%-force%-budget " ..
+                                   "sets it anyway"},
+      {{"--force-budget"}, "%-%-force%-budget accepts a %-%-budget%-gib above the memory available: give it with " ..
+                           "%-%-budget%-gib"},
     }) do
       local args = {"recipes/tiny.lua", "--steps", "1", "--run-dir", dir .. "/run"}
       for _, a in ipairs(c[1]) do args[#args + 1] = a end
