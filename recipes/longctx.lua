@@ -246,10 +246,12 @@ local run = {
 -- budget (moelua.train.plan), so a seq_len that cannot fit fails here.
 local plan, why, need = train.plan(run)
 if not plan then
-  io.stderr:write(why, "\n")
-  -- MiB with as many decimals as tell the two apart
+  -- the budget's refusal as the ledger words it, without the Lua position of the op that met it
+  io.stderr:write((tostring(why):gsub("(: the planned run failed %(nothing was allocated%): )[^\n]-%.lua:%d+: ", "%1")),
+                  "\n")
+  -- MiB with as many decimals as tell the two apart (at least the ledger's two)
   local peak, budget = need.total_peak / 2^20, mem.stats()[opts.device].budget_total / 2^20
-  local digits = 1
+  local digits = 2
   while digits < 4 and string.format("%." .. digits .. "f", peak) == string.format("%." .. digits .. "f", budget) do
     digits = digits + 1
   end
@@ -261,7 +263,7 @@ if not plan then
 end
 say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
                     "acts %.1f, pool %.1f MiB at the peak, in %s)", opts.device, plan.total_peak / 2^20,
-                    plan.budget_total > 0 and string.format(" of a %.2f GiB budget", plan.budget_total / 2^30)
+                    plan.budget_total > 0 and string.format(" of a %s budget", mem.format_bytes(plan.budget_total))
                       or ", no budget",
                     plan.at_peak.params / 2^20, plan.at_peak.grads / 2^20, plan.at_peak.optim / 2^20,
                     plan.at_peak.acts / 2^20, plan.at_peak.pool / 2^20, plan.peak_phase))

@@ -474,7 +474,8 @@ function M.fit(recipe, rest)
           local all = cache_bytes(t)
           for d = 1, 20 do
             if all / 2^d < 2^16 then break end
-            values[#values + 1] = string.format("%.2fMiB", all / 2^d / 2^20)
+            local kib = all // 2^d // 1024   -- whole KiB: the halves of 768 KiB reach one 96 KiB expert
+            values[#values + 1] = kib % 1024 == 0 and string.format("%dMiB", kib // 1024) or string.format("%dKiB", kib)
           end
           if #values == 0 then
             tried[#tried + 1] = string.format("  %-40s not tried: the experts hold %s in all", "--" .. name,
