@@ -111,7 +111,9 @@ end
 -- more gently from the restored checkpoint.
 local function on_rollback(state, event)
   state.lr_scale = (state.lr_scale or 1.0) * 0.5
-  say(string.format("rollback at step %d (%s): lr scale now %.3g", event.step, event.reason, state.lr_scale))
+  local set = event.overrides and event.overrides.lr_scale   -- `moelua attach`'s set{} wins over the hook
+  say(string.format("rollback at step %d (%s): lr scale now %.3g%s", event.step, event.reason, state.lr_scale,
+                    set and string.format(" (an attached client's lr_scale = %g holds until it unsets it)", set) or ""))
 end
 
 -- A balance alarm (moelua.train: hot, collapse, dead; loads against the

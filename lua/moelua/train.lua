@@ -1711,7 +1711,7 @@ function train.run(cfg)
     self.skipped_run = 0
     result.rollbacks = result.rollbacks + 1
     local event = {event = "rollback", step = step, reason = why, to = last_good, resume_step = back + 1,
-                   data_offset = self.data_offset, rollbacks_to = n}
+                   data_offset = self.data_offset, rollbacks_to = n, overrides = m.overrides}
     self:end_line()
     if self:call_hook(step, "on_rollback", self.state, event) == false then
       self:call_hook(step, "on_rollback", self.state, event)

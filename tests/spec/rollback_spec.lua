@@ -126,12 +126,17 @@ describe("rollbacks", function()
       if s == 9 and not self.spiked then self.spiked = true; return l * 100, st end
       return l, st
     end
+    -- as a client's set{lr_scale = 0.5} leaves it: the event says what was in force
+    cfg.attach = require("moelua.remote").listen(dir, {steps = 11})
+    cfg.attach.overrides.lr_scale = 0.5
+    finally(function() cfg.attach:close() end)
     local r = train.run(cfg)
     assert.are.equal(1, r.rollbacks)
     local ev = events(dir, "rollback")
     assert.are.equal("loss spike", ev[1].reason)
     assert.are.equal(9, ev[1].step)
     assert.are.equal(dir .. "/ckpt/step-000007", ev[1].to)   -- not step-000008
+    assert.are.same({lr_scale = 0.5}, ev[1].overrides)
     assert.are.equal(10, step_of)
   end)
 
