@@ -146,6 +146,17 @@ local function check_options(opts)
        "option 'dtype' \"bf16\" (mixed precision) runs on cuda: the CPU's kernels are f32 and f64")
   need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
        "bias_rate, aux_weight and z_weight must be >= 0")
+  -- the router's and the experts' own checks (ops_moe.c, l_experts.c), here before any allocation
+  need(o.mode == "softmax_topk" or o.mode == "topk_softmax",
+       string.format("option 'mode' must be \"softmax_topk\" or \"topk_softmax\", got %s", o.mode))
+  need(o.temperature > 0 and o.temperature < math.huge,
+       string.format("option 'temperature' must be finite and > 0, got %s", o.temperature))
+  need(o.eps >= 0 and o.eps < 1, string.format("option 'eps' must be in [0, 1), got %s", o.eps))
+  need(o.noise >= 0 and o.noise < math.huge, string.format("option 'noise' must be finite and >= 0, got %s", o.noise))
+  need(o.chunk >= 1 and o.tile >= 1, string.format("options 'chunk' and 'tile' must be >= 1, got %d and %d",
+                                                   o.chunk, o.tile))
+  need(o.partial_recompute == -1 or (o.partial_recompute >= 0 and o.partial_recompute <= 1),
+       string.format("option 'partial_recompute' must be in [0, 1] (-1: off), got %s", o.partial_recompute))
   return o
 end
 

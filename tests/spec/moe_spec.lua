@@ -175,6 +175,20 @@ describe("moe layer", function()
                    errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, policy = "drop"}))
     assert.matches("option 'aux_scope' must be", errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, aux_scope = "x"}))
     assert.matches("options must be a table", errmsg(moe.new, 3))
+    -- the router's and the experts' checks, at moe.new rather than at the first forward
+    for _, c in ipairs{{{mode = "x"}, "option 'mode' must be \"softmax_topk\" or \"topk_softmax\", got x"},
+                       {{temperature = 0}, "option 'temperature' must be finite and > 0, got 0"},
+                       {{temperature = -1}, "option 'temperature' must be finite and > 0, got %-1"},
+                       {{temperature = math.huge}, "option 'temperature' must be finite and > 0, got inf"},
+                       {{eps = 1}, "option 'eps' must be in %[0, 1%), got 1"},
+                       {{noise = -1}, "option 'noise' must be finite and >= 0, got %-1"},
+                       {{tile = 0}, "options 'chunk' and 'tile' must be >= 1, got 2048 and 0"},
+                       {{chunk = 0}, "options 'chunk' and 'tile' must be >= 1, got 0 and 256"},
+                       {{partial_recompute = 2}, "option 'partial_recompute' must be in %[0, 1%] %(%-1: off%), got 2"}} do
+      local o = {dim = 4, ffn = 4, experts = 2, topk = 1}
+      for k, v in pairs(c[1]) do o[k] = v end
+      assert.matches("moelua.moe.new: " .. c[2], errmsg(moe.new, o))
+    end
     local layer = moe.new{dim = 4, ffn = 4, experts = 2, topk = 1}
     assert.matches("backward without a forward", errmsg(layer.backward, layer, m.zeros({2, 4})))
   end)
