@@ -117,7 +117,8 @@ local function controls(srv)
       if why then error("set: " .. why, 2) end
       if k == "capacity_factor" and srv.policy ~= "drop" then
         error("set: capacity_factor applies only to a model with moe policy \"drop\" (this job's: " ..
-              tostring(srv.policy or "not told to attach: remote.listen(run_dir, {policy =})") .. ")", 2)
+              (srv.policy and "\"" .. srv.policy .. "\"" or "unknown: the job gave remote.listen no model or policy") ..
+              ")", 2)
       end
       keys[#keys + 1] = k
     end
@@ -162,7 +163,11 @@ local function controls(srv)
     if srv.phase == "start" then return "paused at step " .. tostring(srv.step) end
     return ("paused at step %s (%s)"):format(tostring(srv.step), srv:where())
   end
-  function c.resume() srv.paused = false; return "resumed" end
+  function c.resume()
+    local was = srv.paused
+    srv.paused = false
+    return was and "resumed" or "not paused"
+  end
   return c
 end
 

@@ -173,12 +173,13 @@ describe("moelua attach", function()
     local input = dir .. "/input"
     support.write_file(input, table.concat({
       "pause()", "progress.step", "stats.loss", "set{temperature = 0.5}", "while true do end",
-      "progress.paused", "set{temperature = -1}", big, "progress.paused", "checkpoint()", "resume()", ""}, "\n"))
+      "progress.paused", "set{temperature = -1}", big, "progress.paused", "checkpoint()", "resume()", "resume()",
+      ""}, "\n"))
     local code, out = support.finish_child(assert(io.popen(
       support.host_command({"attach", run}) .. " < " .. q(input) .. " 2>&1")))
     assert.are.equal(0, code, out)
     local replies = lines_of(out)
-    assert.are.equal(11, #replies, out)
+    assert.are.equal(12, #replies, out)
     local at, inside = replies[1]:match("^paused at step (%d+)(.*)$")
     at = tonumber(at)
     assert.is_not_nil(at, out)
@@ -195,6 +196,7 @@ describe("moelua attach", function()
     assert.are.equal("true", replies[9])                      -- the same client, still served
     assert.are.equal("a checkpoint will be saved after step " .. at, replies[10])
     assert.are.equal("resumed", replies[11])
+    assert.are.equal("not paused", replies[12])
 
     local jcode, jout = support.finish_child(job)
     assert.are.equal(0, jcode, jout)
