@@ -33,7 +33,7 @@ describe("golden tiny-model trajectory", function()
     local groups = model:param_groups{weight_decay = 0.1}
     local opt = optim.AdamW(groups, {lr = 3e-3, beta2 = 0.95})
     local r = train.run{model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ,
-                        steps = 8, micro_batches = 2, clip = 1.0, aux_weight = 0.01, z_weight = 1e-3,
+                        steps = 8, clip = 1.0, aux_weight = 0.01, z_weight = 1e-3,
                         lr = sched.warmup_cosine{peak = 3e-3, warmup = 2, total = 8},
                         run_dir = dir .. "/run"}
     for i, want in ipairs(GOLDEN) do

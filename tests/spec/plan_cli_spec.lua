@@ -108,7 +108,7 @@ describe("moelua plan", function()
     local code, out = host({"plan", "recipes/longctx.lua", "--seq-len", "65536", "--budget-gib", "0.05"})
     assert.are.equal(1, code, out)
     support.has(out, "--seq-len 65536 needs ")
-    support.has(out, "over the budget of 51.2 MiB (--budget-gib 0.05)")
+    support.has(out, "over the budget of 51.20 MiB (--budget-gib 0.05)")
   end)
 
   it("--preset report1: report 1's model in bf16 on cuda, its book beside the plan's, where it is wrong", function()

@@ -313,7 +313,7 @@ describe("recipes/longctx.lua", function()
     local code, out = support.finish_child(p)
     assert.are_not.equal(0, code)
     assert.matches("%-%-seq%-len 131072 needs up to [%d.]+ MiB at its peak %(memory plan%), over the budget of " ..
-                   "256%.0 MiB %(%-%-budget%-gib 0%.25%)", out)
+                   "256%.00 MiB %(%-%-budget%-gib 0%.25%)", out)
     assert.is_nil(out:find("stack traceback", 1, true), out)   -- the refusal and its ledger only
     assert.is_nil(io.open(dir .. "/run/metrics.jsonl"))   -- nothing started
     support.remove_dir(dir)
