@@ -18,7 +18,8 @@
  *   mem.scope(category, fn, ...)  run fn with allocations tagged `category`
  *   mem.category([name])          get / set the current category
  *   mem.timeline{cap=, interval=, device=} / mem.timeline() -> samples
- *   mem.empty_cache()             CUDA: release the caching allocator's free blocks
+ *   mem.empty_cache()             release the CUDA caching allocator's free blocks and
+ *                                 the CPU's freed mappings kept for reuse
  *   mem.plan(fn, ...)             dry run of fn(...): {cpu = book, ...} with its peaks, nothing
  *                                 allocated; nil, message, books when fn raised (a budget
  *                                 refusal counts in book.refused)
@@ -214,7 +215,7 @@ static void check_holdable(lua_State *L, ml_host *h, ml_tier d, const char *key,
         size_t avail = ml_mem_available(), held = h->books[ML_TIER_CPU].total;
         if (avail == 0 || want <= avail + held)
             return;
-        ml_user_error(L, "%s: a %s budget of %.2f GiB is more than this machine can hold: %.2f GiB "
+        ml_user_error(L, "%s: the %s budget of %.2f GiB is more than this machine can hold: %.2f GiB "
                       "(MemAvailable %.2f GiB + %.2f GiB the cpu ledger holds) of %.2f GiB MemTotal. "
                       "mem.budget{%s = ..., force = true} sets it anyway: past what the machine has, "
                       "the kernel's OOM killer ends the run instead of a Lua error", fn, key,
@@ -223,7 +224,7 @@ static void check_holdable(lua_State *L, ml_host *h, ml_tier d, const char *key,
 #ifdef ML_WITH_CUDA
     size_t free_b, total_b;
     if (d == ML_TIER_CUDA && ml_cuda_mem_info(&free_b, &total_b) == 0 && want > total_b)
-        ml_user_error(L, "%s: a %s budget of %.2f GiB on cuda is more than the device's memory: "
+        ml_user_error(L, "%s: the %s budget of %.2f GiB on cuda is more than the device's memory: "
                       "%.2f GiB in all (%.2f GiB free). mem.budget{device = \"cuda\", %s = ..., "
                       "force = true} sets it anyway: past what the device has, the run ends with "
                       "a device out-of-memory error instead of a budget error with the ledger",
@@ -354,9 +355,11 @@ static int l_mem_timeline(lua_State *L)
     return 2;
 }
 
-/* mem.empty_cache(): return the CUDA allocator's cached blocks to the device. */
+/* mem.empty_cache(): return the CUDA allocator's cached blocks to the
+ * device, and the CPU's kept mappings to the system. */
 static int l_mem_empty_cache(lua_State *L)
 {
+    ml_cpu_empty_cache();
 #ifdef ML_WITH_CUDA
     ml_cuda_empty_cache(&ml_host_of(L)->books[ML_TIER_CUDA]);
 #else
@@ -391,10 +394,11 @@ static int l_mem_plan(lua_State *L)
     lua_gc(L, LUA_GCCOLLECT);
     if (err == LUA_OK && h->plan_live) {   /* kept by a global or an object from outside */
         err = LUA_ERRRUN;
-        lua_pushfstring(L, "%d tensors or pools of the plan are still referenced after it "
+        int one = h->plan_live == 1;
+        lua_pushfstring(L, "%d tensor%s or pool%s of the plan %s still referenced after it "
                         "(by a global, an upvalue or an object made outside the plan, such as an "
                         "optimizer stepped inside it); they hold no real memory and must not be used",
-                        (int)h->plan_live);
+                        (int)h->plan_live, one ? "" : "s", one ? "" : "s", one ? "is" : "are");
     }
     lua_createtable(L, 0, ML_NTIERS);
     for (int t = 0; t < ML_NTIERS; t++) {

@@ -218,6 +218,8 @@ typedef struct ml_backend {
 } ml_backend;
 
 extern const ml_backend ml_backend_cpu;
+/* Unmap the freed buffers the CPU backend keeps for reuse (backend_cpu.c). */
+void ml_cpu_empty_cache(void);
 /* The streams and events of a memory that has none (the CPU, a plan):
  * handles are NULL and work is done in program order (backend_cpu.c). */
 ml_status ml_no_handle_new(void **handle);

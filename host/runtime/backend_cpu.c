@@ -3,20 +3,30 @@
  * memory (no streams: every copy is done when it returns) and the
  * kernels/<family>.c implementations.
  *
- * Buffers of HUGE_MIN bytes and more are mappings of their own, 2 MiB
+ * Buffers of HUGE_MIN (2 MiB) and more are mappings of their own, 2 MiB
  * aligned and rounded, with transparent huge pages asked for (madvise;
  * where the system refuses them they are ordinary pages). A step's large
  * transients (the experts' saved pre-activations: 738 MiB at T 32768) are
  * fresh mappings every step either way (glibc maps anything above 32 MiB
  * itself), so their first touch faults page by page; 2 MiB pages fault
- * 512 times less: the MoE layer benchmark at T 32768 runs about 5% faster,
- * the training step the same (its transients live in the stack pool). The
- * ledger charges what was asked; RSS may exceed it by < 2 MiB per buffer.
+ * 512 times less: the MoE layer benchmark at T 32768 runs about 5% faster.
+ * From 2 MiB rather than 8: buffers of 2-8 MiB from malloc stayed in
+ * glibc's heap once freed, and a trainer's step (the collector held until
+ * the next step: moelua.train) left its heap fragmented: peak RSS 544 MiB
+ * for a ledger peak of 383 at seq_len 4096, 418 with them mapped, at the
+ * same speed (BENCHMARKS.md, "Issue 15, sixth pass"): a freed mapping of
+ * up to REUSE_MAX is kept for the next request of its length (a step asks
+ * for the same buffers every step; a fresh mapping is zeroed by the
+ * kernel, 4 MiB for each [4096, 256] f32 activation), at most REUSE_MAX
+ * bytes in all, handed back by mem.empty_cache(). The ledger charges what
+ * was asked; RSS may exceed it by < 2 MiB per buffer, and by the kept
+ * mappings.
  * Under AddressSanitizer every buffer comes from malloc, where it checks
  * overflows.
  */
 #include "backend.h"
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,7 +38,7 @@ static int cpu_available(void) { return 1; }
 #ifdef __SANITIZE_ADDRESS__
 #define HUGE_MIN SIZE_MAX
 #else
-#define HUGE_MIN ((size_t)8 << 20)
+#define HUGE_MIN HUGE_PAGE
 #endif
 
 static size_t huge_len(size_t nbytes) { return (nbytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1); }
@@ -48,11 +58,59 @@ static void *map_huge(size_t len)
     return a;
 }
 
+/* Freed mappings kept for reuse (the header): a few, REUSE_MAX bytes in
+ * all; a freed one that does not fit is unmapped. Any thread may free. */
+#define REUSE_SLOTS 16
+#define REUSE_MAX ((size_t)32 << 20)
+static struct { void *p; size_t len; } kept[REUSE_SLOTS];
+static int nkept;
+static size_t kept_bytes;
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void *take_kept(size_t len)
+{
+    void *p = NULL;
+    pthread_mutex_lock(&kept_lock);
+    for (int i = nkept - 1; i >= 0 && !p; i--)   /* the most recently freed first */
+        if (kept[i].len == len) {
+            p = kept[i].p;
+            kept_bytes -= len;
+            memmove(&kept[i], &kept[i + 1], (size_t)(--nkept - i) * sizeof kept[0]);
+        }
+    pthread_mutex_unlock(&kept_lock);
+    return p;
+}
+
+static int keep(void *p, size_t len)
+{
+    pthread_mutex_lock(&kept_lock);
+    int ok = nkept < REUSE_SLOTS && kept_bytes + len <= REUSE_MAX;
+    if (ok) {
+        kept[nkept].p = p;
+        kept[nkept++].len = len;
+        kept_bytes += len;
+    }
+    pthread_mutex_unlock(&kept_lock);
+    return ok;
+}
+
+void ml_cpu_empty_cache(void)
+{
+    pthread_mutex_lock(&kept_lock);
+    for (int i = 0; i < nkept; i++)
+        munmap(kept[i].p, kept[i].len);
+    nkept = 0;
+    kept_bytes = 0;
+    pthread_mutex_unlock(&kept_lock);
+}
+
 static void *cpu_alloc(size_t nbytes, ml_ledger *lg)
 {
     (void)lg;
-    if (nbytes >= HUGE_MIN)
-        return map_huge(huge_len(nbytes));
+    if (nbytes >= HUGE_MIN) {
+        void *p = take_kept(huge_len(nbytes));
+        return p ? p : map_huge(huge_len(nbytes));
+    }
     void *p = NULL;
     size_t rounded = (nbytes + 63) & ~(size_t)63;
     return posix_memalign(&p, 64, rounded) == 0 ? p : NULL;
@@ -61,10 +119,12 @@ static void *cpu_alloc(size_t nbytes, ml_ledger *lg)
 static void cpu_free(void *p, size_t nbytes, ml_ledger *lg)
 {
     (void)lg;
-    if (p && nbytes >= HUGE_MIN)
-        munmap(p, huge_len(nbytes));
-    else
+    if (p && nbytes >= HUGE_MIN) {
+        if (!keep(p, huge_len(nbytes)))
+            munmap(p, huge_len(nbytes));
+    } else {
         free(p);
+    }
 }
 
 static ml_status cpu_memcpy(void *dst, const void *src, size_t n, ml_copy_dir dir, void *stream)
