@@ -8,8 +8,10 @@ ml_status ml_plan_begin(ml_host *h, ml_plan_saved *saved, ml_err *e)
     if (h->planning)
         return ml_err_set(e, ML_EINVAL, "plans do not nest");
     if (h->plan_live)
-        return ml_err_set(e, ML_EINVAL, "%zu tensors or pools of an earlier plan are still alive "
-                          "(a plan's function must not keep them)", h->plan_live);
+        return ml_err_set(e, ML_EINVAL, "%zu tensor%s or pool%s of an earlier plan %s still alive "
+                          "(a plan's function must not keep them)", h->plan_live,
+                          h->plan_live == 1 ? "" : "s", h->plan_live == 1 ? "" : "s",
+                          h->plan_live == 1 ? "is" : "are");
     *saved = (ml_plan_saved){h->seed, h->rng_offset, h->nthreads, h->category, h->kern[ML_CUDA]};
     if (!h->kern[ML_CUDA])
         h->kern[ML_CUDA] = &ml_kernels_cuda_plan;

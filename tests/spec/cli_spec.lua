@@ -218,7 +218,7 @@ train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3})
         -- raised from C (ml_user_error): a budget the machine cannot hold
         code, _, err = run({"-e", "require('moelua').mem.budget{total = 1e15}"})
         assert.are.equal(1, code)
-        assert.matches("^[^\n]*: %(command line%):1: moelua%.mem%.budget: a total budget of [^\n]*\n$", err)
+        assert.matches("^[^\n]*: %(command line%):1: moelua%.mem%.budget: the total budget of [^\n]*\n$", err)
         for _, how in ipairs({{args = {"--traceback", "-e", raise}}, {args = {"-e", raise}, env = "MOELUA_TRACEBACK=1 "}}) do
             code, _, err = run(how.args, {env = how.env})
             assert.are.equal(1, code)

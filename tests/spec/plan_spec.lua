@@ -71,8 +71,8 @@ describe("mem.plan", function()
     local kept
     ok, why = mem.plan(function() kept = m.zeros({4}) end)
     assert.is_nil(ok)
-    support.has(why, "1 tensors or pools of the plan are still referenced after it")
-    support.raises("1 tensors or pools of an earlier plan are still alive", mem.plan, function() end)
+    support.has(why, "1 tensor or pool of the plan is still referenced after it")
+    support.raises("1 tensor or pool of an earlier plan is still alive", mem.plan, function() end)
     -- what it kept holds no memory on any device: every use is refused
     support.raises("made inside a memory plan that has ended", function() return kept:fill_(3) end)
     support.raises("made inside a memory plan that has ended", function() return kept:sum() end)

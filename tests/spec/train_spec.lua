@@ -267,7 +267,7 @@ describe("recipes", function()
       {{"--budget-gib", "1e-300"}, "%-%-budget%-gib 1e%-300 is less than one byte: give a budget in GiB, or 0 for " ..
                                    "90%% of the memory available"},
       {{"--budget-gib", "1e30"}, "%-%-budget%-gib 1e%+30 is out of range"},
-      {{"--budget-gib", "100000"}, "%-%-budget%-gib 100000: moelua%.mem%.budget: a total budget of .* %-%-force%-budget " ..
+      {{"--budget-gib", "100000"}, "%-%-budget%-gib 100000: moelua%.mem%.budget: the total budget of .* %-%-force%-budget " ..
                                    "sets it anyway"},
       {{"--force-budget"}, "%-%-force%-budget accepts a %-%-budget%-gib above the memory available: give it with " ..
                            "%-%-budget%-gib"},

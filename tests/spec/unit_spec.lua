@@ -286,7 +286,7 @@ describe("released storage", function()
     flat:release_storage("r")
     local ok, why = mem.plan(function() flat:acquire_storage() end)
     assert.is_nil(ok)
-    has(why, "1 tensors or pools of the plan are still referenced after it")
+    has(why, "1 tensor or pool of the plan is still referenced after it")
     has(errmsg(flat.sum, flat), "made inside a memory plan that has ended")
     flat:release_storage("back")                    -- releasing it ends that
     assert.is_true(type(mem.plan(function() end)) == "table")
