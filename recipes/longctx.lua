@@ -34,8 +34,9 @@ local spec = {
   {"ffn", 128, "expert hidden width F", min = 1},
   {"experts", 4, "experts per MoE layer", min = 1},
   {"topk", 2, "experts per token", min = 1},
-  {"checkpoint", "moe", "activation checkpointing per layer: none, attention, moe, full"},
-  {"save", "recompute", "expert pre-activations: save or recompute"},
+  {"checkpoint", "moe", "activation checkpointing per layer: none, attention, moe, full",
+   choices = {"none", "attention", "moe", "full"}},
+  {"save", "recompute", "expert pre-activations: save or recompute", choices = {"save", "recompute"}},
   -- the data
   {"data", "/usr/include/**/*.h", "corpus: a glob of text files, read as bytes"},
   {"seq-len", 8192, "tokens per sequence", min = 1},
@@ -72,7 +73,8 @@ local spec = {
   {"zero", 0, "ZeRO stage: 0 replicates, 1 shards optimizer states, 2 also gradients, 3 also parameters",
    min = 0, max = 3},
   {"prefetch", 1, "ZeRO-3: units gathered ahead of use", min = 0},
-  {"reduce-every", "micro", "ZeRO-2/3: reduce-scatter gradients every micro-batch or once per step (micro, step)"},
+  {"reduce-every", "micro", "ZeRO-2/3: reduce-scatter gradients every micro-batch or once per step (micro, step)",
+   choices = {"micro", "step"}},
   {"ep", 1, "expert parallelism: ranks that split each block's experts (divides the ranks and --experts)", min = 1},
   -- bounded expert memory (one process)
   {"expert-budget", "", "keep at most this many bytes of experts (parameters, gradients, AdamW states) " ..

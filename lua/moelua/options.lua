@@ -12,7 +12,8 @@
 -- `--name value` or `--name=value`; a boolean option is `--name` alone or
 -- `--name=false`. `--help` prints every option with its default and exits.
 -- A numeric option may give bounds, {"steps", 50, "optimizer steps", min = 1}
--- (and max =, or below = for an open upper bound). An unknown option, a
+-- (and max =, or below = for an open upper bound); a string option its
+-- values, {"save", "recompute", "...", choices = {"save", "recompute"}}. An unknown option, a
 -- missing value, a wrong type or a value out of bounds is a user error
 -- (moelua.errors: printed without a traceback) naming the option. Dashes
 -- in names become underscores in the result.
@@ -45,6 +46,10 @@ local function convert(o, text)
     if text == "true" or text == "1" then return true end
     if text == "false" or text == "0" then return false end
     fail("option --%s expects true or false, got '%s'", name, text)
+  end
+  if o.choices then
+    for _, c in ipairs(o.choices) do if text == c then return text end end
+    fail("option --%s must be one of %s, got '%s'", name, table.concat(o.choices, ", "), text)
   end
   return text
 end

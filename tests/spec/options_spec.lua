@@ -28,6 +28,10 @@ describe("moelua.options", function()
     options.help(open, {write = function(_, text) out[#out + 1] = text end})
     assert.matches("a share %(0%.%.<1%)", table.concat(out))
     assert.matches("a stage %(0%.%.3%)", table.concat(out))
+    local pick = {{"save", "recompute", "pre-activations", choices = {"save", "recompute"}}}
+    assert.are.equal("save", options.parse({"--save", "save"}, pick, "usage").save)
+    support.raises("option --save must be one of save, recompute, got 'bogus'", options.parse, {"--save", "bogus"},
+                   pick, "usage")
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()

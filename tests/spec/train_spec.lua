@@ -257,8 +257,8 @@ describe("recipes", function()
     for _, c in ipairs({
       {{"--topk", "9"}, "option 'topk' = 9 must be in 1..experts %(4%)"},
       {{"--kv-heads", "3"}, "option 'kv_heads' = 3 must divide heads = 4"},
-      {{"--checkpoint", "bogus"}, "option 'checkpoint' %(layer 0%) must be \"none\""},
-      {{"--save", "bogus"}, "option 'save' must be \"save\" or \"recompute\", got bogus"},
+      {{"--checkpoint", "bogus"}, "option %-%-checkpoint must be one of none, attention, moe, full, got 'bogus'"},
+      {{"--save", "bogus"}, "option %-%-save must be one of save, recompute, got 'bogus'"},
       {{"--data", "/nonexistent/*.h"}, "moelua.data.open: moelua.fs.glob: '/nonexistent/%*.h'"},
       {{"--run-dir", "/proc/moelua-run"}, "moelua.train: the run directory cannot be created: moelua.fs.mkdir_p: " ..
                                           "cannot create '/proc/moelua%-run'"},
