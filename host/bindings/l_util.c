@@ -195,11 +195,13 @@ void ml_push_ledger_report(lua_State *L, ml_host *h, ml_tier tier)
 
 void ml_reclaim(lua_State *L, ml_host *h, ml_device dev)
 {
+    if (dev == ML_CPU)
+        ml_cpu_empty_cache();
 #ifdef ML_WITH_CUDA
     if (dev == ML_CUDA)
         ml_cuda_empty_cache(&h->books[ML_CUDA]);
 #else
-    (void)h; (void)dev;
+    (void)h;
 #endif
     lua_gc(L, LUA_GCCOLLECT);
 }

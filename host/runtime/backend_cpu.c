@@ -12,9 +12,10 @@
  * 512 times less: the MoE layer benchmark at T 32768 runs about 5% faster.
  * From 2 MiB rather than 8: buffers of 2-8 MiB from malloc stayed in
  * glibc's heap once freed, and a trainer's step (the collector held until
- * the next step: moelua.train) left its heap fragmented: peak RSS 544 MiB
- * for a ledger peak of 383 at seq_len 4096, 418 with them mapped, at the
- * same speed (BENCHMARKS.md, "Issue 15, sixth pass"): a freed mapping of
+ * the next step: moelua.train) left its heap fragmented: recipes/bench/
+ * train.lua at seq_len 4096, peak RSS 533-562 MiB for a ledger peak of
+ * 383, 427 with them mapped, at the same speed (BENCHMARKS.md, "Issue
+ * 15, sixth pass"): a freed mapping of
  * up to REUSE_MAX is kept for the next request of its length (a step asks
  * for the same buffers every step; a fresh mapping is zeroed by the
  * kernel, 4 MiB for each [4096, 256] f32 activation), at most REUSE_MAX
@@ -59,7 +60,8 @@ static void *map_huge(size_t len)
 }
 
 /* Freed mappings kept for reuse (the header): a few, REUSE_MAX bytes in
- * all; a freed one that does not fit is unmapped. Any thread may free. */
+ * all, the oldest unmapped to make room (a step's lengths replace the
+ * warm-up's). Any thread may free. */
 #define REUSE_SLOTS 16
 #define REUSE_MAX ((size_t)32 << 20)
 static struct { void *p; size_t len; } kept[REUSE_SLOTS];
@@ -83,15 +85,19 @@ static void *take_kept(size_t len)
 
 static int keep(void *p, size_t len)
 {
+    if (len > REUSE_MAX)
+        return 0;
     pthread_mutex_lock(&kept_lock);
-    int ok = nkept < REUSE_SLOTS && kept_bytes + len <= REUSE_MAX;
-    if (ok) {
-        kept[nkept].p = p;
-        kept[nkept++].len = len;
-        kept_bytes += len;
+    while (nkept == REUSE_SLOTS || kept_bytes + len > REUSE_MAX) {
+        munmap(kept[0].p, kept[0].len);
+        kept_bytes -= kept[0].len;
+        memmove(&kept[0], &kept[1], (size_t)--nkept * sizeof kept[0]);
     }
+    kept[nkept].p = p;
+    kept[nkept++].len = len;
+    kept_bytes += len;
     pthread_mutex_unlock(&kept_lock);
-    return ok;
+    return 1;
 }
 
 void ml_cpu_empty_cache(void)

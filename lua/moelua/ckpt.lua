@@ -625,15 +625,15 @@ function ckpt.load(path)
     for _, name in ipairs(fs.listdir(dir)) do
       if name:match("^step%-%d+%.tmp$") then partial[#partial + 1] = join(dir, name) end
     end
-    if #partial > 0 then
-      fail("load", "'%s' holds no finished checkpoint: %s %s a save that did not finish (interrupted or " ..
-           "killed while writing) and cannot be loaded; the next successful save there removes it",
-           dir, table.concat(partial, ", "), #partial > 1 and "are" or "is")
-    end
     local steps = step_dirs(dir)
     if #steps > 0 then   -- a checkpoint root whose `latest` is gone: name what it holds
       fail("load", "'%s' is a checkpoint root without its 'latest' pointer; load one of its checkpoints " ..
            "by name: %s%s", dir, steps[#steps].dir, #steps > 1 and string.format(" (the newest of %d)", #steps) or "")
+    end
+    if #partial > 0 then
+      fail("load", "'%s' holds no finished checkpoint: %s %s a save that did not finish (interrupted or " ..
+           "killed while writing) and cannot be loaded; the next successful save there removes it",
+           dir, table.concat(partial, ", "), #partial > 1 and "are" or "is")
     end
   end
   verify_manifest(dir, exists(join(dir, "trainer.json")))

@@ -474,7 +474,9 @@ function M.fit(recipe, rest)
           local all = cache_bytes(t)
           for d = 1, 20 do
             if all / 2^d < 2^16 then break end
-            local kib = all // 2^d // 1024   -- whole KiB: the halves of 768 KiB reach one 96 KiB expert
+            -- whole KiB, rounded up: `all` is the plan's MiB with two decimals (up to 5 KiB
+            -- short), and a half must not fall under the slots it means (81 KiB ones: 2.53 MiB / 32)
+            local kib = math.ceil(all / 2^d / 1024)
             values[#values + 1] = kib % 1024 == 0 and string.format("%dMiB", kib // 1024) or string.format("%dKiB", kib)
           end
           if #values == 0 then

@@ -195,7 +195,7 @@ function remote.listen(run_dir, opts)
   local limit = math.floor(opts.instructions or 1e6)
   local srv = setmetatable({
     handle = attach.listen(run_dir, limit), metrics_path = run_dir .. "/metrics.jsonl",
-    steps = opts.steps, limit = limit, policy = opts.policy or (opts.model and opts.model.opts.moe_opts.policy), overrides = {}, staged = {}, paused = false,
+    steps = opts.steps, limit = limit, policy = opts.policy or (opts.model and ((opts.model.opts.moe_opts or {}).policy or "dropless")), overrides = {}, staged = {}, paused = false,
     step = nil, phase = "start", layer = nil, micro = nil, micros = nil,
     stats_line = nil, ledger_json = nil, ledger_at = nil,   -- the snapshot's, as JSON text
   }, Server)

@@ -7,6 +7,7 @@
 --     lr = sched.warmup_cosine{...}, clip = 1.0,
 --     hook = function(step, state, ctl) ctl.temperature = ... end,  -- per step
 --     state = {},                    -- the recipe's own state: saved in checkpoints
+--     aux_weight = 0.01, z_weight = 0,   -- the losses' weights (a hook's ctl may change them per step)
 --     run_dir = "runs/x", ckpt_every = 50, keep = 3,
 --     rollback = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_steps = 20, max_rollbacks = 5},
 --     alarms = {hot = nil, collapse = nil, hot_steps = 5, dead_steps = 20},   -- balance alarms (below)
@@ -22,6 +23,7 @@
 --     resume = "runs/x/ckpt",        -- continue a run (its metrics.jsonl is appended to)
 --     overwrite = false,             -- true: replace the run in run_dir (see Run directories)
 --     plan = train.plan{...},        -- the model's stack pool taken at the planned size (below)
+--     provenance = {recipe = arg[0], options = opts},   -- saved in checkpoints as it is
 --     reload = {file = "recipes/x.lua", names = {"hook", "on_rollback", "on_alarm"}},   -- hooks edited live
 --   }
 --
@@ -66,8 +68,8 @@
 -- is good once the step after it stands: that step asked for no rollback,
 -- no layer was collapsed and it was not skipped (a spike shows in the loss
 -- of the step after the update that caused it, so the checkpoint holding
--- that update is never good; the last step's checkpoint is judged by a
--- resumed run's first step). `max_skipped`
+-- that update is never good; the last step's checkpoint is judged by the
+-- first step of a run resumed from it in the same run directory). `max_skipped`
 -- skipped steps before any good checkpoint stop it too (nothing to go back
 -- to). A run resumed from its own checkpoints takes ckpt/last_good back.
 --
@@ -1223,7 +1225,7 @@ local RUN_OPTIONS = {
   aux_weight = "number", z_weight = "number",
 }
 local RUN_MINIMUM = {seq_len = 1, steps = 1, accum = 1, keep = 1, val_batches = 1, log_every = 1,
-                     ckpt_every = 0, val_every = 0, clip = 0, progress_after = 0, aux_weight = 0, z_weight = 0}
+                     ckpt_every = 0, val_every = 0, progress_after = 0, aux_weight = 0, z_weight = 0}
 
 local function check_options(cfg, fn)
   if type(cfg) ~= "table" then error(string.format("moelua.train.%s: expected an options table, got %s", fn,
@@ -1247,6 +1249,10 @@ local function check_options(cfg, fn)
     end
     if RUN_MINIMUM[k] and v < RUN_MINIMUM[k] then
       error(string.format("moelua.train.%s: %s must be >= %d, got %s", fn, k, RUN_MINIMUM[k], tostring(v)), 3)
+    end
+    if k == "clip" and not (v > 0) then   -- a norm clipped to 0 zeroes every update
+      error(string.format("moelua.train.%s: clip must be > 0 (leave it out for no clipping), got %s", fn,
+                          tostring(v)), 3)
     end
   end
 end
@@ -1318,7 +1324,7 @@ end
 -- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
   check_options(cfg, "plan")
-  if type(cfg.build) ~= "function" then
+  if cfg.build == nil then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
   -- a run that would be refused is refused before it is planned; `moelua plan` runs nothing
@@ -1643,7 +1649,9 @@ function train.run(cfg)
     local ok, dir = pcall(ckpt.last_good, self.run_dir .. "/ckpt")
     local at = ok and dir and tonumber(dir:match("step%-(%d+)$"))
     if at and at < first then last_good, last_good_step = dir, at end
-    if first - 1 ~= last_good_step then candidate = {dir = resumed_from, step = first - 1} end
+    if first - 1 ~= last_good_step then   -- spelt as the run's saves spell it (rollbacks key on it)
+      candidate = {dir = string.format("%s/ckpt/step-%06d", self.run_dir, first - 1), step = first - 1}
+    end
   end
   local t_start, last_step = now(), self.steps - 1
   local step = first

@@ -100,6 +100,7 @@ local function step(model, groups, opt, i)
   local tc = now()
   collectgarbage()
   collectgarbage("stop")
+  local _ <close> = setmetatable({}, {__close = function() collectgarbage("restart") end})   -- also on a raise
   model:zero_grad()
   local t0 = now()
   local tokens = ds:batch(i)
@@ -111,7 +112,6 @@ local function step(model, groups, opt, i)
   local norm = optim.clip_grad_norm(opt, opts.clip)
   opt:step(lr(i), model:active_masks(groups))
   local t4 = now()
-  collectgarbage("restart")
   t.data, t.fwd, t.bwd, t.optim = t1 - t0, t2 - t1, t3 - t2, t4 - t3
   t.total = t4 - tc
   return t, loss, st, norm

@@ -594,6 +594,16 @@ describe("moelua attach", function()
     assert.matches("^applied from step 0: capacity_factor = 1.25", drop:run("set{capacity_factor = 1.25}"))
     support.has(drop:run("set{capacity_factor = 0}"), "capacity_factor must be a finite number > 0")
     assert.are.same({capacity_factor = 1.25}, drop.overrides)
+    -- the refusal names the job's policy: a model's default, or unknown without one
+    local model = {opts = {moe_opts = {save = "save"}}}   -- what listen reads of an nn.Transformer
+    local dropless = remote.listen(dir .. "/run3", {model = model})
+    finally(function() dropless:close() end)
+    dropless:poll(0)
+    assert.are.equal('error: set: capacity_factor applies only to a model with moe policy "drop" ' ..
+                     '(this job\'s: "dropless")', dropless:run("set{capacity_factor = 1.25}"))
+    assert.are.equal('error: set: capacity_factor applies only to a model with moe policy "drop" ' ..
+                     '(this job\'s: unknown: the job gave remote.listen no model or policy)',
+                     srv:run("set{capacity_factor = 1.25}"))
     -- unset at a step's start: gone at once; inside a step: staged (false) until the next step's start
     assert.are.equal("unset from step 3: temperature (the recipe's hook sets them again)",
                      srv:run('unset("temperature")'))

@@ -89,6 +89,7 @@ describe("moelua.ckpt", function()
     ckpt.save(root, 1, state(1, 1))
     ckpt.save(root, 2, state(2, 1))
     os.remove(root .. "/latest")
+    fs.mkdir_p(root .. "/step-000003.tmp")        -- and a save that did not finish
     assert.matches("'.*' is a checkpoint root without its 'latest' pointer; load one of its checkpoints by " ..
                    "name: .*/step%-000002 %(the newest of 2%)", errmsg(ckpt.load, root))
     assert.equal(root .. "/step-000002", ckpt.load(root .. "/step-000002").dir)

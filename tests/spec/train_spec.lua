@@ -166,7 +166,9 @@ describe("train.run", function()
     support.has(support.errmsg(train.run, with("ckpt_every", 2.5)),
                 "moelua.train.run: ckpt_every must be an integer, got float")
     support.has(support.errmsg(train.run, with("keep", 0)), "moelua.train.run: keep must be >= 1, got 0")
-    support.has(support.errmsg(train.run, with("clip", -1)), "moelua.train.run: clip must be >= 0, got -1")
+    support.has(support.errmsg(train.run, with("clip", -1)),
+                "moelua.train.run: clip must be > 0 (leave it out for no clipping), got -1")
+    support.has(support.errmsg(train.run, with("clip", 0)), "moelua.train.run: clip must be > 0")
     support.has(support.errmsg(train.run, 5), "moelua.train.run: expected an options table, got number")
     -- a schedule may be a callable table; `x and {...}` passes false for none
     local sched_t = setmetatable({}, {__call = function() return 1e-3 end})
