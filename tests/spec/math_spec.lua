@@ -84,6 +84,22 @@ describe("elementwise binary", function()
     {{0}, {0}, {0}},
     {{0}, {}, {0}},
   }
+  it("f32 add / sub / mul / div across tiles, broadcast or not, in place: the correctly rounded result", function()
+    -- 21000 elements: two of the kernel's 16384-element tiles, whose runs without a wrap vectorise
+    local function f32(x) return (string.unpack("f", string.pack("f", x))) end
+    for _, sh in ipairs{{{3000, 7}, {3000, 7}}, {{3000, 7}, {7}}, {{7}, {3000, 7}}} do
+      for _, name in ipairs{"add", "sub", "mul", "div"} do
+        local a, b = randn(sh[1], "f32"), rand(sh[2], "f32", 0.5, 2)
+        local want = ref_binary(function(x, y) return f32(BIN[name](x, y)) end, vals(a), vals(b), 21000)
+        assert_exact(m[name](a, b), want, name .. " [" .. table.concat(sh[1], ",") .. "] op [" ..
+                     table.concat(sh[2], ",") .. "]")
+      end
+    end
+    local c, b = randn({3000, 7}, "f32"), randn({3000, 7}, "f32")
+    local want = ref_binary(function(x, y) return f32(x + y) end, vals(c), vals(b), 21000)
+    assert_exact(c:add_(b), want, "add_ in place")
+  end)
+
   for _, dt in ipairs(FLOATS) do
     for _, name in ipairs(BIN_NAMES) do
       it(name .. " " .. dt .. " over shapes and broadcasts", function()
