@@ -71,6 +71,7 @@ local pool = require "moelua.pool"
 local mem = require "moelua.mem"
 local unit = require "moelua.unit"
 local zero = require "moelua.zero"
+local options = require "moelua.options"
 local mem_planning = mem.planning
 local now = require("moelua.bench").now
 
@@ -110,13 +111,7 @@ local function check_options(opts)
   local o = {}
   for k, v in pairs(opts) do
     local spec = OPTIONS[k]
-    if not spec then
-      local names = {}
-      for name in pairs(OPTIONS) do names[#names + 1] = name end
-      table.sort(names)
-      error(string.format("moelua.moe.new: unknown option '%s' (expected one of: %s)",
-                          tostring(k), table.concat(names, ", ")), 3)
-    end
+    if not spec then error("moelua.moe.new: " .. options.unknown(k, OPTIONS), 3) end
     local ok = spec[1] == "integer" and math.type(v) == "integer" or type(v) == spec[1]
     if not ok then
       error(string.format("moelua.moe.new: option '%s' must be %s %s, got %s", k,

@@ -116,6 +116,7 @@ local mem = require "moelua.mem"
 local C = require "moelua.optim_c"
 local store = require "moelua.store"
 local host = require "moelua.host"
+local options = require "moelua.options"
 
 local optim = {}
 
@@ -232,12 +233,7 @@ local function check_opts(fn, opts, spec)
   local o = {}
   for k, v in pairs(opts) do
     local s = spec[k]
-    if not s then
-      local names = {}
-      for name in pairs(spec) do names[#names + 1] = name end
-      table.sort(names)
-      fail(fn, "unknown option '%s' (expected one of: %s)", tostring(k), table.concat(names, ", "))
-    end
+    if not s then fail(fn, "%s", options.unknown(k, spec)) end
     if type(v) ~= s[1] then fail(fn, "option '%s' must be a %s, got %s", k, s[1], type(v)) end
     o[k] = v
   end

@@ -54,6 +54,17 @@ local function convert(o, text)
   return text
 end
 
+-- options.unknown(key, spec) -> "unknown option 'key' (expected one of: a,
+-- b, ...)", spec's keys sorted: the refusal of a Lua API's options table
+-- (moe.new, nn.Transformer.new, the optimizers, train.run), raised by each
+-- its own way.
+function options.unknown(key, spec)
+  local names = {}
+  for n in pairs(spec) do names[#names + 1] = n end
+  table.sort(names)
+  return string.format("unknown option '%s' (expected one of: %s)", tostring(key), table.concat(names, ", "))
+end
+
 function options.help(spec, out)
   out = out or io.stdout
   out:write("options:\n")

@@ -155,6 +155,7 @@ local measure = require "moelua.measure"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 local attach_env = require "moelua.attach_env"
 local zero = require "moelua.zero"
 local dist = require "moelua.dist"
@@ -1232,13 +1233,7 @@ local function check_options(cfg, fn)
                                                    type(cfg)), 3) end
   for k, v in pairs(cfg) do
     local want = RUN_OPTIONS[k]
-    if not want then
-      local names = {}
-      for n in pairs(RUN_OPTIONS) do names[#names + 1] = n end
-      table.sort(names)
-      error(string.format("moelua.train.%s: unknown option '%s' (expected one of: %s)", fn, tostring(k),
-                          table.concat(names, ", ")), 3)
-    end
+    if not want then error(string.format("moelua.train.%s: %s", fn, options.unknown(k, RUN_OPTIONS)), 3) end
     local callable = type(v) == "table" and getmetatable(v) and getmetatable(v).__call
     local ok = v == false and (want == "table" or want == "function")   -- `x and {...}`: none
             or (want == "integer" and math.type(v) == "integer") or type(v) == want

@@ -57,6 +57,7 @@ local KVCache = require "moelua.nn.kv_cache"
 local unit = require "moelua.unit"
 local zero = require "moelua.zero"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 local expert_store = require "moelua.expert_store"
 
 local Transformer = {}
@@ -90,12 +91,7 @@ local function check_options(opts)
   local o = {}
   for k, v in pairs(opts) do
     local spec = OPTIONS[k]
-    if not spec then
-      local names = {}
-      for name in pairs(OPTIONS) do names[#names + 1] = name end
-      table.sort(names)
-      fail("unknown option '%s' (expected one of: %s)", tostring(k), table.concat(names, ", "))
-    end
+    if not spec then fail("%s", options.unknown(k, OPTIONS)) end
     local ok
     if spec[1] == "integer" then ok = math.type(v) == "integer"
     elseif spec[1] == "string|table" then ok = type(v) == "string" or type(v) == "table"
