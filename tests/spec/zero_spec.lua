@@ -23,7 +23,7 @@ describe("moelua.zero.new", function()
   it("a recipe refuses a wrong or unused --zero, --prefetch or --reduce-every before anything is allocated", function()
     for _, case in ipairs{{{"--zero", "4"}, "option --zero must be at most 3, got 4"},
                           {{"--prefetch", "-1"}, "option --prefetch must be at least 0, got -1"},
-                          {{"--reduce-every", "always"}, "--reduce-every always: must be micro or step"},
+                          {{"--reduce-every", "always"}, "option --reduce-every must be one of micro, step, got 'always'"},
                           -- given, but unused at the stage
                           {{"--prefetch", "2"}, "--prefetch: ZeRO-3 gathers units ahead of use; --zero 0 gathers none"},
                           {{"--reduce-every", "step"}, "--reduce-every: when ZeRO-2 and 3 reduce-scatter gradients; " ..
