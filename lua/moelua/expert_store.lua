@@ -14,6 +14,7 @@
 --   local v = es:acquire(l, e)    -- slot views of layer l's (0-based) expert e
 --   ... v.gate_up [2F, D], v.down [D, F], v.dgate_up, v.ddown ...
 --   es:release(l, e, dirty)
+--   es:with(l, e, dirty, fn)      -- fn(v) between the two, released also when fn raises
 --   es:edit_params(l, e, fn)      -- fn(v) writes v.params (a load): see below
 --
 -- A slab holds everything of one expert that a step touches, in the layout
@@ -183,6 +184,17 @@ function ES:release(l, e, dirty)
   self.updated[slab] = nil
 end
 
+-- es:with(l, e, dirty, fn) -> fn's results: fn(v) with expert e of layer l
+-- acquired, then released (dirty: fn wrote its slot) also when fn raises,
+-- so a Ctrl-C or a NaN in a kernel leaves no slot pinned (with one slot,
+-- the save that follows would find none free).
+function ES:with(l, e, dirty, fn)
+  local r = table.pack(pcall(fn, self:acquire(l, e)))
+  self:release(l, e, dirty)
+  if not r[1] then error(r[2], 0) end
+  return table.unpack(r, 2, r.n)
+end
+
 -- es:fill(l, e, fn): expert e of layer l starts as fn(v) writes v.params
 -- (the rest zero), written straight to its slab (before the first step).
 function ES:fill(l, e, fn)
@@ -198,11 +210,11 @@ end
 -- dirty, and its compute copy rounded from the new parameters, also when
 -- fn raises (so what the kernels read is what the slab holds).
 function ES:edit_params(l, e, fn)
-  local v = self:acquire(l, e)
-  local ok, err = pcall(fn, v)
-  round_compute(v)
-  self:release(l, e, true)
-  if not ok then error(err, 0) end
+  self:with(l, e, true, function(v)
+    local ok, err = pcall(fn, v)
+    round_compute(v)
+    if not ok then error(err, 0) end
+  end)
 end
 
 -- Layer l's forward has routed: `has` = {[e] = true} for its experts with

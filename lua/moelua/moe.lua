@@ -450,11 +450,10 @@ function Layer:_forward_stored(x, idx, w, plan)
   c.out, c.saved, c.accumulate = y, nil, nil
   for e = 0, o.experts - 1 do
     if has[e] then
-      local v = es:acquire(l, e)
-      local ok, err, saved = pcall(experts.forward, x, {[e + 1] = v.gate_up}, {[e + 1] = v.down}, idx, w, plan, c)
-      es:release(l, e, false)   -- also when the kernel raised (Ctrl-C, a NaN): the slot is free again
-      if not ok then error(err, 0) end
-      c.saved = saved
+      local _
+      _, c.saved = es:with(l, e, false, function(v)
+        return experts.forward(x, {[e + 1] = v.gate_up}, {[e + 1] = v.down}, idx, w, plan, c)
+      end)
     end
   end
   self.stored_has = has
@@ -474,17 +473,14 @@ function Layer:_backward_stored(dy)
   co.out, co.saved, co.accumulate = nil, nil, false
   for e = 0, o.experts - 1 do
     if self.stored_has[e] then
-      local v = es:acquire(l, e)
-      g.dgate_up, g.ddown = {[e + 1] = v.dgate_up}, {[e + 1] = v.ddown}
-      local ok, err = pcall(function()
+      es:with(l, e, true, function(v)
+        g.dgate_up, g.ddown = {[e + 1] = v.dgate_up}, {[e + 1] = v.ddown}
         local _
         _, _, _, g.dw, g.touched = experts.backward(dy, c.x, {[e + 1] = v.gate_up}, {[e + 1] = v.down}, c.idx,
                                                     c.w, c.plan, c.saved, co, g)
         co.accumulate = true
         es:after_backward(l, e, v, es.final_scale)
       end)
-      es:release(l, e, true)   -- also when it raised: the slot is free again
-      if not ok then error(err, 0) end
     end
   end
   return dx, g.dw or self.pool:tensor({T, o.topk}, {dtype = dy:dtype()}):zero_()

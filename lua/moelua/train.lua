@@ -394,9 +394,7 @@ end
 -- fn(view) with its expert's slab resident (dirty: fn wrote it).
 local function with_stored(pc, kind, dirty, fn)
   local st = pc.stored
-  local v = st.es:acquire(st.layer, st.expert)
-  fn(v[kind]:view_at(st.at, pc.shape))
-  st.es:release(st.layer, st.expert, dirty)
+  st.es:with(st.layer, st.expert, dirty, function(v) fn(v[kind]:view_at(st.at, pc.shape)) end)
 end
 
 -- Which experts hold lazy-Adam states on any rank: {[unit] = {[e] = true}}
@@ -1729,12 +1727,13 @@ function train.run(cfg)
       self:log({event = "validation", step = step, loss = v})
     end
   end
-  -- recorded_good: the last recorded step's verdict (nil before one);
-  -- saved: the step a save in record wrote, so the final save is not a
-  -- second one of it. A save is the new candidate, not good yet (last_good,
-  -- if it named the step, is dropped), unless it saves last_good's own
-  -- step again (a Ctrl-C right after a rollback).
-  local recorded_good, saved = nil, {}
+  -- stood: a step was recorded, or a rollback restored one (a Ctrl-C then
+  -- has a step before it to save); saved: the step a save in record wrote,
+  -- so the final save is not a second one of it. A save is the new
+  -- candidate, not good yet (last_good, if it named the step, is dropped),
+  -- unless it saves last_good's own step again (a Ctrl-C right after a
+  -- rollback).
+  local stood, saved = false, {}
   local function save(at, tag)
     local dir, held = self:save(at, tag, at == last_good_step)
     if dir and at ~= last_good_step then candidate = {dir = dir, step = at} end
@@ -1747,9 +1746,10 @@ function train.run(cfg)
     local dir, held = nil, 0
     -- good: not a step that asked for a rollback it could not take, nor one inside a
     -- collapse, nor a skipped one (the weights before it made it non-finite)
-    recorded_good = not why and not collapsing and self.skipped_run == 0
+    local good = not why and not collapsing and self.skipped_run == 0
+    stood = true
     if candidate then   -- the checkpoint before this step is good when this step is
-      if recorded_good then
+      if good then
         if not self.silent then ckpt.mark_good(self.run_dir .. "/ckpt", candidate.dir) end
         last_good, last_good_step = candidate.dir, candidate.step
       end
@@ -1789,7 +1789,7 @@ function train.run(cfg)
             for k, v in pairs(state) do self.state[k] = v end
           end
           tensor.rng_state(rng)
-          interrupted(step, recorded_good ~= nil and (save(step - 1, "interrupt")) or nil)
+          interrupted(step, stood and (save(step - 1, "interrupt")) or nil)
         end
         error(m, 0)
       end
@@ -1802,7 +1802,7 @@ function train.run(cfg)
       held = held + h
       local dir, in_save
       if replay then   -- the weights are last_good's now
-        step, recorded_good, saved, candidate = replay, true, {}, nil
+        step, stood, saved, candidate = replay, true, {}, nil
       else
         if self.val_every > 0 and (step + 1) % self.val_every == 0 then
           if z.world > 1 then
