@@ -14,8 +14,8 @@
  * glibc's heap once freed, and a trainer's step (the collector held until
  * the next step: moelua.train) left its heap fragmented: recipes/bench/
  * train.lua at seq_len 4096, peak RSS 533-562 MiB for a ledger peak of
- * 383, 427 with them mapped, at the same speed (BENCHMARKS.md, "Issue
- * 15, sixth pass"): a freed mapping of
+ * 383; 417 with them mapped, but 4.5% slower, and 427 at the same speed
+ * with the reuse below (BENCHMARKS.md, "Issue 15, sixth pass"): a freed mapping of
  * up to REUSE_MAX is kept for the next request of its length (a step asks
  * for the same buffers every step; a fresh mapping is zeroed by the
  * kernel, 4 MiB for each [4096, 256] f32 activation), at most REUSE_MAX
@@ -69,16 +69,22 @@ static int nkept;
 static size_t kept_bytes;
 static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* Entry i out of the list, its mapping the caller's (kept_lock held). */
+static void *unkeep(int i)
+{
+    void *p = kept[i].p;
+    kept_bytes -= kept[i].len;
+    memmove(&kept[i], &kept[i + 1], (size_t)(--nkept - i) * sizeof kept[0]);
+    return p;
+}
+
 static void *take_kept(size_t len)
 {
     void *p = NULL;
     pthread_mutex_lock(&kept_lock);
     for (int i = nkept - 1; i >= 0 && !p; i--)   /* the most recently freed first */
-        if (kept[i].len == len) {
-            p = kept[i].p;
-            kept_bytes -= len;
-            memmove(&kept[i], &kept[i + 1], (size_t)(--nkept - i) * sizeof kept[0]);
-        }
+        if (kept[i].len == len)
+            p = unkeep(i);
     pthread_mutex_unlock(&kept_lock);
     return p;
 }
@@ -89,9 +95,8 @@ static int keep(void *p, size_t len)
         return 0;
     pthread_mutex_lock(&kept_lock);
     while (nkept == REUSE_SLOTS || kept_bytes + len > REUSE_MAX) {
-        munmap(kept[0].p, kept[0].len);
-        kept_bytes -= kept[0].len;
-        memmove(&kept[0], &kept[1], (size_t)--nkept * sizeof kept[0]);
+        size_t old = kept[0].len;
+        munmap(unkeep(0), old);
     }
     kept[nkept].p = p;
     kept[nkept++].len = len;
