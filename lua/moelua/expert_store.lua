@@ -220,11 +220,10 @@ end
 -- Layer l's forward has routed: `has` = {[e] = true} for its experts with
 -- tokens. The store's schedule becomes the order the step will touch the
 -- slabs in from here on: layer l's experts, the later layers' (taken
--- whole), then backward from the last layer down (as routed; a layer in
--- `recompute` runs its forward again first).
--- In backward (es.phase, moelua.zero's begin) a layer's forward is such a
--- recompute: then its backward and the earlier layers' follow.
-function ES:routed_layer(l, has, recompute)
+-- whole), then backward from the last layer down (as routed; a
+-- checkpointed layer's forward in backward routes again but runs no expert:
+-- moelua.moe's route_only).
+function ES:routed_layer(l, has)
   local seq, E = {}, self.E
   local function layer(i, which)
     for e = 0, E - 1 do
@@ -236,20 +235,10 @@ function ES:routed_layer(l, has, recompute)
     self.s:schedule(seq)
     return
   end
-  local last = l
-  if self.phase ~= "backward" then
-    self.routed[l] = has
-    layer(l, has)
-    for i = l + 1, self.L - 1 do layer(i) end
-    last = self.L - 1
-  else
-    layer(l, has)
-  end
-  for i = last, 0, -1 do
-    local which = i <= l and self.routed[i] or nil
-    if recompute[i] and i ~= l then layer(i, which) end
-    layer(i, which)
-  end
+  self.routed[l] = has
+  layer(l, has)
+  for i = l + 1, self.L - 1 do layer(i) end
+  for i = self.L - 1, 0, -1 do layer(i, i <= l and self.routed[i] or nil) end
   self.s:schedule(seq)
 end
 

@@ -261,8 +261,13 @@ function Layer:zero_grad()
   for _, g in pairs(self.grads) do g:zero_() end
 end
 
--- y, stats = layer:forward(x [, step]): step keys the gate noise.
-function Layer:forward(x, step)
+-- y, stats = layer:forward(x [, step [, route_only]]): step keys the gate
+-- noise. route_only (a checkpointed layer's forward run again in backward):
+-- the routing, plan and context backward needs, but no expert runs and y is
+-- nil; backward recomputes each tile's h (bitwise the saved one,
+-- kernels/experts.h) and needs no expert output (dw = <W2ᵀ·dy, act>), so
+-- the experts' forward GEMMs would be thrown away.
+function Layer:forward(x, step, route_only)
   local o = self.opts
   local T = x:size(1)
   if not self.shared_pool then
@@ -280,9 +285,11 @@ function Layer:forward(x, step)
   local t2 = pf and now(dev)
   local y, saved
   if self.ep then
-    y, saved = self:_forward_ep(x, idx, w, plan)
+    y, saved = self:_forward_ep(x, idx, w, plan, route_only)
   elseif self.store then
-    y, saved = self:_forward_stored(x, idx, w, plan)
+    y, saved = self:_forward_stored(x, idx, w, plan, route_only)
+  elseif route_only then
+    saved = {tile = eo.tile, nsaved = 0}
   else
     y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
   end
@@ -290,7 +297,7 @@ function Layer:forward(x, step)
   if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per row this rank's experts ran
     local t3 = now(dev)
     pf.router, pf.dispatch, pf.experts = pf.router + (t1 - t0), pf.dispatch + (t2 - t1), pf.experts + (t3 - t2)
-    pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * self:_rows_run()
+    if not route_only then pf.experts_flop = pf.experts_flop + 6 * o.dim * o.ffn * self:_rows_run() end
   end
   local Tn = math.max(T, 1)
   local mean_prob = self.pool:tensor({o.experts}, {dtype = "f64"}):copy_(rs.psum):div_(Tn)
@@ -369,13 +376,13 @@ function Layer:_exchange_rows(plan)
   return send, recv, kept, got
 end
 
-function Layer:_forward_ep(x, idx, w, plan)
+function Layer:_forward_ep(x, idx, w, plan, route_only)
   local z, o, pool, eo = self.ep, self.opts, self.pool, self.expert_opts
   local T, D, k, El = x:size(1), o.dim, o.topk, self.local_experts
   local dt = {dtype = x:dtype()}
   local what = " of MoE layer " .. o.layer
   local send, recv, kept, got = self:_exchange_rows(plan)
-  local y = pool:tensor({T, D}, dt):zero_()
+  local y = not route_only and pool:tensor({T, D}, dt):zero_() or nil
   local xr, wr = pool:tensor({got, D}, dt), pool:tensor({got, 1}, dt)
   local ids = pool:tensor({got, 1}, {dtype = "i64"})
   local m = pool:mark()
@@ -386,13 +393,14 @@ function Layer:_forward_ep(x, idx, w, plan)
   pool:rewind(m)
   ids:sub_(z.ep_rank * El)   -- the local experts' ids
   local rplan = experts.dispatch(ids, El, {pool = pool})
+  self.ep_ctx = {send = send, recv = recv, kept = kept, got = got, xr = xr, wr = wr, ids = ids, rplan = rplan}
+  if route_only then return nil, {tile = eo.tile, nsaved = 0} end
   local yr, saved = experts.forward(xr, self.params.gate_up, self.params.down, ids, wr, rplan, eo)
   m = pool:mark()
   local ys = pool:tensor({kept, D}, dt)
   z:all_to_all(yr, recv, ys, send, "expert outputs" .. what)
   experts.unpack(ys, plan, y)
   pool:rewind(m)
-  self.ep_ctx = {send = send, recv = recv, kept = kept, got = got, xr = xr, wr = wr, ids = ids, rplan = rplan}
   return y, saved
 end
 
@@ -440,11 +448,13 @@ function Layer:_call_opts()
   return c
 end
 
-function Layer:_forward_stored(x, idx, w, plan)
+function Layer:_forward_stored(x, idx, w, plan, route_only)
   local st, o = self.store, self.opts
   local es, l = st.es, st.layer
   local has = experts_with_rows(plan, o.experts)
-  es:routed_layer(l, has, st.recompute)
+  self.stored_has = has
+  if route_only then return nil, {tile = self.expert_opts.tile, nsaved = 0} end
+  es:routed_layer(l, has)
   local y = self.pool:tensor({x:size(1), o.dim}, {dtype = x:dtype()}):zero_()
   local c = self:_call_opts()
   c.out, c.saved, c.accumulate = y, nil, nil
@@ -456,7 +466,6 @@ function Layer:_forward_stored(x, idx, w, plan)
       end)
     end
   end
-  self.stored_has = has
   return y, c.saved
 end
 

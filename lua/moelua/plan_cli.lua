@@ -415,12 +415,16 @@ end
 
 -- The knobs --fit tries, in this order (a value is kept only when it
 -- lowers the peak; each knob's last kept value stays when the next is
--- tried): recomputing more, expert pre-activations recomputed,
--- optimizer states offloaded, experts under halving budgets, ZeRO stages
--- (with --world). What each costs, said when it is chosen.
+-- tried): the cheapest recompute first: the expert pre-activations (one
+-- GEMM of an expert's three; a checkpointed MoE half recomputes them
+-- anyway, so this knob comes before the checkpoints), then the MoE halves
+-- (their norm and router on top), attention (its projections and causal
+-- core), every layer; then optimizer states offloaded, experts under
+-- halving budgets, ZeRO stages (with --world). What each costs, said when
+-- it is chosen.
 local KNOBS = {
-  {"checkpoint", {"attention", "moe", "full"}, "recomputes in backward the forward of %s"},
   {"save", {"recompute"}, "recomputes the expert pre-activations in backward"},
+  {"checkpoint", {"moe", "attention", "full"}, "recomputes in backward the forward of %s"},
   {"offload-optimizer", {"true"}, "keeps the optimizer states in the slower tier (a cpu run's RUN_DIR/optim.store, " ..
                                   "a cuda run's host memory), read and written once per step"},
   {"expert-budget", "halving", "keeps the experts beyond %s in the slower tier (a cpu run's RUN_DIR/experts.store, " ..

@@ -217,7 +217,6 @@ end
 
 function Zero:begin(phase, units)
   self.phase, self.order, self.pos = phase, units, {}
-  if self.expert_store then self.expert_store.phase = phase end
   for i, u in ipairs(units) do self.pos[u] = i end
 end
 

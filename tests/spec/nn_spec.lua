@@ -153,12 +153,16 @@ describe("nn.Transformer", function()
     end
   end)
 
-  it("checkpoint modes give bitwise-identical gradients (f32, gate noise on)", function()
+  it("checkpoint modes give bitwise-identical gradients and run the experts once (f32, gate noise on, h saved or recomputed)", function()
     local grads, losses
-    for _, ck in ipairs{"none", "attention", "moe", "full", {"full", "none"}} do
-      local model = tiny{dtype = "f32", checkpoint = ck, moe = {noise = 0.3}}
+    for _, c in ipairs{{"none"}, {"attention"}, {"moe"}, {"full"}, {{"full", "none"}}, {"moe", "recompute"},
+                       {"full", "recompute"}} do
+      local model = tiny{dtype = "f32", checkpoint = c[1], moe = {noise = 0.3, save = c[2]}}
       local loss = model:forward(tokens(), 3)
       model:backward{aux_weight = 0.1, z_weight = 0.01}
+      -- a checkpointed MoE half routes again in backward but runs no expert GEMM
+      assert.are.equal(18 * TINY.dim * TINY.ffn * (#TOKENS - 1) * TINY.topk * TINY.layers,
+                       model.profile.experts_flop, c[1])
       if not grads then
         grads, losses = {}, loss
         for i, u in ipairs(model.units) do grads[i] = u.grads:clone() end
@@ -333,12 +337,12 @@ describe("nn.Transformer", function()
         TINY.experts, TINY.topk
     local hd = D // H
     local attn = 2 * S * D * (2 * H * hd + 2 * KV * hd) + 2 * H * hd * S * (S + 1)
-    local moe = 2 * S * D * E + 6 * S * k * D * F
-    local pre = 4 * S * k * D * F
-    for _, c in ipairs({{"none", "save", 0}, {"attention", "save", L * attn}, {"moe", "save", L * moe},
-                        {"full", "recompute", L * (attn + moe + pre)}}) do
+    local router, experts = 2 * S * D * E, 6 * S * k * D * F
+    local pre = 4 * S * k * D * F   -- a checkpointed MoE half runs its router again, its experts not
+    for _, c in ipairs({{"none", "save", 0}, {"none", "recompute", L * pre}, {"attention", "save", L * attn},
+                        {"moe", "save", L * (router + pre)}, {"full", "recompute", L * (attn + router + pre)}}) do
       local f = tiny{checkpoint = c[1], moe = {save = c[2]}}:flops(S)
-      assert.are.equal(2 * S * D * V + L * (attn + moe), f.forward, c[1])
+      assert.are.equal(2 * S * D * V + L * (attn + router + experts), f.forward, c[1])
       assert.are.equal(c[3], f.recompute, c[1] .. ", " .. c[2])
     end
   end)

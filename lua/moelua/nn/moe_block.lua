@@ -15,8 +15,8 @@ function MoEBlock.new(opts, units)
   return setmetatable({layer = moe.new(opts, units)}, MoEBlock)
 end
 
-function MoEBlock:forward(x, step)
-  return self.layer:forward(x, step)
+function MoEBlock:forward(x, step, route_only)
+  return self.layer:forward(x, step, route_only)
 end
 
 function MoEBlock:backward(dy, coef)

@@ -38,7 +38,9 @@
 -- per layer ("none", "attention", "moe", "full") rewinds the part it does not
 -- keep right after computing it, and backward recomputes it (same inputs,
 -- same kernels, same routing keys: the gradients are bitwise those of
--- "none" at a fixed thread count). "full" keeps [h2] alone (the next
+-- "none" at a fixed thread count); of a MoE half only its norm and routing,
+-- as the experts' backward recomputes each tile's h (moelua.moe's
+-- route_only). "full" keeps [h2] alone (the next
 -- layer's input): backward recomputes the attention half first, which
 -- gives h1 again, and keeps its context through the MoE half's backward.
 -- Backward walks the layers in reverse and rewinds each frame (LIFO); the
@@ -263,8 +265,6 @@ function Transformer.new(opts)
   self.embed = Embedding.new{weight = pe.embed, grad = ge.embed}
   -- blocks
   self.blocks = {}
-  local recompute = {}   -- the layers whose MoE forward runs again in backward (an expert store's order)
-  for i = 1, o.layers do recompute[i - 1] = CHECKPOINT[o.checkpoint_per_layer[i]][2] end
   for i = 1, o.layers do
     local ldense, lexperts = layouts(o, i - 1, self.local_experts)
     local ud = new_unit("layers." .. (i - 1) .. ".dense", "dense", ldense)
@@ -290,7 +290,7 @@ function Transformer.new(opts)
       moe = MoEBlock.new(mo, {params = {wg = p.wg, gate_up = xp.gate_up, down = xp.down},
                               grads = {wg = g.wg, gate_up = xg.gate_up, down = xg.down},
                               pool = self.pool, zero = self.zero,
-                              store = ux.stored and {es = ux.stored, layer = i - 1, recompute = recompute}}),
+                              store = ux.stored and {es = ux.stored, layer = i - 1}}),
     }
     self.blocks[i].moe.layer.profile = self.profile
   end
@@ -340,6 +340,16 @@ local function moe_part(b, h1, out, step)
   local y, stats = b.moe:forward(m, step)
   out:copy_(h1):add_(y)
   return {m = m, r2 = r2}, stats
+end
+
+-- A checkpointed MoE half in backward: its input and routing again, no
+-- expert (moelua.moe's route_only); the forward's stats stay.
+local function moe_reroute(b, h1, step)
+  local m, r2 = b.norm2:forward(h1)
+  local kept = b.moe.layer.stats
+  b.moe:forward(m, step, true)
+  b.moe.layer.stats = kept
+  return {m = m, r2 = r2}
 end
 
 -- The layer's stats with model-owned copies of the per-expert tensors, so
@@ -488,12 +498,7 @@ function Transformer:backward(w)
       end
       local mmark = f.h1 and f.mmark or self.pool:mark()
       -- moe half: dh is dL/dh2; dh1 = dh + norm2'(moe'(dh))
-      local mc = f.moe
-      if not mc then
-        local kept = b.moe.layer.stats
-        mc = moe_part(b, h1, self.pool:tensor({S, D}, dt), st.step)
-        b.moe.layer.stats = kept
-      end
+      local mc = f.moe or moe_reroute(b, h1, st.step)
       local dm = b.moe:backward(dh, coefs[i])
       z:after_backward(b.experts)
       dx = b.norm2:backward(dm, h1, mc.r2)
@@ -556,8 +561,9 @@ end
 -- micro-batch of S tokens, every token running its k experts (none
 -- dropped): f.forward (attention's projections and causal core, router,
 -- experts, LM head) and f.recompute, what backward computes again: the
--- forward of a checkpointed attention or MoE half, and with save =
--- "recompute" the experts' pre-activations (x gate_up^T, 4 D F per row).
+-- forward of a checkpointed attention half, a checkpointed MoE half's
+-- router, and the experts' pre-activations (x gate_up^T, 4 D F per row)
+-- where they are not saved (a checkpointed MoE half, or save = "recompute").
 function Transformer:flops(S)
   local o = self.opts
   local rows = S * o.topk
@@ -567,8 +573,8 @@ function Transformer:flops(S)
     local proj, core = b.attn:flops(S)
     f.forward = f.forward + proj + core + router + experts
     if b.ck_attn then f.recompute = f.recompute + proj + core end
-    if b.ck_moe then f.recompute = f.recompute + router + experts end
-    if o.moe_opts.save == "recompute" then f.recompute = f.recompute + 4 * rows * o.dim * o.ffn end
+    if b.ck_moe then f.recompute = f.recompute + router end
+    if b.ck_moe or o.moe_opts.save == "recompute" then f.recompute = f.recompute + 4 * rows * o.dim * o.ffn end
   end
   return f
 end
