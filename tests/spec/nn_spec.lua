@@ -175,6 +175,23 @@ describe("nn.Transformer", function()
     end
   end)
 
+  it("forward and backward leave no [S, *] tensor to the collector (the trainer holds it through a step)", function()
+    local long = {}
+    for i = 1, 513 do long[i] = TOKENS[(i - 1) % #TOKENS + 1] end
+    local ids = m.tensor(long):to("i64")
+    for _, ck in ipairs{"none", "full"} do
+      local model = tiny{dtype = "f32", checkpoint = ck}
+      collectgarbage(); collectgarbage("stop")
+      model:forward(ids, 1)
+      model:backward{aux_weight = 0.1, z_weight = 0.01}
+      local held = mem.stats().cpu.total
+      collectgarbage(); collectgarbage("restart")
+      -- what the collector frees: the aux loss's [E] temporaries only (an [S, D] f32 tensor is 32 KiB)
+      local garbage = held - mem.stats().cpu.total
+      assert.is_true(garbage < 1024, ck .. ": " .. garbage .. " bytes")
+    end
+  end)
+
   it("named_parameters are HF-named views that partition the units", function()
     local model = tiny{dtype = "f32"}
     local np = model:named_parameters()

@@ -55,6 +55,15 @@ local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool
   return tensor.matmul(x, w:t(), {out = y})
 end
 
+-- gw += dy2^T x. The transpose is freed at once: a view holds its storage
+-- until freed or collected, and the trainer holds the collector through a
+-- step, so an [S, out] gradient would outlive its :free() by the step.
+local function add_wgrad(gw, dy2, x)
+  local t = dy2:t()
+  tensor.matmul(t, x, {out = gw, beta = 1})
+  t:free()
+end
+
 function Attention:forward(x)
   local t0 = self.profile and now(x:device())
   local S, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
@@ -64,7 +73,9 @@ function Attention:forward(x)
   local qr = ops.rope_forward(q:view({S, H, hd}), self.rope)
   local kr = ops.rope_forward(k:view({S, KV, hd}), self.rope)
   local o, lse = ops.attention_forward(qr, kr, v)                  -- [S, H, hd], [H, S] f64
-  local y = linear(self.pool, o:view({S, H * hd}), p.o)            -- [S, D]
+  local o2 = o:view({S, H * hd})
+  local y = linear(self.pool, o2, p.o)                             -- [S, D]
+  o2:free()   -- (views hold their storage until freed: see add_wgrad)
   if t0 then
     local proj, core = self:flops(S)
     account(self, t0, proj + core, x:device())
@@ -89,8 +100,9 @@ function Attention:decode(x, kv, pos)
   kr:free()
   local o, lse = ops.attention_forward(qr, kv.k:narrow(1, 1, pos + n), kv.v:narrow(1, 1, pos + n))
   qr:free(); lse:free()
-  local y = linear(self.pool, o:view({n, H * hd}), p.o)
-  o:free()
+  local o2 = o:view({n, H * hd})
+  local y = linear(self.pool, o2, p.o)
+  o:free(); o2:free()
   return y
 end
 
@@ -100,19 +112,20 @@ function Attention:backward(dy, c)
   local dt = {dtype = dy:dtype()}
   local o2 = c.o:view({S, H * hd})
   local dout = tensor.matmul(dy, p.o, {out = self.pool:tensor({S, H * hd}, dt)})
-  tensor.matmul(dy:t(), o2, {out = g.o, beta = 1})                -- dWo += dy^T o
+  add_wgrad(g.o, dy, o2)                                           -- dWo += dy^T o
+  o2:free()
   local dqr, dkr, dv = ops.attention_backward(dout:view({S, H, hd}), c.qr, c.kr, c.v, c.o, c.lse)
   local dq = ops.rope_backward(dqr, self.rope)
   local dk = ops.rope_backward(dkr, self.rope)
   dqr:free(); dkr:free()
   local dq2, dk2, dv2 = dq:view({S, H * hd}), dk:view({S, KV * hd}), dv:view({S, KV * hd})
-  tensor.matmul(dq2:t(), c.x, {out = g.q, beta = 1})
-  tensor.matmul(dk2:t(), c.x, {out = g.k, beta = 1})
-  tensor.matmul(dv2:t(), c.x, {out = g.v, beta = 1})
+  add_wgrad(g.q, dq2, c.x)
+  add_wgrad(g.k, dk2, c.x)
+  add_wgrad(g.v, dv2, c.x)
   local dx = tensor.matmul(dq2, p.q, {out = self.pool:tensor({S, self.D}, dt)})
   tensor.matmul(dk2, p.k, {out = dx, beta = 1})
   tensor.matmul(dv2, p.v, {out = dx, beta = 1})
-  dq:free(); dk:free(); dv:free()
+  dq:free(); dk:free(); dv:free(); dq2:free(); dk2:free(); dv2:free()
   if t0 then   -- projections: 2x forward; flash backward: 5 matmuls (Q K^T recomputed) vs 2
     local proj, core = self:flops(S)
     account(self, t0, 2 * proj + 2.5 * core, dy:device())
