@@ -19,7 +19,8 @@
  *       opts: rows (default 256, <= 1024), chunk (vocabulary columns, default 4096), dW
  *   rope_forward(x [S, heads, hd] [, opts])              -> y
  *   rope_backward(dy [S, heads, hd] [, opts])            -> dx
- *       opts: theta (default 10000), offset (position of row 1, default 0)
+ *       opts: theta (default 10000), offset (position of row 1, default 0),
+ *       out (the result's tensor, = x's shape and dtype; x itself: in place)
  *   attention_forward(q [S, H, hd], k [Sk, KV, hd], v)   -> out [S, H, hd], lse [H, S] f64
  *       Sk >= S: q holds the last S of Sk positions (decoding against a KV cache)
  *   attention_backward(dout, q, k, v, out, lse)          -> dq, dk, dv (Sk = S)
@@ -177,7 +178,7 @@ static int l_ops_cross_entropy_backward(lua_State *L)
 
 /* ---- rope --------------------------------------------------------------------- */
 
-static const char *const ROPE_OPTS[] = {"theta", "offset", NULL};
+static const char *const ROPE_OPTS[] = {"theta", "offset", "out", NULL};
 
 static int rope_common(lua_State *L, const char *fn, const char *what, int inverse)
 {
@@ -186,7 +187,13 @@ static int rope_common(lua_State *L, const char *fn, const char *what, int inver
     ml_check_opts(L, 2, fn, ROPE_OPTS);
     double theta = ml_opt_number(L, 2, fn, "theta", 10000.0);
     int64_t offset = ml_opt_integer(L, 2, fn, "offset", 0, 0, ML_ROPE_OFFSET_MAX);
-    ml_tensor *y = ml_pushtensor(L);
+    ml_tensor *y;
+    if (lua_istable(L, 2) && lua_getfield(L, 2, "out") != LUA_TNIL) {
+        y = ml_checktensor_named(L, 3, fn, "option 'out'");
+    } else {
+        lua_settop(L, 2);
+        y = ml_pushtensor(L);
+    }
     ml_host *h = ml_host_of(L);
     ml_err e;
     ml_check_op(L, fn, inverse ? ml_op_rope_backward(h, y, x, offset, theta, &e)

@@ -219,7 +219,9 @@ ml_status ml_op_cross_entropy_backward(ml_host *h, ml_tensor *dh, ml_tensor *dW,
 
 /* ---- rope --------------------------------------------------------------------- */
 
-/* y = rotate(x) (inverse: the backward); yname, xname name them in messages. */
+/* y = rotate(x) (inverse: the backward); yname, xname name them in messages.
+ * A given y may be x itself (the kernels read each pair before writing it),
+ * not a part of it. */
 static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *yname,
                       const char *xname, int64_t offset, double theta, int inverse, ml_err *e)
 {
@@ -235,6 +237,8 @@ static ml_status rope(ml_host *h, ml_tensor *y, const ml_tensor *x, const char *
         return ml_err_set(e, ML_EINVAL, "offset must be in [0, %lld], got %lld",
                           (long long)ML_ROPE_OFFSET_MAX, (long long)offset);
     ML_TRY(ml_prepare_output(h, y, yname, dev, x->dtype, 3, x->shape, e));
+    if (ml_data(y) != ml_data(x) && ml_tensors_overlap(y, x))
+        return ml_err_set(e, ML_EINVAL, "%s overlaps %s but is not %s itself", yname, xname, xname);
     ml_kctx c = ml_host_kctx(h);
     ml_status s = inverse
         ? ML_KCALL(h, dev, rope_backward, x->dtype, ml_data(y), ml_data(x), S, heads, hd, offset,

@@ -398,7 +398,29 @@ describe("moelua.ops rope", function()
     assert_same(a, b, "rope")
   end)
 
+  it("writes into opts.out, also x itself (in place), with the same bits", function()
+    for _, dt in ipairs{"f32", "f64"} do
+      local x = m.randn({37, 3, 10}, {seed = 4}):to(dt)
+      for _, f in ipairs{ops.rope_forward, ops.rope_backward} do
+        local want = f(x, {offset = 7, theta = 500})
+        local out = m.zeros({37, 3, 10}, {dtype = dt})
+        assert.are.equal(out, f(x, {offset = 7, theta = 500, out = out}))
+        assert_same(want, out, "out " .. dt)
+        local y = x:clone()
+        assert.are.equal(y, f(y, {offset = 7, theta = 500, out = y}))
+        assert_same(want, y, "in place " .. dt)
+      end
+    end
+  end)
+
   it("rejects bad arguments", function()
+    local x = m.randn({4, 2, 6})
+    has(errmsg(ops.rope_forward, x, {out = x:narrow(1, 2, 3)}), "moelua.ops.rope_forward: y is [3,2,6] but must be [4,2,6]")
+    local big = m.randn({5, 2, 6})
+    has(errmsg(ops.rope_forward, big:narrow(1, 1, 4), {out = big:narrow(1, 2, 4)}),
+        "moelua.ops.rope_forward: y overlaps x but is not x itself")
+    has(errmsg(ops.rope_backward, x, {out = x:to("f64")}), "moelua.ops.rope_backward: dx must be f32")
+    has(errmsg(ops.rope_forward, x, {out = 3}), "moelua.ops.rope_forward: option 'out'")
     has(errmsg(ops.rope_forward, m.randn({2, 3, 5})), "moelua.ops.rope_forward: x: head dim 5 must be even and >= 2")
     has(errmsg(ops.rope_forward, m.randn({2, 6})), "moelua.ops.rope_forward: x must have 3 dims, got 2")
     has(errmsg(ops.rope_forward, m.randn({2, 1, 4}), {offset = -1}), "option 'offset' must be in [0,")

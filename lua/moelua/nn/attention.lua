@@ -13,7 +13,9 @@
 --   local y = att:decode(x, kv, pos)     -- inference: x [n, D] at positions pos.. (below)
 --
 -- Projections and outputs are views into the caller's stack pool (the
--- caller marks and rewinds, LIFO); rope/attention outputs come from
+-- caller marks and rewinds, LIFO); RoPE rotates q and k there, in place
+-- (and the gradients of the attention's q and k the same way), so no
+-- buffer is made for it; attention outputs come from
 -- moelua.ops as tensors and are freed by release(). Weights are views
 -- into the model's flat dense unit: q [H*hd, D], k, v [KV*hd, D], o [D, H*hd].
 -- profile (optional): a table whose `attention` (seconds) and
@@ -29,7 +31,7 @@ function Attention.new(o)
   local self = setmetatable({}, Attention)
   self.D, self.H, self.KV = o.dim, o.heads, o.kv_heads
   self.hd = o.head_dim or o.dim // o.heads
-  self.rope = {theta = o.theta or 1e6}
+  self.theta = o.theta or 1e6
   self.params, self.grads, self.pool, self.profile = o.params, o.grads, o.pool, o.profile
   return self
 end
@@ -48,6 +50,12 @@ local function account(self, t0, flops, dev)
     pf.attention = pf.attention + (now(dev) - t0)
     pf.attention_flop = pf.attention_flop + flops
   end
+end
+
+-- x rotated in place by RoPE (inverse: the backward's), positions from offset
+local function rope_(self, x, offset, inverse)
+  local f = inverse and ops.rope_backward or ops.rope_forward
+  return f(x, {theta = self.theta, offset = offset, out = x})
 end
 
 local function linear(pool, x, w)            -- x [S, in] . w[out, in]^T -> pool [S, out]
@@ -70,8 +78,8 @@ function Attention:forward(x)
   local q = linear(self.pool, x, p.q)                              -- [S, H*hd]
   local k = linear(self.pool, x, p.k)                              -- [S, KV*hd]
   local v = linear(self.pool, x, p.v):view({S, KV, hd})
-  local qr = ops.rope_forward(q:view({S, H, hd}), self.rope)
-  local kr = ops.rope_forward(k:view({S, KV, hd}), self.rope)
+  local qr = rope_(self, q:view({S, H, hd}))
+  local kr = rope_(self, k:view({S, KV, hd}))
   local o, lse = ops.attention_forward(qr, kr, v)                  -- [S, H, hd], [H, S] f64
   local o2 = o:view({S, H * hd})
   local y = linear(self.pool, o2, p.o)                             -- [S, D]
@@ -91,15 +99,12 @@ end
 -- keys). Nothing is saved for a backward; y [n, D] is a pool view.
 function Attention:decode(x, kv, pos)
   local n, H, KV, hd, p = x:size(1), self.H, self.KV, self.hd, self.params
-  local rope = {theta = self.rope.theta, offset = pos}
-  local q = linear(self.pool, x, p.q)
-  local qr = ops.rope_forward(q:view({n, H, hd}), rope)
-  local kr = ops.rope_forward(linear(self.pool, x, p.k):view({n, KV, hd}), rope)
-  kv.k:narrow(1, pos + 1, n):copy_(kr)
+  local qr = rope_(self, linear(self.pool, x, p.q):view({n, H, hd}), pos)
+  ops.rope_forward(linear(self.pool, x, p.k):view({n, KV, hd}),
+                   {theta = self.theta, offset = pos, out = kv.k:narrow(1, pos + 1, n)})
   kv.v:narrow(1, pos + 1, n):copy_(linear(self.pool, x, p.v):view({n, KV, hd}))
-  kr:free()
   local o, lse = ops.attention_forward(qr, kv.k:narrow(1, 1, pos + n), kv.v:narrow(1, 1, pos + n))
-  qr:free(); lse:free()
+  lse:free()
   local o2 = o:view({n, H * hd})
   local y = linear(self.pool, o2, p.o)
   o:free(); o2:free()
@@ -114,10 +119,9 @@ function Attention:backward(dy, c)
   local dout = tensor.matmul(dy, p.o, {out = self.pool:tensor({S, H * hd}, dt)})
   add_wgrad(g.o, dy, o2)                                           -- dWo += dy^T o
   o2:free()
-  local dqr, dkr, dv = ops.attention_backward(dout:view({S, H, hd}), c.qr, c.kr, c.v, c.o, c.lse)
-  local dq = ops.rope_backward(dqr, self.rope)
-  local dk = ops.rope_backward(dkr, self.rope)
-  dqr:free(); dkr:free()
+  local dq, dk, dv = ops.attention_backward(dout:view({S, H, hd}), c.qr, c.kr, c.v, c.o, c.lse)
+  rope_(self, dq, 0, true)
+  rope_(self, dk, 0, true)
   local dq2, dk2, dv2 = dq:view({S, H * hd}), dk:view({S, KV * hd}), dv:view({S, KV * hd})
   add_wgrad(g.q, dq2, c.x)
   add_wgrad(g.k, dk2, c.x)
@@ -134,7 +138,7 @@ function Attention:backward(dy, c)
 end
 
 function Attention:release(c)
-  c.qr:free(); c.kr:free(); c.o:free(); c.lse:free()
+  c.o:free(); c.lse:free()
 end
 
 return Attention
