@@ -277,6 +277,9 @@ function Transformer.new(opts)
     for k, v in pairs(o.moe_opts) do mo[k] = v end
     mo.seed, mo.layer = o.seed, i - 1
     local ck = CHECKPOINT[o.checkpoint_per_layer[i]]
+    if ck[2] then   -- a checkpointed MoE half keeps nothing for backward, its h neither
+      mo.save, mo.partial_recompute = "recompute", nil
+    end
     self.blocks[i] = {
       dense = ud, experts = ux, params = p, xparams = xp, grads = g, xgrads = xg,
       ck_attn = ck[1], ck_moe = ck[2],
