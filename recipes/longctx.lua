@@ -265,7 +265,7 @@ if not plan then
                             opts.budget_gib == 0 and ", 0: 90% of the memory available at start" or "",
                             opts.checkpoint == "full" and "" or ", or recompute more (--checkpoint full)"))
 end
-say(string.format("memory plan (%s): peak %.1f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
+say(string.format("memory plan (%s): peak %.2f MiB%s (params %.1f, grads %.1f, optim %.1f, " ..
                     "acts %.1f, pool %.1f MiB at the peak, in %s)", opts.device, plan.total_peak / 2^20,
                     plan.budget_total > 0 and string.format(" of a %s budget", mem.format_bytes(plan.budget_total))
                       or ", no budget",
