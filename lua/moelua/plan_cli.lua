@@ -24,7 +24,8 @@
 -- expert_exchange, per_step); with --world and no --rank, one line per rank.
 --
 -- --fit: the recipe's memory knobs, tried in a stated order (KNOBS below)
--- and kept as they add up, until a plan fits: each try's peak, the options
+-- and kept as they add up, until a plan fits, then the kept ones a later
+-- one made needless dropped: each try's peak, the options
 -- that fit and what each costs (in words, then the chosen plan's FLOPs,
 -- traffic and host tiers). Only knobs the recipe offers (its --help) are
 -- tried, each in a child process.
@@ -267,8 +268,9 @@ local function child(host, recipe, args)
   return p:close(), text
 end
 
--- The value of option name in args (removed from them), or nil.
-local function take(args, name)
+-- The value of option name in args (removed from them), or nil; flag: a
+-- boolean option, which `--name` alone sets ("true").
+local function take(args, name, flag)
   for i = #args, 1, -1 do
     local v = args[i]:match("^%-%-" .. name:gsub("%-", "%%-") .. "=(.*)$")
     if v then
@@ -276,6 +278,10 @@ local function take(args, name)
       return v
     elseif args[i] == "--" .. name then
       v = args[i + 1]
+      if flag and (v == nil or v:match("^%-%-")) then   -- a boolean option alone (moelua.options)
+        table.remove(args, i)
+        return "true"
+      end
       if v == nil then errors.user("moelua plan: --" .. name .. " needs a value") end
       table.remove(args, i + 1)
       table.remove(args, i)
@@ -331,10 +337,10 @@ local function probe(host, recipe, args, what, refusable)
   if ok and peak then return true, math.tointeger(peak), text, budget end
   local need = text:match("moelua plan: [^\n]-: needs [%d.]+ MiB %((%d+) bytes%) at its peak")
   if need then return false, math.tointeger(need), text, budget end
-  if refusable then   -- its message: the last line before any traceback, without the program's name
-    local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$")
-    return nil, (msg:gsub("^[^:]*moelua: ", ""))
-  end
+  -- its message: the last line before any traceback, without the program's name
+  local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$"):gsub("^[^:]*moelua: ", "")
+  if refusable then return nil, msg end
+  if not text:find("\nstack traceback:", 1, true) then errors.user(msg) end   -- a user error: as without --fit
   errors.user(string.format("moelua plan: the plan %s failed: %s", what, text))
 end
 
@@ -424,27 +430,30 @@ end
 -- it is chosen.
 local KNOBS = {
   {"save", {"recompute"}, "recomputes the expert pre-activations in backward"},
-  {"checkpoint", {"moe", "attention", "full"}, "recomputes in backward the forward of %s"},
+  {"checkpoint", {"moe", "attention", "full"}, "recomputes in backward %s"},
   {"offload-optimizer", {"true"}, "keeps the optimizer states in the slower tier (a cpu run's RUN_DIR/optim.store, " ..
                                   "a cuda run's host memory), read and written once per step"},
   {"expert-budget", "halving", "keeps the experts beyond %s in the slower tier (a cpu run's RUN_DIR/experts.store, " ..
                                "a cuda run's pinned host memory): a step moves up to every expert's slab in and out"},
   {"zero", {"1", "2", "3"}, "shards over the ranks (ZeRO-%s): collectives every step"},
 }
-local WHAT = {attention = "attention", moe = "the MoE layers", full = "every layer"}
+local WHAT = {attention = "the forward of attention",
+              moe = "the MoE layers' norm and routing, and the experts' pre-activations",
+              full = "the forward of attention, the MoE layers' norm and routing, and the experts' pre-activations"}
 
 function M.fit(recipe, rest)
   local host = host_path()
   local offered = recipe_options(host, recipe)
   local args, tried = {table.unpack(rest)}, {}
+  local function flag(name) return offered[name] == "true" or offered[name] == "false" end   -- (--help's default)
   local function set(name, value, into)
     into = into or args
-    take(into, name)
+    take(into, name, flag(name))
     into[#into + 1] = "--" .. name
     into[#into + 1] = value
   end
   local function current(name)   -- the value given, else the recipe's default
-    local v = take({table.unpack(args)}, name)
+    local v = take({table.unpack(args)}, name, flag(name))
     if v == nil then return offered[name] end
     return v
   end
@@ -511,6 +520,24 @@ function M.fit(recipe, rest)
       if last then chosen[#chosen + 1] = {k = k, v = last} end
     end
   end
+  -- a later knob may leave an earlier one needless (a checkpointed MoE half
+  -- recomputes the pre-activations anyway): each kept knob but the last,
+  -- latest first, back as given; dropped when the plan still fits
+  for i = fits and #chosen - 1 or 0, 1, -1 do
+    local name, v = chosen[i].k[1], chosen[i].v
+    local without = {table.unpack(args)}
+    local given = take({table.unpack(rest)}, name, flag(name))
+    if given ~= nil then set(name, given, without) else take(without, name, flag(name)) end
+    local label = "without --" .. name .. " " .. v
+    local f, p, t = probe(host, recipe, without, label, true)
+    if f then
+      tried[#tried + 1] = string.format("  %-40s fits, peak %s: dropped", label, mib(p))
+      args, text, peak = without, t, p
+      table.remove(chosen, i)
+    elseif f == false then
+      tried[#tried + 1] = string.format("  %-40s needs %s: kept", label, mib(p))
+    end
+  end
   print(string.format("moelua plan --fit: %s", recipe))
   print(table.concat(tried, "\n"))
   if not fits then
@@ -575,7 +602,7 @@ function M.main(args)
   if rank and not world then errors.user("moelua plan: --rank needs --world") end
   if world and not rank and world > 1 then return every_rank(recipe, rest, world) end
   if world then
-    if rank and rank >= world then errors.user(string.format("moelua plan: --rank %d of --world %d", rank, world)) end
+    if rank and rank >= world then errors.user(string.format("moelua plan: --rank %d of --world %d: ranks are 0 to %d", rank, world, world - 1)) end
     require("moelua.dist").plan_world(rank or 0, world)
   end
   local fn, err = loadfile(recipe)
