@@ -602,7 +602,9 @@ function M.main(args)
   if rank and not world then errors.user("moelua plan: --rank needs --world") end
   if world and not rank and world > 1 then return every_rank(recipe, rest, world) end
   if world then
-    if rank and rank >= world then errors.user(string.format("moelua plan: --rank %d of --world %d: ranks are 0 to %d", rank, world, world - 1)) end
+    if rank and rank >= world then
+      errors.user(string.format("moelua plan: --rank %d of --world %d: ranks are 0 to %d", rank, world, world - 1))
+    end
     require("moelua.dist").plan_world(rank or 0, world)
   end
   local fn, err = loadfile(recipe)

@@ -153,7 +153,7 @@ describe("nn.Transformer", function()
     end
   end)
 
-  it("checkpoint modes give bitwise-identical gradients and run the experts once (f32, gate noise on, h saved or recomputed)", function()
+  it("checkpoint modes: bitwise-identical gradients, the experts run once (f32, gate noise, save or recompute)", function()
     local grads, losses
     for _, c in ipairs{{"none"}, {"attention"}, {"moe"}, {"full"}, {{"full", "none"}}, {"moe", "recompute"},
                        {"full", "recompute"}} do
