@@ -35,6 +35,16 @@
 #include "l_util.h"
 #include "../runtime/ops_nn.h"
 
+/* An output given as option `name` of the options table at idx, the last
+ * argument (then at idx + 1), else a new tensor pushed there. */
+static ml_tensor *opt_output(lua_State *L, int idx, const char *fn, const char *name, const char *what)
+{
+    if (lua_istable(L, idx) && lua_getfield(L, idx, name) != LUA_TNIL)
+        return ml_checktensor_named(L, idx + 1, fn, what);
+    lua_settop(L, idx);
+    return ml_pushtensor(L);
+}
+
 /* ---- rmsnorm ------------------------------------------------------------------ */
 
 static int l_ops_rmsnorm_forward(lua_State *L)
@@ -161,13 +171,7 @@ static int l_ops_cross_entropy_backward(lua_State *L)
     ml_tensor *lse = ml_checktensor_named(L, 5, fn, "argument #5 (lse)");
     int64_t rows, chunk;
     ce_opts(L, fn, 6, &rows, &chunk);
-    ml_tensor *dW;
-    if (lua_istable(L, 6) && lua_getfield(L, 6, "dW") != LUA_TNIL) {
-        dW = ml_checktensor_named(L, 7, fn, "option 'dW'");
-    } else {
-        lua_settop(L, 6);
-        dW = ml_pushtensor(L);
-    }
+    ml_tensor *dW = opt_output(L, 6, fn, "dW", "option 'dW'");
     ml_tensor *dh = ml_pushtensor(L);
     ml_err e;
     ml_check_op(L, fn, ml_op_cross_entropy_backward(ml_host_of(L), dh, dW, dloss, hs, W, tg, lse,
@@ -187,13 +191,7 @@ static int rope_common(lua_State *L, const char *fn, const char *what, int inver
     ml_check_opts(L, 2, fn, ROPE_OPTS);
     double theta = ml_opt_number(L, 2, fn, "theta", 10000.0);
     int64_t offset = ml_opt_integer(L, 2, fn, "offset", 0, 0, ML_ROPE_OFFSET_MAX);
-    ml_tensor *y;
-    if (lua_istable(L, 2) && lua_getfield(L, 2, "out") != LUA_TNIL) {
-        y = ml_checktensor_named(L, 3, fn, "option 'out'");
-    } else {
-        lua_settop(L, 2);
-        y = ml_pushtensor(L);
-    }
+    ml_tensor *y = opt_output(L, 2, fn, "out", "option 'out'");
     ml_host *h = ml_host_of(L);
     ml_err e;
     ml_check_op(L, fn, inverse ? ml_op_rope_backward(h, y, x, offset, theta, &e)
