@@ -288,11 +288,10 @@ function Layer:forward(x, step, route_only)
     y, saved = self:_forward_ep(x, idx, w, plan, route_only)
   elseif self.store then
     y, saved = self:_forward_stored(x, idx, w, plan, route_only)
-  elseif route_only then
-    saved = {tile = eo.tile, nsaved = 0}
-  else
+  elseif not route_only then
     y, saved = experts.forward(x, self.params.gate_up, self.params.down, idx, w, plan, eo)
   end
+  if route_only then saved = {tile = eo.tile, nsaved = 0} end   -- backward recomputes every tile's h
   self.ctx = {x = x, idx = idx, w = w, plan = plan, saved = saved, rstats = rs}
   if pf then   -- seconds per phase; expert FLOPs: 3 GEMMs of 2 D F per row this rank's experts ran
     local t3 = now(dev)
@@ -394,7 +393,7 @@ function Layer:_forward_ep(x, idx, w, plan, route_only)
   ids:sub_(z.ep_rank * El)   -- the local experts' ids
   local rplan = experts.dispatch(ids, El, {pool = pool})
   self.ep_ctx = {send = send, recv = recv, kept = kept, got = got, xr = xr, wr = wr, ids = ids, rplan = rplan}
-  if route_only then return nil, {tile = eo.tile, nsaved = 0} end
+  if route_only then return end
   local yr, saved = experts.forward(xr, self.params.gate_up, self.params.down, ids, wr, rplan, eo)
   m = pool:mark()
   local ys = pool:tensor({kept, D}, dt)
@@ -453,7 +452,7 @@ function Layer:_forward_stored(x, idx, w, plan, route_only)
   local es, l = st.es, st.layer
   local has = experts_with_rows(plan, o.experts)
   self.stored_has = has
-  if route_only then return nil, {tile = self.expert_opts.tile, nsaved = 0} end
+  if route_only then return end
   es:routed_layer(l, has)
   local y = self.pool:tensor({x:size(1), o.dim}, {dtype = x:dtype()}):zero_()
   local c = self:_call_opts()

@@ -217,6 +217,18 @@ describe("GPU parity: rope", function()
     end
   end)
 
+  it("in place (opts.out = x, as the model runs it) gives the same bits", function()
+    for _, dt in ipairs({"f32", "f64"}) do
+      local x = noncontig({S}, H, hd, dt):to(DEV):contiguous()
+      for _, f in ipairs({ops.rope_forward, ops.rope_backward}) do
+        local want = f(x, CASES[2]):to("cpu")
+        local y = x:clone()
+        f(y, {offset = CASES[2].offset, theta = CASES[2].theta, out = y})
+        assert.are.same(want:totable(), y:to("cpu"):totable(), dt)
+      end
+    end
+  end)
+
   bf16_it("bf16 matches the CPU's f32 on bf16-rounded inputs", function()
     ops.rope_forward(m.ones({1, 1, 2}, {dtype = "bf16"}):to(DEV))
   end, function()

@@ -104,6 +104,25 @@ describe("moe layer", function()
     assert.are.same(ya:totable(), yb:totable())
   end)
 
+  it("route_only: routing and context alone, and backward's gradients bitwise a full forward's", function()
+    local x, dy = m.randn({53, 12}, {seed = 4}), m.randn({53, 12}, {seed = 5})
+    local grads = {}
+    for _, c in ipairs{{"save", false}, {"save", true}, {"recompute", true}} do
+      local layer = moe.new{dim = 12, ffn = 20, experts = 4, topk = 2, tile = 8, save = c[1], init_seed = 2,
+                            aux_weight = 0.01, z_weight = 1e-3}
+      local y = layer:forward(x, 3, c[2])
+      assert.are.equal(c[2], y == nil, "y only without route_only")
+      if c[2] then assert.are.same({tile = 8, nsaved = 0}, layer.ctx.saved) end
+      local g = {dx = layer:backward(dy):clone()}
+      for k, v in pairs(layer.grads) do g[k] = v:clone() end
+      if grads.dx then
+        for k, v in pairs(grads) do assert.are.same(v:totable(), g[k]:totable(), c[1] .. " " .. k) end
+      else
+        grads = g
+      end
+    end
+  end)
+
   it("makes no ledger allocation in a warmed-up step", function()
     local layer = moe.new{dim = 16, ffn = 24, experts = 4, topk = 2, aux_weight = 0.01, z_weight = 1e-3}
     local x, dy = m.randn({64, 16}), m.randn({64, 16})
