@@ -36,7 +36,8 @@ local spec = {
   {"topk", 2, "experts per token", min = 1},
   {"checkpoint", "moe", "activation checkpointing per layer: none, attention, moe, full",
    choices = {"none", "attention", "moe", "full"}},
-  {"save", "recompute", "expert pre-activations: save or recompute", choices = {"save", "recompute"}},
+  {"save", "recompute", "expert pre-activations: save or recompute (a layer whose MoE half is checkpointed " ..
+                        "recomputes them either way)", choices = {"save", "recompute"}},
   -- the data
   {"data", "/usr/include/**/*.h", "corpus: a glob of text files, read as bytes"},
   {"seq-len", 8192, "tokens per sequence", min = 1},

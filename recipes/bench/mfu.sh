@@ -18,7 +18,7 @@ out=$(mktemp)
 sum=$(mktemp --suffix .lua)
 trap 'rm -f "$out" "$sum"' EXIT
 grep -o 'flags[^:]*: .*' /proc/cpuinfo | head -1 | tr ' ' '\n' | grep -E '^(avx2|avx512f|avx512bw|fma)$' \
-    | tr '\n' ' ' | sed 's/^/cpu flags: /; s/$/\n/' >&2
+    | tr '\n' ' ' | sed 's/^/cpu flags: /; s/$/\n/' >&2 || true
 gemm() { ./moelua recipes/bench/matmul.lua --sizes 2048 --reps 5 --threads 2 | tail -1; }
 for r in $(seq "$rounds"); do
     for S in $seqs; do
@@ -53,6 +53,11 @@ for _, r in ipairs(rows) do
   table.insert(by[r.S], mfu)
   print(string.format("| %d | %.0f | %.1f / %.1f | %.1f%% |", r.S, r.tps, gemms[r.g], gemms[r.g + 1], 100 * mfu))
 end
-for S, m in pairs(by) do print(string.format("seq_len %d: MFU median %.1f%% over %d rounds", S, 100 * median(m), #m)) end
+local seqs = {}
+for S in pairs(by) do seqs[#seqs + 1] = S end
+table.sort(seqs)
+for _, S in ipairs(seqs) do
+  print(string.format("seq_len %d: MFU median %.1f%% over %d rounds", S, 100 * median(by[S]), #by[S]))
+end
 LUA
 ./moelua "$sum" "$out"

@@ -32,8 +32,9 @@
 -- (moelua.zero); named_parameters() and checkpoints are the f32 masters.
 --
 -- Memory: every matmul output and the residual stream live in the model's
--- stack pool (ledger "pool"); moelua.ops outputs (norm, rope, attention,
--- CE) are tensors under "acts", freed explicitly. Forward pushes one frame
+-- stack pool (ledger "pool"; RoPE rotates q and k there, in place);
+-- moelua.ops outputs (norm, attention, CE) are tensors under "acts", freed
+-- explicitly. Forward pushes one frame
 -- per layer: [h1, h2 | attention saved | moe saved]; activation checkpointing
 -- per layer ("none", "attention", "moe", "full") rewinds the part it does not
 -- keep right after computing it, and backward recomputes it (same inputs,
