@@ -271,21 +271,22 @@ end
 -- The value of option name in args (removed from them), or nil; flag: a
 -- boolean option, which `--name` alone sets ("true").
 local function take(args, name, flag)
+  local function value(v) return flag and ({["1"] = "true", ["0"] = "false"})[v] or v end   -- (moelua.options)
   for i = #args, 1, -1 do
     local v = args[i]:match("^%-%-" .. name:gsub("%-", "%%-") .. "=(.*)$")
     if v then
       table.remove(args, i)
-      return v
+      return value(v)
     elseif args[i] == "--" .. name then
       v = args[i + 1]
-      if flag and (v == nil or v:match("^%-%-")) then   -- a boolean option alone (moelua.options)
+      if flag and (v == nil or v:match("^%-%-")) then   -- a boolean option alone
         table.remove(args, i)
         return "true"
       end
       if v == nil then errors.user("moelua plan: --" .. name .. " needs a value") end
       table.remove(args, i + 1)
       table.remove(args, i)
-      return v
+      return value(v)
     end
   end
 end
@@ -327,9 +328,10 @@ end
 
 -- One plan in a child: true, its peak (bytes), its words and its budget
 -- (bytes; nil without one) when it fits; false, what it needs, its words
--- and the budget when it is over the budget; any other failure is an error
--- naming `what` with the child's words, or, when `refusable` (a knob the
--- recipe may refuse in this configuration), nil and the child's last line.
+-- and the budget when it is over the budget; any other failure is an error:
+-- the child's own user error as it said it, else one naming `what` with the
+-- child's words; or, when `refusable` (a knob the recipe may refuse in this
+-- configuration), nil and the child's last line.
 local function probe(host, recipe, args, what, refusable)
   local ok, text = child(host, recipe, args)
   local budget = math.tointeger(text:match("moelua plan: [^\n]- %((%d+) bytes%) budget"))
@@ -338,9 +340,12 @@ local function probe(host, recipe, args, what, refusable)
   local need = text:match("moelua plan: [^\n]-: needs [%d.]+ MiB %((%d+) bytes%) at its peak")
   if need then return false, math.tointeger(need), text, budget end
   -- its message: the last line before any traceback, without the program's name
-  local msg = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$"):gsub("^[^:]*moelua: ", "")
+  local last = text:gsub("\nstack traceback:.*$", ""):match("([^\n]*)\n?$")
+  local msg, named = last:gsub("^[^:]*moelua: ", "")
   if refusable then return nil, msg end
-  if not text:find("\nstack traceback:", 1, true) then errors.user(msg) end   -- a user error: as without --fit
+  if not ok and named == 1 and msg ~= "" and not text:find("\nstack traceback:", 1, true) then
+    errors.user(msg)   -- the child's user error, said as without --fit
+  end
   errors.user(string.format("moelua plan: the plan %s failed: %s", what, text))
 end
 
@@ -536,6 +541,8 @@ function M.fit(recipe, rest)
       table.remove(chosen, i)
     elseif f == false then
       tried[#tried + 1] = string.format("  %-40s needs %s: kept", label, mib(p))
+    else
+      tried[#tried + 1] = string.format("  %-40s refused: %s: kept", label, p)
     end
   end
   print(string.format("moelua plan --fit: %s", recipe))

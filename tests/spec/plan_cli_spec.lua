@@ -262,12 +262,15 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
     assert.are.equal(0, code, out)
     support.has(out, "\n  --offload-optimizer true                 needs ")
     support.has(out, "\n  --expert-budget 384KiB                   fits, peak ")
-    -- a boolean knob given alone is taken as given, the option after it untouched
-    code, out = host({"plan", "recipes/tiny.lua", "--threads", "1", "--fit", "--offload-optimizer", "--budget-gib",
-                      "0.0019"})
-    assert.are.equal(0, code, out)
-    assert.is_nil(out:find("--offload-optimizer true  ", 1, true), out)
-    support.has(out, "fits with: --checkpoint full --expert-budget 384KiB\n")
+    -- a boolean knob given alone (or as 1) is taken as given, the option after it untouched
+    for _, given in ipairs{{"--offload-optimizer"}, {"--offload-optimizer", "1"}} do
+      local args = {"plan", "recipes/tiny.lua", "--threads", "1", "--fit", table.unpack(given)}
+      table.move({"--budget-gib", "0.0019"}, 1, 2, #args + 1, args)
+      code, out = host(args)
+      assert.are.equal(0, code, out)
+      assert.is_nil(out:find("--offload-optimizer true  ", 1, true), out)
+      support.has(out, "fits with: --checkpoint full --expert-budget 384KiB\n")
+    end
   end)
 
   it("--fit on cuda: halving expert budgets (the store's slots), its backing in pinned host memory", function()
