@@ -3,8 +3,8 @@
 # the best GEMM measured in the same minutes (issue 15). Each round runs,
 # per seq_len, matmul.lua (2048³, 2 threads: the best of raw OpenBLAS, raw
 # oneDNN and moelua.matmul), train.lua, and matmul.lua again; the round's
-# MFU is tokens/s times the model's FLOPs per token (3× model:flops(S)'s
-# forward: recomputes not counted) over the higher of the two GEMM rates.
+# MFU is tokens/s times the model's FLOPs per token (train.lua's
+# model_flop_per_token) over the higher of the two GEMM rates.
 # Prints each round and the medians.
 #   recipes/bench/mfu.sh [rounds=3] [seq_lens="4096 16384"]
 # Model: train_compare.sh's (V=256, D=256, L=4, 4 heads, 2 kv heads, E=8,
@@ -30,7 +30,6 @@ for r in $(seq "$rounds"); do
 done
 cat > "$sum" <<'LUA'
 local json = require "dkjson"
-local nn = require "moelua.nn"
 local median = require("moelua.measure").median
 local rows, gemms = {}, {}
 for line in io.lines(arg[1]) do
@@ -38,17 +37,15 @@ for line in io.lines(arg[1]) do
   if r.bench == "matmul" then
     gemms[#gemms + 1] = math.max(r.raw_gflops, r.raw_onednn_gflops, r.lua_out_gflops)
   elseif r.tokens_per_s then
-    rows[#rows + 1] = {S = r.seq_len, tps = r.tokens_per_s, g = #gemms}
+    rows[#rows + 1] = {S = r.seq_len, tps = r.tokens_per_s, flop = r.model_flop_per_token, g = #gemms}
   end
 end
-local model = nn.Transformer.new{vocab = 256, dim = 256, layers = 4, heads = 4, kv_heads = 2, experts = 8,
-                                 topk = 2, ffn = 512, dtype = "f32", max_position = 131072}
 local by = {}
 print("| seq_len | tokens/s | best GEMM before / after (GFLOP/s) | MFU |")
 print("|---:|---:|---|---:|")
 for _, r in ipairs(rows) do
   local best = math.max(gemms[r.g], gemms[r.g + 1])
-  local mfu = r.tps * 3 * model:flops(r.S).forward / r.S / (best * 1e9)
+  local mfu = r.tps * r.flop / (best * 1e9)
   by[r.S] = by[r.S] or {}
   table.insert(by[r.S], mfu)
   print(string.format("| %d | %.0f | %.1f / %.1f | %.1f%% |", r.S, r.tps, gemms[r.g], gemms[r.g + 1], 100 * mfu))

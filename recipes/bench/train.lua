@@ -26,7 +26,8 @@
 -- the GPU's queued work, and the peaks and plan are the cuda ledger's; the
 -- line then also holds "device":"cuda" and "dtype" (--dtype bf16: mixed
 -- precision). Every line holds params and
--- active_params (the experts counted at topk/experts), for MFU.
+-- active_params (the experts counted at topk/experts) and
+-- model_flop_per_token (3x model:flops(S)'s forward), for MFU.
 -- The baseline is train_torch.py beside it; train_compare.sh interleaves both.
 local moelua = require "moelua"
 local nn = require "moelua.nn"
@@ -178,6 +179,7 @@ local out = {
   peak_acts_pool_bytes = (st.peak.acts or 0) + (st.peak.pool or 0),
   optim_bytes = (st.current or {}).optim, skipped_expert_steps = opt.skipped_expert_steps,
   peak_rss_bytes = peak_rss(), params = params, active_params = math.floor(active + 0.5),
+  model_flop_per_token = 3 * model:flops(S).forward / S,   -- forward + backward, recomputes not counted
   planned_peak_ledger_bytes = plan.total_peak,
   planned_peak_acts_pool_bytes = plan.peak.acts + plan.peak.pool,
   -- the ledger charges the pool's capacity (blocks grow geometrically);
