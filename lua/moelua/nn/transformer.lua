@@ -567,7 +567,8 @@ end
 -- experts, LM head) and f.recompute, what backward computes again: the
 -- forward of a checkpointed attention half, a checkpointed MoE half's
 -- router, and the experts' pre-activations (x gate_up^T, 4 D F per row)
--- where they are not saved (a checkpointed MoE half, or save = "recompute").
+-- where the layer saves none (save = "recompute", which a checkpointed MoE
+-- half always runs).
 function Transformer:flops(S)
   local o = self.opts
   local rows = S * o.topk
@@ -578,7 +579,7 @@ function Transformer:flops(S)
     f.forward = f.forward + proj + core + router + experts
     if b.ck_attn then f.recompute = f.recompute + proj + core end
     if b.ck_moe then f.recompute = f.recompute + router end
-    if b.ck_moe or o.moe_opts.save == "recompute" then f.recompute = f.recompute + 4 * rows * o.dim * o.ffn end
+    if b.moe.layer.opts.save == "recompute" then f.recompute = f.recompute + 4 * rows * o.dim * o.ffn end
   end
   return f
 end
