@@ -15,23 +15,28 @@
 
 /* What this machine's libraries run, asked once (threads may ask at once,
  * and agree): ONEDNN_AVX512, oneDNN has AVX-512 (avx512_core), where it was
- * measured to win; OPENBLAS_AVX512, OpenBLAS's kernel is AVX-512 too, the
- * only case in which it was measured to win anything (serial A·Bᵀ with few
- * rows). The environment may hold OpenBLAS to an AVX2 kernel on an AVX-512
- * machine (OPENBLAS_CORETYPE): there oneDNN is 1.4-1.8x it on those shapes. */
-enum { ONEDNN_AVX512 = 1, OPENBLAS_AVX512 = 2 };
+ * measured to win; ONEDNN_AVX2, it has AVX2 and no AVX-512, where it wins
+ * some shapes; OPENBLAS_AVX512, OpenBLAS's kernel is AVX-512 too, the only
+ * case in which it was measured to win anything on an AVX-512 machine
+ * (serial A·Bᵀ with few rows). The environment may hold OpenBLAS to an
+ * AVX2 kernel on an AVX-512 machine (OPENBLAS_CORETYPE): there oneDNN is
+ * 1.4-1.8x it on those shapes. */
+enum { ONEDNN_AVX512 = 1, ONEDNN_AVX2 = 2, OPENBLAS_AVX512 = 4 };
 
 static int machine(void)
 {
-    static int state;   /* 0: not asked yet, else 4 | the bits */
+    static int state;   /* 0: not asked yet, else 8 | the bits */
     int s;
     #pragma omp atomic read
     s = state;
     if (!s) {
         const char *core = openblas_get_corename();
-        s = 4;
-        if ((dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core)
+        unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
+        s = 8;
+        if ((isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core)
             s |= ONEDNN_AVX512;
+        else if ((isa & dnnl_cpu_isa_avx2) == dnnl_cpu_isa_avx2)
+            s |= ONEDNN_AVX2;
         if (!strcasecmp(core, "SkylakeX") || !strcasecmp(core, "Cooperlake") ||
             !strcasecmp(core, "SapphireRapids"))
             s |= OPENBLAS_AVX512;
@@ -41,14 +46,20 @@ static int machine(void)
     return s;
 }
 
-static int use_onednn(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m)
+static int use_onednn(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m, int64_t k)
 {
     int s = machine();
-    if (dt != ML_F32 || !(s & ONEDNN_AVX512))
+    if (dt != ML_F32 || !(s & (ONEDNN_AVX512 | ONEDNN_AVX2)))
         return 0;
     /* threaded calls never go to OpenBLAS: its pool spins (sched_yield)
      * after each call and takes the cores from the OpenMP threads next */
-    return !(mode == ML_GEMM_SERIAL && !ta && tb && m < 128 && (s & OPENBLAS_AVX512));
+    if (mode == ML_GEMM_THREADED)
+        return 1;
+    if (s & ONEDNN_AVX512)
+        return !(!ta && tb && m < 128 && (s & OPENBLAS_AVX512));
+    /* AVX2 (a Zen 3): OpenBLAS's kernel wins A·B and Aᵀ·B with a long
+     * inner dimension (the experts' dact and dx), oneDNN the rest */
+    return tb || k <= 256;
 }
 
 /* C = beta·C for k = 0 (neither library is asked: BLAS leaves k = 0 to
@@ -77,7 +88,7 @@ void ml_gemm(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m, int64_t 
         scale_c(dt, m, n, beta, c, ldc);
         return;
     }
-    if (use_onednn(dt, mode, ta, tb, m)) {
+    if (use_onednn(dt, mode, ta, tb, m, k)) {
         /* serial outside a parallel region: a team of one for this call */
         int team = mode == ML_GEMM_SERIAL && !omp_in_parallel() ? omp_get_max_threads() : 0;
         if (team)
@@ -115,9 +126,9 @@ void ml_gemm_serial_end(int saved)
     openblas_set_num_threads(saved);
 }
 
-const char *ml_gemm_library(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m)
+const char *ml_gemm_library(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m, int64_t k)
 {
-    return use_onednn(dt, mode, ta, tb, m) ? "oneDNN" : "OpenBLAS";
+    return use_onednn(dt, mode, ta, tb, m, k) ? "oneDNN" : "OpenBLAS";
 }
 
 const char *ml_gemm_describe(void)
@@ -127,6 +138,6 @@ const char *ml_gemm_describe(void)
     snprintf(line, sizeof line, "%s(%s); oneDNN %d.%d.%d (isa 0x%x)%s",
              OPENBLAS_VERSION + 1, openblas_get_corename(), v->major, v->minor, v->patch,
              (unsigned)dnnl_get_effective_cpu_isa(),
-             machine() & ONEDNN_AVX512 ? "" : ": not used below AVX-512");
+             machine() & (ONEDNN_AVX512 | ONEDNN_AVX2) ? "" : ": not used below AVX2");
     return line;
 }

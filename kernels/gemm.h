@@ -5,23 +5,26 @@
  * library behind it is chosen in one place (BENCHMARKS.md, "GEMM libraries
  * on this machine", has the measurements behind the rule):
  *
- *   f64                                   OpenBLAS (oneDNN has no dgemm)
- *   f32, CPU below AVX-512 (oneDNN's      OpenBLAS (oneDNN not measured to
- *        avx512_core)                      win there)
- *   f32, A·Bᵀ with few rows, serial:      OpenBLAS if its own kernel is
- *        M < 128                           AVX-512 (oneDNN 0.84-0.86× there
- *                                          at M 64; 1.4-1.8× OpenBLAS held
- *                                          to its AVX2 kernel)
- *   every other f32 GEMM                   oneDNN's dnnl_sgemm (1.02-1.20×
- *                                          OpenBLAS on one thread, 1.09-1.66×
- *                                          on two; threaded A·Bᵀ at M <= 256
- *                                          too: faster in isolation on
- *                                          OpenBLAS, but its pool then spins
- *                                          against the kernels' threads, and
- *                                          a training step is 4-9% faster
- *                                          without it)
+ *   f64                                    OpenBLAS (oneDNN has no dgemm)
+ *   f32, CPU below AVX2                    OpenBLAS (oneDNN not measured
+ *                                          there)
+ *   f32, threaded                          oneDNN's dnnl_sgemm (OpenBLAS's
+ *                                          pool spins after each call against
+ *                                          the kernels' threads: a training
+ *                                          step is 4-9% faster without it)
+ *   f32 serial, AVX-512 (oneDNN's          oneDNN (1.02-1.20× OpenBLAS), but
+ *        avx512_core)                      OpenBLAS for A·Bᵀ with M < 128 if
+ *                                          its own kernel is AVX-512 (oneDNN
+ *                                          0.84-0.86× there at M 64; 1.4-1.8×
+ *                                          OpenBLAS held to its AVX2 kernel)
+ *   f32 serial, AVX2 only                  OpenBLAS for A·B and Aᵀ·B with
+ *                                          K > 256 (oneDNN 0.89-0.97× on the
+ *                                          experts' dact and dx, a Zen 3);
+ *                                          oneDNN for the rest (1.13-1.45× on
+ *                                          the attention tiles, 1.16-1.29× on
+ *                                          M 64 expert tiles)
  *
- * The rule reads only the dtype, the flags, M and the thread mode, the
+ * The rule reads only the dtype, the flags, M, K and the thread mode, the
  * machine's ISA and OpenBLAS's kernel (which OPENBLAS_CORETYPE may set), so
  * a given machine and environment always send a shape to the same
  * library. Both libraries' one-thread results depend only on the shapes
@@ -61,7 +64,7 @@ void ml_gemm_serial_end(int saved);
 /* Which library an f32 GEMM of this kind goes to on this machine:
  * "oneDNN" or "OpenBLAS"; and a line naming both libraries, their
  * versions and kernel paths (benchmark tables print it). */
-const char *ml_gemm_library(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m);
+const char *ml_gemm_library(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m, int64_t k);
 const char *ml_gemm_describe(void);
 
 #endif

@@ -21,6 +21,7 @@
 #include <strings.h>
 
 #include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 
 #include "../../kernels/gemm.h"
 #include "tap.h"
@@ -137,7 +138,7 @@ static void check_shape(const shape *s, ml_dtype dt)
             double err = error(s, c, dt, a, b, c0, ab[v][0], ab[v][1]);
             ok(err <= tol, "%s %s %s alpha %g beta %g (%s): error %.2e <= %.0e", s->name, dn,
                mode == ML_GEMM_SERIAL ? "serial" : "threaded", ab[v][0], ab[v][1],
-               ml_gemm_library(dt, (ml_gemm_mode)mode, s->ta, s->tb, s->m), err, tol);
+               ml_gemm_library(dt, (ml_gemm_mode)mode, s->ta, s->tb, s->m, s->k), err, tol);
             free(c);
         }
     }
@@ -168,21 +169,30 @@ int main(void)
         check_shape(&shapes[i], ML_F64);
     }
 
-    /* the rule: f64 on OpenBLAS everywhere; serial M 64 A·Bᵀ on OpenBLAS
-     * where its kernel is AVX-512 or oneDNN is not used */
-    ok(!strcmp(ml_gemm_library(ML_F64, ML_GEMM_SERIAL, 0, 0, 4096), "OpenBLAS"), "f64 goes to OpenBLAS");
+    /* the rule: f64 on OpenBLAS everywhere; threaded f32 on oneDNN where
+     * it is used (AVX2 and up); serial M 64 A·Bᵀ on OpenBLAS where its
+     * kernel is AVX-512; on AVX2 alone, serial A·B and Aᵀ·B with K > 256 on
+     * OpenBLAS */
+    ok(!strcmp(ml_gemm_library(ML_F64, ML_GEMM_SERIAL, 0, 0, 4096, 64), "OpenBLAS"), "f64 goes to OpenBLAS");
     const char *core = openblas_get_corename();
     int blas512 = !strcasecmp(core, "SkylakeX") || !strcasecmp(core, "Cooperlake") ||
                   !strcasecmp(core, "SapphireRapids");
-    const char *dnn = strstr(ml_gemm_describe(), "not used") ? "OpenBLAS" : "oneDNN";
-    const char *small = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 1, 64);
-    ok(!strcmp(small, blas512 ? "OpenBLAS" : dnn),
+    unsigned isa = (unsigned)dnnl_get_effective_cpu_isa();
+    int avx512 = (isa & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
+    int avx2 = !avx512 && (isa & dnnl_cpu_isa_avx2) == dnnl_cpu_isa_avx2, used = avx512 || avx2;
+    const char *dnn = used ? "oneDNN" : "OpenBLAS";
+    const char *small = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 1, 64, 512);
+    ok(!strcmp(small, blas512 && !avx2 ? "OpenBLAS" : dnn),
        "f32 serial A·Bᵀ with few rows (M < 128) goes to %s (OpenBLAS kernel %s)", small, core);
-    const char *big = ml_gemm_library(ML_F32, ML_GEMM_THREADED, 0, 0, 2048);
-    const char *few = ml_gemm_library(ML_F32, ML_GEMM_THREADED, 0, 1, 256);
+    const char *big = ml_gemm_library(ML_F32, ML_GEMM_THREADED, 0, 0, 2048, 2048);
+    const char *few = ml_gemm_library(ML_F32, ML_GEMM_THREADED, 0, 1, 256, 256);
     ok(!strcmp(big, dnn) && !strcmp(few, dnn),
-       "f32 threaded 2048² A·B and 256-row A·Bᵀ go to %s, %s: oneDNN on AVX-512 machines, else OpenBLAS",
-       big, few);
+       "f32 threaded 2048² A·B and 256-row A·Bᵀ go to %s, %s: oneDNN from AVX2 up, else OpenBLAS", big, few);
+    const char *deep = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 0, 256, 2816);
+    const char *tile = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 1, 0, 128, 128);
+    ok(!strcmp(deep, avx2 ? "OpenBLAS" : dnn) && !strcmp(tile, dnn),
+       "f32 serial A·B with K 2816 and Aᵀ·B with K 128 go to %s, %s: K > 256 on OpenBLAS with AVX2 alone",
+       deep, tile);
 
     /* k = 0: C = beta·C; empty outputs write nothing */
     float c[4] = {1, 2, 3, 4}, a1 = 7;
