@@ -57,9 +57,10 @@ static int use_onednn(ml_dtype dt, ml_gemm_mode mode, int ta, int tb, int64_t m,
         return 1;
     if (s & ONEDNN_AVX512)
         return !(!ta && tb && m < 128 && (s & OPENBLAS_AVX512));
-    /* AVX2 (a Zen 3): OpenBLAS's kernel wins A·B and Aᵀ·B with a long
-     * inner dimension (the experts' dact and dx), oneDNN the rest */
-    return tb || k <= 256;
+    /* AVX2 alone (a Zen 3): oneDNN wins A·Bᵀ and A·B with a short K (the
+     * attention's tiles); its Aᵀ·B runs at 0.5-0.75x OpenBLAS's, and its
+     * A·B falls to 0.6x on some shapes (N 1024) */
+    return !ta && (tb || k <= 128);
 }
 
 /* C = beta·C for k = 0 (neither library is asked: BLAS leaves k = 0 to

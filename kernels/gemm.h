@@ -17,12 +17,12 @@
  *                                          its own kernel is AVX-512 (oneDNN
  *                                          0.84-0.86× there at M 64; 1.4-1.8×
  *                                          OpenBLAS held to its AVX2 kernel)
- *   f32 serial, AVX2 only                  OpenBLAS for A·B and Aᵀ·B with
- *                                          K > 256 (oneDNN 0.89-0.97× on the
- *                                          experts' dact and dx, a Zen 3);
- *                                          oneDNN for the rest (1.13-1.45× on
- *                                          the attention tiles, 1.16-1.29× on
- *                                          M 64 expert tiles)
+ *   f32 serial, AVX2 only                  oneDNN for A·Bᵀ (1.0-1.45×
+ *                                          OpenBLAS, a Zen 3) and A·B with
+ *                                          K <= 128 (the attention's tiles:
+ *                                          1.1-1.2×); OpenBLAS for Aᵀ·B
+ *                                          (oneDNN 0.5-0.75×) and longer A·B
+ *                                          (oneDNN 0.6-1.05×)
  *
  * The rule reads only the dtype, the flags, M, K and the thread mode, the
  * machine's ISA and OpenBLAS's kernel (which OPENBLAS_CORETYPE may set), so

@@ -171,7 +171,7 @@ int main(void)
 
     /* the rule: f64 on OpenBLAS everywhere; threaded f32 on oneDNN where
      * it is used (AVX2 and up); serial M 64 A·Bᵀ on OpenBLAS where its
-     * kernel is AVX-512; on AVX2 alone, serial A·B and Aᵀ·B with K > 256 on
+     * kernel is AVX-512; on AVX2 alone, serial Aᵀ·B and A·B with K > 128 on
      * OpenBLAS */
     ok(!strcmp(ml_gemm_library(ML_F64, ML_GEMM_SERIAL, 0, 0, 4096, 64), "OpenBLAS"), "f64 goes to OpenBLAS");
     const char *core = openblas_get_corename();
@@ -188,11 +188,12 @@ int main(void)
     const char *few = ml_gemm_library(ML_F32, ML_GEMM_THREADED, 0, 1, 256, 256);
     ok(!strcmp(big, dnn) && !strcmp(few, dnn),
        "f32 threaded 2048² A·B and 256-row A·Bᵀ go to %s, %s: oneDNN from AVX2 up, else OpenBLAS", big, few);
-    const char *deep = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 0, 256, 2816);
-    const char *tile = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 1, 0, 128, 128);
-    ok(!strcmp(deep, avx2 ? "OpenBLAS" : dnn) && !strcmp(tile, dnn),
-       "f32 serial A·B with K 2816 and Aᵀ·B with K 128 go to %s, %s: K > 256 on OpenBLAS with AVX2 alone",
-       deep, tile);
+    const char *deep = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 0, 256, 512);
+    const char *nn = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 0, 0, 128, 128);
+    const char *tn = ml_gemm_library(ML_F32, ML_GEMM_SERIAL, 1, 0, 128, 128);
+    ok(!strcmp(deep, avx2 ? "OpenBLAS" : dnn) && !strcmp(nn, dnn) && !strcmp(tn, avx2 ? "OpenBLAS" : dnn),
+       "f32 serial A·B with K 512 and 128, Aᵀ·B go to %s, %s, %s: with AVX2 alone only A·Bᵀ and A·B with "
+       "K <= 128 on oneDNN", deep, nn, tn);
 
     /* k = 0: C = beta·C; empty outputs write nothing */
     float c[4] = {1, 2, 3, 4}, a1 = 7;
