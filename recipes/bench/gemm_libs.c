@@ -2,7 +2,8 @@
  * recipes/bench/gemm_libs.c - f32 GEMM rate, error and determinism of the
  * GEMM libraries Debian ships (OpenBLAS as configured, BLIS, oneDNN's
  * dnnl_sgemm, libxsmm's JIT kernels) on the shapes moelua runs: square,
- * the MoE layer's expert tiles, attention's tiles. Row-major, alpha 1,
+ * the MoE layer's expert tiles, attention's tiles, the training
+ * benchmark's expert tiles and projections. Row-major, alpha 1,
  * beta 0. A measurement for issue 15 (recipes/bench/gemm_libs.sh builds
  * and runs it), not part of moelua or of `make`.
  *
@@ -61,6 +62,17 @@ static const shape shapes[] = {
     {"attention s = q·kᵀ", 128, 128, 64, 0, 1, 256, 256},
     {"attention o = p·v", 128, 64, 128, 0, 0, 0, 256},
     {"attention dk = dsᵀ·q", 128, 64, 128, 1, 0, 0, 256},
+    /* the training benchmark's model (D 256, F 512, S 4096): its expert
+     * tiles, and its projections (threaded in the step) */
+    {"step expert h", 256, 1024, 256, 0, 1, 0, 0},
+    {"step expert out", 256, 256, 512, 0, 1, 0, 0},
+    {"step expert dact", 256, 512, 256, 0, 0, 0, 0},
+    {"step expert dx", 256, 256, 1024, 0, 0, 0, 0},
+    {"step expert dgate_up", 1024, 256, 256, 1, 0, 0, 0},
+    {"step expert ddown", 256, 512, 256, 1, 0, 0, 0},
+    {"step proj y = x·Wᵀ", 4096, 256, 256, 0, 1, 0, 0},
+    {"step proj dx = dy·W", 4096, 256, 256, 0, 0, 0, 0},
+    {"step proj dW = dyᵀ·x", 256, 256, 4096, 1, 0, 0, 0},
 };
 #define NSHAPE ((int)(sizeof shapes / sizeof shapes[0]))
 
