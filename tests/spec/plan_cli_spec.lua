@@ -295,7 +295,7 @@ assert(mem.plan(function() dist.all_reduce(m.zeros({8}), "planned sum") end))
   end)
 
   it("--max-seq: the answer trains under the budget, 1.1 x the answer is refused", function()
-    local budget = {"--budget-gib", "0.08", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
+    local budget = {"--budget-gib", "0.04", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1",
                     "--ffn", "64", "--experts", "4"}
     local code, out = host({"plan", "recipes/longctx.lua", "--max-seq", table.unpack(budget)})
     assert.are.equal(0, code, out)
