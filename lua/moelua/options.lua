@@ -25,6 +25,13 @@ local function key(name) return (name:gsub("-", "_")) end
 
 local function fail(fmt, ...) errors.user(string.format(fmt, ...)) end
 
+-- options.boolean(text) -> true or false for what a boolean option reads
+-- as such ("true", "1"; "false", "0"), else nil.
+function options.boolean(text)
+  if text == "true" or text == "1" then return true end
+  if text == "false" or text == "0" then return false end
+end
+
 local function convert(o, text)
   local name, default = o[1], o[2]
   local t = type(default)
@@ -43,9 +50,9 @@ local function convert(o, text)
     if o.below and v >= o.below then fail("option --%s must be below %s, got %s", name, o.below, text) end
     return v
   elseif t == "boolean" then
-    if text == "true" or text == "1" then return true end
-    if text == "false" or text == "0" then return false end
-    fail("option --%s expects true or false, got '%s'", name, text)
+    local b = options.boolean(text)
+    if b == nil then fail("option --%s expects true or false, got '%s'", name, text) end
+    return b
   end
   if o.choices then
     for _, c in ipairs(o.choices) do if text == c then return text end end

@@ -47,6 +47,7 @@
 -- A plan over the budget prints the book of what it needs (planned with
 -- the budgets lifted), then the recipe refuses (exit status 1).
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 
 local M = {}
 
@@ -271,7 +272,11 @@ end
 -- The value of option name in args (removed from them), or nil; flag: a
 -- boolean option, which `--name` alone sets ("true").
 local function take(args, name, flag)
-  local function value(v) return flag and ({["1"] = "true", ["0"] = "false"})[v] or v end   -- (moelua.options)
+  local function value(v)   -- a boolean as "true" or "false"; what it cannot read, for the child to refuse
+    if not flag then return v end
+    local b = options.boolean(v)
+    return b == nil and v or tostring(b)
+  end
   for i = #args, 1, -1 do
     local v = args[i]:match("^%-%-" .. name:gsub("%-", "%%-") .. "=(.*)$")
     if v then

@@ -32,6 +32,17 @@ describe("moelua.options", function()
     assert.are.equal("save", options.parse({"--save", "save"}, pick, "usage").save)
     support.raises("option --save must be one of save, recompute, got 'bogus'", options.parse, {"--save", "bogus"},
                    pick, "usage")
+    -- a boolean option: bare, a word or a digit; options.boolean is the one reading of it (moelua plan's too)
+    local flag = {{"offload", false, "offload"}, {"steps", 5, "steps"}}
+    assert.is_true(options.parse({"--offload", "--steps", "2"}, flag, "usage").offload)
+    assert.is_false(options.parse({"--offload=0"}, flag, "usage").offload)
+    assert.is_true(options.parse({"--offload", "1"}, flag, "usage").offload)
+    support.raises("option --offload expects true or false, got 'yes'", options.parse, {"--offload", "yes"}, flag,
+                   "usage")
+    assert.are.same({true, true, false, false}, {options.boolean("true"), options.boolean("1"),
+                                                 options.boolean("false"), options.boolean("0")})
+    assert.is_nil(options.boolean("yes"))
+    assert.is_nil(options.boolean(""))
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
