@@ -102,16 +102,21 @@ int ml_env_error(lua_State *L, const char *fmt, ...)
     for (;;) {}
 }
 
-/* The registry field holding the text of the last interrupt error raised. */
+/* The registry fields holding the last interrupt error raised, and its
+ * text without the position. */
 static const char INTERRUPT_KEY[] = "moelua.interrupt_message";
+static const char INTERRUPT_TEXT_KEY[] = "moelua.interrupt_text";
 
 int ml_interrupt_error(lua_State *L, const char *fn)
 {
-    luaL_where(L, 1);
     if (fn)
         lua_pushfstring(L, "%s: interrupted", fn);
     else
         lua_pushliteral(L, "interrupted!");
+    lua_pushvalue(L, -1);
+    lua_setfield(L, LUA_REGISTRYINDEX, INTERRUPT_TEXT_KEY);
+    luaL_where(L, 1);
+    lua_insert(L, -2);
     lua_concat(L, 2);
     lua_pushvalue(L, -1);
     lua_setfield(L, LUA_REGISTRYINDEX, INTERRUPT_KEY);
@@ -128,6 +133,11 @@ int ml_is_interrupt_error(lua_State *L, int idx)
     int is = lua_rawequal(L, idx, -1);
     lua_pop(L, 1);
     return is;
+}
+
+void ml_push_interrupt_text(lua_State *L)
+{
+    lua_getfield(L, LUA_REGISTRYINDEX, INTERRUPT_TEXT_KEY);
 }
 
 ml_tensor *ml_testtensor(lua_State *L, int idx)

@@ -36,6 +36,9 @@ int ml_env_error(lua_State *L, const char *fmt, ...)
  * ml_is_interrupt_error tells it apart from a bug's error. */
 int ml_interrupt_error(lua_State *L, const char *fn) __attribute__((noreturn));
 int ml_is_interrupt_error(lua_State *L, int idx);
+/* Push the last interrupt error's text without its position ("fn:
+ * interrupted" or "interrupted!"): what the host prints for it. */
+void ml_push_interrupt_text(lua_State *L);
 
 /* The tensor at idx: a moelua.Tensor that is neither freed nor a view of a
  * rewound pool frame; otherwise an error naming fn and the argument. */

@@ -105,11 +105,12 @@ static int report(lua_State *L, int status)
 
 /* Bugs get a traceback. A user error (an error object with __tostring, as
  * moelua.errors raises) and an interrupt error are the user's doing: their
- * message alone, unless --traceback. */
+ * message alone, unless --traceback; an interrupt's without the position
+ * it was raised at (Ctrl-C came from the user, not from that line). */
 static int msghandler(lua_State *L)
 {
     const char *msg = lua_tostring(L, 1);
-    int user = msg && ml_is_interrupt_error(L, 1);
+    int interrupt = msg && ml_is_interrupt_error(L, 1), user = interrupt;
     if (msg == NULL) {
         user = luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING;
         msg = user ? lua_tostring(L, -1)
@@ -118,8 +119,11 @@ static int msghandler(lua_State *L)
     lua_getfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
     int always = lua_toboolean(L, -1);
     lua_pop(L, 1);
-    if (user && !always)
+    if (user && !always) {
+        if (interrupt)
+            ml_push_interrupt_text(L);
         return 1;
+    }
     if (strstr(msg, "\nstack traceback:\n"))
         return 1;   /* it carries the traceback of where it was raised (moelua.train) */
     luaL_traceback(L, L, msg, 1);
