@@ -113,8 +113,9 @@ static int l_attach_listen(lua_State *L)
     char err[1024];
     if (ml_attach_listen(h->a, path, limit, json_path, env_path, pretty_path, err, sizeof err) != 0) {
         attach_release(h);
-        /* a live job on the socket, or the system refusing one: not a bug */
-        ml_user_error(L, "%s: %s", fn, err);
+        /* a live job on the socket, or the system refusing one: not a bug,
+         * and no line of the caller's to point at */
+        ml_env_error(L, "%s: %s", fn, err);
     }
     return 1;
 }

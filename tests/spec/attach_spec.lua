@@ -635,7 +635,8 @@ describe("moelua attach", function()
       return support.finish_child(assert(io.popen("printf '%s\\n' " .. q(line) .. " | " ..
                                                   support.host_command({"attach", dir}) .. " 2>&1")))
     end
-    support.has(support.errmsg(attach.listen, dir), "moelua.attach.listen: another job serves " .. sock)
+    assert.are.equal(1, support.errmsg(attach.listen, dir):find("moelua.attach.listen: another job serves " .. sock,
+                                                                1, true))   -- no position: the socket is busy
     h1:publish('{"progress":{"step":5}}')
     assert.are.same({0, "5\n"}, {query("progress.step")})   -- still the first job's
     -- the socket replaced under h1 (removed, another listener bound there):
