@@ -3,6 +3,7 @@
 -- and the account book shows current and peak bytes per category.
 local moelua = require "moelua"
 local mem = moelua.mem
+require("moelua.options").parse(arg, {}, "usage: moelua recipes/demo.lua")   -- no options: --help says so
 
 moelua.manual_seed(1234)
 local T, D, E, K = 4096, 256, 8, 2   -- tokens, model dim, experts, top-k

@@ -74,7 +74,7 @@ end
 
 function options.help(spec, out)
   out = out or io.stdout
-  out:write("options:\n")
+  out:write(#spec > 0 and "options:\n" or "options: none\n")
   for _, o in ipairs(spec) do
     local top = o.max and tostring(o.max) or o.below and ("<" .. o.below) or ""
     local bounds = (o.min or o.max or o.below) and string.format(" (%s..%s)", o.min or "", top) or ""
@@ -106,6 +106,7 @@ function options.parse(argv, spec, usage)
     if not o then
       local names = {}
       for _, s in ipairs(spec) do names[#names + 1] = "--" .. s[1] end
+      if #names == 0 then fail("unknown option --%s (this script takes no options)", name) end
       fail("unknown option --%s (known: %s; --help lists them)", name, table.concat(names, " "))
     end
     local text = inline

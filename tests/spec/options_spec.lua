@@ -43,6 +43,12 @@ describe("moelua.options", function()
                                                  options.boolean("false"), options.boolean("0")})
     assert.is_nil(options.boolean("yes"))
     assert.is_nil(options.boolean(""))
+    -- a script without options (recipes/demo.lua) still refuses one, and says it takes none
+    support.raises("unknown option --bogus (this script takes no options)", options.parse, {"--bogus"}, {}, "usage")
+    assert.are.same({}, options.parse({}, {}, "usage"))
+    out = {}
+    options.help({}, {write = function(_, text) out[#out + 1] = text end})
+    assert.are.equal("options: none\n", table.concat(out))
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
