@@ -65,10 +65,8 @@ local function flop(n)
   return string.format("%.2f MFLOP", n / 1e6)
 end
 
-local function usage()
-  errors.user("usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
-              "[recipe options] (e.g. moelua plan recipes/longctx.lua --seq-len 32768)")
-end
+local USAGE = "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
+              "[recipe options] (e.g. moelua plan recipes/longctx.lua --seq-len 32768)"
 
 -- Field report 1 (PROBLEM.md): the configuration, as recipes/longctx.lua's
 -- options, and its account book at 32K (decimal GB, its words).
@@ -580,7 +578,8 @@ end
 
 function M.main(args)
   local recipe = args[1]
-  if not recipe or recipe:match("^%-") then usage() end
+  if recipe == "-h" or recipe == "--help" then print(USAGE); return true end
+  if not recipe or recipe:match("^%-") then errors.user(USAGE) end
   if require("moelua.dist").launched() then   -- each rank would plan alone, and --fit's children fight over stdio
     errors.user("moelua plan: plans in one process, not under mpiexec: --world N plans the N ranks of a job " ..
                 "(--rank R one of them)")

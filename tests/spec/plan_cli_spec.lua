@@ -157,6 +157,9 @@ describe("moelua plan", function()
     assert.are.equal(1, code, out)
     support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
                      "[recipe options]")
+    code, out = host({"plan", "--help"})   -- asked for: on stdout, status 0
+    assert.are.equal(0, code, out)
+    support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit]")
     code, out = host({"plan", "recipes/longctx.lua", "--rank", "1"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan: --rank needs --world")
