@@ -125,7 +125,7 @@ local function check_options(opts)
       o[k] = spec[2]
     end
   end
-  local function need(cond, msg) if not cond then error("moelua.moe.new: " .. msg, 3) end end
+  local function need(cond, msg) if not cond then error("moelua.moe.new: " .. msg, 4) end end   -- moe.new's caller
   need(o.dim >= 1 and o.ffn >= 1 and o.experts >= 1, "dim, ffn and experts must be >= 1")
   need(o.topk >= 1 and o.topk <= o.experts,
        string.format("option 'topk' = %d must be in 1..experts (%d)", o.topk, o.experts))
@@ -158,7 +158,8 @@ end
 -- moe.check_options(opts): validates moe.new's options (the same errors)
 -- without allocating anything, so a model can fail before its allocations.
 function moe.check_options(opts)
-  return check_options(opts)
+  local o = check_options(opts)   -- not a tail call: its errors blame this function's caller, as moe.new's do
+  return o
 end
 
 -- The experts' segments of the Parameters layout (DESIGN.md): gate_up
