@@ -21,7 +21,8 @@
  * RUN_DIR/attach/sock (host/bindings/l_attach.c), reads lines with the same editing
  * (a plain line loop when stdin is not a terminal), sends each line and
  * prints the reply, which ends with a NUL byte. Ctrl-D leaves; the job
- * keeps running.
+ * keeps running. On a terminal the socket is watched at the prompt too: a
+ * job that ends is reported at once, not at the next line typed.
  *
  * Not here: the interrupt machinery itself (host/bindings/l_host.c, kernels/parallel.c).
  */
@@ -47,9 +48,11 @@
 #define HISTORY_LINES 1000
 
 /* pushline: 0 (end of input), 1 (a line) or LINE_INTERRUPTED; loadline:
- * a lua_load status, LINE_INTERRUPTED or LINE_EOF. */
+ * a lua_load status, LINE_INTERRUPTED or LINE_EOF; read_tty_line also
+ * LINE_PEER (the watched socket stirred at the prompt). */
 #define LINE_INTERRUPTED (-1)
 #define LINE_EOF         (-2)
+#define LINE_PEER        (-3)
 
 static char history_path[4096];
 static int interactive;  /* stdin is a terminal: readline, prompts, history */
@@ -107,22 +110,26 @@ static void on_rl_line(char *line)
     rl_callback_handler_remove();  /* no new prompt until we ask for one */
 }
 
-/* Discard the line being edited after a Ctrl-C and leave the terminal as
- * readline found it. */
-static void rl_abandon_line(void)
+/* Discard the line being edited (after a Ctrl-C: echo it) and leave the
+ * terminal as readline found it. */
+static void rl_abandon_line(int sigint)
 {
     rl_free_line_state();
     rl_callback_sigcleanup();
     rl_replace_line("", 0);
     rl_point = rl_end = rl_mark = 0;
-    rl_echo_signal_char(SIGINT);
+    if (sigint)
+        rl_echo_signal_char(SIGINT);
     rl_callback_handler_remove();
     fputc('\n', rl_outstream);
     fflush(rl_outstream);
 }
 
-/* Returns 1 with *out (malloc'd), 0 at end of input, LINE_INTERRUPTED. */
-static int read_tty_line(const char *prompt, char **out)
+/* Returns 1 with *out (malloc'd), 0 at end of input, LINE_INTERRUPTED, or
+ * LINE_PEER when `watch` (a socket that says nothing unasked, or -1) turns
+ * readable or hangs up while the user types: `moelua attach` then learns
+ * that its job ended without waiting for the next line. */
+static int read_tty_line(const char *prompt, int watch, char **out)
 {
     sigset_t block, orig, waitmask;
     sigemptyset(&block);
@@ -142,10 +149,10 @@ static int read_tty_line(const char *prompt, char **out)
     int status = 1;
     rl_callback_handler_install(prompt, on_rl_line);
     while (!rl_have_result) {
-        struct pollfd p = {.fd = fileno(rl_instream), .events = POLLIN};
-        int r = ppoll(&p, 1, NULL, &waitmask);
+        struct pollfd p[2] = {{.fd = fileno(rl_instream), .events = POLLIN}, {.fd = watch, .events = POLLIN}};
+        int r = ppoll(p, watch >= 0 ? 2 : 1, NULL, &waitmask);
         if (prompt_sigint) {
-            rl_abandon_line();
+            rl_abandon_line(1);
             status = LINE_INTERRUPTED;
             break;
         }
@@ -153,7 +160,12 @@ static int read_tty_line(const char *prompt, char **out)
             rl_check_signals();  /* SIGWINCH: readline resizes and redraws */
             continue;
         }
-        if (r < 0 || (p.revents & POLLNVAL)) {
+        if (r > 0 && watch >= 0 && p[1].revents) {
+            rl_abandon_line(0);
+            status = LINE_PEER;
+            break;
+        }
+        if (r < 0 || (p[0].revents & POLLNVAL)) {
             rl_callback_handler_remove();
             status = 0;
             break;
@@ -192,7 +204,7 @@ static int pushline(lua_State *L, int firstline)
     char *line = NULL;
     if (interactive) {
         const char *prompt = get_prompt(L, firstline);
-        int r = read_tty_line(prompt, &line);
+        int r = read_tty_line(prompt, -1, &line);
         lua_pop(L, 1);  /* the prompt */
         if (r != 1)
             return r;
@@ -390,6 +402,17 @@ static int print_reply(int fd)
     }
 }
 
+/* Send line (freed here; its newline stripped, the NUL's byte free) and
+ * print the reply: print_reply's result, -1 when the send fails. */
+static int send_line(int fd, char *line)
+{
+    size_t len = strlen(line);
+    line[len] = '\n';  /* getline/readline leave room: the NUL's byte */
+    ssize_t w = send(fd, line, len + 1, MSG_NOSIGNAL);
+    free(line);
+    return w == (ssize_t)(len + 1) ? print_reply(fd) : -1;
+}
+
 int ml_attach_repl(const char *run_dir)
 {
     struct sockaddr_un addr;
@@ -423,13 +446,15 @@ int ml_attach_repl(const char *run_dir)
     int status = 0;
     for (;;) {
         char *line = NULL;
+        int r = 1;
         if (interactive) {
-            int r = read_tty_line("attach> ", &line);
+            r = read_tty_line("attach> ", fd, &line);
             if (r == LINE_INTERRUPTED)
                 continue;
-            if (r != 1)
+            if (r != 1 && r != LINE_PEER)
                 break;
-            saveline(line);
+            if (r == 1)
+                saveline(line);
         } else {
             size_t cap = 0;
             ssize_t len = getline(&line, &cap, stdin);
@@ -440,15 +465,14 @@ int ml_attach_repl(const char *run_dir)
             if (len > 0 && line[len - 1] == '\n')
                 line[len - 1] = '\0';
         }
-        if (line[0] == '\0') {
+        if (r == LINE_PEER) {
+            r = print_reply(fd);   /* unasked: the job refused this client, or ended */
+        } else if (line[0] == '\0') {
             free(line);
             continue;
+        } else {
+            r = send_line(fd, line);
         }
-        size_t len = strlen(line);
-        line[len] = '\n';  /* getline/readline leave room: the NUL's byte */
-        ssize_t w = send(fd, line, len + 1, MSG_NOSIGNAL);
-        free(line);
-        int r = w == (ssize_t)(len + 1) ? print_reply(fd) : -1;
         if (r != 0) {
             if (r < 0)
                 fprintf(stderr, "moelua attach: the job closed the connection\n");

@@ -165,6 +165,18 @@ describe("moelua attach", function()
     assert.is_nil(mode_of(run .. "/attach/sock"))          -- removed at the end
   end)
 
+  it("on a terminal: says at once, at the prompt, that the job closed the connection", function()
+    local run = dir .. "/run"
+    local srv = remote.listen(run, {steps = 4})
+    local s = support.pty(dir .. "/pty", q(support.host_path()) .. " attach " .. q(run))
+    s:expect("attach> ", true)
+    wait_for("the client", function() return select(2, srv.handle:poll()) == 1 end)
+    srv:close()                                            -- the job ends; nothing is typed
+    s:expect("moelua attach: the job closed the connection", true)
+    local status, screen = s:finish()
+    assert.are.equal(1, status, screen)
+  end)
+
   it("through a pipe: cuts off an endless loop, refuses a request over 8192 bytes, checkpoints after the step",
      function()
     local run, steps = dir .. "/run", 150
