@@ -603,7 +603,9 @@ local function load_model(dir)
       end
     end
   else
-    fail("load", "'%s' has neither model.safetensors nor model.safetensors.index.json", dir)
+    local hint = exists(join(dir, "ckpt")) and string.format(" (a run directory? its checkpoints are in '%s')",
+                                                              join(dir, "ckpt")) or ""
+    fail("load", "'%s' has neither model.safetensors nor model.safetensors.index.json%s", dir, hint)
   end
   return model
 end

@@ -300,6 +300,10 @@ describe("moelua.ckpt", function()
     has(errmsg(ckpt.load, root .. "/empty/file"), "moelua.ckpt.load: '" .. root .. "/empty/file' is not a directory")
     os.remove(root .. "/empty/file")
     has(errmsg(ckpt.load, root .. "/empty"), "has neither model.safetensors nor")
+    assert.is_nil(errmsg(ckpt.load, root .. "/empty"):find("a run directory?", 1, true))
     assert.is_nil(ckpt.latest(root .. "/empty"))
+    fs.mkdir_p(root .. "/run/ckpt")   -- a run directory given for its ckpt root: pointed there
+    has(errmsg(ckpt.load, root .. "/run"), "model.safetensors.index.json (a run directory? its checkpoints are in '" ..
+                                           root .. "/run/ckpt')")
   end)
 end)
