@@ -80,7 +80,7 @@ local spec = {
   -- bounded expert memory (one process)
   {"expert-budget", "", "keep at most this many bytes of experts (parameters, gradients, AdamW states) " ..
                         "resident, e.g. 64MiB; the rest in --expert-store on cpu, in pinned host memory on " ..
-                        "cuda (copied to GPU memory on a copy stream; --dtype f32)"},
+                        "cuda (copied to GPU memory on a copy stream; f32 or bf16)"},
   {"expert-store", "", "the expert store's backing file on cpu (default RUN_DIR/experts.store; a disk, not tmpfs)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
   {"offload-optimizer", false, "keep AdamW's states in RUN_DIR/optim.store (a disk, not tmpfs) on cpu, in " ..

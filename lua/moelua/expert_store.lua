@@ -87,8 +87,9 @@ function expert_store.check(o)
   local slot_bytes = (slab_bytes + 63) // 64 * 64
   local slots = math.min(o.budget // slot_bytes, o.layers * o.experts)
   if slots < 1 then
-    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: %s)",
-                              size(o.budget), size(slot_bytes),
+    local a, b = size(o.budget), size(slot_bytes)
+    if a == b then a, b = o.budget .. " B", slot_bytes .. " B" end   -- one byte short reads alike rounded
+    errors.user(string.format("--expert-budget %s is smaller than one expert (%s: %s)", a, b,
                               o.inference and "its parameters" or o.dtype == "bf16" and
                               "its f32 masters, gradients and AdamW states and its bf16 copy" or
                               "its parameters, gradients and AdamW states"))

@@ -202,7 +202,10 @@ function Transformer.new(opts)
   -- this rank's experts: [first, first + El) of every block (all of them without expert parallelism)
   self.local_experts, self.first_expert = o.experts // ep, self.zero.ep_rank * (o.experts // ep)
   if o.store then   -- every check before the store's file is made
-    if ep > 1 then errors.user("--expert-budget: the expert store is not built for expert parallelism yet (--ep 1)") end
+    if ep > 1 then
+      errors.user(string.format("--expert-budget: the expert store is not built for expert parallelism yet " ..
+                                "(got --ep %d; it needs --ep 1)", ep))
+    end
     self.zero:check_store()
     self.expert_store = expert_store.new{path = o.store.path, budget = o.store.budget, prefetch = o.store.prefetch,
                                          inference = o.store.inference, layers = o.layers, experts = o.experts,
