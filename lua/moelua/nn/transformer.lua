@@ -882,12 +882,15 @@ function Transformer:check_named(tensors, opts, caller)
   local src = opts.source and (" (" .. opts.source .. ")") or ""
   local problems = {}
   local function bad(fmt, ...) problems[#problems + 1] = string.format(fmt, ...) end
+  local reshaped = false   -- a shape key differs: every tensor's shape follows, so they go unlisted
   if opts.config then
     local mine = self:config()
     for _, kv in ipairs(CONFIG_KEYS) do
       local v = opts.config[kv[1]]
       if v ~= nil and v ~= mine[kv[1]] then
-        bad("config.json has %s = %s, the model has %s", kv[1], tostring(v), tostring(mine[kv[1]]))
+        bad("config.json has %s = %s, the model has %s (option %s)", kv[1], tostring(v), tostring(mine[kv[1]]),
+            kv[2])
+        reshaped = true
       end
     end
     for _, k in ipairs(MATH_KEYS) do
@@ -899,7 +902,7 @@ function Transformer:check_named(tensors, opts, caller)
     end
   end
   local params, want = self:named_parameters(), {}
-  for _, p in ipairs(named(self, "params", true)) do
+  for _, p in ipairs(reshaped and {} or named(self, "params", true)) do
     want[p.name] = true
     local t, exp = tensors[p.name], p.shape or p.tensor:shape()
     if t == nil then
@@ -918,7 +921,7 @@ function Transformer:check_named(tensors, opts, caller)
     end
   end
   local extra = {}
-  for name in pairs(tensors) do
+  for name in pairs(reshaped and {} or tensors) do
     if not want[name] then extra[#extra + 1] = tostring(name) end
   end
   table.sort(extra)
@@ -927,6 +930,8 @@ function Transformer:check_named(tensors, opts, caller)
     local shown = {}
     for i = 1, math.min(#problems, 8) do shown[i] = problems[i] end
     local more = #problems > 8 and string.format("; and %d more", #problems - 8) or ""
+    if reshaped then more = more .. " (the tensors' shapes follow from these: build the model with the " ..
+                            "checkpoint's options)" end
     errors.user(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
                               table.concat(shown, "; "), more))
   end
