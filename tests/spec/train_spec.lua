@@ -216,6 +216,29 @@ describe("recipes", function()
     support.remove_dir(dir)
   end)
 
+  it("README's recipe runs as written: trains, refuses a second run, resumes and validates", function()
+    local dir = support.make_tmpdir()
+    local readme = support.read_file("README.md")
+    local a = assert(readme:find("```lua\n-- myrecipe.lua", 1, true), "README's recipe example")
+    local b = assert(readme:find("\n```\n", a, true))
+    support.write_file(dir .. "/myrecipe.lua", readme:sub(a + 7, b))
+    local function recipe(args)
+      local all = {dir .. "/myrecipe.lua", "--seq-len", "64", "--run-dir", dir .. "/run"}
+      for _, v in ipairs(args) do all[#all + 1] = v end
+      return support.finish_child(assert(io.popen(support.host_command(all) .. " 2>&1")))
+    end
+    local code, out = recipe({"--steps", "2"})
+    assert.are.equal(0, code, out)
+    code, out = recipe({"--steps", "2"})
+    assert.are.equal(1, code, out)
+    support.has(out, "Continue it with --resume " .. dir .. "/run/ckpt, replace it with --overwrite")
+    code, out = recipe({"--steps", "11", "--resume", dir .. "/run/ckpt"})
+    assert.are.equal(0, code, out)
+    assert.are.equal(1, #support.metrics(dir .. "/run", "validation"), out)   -- val_every = 10: at step 9
+    assert.are.equal(10, ckpt.load(dir .. "/run/ckpt").trainer.step)
+    support.remove_dir(dir)
+  end)
+
   it("name a bad option before allocating anything", function()
     local p = assert(io.popen(support.host_command({"recipes/tiny.lua", "--sq-len", "64"}) .. " 2>&1"))
     local code, out = support.finish_child(p)
