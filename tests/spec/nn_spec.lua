@@ -407,7 +407,8 @@ describe("nn.Transformer", function()
     local before = mem.stats().cpu.allocs
     local cases = {
       {{dim = 15}, "'heads'"}, {{kv_heads = 3}, "'kv_heads'"}, {{dtype = "bf16"}, "'dtype'"},
-      {{checkpoint = "some"}, "'checkpoint'"}, {{checkpoint = {"none"}}, "'checkpoint'"},
+      {{checkpoint = "some"}, "option 'checkpoint' must be \"none\", \"attention\", \"moe\" or \"full\", got some"},
+      {{checkpoint = {"none", "sum"}}, "option 'checkpoint'[2] must be"}, {{checkpoint = {"none"}}, "'checkpoint'"},
       {{moe = {polcy = "drop"}}, "'moe.polcy'"}, {{moe = {policy = "drop"}}, "capacity_factor"},
       {{topk = 9}, "'topk'"}, {{layers = "2"}, "'layers'"}, {{vocabulary = 3}, "'vocabulary'"},
       {{ffn = 0}, "'ffn'"}, {{moe = {save = "bogus"}}, "'save'"},

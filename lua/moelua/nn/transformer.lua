@@ -144,9 +144,9 @@ local function check_options(opts)
          #o.checkpoint, o.layers)
     for i = 1, o.layers do per[i] = o.checkpoint[i] end
   end
-  for i, c in ipairs(per) do
-    need(CHECKPOINT[c], "option 'checkpoint' (layer %d) must be \"none\", \"attention\", \"moe\" " ..
-         "or \"full\", got %s", i - 1, tostring(c))
+  for i, c in ipairs(per) do   -- the entry of a per-layer list is named as given (1-based)
+    need(CHECKPOINT[c], "option 'checkpoint'%s must be \"none\", \"attention\", \"moe\" or \"full\", got %s",
+         type(o.checkpoint) == "table" and string.format("[%d]", i) or "", tostring(c))
   end
   o.checkpoint_per_layer = per
   if o.store then   -- {path =, budget = bytes [, prefetch = 2, inference]}: the experts in a moelua.expert_store
