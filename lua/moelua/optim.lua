@@ -129,10 +129,12 @@ local function fail(fn, fmt, ...)
   error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 3)
 end
 
-local function check_number(fn, what, v, lo, hi)
+-- Errors blame the caller of the function that called check_number
+-- (level 3), or of the one above it (level 4: through step_lr).
+local function check_number(fn, what, v, lo, hi, level)
   if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) then
     error(string.format("moelua.optim.%s: %s must be a number in [%g, %s, got %s", fn, what,
-                        lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), 4)
+                        lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), level or 3)
   end
   return v
 end
@@ -228,13 +230,16 @@ local function check_groups(fn, groups, allow_experts, offload)
 end
 
 local function check_opts(fn, opts, spec)
+  local function bad(fmt, ...)   -- bad, check_opts, the constructor: its caller is to blame
+    error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 4)
+  end
   opts = opts or {}
-  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
+  if type(opts) ~= "table" then bad("options must be a table, got %s", type(opts)) end
   local o = {}
   for k, v in pairs(opts) do
     local s = spec[k]
-    if not s then fail(fn, "%s", options.unknown(k, spec)) end
-    if type(v) ~= s[1] then fail(fn, "option '%s' must be a %s, got %s", k, s[1], type(v)) end
+    if not s then bad("%s", options.unknown(k, spec)) end
+    if type(v) ~= s[1] then bad("option '%s' must be a %s, got %s", k, s[1], type(v)) end
     o[k] = v
   end
   for k, s in pairs(spec) do
@@ -289,7 +294,8 @@ end
 
 local function step_lr(fn, self, lr)
   if lr == nil then return self.opts.lr end
-  return check_number(fn, "lr", lr, 0)
+  local v = check_number(fn, "lr", lr, 0, nil, 4)   -- not a tail call: step's caller is level 4
+  return v
 end
 
 -- ---- shared methods -----------------------------------------------------------
