@@ -125,16 +125,28 @@ local GROUP_KEYS = {params = true, grads = true, lr_mult = true, weight_decay = 
                     compute = true}
 local GIVEN_STATES = {"exp_avg", "exp_avg_sq"}   -- states a caller may lay out (AdamW)
 
-local function fail(fn, fmt, ...)
-  error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 3)
+-- The level, for error() called from the function that calls this one,
+-- of the first caller outside this file: however deep a check sits
+-- (check_groups, check_opts, step_lr), its error names the line that
+-- called moelua.optim.
+local HERE = debug.getinfo(1, "S").source
+local function caller_level()
+  local level = 3   -- the caller of the function that asks
+  while true do
+    local info = debug.getinfo(level, "S")
+    if not info or info.source ~= HERE then return level - 1 end
+    level = level + 1
+  end
 end
 
--- Errors blame the caller of the function that called check_number
--- (level 3), or of the one above it (level 4: through step_lr).
-local function check_number(fn, what, v, lo, hi, level)
+local function fail(fn, fmt, ...)
+  error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), caller_level())
+end
+
+local function check_number(fn, what, v, lo, hi)
   if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) then
     error(string.format("moelua.optim.%s: %s must be a number in [%g, %s, got %s", fn, what,
-                        lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), level or 3)
+                        lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), caller_level())
   end
   return v
 end
@@ -230,16 +242,13 @@ local function check_groups(fn, groups, allow_experts, offload)
 end
 
 local function check_opts(fn, opts, spec)
-  local function bad(fmt, ...)   -- bad, check_opts, the constructor: its caller is to blame
-    error(string.format("moelua.optim." .. fn .. ": " .. fmt, ...), 4)
-  end
   opts = opts or {}
-  if type(opts) ~= "table" then bad("options must be a table, got %s", type(opts)) end
+  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
   local o = {}
   for k, v in pairs(opts) do
     local s = spec[k]
-    if not s then bad("%s", options.unknown(k, spec)) end
-    if type(v) ~= s[1] then bad("option '%s' must be a %s, got %s", k, s[1], type(v)) end
+    if not s then fail(fn, "%s", options.unknown(k, spec)) end
+    if type(v) ~= s[1] then fail(fn, "option '%s' must be a %s, got %s", k, s[1], type(v)) end
     o[k] = v
   end
   for k, s in pairs(spec) do
@@ -294,8 +303,7 @@ end
 
 local function step_lr(fn, self, lr)
   if lr == nil then return self.opts.lr end
-  local v = check_number(fn, "lr", lr, 0, nil, 4)   -- not a tail call: step's caller is level 4
-  return v
+  return check_number(fn, "lr", lr, 0)
 end
 
 -- ---- shared methods -----------------------------------------------------------

@@ -1167,8 +1167,10 @@ describe("optimizer bad input", function()
     e(function() opt:step(nil, {u8({1, 0, 1})}) end,
       "moelua.optim.AdamW:step: group 1 has experts = 2 and needs active_masks[1] (u8 [2]), got u8 [3]")
     assert.is_nil(next(opt.state[1].exp_avg))      -- refused before any state was allocated
-    -- each blames its caller's line, not optim.lua's
-    for _, f in ipairs{function() optim.AdamW({{params = f32, grads = f32}}, {betas = 1}) end,
+    -- each blames its caller's line, not optim.lua's, however deep the check
+    for _, f in ipairs{function() optim.AdamW({}) end,
+                       function() optim.AdamW({{params = f32, grads = f32, lr = 1}}) end,
+                       function() optim.AdamW({{params = f32, grads = f32}}, {betas = 1}) end,
                        function() optim.AdamW({{params = f32, grads = f32}}, {beta2 = 1.5}) end,
                        function() opt:step(-1) end} do
       assert.matches("^[^:]*optim_spec%.lua:%d+: moelua%.optim%.AdamW", select(2, pcall(f)))
