@@ -1590,7 +1590,8 @@ function train.run(cfg)
     -- under an earlier step than it holds
     if first > self.steps then
       errors.user(string.format("moelua.train: %s holds step %d, past the last step of steps = %d (step %d): " ..
-                                "steps (a recipe's --steps) must be at least %d", resumed_from, back, self.steps, self.steps - 1, first))
+                                "steps (a recipe's --steps) must be at least %d", resumed_from, back, self.steps,
+                                self.steps - 1, first))
     end
     -- a step reads the windows (step + offset) * micro-batches + i: another
     -- count would read trained windows again and change the batch

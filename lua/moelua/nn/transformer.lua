@@ -822,6 +822,36 @@ local MATH_KEYS = {"rope_theta", "rms_norm_eps", "tie_word_embeddings", "hidden_
 
 local function shape_str(s) return "[" .. table.concat(s, ", ") .. "]" end
 
+-- check_named's per-tensor checks: every parameter present with its shape
+-- and a floating dtype, and no other tensor; each problem goes to bad.
+local function check_tensors(model, tensors, bad)
+  local want = {}
+  for _, p in ipairs(named(model, "params", true)) do
+    want[p.name] = true
+    local t, exp = tensors[p.name], p.shape or p.tensor:shape()
+    if t == nil then
+      bad("missing tensor '%s' (shape %s)", p.name, shape_str(exp))
+    elseif not (tensor.is_tensor(t) or ckpt.is_source(t)) then
+      bad("'%s' is a %s, not a tensor", p.name, type(t))
+    else
+      local dt = t:dtype()
+      if not LOAD_DTYPES[dt] then
+        bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
+      end
+      local got = t:shape()
+      if shape_str(got) ~= shape_str(exp) then
+        bad("'%s' has shape %s, the model expects %s", p.name, shape_str(got), shape_str(exp))
+      end
+    end
+  end
+  local extra = {}
+  for name in pairs(tensors) do
+    if not want[name] then extra[#extra + 1] = tostring(name) end
+  end
+  table.sort(extra)
+  for _, name in ipairs(extra) do bad("unexpected tensor '%s' (the model has no such parameter)", name) end
+end
+
 -- model:load_named(tensors [, opts]): copy a checkpoint's tensors
 -- {HF name -> tensor or moelua.ckpt source} into the parameters (a source
 -- is read straight into the parameter's view, on the model's device).
@@ -901,41 +931,18 @@ function Transformer:check_named(tensors, opts, caller)
       end
     end
   end
-  local params, want = self:named_parameters(), {}
-  for _, p in ipairs(reshaped and {} or named(self, "params", true)) do
-    want[p.name] = true
-    local t, exp = tensors[p.name], p.shape or p.tensor:shape()
-    if t == nil then
-      bad("missing tensor '%s' (shape %s)", p.name, shape_str(exp))
-    elseif not (tensor.is_tensor(t) or ckpt.is_source(t)) then
-      bad("'%s' is a %s, not a tensor", p.name, type(t))
-    else
-      local dt = t:dtype()
-      if not LOAD_DTYPES[dt] then
-        bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
-      end
-      local got = t:shape()
-      if shape_str(got) ~= shape_str(exp) then
-        bad("'%s' has shape %s, the model expects %s", p.name, shape_str(got), shape_str(exp))
-      end
-    end
-  end
-  local extra = {}
-  for name in pairs(reshaped and {} or tensors) do
-    if not want[name] then extra[#extra + 1] = tostring(name) end
-  end
-  table.sort(extra)
-  for _, name in ipairs(extra) do bad("unexpected tensor '%s' (the model has no such parameter)", name) end
+  if not reshaped then check_tensors(self, tensors, bad) end
   if #problems > 0 then
     local shown = {}
     for i = 1, math.min(#problems, 8) do shown[i] = problems[i] end
     local more = #problems > 8 and string.format("; and %d more", #problems - 8) or ""
-    if reshaped then more = more .. " (the tensors' shapes follow from these: build the model with the " ..
-                            "checkpoint's options)" end
+    if reshaped then
+      more = more .. " (the tensors' shapes follow from these: build the model with the checkpoint's options)"
+    end
     errors.user(string.format("%s: the checkpoint%s does not match the model: %s%s", fn, src,
                               table.concat(shown, "; "), more))
   end
-  return params
+  return self:named_parameters()
 end
 
 -- model:config(): a MixtralConfig table (config.json's keys).
