@@ -66,6 +66,7 @@ local store = require "moelua.store"
 local mem = require "moelua.mem"
 local C = require "moelua.optim_c"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 
 local expert_store = {}
 
@@ -97,10 +98,49 @@ function expert_store.check(o)
   return slots, slot_bytes, slab_bytes
 end
 
+-- expert_store.new's options: each one's type; whole-number floats count
+-- as integers (budget = 2^30). USER: what nn.Transformer's `store` option
+-- takes (the model gives the rest).
+local OPTIONS = {path = "string", budget = "integer", layers = "integer", experts = "integer",
+                 dim = "integer", ffn = "integer", prefetch = "integer", inference = "boolean",
+                 dtype = "string", device = "string"}
+local REQUIRED = {"budget", "layers", "experts", "dim", "ffn"}
+expert_store.USER = {path = true, budget = true, prefetch = true, inference = true}
+
+-- expert_store.check_options(o, fn, level [, prefix]) -> o with integers as
+-- such: an unknown key, a wrong type, a missing or non-positive size (a
+-- negative prefetch) is an error "fn: ..." at `level` (the caller's
+-- caller's line for level 3; 0: no position); prefix names the keys
+-- ("store." for the model's option), and only USER keys are known with it.
+function expert_store.check_options(o, fn, level, prefix)
+  local function fail(fmt, ...) error(fn .. ": " .. string.format(fmt, ...), level > 0 and level + 1 or 0) end
+  if type(o) ~= "table" then fail("options must be a table, got %s", type(o)) end
+  prefix = prefix or ""
+  local known, r = {}, {}
+  for k in pairs(prefix == "" and OPTIONS or expert_store.USER) do known[k] = true end
+  for k, v in pairs(o) do
+    if not known[k] then fail("%s", options.unknown(prefix .. tostring(k), known)) end
+    local want = OPTIONS[k]
+    if want == "integer" then v = math.type(v) and math.tointeger(v) or nil end
+    if want == "integer" and v == nil or want ~= "integer" and type(v) ~= want then
+      fail("option '%s%s' must be %s, got %s", prefix, k, want == "integer" and "a whole number" or want,
+           type(o[k]) == "number" and tostring(o[k]) or type(o[k]))
+    end
+    r[k] = v
+  end
+  for _, k in ipairs(REQUIRED) do
+    if known[k] and r[k] == nil then fail("option '%s%s' is required", prefix, k) end
+    if r[k] and r[k] < 1 then fail("option '%s%s' must be >= 1, got %d", prefix, k, r[k]) end
+  end
+  if r.prefetch and r.prefetch < 0 then fail("option '%sprefetch' must be >= 0, got %d", prefix, r.prefetch) end
+  return r
+end
+
 -- es = expert_store.new{...}: checked (expert_store.check) before the
 -- store's file is made; the errors name the recipe's options
 -- (--expert-budget, --expert-store).
 function expert_store.new(o)
+  o = expert_store.check_options(o, "moelua.expert_store.new", 3)
   local L, E, D, F = o.layers, o.experts, o.dim, o.ffn
   local dtype, device = o.dtype or "f32", o.device or "cpu"
   if dtype ~= "f32" and (dtype ~= "bf16" or device ~= "cuda" or o.inference) then
@@ -128,7 +168,15 @@ function expert_store.new(o)
   return self
 end
 
-function ES:slab(l, e) return l * self.E + e end
+-- The slab of expert e of layer l (both 0-based); out of range is an
+-- error at the line that called acquire, release or with.
+function ES:slab(l, e)
+  if math.type(l) ~= "integer" or l < 0 or l >= self.L or math.type(e) ~= "integer" or e < 0 or e >= self.E then
+    error(string.format("moelua.expert_store: no expert (layer %s, expert %s): layers 0..%d, experts 0..%d",
+                        tostring(l), tostring(e), self.L - 1, self.E - 1), 3)
+  end
+  return l * self.E + e
+end
 
 -- v.compute rounded from v.params (mixed precision; nothing with f32).
 local function round_compute(v)

@@ -112,12 +112,13 @@ local function check_options(opts)
   for k, v in pairs(opts) do
     local spec = OPTIONS[k]
     if not spec then error("moelua.moe.new: " .. options.unknown(k, OPTIONS), 3) end
-    local ok = spec[1] == "integer" and math.type(v) == "integer" or type(v) == spec[1]
-    if not ok then
+    local n = spec[1] == "integer" and math.type(v) and math.tointeger(v)   -- 2^20 is an integer too
+    if not (n or spec[1] ~= "integer" and type(v) == spec[1]) then
       error(string.format("moelua.moe.new: option '%s' must be %s %s, got %s", k,
-                          spec[1] == "integer" and "an" or "a", spec[1], type(v)), 3)
+                          spec[1] == "integer" and "an" or "a", spec[1],
+                          type(v) == "number" and tostring(v) or type(v)), 3)
     end
-    o[k] = v
+    o[k] = n or v
   end
   for k, spec in pairs(OPTIONS) do
     if o[k] == nil then
@@ -137,6 +138,12 @@ local function check_options(opts)
        string.format("option 'save' must be \"save\" or \"recompute\", got %s", o.save))
   need(o.dtype == "f32" or o.dtype == "f64" or o.dtype == "bf16", "option 'dtype' must be \"f32\", \"f64\" or \"bf16\"")
   need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\"")
+  if o.device == "cuda" and not mem_planning() then   -- (a plan of a cuda run needs no GPU)
+    local ok, why_not = tensor.cuda_available()
+    need(ok, "option 'device' \"cuda\": no usable GPU (" .. tostring(why_not) .. ")")
+  end
+  need(o.init_std >= 0 and o.init_std < math.huge,
+       string.format("option 'init_std' must be finite and >= 0, got %s", o.init_std))
   need(o.dtype ~= "bf16" or o.device == "cuda",
        "option 'dtype' \"bf16\" (mixed precision) runs on cuda: the CPU's kernels are f32 and f64")
   need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
@@ -268,8 +275,35 @@ end
 -- nil; backward recomputes each tile's h (bitwise the saved one,
 -- kernels/experts.h) and needs no expert output (dw = <W2ᵀ·dy, act>), so
 -- the experts' forward GEMMs would be thrown away.
+-- A layer's input or output gradient t: a [T, dim] tensor (T = rows, when
+-- given) of the layer's dtype on its device; else an error at the line
+-- that called forward or backward.
+local function check_rows(self, fn, name, t, rows)
+  local o = self.opts
+  local function fail(fmt, ...) error(string.format("moelua.moe: layer:%s: " .. fmt, fn, ...), 4) end
+  if not tensor.is_tensor(t) then fail("%s must be a tensor, got %s", name, type(t)) end
+  local shape = t:shape()
+  if #shape ~= 2 or shape[2] ~= o.dim or rows and shape[1] ~= rows then
+    fail("%s is [%s]: it must be [%s, %d]", name, table.concat(shape, ","), rows or "T", o.dim)
+  end
+  if t:dtype() ~= o.dtype or t:device() ~= o.device then
+    fail("%s is %s on %s: the layer's are %s on %s", name, t:dtype(), t:device(), o.dtype, o.device)
+  end
+end
+
 function Layer:forward(x, step, route_only)
   local o = self.opts
+  check_rows(self, "forward", "x", x)
+  if step ~= nil then
+    local n = math.type(step) and math.tointeger(step)
+    if not n or n < 0 then
+      error(string.format("moelua.moe: layer:forward: step must be a whole number >= 0, got %s", tostring(step)), 2)
+    end
+    step = n
+  end
+  if route_only ~= nil and type(route_only) ~= "boolean" then
+    error("moelua.moe: layer:forward: route_only must be a boolean, got " .. type(route_only), 2)
+  end
   local T = x:size(1)
   if not self.shared_pool then
     self.pool:reset()                       -- the previous step's transients end here
@@ -518,7 +552,13 @@ end
 -- aux_weight and z_weight apply with N = its tokens. Gradients accumulate
 -- into layer.grads (call zero_grad between steps).
 function Layer:backward(dy, coef)
-  local c = assert(self.ctx, "moelua.moe: backward without a forward")
+  local c = self.ctx
+  if not c then error("moelua.moe: layer:backward: no forward to go back through", 2) end
+  check_rows(self, "backward", "dy", dy, c.x:size(1))
+  if coef ~= nil and not (type(coef) == "table" and tensor.is_tensor(coef.aux) and type(coef.z) == "number") then
+    error("moelua.moe: layer:backward: coef must be moe.aux_loss's {aux = tensor, z = number}, got " ..
+          (type(coef) == "table" and "another table" or type(coef)), 2)
+  end
   local p, g = self.params, self.grads
   local pf = self.profile
   local dev = self.opts.device   -- timed when the device's queued work is done (bench.now)
@@ -598,9 +638,23 @@ end
 -- P_e of the tokens it routed, whichever rank runs the experts), as one
 -- process accumulating micro-batches does.
 function moe.aux_loss(layers, aux_weight, z_weight, scope)
+  local function fail(fmt, ...) error("moelua.moe.aux_loss: " .. string.format(fmt, ...), 3) end
+  if type(layers) ~= "table" or #layers == 0 then fail("layers must be a non-empty list of MoE layers") end
+  for i, l in ipairs(layers) do
+    if getmetatable(l) ~= Layer then fail("layers[%d] is not an MoE layer (moe.new)", i) end
+    if not l.stats then fail("layers[%d] has no forward to take its routing from", i) end
+    if l.opts.experts ~= layers[1].opts.experts then
+      fail("layers[%d] has %d experts, layers[1] %d", i, l.opts.experts, layers[1].opts.experts)
+    end
+  end
+  for _, w in ipairs{{"aux_weight", aux_weight}, {"z_weight", z_weight}} do
+    if type(w[2]) ~= "number" or not (w[2] >= 0 and w[2] < math.huge) then
+      fail("%s must be a finite number >= 0, got %s", w[1], tostring(w[2]))
+    end
+  end
   scope = scope or "model"
+  if scope ~= "model" and scope ~= "layer" then fail("scope must be \"model\" or \"layer\", got %s", tostring(scope)) end
   local L = #layers
-  assert(L > 0, "moelua.moe.aux_loss: no layers")
   local E = layers[1].opts.experts
   local N = 0
   for _, l in ipairs(layers) do N = N + l.stats.tokens end

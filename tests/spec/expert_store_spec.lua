@@ -292,6 +292,47 @@ train.run(cfg)
       assert.is_nil(fs.stat(dir("bad/ckpt")), "nothing was written")
     end)
 
+    it("the Lua API: options named, whole-number floats taken, an expert out of range refused", function()
+      local ES = require "moelua.expert_store"
+      local o = {path = dir("api.store"), budget = 1e6, layers = 2, experts = 4, dim = 8, ffn = 16}
+      local function new_with(k, v)
+        local c = {}
+        for a, b in pairs(o) do c[a] = b end
+        c[k] = v
+        local ok, err = pcall(function() local es = ES.new(c); return es end)
+        assert.is_false(ok)
+        return tostring(err)
+      end
+      support.has(new_with("bugdet", 5), "expert_store_spec.lua:")
+      support.has(new_with("bugdet", 5), "moelua.expert_store.new: unknown option 'bugdet' (expected one of: budget,")
+      support.has(new_with("budget", "1MiB"), "option 'budget' must be a whole number, got string")
+      support.has(new_with("layers", 0), "option 'layers' must be >= 1, got 0")
+      support.has(new_with("ffn", nil), "option 'ffn' is required")
+      support.has(new_with("prefetch", -1), "option 'prefetch' must be >= 0, got -1")
+      local function model_with(store)
+        local ok, err = pcall(nn.Transformer.new, {vocab = 16, dim = 8, layers = 1, heads = 2, ffn = 8,
+                                                   experts = 2, topk = 1, store = store})
+        assert.is_false(ok)
+        return tostring(err)
+      end
+      support.has(model_with{path = dir("m.store"), budget = 64.5}, "option 'store.budget' must be a whole number, got 64.5")
+      support.has(model_with{path = dir("m.store"), budget = 2 ^ 20, prefech = 2},
+                  "unknown option 'store.prefech' (expected one of: budget, inference, path, prefetch)")
+      support.has(model_with{budget = 2 ^ 20}, "option 'store.path' is required on the cpu")
+      local es = ES.new(o)   -- budget 1e6: a float that is a whole number
+      for _, le in ipairs{{0, 4}, {2, 0}, {0, -1}, {0.5, 0}} do
+        local ok, err = pcall(function() local v = es:acquire(le[1], le[2]); return v end)
+        assert.is_false(ok)
+        support.has(tostring(err), "expert_store_spec.lua:")
+        support.has(tostring(err), string.format("moelua.expert_store: no expert (layer %s, expert %s): layers 0..1, " ..
+                                                 "experts 0..3", tostring(le[1]), tostring(le[2])))
+      end
+      es:acquire(1, 3)
+      es:release(1, 3)
+      es:close()
+      assert.is_nil(fs.stat(dir("m.store")))
+    end)
+
     it("a disk too small for the backing file: a clear error, no partial file", function()
       -- the file-size limit stands for a full disk (fallocate fails with EFBIG;
       -- SIGXFSZ ignored, as a full disk sends none)

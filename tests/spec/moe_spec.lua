@@ -209,8 +209,42 @@ describe("moe layer", function()
       for k, v in pairs(c[1]) do o[k] = v end
       assert.matches("moelua.moe.new: " .. c[2], errmsg(moe.new, o))
     end
+    assert.matches("option 'dim' must be an integer, got 4.5", errmsg(moe.new, {dim = 4.5, ffn = 4, experts = 2}))
+    assert.matches("option 'init_std' must be finite and >= 0, got %-1",
+                   errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, init_std = -1}))
+    assert.are.equal(16, moe.new{dim = 2 ^ 4, ffn = 4, experts = 2, topk = 1}.opts.dim)   -- a whole float
+  end)
+
+  it("refuses bad inputs to forward, backward and aux_loss at the caller's line", function()
     local layer = moe.new{dim = 4, ffn = 4, experts = 2, topk = 1}
-    assert.matches("backward without a forward", errmsg(layer.backward, layer, m.zeros({2, 4})))
+    local function at_caller(f, ...)
+      local ok, err = pcall(f, ...)
+      assert.is_false(ok)
+      assert.matches("^[^:]*moe_spec%.lua:%d+: ", tostring(err))
+      return tostring(err)
+    end
+    local x = m.randn({3, 4})
+    local function fwd(...) local y = layer:forward(...); return y end
+    local function bwd(...) local dx = layer:backward(...); return dx end
+    local function aux(...) local l = moe.aux_loss(...); return l end
+    support.has(at_caller(bwd, x), "layer:backward: no forward to go back through")
+    support.has(at_caller(fwd, m.randn({3, 5}), 0), "layer:forward: x is [3,5]: it must be [T, 4]")
+    support.has(at_caller(fwd, nil, 0), "layer:forward: x must be a tensor, got nil")
+    support.has(at_caller(fwd, m.randn({3, 4}, {dtype = "f64"}), 0),
+                "layer:forward: x is f64 on cpu: the layer's are f32 on cpu")
+    support.has(at_caller(fwd, x, -1), "layer:forward: step must be a whole number >= 0, got -1")
+    support.has(at_caller(fwd, x, 0, 1), "layer:forward: route_only must be a boolean, got number")
+    support.has(at_caller(aux, {layer}, 0.1, 0), "moelua.moe.aux_loss: layers[1] has no forward to take its routing from")
+    layer:forward(x, 0)
+    support.has(at_caller(bwd, m.randn({2, 4})), "layer:backward: dy is [2,4]: it must be [3, 4]")
+    support.has(at_caller(bwd, x, "x"), "layer:backward: coef must be moe.aux_loss's {aux = tensor, z = number}, got string")
+    support.has(at_caller(aux, nil, 0.1, 0), "moelua.moe.aux_loss: layers must be a non-empty list of MoE layers")
+    support.has(at_caller(aux, {layer, {}}, 0.1, 0), "moelua.moe.aux_loss: layers[2] is not an MoE layer (moe.new)")
+    support.has(at_caller(aux, {layer}, -1, 0), "moelua.moe.aux_loss: aux_weight must be a finite number >= 0, got -1")
+    support.has(at_caller(aux, {layer}, 0.1, "x"), "moelua.moe.aux_loss: z_weight must be a finite number >= 0, got x")
+    support.has(at_caller(aux, {layer}, 0.1, 0, "lyr"), "moelua.moe.aux_loss: scope must be \"model\" or \"layer\", got lyr")
+    local _, coefs = moe.aux_loss({layer}, 0.1, 0)
+    assert.are.same({3, 4}, layer:backward(x, coefs[1]):shape())
   end)
 end)
 

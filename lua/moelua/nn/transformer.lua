@@ -96,10 +96,12 @@ local function check_options(opts)
     local spec = OPTIONS[k]
     if not spec then fail("%s", options.unknown(k, OPTIONS)) end
     local ok
-    if spec[1] == "integer" then ok = math.type(v) == "integer"
+    if spec[1] == "integer" then   -- 2^20 is an integer too
+      v = math.type(v) and math.tointeger(v) or v
+      ok = math.type(v) == "integer"
     elseif spec[1] == "string|table" then ok = type(v) == "string" or type(v) == "table"
     else ok = type(v) == spec[1] end
-    if not ok then fail("option '%s' must be %s, got %s", k, spec[1], type(v)) end
+    if not ok then fail("option '%s' must be %s, got %s", k, spec[1], type(v) == "number" and tostring(v) or type(v)) end
     o[k] = v
   end
   for k, spec in pairs(OPTIONS) do
@@ -150,11 +152,10 @@ local function check_options(opts)
   end
   o.checkpoint_per_layer = per
   if o.store then   -- {path =, budget = bytes [, prefetch = 2, inference]}: the experts in a moelua.expert_store
-    local st = o.store
-    need(type(st.path) == "string" and math.type(st.budget) == "integer" and st.budget > 0
-         and (st.prefetch == nil or math.type(st.prefetch) == "integer" and st.prefetch >= 0)
-         and (st.inference == nil or type(st.inference) == "boolean"),
-         "option 'store' must be {path = string, budget = bytes > 0 [, prefetch = n >= 0, inference = boolean]}")
+    local ok, st = pcall(expert_store.check_options, o.store, FN, 0, "store.")
+    if not ok then errors.user(st) end
+    need(st.path or o.device == "cuda", "option 'store.path' is required on the cpu (the store's file)")
+    o.store = st
   end
   -- moe sub-options, checked by moelua.moe without allocating
   local mo = {dim = o.dim, ffn = o.ffn, experts = o.experts, topk = o.topk, dtype = o.dtype,
