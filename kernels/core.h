@@ -186,8 +186,11 @@ static inline ML_HD void ml_store(ml_dtype dt, void *p, size_t i, double v)
     case ML_BF16: ((uint16_t *)p)[i] = ml_f32_to_bf16((float)v); break;
     case ML_F16:  ((uint16_t *)p)[i] = ml_f32_to_f16((float)v); break;
     case ML_I32:  ((int32_t *)p)[i] = (int32_t)ml_to_int_range(v, -2147483648.0, 2147483647.0); break;
-    case ML_I64:  ((int64_t *)p)[i] = (int64_t)ml_to_int_range(v, -9223372036854775808.0,
-                                                               9223372036854774784.0); break;
+    case ML_I64: {   /* 2^63 is the first double past INT64_MAX: at or above it, INT64_MAX */
+        double c = ml_to_int_range(v, -9223372036854775808.0, 9223372036854775808.0);
+        ((int64_t *)p)[i] = c >= 9223372036854775808.0 ? INT64_MAX : (int64_t)c;
+        break;
+    }
     case ML_U8:   ((uint8_t *)p)[i] = (uint8_t)ml_to_int_range(v, 0.0, 255.0); break;
     default:      break;
     }

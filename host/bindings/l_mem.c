@@ -139,6 +139,7 @@ static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_
 
 static int l_mem_stats(lua_State *L)
 {
+    ml_args(L, 0, "moelua.mem.stats");
     ml_host *h = ml_host_of(L);
     lua_createtable(L, 0, ML_NTIERS);
     for (int t = 0; t < ML_NTIERS; t++) {
@@ -161,16 +162,15 @@ static int l_mem_format_bytes(lua_State *L)
 }
 
 /* mem.phase(text): what the host does from now on ("forward of layer 3"),
- * on every book (the plan's too): the phase when a book's total peaks is
- * its stats' peak_phase. */
+ * on every book in use (a plan's inside mem.plan, which starts from the
+ * real books' phase and leaves them as they were): the phase when a book's
+ * total peaks is its stats' peak_phase. */
 static int l_mem_phase(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
     const char *text = luaL_checkstring(L, 1);
-    for (int t = 0; t < ML_NTIERS; t++) {
-        ml_ledger_set_phase(&h->books[t], text);
-        ml_ledger_set_phase(&h->plan_books[t], text);
-    }
+    for (int t = 0; t < ML_NTIERS; t++)
+        ml_ledger_set_phase(h->ledger[t], text);
     return 0;
 }
 

@@ -51,6 +51,15 @@ static ml_tensor *create_as(lua_State *L, const char *fn, int idx, int *optidx,
     int next;
     int ndim = ml_checkshape(L, idx, fn, shape, &next);
     *optidx = lua_istable(L, next) ? next : 0;
+    int top = lua_gettop(L);
+    while (top >= next && lua_isnil(L, top))   /* (shape, nil): no options */
+        top--;
+    if (*optidx && top > next)
+        ml_error(L, fn, "argument #%d: nothing comes after the options table, got a %s", next + 1,
+                 luaL_typename(L, next + 1));
+    if (!*optidx && top >= next)   /* (2, 3, "f64"): options come as a table */
+        ml_error(L, fn, "argument #%d: expected an options table {dtype =, device =} after the shape, got %s",
+                 next, luaL_typename(L, next));
     ml_check_opts(L, *optidx, fn, allowed);
     ml_dtype dt = ml_opt_dtype(L, *optidx, fn, ML_F32);
     ml_device dev = ml_opt_device(L, *optidx, fn, ML_CPU);
@@ -233,22 +242,20 @@ static int draw_into(lua_State *L, const char *fn, ml_tensor *t, int opt, int no
     uint64_t seed = h->seed, offset = h->rng_offset;
     int addressed = 0;   /* {seed=} and/or {offset=}: a fixed place in a stream */
     if (opt) {
-        const char *ka = normal ? "mean" : "lo", *kb = normal ? "std" : "hi";
-        if (lua_getfield(L, opt, ka) != LUA_TNIL) a = luaL_checknumber(L, -1);
-        if (lua_getfield(L, opt, kb) != LUA_TNIL) b = luaL_checknumber(L, -1);
-        if (lua_getfield(L, opt, "seed") != LUA_TNIL) {
-            seed = (uint64_t)luaL_checkinteger(L, -1);
+        a = ml_opt_number(L, opt, fn, normal ? "mean" : "lo", a);
+        b = ml_opt_number(L, opt, fn, normal ? "std" : "hi", b);
+        int has_seed = lua_getfield(L, opt, "seed") != LUA_TNIL;
+        int has_offset = lua_getfield(L, opt, "offset") != LUA_TNIL;
+        lua_pop(L, 2);
+        if (has_seed) {
+            seed = (uint64_t)ml_opt_integer(L, opt, fn, "seed", 0, INT64_MIN, INT64_MAX);
             offset = 0;
             addressed = 1;
         }
-        if (lua_getfield(L, opt, "offset") != LUA_TNIL) {
-            lua_Integer o = luaL_checkinteger(L, -1);
-            if (o < 0)
-                ml_error(L, fn, "option 'offset' must be >= 0");
-            offset = (uint64_t)o;
+        if (has_offset) {
+            offset = (uint64_t)ml_opt_integer(L, opt, fn, "offset", 0, 0, INT64_MAX);
             addressed = 1;
         }
-        lua_pop(L, 4);
     }
     ml_err e;
     ml_check_op(L, fn, normal ? ml_op_randn(h, t, seed, offset, a, b, &e)
@@ -321,11 +328,19 @@ static int l_tensor_manual_seed(lua_State *L)
 static int l_tensor_rng_state(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
-    if (lua_istable(L, 1)) {
-        lua_getfield(L, 1, "seed");
-        lua_getfield(L, 1, "offset");
-        h->seed = (uint64_t)luaL_checkinteger(L, -2);
-        h->rng_offset = (uint64_t)luaL_checkinteger(L, -1);
+    ml_args(L, 1, "moelua.rng_state");
+    if (!lua_isnil(L, 1)) {   /* both fields, as rng_state() gave them */
+        if (!lua_istable(L, 1))
+            ml_error(L, "moelua.rng_state", "expected a state {seed =, offset =} (from rng_state()), got %s",
+                     luaL_typename(L, 1));
+        for (int i = 0; i < 2; i++)
+            if (lua_getfield(L, 1, i ? "offset" : "seed") == LUA_TNIL)
+                ml_error(L, "moelua.rng_state", "the state has no '%s' (rng_state() gives {seed =, offset =})",
+                         i ? "offset" : "seed");
+        lua_pop(L, 2);
+        uint64_t seed = (uint64_t)ml_opt_integer(L, 1, "moelua.rng_state", "seed", 0, INT64_MIN, INT64_MAX);
+        h->rng_offset = (uint64_t)ml_opt_integer(L, 1, "moelua.rng_state", "offset", 0, 0, INT64_MAX);
+        h->seed = seed;
         return 0;
     }
     lua_createtable(L, 0, 2);
@@ -376,9 +391,15 @@ static int l_tensor_shape(lua_State *L)
     return 1;
 }
 
+/* t:stride() -> every dim's stride (elements); t:stride(dim) -> one */
 static int l_tensor_stride(lua_State *L)
 {
+    ml_args(L, 2, "Tensor:stride");
     ml_tensor *t = ml_checkview(L, 1, "Tensor:stride");
+    if (!lua_isnil(L, 2)) {
+        lua_pushinteger(L, t->stride[ml_checkdim(L, 2, "Tensor:stride", t->ndim)]);
+        return 1;
+    }
     lua_createtable(L, t->ndim, 0);
     for (int i = 0; i < t->ndim; i++) {
         lua_pushinteger(L, t->stride[i]);
@@ -389,6 +410,7 @@ static int l_tensor_stride(lua_State *L)
 
 static int l_tensor_size(lua_State *L)
 {
+    ml_args(L, 2, "Tensor:size");
     ml_tensor *t = ml_checkview(L, 1, "Tensor:size");
     if (lua_isnoneornil(L, 2))
         return l_tensor_shape(L);
@@ -631,8 +653,11 @@ static int l_tensor_copy_(lua_State *L)
 static int l_tensor_fill_(lua_State *L)
 {
     static const char fn[] = "Tensor:fill_";
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
-    double v = luaL_checknumber(L, 2);
+    if (lua_type(L, 2) != LUA_TNUMBER)
+        ml_error(L, fn, "expected the fill value (a number), got %s", luaL_typename(L, 2));
+    double v = lua_tonumber(L, 2);
     lua_settop(L, 1);
     ml_err e;
     ml_check_op(L, fn, ml_op_fill(ml_host_of(L), t, v, &e), &e);
@@ -859,12 +884,17 @@ static int l_tensor_tostring(lua_State *L)
         head.ndim = 1;
         head.shape[0] = shown;
         head.stride[0] = contig || !t->ndim ? 1 : t->stride[t->ndim - 1];
-        ml_tensor *vals = ml_newtensor(L, fn, ML_CPU, ML_F64, 1, &shown);
+        int ints = t->dtype == ML_I32 || t->dtype == ML_I64 || t->dtype == ML_U8;   /* every digit */
+        ml_tensor *vals = ml_newtensor(L, fn, ML_CPU, ints ? ML_I64 : ML_F64, 1, &shown);
         ml_run_copy(L, fn, vals, &head);
         at += (size_t)snprintf(text + at, sizeof text - at, ", {");
-        for (int64_t i = 0; i < shown && at < sizeof text; i++)
-            at += (size_t)snprintf(text + at, sizeof text - at, "%s%.6g", i ? ", " : "",
-                                   ((double *)vals->st->data)[i]);
+        for (int64_t i = 0; i < shown && at < sizeof text; i++) {
+            const char *sep = i ? ", " : "";
+            at += ints ? (size_t)snprintf(text + at, sizeof text - at, "%s%lld", sep,
+                                          (long long)((int64_t *)vals->st->data)[i])
+                       : (size_t)snprintf(text + at, sizeof text - at, "%s%.6g", sep,
+                                          ((double *)vals->st->data)[i]);
+        }
         if (at < sizeof text)
             at += (size_t)snprintf(text + at, sizeof text - at, n > shown ? ", ...}" : "}");
         /* statistics where they cost no copy: contiguous float tensors */

@@ -67,7 +67,7 @@ static const char *const UNOP_NAMES[ML_NUNOPS] = {
 static int unary(lua_State *L, ml_unop op, int inplace)
 {
     const char *fn = UNOP_NAMES[op];
-    lua_settop(L, 1);
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = inplace ? t : ml_pushtensor(L);
     ml_err e;
@@ -95,7 +95,7 @@ UNARY(abs, ML_ABS)
  * want_idx: also (or only, when values == 0) the int64 positions. */
 static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int want_idx)
 {
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = lua_isnil(L, 2) ? -1 : ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *out = values ? ml_pushtensor(L) : NULL;
@@ -114,7 +114,7 @@ static int l_tensor_argmax(lua_State *L) { return reduce(L, "Tensor:argmax", ML_
 static int l_tensor_cumsum(lua_State *L)
 {
     static const char fn[] = "Tensor:cumsum";
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *out = ml_pushtensor(L);
@@ -127,7 +127,7 @@ static int l_tensor_cumsum(lua_State *L)
 
 static int softmax(lua_State *L, const char *fn, int log)
 {
-    lua_settop(L, 1);
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
@@ -142,9 +142,13 @@ static int l_tensor_log_softmax(lua_State *L) { return softmax(L, "Tensor:log_so
 static int l_tensor_topk(lua_State *L)
 {
     static const char fn[] = "Tensor:topk";
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
-    lua_Integer k = luaL_checkinteger(L, 2);
+    int isint;
+    lua_Integer k = lua_tointegerx(L, 2, &isint);
+    if (!isint || lua_type(L, 2) != LUA_TNUMBER)
+        ml_error(L, fn, "expected k (an integer), got %s",
+                 lua_type(L, 2) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, 2));
     ml_tensor *vals = ml_pushtensor(L), *idx = ml_pushtensor(L);
     ml_err e;
     ml_check_op(L, fn, ml_op_topk(ml_host_of(L), vals, idx, t, k, &e), &e);
@@ -158,7 +162,7 @@ static int index_op(lua_State *L, const char *fn,
                     ml_status (*op)(ml_host *, ml_tensor *, const ml_tensor *, int, const ml_tensor *,
                                     ml_err *))
 {
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *idx = ml_checktensor(L, 3, fn);
@@ -182,7 +186,7 @@ static int l_tensor_gather(lua_State *L)
 static int l_tensor_scatter_add_(lua_State *L)
 {
     static const char fn[] = "Tensor:scatter_add_";
-    lua_settop(L, 4);
+    ml_args(L, 4, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *idx = ml_checktensor(L, 3, fn), *src = ml_checktensor(L, 4, fn);
@@ -196,7 +200,7 @@ static int l_tensor_scatter_add_(lua_State *L)
 static int l_tensor_bincount(lua_State *L)
 {
     static const char fn[] = "moelua.bincount";
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *idx = ml_checktensor(L, 1, fn);
     lua_Integer nbins = luaL_checkinteger(L, 2);
     ml_tensor *out = ml_pushtensor(L);
@@ -214,7 +218,7 @@ static const char *const MATMUL_OPTS[] = {"out", "alpha", "beta", NULL};
 static int l_tensor_matmul(lua_State *L)
 {
     static const char fn[] = "moelua.matmul";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *a = ml_checktensor(L, 1, fn), *b = ml_checktensor(L, 2, fn);
     ml_check_opts(L, lua_isnil(L, 3) ? 0 : 3, fn, MATMUL_OPTS);
     double alpha = 1, beta = 0;

@@ -441,13 +441,29 @@ int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *ne
     return ndim;
 }
 
+void ml_args(lua_State *L, int n, const char *fn)
+{
+    int top = lua_gettop(L), self = strchr(fn, ':') != NULL;
+    if (top > n) {
+        char takes[32];
+        snprintf(takes, sizeof takes, n == self ? "no arguments" : "at most %d argument%s", n - self,
+                 n - self == 1 ? "" : "s");
+        ml_error(L, fn, "takes %s, got %d (#%d is a %s)", takes, top - self, n + 1 - self,
+                 luaL_typename(L, n + 1));
+    }
+    lua_settop(L, n);
+}
+
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
 {
-    lua_Integer d = luaL_checkinteger(L, idx);
+    int isint;
+    lua_Integer given = lua_tointegerx(L, idx, &isint), d = given;
+    if (!isint || lua_type(L, idx) != LUA_TNUMBER)
+        ml_error(L, fn, "expected a dim (an integer, 1-based or negative from the end), got %s",
+                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
     if (d < 0)
         d += ndim + 1;
     if (d < 1 || d > ndim)
-        ml_error(L, fn, "dim %lld out of range for a %d-dim tensor (dims are 1-based)",
-                 (long long)luaL_checkinteger(L, idx), ndim);
+        ml_error(L, fn, "dim %lld out of range for a %d-dim tensor (dims are 1-based)", (long long)given, ndim);
     return (int)d - 1;
 }

@@ -103,6 +103,11 @@ void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *all
 /* A shape from a table {2,3} or from integers at idx..top; returns ndim.
  * Stops at the first non-number (an options table). *next gets the index after. */
 int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next);
+/* A binding's n arguments: more is an error that names the count (a
+ * binding reading fewer would ignore them: t:softmax(1) would run over the
+ * last dim); fewer are padded with nil. A method (fn "Type:name") counts
+ * its arguments after self, as Lua's own errors do. */
+void ml_args(lua_State *L, int n, const char *fn);
 /* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
 

@@ -261,7 +261,7 @@ ml_status ml_op_arange(ml_host *h, ml_tensor *out, ml_device dev, ml_dtype dt, d
     if (count < 0)
         count = 0;
     if (count > 9.0e15)
-        return ml_err_set(e, ML_EINVAL, "too many elements (%.0f)", count);
+        return ml_err_set(e, ML_EINVAL, "too many elements (%.6g)", count);
     int64_t n = (int64_t)count;
     ML_TRY(ml_prepare_output(h, out, "out", dev, dt, 1, &n, e));
     ml_kctx c = ml_host_kctx(h);

@@ -365,7 +365,7 @@ function Layer:_set_capacity(T, counts)
   eo.capacity = nil
   local E = o.experts
   local all = self.pool:tensor({world * E}, {dtype = "i64"})
-  z:all_gather(counts, all, "expert counts of MoE layer " .. o.layer)
+  z:all_gather(counts, all, "expert counts of MoE layer " .. (o.layer + 1))
   local caps = self.pool:tensor({E}, {dtype = "i64"})
   if not mem_planning() then
     local n, left = all:totable(), {}
@@ -391,7 +391,7 @@ function Layer:_exchange_rows(plan)
   local bound = self.capacity and math.min(worst, El * self.capacity) or worst
   self.recv_rows = {worst = worst, capacity = self.capacity and El * self.capacity or nil, bound = bound}
   local counts = self.pool:tensor({ep, El}, {dtype = "i64"})
-  z:all_to_all(plan.counts:view({ep, El}), ones(ep), counts, ones(ep), "expert counts of MoE layer " .. o.layer)
+  z:all_to_all(plan.counts:view({ep, El}), ones(ep), counts, ones(ep), "expert counts of MoE layer " .. (o.layer + 1))
   local send, recv = {}, {}
   if mem_planning() then
     for d = 1, ep do send[d], recv[d] = 0, 0 end
@@ -414,7 +414,7 @@ function Layer:_forward_ep(x, idx, w, plan, route_only)
   local z, o, pool, eo = self.ep, self.opts, self.pool, self.expert_opts
   local T, D, k, El = x:size(1), o.dim, o.topk, self.local_experts
   local dt = {dtype = x:dtype()}
-  local what = " of MoE layer " .. o.layer
+  local what = " of MoE layer " .. (o.layer + 1)
   local send, recv, kept, got = self:_exchange_rows(plan)
   local y = not route_only and pool:tensor({T, D}, dt):zero_() or nil
   local xr, wr = pool:tensor({got, D}, dt), pool:tensor({got, 1}, dt)
@@ -442,7 +442,7 @@ function Layer:_backward_ep(dy)
   local z, c, e, pool = self.ep, self.ctx, self.ep_ctx, self.pool
   local T, D, k = dy:size(1), self.opts.dim, self.opts.topk
   local dt = {dtype = dy:dtype()}
-  local what = " of MoE layer " .. self.opts.layer
+  local what = " of MoE layer " .. (self.opts.layer + 1)
   local dx, dw = pool:tensor({T, D}, dt):zero_(), pool:tensor({T, k}, dt):zero_()
   local m = pool:mark()
   local dyr = pool:tensor({e.got, D}, dt)

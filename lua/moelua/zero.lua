@@ -101,7 +101,8 @@ function zero.new(o)
     errors.user("moelua.zero.new: launched by mpiexec: call moelua.dist.init first (the ranks are not known yet)")
   end
   local rank, world = dist.rank(), dist.world()
-  if ep < 1 or world % ep ~= 0 then
+  if ep < 1 then errors.user(string.format("--ep %d: the expert-parallel size must be at least 1", ep)) end
+  if world % ep ~= 0 then
     errors.user(string.format("--ep %d: the expert-parallel size must divide the number of ranks (%d)", ep, world))
   end
   local z = setmetatable({

@@ -70,6 +70,9 @@ describe("dtype conversion", function()
     local v = m.tensor({2.9, -2.9, 1e30, -1e30, 0 / 0, 300, -5}, {dtype = "f64"})
     assert.are.same({2, -2, 2147483647, -2147483648, 0, 300, -5}, v:to("i32"):totable())
     assert.are.same({2, 0, 255, 0, 0, 255, 0}, v:to("u8"):totable())
+    assert.are.same({2, -2, math.maxinteger, math.mininteger, 0, 300, -5}, v:to("i64"):totable())
+    local edge = m.tensor({2^63, -2^63, 2^62}, {dtype = "f64"}):to("i64"):totable()
+    assert.are.same({math.maxinteger, math.mininteger, 1 << 62}, edge)
   end)
 
   it("keeps i64 exact beyond 2^53 through copies", function()
@@ -152,6 +155,8 @@ describe("printing", function()
     local s = tostring(m.arange(10, {dtype = "f64"}):view(2, 5))
     assert.matches("^tensor%(%[2,5%], f64, cpu, {0, 1, 2, 3, 4, 5, %.%.%.}, min 0 mean 4%.5 max 9%)$", s)
     assert.are.equal("tensor([0], f32, cpu)", tostring(m.zeros({0})))
+    assert.are.equal("tensor([2], i64, cpu, {123456789, -9223372036854775808})",
+                     tostring(m.tensor({123456789, math.mininteger}, {dtype = "i64"})))
     -- a view prints its first row, copies nothing whole and skips the statistics
     local before = m.mem.stats().cpu.allocs.other
     assert.are.equal("tensor([5,2], f64, cpu, {0, 5, ...})", tostring(m.arange(10, {dtype = "f64"}):view(2, 5):t()))
@@ -245,6 +250,35 @@ describe("bad input", function()
     assert.matches("option 'offset' must be >= 0", errmsg(m.randn, {2}, {offset = -1}))
     assert.matches("moelua.threads: thread count must be in 1..1024", errmsg(m.threads, 0))
     assert.matches("counter word 1 must be an integer", errmsg(m.philox4x32_10, {-1, 0, 0, 0}, {0, 0}))
+    -- arguments a binding does not take: refused, never ignored
+    assert.matches("moelua.zeros: argument #2: expected an options table {dtype =, device =} after the shape, " ..
+                   "got string", errmsg(m.zeros, {2, 3}, "f64"), nil, true)
+    assert.matches("moelua.ones: argument #3: expected an options table", errmsg(m.ones, 2, 3, "f64"), nil, true)
+    assert.matches("moelua.zeros: argument #3: nothing comes after the options table, got a number",
+                   errmsg(m.zeros, {2}, {dtype = "f64"}, 1), nil, true)
+    assert.are.equal("f32", m.zeros({2}, nil):dtype())
+    local t = m.tensor({{1, 2}, {3, 4}})
+    assert.matches("Tensor:softmax: takes no arguments, got 1 (#1 is a number)", errmsg(t.softmax, t, 1), nil, true)
+    assert.matches("Tensor:topk: takes at most 1 argument, got 2 (#2 is a number)", errmsg(t.topk, t, 1, 1), nil, true)
+    assert.matches("Tensor:sum: takes at most 1 argument, got 2", errmsg(t.sum, t, 1, 2), nil, true)
+    assert.matches("moelua.matmul: takes at most 3 arguments, got 4", errmsg(m.matmul, t, t, nil, 1), nil, true)
+    assert.matches("Tensor:cumsum: expected a dim (an integer, 1-based or negative from the end), got nil",
+                   errmsg(t.cumsum, t), nil, true)
+    assert.matches("Tensor:cumsum: expected a dim (an integer, 1-based or negative from the end), got a fraction",
+                   errmsg(t.cumsum, t, 1.5), nil, true)
+    assert.matches("Tensor:stride: dim 3 out of range for a 2-dim tensor", errmsg(t.stride, t, 3), nil, true)
+    assert.are.same({2, 1, 2, 1}, {t:stride(1), t:stride(-1), t:t():stride(2), t:t():stride(1)})
+    assert.matches("moelua.randn: option 'mean' must be a number, got string", errmsg(m.randn, {3}, {mean = "a"}),
+                   nil, true)
+    assert.matches("moelua.rand: option 'seed' must be an integer, got a fraction", errmsg(m.rand, {3}, {seed = 0.5}),
+                   nil, true)
+    assert.matches("moelua.rng_state: the state has no 'seed'", errmsg(m.rng_state, {1, 2}), nil, true)
+    assert.matches("moelua.rng_state: expected a state {seed =, offset =}", errmsg(m.rng_state, "x"), nil, true)
+    assert.matches("moelua.rng_state: option 'offset' must be >= 0, got -1", errmsg(m.rng_state, {seed = 1, offset = -1}),
+                   nil, true)
+    assert.matches("Tensor:fill_: expected the fill value (a number), got string", errmsg(t.fill_, t, "a"), nil, true)
+    assert.matches("moelua.mem.stats: takes no arguments, got 1", errmsg(m.mem.stats, "x"), nil, true)
+    assert.matches("moelua.arange: too many elements (1e+300)", errmsg(m.arange, 1e300), nil, true)
   end)
 
   it("refuses out-of-range dims and ranges on views", function()
