@@ -91,14 +91,29 @@ static int print_error(lua_State *L, int status)
     return status;
 }
 
+/* The registry field msghandler sets for an error every rank raised at
+ * the same point (moelua.errors.agreed). */
+static const char AGREED_KEY[] = "moelua.agreed_error";
+
 /* An error that ends the run. Under mpiexec with 2+ ranks it ends the job
  * (ml_comm_abort: "rank R: msg", MPI_Abort), so no other rank stays blocked
- * in a collective; otherwise it is printed. */
+ * in a collective; otherwise it is printed. An agreed error (every rank
+ * raised it together) is printed by rank 0 alone, and the ranks end
+ * through MPI_Finalize after the Lua state closes, as after a run. */
 static int report(lua_State *L, int status)
 {
     if (status != LUA_OK) {
-        const char *msg = lua_tostring(L, -1);
-        ml_comm_abort(msg ? msg : "(error object is not a string)");
+        lua_getfield(L, LUA_REGISTRYINDEX, AGREED_KEY);
+        int agreed = lua_toboolean(L, -1);
+        lua_pop(L, 1);
+        if (agreed && ml_comm_world_rank() > 0) {
+            lua_pop(L, 1);
+            return status;
+        }
+        if (!agreed) {
+            const char *msg = lua_tostring(L, -1);
+            ml_comm_abort(msg ? msg : "(error object is not a string)");
+        }
     }
     return print_error(L, status);
 }
@@ -115,6 +130,10 @@ static int msghandler(lua_State *L)
         user = luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING;
         msg = user ? lua_tostring(L, -1)
                    : lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+        if (user && lua_istable(L, 1)) {   /* moelua.errors.agreed's mark, for report */
+            lua_getfield(L, 1, "agreed");
+            lua_setfield(L, LUA_REGISTRYINDEX, AGREED_KEY);
+        }
     }
     lua_getfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
     int always = lua_toboolean(L, -1);

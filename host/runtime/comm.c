@@ -681,6 +681,14 @@ void ml_comm_finalize(void)
     }
 }
 
+int ml_comm_world_rank(void)
+{
+    int rank = 0;
+    if (mpi_up && !mpi_down)
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank;
+}
+
 void ml_comm_abort(const char *msg)
 {
     const char *size = getenv("PMI_SIZE");

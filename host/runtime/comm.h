@@ -138,6 +138,8 @@ ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_co
 
 /* At exit: MPI_Finalize when this process initialized MPI. */
 void ml_comm_finalize(void);
+/* This process's rank in MPI's world when MPI is up, else 0. */
+int ml_comm_world_rank(void);
 /* An error that ends this process: when it runs under mpiexec with more
  * than one rank, print "rank R: msg" on stderr and MPI_Abort(1) (MPI is
  * initialized first if no ml_comm_init did: the other ranks may be waiting

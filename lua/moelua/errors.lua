@@ -26,6 +26,16 @@ function errors.user(msg)
   error(setmetatable({message = msg}, UserError), 0)
 end
 
+-- Raise msg as a user error that every rank raises at the same point,
+-- having agreed on it in a collective (moelua.train's stop after a
+-- Ctrl-C): under mpiexec rank 0 prints it and the ranks end through
+-- MPI_Finalize, not MPI_Abort (host/bindings/main.c); an error one rank
+-- raises alone must stay errors.user, whose MPI_Abort frees the others.
+function errors.agreed(msg)
+  if type(msg) ~= "string" then error("moelua.errors.agreed: expected a message string", 2) end
+  error(setmetatable({message = msg, agreed = true}, UserError), 0)
+end
+
 function errors.is_user(e) return getmetatable(e) == UserError end
 
 return errors

@@ -1650,7 +1650,8 @@ function train.run(cfg)
   local t_start, last_step = now(), self.steps - 1
   local step = first
   local result = {skipped = 0, rollbacks = 0, losses = {}}
-  local function interrupted(at, dir, during)
+  -- agreed: every rank stops here (the interrupts' all-reduce below)
+  local function interrupted(at, dir, during, agreed)
     self:end_line(true)
     if self.pending_rollback then   -- stopped before its replay: the rollback is logged all the same
       self:log(self.pending_rollback)
@@ -1667,7 +1668,9 @@ function train.run(cfg)
     else
       what = "; no step completed, nothing saved"
     end
-    errors.user(string.format("moelua.train: interrupted at step %d%s%s", at, during or "", what))
+    local msg = string.format("moelua.train: interrupted at step %d%s%s", at, during or "", what)
+    if agreed then errors.agreed(msg) end
+    errors.user(msg)
   end
   -- After a step: its alarms, and a rollback when one is due. Returns the
   -- step to replay from after a rollback; else nil, why and collapsing.
@@ -1823,9 +1826,9 @@ function train.run(cfg)
       if held > 0 then
         host.take_interrupt()   -- acted on here: a Ctrl-C during the save below is held by it
         if dir then
-          interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil)
+          interrupted(step, dir, in_save > 0 and " (during the checkpoint save, which finished)" or nil, true)
         end
-        interrupted(step, (save(step - 1, "interrupt")))
+        interrupted(step, (save(step - 1, "interrupt")), nil, true)
       end
     end
     result.skipped = self.skipped

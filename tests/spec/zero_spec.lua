@@ -196,4 +196,33 @@ describe("moelua.zero under mpiexec", function()
       assert.is_true(rel <= 2e-4, string.format("N=%d: step 3 loss %.17g vs %.17g", n, nxt.loss[3], ref.loss[3]))
     end
   end)
+
+  it("Ctrl-C on one rank: every rank stops after the same step, saved; one message, no MPI_Abort", function()
+    local dir = tmpdir .. "/int"
+    local script = tmpdir .. "/int.lua"
+    support.write_file(script, string.format([[
+      local dist = require "moelua.dist"
+      local pid = math.tointeger(io.open("/proc/self/stat"):read("n"))
+      arg = {[0] = "recipes/tiny.lua", "--steps", "30", "--seq-len", "64", "--run-dir", %q, "--zero", "1",
+             "--data", %q}
+      local train = require "moelua.train"
+      local run = train.run
+      train.run = function(cfg)   -- rank 1 alone presses Ctrl-C at step 3's start
+        local hook = cfg.hook
+        cfg.hook = function(step, state, ctl)
+          if step == 3 and dist.rank() == 1 then io.popen("kill -INT " .. pid):close() end
+          return hook(step, state, ctl)
+        end
+        return run(cfg)
+      end
+      dofile("recipes/tiny.lua")
+    ]], dir, corpus))
+    local code, out = support.finish_child(assert(io.popen(support.mpiexec_command(2, {script}, 60) .. " 2>&1")))
+    assert.are.equal(1, code, out)
+    local _, n = out:gsub("interrupted at step 4; saved [^\n]*step%-000003", "")
+    assert.are.equal(1, n, out)
+    assert.is_nil(out:find("Abort", 1, true), out)
+    assert.is_nil(out:find("rank 1: ", 1, true), out)
+    assert.are.equal(3, require("moelua.ckpt").load(dir .. "/ckpt").trainer.step)
+  end)
 end)
