@@ -43,7 +43,7 @@
  * tensor to the ledger), then check that every ledger is empty, then
  * MPI_Finalize when moelua.dist started MPI. Under mpiexec with 2+ ranks,
  * an error that ends the script ends the job (host/runtime/comm.h,
- * ml_comm_abort).
+ * ml_comm_abort), unless every rank raised it together (report).
  */
 #include <lauxlib.h>
 #include <lua.h>
