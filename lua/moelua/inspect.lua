@@ -37,6 +37,7 @@ local nn = require "moelua.nn"
 local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 local json = require "dkjson"
 
 local M = {}
@@ -48,6 +49,21 @@ local LN2 = math.log(2)
 -- A user's mistake (a bad argument, a missing layer): a user error, its
 -- message naming the function and the argument.
 local function fail(fn, fmt, ...) errors.user("moelua.inspect." .. fn .. ": " .. string.format(fmt, ...)) end
+
+-- opts (nil or a table) against spec {key = "count" (an integer >= 1) or
+-- "boolean"}: an unknown key or a wrong value names itself
+local function check_opts(fn, opts, spec)
+  if opts == nil then return {} end
+  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
+  for k, v in pairs(opts) do
+    local want = spec[k]
+    if not want then fail(fn, "%s", options.unknown(k, spec)) end
+    if want == "count" and not (math.type(v) == "integer" and v >= 1) or want == "boolean" and type(v) ~= "boolean" then
+      fail(fn, "option '%s' must be %s, got %s", k, want == "count" and "an integer >= 1" or "a boolean", tostring(v))
+    end
+  end
+  return opts
+end
 
 -- h = inspect.open(dir [, extra]): extra = nn.Transformer options (e.g. ce_rows).
 function M.open(dir, extra)
@@ -64,7 +80,7 @@ end
 local function read_input(fn, x)
   if type(x) ~= "string" then fail(fn, "expected a text or a file path, got %s", type(x)) end
   if #x == 0 then fail(fn, "expected a text or a file path, got an empty string") end
-  if #x < 4096 and not x:find("\n", 1, true) then
+  if #x < 4096 and not x:find("[\n%z]") then   -- (a path holds neither)
     local st = fs.stat(x)
     if st and st.type == "file" then
       local f = assert(io.open(x, "rb"))
@@ -262,7 +278,7 @@ end
 -- inspect.histogram(report, layer [, {width = 40}]) -> string, one line per expert
 function M.histogram(report, l, opts)
   local ls = layer_of("histogram", report, l)
-  local width = math.max(1, math.min((opts and opts.width) or 40, 200))
+  local width = math.min(check_opts("histogram", opts, {width = "count"}).width or 40, 200)
   local shares = shares_of(ls.counts)
   local mx = 0
   for _, v in ipairs(shares) do mx = math.max(mx, v) end
@@ -289,7 +305,7 @@ end
 -- followed by its top expert's tag `[e]` (plain) or on its expert's colour.
 function M.tokens(report, l, opts)
   local ls = per_token("tokens", report, l)
-  local color = opts and opts.color
+  local color = check_opts("tokens", opts, {color = "boolean"}).color
   if color == nil then color = fs.isatty(1) end
   local out, s = {}, report.text
   for t = 1, #ls.top do
@@ -378,12 +394,7 @@ end
 
 -- top-k of a run: opts.topk, else num_experts_per_tok of its latest checkpoint.
 local function run_topk(fn, run_dir, opts)
-  if opts.topk ~= nil then
-    if math.type(opts.topk) ~= "integer" or opts.topk < 1 then
-      fail(fn, "option 'topk' must be an integer >= 1, got %s", tostring(opts.topk))
-    end
-    return opts.topk
-  end
+  if check_opts(fn, opts, {topk = "count"}).topk then return opts.topk end
   -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
   for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
     local ok, dir = pcall(pointer, run_dir .. "/ckpt")
@@ -415,9 +426,11 @@ end
 -- tostring (and the REPL) draws inspect.loads_chart for each layer.
 function M.loads(run_dir, l, opts)
   if type(l) == "table" then l, opts = nil, l end
-  opts = opts or {}
   if type(run_dir) ~= "string" or run_dir == "" then
     fail("loads", "argument #1 (run_dir): expected a run directory, got %s", type(run_dir))
+  end
+  if l ~= nil and math.type(l) ~= "integer" then
+    fail("loads", "argument #2 (layer): expected a layer number (1-based), got %s", type(l))
   end
   local ok, r = pcall(require("moelua.plot").read, run_dir)
   if not ok then fail("loads", "%s", tostring(r):gsub("^[^:]*:%d+: ", "")) end
@@ -426,11 +439,14 @@ function M.loads(run_dir, l, opts)
   for i, m in ipairs(r.kept) do
     out.steps[i] = m.step
     local loads = m.loads or {}
-    if l ~= nil and (math.type(l) ~= "integer" or not loads[l]) then
+    if l ~= nil and not loads[l] then
       fail("loads", "argument #2 (layer): no layer %s: step %d logs %d layer%s (1..%d)", tostring(l), m.step,
            #loads, #loads == 1 and "" or "s", #loads)
     end
     for li, ld in ipairs(loads) do
+      if k > #ld.counts then
+        fail("loads", "option 'topk' = %d is more than the run's %d experts", k, #ld.counts)
+      end
       if l == nil or li == l then
         local b = balance.layer(ld.counts, k)
         b.counts, b.shares, b.step = ld.counts, (shares_of(ld.counts)), m.step
@@ -458,7 +474,7 @@ function M.loads_chart(t, l, opts)
   local per = t.layers[l]
   if not per then fail("loads_chart", "argument #2 (layer): no layer %s in these loads", tostring(l)) end
   local n, E = #t.steps, t.experts
-  local width = math.max(1, math.min((opts and opts.width) or 60, 400))
+  local width = math.min(check_opts("loads_chart", opts, {width = "count"}).width or 60, 400)
   local nb = math.min(n, width)
   local rows = {}
   for e = 1, E do
@@ -551,7 +567,10 @@ function Handle:generate(prompt, o)
     fail("generate", "option 'top_p' must be in (0, 1]")
   end
   if o.on_byte ~= nil and type(o.on_byte) ~= "function" then fail("generate", "option 'on_byte' must be a function") end
-  local rand = rng(math.tointeger(o.seed or 0) or 0)
+  if o.seed ~= nil and math.type(o.seed) ~= "integer" then
+    fail("generate", "option 'seed' must be an integer, got %s", tostring(o.seed))
+  end
+  local rand = rng(o.seed or 0)
   local model = self.model
   local cache = model:kv_cache(S)
   local bytes, out, trace = {prompt:byte(1, -1)}, {}, {}

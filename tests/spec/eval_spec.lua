@@ -152,6 +152,34 @@ describe("eval, init-from and the profile", function()
     assert.is_nil(out:find("traceback", 1, true), out)
   end)
 
+  it("a Mixtral directory with a missing or wrong config.json: one line naming the file's key", function()
+    local fs = require "moelua.fs"
+    local cfg = json.decode(support.read_file(base .. "/ckpt/step-000002/config.json"))
+    local weights = base .. "/ckpt/step-000002/model.safetensors"
+    for i, c in ipairs{
+      {nil, "moelua.nn.Transformer.from_checkpoint: " .. root .. "/hf1 has no config.json"},
+      {{num_local_experts = json.null}, "from_config: config.json: 'num_local_experts' is missing"},
+      {{hidden_act = "gelu"}, "from_config: config.json: hidden_act 'gelu' is not supported (silu only)"},
+      {{hidden_size = "32"}, "config.json: 'hidden_size' must be a positive integer, got \"32\" (a string)"},
+      {{num_attention_heads = 3}, "option 'kv_heads' = 2 must divide heads = 3 (config.json's num_key_value_heads)"},
+    } do
+      local dir = root .. "/hf" .. i
+      assert(os.execute("mkdir -p " .. support.shell_quote(dir)))
+      support.write_file(dir .. "/model.safetensors", support.read_file(weights))
+      if c[1] then
+        local mod = {}
+        for k, v in pairs(cfg) do mod[k] = v end
+        for k, v in pairs(c[1]) do mod[k] = v ~= json.null and v or nil end
+        support.write_file(dir .. "/config.json", json.encode(mod))
+      end
+      local code, out = sh{"recipes/eval.lua", "--ckpt", dir, "--data", file, "--seq-len", tostring(SEQ)}
+      assert.are.equal(1, code, out)
+      support.has(out, c[2])
+      assert.is_nil(out:find("traceback", 1, true), out)
+      assert.is_not_nil(fs.stat(dir .. "/model.safetensors"))
+    end
+  end)
+
   it("--grad-norms: HF names, the norms of the mean CE's gradient", function()
     local r = result()
     local model = hand_model(base .. "/ckpt")

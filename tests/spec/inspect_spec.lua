@@ -109,6 +109,11 @@ describe("moelua.inspect", function()
     local s2 = h:generate("#include", {n = 8, temperature = 1.5, top_p = 0.95, seed = 7})
     assert.are.equal(s1.generated, s2.generated)
     for i = 1, 8 do assert.are.same(s1.trace[i].layers, s2.trace[i].layers) end
+    for _, bad in ipairs{1.5, "a", 2 ^ 70} do   -- never silently seed 0
+      support.has(support.errmsg(h.generate, h, "#include", {n = 2, seed = bad}),
+                  "moelua.inspect.generate: option 'seed' must be an integer, got " .. tostring(bad))
+    end
+    assert.is_table(h:run("ab\0c", {seq_len = SEQ}).layers)   -- a short text with a NUL: text, not a path
     -- the combine weights of each token's top-k experts: in (0, 1], summing to 1 (renormalised)
     for _, g in ipairs({a, s1}) do
       for _, step in ipairs(g.trace) do
@@ -266,6 +271,10 @@ describe("moelua.inspect on reports built by hand", function()
                                                             "expected a report from h:run(...), got nil")
     support.has(support.errmsg(inspect.tokens, r, 1), "moelua.inspect.tokens: argument #1 (report): has no " ..
                                                       "per-token routing")
+    support.has(support.errmsg(inspect.histogram, r, 1, {bogus = 1}), "moelua.inspect.histogram: unknown option " ..
+                                                                      "'bogus' (expected one of: width)")
+    support.has(support.errmsg(inspect.histogram, r, 1, {width = -5}), "option 'width' must be an integer >= 1, got -5")
+    support.has(support.errmsg(inspect.histogram, r, 1, 5), "moelua.inspect.histogram: options must be a table")
     -- user errors: the host prints them without a traceback
     assert.is_true(errors.is_user(select(2, pcall(inspect.summary, nil))))
   end)
@@ -343,6 +352,12 @@ describe("moelua.inspect on reports built by hand", function()
     assert.truthy(narrow[1]:find("(4, 2.0 a column)", 1, true))
     -- layer 1, expert 1: ratios 1, .75 (mean .875: '-'), then .5, 2 (mean 1.25: '=')
     assert.are.equal("expert  1 |-=|  50.0%", narrow[3])
+    -- options and the layer checked, never ignored
+    support.has(support.errmsg(inspect.loads, dir, "1"), "moelua.inspect.loads: argument #2 (layer): expected a " ..
+                                                          "layer number (1-based), got string")
+    support.has(support.errmsg(inspect.loads, dir, 1, {topk = 9}), "option 'topk' = 9 is more than the run's 4 experts")
+    support.has(support.errmsg(inspect.loads, dir, 1, {top = 2}), "unknown option 'top' (expected one of: topk)")
+    support.has(support.errmsg(inspect.loads_chart, one, 2, {width = -5}), "option 'width' must be an integer >= 1")
     -- errors
     support.has(support.errmsg(inspect.loads, dir, 3, {topk = 2}), "moelua.inspect.loads: argument #2 (layer): " ..
                                                                   "no layer 3: step 0 logs 2 layers (1..2)")

@@ -969,17 +969,20 @@ end
 function Transformer.options_from_config(cfg)
   local fn = "moelua.nn.Transformer.from_config"
   if type(cfg) ~= "table" then error(fn .. ": expected a config table, got " .. type(cfg), 2) end
-  local function need(c, fmt, ...) if not c then error(fn .. ": config.json: " .. string.format(fmt, ...), 3) end end
+  -- a file's content: a user error (a checkpoint's config.json), printed without a traceback
+  local function need(c, fmt, ...) if not c then errors.user(fn .. ": config.json: " .. string.format(fmt, ...)) end end
+  local function shown(v) return type(v) == "string" and string.format("%q (a string)", v) or tostring(v) end
   local function int(key, optional)
     local v = cfg[key]
     if v == nil and optional then return nil end
-    need(math.type(v) == "integer" and v >= 1, "'%s' must be a positive integer, got %s", key, tostring(v))
+    need(v ~= nil, "'%s' is missing", key)
+    need(math.type(v) == "integer" and v >= 1, "'%s' must be a positive integer, got %s", key, shown(v))
     return v
   end
   local function num(key, default)
     local v = cfg[key]
     if v == nil then return default end
-    need(type(v) == "number", "'%s' must be a number, got %s", key, tostring(v))
+    need(type(v) == "number", "'%s' must be a number, got %s", key, shown(v))
     return v + 0.0
   end
   need(cfg.model_type == nil or cfg.model_type == "mixtral", "model_type is '%s', expected 'mixtral'",
@@ -1002,9 +1005,23 @@ function Transformer.options_from_config(cfg)
   return o
 end
 
+-- config.json's key of each option options_from_config sets, for
+-- Transformer.new's errors about them
+local CONFIG_KEYS = {vocab = "vocab_size", dim = "hidden_size", ffn = "intermediate_size",
+                     layers = "num_hidden_layers", heads = "num_attention_heads",
+                     kv_heads = "num_key_value_heads", head_dim = "head_dim", experts = "num_local_experts",
+                     topk = "num_experts_per_tok", max_position = "max_position_embeddings",
+                     rope_theta = "rope_theta", norm_eps = "rms_norm_eps", aux_weight = "router_aux_loss_coef",
+                     init_std = "initializer_range"}
+
 function Transformer.from_config(cfg, extra)
   local o = Transformer.options_from_config(cfg)
   for k, v in pairs(extra or {}) do o[k] = v end
+  local ok, err = pcall(check_options, o)   -- (checks only: Transformer.new checks again)
+  local name = not ok and errors.is_user(err) and tostring(err):match("option '([%w_]+)'")
+  if name and CONFIG_KEYS[name] and (extra or {})[name] == nil then   -- named as the file names it
+    errors.user(string.format("%s (config.json's %s)", tostring(err), CONFIG_KEYS[name]))
+  end
   return Transformer.new(o)
 end
 
@@ -1015,7 +1032,7 @@ end
 -- table without c.model (dir, config, trainer, ...).
 function Transformer.from_checkpoint(dir, extra)
   local c = ckpt.load(dir)
-  if not c.config then error("moelua.nn.Transformer.from_checkpoint: " .. c.dir .. " has no config.json", 2) end
+  if not c.config then errors.user("moelua.nn.Transformer.from_checkpoint: " .. c.dir .. " has no config.json") end
   local model = Transformer.from_config(c.config, extra)
   model:load_named(c.model, {source = c.dir})
   c.model = nil
