@@ -439,6 +439,13 @@ describe("moelua.plot", function()
     assert.is_nil(svg:find("replayed", 1, true))
   end)
 
+  it("labels a blown-up loss's axis in plain exponents (2e+13, not 2e+07M)", function()
+    support.write_file(dir .. "/metrics.jsonl", '{"step":0,"loss":5}\n{"step":1,"loss":2e13}\n{"step":2,"loss":3e12}\n')
+    local svg = check_all(plot.run(dir)).loss
+    assert.truthy(svg:find(">2e+13<", 1, true), svg)
+    assert.is_nil(svg:find("e%+%d+M<"), svg)
+  end)
+
   it("gives a clear error for a missing run dir, a missing or empty metrics.jsonl", function()
     support.has(support.errmsg(plot.run, dir .. "/nope"), "no run directory")
     support.has(support.errmsg(plot.run, dir), "no metrics.jsonl in " .. dir)
