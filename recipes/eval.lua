@@ -96,18 +96,22 @@ if opts.grad_norms then
   for _, g in ipairs(model:named_gradients()) do out.grad_norms[g.name] = optim_c.grad_norm({g.tensor}) end
 end
 
+local text
 if opts.json then
   local keys = {"loss", "aux_loss", "z_loss", "tokens", "windows", "seq_len", "ckpt", "data", "grad_norms"}
   for _, g in ipairs(opts.grad_norms and model:named_gradients() or {}) do keys[#keys + 1] = g.name end
-  io.stdout:write(json.encode(out, {keyorder = keys}), "\n")
+  text = json.encode(out, {keyorder = keys}) .. "\n"
 else
-  print(string.format("%s on %s: %d windows of %d tokens", c.dir, opts.data, nwin, W))
-  print(string.format("  loss %.6f (ppl %.3f)  aux_loss %.6f  z_loss %.6f  tokens %d",
-                      out.loss, math.exp(out.loss), out.aux_loss, out.z_loss, out.tokens))
+  text = string.format("%s on %s: %d windows of %d tokens\n", c.dir, opts.data, nwin, W) ..
+         string.format("  loss %.6f (ppl %.3f)  aux_loss %.6f  z_loss %.6f  tokens %d\n",
+                       out.loss, math.exp(out.loss), out.aux_loss, out.z_loss, out.tokens)
   if out.grad_norms then
     local total = 0
     for _, v in pairs(out.grad_norms) do total = total + v * v end
-    print(string.format("  gradient norm %.6g over %d tensors (--json lists them)", math.sqrt(total),
-                        #model:named_gradients()))
+    text = text .. string.format("  gradient norm %.6g over %d tensors (--json lists them)\n", math.sqrt(total),
+                                 #model:named_gradients())
   end
 end
+-- one write, checked: a full disk or a closed pipe is an error, not a silent exit 0
+errors.written("recipes/eval.lua: writing the result", io.stdout:write(text))
+errors.written("recipes/eval.lua: writing the result", io.stdout:flush())

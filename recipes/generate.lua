@@ -58,15 +58,19 @@ end
 local h = inspect.open(opts.ckpt, extra)
 local es = h.model.expert_store
 local before = es and es:stats()
-io.write(opts.prompt)
-io.stdout:flush()
+-- every byte out at once, and a write that fails (a closed pipe, a full disk) stops the run
+local function show(text)
+  errors.written("recipes/generate.lua: writing the text", io.stdout:write(text))
+  errors.written("recipes/generate.lua: writing the text", io.stdout:flush())
+end
+show(opts.prompt)
 local t0 = now()
 local ok, err = pcall(h.generate, h, opts.prompt, {
   n = opts.n, temperature = opts.temperature, top_p = opts.top_p, seed = opts.seed,
   greedy = opts.greedy or opts.temperature == 0, seq_len = opts.seq_len,
-  on_byte = function(c) io.write(c); io.stdout:flush() end})
+  on_byte = show})
 local seconds = now() - t0
-print()   -- ends the text's line, also before an error (Ctrl-C) is printed
+io.stdout:write("\n")   -- ends the text's line, also before an error (Ctrl-C) is printed
 if not ok then error(err, 0) end
 local line = string.format("%d bytes in %.2f s: %.1f bytes/s", opts.n, seconds, opts.n / seconds)
 if es then
@@ -78,4 +82,4 @@ if es then
                                (st.bytes_read - before.bytes_read) / 2^20, st.prefetches - before.prefetches)
   es:close()
 end
-print(line)
+show(line .. "\n")

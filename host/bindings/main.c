@@ -50,6 +50,7 @@
 #include <lualib.h>
 
 #include <dirent.h>
+#include <signal.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -715,12 +716,22 @@ static int attach_main(int argc, char **argv)
     return ml_attach_repl(dir) == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
 }
 
+static void on_sigpipe(int sig)
+{
+    (void)sig;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 0 && argv[0] && argv[0][0])
         progname = argv[0];
     if (argc > 1 && strcmp(argv[1], "attach") == 0 && access("attach", F_OK) != 0)
         return attach_main(argc, argv);
+    /* A closed pipe (`moelua ... | head`) fails the write (EPIPE) instead of
+     * killing the process unsaved: a training job goes on and checkpoints,
+     * a script's finalizers remove its scratch files. Caught, not ignored:
+     * a handler resets at exec, so children (io.popen) get the default. */
+    sigaction(SIGPIPE, &(struct sigaction){.sa_handler = on_sigpipe, .sa_flags = SA_RESTART}, NULL);
     host_init(&host);
     lua_State *L = luaL_newstate();
     if (!L) {

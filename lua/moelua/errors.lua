@@ -38,4 +38,12 @@ end
 
 function errors.is_user(e) return getmetatable(e) == UserError end
 
+-- errors.written(what, f:write(...)) or errors.written(what, f:flush()):
+-- a failed write (a full disk, a closed pipe: moelua takes SIGPIPE as an
+-- error) is a user error "what: reason"; else returns the file.
+function errors.written(what, f, reason)
+  if not f then errors.user(what .. ": " .. tostring(reason)) end
+  return f
+end
+
 return errors

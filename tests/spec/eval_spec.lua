@@ -136,6 +136,12 @@ describe("eval, init-from and the profile", function()
     support.has(out, NWIN .. " windows of " .. (SEQ + 1) .. " tokens")
     assert.is_truthy(out:match("loss %d+%.%d+"), out)
     assert.is_truthy(out:match("aux_loss %d+%.%d+"), out)
+    -- a full disk under stdout: an error, not a silent exit 0
+    local p = assert(io.popen(support.host_command{"recipes/eval.lua", "--ckpt", base .. "/ckpt", "--data", file,
+                                                    "--seq-len", tostring(SEQ), "--json"} .. " 2>&1 >/dev/full"))
+    code, out = support.finish_child(p)
+    assert.are.equal(1, code, out)
+    support.has(out, "recipes/eval.lua: writing the result: No space left on device")
     code, out = sh{"recipes/eval.lua", "--ckpt", base .. "/ckpt", "--data", file, "--seq-len", "100000"}
     assert.are_not.equal(0, code)
     support.has(out, "fewer than one window of 100001")

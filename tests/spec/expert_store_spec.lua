@@ -249,6 +249,13 @@ train.run(cfg)
       assert.matches(c[2], out)
       assert.are_not.equal("alpha", out:sub(1, 5), out)   -- refused before the prompt is echoed
     end
+    -- a reader that stops early (| head): an error, and the store's file is removed all the same
+    args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", "--n", "4000",
+            "--expert-budget", "64KiB", "--expert-store", dir("pipe.store")}
+    local p = assert(io.popen("{ " .. support.host_command(args) .. " 2>&3 | head -c 3 > /dev/null; } 3>&1"))
+    code, out = support.finish_child(p)
+    support.has(out, "recipes/generate.lua: writing the text: Broken pipe")
+    assert.is_nil(fs.stat(dir("pipe.store")), "the store's file is removed")
   end)
 
   describe("bad input", function()
