@@ -28,7 +28,8 @@ local tensor = moelua
 local opts = options.parse(arg, {
   {"ckpt", "", "checkpoint: a step directory, a ckpt root with `latest`, or a Mixtral directory"},
   {"data", "", "the text file to evaluate (read as bytes unless --format says otherwise)"},
-  {"format", "bytes", "token format of --data: bytes, u16 or u32 (pre-tokenized .bin)"},
+  {"format", "bytes", "token format of --data: bytes, u16 or u32 (pre-tokenized .bin)",
+   choices = {"bytes", "u16", "u32"}},
   {"seq-len", 1024, "predictions per window (windows are seq-len + 1 tokens)"},
   {"json", false, "print one JSON object"},
   {"grad-norms", false, "add per-tensor gradient L2 norms of the mean loss, by HF name"},
@@ -45,7 +46,7 @@ local model, c = nn.Transformer.from_checkpoint(opts.ckpt, {checkpoint = opts.ch
 local S, W = opts.seq_len, opts.seq_len + 1
 local st = moelua.fs.stat(opts.data)
 if not st or st.type ~= "file" then errors.user("recipes/eval.lua: --data '" .. opts.data .. "' is not a readable file") end
-local width = ({bytes = 1, u16 = 2, u32 = 4})[opts.format] or 1
+local width = ({bytes = 1, u16 = 2, u32 = 4})[opts.format]
 if st.size // width < W then
   errors.user(string.format("recipes/eval.lua: '%s' has %d tokens, fewer than one window of %d (--seq-len %d + 1)",
                             opts.data, st.size // width, W, S))

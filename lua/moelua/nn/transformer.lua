@@ -837,7 +837,7 @@ local function check_tensors(model, tensors, bad)
     else
       local dt = t:dtype()
       if not LOAD_DTYPES[dt] then
-        bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16)", p.name, dt:upper())
+        bad("'%s' has dtype %s, expected a floating type (F32, BF16, F16, F64)", p.name, dt:upper())
       end
       local got = t:shape()
       if shape_str(got) ~= shape_str(exp) then
