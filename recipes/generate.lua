@@ -44,7 +44,10 @@ options.refuse_unused(given, {
                                              "(give both, or neither)"},
   {"expert-prefetch", opts.expert_budget == "", "the expert store's hints are used only with --expert-budget"},
   {"temperature", opts.greedy, "--greedy takes the most likely byte, whatever the temperature"},
-  {"top-p", opts.greedy, "--greedy takes the most likely byte: no nucleus to sample from"},
+  {"top-p", opts.greedy or opts.temperature == 0, "greedy decoding (--greedy or --temperature 0) takes the most " ..
+                                                  "likely byte: no nucleus to sample from"},
+  {"seed", opts.greedy or opts.temperature == 0, "greedy decoding (--greedy or --temperature 0) draws nothing " ..
+                                                 "to seed"},
 })
 moelua.threads(opts.threads)
 

@@ -242,7 +242,11 @@ train.run(cfg)
                        {{"--expert-prefetch", "1"}, "%-%-expert%-prefetch: the expert store's hints are used only " ..
                                                     "with %-%-expert%-budget"},
                        {{"--greedy", "--temperature", "0.5"}, "%-%-temperature: %-%-greedy takes the most likely " ..
-                                                              "byte, whatever the temperature"}} do
+                                                              "byte, whatever the temperature"},
+                       {{"--temperature", "0", "--top-p", "0.5"}, "%-%-top%-p: greedy decoding %(%-%-greedy or " ..
+                                                                  "%-%-temperature 0%) takes the most likely byte"},
+                       {{"--greedy", "--seed", "3"}, "%-%-seed: greedy decoding %(%-%-greedy or %-%-temperature 0%) " ..
+                                                     "draws nothing to seed"}} do
       args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)
