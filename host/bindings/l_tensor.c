@@ -42,6 +42,21 @@ ml_tensor *ml_contiguous_arg(lua_State *L, int idx, const char *fn)
 
 static const char *const CREATE_OPTS[] = {"dtype", "device", NULL};
 
+/* Nothing but nils after the arguments, which end at next - 1 or, with an
+ * options table, at optidx: (2, 3, "f64") gives no options, it is an error. */
+static void check_rest(lua_State *L, const char *fn, int next, int optidx)
+{
+    for (int i = optidx ? optidx + 1 : next; i <= lua_gettop(L); i++) {
+        if (lua_isnil(L, i))
+            continue;
+        if (!optidx && i == next)
+            ml_error(L, fn, "argument #%d: expected an options table {dtype =, device =}, got %s", i,
+                     luaL_typename(L, i));
+        ml_error(L, fn, "argument #%d: unexpected %s after the %s", i, luaL_typename(L, i),
+                 optidx ? "options table" : "arguments");
+    }
+}
+
 /* Shape, then an optional options table: (2, 3, opts) or ({2, 3}, opts).
  * reserve: a reserved storage (tensor.reserve), else an allocated one. */
 static ml_tensor *create_as(lua_State *L, const char *fn, int idx, int *optidx,
@@ -51,15 +66,7 @@ static ml_tensor *create_as(lua_State *L, const char *fn, int idx, int *optidx,
     int next;
     int ndim = ml_checkshape(L, idx, fn, shape, &next);
     *optidx = lua_istable(L, next) ? next : 0;
-    int top = lua_gettop(L);
-    while (top >= next && lua_isnil(L, top))   /* (shape, nil): no options */
-        top--;
-    if (*optidx && top > next)
-        ml_error(L, fn, "argument #%d: nothing comes after the options table, got a %s", next + 1,
-                 luaL_typename(L, next + 1));
-    if (!*optidx && top >= next)   /* (2, 3, "f64"): options come as a table */
-        ml_error(L, fn, "argument #%d: expected an options table {dtype =, device =} after the shape, got %s",
-                 next, luaL_typename(L, next));
+    check_rest(L, fn, next, *optidx);
     ml_check_opts(L, *optidx, fn, allowed);
     ml_dtype dt = ml_opt_dtype(L, *optidx, fn, ML_F32);
     ml_device dev = ml_opt_device(L, *optidx, fn, ML_CPU);
@@ -117,6 +124,7 @@ static int l_tensor_full(lua_State *L)
         ml_error(L, fn, "argument #%d: expected the fill value, got %s", next, luaL_typename(L, next));
     double v = lua_tonumber(L, next);
     int opt = lua_istable(L, next + 1) ? next + 1 : 0;
+    check_rest(L, fn, next + 1, opt);
     ml_check_opts(L, opt, fn, CREATE_OPTS);
     ml_tensor *t = ml_newtensor(L, fn, ml_opt_device(L, opt, fn, ML_CPU),
                                 ml_opt_dtype(L, opt, fn, ML_F32), ndim, shape);

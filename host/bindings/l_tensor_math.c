@@ -144,11 +144,10 @@ static int l_tensor_topk(lua_State *L)
     static const char fn[] = "Tensor:topk";
     ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
-    int isint;
-    lua_Integer k = lua_tointegerx(L, 2, &isint);
-    if (!isint || lua_type(L, 2) != LUA_TNUMBER)
-        ml_error(L, fn, "expected k (an integer), got %s",
-                 lua_type(L, 2) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, 2));
+    lua_Integer k;
+    const char *got = ml_not_integer(L, 2, &k);
+    if (got)
+        ml_error(L, fn, "expected k (an integer), got %s", got);
     ml_tensor *vals = ml_pushtensor(L), *idx = ml_pushtensor(L);
     ml_err e;
     ml_check_op(L, fn, ml_op_topk(ml_host_of(L), vals, idx, t, k, &e), &e);

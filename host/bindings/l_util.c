@@ -358,11 +358,10 @@ int64_t ml_opt_integer(lua_State *L, int idx, const char *fn, const char *key, i
 {
     if (!opt_field(L, idx, key))
         return def;
-    int isint = 0;
-    lua_Integer v = lua_tointegerx(L, -1, &isint);
-    if (!isint || lua_type(L, -1) != LUA_TNUMBER)
-        ml_error(L, fn, "option '%s' must be an integer, got %s", key,
-                 lua_type(L, -1) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, -1));
+    lua_Integer v;
+    const char *got = ml_not_integer(L, -1, &v);
+    if (got)
+        ml_error(L, fn, "option '%s' must be an integer, got %s", key, got);
     if ((v < lo || v > hi) && lo != INT64_MIN && hi != INT64_MAX)
         ml_error(L, fn, "option '%s' must be in [%lld, %lld], got %lld", key, (long long)lo,
                  (long long)hi, (long long)v);
@@ -400,11 +399,10 @@ int ml_opt_bool(lua_State *L, int idx, const char *fn, const char *key, int def)
 
 static int64_t check_size(lua_State *L, int idx, const char *fn, int dim)
 {
-    int isint = 0;
-    lua_Integer v = lua_tointegerx(L, idx, &isint);
-    if (!isint)
-        ml_error(L, fn, "size of dim %d must be an integer, got %s", dim + 1,
-                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
+    lua_Integer v;
+    const char *got = ml_not_integer(L, idx, &v);
+    if (got)
+        ml_error(L, fn, "size of dim %d must be an integer, got %s", dim + 1, got);
     if (v < 0)
         ml_error(L, fn, "size of dim %d is negative (%lld)", dim + 1, (long long)v);
     return v;
@@ -441,9 +439,20 @@ int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *ne
     return ndim;
 }
 
+const char *ml_not_integer(lua_State *L, int idx, lua_Integer *v)
+{
+    int isint = 0;
+    *v = lua_tointegerx(L, idx, &isint);
+    if (isint && lua_type(L, idx) == LUA_TNUMBER)
+        return NULL;
+    return lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx);
+}
+
 void ml_args(lua_State *L, int n, const char *fn)
 {
     int top = lua_gettop(L), self = strchr(fn, ':') != NULL;
+    while (top > n && lua_isnil(L, top))   /* f(a, nil): a wrapper passing an absent argument on */
+        top--;
     if (top > n) {
         char takes[32];
         snprintf(takes, sizeof takes, n == self ? "no arguments" : "at most %d argument%s", n - self,
@@ -456,11 +465,11 @@ void ml_args(lua_State *L, int n, const char *fn)
 
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)
 {
-    int isint;
-    lua_Integer given = lua_tointegerx(L, idx, &isint), d = given;
-    if (!isint || lua_type(L, idx) != LUA_TNUMBER)
-        ml_error(L, fn, "expected a dim (an integer, 1-based or negative from the end), got %s",
-                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
+    lua_Integer given;
+    const char *got = ml_not_integer(L, idx, &given);
+    if (got)
+        ml_error(L, fn, "expected a dim (an integer, 1-based or negative from the end), got %s", got);
+    lua_Integer d = given;
     if (d < 0)
         d += ndim + 1;
     if (d < 1 || d > ndim)

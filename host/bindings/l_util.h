@@ -108,6 +108,9 @@ int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *ne
  * last dim); fewer are padded with nil. A method (fn "Type:name") counts
  * its arguments after self, as Lua's own errors do. */
 void ml_args(lua_State *L, int n, const char *fn);
+/* NULL when the value at idx is an integer (a whole float too), stored in
+ * *v; else what it is, for an error's "got ...": "a fraction" or its type. */
+const char *ml_not_integer(lua_State *L, int idx, lua_Integer *v);
 /* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
 

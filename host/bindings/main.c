@@ -131,11 +131,14 @@ static int msghandler(lua_State *L)
         user = luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING;
         msg = user ? lua_tostring(L, -1)
                    : lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-        if (user && lua_istable(L, 1)) {   /* moelua.errors.agreed's mark, for report */
-            lua_getfield(L, 1, "agreed");
-            lua_setfield(L, LUA_REGISTRYINDEX, AGREED_KEY);
-        }
     }
+    int agreed = 0;   /* moelua.errors.agreed's mark, for report: set anew for every error */
+    if (user && lua_istable(L, 1)) {
+        agreed = lua_getfield(L, 1, "agreed") != LUA_TNIL && lua_toboolean(L, -1);
+        lua_pop(L, 1);
+    }
+    lua_pushboolean(L, agreed);
+    lua_setfield(L, LUA_REGISTRYINDEX, AGREED_KEY);
     lua_getfield(L, LUA_REGISTRYINDEX, TRACEBACK_KEY);
     int always = lua_toboolean(L, -1);
     lua_pop(L, 1);

@@ -169,11 +169,12 @@ function expert_store.new(o)
 end
 
 -- The slab of expert e of layer l (both 0-based); out of range is an
--- error at the line that called acquire, release or with.
-function ES:slab(l, e)
+-- error at error()'s `level`: by default 3, the line that called the
+-- method asking (acquire, release, fill, with; edit_params passes its own).
+function ES:slab(l, e, level)
   if math.type(l) ~= "integer" or l < 0 or l >= self.L or math.type(e) ~= "integer" or e < 0 or e >= self.E then
     error(string.format("moelua.expert_store: no expert (layer %s, expert %s): layers 0..%d, experts 0..%d",
-                        tostring(l), tostring(e), self.L - 1, self.E - 1), 3)
+                        tostring(l), tostring(e), self.L - 1, self.E - 1), level or 3)
   end
   return l * self.E + e
 end
@@ -237,7 +238,8 @@ end
 -- acquired, then released (dirty: fn wrote its slot) also when fn raises,
 -- so a Ctrl-C or a NaN in a kernel leaves no slot pinned (with one slot,
 -- the save that follows would find none free).
-function ES:with(l, e, dirty, fn)
+function ES:with(l, e, dirty, fn, level)
+  self:slab(l, e, level or 3)   -- (checked here: an error names with's caller, or edit_params')
   local r = table.pack(pcall(fn, self:acquire(l, e)))
   self:release(l, e, dirty)
   if not r[1] then error(r[2], 0) end
@@ -263,7 +265,7 @@ function ES:edit_params(l, e, fn)
     local ok, err = pcall(fn, v)
     round_compute(v)
     if not ok then error(err, 0) end
-  end)
+  end, 4)
 end
 
 -- Layer l's forward has routed: `has` = {[e] = true} for its experts with

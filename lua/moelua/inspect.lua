@@ -50,19 +50,23 @@ local LN2 = math.log(2)
 -- message naming the function and the argument.
 local function fail(fn, fmt, ...) errors.user("moelua.inspect." .. fn .. ": " .. string.format(fmt, ...)) end
 
--- opts (nil or a table) against spec {key = "count" (an integer >= 1) or
--- "boolean"}: an unknown key or a wrong value names itself
+-- opts (nil or a table) against spec {key = "count" (an integer >= 1; a
+-- whole float too) or "boolean"} -> a copy, counts as integers: an unknown
+-- key or a wrong value names itself
 local function check_opts(fn, opts, spec)
   if opts == nil then return {} end
   if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
+  local r = {}
   for k, v in pairs(opts) do
     local want = spec[k]
     if not want then fail(fn, "%s", options.unknown(k, spec)) end
-    if want == "count" and not (math.type(v) == "integer" and v >= 1) or want == "boolean" and type(v) ~= "boolean" then
+    r[k] = want == "count" and math.type(v) and math.tointeger(v) or v
+    if want == "count" and not (math.type(r[k]) == "integer" and r[k] >= 1) or
+       want == "boolean" and type(v) ~= "boolean" then
       fail(fn, "option '%s' must be %s, got %s", k, want == "count" and "an integer >= 1" or "a boolean", tostring(v))
     end
   end
-  return opts
+  return r
 end
 
 -- h = inspect.open(dir [, extra]): extra = nn.Transformer options (e.g. ce_rows).
@@ -80,7 +84,7 @@ end
 local function read_input(fn, x)
   if type(x) ~= "string" then fail(fn, "expected a text or a file path, got %s", type(x)) end
   if #x == 0 then fail(fn, "expected a text or a file path, got an empty string") end
-  if #x < 4096 and not x:find("[\n%z]") then   -- (a path holds neither)
+  if #x < 4096 and not x:find("[\n\0]") then   -- (a path holds neither)
     local st = fs.stat(x)
     if st and st.type == "file" then
       local f = assert(io.open(x, "rb"))
@@ -394,7 +398,8 @@ end
 
 -- top-k of a run: opts.topk, else num_experts_per_tok of its latest checkpoint.
 local function run_topk(fn, run_dir, opts)
-  if check_opts(fn, opts, {topk = "count"}).topk then return opts.topk end
+  local k = check_opts(fn, opts, {topk = "count"}).topk
+  if k then return k end
   -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
   for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
     local ok, dir = pcall(pointer, run_dir .. "/ckpt")
@@ -567,10 +572,9 @@ function Handle:generate(prompt, o)
     fail("generate", "option 'top_p' must be in (0, 1]")
   end
   if o.on_byte ~= nil and type(o.on_byte) ~= "function" then fail("generate", "option 'on_byte' must be a function") end
-  if o.seed ~= nil and math.type(o.seed) ~= "integer" then
-    fail("generate", "option 'seed' must be an integer, got %s", tostring(o.seed))
-  end
-  local rand = rng(o.seed or 0)
+  local seed = math.type(o.seed) and math.tointeger(o.seed)
+  if o.seed ~= nil and not seed then fail("generate", "option 'seed' must be an integer, got %s", tostring(o.seed)) end
+  local rand = rng(seed or 0)
   local model = self.model
   local cache = model:kv_cache(S)
   local bytes, out, trace = {prompt:byte(1, -1)}, {}, {}

@@ -282,9 +282,8 @@ local function check_rows(self, fn, name, t, rows)
   local o = self.opts
   local function fail(fmt, ...) error(string.format("moelua.moe: layer:%s: " .. fmt, fn, ...), 4) end
   if not tensor.is_tensor(t) then fail("%s must be a tensor, got %s", name, type(t)) end
-  local shape = t:shape()
-  if #shape ~= 2 or shape[2] ~= o.dim or rows and shape[1] ~= rows then
-    fail("%s is [%s]: it must be [%s, %d]", name, table.concat(shape, ","), rows or "T", o.dim)
+  if t:dim() ~= 2 or t:size(2) ~= o.dim or rows and t:size(1) ~= rows then   -- (no shape table per forward)
+    fail("%s is [%s]: it must be [%s, %d]", name, table.concat(t:shape(), ","), rows or "T", o.dim)
   end
   if t:dtype() ~= o.dtype or t:device() ~= o.device then
     fail("%s is %s on %s: the layer's are %s on %s", name, t:dtype(), t:device(), o.dtype, o.device)

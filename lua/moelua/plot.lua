@@ -180,7 +180,10 @@ end
 
 local function fmt(v, step)
   local a = math.abs(v)
-  if a >= 1e9 then return (string.format("%.3g", v)) end   -- 2e+13 (a blown-up loss), not 2e+07M
+  if a >= 1e9 then   -- 2e+13 (a blown-up loss), not 2e+07M; as many digits as the step needs
+    local digits = math.floor(math.log(a, 10) + 1e-9) - math.floor(math.log(step, 10) + 1e-9) + 1
+    return (string.format("%." .. math.max(1, digits) .. "g", v))
+  end
   if a >= 1e6 and step >= 1e5 then return (string.format("%gM", v / 1e6)) end
   if a >= 1e4 and step >= 1e3 then return (string.format("%gk", v / 1e3)) end
   if step >= 1 and v == math.floor(v) then return string.format("%d", math.floor(v)) end

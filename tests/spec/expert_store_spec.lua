@@ -338,10 +338,17 @@ train.run(cfg)
         support.has(tostring(err), string.format("moelua.expert_store: no expert (layer %s, expert %s): layers 0..1, " ..
                                                  "experts 0..3", tostring(le[1]), tostring(le[2])))
       end
+      for _, f in ipairs{function() es:with(2, 0, false, function() end) end,
+                         function() es:edit_params(0, 4, function() end) end} do
+        local ok, err = pcall(f)
+        assert.is_false(ok)
+        assert.matches("^[^:]*expert_store_spec%.lua:%d+: moelua%.expert_store: no expert", tostring(err))
+      end
       es:acquire(1, 3)
       es:release(1, 3)
+      assert.is_not_nil(fs.stat(dir("api.store")))
       es:close()
-      assert.is_nil(fs.stat(dir("m.store")))
+      assert.is_nil(fs.stat(dir("api.store")), "close removes the file")
     end)
 
     it("a disk too small for the backing file: a clear error, no partial file", function()

@@ -444,6 +444,10 @@ describe("moelua.plot", function()
     local svg = check_all(plot.run(dir)).loss
     assert.truthy(svg:find(">2e+13<", 1, true), svg)
     assert.is_nil(svg:find("e%+%d+M<"), svg)
+    -- a narrow range up there: labels as distinct as the ticks
+    support.write_file(dir .. "/metrics.jsonl", '{"step":0,"loss":1.0000e9}\n{"step":1,"loss":1.0008e9}\n')
+    svg = check_all(plot.run(dir)).loss
+    assert.truthy(svg:find(">1.0004e+09<", 1, true), svg)
   end)
 
   it("gives a clear error for a missing run dir, a missing or empty metrics.jsonl", function()

@@ -251,11 +251,17 @@ describe("bad input", function()
     assert.matches("moelua.threads: thread count must be in 1..1024", errmsg(m.threads, 0))
     assert.matches("counter word 1 must be an integer", errmsg(m.philox4x32_10, {-1, 0, 0, 0}, {0, 0}))
     -- arguments a binding does not take: refused, never ignored
-    assert.matches("moelua.zeros: argument #2: expected an options table {dtype =, device =} after the shape, " ..
-                   "got string", errmsg(m.zeros, {2, 3}, "f64"), nil, true)
+    assert.matches("moelua.zeros: argument #2: expected an options table {dtype =, device =}, got string",
+                   errmsg(m.zeros, {2, 3}, "f64"), nil, true)
     assert.matches("moelua.ones: argument #3: expected an options table", errmsg(m.ones, 2, 3, "f64"), nil, true)
-    assert.matches("moelua.zeros: argument #3: nothing comes after the options table, got a number",
-                   errmsg(m.zeros, {2}, {dtype = "f64"}, 1), nil, true)
+    assert.matches("moelua.zeros: argument #4: unexpected number after the options table",
+                   errmsg(m.zeros, {2}, {dtype = "f64"}, nil, 1), nil, true)
+    assert.matches("moelua.zeros: argument #3: unexpected number after the arguments",
+                   errmsg(m.zeros, {2}, nil, 1), nil, true)
+    assert.matches("moelua.full: argument #3: expected an options table", errmsg(m.full, {2}, 1, "f64"), nil, true)
+    assert.matches("moelua.full: argument #4: unexpected number after the options table",
+                   errmsg(m.full, {2}, 1, {dtype = "f64"}, 7), nil, true)
+    assert.are.equal(2, m.zeros({2, 3}):size(1, nil))   -- a trailing nil is no argument
     assert.are.equal("f32", m.zeros({2}, nil):dtype())
     local t = m.tensor({{1, 2}, {3, 4}})
     assert.matches("Tensor:softmax: takes no arguments, got 1 (#1 is a number)", errmsg(t.softmax, t, 1), nil, true)
