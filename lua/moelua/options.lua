@@ -38,6 +38,7 @@ local function convert(o, text)
   if t == "number" then
     local v = tonumber(text)
     if v == nil or v ~= v then fail("option --%s expects a number, got '%s'", name, text) end
+    if v == math.huge or v == -math.huge then fail("option --%s must be finite, got '%s'", name, text) end
     if math.type(default) == "integer" then
       if math.type(v) ~= "integer" and v ~= math.floor(v) then
         fail("option --%s expects an integer, got '%s'", name, text)

@@ -386,7 +386,10 @@ describe("the console", function()
     for _, bad in ipairs({{"--steps", "0", "option %-%-steps must be at least 1, got 0"},
                           {"--steps", "-3", "option %-%-steps must be at least 1, got %-3"},
                           {"--eps", "2", "option %-%-eps must be below 1, got 2"},
-                          {"--seq-len", "x", "option %-%-seq%-len expects a number, got 'x'"}}) do
+                          {"--seq-len", "x", "option %-%-seq%-len expects a number, got 'x'"},
+                          -- infinity parses as a number: refused here, not by the optimizer's or a save's checks
+                          {"--lr", "1e999", "option %-%-lr must be finite, got '1e999'"},
+                          {"--clip", "-1e999", "option %-%-clip must be finite, got '%-1e999'"}}) do
       local p = assert(io.popen(support.host_command({"recipes/tiny.lua", bad[1], bad[2]}) .. " 2>&1"))
       local code, text = support.finish_child(p)
       assert.are.equal(1, code, text)
