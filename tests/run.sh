@@ -15,13 +15,14 @@ cd "$(dirname "$0")/.."
 MOELUA=${MOELUA:-./moelua}
 TEST_BUILD=${TEST_BUILD:-build/cpu}
 SUITES=${SUITES:-}
-passed=0 failed=0 skipped=0 crashed=0
+passed=0 failed=0 skipped=0 crashed=0 suites=0
 log=$(mktemp -d)
 trap 'rm -rf "$log"' EXIT
 
 run_suite() {  # name, command...
     local name=$1; shift
     [ -n "$SUITES" ] && [[ "$name" != *$SUITES* ]] && return
+    suites=$((suites + 1))
     local out="$log/$(echo "$name" | tr '/' '_').out" t0 t1 ok bad skip rc
     t0=$(date +%s.%N)
     "$@" >"$out" 2>&1
@@ -45,6 +46,9 @@ run_suite() {  # name, command...
     fi
 }
 
+if ! ls "$TEST_BUILD"/tests/test_* >/dev/null 2>&1; then
+    echo "note: no C tests in $TEST_BUILD/tests (make test, or make build/tests, builds them)" >&2
+fi
 for t in "$TEST_BUILD"/tests/test_*; do
     [ -x "$t" ] || continue
     run_suite "c/$(basename "$t")" "$t"
@@ -69,6 +73,10 @@ if [ "${EMU_GPU:-}" = 1 ] && { [ -z "$SUITES" ] || [[ emu/gpu_ == *$SUITES* ]] |
     else
         run_suite "emu/build" sh -c "tail -20 '$log/emu_build.out'; exit 1"
     fi
+fi
+if [ "$suites" -eq 0 ]; then   # nothing ran: no pass to report
+    echo "no suite matches SUITES='$SUITES' (names: c/test_*, spec/*_spec, emu/gpu_*)" >&2
+    failed=$((failed + 1))
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
