@@ -652,7 +652,9 @@ function moe.aux_loss(layers, aux_weight, z_weight, scope)
     end
   end
   scope = scope or "model"
-  if scope ~= "model" and scope ~= "layer" then fail("scope must be \"model\" or \"layer\", got %s", tostring(scope)) end
+  if scope ~= "model" and scope ~= "layer" then
+    fail("scope must be \"model\" or \"layer\", got %s", tostring(scope))
+  end
   local L = #layers
   local E = layers[1].opts.experts
   local N = 0

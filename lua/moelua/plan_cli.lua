@@ -116,8 +116,8 @@ local function preset_lines(plan, out)
                                 "take %s GB in bf16", gb(r.params), r.params / 2 / 1e9, n / 1e9, gb(2 * n))
   out[#out + 1] = string.format("  - AdamW's two fp32 moments of %.2fB parameters are %s GB (with fp32 master weights, " ..
                                 "as here: %s GB), not %s GB", n / 1e9, gb(8 * n), gb(12 * n), gb(r.optim))
-  out[#out + 1] = string.format("  - its gradients are half its 2-byte parameters; fp32 gradients (DESIGN.md) of " ..
-                                "%.2fB parameters are %s GB", n / 1e9, gb(4 * n))
+  out[#out + 1] = string.format("  - its gradients are half its 2-byte parameters; fp32 gradients (as moelua keeps " ..
+                                "them) of %.2fB parameters are %s GB", n / 1e9, gb(4 * n))
   out[#out + 1] = string.format("  - model states alone (params, grads, optim) are %s GB here, %.1f bytes per parameter%s",
                                 gb(states), states / n, plan.budget_total > 0 and states > plan.budget_total
                                   and string.format(", over the %s budget before any activation: one GPU fits " ..

@@ -326,7 +326,8 @@ train.run(cfg)
         assert.is_false(ok)
         return tostring(err)
       end
-      support.has(model_with{path = dir("m.store"), budget = 64.5}, "option 'store.budget' must be a whole number, got 64.5")
+      support.has(model_with{path = dir("m.store"), budget = 64.5},
+                  "option 'store.budget' must be a whole number, got 64.5")
       support.has(model_with{path = dir("m.store"), budget = 2 ^ 20, prefech = 2},
                   "unknown option 'store.prefech' (expected one of: budget, inference, path, prefetch)")
       support.has(model_with{budget = 2 ^ 20}, "option 'store.path' is required on the cpu")
@@ -335,8 +336,8 @@ train.run(cfg)
         local ok, err = pcall(function() local v = es:acquire(le[1], le[2]); return v end)
         assert.is_false(ok)
         support.has(tostring(err), "expert_store_spec.lua:")
-        support.has(tostring(err), string.format("moelua.expert_store: no expert (layer %s, expert %s): layers 0..1, " ..
-                                                 "experts 0..3", tostring(le[1]), tostring(le[2])))
+        support.has(tostring(err), string.format("moelua.expert_store: no expert (layer %s, expert %s): " ..
+                                                 "layers 0..1, experts 0..3", tostring(le[1]), tostring(le[2])))
       end
       for _, f in ipairs{function() es:with(2, 0, false, function() end) end,
                          function() es:edit_params(0, 4, function() end) end} do

@@ -280,8 +280,8 @@ describe("bad input", function()
                    nil, true)
     assert.matches("moelua.rng_state: the state has no 'seed'", errmsg(m.rng_state, {1, 2}), nil, true)
     assert.matches("moelua.rng_state: expected a state {seed =, offset =}", errmsg(m.rng_state, "x"), nil, true)
-    assert.matches("moelua.rng_state: option 'offset' must be >= 0, got -1", errmsg(m.rng_state, {seed = 1, offset = -1}),
-                   nil, true)
+    assert.matches("moelua.rng_state: option 'offset' must be >= 0, got -1",
+                   errmsg(m.rng_state, {seed = 1, offset = -1}), nil, true)
     assert.matches("Tensor:fill_: expected the fill value (a number), got string", errmsg(t.fill_, t, "a"), nil, true)
     assert.matches("moelua.mem.stats: takes no arguments, got 1", errmsg(m.mem.stats, "x"), nil, true)
     assert.matches("moelua.arange: too many elements (1e+300)", errmsg(m.arange, 1e300), nil, true)

@@ -101,7 +101,9 @@ local function check_options(opts)
       ok = math.type(v) == "integer"
     elseif spec[1] == "string|table" then ok = type(v) == "string" or type(v) == "table"
     else ok = type(v) == spec[1] end
-    if not ok then fail("option '%s' must be %s, got %s", k, spec[1], type(v) == "number" and tostring(v) or type(v)) end
+    if not ok then
+      fail("option '%s' must be %s, got %s", k, spec[1], type(v) == "number" and tostring(v) or type(v))
+    end
     o[k] = v
   end
   for k, spec in pairs(OPTIONS) do
@@ -136,7 +138,7 @@ local function check_options(opts)
   need(o.device == "cpu" or o.device == "cuda", "option 'device' must be \"cpu\" or \"cuda\", got %q",
        o.device)
   need(o.dtype ~= "bf16" or o.device == "cuda", "option 'dtype' \"bf16\" (mixed precision) runs on " ..
-       "cuda: the CPU's kernels are f32 and f64 (DESIGN.md, Numerics)")
+       "cuda: the CPU's kernels are f32 and f64")
   -- checkpoint: one mode or one per layer
   local per = {}
   if type(o.checkpoint) == "string" then
