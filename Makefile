@@ -70,7 +70,7 @@ DEB_PKGS := liblua5.4-dev lua5.4 lua-busted libopenblas-dev libdnnl-dev libreadl
             mpich libmpich-dev pkg-config libssl-dev lua-dkjson
 BENCH_PKGS := python3 python3-torch python3-numpy libblis-dev libxsmm-dev
 
-.PHONY: all deps bench-deps test run sanitize gpu-bundle bench clean
+.PHONY: all deps bench-deps test run sanitize gpu-bundle clean
 all: $(TARGET)
 
 $(TARGET): $(OBJ)

@@ -512,7 +512,7 @@ static void print_recipes(void)
     }
     closedir(d);
     qsort(names, (size_t)n, sizeof names[0], compare_names);
-    printf("Recipes (in %s; `%s RECIPE --help` lists its options):\n", dir, progname);
+    printf("Recipes (run one as `%s %s/NAME`; with --help it lists its options):\n", progname, dir);
     for (int i = 0; i < n; i++) {
         char path[sizeof dir + sizeof names[0]], summary[512];
         snprintf(path, sizeof path, "%s/%.255s", dir, names[i]);

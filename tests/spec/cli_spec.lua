@@ -251,6 +251,11 @@ train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3})
         p:close()
         assert.is_true(n >= 3)
         assert(out:find("\n  tiny.lua      recipes/longctx.lua at smoke-test size (seconds, not minutes).\n", 1, true), out)
+        -- how to run one, with a path that works from anywhere
+        local dir = out:match("Recipes %(run one as `[^`]- ([^`]+)/NAME`; with %-%-help it lists its options%):")
+        assert.is_string(dir, out)
+        assert.are.equal("/", dir:sub(1, 1))
+        assert(io.open(dir .. "/tiny.lua")):close()
         assert.are.equal(out, select(2, run({"-h"})))
         -- --help does not run what follows it
         code, out = run({"--help", "-e", "print('ran')"})
