@@ -37,6 +37,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <readline/history.h>
@@ -413,6 +414,47 @@ static int send_line(int fd, char *line)
     return w == (ssize_t)(len + 1) ? print_reply(fd) : -1;
 }
 
+/* The pid in RUN_DIR/lock when that process is alive (a job trains
+ * there; moelua.train writes its pid when it takes the lock), 0 when it
+ * is not, -1 when there is no lock yet (no job has started there). */
+static long live_job(const char *run_dir)
+{
+    char path[4200], text[32];
+    snprintf(path, sizeof path, "%s/lock", run_dir);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return errno == ENOENT ? -1 : 0;
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    long pid = strtol(text, NULL, 10);
+    return pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM) ? pid : 0;
+}
+
+/* Connect fd to addr, waiting for a job that is starting, so that
+ * `job --attach & moelua attach RUN_DIR` works: up to 5 s for a job to
+ * take RUN_DIR's lock, then up to a minute while a live one holds it
+ * (it plans and builds before it listens). */
+static int connect_job(int fd, const struct sockaddr_un *addr, const char *run_dir)
+{
+    int said_start = 0, said_job = 0;
+    for (int tries = 0;; tries++) {
+        if (connect(fd, (const struct sockaddr *)addr, sizeof *addr) == 0)
+            return 0;
+        int e = errno;
+        long pid = e == ENOENT || e == ECONNREFUSED ? live_job(run_dir) : 0;
+        if (pid == 0 || tries >= (pid < 0 ? 50 : 600)) {
+            errno = e;
+            return -1;
+        }
+        if (pid < 0 && !said_start++)
+            fprintf(stderr, "moelua attach: no job in %s yet: waiting up to 5 s for one to start\n", run_dir);
+        if (pid > 0 && !said_job++)
+            fprintf(stderr, "moelua attach: waiting for the job (pid %ld) to open %s\n", pid, addr->sun_path);
+        nanosleep(&(struct timespec){0, 100000000}, NULL);
+    }
+}
+
 int ml_attach_repl(const char *run_dir)
 {
     struct sockaddr_un addr;
@@ -429,7 +471,7 @@ int ml_attach_repl(const char *run_dir)
         return 1;
     }
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+    if (fd < 0 || connect_job(fd, &addr, run_dir) != 0) {
         fprintf(stderr, "moelua attach: cannot connect to %s: %s (is a job running with --attach?)\n",
                 addr.sun_path, strerror(errno));
         if (fd >= 0)

@@ -672,6 +672,25 @@ describe("moelua attach", function()
   it("says so when no job listens", function()
     local code, out = support.finish_child(assert(io.popen(support.host_command({"attach", dir}) .. " 2>&1 </dev/null")))
     assert.are.equal(1, code)
+    support.has(out, "no job in " .. dir .. " yet: waiting up to 5 s for one to start")
     support.has(out, "cannot connect to " .. dir .. "/attach/sock")
+    -- the run's lock names a process that has ended: no wait
+    support.write_file(dir .. "/lock", "999999999\n")
+    local t0 = bench.now()
+    code, out = support.finish_child(assert(io.popen(support.host_command({"attach", dir}) .. " 2>&1 </dev/null")))
+    assert.are.equal(1, code)
+    assert.is_true(bench.now() - t0 < 3, out)
+    assert.is_nil(out:find("waiting", 1, true), out)
+  end)
+
+  it("attached right after the job is started (`job --attach & moelua attach`): waits for its socket", function()
+    local run = dir .. "/late"
+    local cmd = support.host_command({"recipes/tiny.lua", "--steps", "400", "--seq-len", "64", "--threads", "1",
+                                      "--run-dir", run, "--ckpt-every", "0", "--attach"}) ..
+                " >/dev/null 2>&1 & job=$!; echo 'stats ~= nil' | " .. support.host_command({"attach", run}) ..
+                " 2>&1; rc=$?; kill -INT $job; wait $job; exit $rc"
+    local code, out = support.finish_child(assert(io.popen(cmd)))
+    assert.are.equal(0, code, out)
+    support.has(out, "true")
   end)
 end)
