@@ -87,6 +87,19 @@ describe("Ctrl-C (SIGINT) without a terminal", function()
         assert.not_matches("leak", out)
     end)
 
+    it("stops one large GEMM between its blocks of rows, not after it", function()
+        -- one product of 2 x 12000 x 2048 x 2048 = 100 GFLOP, in 4 blocks: the kernel itself says
+        -- it was interrupted (after the call, the hook would raise "interrupted!")
+        local code, out = interrupt_child([[
+            local a = moelua.rand({12000, 2048})
+            local b = moelua.rand({2048, 2048})
+            ready()
+            print(pcall(moelua.matmul, a, b))
+        ]])
+        assert.are.equal(0, code, out)
+        assert.matches("false\tmoelua%.matmul: interrupted\n", out)
+    end)
+
     it("leaves a host that computes again when the script catches it mid-kernel", function()
         local code, out = interrupt_child([[
             local ok, err = pcall(gemm_loop)

@@ -884,6 +884,22 @@ describe("matmul", function()
       end
     end)
 
+    it("a product above 32 GFLOP runs in blocks of rows (Ctrl-C between them): rows on both sides of a seam, " ..
+       dt, function()
+      -- 2 M K N = 3.3e10 FLOP: two blocks of 1400 rows, so rows 1400 and 1401 are in two blocks; each row
+      -- against the same row alone in f64 (one small GEMM: no blocks)
+      local M, K, N = 2800, 2400, 2500
+      local a, at, b = randn({M, K}, dt), randn({K, M}, dt):t(), randn({K, N}, dt)
+      local b64 = b:to("f64")
+      for _, A in ipairs({a, at}) do
+        local c = m.matmul(A, b)
+        for _, r in ipairs({1, 1400, 1401, M}) do
+          local ref = m.matmul(A:narrow(1, r, 1):to("f64"), b64)
+          assert_close(c:narrow(1, r, 1), vals(ref), MM_TOL[dt], "row " .. r)
+        end
+      end
+    end)
+
     it("narrow views with a leading dim larger than the columns, " .. dt, function()
       local A = randn({20, 40}, dt)
       local B = randn({30, 50}, dt)
