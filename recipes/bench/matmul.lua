@@ -27,8 +27,17 @@ end
 
 if opts.threads > 0 then moelua.threads(opts.threads) end
 
-for size in tostring(opts.sizes):gmatch("%d+") do
-  local n = tonumber(size)
+local sizes = {}
+for word in (tostring(opts.sizes) .. ","):gmatch("([^,]*),") do
+  local n = math.tointeger(tonumber(word))
+  if not n or n < 1 then
+    require("moelua.errors").user(string.format("option --sizes: '%s' is not a size (positive integers, " ..
+                                                "comma-separated: 64,256,2048)", word))
+  end
+  sizes[#sizes + 1] = n
+end
+
+for _, n in ipairs(sizes) do
   moelua.manual_seed(n)
   local a, b = moelua.randn({n, n}), moelua.randn({n, n})
   local c = moelua.zeros({n, n})

@@ -38,4 +38,15 @@ describe("moelua.bench", function()
     assert.matches("expected a tensor, got number", errmsg(bench.raw_sgemm, 1, a, b, 1))
     assert.matches("argument #5 .*invalid option 'mkl'", errmsg(bench.raw_sgemm, c, a, b, 1, "mkl"))
   end)
+
+  it("recipes/bench/matmul.lua refuses a --sizes word that is not a size, naming it", function()
+    for _, v in ipairs({"0", "64,x", "-5", "2.5", ""}) do
+      local p = assert(io.popen(support.host_command({"recipes/bench/matmul.lua", "--sizes", v, "--reps", "1"}) ..
+                                " 2>&1"))
+      local code, out = support.finish_child(p)
+      assert.are.equal(1, code, out)
+      support.has(out, "option --sizes: '" .. (v == "64,x" and "x" or v) .. "' is not a size")
+      assert.is_nil(out:find("traceback", 1, true), out)
+    end
+  end)
 end)
