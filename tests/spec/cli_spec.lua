@@ -275,7 +275,7 @@ train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3})
         assert.are.equal("  a.lua  a first recipe whose header runs on to a second line.\n" ..
                          "  b.lua  the second.\n" ..
                          "  c.lua\n", recipes)
-        assert.matches("Recipes %(in [^\n]*/bundle/recipes;", out)
+        assert.matches("Recipes %(run one as `[^`\n]* [^\n]*/bundle/recipes/NAME`;", out)
     end)
 
     it("plot and attach print their usage with --help or -h and exit 0; attach alone exits 1", function()
