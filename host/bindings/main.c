@@ -50,8 +50,8 @@
 #include <lualib.h>
 
 #include <dirent.h>
-#include <signal.h>
 #include <omp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
