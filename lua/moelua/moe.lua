@@ -269,12 +269,6 @@ function Layer:zero_grad()
   for _, g in pairs(self.grads) do g:zero_() end
 end
 
--- y, stats = layer:forward(x [, step [, route_only]]): step keys the gate
--- noise. route_only (a checkpointed layer's forward run again in backward):
--- the routing, plan and context backward needs, but no expert runs and y is
--- nil; backward recomputes each tile's h (bitwise the saved one,
--- kernels/experts.h) and needs no expert output (dw = <W2ᵀ·dy, act>), so
--- the experts' forward GEMMs would be thrown away.
 -- A layer's input or output gradient t: a [T, dim] tensor (T = rows, when
 -- given) of the layer's dtype on its device; else an error at the line
 -- that called forward or backward.
@@ -290,6 +284,12 @@ local function check_rows(self, fn, name, t, rows)
   end
 end
 
+-- y, stats = layer:forward(x [, step [, route_only]]): step keys the gate
+-- noise. route_only (a checkpointed layer's forward run again in backward):
+-- the routing, plan and context backward needs, but no expert runs and y is
+-- nil; backward recomputes each tile's h (bitwise the saved one,
+-- kernels/experts.h) and needs no expert output (dw = <W2ᵀ·dy, act>), so
+-- the experts' forward GEMMs would be thrown away.
 function Layer:forward(x, step, route_only)
   local o = self.opts
   check_rows(self, "forward", "x", x)
