@@ -80,7 +80,8 @@ end
 
 -- ---- JSON ------------------------------------------------------------------
 
-local FLOAT = {__tojson = function(self) return self[1] end}
+-- A value's JSON text, written as it stands (a float's shortest exact digits).
+local RAW = {__tojson = function(self) return self[1] end}
 
 -- A copy of v that dkjson encodes exactly, with every key checked; path names
 -- the value in errors.
@@ -94,25 +95,36 @@ local function jsonable(v, path, fn, seen)
     end
     local s = string.format("%.17g", v)
     if not s:find("[.eEn]") then s = s .. ".0" end
-    return setmetatable({s}, FLOAT)
+    return setmetatable({s}, RAW)
   end
   if t ~= "table" then fail(fn, "%s: a %s cannot be saved in JSON", path, t) end
   if seen[v] then fail(fn, "%s: a table that contains itself", path) end
   seen[v] = true
-  local n, nkeys, out = #v, 0, {}
+  -- a list is 1..n without holes: JSON's null would read back as a nil
+  -- that ends the list there (# of {1, nil, 3} is 1 or 3)
+  local n, nkeys, last, out = 0, 0, 0, {}
   for k in pairs(v) do
     nkeys = nkeys + 1
     if math.type(k) == "integer" then
-      if k < 1 or k > n then fail(fn, "%s: key %d: a table is either a list 1..n or has string keys", path, k) end
+      if k < 1 then fail(fn, "%s: key %d: a table is either a list 1..n or has string keys", path, k) end
+      n, last = n + 1, math.max(last, k)
     elseif type(k) ~= "string" then
       fail(fn, "%s: key %s: keys must be strings (or list indices)", path, tostring(k))
-    elseif n > 0 then
-      fail(fn, "%s: mixes list entries and the key '%s'", path, k)
+    end
+  end
+  if n ~= last then
+    local hole = 1
+    while v[hole] ~= nil do hole = hole + 1 end
+    fail(fn, "%s: a list with a hole: entry %d is nil (JSON reads the list back cut there)", path, hole)
+  end
+  if n > 0 and n < nkeys then
+    for k in pairs(v) do
+      if type(k) == "string" then fail(fn, "%s: mixes list entries and the key '%s'", path, k) end
     end
   end
   if nkeys == 1 and math.type(v.n) == "integer" then   -- dkjson writes {n = 3} as [null, null, null]
-    fail(fn, "%s: a table whose one key 'n' holds an integer is taken for a list's length by the JSON writer: " ..
-         "rename the key or add another", path)
+    seen[v] = nil
+    return setmetatable({string.format('{"n": %d}', v.n)}, RAW)   -- written as it stands
   end
   for k, x in pairs(v) do out[k] = jsonable(x, path .. "." .. tostring(k), fn, seen) end
   seen[v] = nil
@@ -128,7 +140,7 @@ function ckpt.json_error(v, what)
 end
 
 local function all_keys(v, keys)
-  if type(v) == "table" and getmetatable(v) ~= FLOAT then
+  if type(v) == "table" and getmetatable(v) ~= RAW then
     for k, x in pairs(v) do
       if type(k) == "string" then keys[k] = true end
       all_keys(x, keys)

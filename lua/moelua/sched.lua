@@ -7,30 +7,38 @@
 --   local tau = sched.exponential{start = 1.0, factor = 0.99, every = 1000}
 --   local tau2 = sched.piecewise_linear{{0, 2.0}, {5000, 1.0}, {10000, 0.5}}
 --   print(lr(0), lr(100), tau(2500))
+local options = require "moelua.options"
+
 local sched = {}
 
-local function check(opts, fn, required)
+local function finite(v) return type(v) == "number" and v == v and v > -math.huge and v < math.huge end
+
+-- opts holds every key of `required` and any of `optional`, each a finite
+-- number; an unknown key is named first (a misspelt one is not "missing").
+local function check(opts, fn, required, optional)
   if type(opts) ~= "table" then
     error(string.format("moelua.sched.%s: options must be a table, got %s", fn, type(opts)), 3)
   end
-  for _, k in ipairs(required) do
-    if type(opts[k]) ~= "number" then
-      error(string.format("moelua.sched.%s: option '%s' must be a number, got %s", fn, k, type(opts[k])), 3)
-    end
-  end
   local known = {}
   for _, k in ipairs(required) do known[k] = true end
+  for _, k in ipairs(optional or {}) do known[k] = true end
   for k in pairs(opts) do
-    if not known[k] and k ~= "min" then
-      error(string.format("moelua.sched.%s: unknown option '%s'", fn, tostring(k)), 3)
+    if not known[k] then error(string.format("moelua.sched.%s: %s", fn, options.unknown(k, known)), 3) end
+  end
+  local function need(k, v)
+    if not finite(v) then
+      error(string.format("moelua.sched.%s: option '%s' must be a finite number, got %s", fn, k,
+                          type(v) == "number" and tostring(v) or type(v)), 4)
     end
   end
+  for _, k in ipairs(required) do need(k, opts[k]) end
+  for _, k in ipairs(optional or {}) do if opts[k] ~= nil then need(k, opts[k]) end end
 end
 
 -- Linear warmup from 0 to peak over `warmup` steps (step 0 gives peak/warmup,
 -- so no step trains at lr 0), then `decay(progress)` from peak to min.
 local function warmup_then(opts, fn, decay)
-  check(opts, fn, {"peak", "warmup", "total"})
+  check(opts, fn, {"peak", "warmup", "total"}, {"min"})
   local peak, warmup, total, min = opts.peak, opts.warmup, opts.total, opts.min or 0
   if warmup < 0 or total <= warmup then
     error(string.format("moelua.sched.%s: need 0 <= warmup < total (got %g and %g)", fn, warmup, total), 2)
@@ -51,7 +59,9 @@ function sched.warmup_linear(opts)
 end
 
 function sched.constant(v)
-  if type(v) ~= "number" then error("moelua.sched.constant: expected a number, got " .. type(v), 2) end
+  if not finite(v) then
+    error("moelua.sched.constant: expected a finite number, got " .. (type(v) == "number" and tostring(v) or type(v)), 2)
+  end
   return function() return v end
 end
 
@@ -70,8 +80,8 @@ function sched.piecewise_linear(knots)
     error("moelua.sched.piecewise_linear: expected a list of {step, value} knots", 2)
   end
   for i, k in ipairs(knots) do
-    if type(k) ~= "table" or type(k[1]) ~= "number" or type(k[2]) ~= "number" then
-      error(string.format("moelua.sched.piecewise_linear: knot %d must be {step, value}", i), 2)
+    if type(k) ~= "table" or not finite(k[1]) or not finite(k[2]) then
+      error(string.format("moelua.sched.piecewise_linear: knot %d must be {step, value}, two finite numbers", i), 2)
     end
     if i > 1 and k[1] <= knots[i - 1][1] then
       error(string.format("moelua.sched.piecewise_linear: knot steps must increase (knot %d)", i), 2)

@@ -123,7 +123,10 @@
 -- as Ctrl-C after the step: an update always stands with its checkpoint),
 -- and only a second one aborts it. Validation is interrupted like a step's
 -- forward (the step before it is saved). With several ranks the whole step
--- is held, and the ranks agree on stopping after it.
+-- is held, and the ranks agree on stopping after it. On one rank an error
+-- raised before a step's update (its hook, its lr, a bad control, a bug
+-- in the forward) saves the step before it too, logs {event = "stopped",
+-- reason = "error", checkpoint} and names the checkpoint in the error.
 --
 -- reload = {file = F, names = {...}, arg = {...}}: the named hooks ("hook",
 -- "on_rollback") are re-read from F while the job runs. At the start of
@@ -164,8 +167,13 @@ local json = require "dkjson"
 
 local train = {}
 
-local DEFAULT_ROLLBACK = {spike_sigma = 6, window = 50, max_skipped = 3, collapse_steps = 20, max_rollbacks = 5}
-local DEFAULT_ALARMS = {hot = false, collapse = false, hot_steps = 5, dead_steps = 20}   -- false: balance's default
+-- The rollback and alarm settings: {default, kind, least value}. "number"
+-- is finite and above its least (a ratio of 1 is the even share: an alarm
+-- there fires on every step), "integer" a whole number from its least on.
+local ROLLBACK = {spike_sigma = {6, "number", 0}, window = {50, "integer", 1}, max_skipped = {3, "integer", 1},
+                  collapse_steps = {20, "integer", 1}, max_rollbacks = {5, "integer", 0}}
+local ALARMS = {hot = {false, "number", 1}, collapse = {false, "number", 1},   -- false: balance's default
+                hot_steps = {5, "integer", 1}, dead_steps = {20, "integer", 1}}
 
 local function now(device) return bench.now(device) end
 
@@ -682,20 +690,32 @@ local function read_file(path)
   return s
 end
 
+local RELOAD_KEYS = {file = true, names = true, arg = true}
+
+-- Checked by new_trainer, so train.plan refuses what train.run would.
 local function setup_reload(self, r)
   if type(r) ~= "table" or type(r.file) ~= "string" or r.file == "" then
-    error("moelua.train.run: reload needs {file = PATH, names = {...}}", 3)
+    error("moelua.train.run: reload needs {file = PATH, names = {...}}", 4)
+  end
+  for k in pairs(r) do
+    if not RELOAD_KEYS[k] then error("moelua.train.run: reload: " .. options.unknown(k, RELOAD_KEYS), 4) end
   end
   local names = r.names or {"hook"}
-  for _, n in ipairs(names) do
-    if not RELOADABLE[n] then
+  if type(names) ~= "table" or #names == 0 then
+    error("moelua.train.run: reload.names must be a list of hook names, e.g. {\"hook\", \"on_rollback\"}", 4)
+  end
+  for i, n in pairs(names) do
+    if math.type(i) ~= "integer" or not RELOADABLE[n] then
       error("moelua.train.run: reload.names: '" .. tostring(n) .. "' is not a reloadable hook " ..
-            "(hook, on_rollback, on_alarm)", 3)
+            "(hook, on_rollback, on_alarm)", 4)
     end
+  end
+  if r.arg ~= nil and type(r.arg) ~= "table" then
+    error("moelua.train.run: reload.arg must be a table (the recipe's arg), got " .. type(r.arg), 4)
   end
   local st = fs.stat(r.file)
   local content = st and read_file(r.file)
-  if not content then error("moelua.train.run: reload.file '" .. r.file .. "' cannot be read", 3) end
+  if not content then error("moelua.train.run: reload.file '" .. r.file .. "' cannot be read", 4) end
   local reloadable = {}
   for _, n in ipairs(names) do reloadable[n] = true end
   self.reload = {file = r.file, names = names, reloadable = reloadable,
@@ -751,7 +771,7 @@ function Trainer:call_hook(step, name, ...)
   local f = self[name]
   if not f then return end
   local rl = self.reload
-  if not (rl and rl.previous and rl.reloadable[name]) then return f(...) end
+  if not (rl and rl.previous and rl.reloadable[name]) then f(...) return end   -- what f returns means nothing
   local ok, err = pcall(f, ...)
   if ok then return end
   local msg = tostring(err)
@@ -862,16 +882,20 @@ end
 function Trainer:step_controls(step)
   local mo = self.model.opts and self.model.opts.moe_opts
   local policy = mo and mo.policy or "dropless"
-  local ctl = fresh_ctl(self)
-  local failed = self:call_hook(step, "hook", step, self.state, ctl) == false
+  local function hooked()
+    local ctl = fresh_ctl(self)
+    local failed = self:call_hook(step, "hook", step, self.state, ctl) == false
+    for k, v in pairs(fresh_ctl(self)) do if ctl[k] == nil then ctl[k] = v end end   -- a nil: the default
+    return ctl, failed
+  end
+  local ctl, failed = hooked()
   local bad = not failed and ctl_error(ctl, policy)
   if bad and self.reload and self.reload.previous and self.reload.reloadable.hook then
     self:reload_failed(step, "hook", bad)
     failed = true
   end
   if failed then
-    ctl = fresh_ctl(self)
-    self:call_hook(step, "hook", step, self.state, ctl)
+    ctl = hooked()
     bad = ctl_error(ctl, policy)
   end
   if bad then errors.user(string.format("moelua.train: step %d: the hook's ctl: %s", step, bad)) end
@@ -987,7 +1011,12 @@ local function forward_backward(self, step)
   if overrides then                             -- values set from an attached REPL win over the hook's
     for k, v in pairs(set) do ctl[k], overrides[k] = v, v end
   end
-  local lr = self.lr(step) * ctl.lr_scale
+  local base = self.lr(step)
+  if math.type(base) == nil or not (base >= 0 and base < math.huge) then
+    errors.user(string.format("moelua.train: step %d: the lr schedule returned %s, not a finite number >= 0", step,
+                              math.type(base) and tostring(base) or type(base)))
+  end
+  local lr = base * ctl.lr_scale
   if self.pending_rollback then                 -- logged now: with the lr scale the replay runs at
     local ev = self.pending_rollback
     ev.lr_scale, ev.lr = ctl.lr_scale, lr
@@ -1055,7 +1084,10 @@ function Trainer:step(step)
   else   -- traceback taken where a bug is raised, not where interruptible raises it again
     ok, s = host.interruptible(xpcall, forward_backward, with_traceback, self, step)
   end
-  if not ok then error(s, 0) end
+  if not ok then
+    self.failed_before_update = true   -- the weights and optimizer are still the last step's (train.run saves them)
+    error(s, 0)
+  end
   local ctl, lr, t, dev, per_step = s.ctl, s.lr, s.t, s.dev, s.per_step
   local loss, ce, aux, zl, last = s.loss, s.ce, s.aux, s.zl, s.last
   local t4 = now(dev)
@@ -1188,25 +1220,38 @@ function Trainer:progress(m, step, last_step, t_start)
   end
 end
 
--- cfg[name] with the defaults of `defaults` (false: none); an unknown key is an error.
-local function settings(cfg, name, defaults)
+-- cfg[name] with the defaults of `spec` (ROLLBACK, ALARMS); an unknown key
+-- or a value out of its kind is an error. `most` caps the ratios (hot,
+-- collapse) at E/k, the most a layer's routing can reach.
+local function settings(cfg, name, spec, most)
   local given, out = cfg[name] or {}, {}
   if type(given) ~= "table" then error("moelua.train.run: " .. name .. " must be a table", 4) end
   for k, v in pairs(given) do
-    if defaults[k] == nil then
+    local s = spec[k]
+    if s == nil then
       local known = {}
-      for d in pairs(defaults) do known[#known + 1] = d end
+      for d in pairs(spec) do known[#known + 1] = d end
       table.sort(known)
       error(string.format("moelua.train.run: %s.%s is not a setting (known: %s)%s", name, tostring(k),
                           table.concat(known, ", "), k == "collapse_share" and
                           "; collapse_share became alarms.collapse, a multiple of the even share" or ""), 4)
     end
-    if type(v) ~= "number" or v < 0 then
-      error(string.format("moelua.train.run: %s.%s must be a number >= 0, got %s", name, k, tostring(v)), 4)
+    local kind, least = s[2], s[3]
+    local whole = kind == "integer" and math.type(v) == "float" and math.tointeger(v) or v
+    local ok = kind == "integer" and math.type(whole) == "integer" and whole >= least
+            or kind == "number" and type(v) == "number" and v > least and v < math.huge
+    if not ok then
+      error(string.format("moelua.train.run: %s.%s must be %s, got %s", name, k, kind == "integer"
+                          and string.format("a whole number >= %d", least)
+                          or string.format("a finite number > %g", least), tostring(v)), 4)
     end
-    out[k] = v
+    if kind == "number" and s[1] == false and most and v > most then
+      error(string.format("moelua.train.run: %s.%s must be at most E/k = %g (every token routed to the " ..
+                          "busiest experts), got %s: it would never fire", name, k, most, tostring(v)), 4)
+    end
+    out[k] = whole
   end
-  for k, v in pairs(defaults) do if out[k] == nil then out[k] = v end end
+  for k, s in pairs(spec) do if out[k] == nil then out[k] = s[1] end end
   return out
 end
 
@@ -1226,6 +1271,8 @@ local RUN_OPTIONS = {
 local RUN_MINIMUM = {seq_len = 1, steps = 1, accum = 1, keep = 1, val_batches = 1, log_every = 1,
                      ckpt_every = 0, val_every = 0, progress_after = 0, aux_weight = 0, z_weight = 0}
 
+local ATTACH_METHODS = {"poll", "position", "safe_point", "finish"}
+
 local function check_options(cfg, fn)
   if type(cfg) ~= "table" then error(string.format("moelua.train.%s: expected an options table, got %s", fn,
                                                    type(cfg)), 3) end
@@ -1240,8 +1287,19 @@ local function check_options(cfg, fn)
       error(string.format("moelua.train.%s: %s must be a%s %s, got %s", fn, k, want == "integer" and "n" or "",
                           want, math.type(v) or type(v)), 3)
     end
+    if want == "number" and not (v == v and v > -math.huge and v < math.huge) then
+      error(string.format("moelua.train.%s: %s must be a finite number, got %s", fn, k, tostring(v)), 3)
+    end
     if RUN_MINIMUM[k] and v < RUN_MINIMUM[k] then
       error(string.format("moelua.train.%s: %s must be >= %d, got %s", fn, k, RUN_MINIMUM[k], tostring(v)), 3)
+    end
+    if k == "attach" and v then   -- moelua.remote.listen's server, or one that answers as it does
+      for _, method in ipairs(ATTACH_METHODS) do
+        if type(v[method]) ~= "function" then
+          error(string.format("moelua.train.%s: attach must be what moelua.remote.listen(run_dir) returns " ..
+                              "(this one has no %s)", fn, method), 3)
+        end
+      end
     end
     if k == "clip" and not (v > 0) then   -- a norm clipped to 0 zeroes every update
       error(string.format("moelua.train.%s: clip must be > 0 (leave it out for no clipping), got %s", fn,
@@ -1273,8 +1331,18 @@ local function new_trainer(cfg)
       error(string.format("moelua.train.run: %s must be an integer >= 1, got %s", k, tostring(self[k])), 3)
     end
   end
-  self.rollback = settings(cfg, "rollback", DEFAULT_ROLLBACK)
-  self.alarms = settings(cfg, "alarms", DEFAULT_ALARMS)
+  local unsaved = cfg.run_dir and cfg.provenance and ckpt.json_error(cfg.provenance, "provenance")
+  if unsaved then   -- now, not at the first checkpoint: the steps before it would be lost
+    error("moelua.train.run: provenance cannot be saved in a checkpoint (" ..
+          unsaved:gsub("^moelua%.ckpt%.save: ", "") .. ")", 3)
+  end
+  if self.run_dir and self.optimizer.kind ~= "AdamW" then
+    error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 3)
+  end
+  if cfg.reload then setup_reload(self, cfg.reload) end
+  self.rollback = settings(cfg, "rollback", ROLLBACK)
+  local mo = self.model.opts
+  self.alarms = settings(cfg, "alarms", ALARMS, mo and mo.experts and mo.topk and mo.experts / mo.topk)
   local z = self.model.zero
   if not z then error("moelua.train.run: the model has no units placement (model.zero; nn.Transformer has one)", 3) end
   self.silent = z.rank > 0   -- metrics, messages and the progress line come from rank 0
@@ -1570,10 +1638,6 @@ function train.run(cfg)
   local z = self.model.zero
   -- every rank has checked the run directory before rank 0 changes it
   if z.world > 1 then z.dist.barrier("run directory check") end
-  if cfg.reload then setup_reload(self, cfg.reload) end
-  if self.run_dir and self.optimizer.kind ~= "AdamW" then
-    error("moelua.train.run: checkpoints carry AdamW states; use AdamW or no run_dir", 2)
-  end
   local resuming = cfg.resume and cfg.resume ~= ""
   local init_dir   -- loaded (and checked) before the run directory is touched
   if cfg.init_from and cfg.init_from ~= "" and not resuming then
@@ -1691,7 +1755,7 @@ function train.run(cfg)
       self:log({event = "stopped", step = step, reason = why, rollbacks = 0})
       errors.user(string.format("moelua.train: %d steps skipped in a row at step %d (%s), and no good checkpoint " ..
                                 "to roll back to: stopping. %s; start again (or resume from an earlier " ..
-                                "checkpoint) with a lower --lr, more --warmup or --clip",
+                                "checkpoint) with a lower learning rate, a longer warmup or clipping",
                                 self.skipped_run, step, m.nonfinite or "a non-finite loss or gradient norm",
                                 latest and ("The run's latest checkpoint is " .. latest) or "Nothing was saved"))
     end
@@ -1704,8 +1768,8 @@ function train.run(cfg)
       self:log({event = "stopped", step = step, reason = why, rollbacks = n - 1, last_good = last_good})
       errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
                                 "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
-                                "(--resume %s) after changing what fails (a lower --lr, more --warmup, " ..
-                                "--clip)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
+                                "(resume = it; a recipe's --resume %s) after changing what fails (a lower " ..
+                                "learning rate, a longer warmup, clipping)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
                                 last_good, last_good))
     end
     self.rollbacks_to[last_good] = n
@@ -1784,16 +1848,29 @@ function train.run(cfg)
       -- held through the step's update; with several ranks through all of
       -- it: every rank stops at the same step (mpiexec passes Ctrl-C to
       -- each), and the ranks agree on it after
+      self.failed_before_update = false
       local held, ok, m = host.hold_interrupts(xpcall, self.step, with_traceback, self, step)
       if not ok then
         self.model.safe_point = nil                -- set during the step
-        if tostring(m):find("interrupted") then
+        local interrupt = tostring(m):find("interrupted")
+        if interrupt or self.failed_before_update then
           if state then
             for k in pairs(self.state) do self.state[k] = nil end
             for k, v in pairs(state) do self.state[k] = v end
           end
           tensor.rng_state(rng)
-          interrupted(step, stood and (save(step - 1, "interrupt")) or nil)
+        end
+        if interrupt then interrupted(step, stood and (save(step - 1, "interrupt")) or nil) end
+        -- an error before the update (a hook's, the lr schedule's, a bug's)
+        -- loses no step that stood: the one before it is saved, as for Ctrl-C
+        local dir = self.failed_before_update and stood and self.run_dir and z.world == 1 and
+                    (saved.step == step - 1 and saved.dir or save(step - 1, "error"))
+        if dir then
+          self:end_line(true)
+          self:log({event = "stopped", step = step, reason = "error", checkpoint = dir})
+          local note = string.format("; step %d is saved in %s", step - 1, dir)
+          if errors.is_user(m) then errors.user(tostring(m) .. note) end
+          m = tostring(m) .. "\n(" .. note:sub(3) .. ")"
         end
         error(m, 0)
       end

@@ -34,11 +34,22 @@ describe("schedules", function()
   end)
 
   it("refuses bad options by name", function()
-    assert.matches("option 'peak' must be a number", errmsg(sched.warmup_cosine, {warmup = 1, total = 2}))
-    assert.matches("unknown option 'totl'", errmsg(sched.warmup_linear, {peak = 1, warmup = 1, total = 2, totl = 3}))
+    local has = support.has
+    has(errmsg(sched.warmup_cosine, {warmup = 1, total = 2}),
+        "moelua.sched.warmup_cosine: option 'peak' must be a finite number, got nil")
+    has(errmsg(sched.warmup_cosine, {peak = 0 / 0, warmup = 1, total = 2}), "option 'peak' must be a finite number")
+    has(errmsg(sched.warmup_cosine, {peak = 1, warmup = 1, total = 2, min = 1 / 0}),
+        "option 'min' must be a finite number, got inf")
+    -- a misspelt key is named as such, not as the missing one it stands for
+    has(errmsg(sched.warmup_linear, {peak = 1, warmup = 1, totl = 3}),
+        "moelua.sched.warmup_linear: unknown option 'totl' (expected one of: min, peak, total, warmup)")
+    has(errmsg(sched.exponential, {start = 1, factor = 0.5, every = 1, min = 0.1}), "unknown option 'min'")
+    has(errmsg(sched.exponential, {start = 1, factor = 0 / 0, every = 1}), "option 'factor' must be a finite number")
+    has(errmsg(sched.piecewise_linear, {{0, 1}, {1, 0 / 0}}), "knot 2 must be {step, value}, two finite numbers")
+    has(errmsg(sched.constant, 0 / 0), "moelua.sched.constant: expected a finite number")
     assert.matches("need 0 <= warmup < total", errmsg(sched.warmup_cosine, {peak = 1, warmup = 5, total = 5}))
     assert.matches("option 'every' must be >= 1", errmsg(sched.exponential, {start = 1, factor = 0.5, every = 0}))
     assert.matches("knot steps must increase", errmsg(sched.piecewise_linear, {{0, 1}, {0, 2}}))
-    assert.matches("expected a number", errmsg(sched.constant, "x"))
+    has(errmsg(sched.constant, "x"), "moelua.sched.constant: expected a finite number, got string")
   end)
 end)

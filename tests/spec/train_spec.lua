@@ -9,6 +9,7 @@ local data = require "moelua.data"
 local train = require "moelua.train"
 local ckpt = require "moelua.ckpt"
 local json = require "dkjson"
+local fs = require "moelua.fs"
 local support = require "tests.support"
 
 local SEQ = 64
@@ -176,6 +177,98 @@ describe("train.run", function()
     c.reload, c.steps = false, 1
     local r = train.run(c)
     assert.is_true(r.final_loss == r.final_loss)
+  end)
+
+  it("refuses rollback and alarm settings outside their kind, by name", function()
+    local function refused(over, part) support.has(support.errmsg(run, over), part) end
+    refused({rollback = {max_rollbacks = 0 / 0}},
+            "moelua.train.run: rollback.max_rollbacks must be a whole number >= 0, got ")
+    refused({rollback = {window = 2.5}}, "rollback.window must be a whole number >= 1, got 2.5")
+    refused({rollback = {max_skipped = 0}}, "rollback.max_skipped must be a whole number >= 1, got 0")
+    refused({rollback = {spike_sigma = 1 / 0}}, "rollback.spike_sigma must be a finite number > 0, got inf")
+    refused({rollback = {windw = 5}}, "rollback.windw is not a setting (known: collapse_steps, max_rollbacks,")
+    refused({alarms = {hot_steps = 0}}, "alarms.hot_steps must be a whole number >= 1, got 0")
+    refused({alarms = {collapse = 0.5}}, "alarms.collapse must be a finite number > 1, got 0.5")
+    -- E 4, k 2: a ratio above 2 is out of reach
+    refused({alarms = {hot = 3}}, "alarms.hot must be at most E/k = 2 (every token routed to the busiest " ..
+                                  "experts), got 3: it would never fire")
+    local r = run{steps = 2, rollback = {window = 50.0, max_rollbacks = 0}, alarms = {hot = 2}}
+    assert.is_true(r.final_loss == r.final_loss)
+  end)
+
+  it("runs the hook once per step whatever it returns, and takes a nil control as its default", function()
+    local calls = 0
+    local r = run{steps = 3, run_dir = dir, hook = function(_, _, ctl)
+      calls = calls + 1
+      ctl.temperature = nil
+      return false
+    end}
+    assert.are.equal(3, calls)
+    assert.are.equal(3, #r.losses + 1)
+    assert.are.equal(1.0, events(dir)[1].temperature)
+  end)
+
+  it("checks the lr schedule's value and, on an error before the update, saves the step before", function()
+    local function lr(bad) return function(step) if step == 3 then return bad end return 1e-3 end end
+    for i, bad in ipairs({0 / 0, "0.1", -1e-3}) do
+      local run_dir = dir .. "/" .. i
+      local err = support.errmsg(run, {run_dir = run_dir, lr = lr(bad)})
+      support.has(err, "moelua.train: step 3: the lr schedule returned ")
+      support.has(err, ", not a finite number >= 0; step 2 is saved in " .. run_dir .. "/ckpt/step-000002")
+    end
+    local stopped = events(dir .. "/1", "stopped")[1]
+    assert.are.same({event = "stopped", step = 3, reason = "error", checkpoint = dir .. "/1/ckpt/step-000002"},
+                    stopped)
+    -- the saved step is the one before the failure, as an uninterrupted run has it
+    local whole = run{run_dir = dir .. "/whole", lr = lr(1e-3)}
+    local resumed = run{run_dir = dir .. "/1", resume = dir .. "/1/ckpt/step-000002", lr = lr(1e-3)}
+    assert.are.equal(string.format("%a", whole.losses[3]), string.format("%a", resumed.losses[3]))
+    -- the recipe's state is the step before's too: the failed step's hook ran for nothing
+    local err = support.errmsg(run, {run_dir = dir .. "/s", state = {n = 0}, hook = function(step, state)
+      state.n = state.n + 1
+      if step == 2 then error("hook failed") end
+    end})
+    support.has(err, "hook failed")
+    support.has(err, "(step 1 is saved in " .. dir .. "/s/ckpt/step-000001)")
+    assert.are.equal(2, ckpt.load(dir .. "/s/ckpt/step-000001").trainer.recipe_state.n)
+  end)
+
+  it("refuses before the first step what a checkpoint could not hold, or a run would refuse later", function()
+    local model, ds, groups, opt = pieces()
+    local base = {model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ, steps = 2}
+    local function with(over)
+      local c = {}
+      for n, x in pairs(base) do c[n] = x end
+      for n, x in pairs(over) do c[n] = x end
+      return c
+    end
+    support.has(support.errmsg(train.run, with{run_dir = dir, provenance = {options = {f = print}}}),
+                "moelua.train.run: provenance cannot be saved in a checkpoint (provenance.options.f: a function")
+    assert.is_nil(fs.stat(dir .. "/metrics.jsonl"))
+    support.has(support.errmsg(train.run, with{aux_weight = 0 / 0}), "moelua.train.run: aux_weight must be a finite")
+    support.has(support.errmsg(train.run, with{log_every = 0 / 0}), "log_every must be a finite number, got ")
+    support.has(support.errmsg(train.run, with{attach = {}}),
+                "moelua.train.run: attach must be what moelua.remote.listen(run_dir) returns")
+    -- train.plan refuses the same, with the pieces from build
+    local function build_with(o)
+      return function()
+        local mo, _, g = pieces()
+        return mo, o == "SGD" and optim.SGD(g, {lr = 0.1}) or optim.AdamW(g, {lr = 1e-3}), g
+      end
+    end
+    local function plan(over)
+      local c = {data = ds, seq_len = SEQ, steps = 2, build = build_with(over.opt)}
+      over.opt = nil
+      for n, x in pairs(over) do c[n] = x end
+      return support.errmsg(train.plan, c)
+    end
+    support.has(plan{opt = "SGD", run_dir = dir .. "/p"}, "checkpoints carry AdamW states; use AdamW or no run_dir")
+    support.has(plan{attach = {}}, "moelua.train.plan: attach must be what moelua.remote.listen(run_dir) returns")
+    local recipe = dir .. "/hooks.lua"
+    support.write_file(recipe, "return {hook = function() end}\n")
+    support.has(plan{reload = {file = recipe, names = "hook"}}, "moelua.train.run: reload.names must be a list")
+    support.has(plan{reload = {file = recipe, names = {"hok"}}}, "reload.names: 'hok' is not a reloadable hook")
+    support.has(plan{reload = {file = recipe, nmes = {"hook"}}}, "moelua.train.run: reload: unknown option 'nmes'")
   end)
 
   it("refuses a resume at another count of micro-batches per step unless it takes no step", function()
