@@ -98,14 +98,15 @@ function expert_store.check(o)
   return slots, slot_bytes, slab_bytes
 end
 
--- expert_store.new's options: each one's type; whole-number floats count
--- as integers (budget = 2^30). USER: what nn.Transformer's `store` option
--- takes (the model gives the rest).
-local OPTIONS = {path = "string", budget = "integer", layers = "integer", experts = "integer",
-                 dim = "integer", ffn = "integer", prefetch = "integer", inference = "boolean",
-                 dtype = "string", device = "string"}
-local REQUIRED = {"budget", "layers", "experts", "dim", "ffn"}
+-- expert_store.new's options (moelua.options.check's spec). USER: what
+-- nn.Transformer's `store` option takes (the model gives the rest).
+local OPTIONS = {path = {"string", false}, budget = {"integer", min = 1}, layers = {"integer", min = 1},
+                 experts = {"integer", min = 1}, dim = {"integer", min = 1}, ffn = {"integer", min = 1},
+                 prefetch = {"integer", false, min = 0}, inference = {"boolean", false},
+                 dtype = {"string", false}, device = {"string", false}}
 expert_store.USER = {path = true, budget = true, prefetch = true, inference = true}
+local USER_OPTIONS = {}
+for k in pairs(expert_store.USER) do USER_OPTIONS[k] = OPTIONS[k] end
 
 -- expert_store.check_options(o, fn, level [, prefix]) -> o with integers as
 -- such: an unknown key, a wrong type, a missing or non-positive size (a
@@ -113,27 +114,10 @@ expert_store.USER = {path = true, budget = true, prefetch = true, inference = tr
 -- caller's line for level 3; 0: no position); prefix names the keys
 -- ("store." for the model's option), and only USER keys are known with it.
 function expert_store.check_options(o, fn, level, prefix)
-  local function fail(fmt, ...) error(fn .. ": " .. string.format(fmt, ...), level > 0 and level + 1 or 0) end
-  if type(o) ~= "table" then fail("options must be a table, got %s", type(o)) end
-  prefix = prefix or ""
-  local known, r = {}, {}
-  for k in pairs(prefix == "" and OPTIONS or expert_store.USER) do known[k] = true end
-  for k, v in pairs(o) do
-    if not known[k] then fail("%s", options.unknown(prefix .. tostring(k), known)) end
-    local want = OPTIONS[k]
-    if want == "integer" then v = math.type(v) and math.tointeger(v) or nil end
-    if want == "integer" and v == nil or want ~= "integer" and type(v) ~= want then
-      fail("option '%s%s' must be %s, got %s", prefix, k, want == "integer" and "a whole number" or want,
-           type(o[k]) == "number" and tostring(o[k]) or type(o[k]))
-    end
-    r[k] = v
-  end
-  for _, k in ipairs(REQUIRED) do
-    if known[k] and r[k] == nil then fail("option '%s%s' is required", prefix, k) end
-    if r[k] and r[k] < 1 then fail("option '%s%s' must be >= 1, got %d", prefix, k, r[k]) end
-  end
-  if r.prefetch and r.prefetch < 0 then fail("option '%sprefetch' must be >= 0, got %d", prefix, r.prefetch) end
-  return r
+  -- level + 2: past this closure and options.check
+  local function fail(fmt, ...) error(fn .. ": " .. string.format(fmt, ...), level > 0 and level + 2 or 0) end
+  local r = options.check(o, prefix and USER_OPTIONS or OPTIONS, fail, prefix)
+  return r   -- not a tail call: `level` counts this function
 end
 
 -- es = expert_store.new{...}: checked (expert_store.check) before the

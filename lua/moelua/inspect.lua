@@ -50,24 +50,13 @@ local LN2 = math.log(2)
 -- message naming the function and the argument.
 local function fail(fn, fmt, ...) errors.user("moelua.inspect." .. fn .. ": " .. string.format(fmt, ...)) end
 
--- opts (nil or a table) against spec {key = "count" (an integer >= 1; a
--- whole float too) or "boolean"} -> a copy, counts as integers: an unknown
--- key or a wrong value names itself
+-- opts (nil or a table) against spec (moelua.options.check's) -> a copy:
+-- an unknown key or a wrong value names itself
 local function check_opts(fn, opts, spec)
-  if opts == nil then return {} end
-  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
-  local r = {}
-  for k, v in pairs(opts) do
-    local want = spec[k]
-    if not want then fail(fn, "%s", options.unknown(k, spec)) end
-    r[k] = want == "count" and math.type(v) and math.tointeger(v) or v
-    if want == "count" and not (math.type(r[k]) == "integer" and r[k] >= 1) or
-       want == "boolean" and type(v) ~= "boolean" then
-      fail(fn, "option '%s' must be %s, got %s", k, want == "count" and "an integer >= 1" or "a boolean", tostring(v))
-    end
-  end
-  return r
+  return options.check(opts, spec, function(fmt, ...) fail(fn, fmt, ...) end)
 end
+
+local COUNT = {"integer", false, min = 1}   -- an option counting something, none by default
 
 -- h = inspect.open(dir [, extra]): extra = nn.Transformer options (e.g. ce_rows).
 function M.open(dir, extra)
@@ -282,7 +271,7 @@ end
 -- inspect.histogram(report, layer [, {width = 40}]) -> string, one line per expert
 function M.histogram(report, l, opts)
   local ls = layer_of("histogram", report, l)
-  local width = math.min(check_opts("histogram", opts, {width = "count"}).width or 40, 200)
+  local width = math.min(check_opts("histogram", opts, {width = COUNT}).width or 40, 200)
   local shares = shares_of(ls.counts)
   local mx = 0
   for _, v in ipairs(shares) do mx = math.max(mx, v) end
@@ -309,7 +298,7 @@ end
 -- followed by its top expert's tag `[e]` (plain) or on its expert's colour.
 function M.tokens(report, l, opts)
   local ls = per_token("tokens", report, l)
-  local color = check_opts("tokens", opts, {color = "boolean"}).color
+  local color = check_opts("tokens", opts, {color = {"boolean", false}}).color
   if color == nil then color = fs.isatty(1) end
   local out, s = {}, report.text
   for t = 1, #ls.top do
@@ -398,7 +387,7 @@ end
 
 -- top-k of a run: opts.topk, else num_experts_per_tok of its latest checkpoint.
 local function run_topk(fn, run_dir, opts)
-  local k = check_opts(fn, opts, {topk = "count"}).topk
+  local k = check_opts(fn, opts, {topk = COUNT}).topk
   if k then return k end
   -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
   for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
@@ -479,7 +468,7 @@ function M.loads_chart(t, l, opts)
   local per = t.layers[l]
   if not per then fail("loads_chart", "argument #2 (layer): no layer %s in these loads", tostring(l)) end
   local n, E = #t.steps, t.experts
-  local width = math.min(check_opts("loads_chart", opts, {width = "count"}).width or 60, 400)
+  local width = math.min(check_opts("loads_chart", opts, {width = COUNT}).width or 60, 400)
   local nb = math.min(n, width)
   local rows = {}
   for e = 1, E do

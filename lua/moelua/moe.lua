@@ -86,48 +86,29 @@ local function ones(n)
   return t
 end
 
--- option = {type, default (nil: required)}
+-- option = {kind, default (nil: required) [, min =]}: moelua.options.check's
 local OPTIONS = {
-  dim = {"integer"}, ffn = {"integer"}, experts = {"integer"}, topk = {"integer", 2},
+  dim = {"integer", min = 1}, ffn = {"integer", min = 1}, experts = {"integer", min = 1}, topk = {"integer", 2},
   -- router
-  chunk = {"integer", 2048}, mode = {"string", "softmax_topk"}, renorm = {"boolean", true},
-  temperature = {"number", 1.0}, eps = {"number", 0.0}, noise = {"number", 0.0},
+  chunk = {"integer", 2048, min = 1}, mode = {"string", "softmax_topk"}, renorm = {"boolean", true},
+  temperature = {"number", 1.0}, eps = {"number", 0.0}, noise = {"number", 0.0, min = 0},
   gumbel = {"boolean", false}, seed = {"integer", 0}, layer = {"integer", 0},
-  bias_rate = {"number", 0.0},
+  bias_rate = {"number", 0.0, min = 0},
   -- dispatch and experts
-  capacity_factor = {"number", 0.0}, policy = {"string", "dropless"}, tile = {"integer", 256},
+  capacity_factor = {"number", 0.0}, policy = {"string", "dropless"}, tile = {"integer", 256, min = 1},
   save = {"string", "save"}, partial_recompute = {"number", -1.0},
   -- losses
-  aux_weight = {"number", 0.0}, z_weight = {"number", 0.0}, aux_scope = {"string", "model"},
+  aux_weight = {"number", 0.0, min = 0}, z_weight = {"number", 0.0, min = 0}, aux_scope = {"string", "model"},
   -- parameters
-  dtype = {"string", "f32"}, init_std = {"number", 0.02}, init_seed = {"integer", 0},
+  dtype = {"string", "f32"}, init_std = {"number", 0.02, min = 0}, init_seed = {"integer", 0},
   device = {"string", "cpu"},
 }
 
 local function check_options(opts)
-  if type(opts) ~= "table" then
-    error("moelua.moe.new: options must be a table, got " .. type(opts), 3)
-  end
-  local o = {}
-  for k, v in pairs(opts) do
-    local spec = OPTIONS[k]
-    if not spec then error("moelua.moe.new: " .. options.unknown(k, OPTIONS), 3) end
-    local n = spec[1] == "integer" and math.type(v) and math.tointeger(v)   -- 2^20 is an integer too
-    if not (n or spec[1] ~= "integer" and type(v) == spec[1]) then
-      error(string.format("moelua.moe.new: option '%s' must be %s %s, got %s", k,
-                          spec[1] == "integer" and "an" or "a", spec[1],
-                          type(v) == "number" and tostring(v) or type(v)), 3)
-    end
-    o[k] = n or v
-  end
-  for k, spec in pairs(OPTIONS) do
-    if o[k] == nil then
-      if spec[2] == nil then error("moelua.moe.new: option '" .. k .. "' is required", 3) end
-      o[k] = spec[2]
-    end
-  end
+  if opts == nil then error("moelua.moe.new: options must be a table, got nil", 3) end
+  -- raised at moe.new's caller: this closure, options.check, check_options, moe.new, the caller
+  local o = options.check(opts, OPTIONS, function(fmt, ...) error("moelua.moe.new: " .. fmt:format(...), 5) end)
   local function need(cond, msg) if not cond then error("moelua.moe.new: " .. msg, 4) end end   -- moe.new's caller
-  need(o.dim >= 1 and o.ffn >= 1 and o.experts >= 1, "dim, ffn and experts must be >= 1")
   need(o.topk >= 1 and o.topk <= o.experts,
        string.format("option 'topk' = %d must be in 1..experts (%d)", o.topk, o.experts))
   need(o.policy == "dropless" or o.policy == "drop", "option 'policy' must be \"dropless\" or \"drop\"")
@@ -142,21 +123,14 @@ local function check_options(opts)
     local ok, why_not = tensor.cuda_available()
     need(ok, "option 'device' \"cuda\": no usable GPU (" .. tostring(why_not) .. ")")
   end
-  need(o.init_std >= 0 and o.init_std < math.huge,
-       string.format("option 'init_std' must be finite and >= 0, got %s", o.init_std))
   need(o.dtype ~= "bf16" or o.device == "cuda",
        "option 'dtype' \"bf16\" (mixed precision) runs on cuda: the CPU's kernels are f32 and f64")
-  need(o.bias_rate >= 0 and o.aux_weight >= 0 and o.z_weight >= 0,
-       "bias_rate, aux_weight and z_weight must be >= 0")
   -- the router's and the experts' own checks (ops_moe.c, l_experts.c), here before any allocation
   need(o.mode == "softmax_topk" or o.mode == "topk_softmax",
        string.format("option 'mode' must be \"softmax_topk\" or \"topk_softmax\", got %s", o.mode))
   need(o.temperature > 0 and o.temperature < math.huge,
        string.format("option 'temperature' must be finite and > 0, got %s", o.temperature))
   need(o.eps >= 0 and o.eps < 1, string.format("option 'eps' must be in [0, 1), got %s", o.eps))
-  need(o.noise >= 0 and o.noise < math.huge, string.format("option 'noise' must be finite and >= 0, got %s", o.noise))
-  need(o.chunk >= 1 and o.tile >= 1, string.format("options 'chunk' and 'tile' must be >= 1, got %d and %d",
-                                                   o.chunk, o.tile))
   need(o.partial_recompute == -1 or (o.partial_recompute >= 0 and o.partial_recompute <= 1),
        string.format("option 'partial_recompute' must be in [0, 1] (-1: off), got %s", o.partial_recompute))
   return o

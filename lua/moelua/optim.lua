@@ -126,15 +126,15 @@ local GROUP_KEYS = {params = true, grads = true, lr_mult = true, weight_decay = 
 local GIVEN_STATES = {"exp_avg", "exp_avg_sq"}   -- states a caller may lay out (AdamW)
 
 -- The level, for error() called from the function that calls this one,
--- of the first caller outside this file: however deep a check sits
--- (check_groups, check_opts, step_lr), its error names the line that
--- called moelua.optim.
-local HERE = debug.getinfo(1, "S").source
+-- of the first caller outside this file (and moelua.options.check, which
+-- check_opts calls): however deep a check sits (check_groups, check_opts,
+-- step_lr), its error names the line that called moelua.optim.
+local HERE, CHECKER = debug.getinfo(1, "S").source, debug.getinfo(options.check, "S").source
 local function caller_level()
   local level = 3   -- the caller of the function that asks
   while true do
     local info = debug.getinfo(level, "S")
-    if not info or info.source ~= HERE then return level - 1 end
+    if not info or info.source ~= HERE and info.source ~= CHECKER then return level - 1 end
     level = level + 1
   end
 end
@@ -242,19 +242,7 @@ local function check_groups(fn, groups, allow_experts, offload)
 end
 
 local function check_opts(fn, opts, spec)
-  opts = opts or {}
-  if type(opts) ~= "table" then fail(fn, "options must be a table, got %s", type(opts)) end
-  local o = {}
-  for k, v in pairs(opts) do
-    local s = spec[k]
-    if not s then fail(fn, "%s", options.unknown(k, spec)) end
-    if type(v) ~= s[1] then fail(fn, "option '%s' must be a %s, got %s", k, s[1], type(v)) end
-    o[k] = v
-  end
-  for k, s in pairs(spec) do
-    if o[k] == nil then o[k] = s[2] end
-  end
-  return o
+  return options.check(opts, spec, function(fmt, ...) fail(fn, fmt, ...) end)
 end
 
 -- States live with their parameters (device); per-expert step counts are
@@ -475,7 +463,7 @@ local AdamW = setmetatable({}, Base)
 AdamW.__index = AdamW
 
 local ADAMW_OPTS = {lr = {"number", 1e-3}, beta1 = {"number", 0.9}, beta2 = {"number", 0.999},
-                    eps = {"number", 1e-8}, weight_decay = {"number", 1e-2}, offload = {"table", nil}}
+                    eps = {"number", 1e-8}, weight_decay = {"number", 1e-2}, offload = {"table", false}}
 
 -- ---- offload: the states in a store (see the header) -----------------------------
 

@@ -73,6 +73,60 @@ function options.unknown(key, spec)
   return string.format("unknown option '%s' (expected one of: %s)", tostring(key), table.concat(names, ", "))
 end
 
+-- What each kind of options.check accepts: v as the option holds it, or nil.
+local KINDS = {
+  integer = function(v) return math.type(v) and math.tointeger(v) or nil end,   -- 2^20 is an integer too
+  number = function(v) return type(v) == "number" and v == v and math.abs(v) < math.huge and v or nil end,
+}
+local KIND_NAMES = {integer = "an integer", number = "a finite number", string = "a string", boolean = "a boolean",
+                    table = "a table", ["function"] = "a function"}
+
+local function accept(kind, v)
+  for k in kind:gmatch("[^|]+") do
+    local got
+    if KINDS[k] then got = KINDS[k](v) elseif type(v) == k then got = v end
+    if got ~= nil then return got end
+  end
+end
+
+-- options.check(opts, spec, fail [, prefix]) -> a copy of the options table
+-- opts (nil: none given) with spec's defaults filled in: the options of the
+-- Lua APIs (moe.new, nn.Transformer.new, expert_store.new, the optimizers,
+-- inspect, train.run's rollback and alarms). spec = {key = {kind, default
+-- [, min = least | above = bound]}}: kind is
+-- "integer", "number" (finite), "string", "boolean", "table", "function"
+-- or alternatives ("string|table"); a default nil makes the option
+-- required, false leaves it out (a boolean's false is its value). An
+-- unknown key, a value of the wrong kind or out of bounds, or a missing
+-- required one calls fail(fmt, ...), which raises the API's own error;
+-- prefix names the keys in messages ("store.").
+function options.check(opts, spec, fail, prefix)
+  prefix = prefix or ""
+  if opts == nil then opts = {} end
+  if type(opts) ~= "table" then fail("options must be a table, got %s", type(opts)) end
+  local o = {}
+  for k, v in pairs(opts) do
+    local s = spec[k]
+    if not s then fail("%s", options.unknown(prefix .. tostring(k), spec)) end
+    local got = accept(s[1], v)
+    if got == nil or s.min and got < s.min or s.above and got <= s.above then
+      local names = {}
+      for kind in s[1]:gmatch("[^|]+") do names[#names + 1] = KIND_NAMES[kind] end
+      fail("option '%s%s' must be %s%s, got %s", prefix, k, table.concat(names, " or "),
+           s.min and " >= " .. s.min or s.above and " > " .. s.above or "",
+           type(v) == "number" and tostring(v) or type(v))
+    end
+    o[k] = got
+  end
+  for k, s in pairs(spec) do
+    if o[k] == nil then
+      if s[2] == nil then fail("option '%s%s' is required", prefix, k) end
+      if s[2] ~= false or s[1] == "boolean" then o[k] = s[2] end
+    end
+  end
+  return o
+end
+
 function options.help(spec, out)
   out = out or io.stdout
   out:write(#spec > 0 and "options:\n" or "options: none\n")

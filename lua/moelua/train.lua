@@ -167,13 +167,14 @@ local json = require "dkjson"
 
 local train = {}
 
--- The rollback and alarm settings: {default, kind, least value}. "number"
--- is finite and above its least (a ratio of 1 is the even share: an alarm
--- there fires on every step), "integer" a whole number from its least on.
-local ROLLBACK = {spike_sigma = {6, "number", 0}, window = {50, "integer", 1}, max_skipped = {3, "integer", 1},
-                  collapse_steps = {20, "integer", 1}, max_rollbacks = {5, "integer", 0}}
-local ALARMS = {hot = {false, "number", 1}, collapse = {false, "number", 1},   -- false: balance's default
-                hot_steps = {5, "integer", 1}, dead_steps = {20, "integer", 1}}
+-- The rollback and alarm settings (moelua.options.check's spec). A ratio
+-- of 1 is the even share: an alarm there fires on every step (above E/k,
+-- never); a spike_sigma of 0 calls any loss above the mean a spike.
+local ROLLBACK = {spike_sigma = {"number", 6, above = 0}, window = {"integer", 50, min = 1},
+                  max_skipped = {"integer", 3, min = 1}, collapse_steps = {"integer", 20, min = 1},
+                  max_rollbacks = {"integer", 5, min = 0}}
+local ALARMS = {hot = {"number", false, above = 1}, collapse = {"number", false, above = 1},   -- none: balance's
+                hot_steps = {"integer", 5, min = 1}, dead_steps = {"integer", 20, min = 1}}
 
 local function now(device) return bench.now(device) end
 
@@ -1220,38 +1221,13 @@ function Trainer:progress(m, step, last_step, t_start)
   end
 end
 
--- cfg[name] with the defaults of `spec` (ROLLBACK, ALARMS); an unknown key
--- or a value out of its kind is an error. `most` caps the ratios (hot,
--- collapse) at E/k, the most a layer's routing can reach.
-local function settings(cfg, name, spec, most)
-  local given, out = cfg[name] or {}, {}
-  if type(given) ~= "table" then error("moelua.train.run: " .. name .. " must be a table", 4) end
-  for k, v in pairs(given) do
-    local s = spec[k]
-    if s == nil then
-      local known = {}
-      for d in pairs(spec) do known[#known + 1] = d end
-      table.sort(known)
-      error(string.format("moelua.train.run: %s.%s is not a setting (known: %s)%s", name, tostring(k),
-                          table.concat(known, ", "), k == "collapse_share" and
-                          "; collapse_share became alarms.collapse, a multiple of the even share" or ""), 4)
-    end
-    local kind, least = s[2], s[3]
-    local whole = kind == "integer" and math.type(v) == "float" and math.tointeger(v) or v
-    local ok = kind == "integer" and math.type(whole) == "integer" and whole >= least
-            or kind == "number" and type(v) == "number" and v > least and v < math.huge
-    if not ok then
-      error(string.format("moelua.train.run: %s.%s must be %s, got %s", name, k, kind == "integer"
-                          and string.format("a whole number >= %d", least)
-                          or string.format("a finite number > %g", least), tostring(v)), 4)
-    end
-    if kind == "number" and s[1] == false and most and v > most then
-      error(string.format("moelua.train.run: %s.%s must be at most E/k = %g (every token routed to the " ..
-                          "busiest experts), got %s: it would never fire", name, k, most, tostring(v)), 4)
-    end
-    out[k] = whole
-  end
-  for k, s in pairs(spec) do if out[k] == nil then out[k] = s[1] end end
+-- cfg[name] with the defaults of `spec` (ROLLBACK, ALARMS), checked.
+local function settings(cfg, name, spec)
+  local given = cfg[name]
+  if given ~= nil and type(given) ~= "table" then error("moelua.train.run: " .. name .. " must be a table", 4) end
+  -- raised at train.run's caller: past this closure, options.check, settings, new_trainer and train.run
+  local function fail(fmt, ...) error("moelua.train.run: " .. fmt:format(...), 6) end
+  local out = options.check(given, spec, fail, name .. ".")
   return out
 end
 
@@ -1341,8 +1317,7 @@ local function new_trainer(cfg)
   end
   if cfg.reload then setup_reload(self, cfg.reload) end
   self.rollback = settings(cfg, "rollback", ROLLBACK)
-  local mo = self.model.opts
-  self.alarms = settings(cfg, "alarms", ALARMS, mo and mo.experts and mo.topk and mo.experts / mo.topk)
+  self.alarms = settings(cfg, "alarms", ALARMS)
   local z = self.model.zero
   if not z then error("moelua.train.run: the model has no units placement (model.zero; nn.Transformer has one)", 3) end
   self.silent = z.rank > 0   -- metrics, messages and the progress line come from rank 0

@@ -316,10 +316,10 @@ train.run(cfg)
       end
       support.has(new_with("bugdet", 5), "expert_store_spec.lua:")
       support.has(new_with("bugdet", 5), "moelua.expert_store.new: unknown option 'bugdet' (expected one of: budget,")
-      support.has(new_with("budget", "1MiB"), "option 'budget' must be a whole number, got string")
-      support.has(new_with("layers", 0), "option 'layers' must be >= 1, got 0")
+      support.has(new_with("budget", "1MiB"), "option 'budget' must be an integer >= 1, got string")
+      support.has(new_with("layers", 0), "option 'layers' must be an integer >= 1, got 0")
       support.has(new_with("ffn", nil), "option 'ffn' is required")
-      support.has(new_with("prefetch", -1), "option 'prefetch' must be >= 0, got -1")
+      support.has(new_with("prefetch", -1), "option 'prefetch' must be an integer >= 0, got -1")
       local function model_with(store)
         local ok, err = pcall(nn.Transformer.new, {vocab = 16, dim = 8, layers = 1, heads = 2, ffn = 8,
                                                    experts = 2, topk = 1, store = store})
@@ -327,7 +327,7 @@ train.run(cfg)
         return tostring(err)
       end
       support.has(model_with{path = dir("m.store"), budget = 64.5},
-                  "option 'store.budget' must be a whole number, got 64.5")
+                  "option 'store.budget' must be an integer >= 1, got 64.5")
       support.has(model_with{path = dir("m.store"), budget = 2 ^ 20, prefech = 2},
                   "unknown option 'store.prefech' (expected one of: budget, inference, path, prefetch)")
       support.has(model_with{budget = 2 ^ 20}, "option 'store.path' is required on the cpu")

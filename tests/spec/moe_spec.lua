@@ -199,18 +199,18 @@ describe("moe layer", function()
     for _, c in ipairs{{{mode = "x"}, "option 'mode' must be \"softmax_topk\" or \"topk_softmax\", got x"},
                        {{temperature = 0}, "option 'temperature' must be finite and > 0, got 0"},
                        {{temperature = -1}, "option 'temperature' must be finite and > 0, got %-1"},
-                       {{temperature = math.huge}, "option 'temperature' must be finite and > 0, got inf"},
+                       {{temperature = math.huge}, "option 'temperature' must be a finite number, got inf"},
                        {{eps = 1}, "option 'eps' must be in %[0, 1%), got 1"},
-                       {{noise = -1}, "option 'noise' must be finite and >= 0, got %-1"},
-                       {{tile = 0}, "options 'chunk' and 'tile' must be >= 1, got 2048 and 0"},
-                       {{chunk = 0}, "options 'chunk' and 'tile' must be >= 1, got 0 and 256"},
+                       {{noise = -1}, "option 'noise' must be a finite number >= 0, got %-1"},
+                       {{tile = 0}, "option 'tile' must be an integer >= 1, got 0"},
+                       {{chunk = 0}, "option 'chunk' must be an integer >= 1, got 0"},
                        {{partial_recompute = 2}, "option 'partial_recompute' must be in %[0, 1%] %(%-1: off%), got 2"}} do
       local o = {dim = 4, ffn = 4, experts = 2, topk = 1}
       for k, v in pairs(c[1]) do o[k] = v end
       assert.matches("moelua.moe.new: " .. c[2], errmsg(moe.new, o))
     end
-    assert.matches("option 'dim' must be an integer, got 4.5", errmsg(moe.new, {dim = 4.5, ffn = 4, experts = 2}))
-    assert.matches("option 'init_std' must be finite and >= 0, got %-1",
+    assert.matches("option 'dim' must be an integer >= 1, got 4.5", errmsg(moe.new, {dim = 4.5, ffn = 4, experts = 2}))
+    assert.matches("option 'init_std' must be a finite number >= 0, got %-1",
                    errmsg(moe.new, {dim = 4, ffn = 4, experts = 2, init_std = -1}))
     assert.are.equal(16, moe.new{dim = 2 ^ 4, ffn = 4, experts = 2, topk = 1}.opts.dim)   -- a whole float
   end)

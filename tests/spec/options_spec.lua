@@ -51,6 +51,31 @@ describe("moelua.options", function()
     assert.are.equal("options: none\n", table.concat(out))
   end)
 
+  it("checks a Lua API's options table by kind, with defaults (options.check)", function()
+    local spec = {n = {"integer", min = 1}, rate = {"number", 0.5, min = 0}, name = {"string", false},
+                  on = {"boolean", false}, ck = {"string|table", "none"}}
+    local function fail(fmt, ...) error("api: " .. fmt:format(...), 0) end
+    local function check(o, prefix) return options.check(o, spec, fail, prefix) end
+    assert.are.same({n = 16, rate = 0.5, on = false, ck = "none"}, check{n = 2 ^ 4})   -- a whole float
+    assert.are.equal("integer", math.type(check{n = 2 ^ 4}.n))
+    assert.are.same({n = 1, rate = 0, on = true, ck = {"a"}, name = "x"},
+                    check{n = 1, rate = 0, on = true, ck = {"a"}, name = "x"})
+    local function refused(o, msg, prefix) assert.are.equal(msg, support.errmsg(check, o, prefix)) end
+    refused({}, "api: option 'n' is required")
+    refused(5, "api: options must be a table, got number")
+    refused({n = 1, nn = 2}, "api: unknown option 'nn' (expected one of: ck, n, name, on, rate)")
+    refused({n = 1, nn = 2}, "api: unknown option 'm.nn' (expected one of: ck, n, name, on, rate)", "m.")
+    refused({n = 2.5}, "api: option 'n' must be an integer >= 1, got 2.5")
+    refused({n = 0}, "api: option 'n' must be an integer >= 1, got 0")
+    refused({n = "3"}, "api: option 'n' must be an integer >= 1, got string")
+    refused({n = 1, rate = 0 / 0}, "api: option 'rate' must be a finite number >= 0, got " .. tostring(0 / 0))
+    refused({n = 1, rate = math.huge}, "api: option 'rate' must be a finite number >= 0, got inf")
+    refused({n = 1, rate = -1}, "api: option 'rate' must be a finite number >= 0, got -1")
+    refused({n = 1, on = 1}, "api: option 'on' must be a boolean, got 1")
+    refused({n = 1, ck = 2}, "api: option 'ck' must be a string or a table, got 2")
+    refused({n = 1, name = 2}, "api: option 'm.name' must be a string, got 2", "m.")
+  end)
+
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
     assert.are.equal("cpu", options.device("cpu"))
     assert.are.equal("cuda", options.device("cuda"))

@@ -68,16 +68,16 @@ Transformer.__index = Transformer
 
 local FN = "moelua.nn.Transformer.new"
 
--- option = {type, default (nil: required)}
+-- option = {kind, default (nil: required; false: none) [, min =]}: moelua.options.check's
 local OPTIONS = {
-  vocab = {"integer"}, dim = {"integer"}, layers = {"integer"}, heads = {"integer"},
-  kv_heads = {"integer", false}, head_dim = {"integer", false}, ffn = {"integer"},
-  experts = {"integer"}, topk = {"integer", 2}, rope_theta = {"number", 1e6},
-  norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
+  vocab = {"integer", min = 1}, dim = {"integer", min = 1}, layers = {"integer", min = 1},
+  heads = {"integer", min = 1}, kv_heads = {"integer", false, min = 1}, head_dim = {"integer", false},
+  ffn = {"integer", min = 1}, experts = {"integer", min = 1}, topk = {"integer", 2},
+  rope_theta = {"number", 1e6}, norm_eps = {"number", 1e-5}, init_std = {"number", 0.02}, seed = {"integer", 0},
   dtype = {"string", "f32"}, device = {"string", "cpu"}, checkpoint = {"string|table", "none"}, moe = {"table", false},
   zero = {"table", false}, store = {"table", false},
-  aux_weight = {"number", 0.02}, max_position = {"integer", 131072},
-  ce_rows = {"integer", 256}, ce_chunk = {"integer", 4096},
+  aux_weight = {"number", 0.02}, max_position = {"integer", 131072, min = 1},
+  ce_rows = {"integer", 256, min = 1}, ce_chunk = {"integer", 4096, min = 1},
 }
 -- moe sub-options the model passes through (the rest are the model's own)
 local MOE_KEYS = {chunk = true, mode = true, renorm = true, temperature = true, eps = true,
@@ -90,35 +90,11 @@ local CHECKPOINT = {none = {false, false}, attention = {true, false}, moe = {fal
 local function fail(fmt, ...) errors.user(FN .. ": " .. string.format(fmt, ...)) end
 
 local function check_options(opts)
-  if type(opts) ~= "table" then fail("options must be a table, got %s", type(opts)) end
-  local o = {}
-  for k, v in pairs(opts) do
-    local spec = OPTIONS[k]
-    if not spec then fail("%s", options.unknown(k, OPTIONS)) end
-    local ok
-    if spec[1] == "integer" then   -- 2^20 is an integer too
-      v = math.type(v) and math.tointeger(v) or v
-      ok = math.type(v) == "integer"
-    elseif spec[1] == "string|table" then ok = type(v) == "string" or type(v) == "table"
-    else ok = type(v) == spec[1] end
-    if not ok then
-      fail("option '%s' must be %s, got %s", k, spec[1], type(v) == "number" and tostring(v) or type(v))
-    end
-    o[k] = v
-  end
-  for k, spec in pairs(OPTIONS) do
-    if o[k] == nil then
-      if spec[2] == nil then fail("option '%s' is required", k) end
-      o[k] = spec[2] or nil
-    end
-  end
+  if opts == nil then fail("options must be a table, got nil") end
+  local o = options.check(opts, OPTIONS, fail)
   local function need(cond, fmt, ...) if not cond then fail(fmt, ...) end end
-  for _, k in ipairs{"vocab", "dim", "layers", "heads", "ffn", "experts", "max_position",
-                     "ce_rows", "ce_chunk"} do
-    need(o[k] >= 1, "option '%s' must be >= 1, got %d", k, o[k])
-  end
   o.kv_heads = o.kv_heads or o.heads
-  need(o.kv_heads >= 1 and o.heads % o.kv_heads == 0,
+  need(o.heads % o.kv_heads == 0,
        "option 'kv_heads' = %d must divide heads = %d", o.kv_heads, o.heads)
   if not o.head_dim then
     need(o.dim % o.heads == 0, "option 'heads' = %d must divide dim = %d (or give head_dim)",
