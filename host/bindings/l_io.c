@@ -274,11 +274,10 @@ static size_t check_name(lua_State *L, int idx, const ml_st_file *f, const char 
 /* An element offset (argument #2 of a method): an integer >= 0. */
 static int64_t check_offset(lua_State *L, int idx, const char *fn)
 {
-    int isint = 0;
-    lua_Integer v = lua_tointegerx(L, idx, &isint);
-    if (!isint)
-        ml_error(L, fn, "argument #2 (elem_offset): expected an integer, got %s",
-                 lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx));
+    lua_Integer v;
+    const char *got = ml_not_integer(L, idx, &v);
+    if (got)
+        ml_error(L, fn, "argument #2 (elem_offset): expected an integer, got %s", got);
     if (v < 0)
         ml_error(L, fn, "argument #2 (elem_offset) is negative (%lld)", (long long)v);
     return (int64_t)v;

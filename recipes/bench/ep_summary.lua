@@ -33,7 +33,11 @@
 -- under source-independent routing, N T k L A (ep - 1) / ep, whatever the
 -- loads.
 local json = require "dkjson"
-local dir = assert(arg[1], "usage: moelua recipes/bench/ep_summary.lua OUT_DIR")
+local dir = arg[1]
+if not (dir and require("moelua.fs").stat(dir)) then   -- a user error: no traceback
+  require("moelua.errors").user("usage: moelua recipes/bench/ep_summary.lua OUT_DIR (the directory of ep.sh; got "
+                                .. tostring(dir) .. ")")
+end
 local N = 4
 
 -- The last step's metrics and the final checkpoint's directory.

@@ -6,7 +6,10 @@
 local json = require "dkjson"
 local median = require("moelua.measure").median
 local rows, gemms = {}, {}
-for line in io.lines(arg[1]) do
+local f = arg[1] and io.open(arg[1])
+if not f then require("moelua.errors").user("usage: moelua recipes/bench/mfu_summary.lua LINES (mfu.sh's JSON lines; "
+                                             .. "got " .. tostring(arg[1]) .. ")") end
+for line in f:lines() do
   local r = json.decode(line)
   if r.bench == "matmul" then
     gemms[#gemms + 1] = math.max(r.raw_gflops, r.raw_onednn_gflops, r.lua_out_gflops)

@@ -5,11 +5,14 @@ as ratios of the best PyTorch baseline (the implementation and thread
 configuration with the lowest median time for that shape, named).
   Usage: moe_layer_summary.py runs/bench/moe_layer.jsonl"""
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
 
 runs = defaultdict(list)
+if len(sys.argv) != 2 or not os.path.isfile(sys.argv[1]):
+    sys.exit("usage: python3 recipes/bench/moe_layer_summary.py LINES (the JSON lines of its benchmark)")
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r.get("bench") == "env":

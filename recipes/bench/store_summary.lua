@@ -9,7 +9,11 @@
 -- whether every budget generated the same text as all experts resident.
 local json = require "dkjson"
 local measure = require "moelua.measure"
-local dir = assert(arg[1], "usage: moelua recipes/bench/store_summary.lua OUT_DIR")
+local dir = arg[1]
+if not (dir and require("moelua.fs").stat(dir)) then   -- a user error: no traceback
+  require("moelua.errors").user("usage: moelua recipes/bench/store_summary.lua OUT_DIR (the directory of store.sh; got "
+                                .. tostring(dir) .. ")")
+end
 local MiB = 2^20
 
 local function pairs_file(path)   -- "key number" lines

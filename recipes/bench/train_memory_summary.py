@@ -4,10 +4,13 @@ measured (the ledger's peaks over the measured step) and planned (the same
 code as a moelua.mem.plan dry run), with the ratio to the previous seq_len.
   /usr/bin/python3 recipes/bench/train_memory_summary.py runs/bench/train_memory.jsonl"""
 import json
+import os
 import sys
 
 MiB = 2 ** 20
 series = {}
+if len(sys.argv) != 2 or not os.path.isfile(sys.argv[1]):
+    sys.exit("usage: python3 recipes/bench/train_memory_summary.py LINES (the JSON lines of its benchmark)")
 for line in open(sys.argv[1]):
     line = line.strip()
     if line.startswith("{"):

@@ -6,10 +6,13 @@ ratio table.
   /usr/bin/python3 recipes/bench/train_summary.py runs/bench/train.jsonl"""
 import collections
 import json
+import os
 import statistics
 import sys
 
 rows = collections.defaultdict(list)
+if len(sys.argv) != 2 or not os.path.isfile(sys.argv[1]):
+    sys.exit("usage: python3 recipes/bench/train_summary.py LINES (the JSON lines of its benchmark)")
 for line in open(sys.argv[1]):
     line = line.strip()
     if not line.startswith("{"):

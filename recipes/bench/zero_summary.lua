@@ -4,7 +4,11 @@
 -- per step in each kind of collective, from the last step of each
 -- OUT_DIR/n<N>_zero<S>/metrics.jsonl.
 local json = require "dkjson"
-local dir = assert(arg[1], "usage: moelua recipes/bench/zero_summary.lua OUT_DIR")
+local dir = arg[1]
+if not (dir and require("moelua.fs").stat(dir)) then   -- a user error: no traceback
+  require("moelua.errors").user("usage: moelua recipes/bench/zero_summary.lua OUT_DIR (the directory of zero.sh; got "
+                                .. tostring(dir) .. ")")
+end
 
 local function last_step(path)
   local f = io.open(path)

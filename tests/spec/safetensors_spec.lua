@@ -629,6 +629,8 @@ describe("moelua.io files written by ranges", function()
     bad("Writer:write_range: argument #2 (elem_offset) is negative (-1)", w.write_range, w, "a", -1, T.zeros({1}))
     bad("Writer:write_range: argument #2 (elem_offset): expected an integer, got a fraction",
         w.write_range, w, "a", 0.5, T.zeros({1}))
+    bad("Writer:write_range: argument #2 (elem_offset): expected an integer, got string",
+        w.write_range, w, "a", "2", T.zeros({1}))
     bad("Writer:write_range: argument #3 (t): expected a tensor, got string", w.write_range, w, "a", 0, "x")
     bad("Writer:write_range: 'i' is i64 in the file and cannot be converted from f32",
         w.write_range, w, "i", 0, T.zeros({2}))
