@@ -13,32 +13,24 @@ local sched = {}
 
 local function finite(v) return type(v) == "number" and v == v and v > -math.huge and v < math.huge end
 
--- opts holds every key of `required` and any of `optional`, each a finite
--- number; an unknown key is named first (a misspelt one is not "missing").
-local function check(opts, fn, required, optional)
-  if type(opts) ~= "table" then
-    error(string.format("moelua.sched.%s: options must be a table, got %s", fn, type(opts)), 3)
-  end
-  local known = {}
-  for _, k in ipairs(required) do known[k] = true end
-  for _, k in ipairs(optional or {}) do known[k] = true end
-  for k in pairs(opts) do
-    if not known[k] then error(string.format("moelua.sched.%s: %s", fn, options.unknown(k, known)), 3) end
-  end
-  local function need(k, v)
-    if not finite(v) then
-      error(string.format("moelua.sched.%s: option '%s' must be a finite number, got %s", fn, k,
-                          type(v) == "number" and tostring(v) or type(v)), 4)
-    end
-  end
-  for _, k in ipairs(required) do need(k, opts[k]) end
-  for _, k in ipairs(optional or {}) do if opts[k] ~= nil then need(k, opts[k]) end end
+local NUMBER = {"number"}   -- required, finite
+local WARMUP = {peak = NUMBER, warmup = NUMBER, total = NUMBER, min = {"number", false}}
+local EXPONENTIAL = {start = NUMBER, factor = NUMBER, every = {"number", min = 1}}
+
+-- opts checked against spec (moelua.options.check's): an unknown key is
+-- named as such, not as the missing one it stands for.
+local function check(opts, fn, spec)
+  if opts == nil then error(string.format("moelua.sched.%s: options must be a table, got nil", fn), 3) end
+  -- raised at the schedule's caller: past this closure, options.check, check and the schedule
+  local function fail(fmt, ...) error("moelua.sched." .. fn .. ": " .. fmt:format(...), 5) end
+  local o = options.check(opts, spec, fail)
+  return o
 end
 
 -- Linear warmup from 0 to peak over `warmup` steps (step 0 gives peak/warmup,
 -- so no step trains at lr 0), then `decay(progress)` from peak to min.
 local function warmup_then(opts, fn, decay)
-  check(opts, fn, {"peak", "warmup", "total"}, {"min"})
+  check(opts, fn, WARMUP)
   local peak, warmup, total, min = opts.peak, opts.warmup, opts.total, opts.min or 0
   if warmup < 0 or total <= warmup then
     error(string.format("moelua.sched.%s: need 0 <= warmup < total (got %g and %g)", fn, warmup, total), 2)
@@ -60,15 +52,15 @@ end
 
 function sched.constant(v)
   if not finite(v) then
-    error("moelua.sched.constant: expected a finite number, got " .. (type(v) == "number" and tostring(v) or type(v)), 2)
+    error("moelua.sched.constant: expected a finite number, got " ..
+          (type(v) == "number" and tostring(v) or type(v)), 2)
   end
   return function() return v end
 end
 
 -- start * factor ^ floor(step / every): report 1's temperature 1.0 x0.99 every 1000 steps
 function sched.exponential(opts)
-  check(opts, "exponential", {"start", "factor", "every"})
-  if opts.every < 1 then error("moelua.sched.exponential: option 'every' must be >= 1", 2) end
+  check(opts, "exponential", EXPONENTIAL)
   local start, factor, every = opts.start, opts.factor, opts.every
   return function(step) return start * factor ^ (step // every) end
 end

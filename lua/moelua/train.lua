@@ -1744,8 +1744,8 @@ function train.run(cfg)
       errors.user(string.format("moelua.train: %s at step %d, and %d rollbacks to %s did not get past it " ..
                                 "(max_rollbacks %d): stopping. The last good checkpoint is %s; resume from it " ..
                                 "(resume = it; a recipe's --resume %s) after changing what fails (a lower " ..
-                                "learning rate, a longer warmup, clipping)", why, step, n - 1, last_good, self.rollback.max_rollbacks,
-                                last_good, last_good))
+                                "learning rate, a longer warmup, clipping)", why, step, n - 1, last_good,
+                                self.rollback.max_rollbacks, last_good, last_good))
     end
     self.rollbacks_to[last_good] = n
     local back = last_good_step
