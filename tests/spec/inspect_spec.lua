@@ -111,7 +111,8 @@ describe("moelua.inspect", function()
     for i = 1, 8 do assert.are.same(s1.trace[i].layers, s2.trace[i].layers) end
     for _, bad in ipairs{1.5, "a", 2 ^ 70} do   -- never silently seed 0
       support.has(support.errmsg(h.generate, h, "#include", {n = 2, seed = bad}),
-                  "moelua.inspect.generate: option 'seed' must be an integer, got " .. tostring(bad))
+                  "moelua.inspect.generate: option 'seed' must be an integer, got " ..
+                  (type(bad) == "number" and tostring(bad) or type(bad)))
     end
     assert.is_table(h:run("ab\0c", {seq_len = SEQ}).layers)   -- a short text with a NUL: text, not a path
     -- the combine weights of each token's top-k experts: in (0, 1], summing to 1 (renormalised)
@@ -169,8 +170,8 @@ describe("moelua.inspect", function()
                    {temperature = 0 / 0})
     support.raises("moelua.inspect.run: 1 byte of input: a prediction needs 2 (a byte and the next)", h.run, h, "x")
     support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
-    support.raises("moelua.inspect.run: unknown option 'seqlen' (expected seq_len)", h.run, h, "abc", {seqlen = 8})
-    support.raises("moelua.inspect.run: argument #2: expected an options table, got number", h.run, h, "abc", 8)
+    support.raises("moelua.inspect.run: unknown option 'seqlen' (expected one of: seq_len)", h.run, h, "abc", {seqlen = 8})
+    support.raises("moelua.inspect.run: options must be a table, got number", h.run, h, "abc", 8)
   end)
 
   it("compare of a report with itself shows no change", function()

@@ -16,18 +16,20 @@
 -- reads rows [0, len + n); the model advances len.
 local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
+local options = require "moelua.options"
 
 local KVCache = {}
 KVCache.__index = KVCache
 
-local function need(ok, fmt, ...)
-  if not ok then error("moelua.nn.KVCache.new: " .. string.format(fmt, ...), 3) end
-end
+local SIZE = {"integer", min = 1}
+local OPTIONS = {layers = SIZE, positions = SIZE, kv_heads = SIZE, head_dim = SIZE, dtype = {"string", false},
+                 device = {"string", false}}
+
+-- raised at KVCache.new's caller: past this closure and options.check
+local function fail(fmt, ...) error("moelua.nn.KVCache.new: " .. string.format(fmt, ...), 4) end
 
 function KVCache.new(o)
-  for _, k in ipairs({"layers", "positions", "kv_heads", "head_dim"}) do
-    need(math.type(o[k]) == "integer" and o[k] >= 1, "option '%s' must be an integer >= 1, got %s", k, tostring(o[k]))
-  end
+  o = options.check(o, OPTIONS, fail)
   local self = setmetatable({len = 0, positions = o.positions, layers = {}}, KVCache)
   local shape, d = {o.positions, o.kv_heads, o.head_dim}, {dtype = o.dtype or "f32", device = o.device or "cpu"}
   for l = 1, o.layers do
