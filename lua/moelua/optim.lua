@@ -144,7 +144,7 @@ local function fail(fn, fmt, ...)
 end
 
 local function check_number(fn, what, v, lo, hi)
-  if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) then
+  if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) or v == math.huge then
     error(string.format("moelua.optim.%s: %s must be a number in [%g, %s, got %s", fn, what,
                         lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), caller_level())
   end
@@ -179,6 +179,16 @@ local function check_groups(fn, groups, allow_experts, offload)
   if type(groups) ~= "table" or #groups == 0 then
     fail(fn, "groups must be a non-empty list of tables, got %s", type(groups))
   end
+  local n, last = 0, 0   -- a group past a hole or under a name would never be stepped
+  for k in pairs(groups) do
+    if math.type(k) ~= "integer" or k < 1 then fail(fn, "groups must be a list 1..n, got the key %s", tostring(k)) end
+    n, last = n + 1, math.max(last, k)
+  end
+  if n ~= last then
+    local hole = 1
+    while groups[hole] ~= nil do hole = hole + 1 end
+    fail(fn, "groups must be a list 1..n, got a hole: group %d is nil", hole)
+  end
   local out = {}
   for i, g in ipairs(groups) do
     if type(g) ~= "table" then fail(fn, "group %d must be a table, got %s", i, type(g)) end
@@ -209,11 +219,12 @@ local function check_groups(fn, groups, allow_experts, offload)
       fail(fn, "group %d: params has %d elements, grads %d", i, p:numel(), gr:numel())
     end
     local lr_mult = g.lr_mult == nil and 1 or g.lr_mult
-    if type(lr_mult) ~= "number" or not (lr_mult >= 0) then
-      fail(fn, "group %d: 'lr_mult' must be a number >= 0, got %s", i, tostring(g.lr_mult))
+    if type(lr_mult) ~= "number" or not (lr_mult >= 0 and lr_mult < math.huge) then
+      fail(fn, "group %d: 'lr_mult' must be a finite number >= 0, got %s", i, tostring(g.lr_mult))
     end
-    if g.weight_decay ~= nil and (type(g.weight_decay) ~= "number" or not (g.weight_decay >= 0)) then
-      fail(fn, "group %d: 'weight_decay' must be a number >= 0, got %s", i, tostring(g.weight_decay))
+    if g.weight_decay ~= nil and (type(g.weight_decay) ~= "number" or
+                                  not (g.weight_decay >= 0 and g.weight_decay < math.huge)) then
+      fail(fn, "group %d: 'weight_decay' must be a finite number >= 0, got %s", i, tostring(g.weight_decay))
     end
     if g.frozen ~= nil and type(g.frozen) ~= "boolean" then
       fail(fn, "group %d: 'frozen' must be a boolean, got %s", i, type(g.frozen))
@@ -229,9 +240,9 @@ local function check_groups(fn, groups, allow_experts, offload)
       end
     end
     if cp ~= nil and not (tensor.is_tensor(cp) and cp:is_contiguous() and cp:numel() == p:numel()
-                          and cp:device() == gr:device()) then
-      fail(fn, "group %d: 'compute' must be a contiguous tensor on %s with %d elements like params", i,
-           gr:device(), p:numel())
+                          and cp:device() == gr:device() and (cp:dtype() == "bf16" or cp:dtype() == p:dtype())) then
+      fail(fn, "group %d: 'compute' must be a contiguous bf16 (or %s) tensor on %s with %d elements like params", i,
+           p:dtype(), gr:device(), p:numel())
     end
     local exp_avg, exp_avg_sq = check_given(fn, i, g, p, allow_experts)
     out[i] = {params = p, grads = gr, lr_mult = lr_mult, weight_decay = g.weight_decay,
@@ -299,11 +310,32 @@ end
 local Base = {}
 Base.__index = Base
 
+-- self must be an optimizer (opt.step(lr), a dot for the colon, names
+-- itself); returns the name of method for messages ("AdamW:step").
+local function check_self(self, method)
+  if type(self) ~= "table" or getmetatable(getmetatable(self) or {}) ~= Base then
+    error(string.format("moelua.optim: opt:%s is a method: call it with a colon, got a %s for self", method,
+                        type(self)), caller_level())
+  end
+  return self.kind .. ":" .. method
+end
+
+-- Group gi of the optimizer, which has it (fn names the caller).
+local function group_of(self, fn, gi)
+  if math.type(gi) ~= "integer" then fail(fn, "argument #1 (group) must be an integer, got %s", type(gi)) end
+  local g = self.groups[gi]
+  if g == nil then fail(fn, "no group %d (the optimizer has %d)", gi, #self.groups) end
+  return g, self.state[gi]
+end
+
 function Base:zero_grad()
+  check_self(self, "zero_grad")
   for _, g in ipairs(self.groups) do g.grads:zero_() end
 end
 
 local STATE_TENSORS = {"exp_avg", "exp_avg_sq", "steps", "momentum_buffer"}
+local KIND_STATES = {AdamW = {exp_avg = true, exp_avg_sq = true, steps = true, list = "exp_avg, exp_avg_sq, steps"},
+                     SGD = {momentum_buffer = true, list = "momentum_buffer"}}
 local EXPERT_STATES = {exp_avg = true, exp_avg_sq = true}   -- per expert in sparse groups
 
 -- Tables of tensors (the live states, not copies) and counts, for checkpoints:
@@ -312,6 +344,7 @@ local EXPERT_STATES = {exp_avg = true, exp_avg_sq = true}   -- per expert in spa
 -- In a sparse group exp_avg and exp_avg_sq are tables {[e] = tensor [n/E]}
 -- holding only the experts that have states (a new table, the live tensors).
 function Base:state_dict()
+  check_self(self, "state_dict")
   local sd = {kind = self.kind, t = self.t, skipped_expert_steps = self.skipped_expert_steps,
               groups = {}}
   for i, st in ipairs(self.state) do
@@ -410,9 +443,22 @@ local function check_state_dict(fn, self, sd)
   if #sd.groups ~= #self.groups then
     fail(fn, "state has %d groups, optimizer has %d", #sd.groups, #self.groups)
   end
+  local own = KIND_STATES[self.kind]
   for i, gs in ipairs(sd.groups) do
     if type(gs) ~= "table" or math.type(gs.step) ~= "integer" then
       fail(fn, "group %d: 'step' must be an integer", i)
+    end
+    for k in pairs(gs) do
+      if k ~= "step" and own[k] ~= true then
+        fail(fn, "group %d: '%s' is not a state of %s (expected step, %s)", i, tostring(k), self.kind, own.list)
+      end
+      if k ~= "step" and self.groups[i].frozen then
+        fail(fn, "group %d is frozen: it has no states, got '%s'", i, k)
+      end
+    end
+    if self.kind == "AdamW" and not self.groups[i].experts and (gs.exp_avg == nil) ~= (gs.exp_avg_sq == nil) then
+      fail(fn, "group %d: %s without %s (a dense group's states are both or neither)", i,
+           gs.exp_avg and "exp_avg" or "exp_avg_sq", gs.exp_avg and "exp_avg_sq" or "exp_avg")
     end
   end
 end
@@ -423,8 +469,8 @@ end
 -- sd's tensor itself when it fits (no copy: a loader that built sd for
 -- this call hands its tensors over instead of holding them twice).
 function Base:load_state_dict(sd, opts)
-  local adopt = opts and opts.adopt
-  local fn = self.kind .. ":load_state_dict"
+  local fn = check_self(self, "load_state_dict")
+  local adopt = check_opts(fn, opts, {adopt = {"boolean", false}}).adopt
   check_state_dict(fn, self, sd)
   for i, gs in ipairs(sd.groups) do     -- check everything before changing anything
     local g = self.groups[i]
@@ -671,7 +717,7 @@ local function offloaded_step(self, lr, active_masks)
 end
 
 function AdamW:step(lr, active_masks)
-  lr = step_lr("AdamW:step", self, lr)
+  lr = step_lr(check_self(self, "step"), self, lr)
   if active_masks ~= nil and type(active_masks) ~= "table" then
     fail("AdamW:step", "active_masks must be a table {[group] = u8 tensor}, got %s",
          type(active_masks))
@@ -716,9 +762,8 @@ end
 -- step counts): loaders read checkpoint ranges straight into it. k:
 -- "exp_avg", "exp_avg_sq", "steps" (sparse groups).
 function AdamW:state_tensor(gi, k, e)
-  local fn = "AdamW:state_tensor"
-  local g, st = self.groups[gi], self.state[gi]
-  if g == nil then fail(fn, "no group %s (the optimizer has %d)", tostring(gi), #self.groups) end
+  local fn = check_self(self, "state_tensor")
+  local g, st = group_of(self, fn, gi)
   if k ~= "exp_avg" and k ~= "exp_avg_sq" and k ~= "steps" then
     fail(fn, "state must be \"exp_avg\", \"exp_avg_sq\" or \"steps\", got %s", tostring(k))
   end
@@ -748,8 +793,8 @@ end
 -- Group gi, state k (exp_avg or exp_avg_sq), expert e (sparse groups) and
 -- elements [off, off + n) of that state, checked for read_state / write_state.
 local function check_range(self, fn, gi, k, e, off, n)
-  local g = self.groups[gi]
-  if g == nil then fail(fn, "no group %s (the optimizer has %d)", tostring(gi), #self.groups) end
+  check_self(self, fn:match(":(.*)"))
+  local g = group_of(self, fn, gi)
   if k ~= "exp_avg" and k ~= "exp_avg_sq" then
     fail(fn, "state must be \"exp_avg\" or \"exp_avg_sq\", got %s", tostring(k))
   end
@@ -887,8 +932,9 @@ local function load_offloaded(self, sd, adopt)
 end
 
 function AdamW:load_state_dict(sd, opts)
+  local fn = check_self(self, "load_state_dict")
   if not self.offload then return Base.load_state_dict(self, sd, opts) end
-  load_offloaded(self, sd, opts and opts.adopt)
+  load_offloaded(self, sd, check_opts(fn, opts, {adopt = {"boolean", false}}).adopt)
 end
 
 -- opt:close(): an offloaded optimizer's store closed (its file removed);
@@ -934,7 +980,7 @@ function optim.SGD(groups, opts)
 end
 
 function SGD:step(lr)
-  lr = step_lr("SGD:step", self, lr)
+  lr = step_lr(check_self(self, "step"), self, lr)
   local jobs, n = self.jobs, 0
   for i, g in ipairs(self.groups) do
     if not g.frozen then

@@ -96,7 +96,8 @@ end
 -- [, min = least | above = bound]}}: kind is
 -- "integer", "number" (finite), "string", "boolean", "table", "function"
 -- or alternatives ("string|table"); a default nil makes the option
--- required, false leaves it out (a boolean's false is its value). An
+-- required, false leaves it out (a boolean's false is its value; a false
+-- given for such an option is none, as `cond and {...}` passes it). An
 -- unknown key, a value of the wrong kind or out of bounds, or a missing
 -- required one calls fail(fmt, ...), which raises the API's own error;
 -- prefix names the keys in messages ("store.").
@@ -108,15 +109,17 @@ function options.check(opts, spec, fail, prefix)
   for k, v in pairs(opts) do
     local s = spec[k]
     if not s then fail("%s", options.unknown(prefix .. tostring(k), spec)) end
-    local got = accept(s[1], v)
-    if got == nil or s.min and got < s.min or s.above and got <= s.above then
-      local names = {}
-      for kind in s[1]:gmatch("[^|]+") do names[#names + 1] = KIND_NAMES[kind] end
-      fail("option '%s%s' must be %s%s, got %s", prefix, k, table.concat(names, " or "),
-           s.min and " >= " .. s.min or s.above and " > " .. s.above or "",
-           type(v) == "number" and tostring(v) or type(v))
+    if not (v == false and s[2] == false) then   -- `x and {...}` passes false for none
+      local got = accept(s[1], v)
+      if got == nil or s.min and got < s.min or s.above and got <= s.above then
+        local names = {}
+        for kind in s[1]:gmatch("[^|]+") do names[#names + 1] = KIND_NAMES[kind] end
+        fail("option '%s%s' must be %s%s, got %s", prefix, k, table.concat(names, " or "),
+             s.min and " >= " .. s.min or s.above and " > " .. s.above or "",
+             type(v) == "number" and tostring(v) or type(v))
+      end
+      o[k] = got
     end
-    o[k] = got
   end
   for k, s in pairs(spec) do
     if o[k] == nil then

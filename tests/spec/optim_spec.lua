@@ -723,8 +723,50 @@ describe("parameter groups and state", function()
     end
     local e = support.errmsg(optim.AdamW, {{params = randn(16, "f32"), grads = randn(16, "f32"),
                                             compute = m.zeros({8}, {dtype = "bf16"})}})
-    support.has(e, "moelua.optim.AdamW: group 1: 'compute' must be a contiguous tensor on cpu with 16 elements " ..
-                   "like params")
+    support.has(e, "moelua.optim.AdamW: group 1: 'compute' must be a contiguous bf16 (or f32) tensor on cpu with " ..
+                   "16 elements like params")
+    -- an i64 copy would truncate the weights
+    support.has(support.errmsg(optim.AdamW, {{params = randn(16, "f32"), grads = randn(16, "f32"),
+                                             compute = m.zeros({16}, {dtype = "i64"})}}),
+                "group 1: 'compute' must be a contiguous bf16 (or f32) tensor")
+  end)
+
+  it("refuses groups it would never step, infinite factors and a method called with a dot", function()
+    local function G() return {params = randn(4, "f32"), grads = randn(4, "f32")} end
+    local has, errmsg = support.has, support.errmsg
+    has(errmsg(optim.AdamW, {G(), nil, G()}),
+        "moelua.optim.AdamW: groups must be a list 1..n, got a hole: group 2 is nil")
+    has(errmsg(optim.SGD, {G(), extra = G()}), "moelua.optim.SGD: groups must be a list 1..n, got the key extra")
+    has(errmsg(optim.AdamW, {G(), {params = randn(4, "f32"), grads = randn(4, "f32"), lr_mult = 1e309}}),
+        "group 2: 'lr_mult' must be a finite number >= 0, got inf")
+    has(errmsg(optim.AdamW, {{params = randn(4, "f32"), grads = randn(4, "f32"), weight_decay = 1 / 0}}),
+        "group 1: 'weight_decay' must be a finite number >= 0, got inf")
+    local o = optim.AdamW({G()})
+    has(errmsg(o.step, o, math.huge), "moelua.optim.AdamW:step: lr must be a number in [0, inf), got inf")
+    has(errmsg(o.step, 1e-3), "moelua.optim: opt:step is a method: call it with a colon, got a number for self")
+    has(errmsg(o.zero_grad), "opt:zero_grad is a method: call it with a colon, got a nil for self")
+    has(errmsg(o.state_tensor, o, "1", "exp_avg"),
+        "moelua.optim.AdamW:state_tensor: argument #1 (group) must be an integer, got string")
+    assert.is_table(optim.AdamW({G()}, {offload = false}))   -- `x and {...}`: none
+  end)
+
+  it("loads a state dict only whole: both dense states, known keys, none for a frozen group", function()
+    local function G(frozen) return {params = randn(4, "f32"), grads = randn(4, "f32"), frozen = frozen} end
+    local has, errmsg = support.has, support.errmsg
+    local o = optim.AdamW({G(), G(true)})
+    local fn = "moelua.optim.AdamW:load_state_dict: "
+    has(errmsg(o.load_state_dict, o, {kind = "AdamW", t = 1, groups = {{step = 1, exp_avg_sq = m.full({4}, 7)},
+                                                                      {step = 0}}}),
+        fn .. "group 1: exp_avg_sq without exp_avg (a dense group's states are both or neither)")
+    has(errmsg(o.load_state_dict, o, {kind = "AdamW", t = 1, groups = {{step = 1, exp_avgg = m.zeros(4)},
+                                                                      {step = 0}}}),
+        fn .. "group 1: 'exp_avgg' is not a state of AdamW (expected step, exp_avg, exp_avg_sq, steps)")
+    has(errmsg(o.load_state_dict, o, {kind = "AdamW", t = 1, groups = {{step = 1},
+                                                                      {step = 1, exp_avg = m.zeros(4),
+                                                                       exp_avg_sq = m.zeros(4)}}}),
+        fn .. "group 2 is frozen: it has no states, got 'exp_avg")
+    has(errmsg(o.load_state_dict, o, o:state_dict(), {adpot = true}), fn .. "unknown option 'adpot'")
+    o:load_state_dict(o:state_dict(), {adopt = false})
   end)
 
   it("scales a group's lr by lr_mult and uses its own weight_decay", function()

@@ -74,6 +74,8 @@ describe("moelua.options", function()
     refused({n = 1, on = 1}, "api: option 'on' must be a boolean, got 1")
     refused({n = 1, ck = 2}, "api: option 'ck' must be a string or a table, got 2")
     refused({n = 1, name = 2}, "api: option 'm.name' must be a string, got 2", "m.")
+    assert.are.same({n = 1, rate = 0.5, on = false, ck = "none"}, check{n = 1, name = false})   -- false: none
+    refused({n = false}, "api: option 'n' must be an integer >= 1, got boolean")   -- required: no none
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()
