@@ -298,7 +298,8 @@ function Dataset:state()
           seq_len = self.seq_len, format = self.format, n_tokens = self.n_tokens}
 end
 
--- ds:set_state(st): resume at st.cursor; an error if the corpus changed.
+-- ds:set_state(st): resume at st.cursor; an error if the corpus changed,
+-- or its seed, seq_len or format.
 function Dataset:set_state(st)
   if type(st) ~= "table" then fail("set_state", "expected a state table, got %s", type(st)) end
   if math.type(st.cursor) ~= "integer" or st.cursor < 0 then
@@ -308,6 +309,15 @@ function Dataset:set_state(st)
   if st.fingerprint ~= now then
     fail("set_state", "the corpus changed since this state was saved (fingerprint %s, now %s): " ..
          "files, sizes or modification times differ", tostring(st.fingerprint), now)
+  end
+  -- another order or window size reads other windows: trained ones again, untrained ones never
+  for _, k in ipairs({"seed", "seq_len", "format"}) do
+    if st[k] ~= nil and st[k] ~= self[k] then
+      fail("set_state", "the state was saved with %s %s, this corpus is opened with %s: its windows would be " ..
+           "others, some already trained on; keep %s %s%s, or start a new run from the checkpoint's weights " ..
+           "(train.run's init_from)", k, tostring(st[k]), tostring(self[k]), k, tostring(st[k]),
+           k == "format" and "" or " (a recipe's --" .. k:gsub("_", "-") .. ")")
+    end
   end
   self.cursor = st.cursor
 end

@@ -137,6 +137,13 @@ describe("moelua.data", function()
     local again = data.open{paths = files, seq_len = 15}
     again:set_state(st)
     assert.equal(as_bytes(ds:next()), as_bytes(again:next()))
+    -- another window size or order would read other windows
+    has(errmsg(data.open{paths = files, seq_len = 16}.set_state, data.open{paths = files, seq_len = 16}, st),
+        "moelua.data.set_state: the state was saved with seq_len 15, this corpus is opened with 16: its windows " ..
+        "would be others, some already trained on; keep seq_len 15 (a recipe's --seq-len), or start a new run " ..
+        "from the checkpoint's weights (train.run's init_from)")
+    local seeded = data.open{paths = files, seq_len = 15, seed = 7}
+    has(errmsg(seeded.set_state, seeded, st), "the state was saved with seed 0, this corpus is opened with 7")
     -- same size, one byte changed and the mtime moved
     support.write_file(files[3], bytes(2499, 3) .. "!")
     assert(os.execute("touch -d '2001-01-01' " .. support.shell_quote(files[3])))
