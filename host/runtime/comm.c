@@ -1262,6 +1262,44 @@ static ml_status alltoallv_counts(ml_comm *c, const int64_t *send_rows, const in
     return ML_OK;
 }
 
+/* Debug mode: every rank's send_rows and recv_rows, gathered, so that every
+ * rank finds a pair that disagrees (rows sent that the peer does not
+ * expect are lost, rows it expects and is not sent keep what recv held:
+ * MPI and NCCL say nothing). */
+static ml_status check_row_counts(ml_comm *c, const coll_desc *d, const int64_t *send_rows,
+                                  const int64_t *recv_rows, ml_err *e)
+{
+    int w = c->world;
+    ml_tensor all = {0};
+    int64_t dims[2] = {w, 2 * w};
+    ML_TRY(comm_scratch(c, &all, ML_CPU, ML_I64, 2, dims, e));
+    int64_t *k = ml_data(&all);   /* row q: rank q's send_rows, then its recv_rows */
+    memcpy(k + (size_t)c->rank * 2 * w, send_rows, (size_t)w * sizeof *k);
+    memcpy(k + (size_t)c->rank * 2 * w + w, recv_rows, (size_t)w * sizeof *k);
+    ml_comm_req *r;
+    ml_status s = req_new(d, &r, e);
+    if (s == ML_OK) {
+        req_hold(r, &all);
+        s = req_start(c, r, "MPI_Iallgather",
+                      MPI_Iallgather(MPI_IN_PLACE, 0, MPI_BYTE, k, 2 * w * (int)sizeof *k, MPI_BYTE, c->mc,
+                                     &r->mpi), e);
+        if (s == ML_OK)
+            s = req_finish(r, "row count exchange before ", e);
+    }
+    for (int a = 0; s == ML_OK && a < w; a++)
+        for (int b = 0; s == ML_OK && b < w; b++) {
+            int64_t sent = k[(size_t)a * 2 * w + b], expected = k[(size_t)b * 2 * w + w + a];
+            if (sent == expected)
+                continue;
+            char what[DESC_LEN];
+            describe(c, d, what, sizeof what);
+            s = break_comm(c, e, "%s: rank %d sends %lld rows to rank %d, which expects %lld (send_rows and "
+                           "recv_rows disagree)", what, a, (long long)sent, b, (long long)expected);
+        }
+    ml_tensor_drop(&all);
+    return s;
+}
+
 /* all-to-all-v of d over NCCL: one group of a send and a receive of rows
  * per rank (none for 0 rows), then a wait. */
 static ml_status rows_nccl(ml_comm *c, const coll_desc *d, const ml_tensor *send,
@@ -1320,6 +1358,8 @@ ml_status ml_comm_all_to_all_v(ml_comm *c, const ml_tensor *send, const int64_t 
     }
     coll_desc d;
     ML_TRY(begin(c, &d, OP_ALL_TO_ALL_V, send->dtype, row, 0, what, e));
+    if (c->debug && c->world > 1)
+        ML_TRY(check_row_counts(c, &d, send_rows, recv_rows, e));
     if (nccl)
         return rows_nccl(c, &d, send, send_rows, recv, recv_rows, (size_t)row_bytes, e);
     if (c->world == 1)

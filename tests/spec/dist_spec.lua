@@ -300,6 +300,17 @@ dist.barrier("step end")
     has(err, "collective mismatch at #1: rank 0 calls all-gather of unit a (2 elements of f32), " ..
              "rank 1 calls barrier of step end")
   end)
+
+  it("debug: all-to-all-v row counts that disagree between ranks are an error on every rank", function()
+    local code, _, err = mpirun(preamble .. [[
+dist.init{timeout = 5, debug = true}
+local r = dist.rank()
+dist.all_to_all_v(m.full({3, 2}, r + 1), r == 0 and {1, 2} or {1, 1}, m.full({3, 2}, 9), {1, 1}, "tokens")
+]], 10)
+    assert.are_not.equal(0, code)
+    has(err, "all-to-all-v of tokens (collective #1 of rank ")
+    has(err, "): rank 0 sends 2 rows to rank 1, which expects 1 (send_rows and recv_rows disagree)")
+  end)
 end)
 
 describe("moelua.dist groups under mpiexec -n 4", function()
