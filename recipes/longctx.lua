@@ -289,8 +289,9 @@ local attached = opts.attach and dist.rank() == 0
   and require("moelua.remote").listen(opts.run_dir, {steps = opts.steps, model = run.model}) or nil
 run.attach = attached
 
-say(string.format("moelua longctx: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
-                    opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
+say(string.format("moelua %s: %d layers, D=%d, %d experts (top-%d), seq_len %d, %d steps, corpus %s",
+                  tostring(arg[0]):match("([^/]+)%.lua$") or "longctx",   -- tiny.lua runs this file too
+                  opts.layers, opts.dim, opts.experts, opts.topk, opts.seq_len, opts.steps, opts.data))
 local result = train.run(run)
 
 if result.first_step == opts.steps then   -- resumed from the last step: nothing trained, what was loaded saved
