@@ -16,8 +16,8 @@
  *   moelua plot RUN_DIR [OUT_DIR]
  *   moelua plan RECIPE [--max-seq | --fit] [recipe options]
  * Subcommands: when argv[1] is exactly "plot" (or "plan") and no file of
- * that name exists in the current directory (else it is a script, as in
- * lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
+ * that name but a directory exists in the current directory (else it is a
+ * script, as in lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
  * (moelua.plan_cli's for plan; arg[0] = the subcommand); main returning
  * false makes the exit status 1.
  *
@@ -55,6 +55,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "libs.h"
@@ -631,15 +632,23 @@ static int os_exit(lua_State *L)
     exit(status);
 }
 
+/* argv[1] is subcommand `name` unless a file of that name, a script, is
+ * here (a directory of that name is not one). */
+static int is_subcommand(int argc, char **argv, const char *name)
+{
+    struct stat st;
+    return argc > 1 && strcmp(argv[1], name) == 0 && !(stat(name, &st) == 0 && !S_ISDIR(st.st_mode));
+}
+
 static int pmain(lua_State *L)
 {
     int argc = (int)lua_tointeger(L, 1);
     char **argv = (char **)lua_touserdata(L, 2);
     int script = 1;
     const char *sub = NULL;   /* a subcommand's module */
-    if (argc > 1 && strcmp(argv[1], "plot") == 0 && access("plot", F_OK) != 0)
+    if (is_subcommand(argc, argv, "plot"))
         sub = "moelua.plot";
-    else if (argc > 1 && strcmp(argv[1], "plan") == 0 && access("plan", F_OK) != 0)
+    else if (is_subcommand(argc, argv, "plan"))
         sub = "moelua.plan_cli";
     int args = sub ? 0 : collectargs(argv, &script);
     int has_script = script > 0 && script < argc;
@@ -728,7 +737,7 @@ int main(int argc, char **argv)
 {
     if (argc > 0 && argv[0] && argv[0][0])
         progname = argv[0];
-    if (argc > 1 && strcmp(argv[1], "attach") == 0 && access("attach", F_OK) != 0)
+    if (is_subcommand(argc, argv, "attach"))
         return attach_main(argc, argv);
     /* A closed pipe (`moelua ... | head`) fails the write (EPIPE) instead of
      * killing the process unsaved: a training job goes on and checkpoints,

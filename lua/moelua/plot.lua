@@ -2,7 +2,7 @@
 -- (lua/moelua/train.lua writes it). Pure SVG 1.1 text: no scripts, no
 -- external fonts or files; any browser shows them.
 --
---   local paths = plot.run(run_dir [, out_dir])   -- out_dir: run_dir/plots
+--   local paths, bad_lines = plot.run(run_dir [, out_dir])   -- out_dir: run_dir/plots; lines not JSON
 --   -- paths = {loss = ".../loss.svg", experts = ..., memory = ..., throughput = ...}
 --   moelua plot RUN_DIR [OUT_DIR]                  -- the same from the shell (plot.main)
 --
@@ -93,9 +93,12 @@ function plot.read(run_dir)
     d:close()
     fail("no metrics.jsonl in %s", run_dir)
   end
+  local text, why = f:read("a")   -- (f:lines() would raise a read error with this file's line)
+  f:close()
+  if not text then fail("cannot read %s: %s", path, tostring(why)) end
   local r = {steps = {}, events = {}, lines = {}, last = {}, order = {}, bad_lines = 0}
   local n = 0
-  for line in f:lines() do
+  for line in text:gmatch("[^\n]+") do
     n = n + 1
     if line:find("%S") then
       local obj = json.decode(line)
@@ -112,7 +115,6 @@ function plot.read(run_dir)
       end
     end
   end
-  f:close()
   if #r.steps == 0 then fail("no step records in %s (%d lines)", path, n) end
   table.sort(r.order)
   trajectory(r)
@@ -816,7 +818,7 @@ function plot.run(run_dir, out_dir)
   for _, name in ipairs({"loss", "experts", "memory", "throughput"}) do
     paths[name] = write(out_dir .. "/" .. name .. ".svg", plot[name .. "_svg"](r))
   end
-  return paths
+  return paths, r.bad_lines
 end
 
 local USAGE = "usage: moelua plot RUN_DIR [OUT_DIR]   (writes OUT_DIR, default RUN_DIR/plots, *.svg)"
@@ -830,10 +832,15 @@ function plot.main(args)
     io.stderr:write(USAGE, "\n")
     return false
   end
-  local ok, paths = pcall(plot.run, args[1], args[2])
+  local ok, paths, bad = pcall(plot.run, args[1], args[2])
   if not ok then
     io.stderr:write(tostring(paths), "\n")
     return false
+  end
+  if bad > 0 then
+    io.stderr:write(string.format("moelua.plot: %d line%s of %s/metrics.jsonl %s not JSON, left out (a running " ..
+                                  "job's last line may be half-written)\n", bad, bad == 1 and "" or "s", args[1],
+                                  bad == 1 and "is" or "are"))
   end
   for _, name in ipairs({"loss", "experts", "memory", "throughput"}) do print(paths[name]) end
   return true

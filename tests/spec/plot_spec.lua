@@ -469,6 +469,16 @@ describe("moelua.plot", function()
     code, out = support.finish_child(assert(io.popen(support.host_command({"plot"}) .. " 2>&1")))
     assert.are.equal(1, code)
     assert.truthy(out:find("usage: moelua plot", 1, true), out)
+    -- a metrics.jsonl that cannot be read: said as such, not with plot.lua's line
+    require("moelua.fs").mkdir_p(dir .. "/d/metrics.jsonl")
+    assert.are.equal("moelua.plot: cannot read " .. dir .. "/d/metrics.jsonl: Is a directory",
+                     support.errmsg(plot.run, dir .. "/d"))
+    -- lines that are not JSON are left out, and said so
+    support.write_file(dir .. "/metrics.jsonl", '{"step":0,"loss":1}\nnot json {\n{"step":1,"loss":0.5}\n')
+    code, out = support.finish_child(assert(io.popen(support.host_command({"plot", dir}) .. " 2>&1")))
+    assert.are.equal(0, code, out)
+    support.has(out, "moelua.plot: 1 line of " .. dir .. "/metrics.jsonl is not JSON, left out (a running job's " ..
+                     "last line may be half-written)\n")
   end)
 
   it("runs a file named plot as a script when there is one", function()
@@ -477,6 +487,12 @@ describe("moelua.plot", function()
     local code, out = support.finish_child(assert(io.popen(cmd)))
     assert.are.equal(0, code, out)
     assert.are.equal("script\tx\n", out)
+    -- a directory named plot is no script: the subcommand runs
+    os.remove(dir .. "/plot")
+    require("moelua.fs").mkdir_p(dir .. "/plot")
+    code, out = support.finish_child(assert(io.popen(cmd)))
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua.plot: no run directory x")
   end)
 
   it("the checker rejects malformed XML", function()
