@@ -64,12 +64,13 @@
 #include "l_host.h"
 #include "l_util.h"
 #include "libs.h"
+#include "../runtime/comm.h"
 
 #include <string.h>
 #include <unistd.h>
 
-#define HELD_MSG  "moelua: interrupt held until the checkpoint is written " \
-                  "(interrupt again to abort and lose it)\n"
+#define HELD_MSG  "moelua: interrupt held until the work in progress is done (a step's update, " \
+                  "a checkpoint; interrupt again to abort and lose it)\n"
 #define ABORT_MSG "moelua: second interrupt while the first is held: aborting, " \
                   "the checkpoint or step being finished is lost\n"
 #define KILL_MSG  "moelua: second interrupt before the first was handled " \
@@ -80,6 +81,7 @@ static char handler_stack[64 * 1024];      /* the handler's stack on the Lua thr
 static volatile sig_atomic_t hold_depth;    /* holds running, nested */
 static volatile sig_atomic_t held;          /* signals held since the outermost hold began */
 static lua_State *main_L;                   /* the state whose hook the handler arms */
+static volatile sig_atomic_t quiet;         /* a rank > 0 under mpiexec: rank 0 says it for all */
 
 volatile sig_atomic_t *ml_interrupt_flag(void)
 {
@@ -107,7 +109,8 @@ static void on_signal(int sig)
             _exit(130);
         }
         held = 1;
-        SAY(HELD_MSG);
+        if (!quiet)
+            SAY(HELD_MSG);
         return;
     }
     if (interrupted) {
@@ -161,6 +164,7 @@ static void hold_pending(lua_State *L)
  * is the difference at the end. */
 static int hold_begin(lua_State *L)
 {
+    quiet = ml_comm_world_rank() > 0;   /* (MPI may have started since the last hold) */
     hold_depth++;
     int before = held;
     hold_pending(L);

@@ -12,8 +12,8 @@ local host = require "moelua.host"
 local support = require "tests.support"
 local errmsg = support.errmsg
 
-local HELD = "moelua: interrupt held until the checkpoint is written " ..
-             "(interrupt again to abort and lose it)\n"
+local HELD = "moelua: interrupt held until the work in progress is done (a step's update, " ..
+             "a checkpoint; interrupt again to abort and lose it)\n"
 local ABORT = "moelua: second interrupt while the first is held: aborting, " ..
               "the checkpoint or step being finished is lost\n"
 
