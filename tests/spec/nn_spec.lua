@@ -412,6 +412,9 @@ describe("nn.Transformer", function()
       {{moe = {polcy = "drop"}}, "'moe.polcy'"}, {{moe = {policy = "drop"}}, "capacity_factor"},
       {{topk = 9}, "'topk'"}, {{layers = "2"}, "'layers'"}, {{vocabulary = 3}, "'vocabulary'"},
       {{ffn = 0}, "'ffn'"}, {{moe = {save = "bogus"}}, "'save'"},
+      -- a head_dim the model derived names what it came from (a recipe has no --head-dim)
+      {{dim = 15, heads = 5, kv_heads = 1}, "option 'head_dim' = 3 (dim 15 / heads 5) must be even and in [2, 256]"},
+      {{dim = 16, heads = 4, head_dim = 3}, "option 'head_dim' = 3 must be even and in [2, 256]"},
     }
     for _, c in ipairs(cases) do
       local msg = support.errmsg(tiny, c[1])

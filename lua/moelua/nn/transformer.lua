@@ -102,7 +102,8 @@ local function check_options(opts)
     o.head_dim = o.dim // o.heads
   end
   need(o.head_dim >= 2 and o.head_dim % 2 == 0 and o.head_dim <= 256,
-       "option 'head_dim' = %d must be even and in [2, 256]", o.head_dim)
+       "option 'head_dim' = %d%s must be even and in [2, 256]", o.head_dim,
+       opts.head_dim and "" or string.format(" (dim %d / heads %d)", o.dim, o.heads))
   need(o.topk >= 1 and o.topk <= o.experts, "option 'topk' = %d must be in 1..experts (%d)",
        o.topk, o.experts)
   need(o.rope_theta > 1, "option 'rope_theta' must be > 1, got %g", o.rope_theta)
@@ -787,12 +788,21 @@ end
 function Transformer:named_gradients() return named(self, "grads") end
 
 local LOAD_DTYPES = {f32 = true, bf16 = true, f16 = true, f64 = true}
--- config.json keys that fix the parameters' shapes and routing, and the option each is
-local CONFIG_KEYS = {
-  {"vocab_size", "vocab"}, {"hidden_size", "dim"}, {"intermediate_size", "ffn"},
-  {"num_hidden_layers", "layers"}, {"num_attention_heads", "heads"},
-  {"num_key_value_heads", "kv_heads"}, {"head_dim", "head_dim"},
-  {"num_local_experts", "experts"}, {"num_experts_per_tok", "topk"},
+-- The options config.json holds: {option, config.json's key, read as an
+-- "int" (>= 1; optional: may be absent) or a "num" (default when absent)};
+-- shape: it fixes the parameters' shapes and routing. model:config(),
+-- options_from_config, load_named and from_config's errors read this one list.
+local CONFIG = {
+  {"vocab", "vocab_size", "int", shape = true}, {"dim", "hidden_size", "int", shape = true},
+  {"ffn", "intermediate_size", "int", shape = true}, {"layers", "num_hidden_layers", "int", shape = true},
+  {"heads", "num_attention_heads", "int", shape = true},
+  {"kv_heads", "num_key_value_heads", "int", shape = true, optional = true},
+  {"head_dim", "head_dim", "int", shape = true, optional = true},
+  {"experts", "num_local_experts", "int", shape = true}, {"topk", "num_experts_per_tok", "int", shape = true},
+  {"max_position", "max_position_embeddings", "int", optional = true},
+  {"rope_theta", "rope_theta", "num", default = 1e6}, {"norm_eps", "rms_norm_eps", "num", default = 1e-5},
+  {"aux_weight", "router_aux_loss_coef", "num", default = 0.02},
+  {"init_std", "initializer_range", "num", default = 0.02},
 }
 
 -- config.json keys that change the math with the same shapes (the weights
@@ -894,11 +904,10 @@ function Transformer:check_named(tensors, opts, caller)
   local reshaped = false   -- a shape key differs: every tensor's shape follows, so they go unlisted
   if opts.config then
     local mine = self:config()
-    for _, kv in ipairs(CONFIG_KEYS) do
-      local v = opts.config[kv[1]]
-      if v ~= nil and v ~= mine[kv[1]] then
-        bad("config.json has %s = %s, the model has %s (option %s)", kv[1], tostring(v), tostring(mine[kv[1]]),
-            kv[2])
+    for _, c in ipairs(CONFIG) do
+      local v = c.shape and opts.config[c[2]]
+      if v and v ~= mine[c[2]] then
+        bad("config.json has %s = %s, the model has %s (option %s)", c[2], tostring(v), tostring(mine[c[2]]), c[1])
         reshaped = true
       end
     end
@@ -927,17 +936,10 @@ end
 -- model:config(): a MixtralConfig table (config.json's keys).
 function Transformer:config()
   local o = self.opts
-  return {
-    model_type = "mixtral", architectures = {"MixtralForCausalLM"},
-    vocab_size = o.vocab, hidden_size = o.dim, intermediate_size = o.ffn,
-    num_hidden_layers = o.layers, num_attention_heads = o.heads,
-    num_key_value_heads = o.kv_heads, head_dim = o.head_dim,
-    num_local_experts = o.experts, num_experts_per_tok = o.topk,
-    rope_theta = o.rope_theta, rms_norm_eps = o.norm_eps, tie_word_embeddings = false,
-    router_aux_loss_coef = o.aux_weight, max_position_embeddings = o.max_position,
-    initializer_range = o.init_std, hidden_act = "silu",
-    torch_dtype = o.dtype == "f64" and "float64" or "float32",
-  }
+  local cfg = {model_type = "mixtral", architectures = {"MixtralForCausalLM"}, tie_word_embeddings = false,
+               hidden_act = "silu", torch_dtype = o.dtype == "f64" and "float64" or "float32"}
+  for _, c in ipairs(CONFIG) do cfg[c[2]] = o[c[1]] end
+  return cfg
 end
 
 -- opts = Transformer.options_from_config(cfg): nn.Transformer options from a
@@ -968,15 +970,10 @@ function Transformer.options_from_config(cfg)
   need(not cfg.tie_word_embeddings, "tie_word_embeddings = true is not supported (moelua has a separate lm_head)")
   need(cfg.hidden_act == nil or cfg.hidden_act == "silu", "hidden_act '%s' is not supported (silu only)",
        tostring(cfg.hidden_act))
-  local o = {
-    vocab = int("vocab_size"), dim = int("hidden_size"), ffn = int("intermediate_size"),
-    layers = int("num_hidden_layers"), heads = int("num_attention_heads"),
-    kv_heads = int("num_key_value_heads", true), head_dim = int("head_dim", true),
-    experts = int("num_local_experts"), topk = int("num_experts_per_tok"),
-    max_position = int("max_position_embeddings", true),
-    rope_theta = num("rope_theta", 1e6), norm_eps = num("rms_norm_eps", 1e-5),
-    aux_weight = num("router_aux_loss_coef", 0.02), init_std = num("initializer_range", 0.02),
-  }
+  local o = {}
+  for _, c in ipairs(CONFIG) do
+    if c[3] == "int" then o[c[1]] = int(c[2], c.optional) else o[c[1]] = num(c[2], c.default) end
+  end
   local sw = cfg.sliding_window
   need(sw == nil or (type(sw) == "number" and sw >= (o.max_position or 131072)),
        "sliding_window = %s is not supported (full causal attention only)", tostring(sw))
@@ -985,20 +982,16 @@ end
 
 -- config.json's key of each option options_from_config sets, for
 -- Transformer.new's errors about them
-local CONFIG_KEYS = {vocab = "vocab_size", dim = "hidden_size", ffn = "intermediate_size",
-                     layers = "num_hidden_layers", heads = "num_attention_heads",
-                     kv_heads = "num_key_value_heads", head_dim = "head_dim", experts = "num_local_experts",
-                     topk = "num_experts_per_tok", max_position = "max_position_embeddings",
-                     rope_theta = "rope_theta", norm_eps = "rms_norm_eps", aux_weight = "router_aux_loss_coef",
-                     init_std = "initializer_range"}
+local CONFIG_KEY = {}
+for _, c in ipairs(CONFIG) do CONFIG_KEY[c[1]] = c[2] end
 
 function Transformer.from_config(cfg, extra)
   local o = Transformer.options_from_config(cfg)
   for k, v in pairs(extra or {}) do o[k] = v end
   local ok, err = pcall(check_options, o)   -- (checks only: Transformer.new checks again)
   local name = not ok and errors.is_user(err) and tostring(err):match("option '([%w_]+)'")
-  if name and CONFIG_KEYS[name] and (extra or {})[name] == nil then   -- named as the file names it
-    errors.user(string.format("%s (config.json's %s)", tostring(err), CONFIG_KEYS[name]))
+  if name and CONFIG_KEY[name] and (extra or {})[name] == nil then   -- named as the file names it
+    errors.user(string.format("%s (config.json's %s)", tostring(err), CONFIG_KEY[name]))
   end
   return Transformer.new(o)
 end
