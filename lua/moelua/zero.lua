@@ -61,6 +61,7 @@ local tensor = require "moelua.tensor"
 local mem = require "moelua.mem"
 local dist = require "moelua.dist"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 local C = require "moelua.optim_c"
 local now = require("moelua.bench").now
 
@@ -72,41 +73,33 @@ function zero.grad_dtype(dt) return dt == "bf16" and "f32" or dt end
 local Zero = {}
 Zero.__index = Zero
 
-local OPTIONS = {stage = "integer", prefetch = "integer", reduce_every = "string", ep = "integer",
-                 offload = "boolean"}
+local OPTIONS = {stage = {"integer", 0, min = 0}, prefetch = {"integer", 1, min = 0},
+                 reduce_every = {"string", "micro"}, ep = {"integer", 1, min = 1}, offload = {"boolean", false}}
+
+local function fail(fmt, ...) errors.user("moelua.zero.new: " .. string.format(fmt, ...)) end
 
 -- z = zero.new{stage = 0..3, prefetch = N >= 0, reduce_every = "micro"|"step",
 -- ep = expert-parallel size (divides the world; the model checks that it
 -- divides the experts), offload = false (bf16's masters in host memory)}:
--- checked before anything is allocated; each error names the option as a
--- recipe's command line spells it.
+-- checked before anything is allocated (a recipe's options are checked
+-- before they come here; --ep's division, which needs the world, names
+-- the recipe's option).
 function zero.new(o)
-  o = o or {}
-  if type(o) ~= "table" then errors.user("moelua.zero.new: options must be a table, got " .. type(o)) end
-  for k, v in pairs(o) do
-    if not OPTIONS[k] then
-      errors.user(string.format("moelua.zero.new: unknown option '%s' (stage, prefetch, reduce_every, ep, offload)",
-                                tostring(k)))
-    end
-    local ok = OPTIONS[k] == "integer" and math.type(v) == "integer" or type(v) == OPTIONS[k]
-    if not ok then errors.user(string.format("moelua.zero.new: option '%s' must be %s, got %s", k, OPTIONS[k], type(v))) end
-  end
-  local stage, prefetch, every, ep = o.stage or 0, o.prefetch or 1, o.reduce_every or "micro", o.ep or 1
-  if stage < 0 or stage > 3 then errors.user(string.format("--zero %d: the ZeRO stage must be 0, 1, 2 or 3", stage)) end
-  if prefetch < 0 then errors.user(string.format("--prefetch %d: must be >= 0 (units gathered ahead)", prefetch)) end
+  o = options.check(o, OPTIONS, fail)
+  local stage, prefetch, every, ep = o.stage, o.prefetch, o.reduce_every, o.ep
+  if stage > 3 then fail("option 'stage' must be 0, 1, 2 or 3, got %d", stage) end
   if every ~= "micro" and every ~= "step" then
-    errors.user(string.format("--reduce-every %s: must be micro or step", every))
+    fail("option 'reduce_every' must be \"micro\" or \"step\", got %q", every)
   end
   if dist.launched() and not dist.initialized() then
     errors.user("moelua.zero.new: launched by mpiexec: call moelua.dist.init first (the ranks are not known yet)")
   end
   local rank, world = dist.rank(), dist.world()
-  if ep < 1 then errors.user(string.format("--ep %d: the expert-parallel size must be at least 1", ep)) end
   if world % ep ~= 0 then
     errors.user(string.format("--ep %d: the expert-parallel size must divide the number of ranks (%d)", ep, world))
   end
   local z = setmetatable({
-    stage = stage, prefetch = prefetch, reduce_every = every, dist = dist, offload = o.offload or false,
+    stage = stage, prefetch = prefetch, reduce_every = every, dist = dist, offload = o.offload,
     rank = rank, world = world, ep = ep, ep_rank = rank % ep,
     -- stages 2-3 reduce each unit right after its backward ("micro")
     per_unit = stage >= 2 and every == "micro",

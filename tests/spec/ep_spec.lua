@@ -23,7 +23,7 @@ end
 describe("expert parallelism options", function()
   it("--ep must divide the ranks: an error naming --ep before anything is allocated", function()
     support.raises("--ep 3: the expert-parallel size must divide the number of ranks (1)", zero.new, {ep = 3})
-    support.raises("option 'ep' must be integer", zero.new, {ep = 1.5})
+    support.raises("option 'ep' must be an integer >= 1, got 1.5", zero.new, {ep = 1.5})
     local p = assert(io.popen(support.host_command({"recipes/longctx.lua", "--ep", "2"}) .. " 2>&1"))
     local code, out = support.finish_child(p)
     assert.are.equal(1, code)

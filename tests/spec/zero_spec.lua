@@ -13,11 +13,15 @@ local params, max_diff = support.zero_params, support.max_diff
 
 describe("moelua.zero.new", function()
   it("checks its options before anything is allocated, naming them", function()
-    support.raises("--zero 4", zero.new, {stage = 4})
-    support.raises("--prefetch -1", zero.new, {prefetch = -1})
-    support.raises("--reduce-every sometimes", zero.new, {reduce_every = "sometimes"})
-    support.raises("unknown option 'stages' (stage, prefetch, reduce_every, ep, offload)", zero.new, {stages = 1})
-    support.raises("option 'offload' must be boolean, got string", zero.new, {offload = "yes"})
+    local fn = "moelua.zero.new: "
+    support.raises(fn .. "option 'stage' must be 0, 1, 2 or 3, got 4", zero.new, {stage = 4})
+    support.raises(fn .. "option 'prefetch' must be an integer >= 0, got -1", zero.new, {prefetch = -1})
+    support.raises(fn .. "option 'reduce_every' must be \"micro\" or \"step\", got \"sometimes\"", zero.new,
+                   {reduce_every = "sometimes"})
+    support.raises(fn .. "unknown option 'stages' (expected one of: ep, offload, prefetch, reduce_every, stage)",
+                   zero.new, {stages = 1})
+    support.raises(fn .. "option 'offload' must be a boolean, got string", zero.new, {offload = "yes"})
+    support.raises(fn .. "option 'ep' must be an integer >= 1, got 0", zero.new, {ep = 0})
   end)
 
   it("a recipe refuses a wrong or unused --zero, --prefetch or --reduce-every before anything is allocated", function()
