@@ -144,7 +144,7 @@ local function fail(fn, fmt, ...)
 end
 
 local function check_number(fn, what, v, lo, hi)
-  if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) or v == math.huge then
+  if type(v) ~= "number" or v ~= v or v < lo or (hi and v >= hi) then
     error(string.format("moelua.optim.%s: %s must be a number in [%g, %s, got %s", fn, what,
                         lo, hi and (tostring(hi) .. ")") or "inf)", tostring(v)), caller_level())
   end
@@ -302,7 +302,7 @@ end
 
 local function step_lr(fn, self, lr)
   if lr == nil then return self.opts.lr end
-  return check_number(fn, "lr", lr, 0)
+  return check_number(fn, "lr", lr, 0, math.huge)   -- (an infinite lr is no step)
 end
 
 -- ---- shared methods -----------------------------------------------------------
@@ -1017,6 +1017,8 @@ function optim.clip_grad_norm(groups, max_norm)
     if type(g) ~= "table" or not tensor.is_tensor(g.grads) then
       fail("clip_grad_norm", "group %d has no 'grads' tensor", i)
     end
+    local dt = g.grads:dtype()
+    if dt ~= "f32" and dt ~= "f64" then fail("clip_grad_norm", "group %d: grads must be f32 or f64, got %s", i, dt) end
     if not g.frozen then list[#list + 1] = g.grads end
   end
   local total = C.grad_norm(list)
@@ -1029,18 +1031,32 @@ function optim.clip_grad_norm(groups, max_norm)
   return total
 end
 
+-- grads_flat in E slices, checked at the caller's line.
+local function check_slices(fn, grads_flat, E)
+  if not tensor.is_tensor(grads_flat) then fail(fn, "argument #1 (grads_flat): expected a tensor, got %s",
+                                                type(grads_flat)) end
+  if math.type(E) ~= "integer" or E < 1 or grads_flat:numel() % E ~= 0 then
+    fail(fn, "argument #2 (E): expected an integer >= 1 dividing the %d elements of grads_flat, got %s",
+         grads_flat:numel(), type(E) == "number" and tostring(E) or type(E))
+  end
+end
+
 -- norms = optim.clip_expert_norms(grads_flat, E, bounds [, out]): grads_flat
 -- is E equal expert slices; slice e is scaled by min(1, bounds[e] /
 -- (norm_e + 1e-6)). bounds: a Lua table or a tensor of E numbers. Returns
 -- the per-expert norms before clipping (f64 [E], or `out`). Call it before
 -- clip_grad_norm (per-expert first, then global).
 function optim.clip_expert_norms(grads_flat, E, bounds, out)
-  return C.clip_slices_(grads_flat, E, bounds, out)
+  check_slices("clip_expert_norms", grads_flat, E)
+  local norms = C.clip_slices_(grads_flat, E, bounds, out)
+  return norms
 end
 
 -- Per-expert gradient norms without clipping (f64 [E]).
 function optim.expert_norms(grads_flat, E, out)
-  return C.slice_norms(grads_flat, E, out)
+  check_slices("expert_norms", grads_flat, E)
+  local norms = C.slice_norms(grads_flat, E, out)
+  return norms
 end
 
 return optim

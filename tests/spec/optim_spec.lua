@@ -1153,6 +1153,14 @@ describe("optimizer bad input", function()
       "moelua.optim_c.clip_slices_: bounds[2] must be finite and >= 0, got -1")
     e(function() optim.clip_grad_norm({{params = f32}}, 1) end,
       "moelua.optim.clip_grad_norm: group 1 has no 'grads' tensor")
+    e(function() optim.clip_grad_norm({{grads = m.zeros({2}, {dtype = "i64"})}}, 1) end,
+      "moelua.optim.clip_grad_norm: group 1: grads must be f32 or f64, got i64")
+    e(function() optim.clip_expert_norms(m.zeros(7), 3, {1, 1, 1}) end,
+      "moelua.optim.clip_expert_norms: argument #2 (E): expected an integer >= 1 dividing the 7 elements of " ..
+      "grads_flat, got 3")
+    e(function() optim.expert_norms(f32, "4") end,
+      "moelua.optim.expert_norms: argument #2 (E): expected an integer >= 1 dividing the 8 elements of " ..
+      "grads_flat, got string")
   end)
 
   it("step_all checks every job before it updates any", function()
