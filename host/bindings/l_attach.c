@@ -85,6 +85,7 @@ static void find_lua(lua_State *L, const char *fn, const char *name, const char 
 static int l_attach_listen(lua_State *L)
 {
     static const char fn[] = "moelua.attach.listen";
+    ml_args(L, 2, fn);
     size_t rlen;
     const char *run_dir = luaL_checklstring(L, 1, &rlen);
     lua_Integer limit = luaL_optinteger(L, 2, 1000000);
@@ -123,6 +124,7 @@ static int l_attach_listen(lua_State *L)
 static int l_attach_publish(lua_State *L)
 {
     static const char fn[] = "moelua.attach.publish";
+    ml_args(L, 2, fn);
     ml_attach *a = check_attach(L, 1, fn);
     size_t len;
     const char *text = luaL_checklstring(L, 2, &len);
@@ -134,6 +136,7 @@ static int l_attach_publish(lua_State *L)
 static int l_attach_poll(lua_State *L)
 {
     static const char fn[] = "moelua.attach.poll";
+    ml_args(L, 2, fn);
     ml_attach *a = check_attach(L, 1, fn);
     lua_Integer timeout = luaL_optinteger(L, 2, 0);
     if (timeout < 0 || timeout > 60000)
@@ -161,6 +164,7 @@ static int l_attach_poll(lua_State *L)
 static int l_attach_reply(lua_State *L)
 {
     static const char fn[] = "moelua.attach.reply";
+    ml_args(L, 3, fn);
     ml_attach *a = check_attach(L, 1, fn);
     lua_Integer id = luaL_checkinteger(L, 2);
     size_t len;
@@ -184,6 +188,7 @@ static int l_attach_gc(lua_State *L)
 
 static int l_attach_close(lua_State *L)
 {
+    ml_args(L, 1, "moelua.attach.close");
     ml_attach_handle *h = luaL_checkudata(L, 1, ML_ATTACH_MT);
     attach_release(h);
     return 0;

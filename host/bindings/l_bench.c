@@ -46,6 +46,7 @@ static void sync_device(lua_State *L, int idx, const char *fn)
 
 static int l_bench_now(lua_State *L)
 {
+    ml_args(L, 1, "moelua.bench.now");
     sync_device(L, 1, "moelua.bench.now");
     lua_pushnumber(L, now_s());
     return 1;
@@ -53,6 +54,7 @@ static int l_bench_now(lua_State *L)
 
 static int l_bench_synchronize(lua_State *L)
 {
+    ml_args(L, 1, "moelua.bench.synchronize");
     sync_device(L, 1, "moelua.bench.synchronize");
     return 0;
 }
@@ -61,6 +63,7 @@ static int l_bench_synchronize(lua_State *L)
 static int l_bench_raw_sgemm(lua_State *L)
 {
     static const char fn[] = "moelua.bench.raw_sgemm";
+    ml_args(L, 5, fn);
     ml_tensor *c = ml_checkcontig(L, 1, fn, ML_F32);
     ml_tensor *a = ml_checkcontig(L, 2, fn, ML_F32);
     ml_tensor *b = ml_checkcontig(L, 3, fn, ML_F32);
@@ -89,6 +92,7 @@ static int l_bench_raw_sgemm(lua_State *L)
 
 static int l_bench_gemm_libraries(lua_State *L)
 {
+    ml_args(L, 0, "moelua.bench.gemm_libraries");
     lua_pushstring(L, ml_gemm_describe());
     return 1;
 }

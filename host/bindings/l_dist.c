@@ -152,7 +152,7 @@ static int l_dist_init(lua_State *L)
 {
     static const char fn[] = "moelua.dist.init";
     static const char *const allowed[] = {"timeout", "debug", "nccl", NULL};
-    lua_settop(L, 1);
+    ml_args(L, 1, fn);
     ml_check_opts(L, 1, fn, allowed);
     ml_comm *c = comm_of(L);
     double timeout = ml_opt_number(L, 1, fn, "timeout", c ? ml_comm_timeout(c) : DEFAULT_TIMEOUT);
@@ -195,12 +195,14 @@ static int l_dist_init(lua_State *L)
 
 static int l_dist_launched(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.launched");
     lua_pushboolean(L, ml_comm_launched());
     return 1;
 }
 
 static int l_dist_nccl(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.nccl");
     ml_comm *c = comm_of(L);
     lua_pushboolean(L, c && ml_comm_nccl(c));
     return 1;
@@ -208,12 +210,14 @@ static int l_dist_nccl(lua_State *L)
 
 static int l_dist_initialized(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.initialized");
     lua_pushboolean(L, comm_of(L) != NULL);
     return 1;
 }
 
 static int l_dist_rank(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.rank");
     ml_comm *c = comm_of(L);
     lua_pushinteger(L, c ? ml_comm_rank(c) : 0);
     return 1;
@@ -221,6 +225,7 @@ static int l_dist_rank(lua_State *L)
 
 static int l_dist_world(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.world");
     ml_comm *c = comm_of(L);
     lua_pushinteger(L, c ? ml_comm_world(c) : 1);
     return 1;
@@ -228,6 +233,7 @@ static int l_dist_world(lua_State *L)
 
 static int l_dist_world_group(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.world_group");
     if (!push_world(L))
         ml_error(L, "moelua.dist.world_group", "call moelua.dist.init first");
     return 1;
@@ -238,6 +244,7 @@ static int l_dist_world_group(lua_State *L)
 static int l_dist_plan_world(lua_State *L)
 {
     static const char fn[] = "moelua.dist.plan_world";
+    ml_args(L, 2, fn);
     int rank = check_nonneg_int(L, 1, fn, "rank");
     int world = check_nonneg_int(L, 2, fn, "world");
     if (world < 1 || rank >= world)
@@ -255,6 +262,7 @@ static int l_dist_plan_world(lua_State *L)
 
 static int l_dist_planned(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.planned");
     ml_comm *c = comm_of(L);
     lua_pushboolean(L, c && ml_comm_planned(c));
     return 1;
@@ -264,7 +272,7 @@ static int l_dist_planned(lua_State *L)
 static int l_dist_planned_group(lua_State *L)
 {
     static const char fn[] = "moelua.dist.planned_group";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     int rank = check_nonneg_int(L, 1, fn, "rank");
     int world = check_nonneg_int(L, 2, fn, "world");
     const char *label = lua_isnil(L, 3) ? NULL : check_string(L, 3, fn, "label");
@@ -477,14 +485,16 @@ typedef struct {
     const char *name, *fn, *method;   /* "all_gather", "moelua.dist.all_gather", "...Group:..." */
     int (*impl)(lua_State *L, ml_comm *c, const char *fn);
     int module;                       /* also a module function on the world */
+    int nargs;                        /* the arguments it takes after the group */
 } group_op;
 
-#define OP(name, module) {#name, "moelua.dist." #name, "moelua.dist.Group:" #name, name, module}
+#define OP(name, module, nargs) \
+    {#name, "moelua.dist." #name, "moelua.dist.Group:" #name, name, module, nargs}
 static const group_op group_ops[] = {
-    OP(set_context, 1), OP(all_gather, 1), OP(iall_gather, 1), OP(reduce_scatter, 1),
-    OP(all_reduce, 1), OP(all_reduce_numbers, 1), OP(broadcast, 1), OP(all_to_all_v, 1),
-    OP(barrier, 1), OP(split, 1),
-    OP(rank, 0), OP(world, 0),   /* the module's answer before init too */
+    OP(set_context, 1, 1), OP(all_gather, 1, 3), OP(iall_gather, 1, 3), OP(reduce_scatter, 1, 4),
+    OP(all_reduce, 1, 2), OP(all_reduce_numbers, 1, 3), OP(broadcast, 1, 3),
+    OP(all_to_all_v, 1, 5), OP(barrier, 1, 1), OP(split, 1, 3),
+    OP(rank, 0, 0), OP(world, 0, 0),   /* the module's answer before init too */
 };
 #undef OP
 
@@ -492,6 +502,7 @@ static const group_op group_ops[] = {
 static int call_on_world(lua_State *L)
 {
     const group_op *op = lua_touserdata(L, lua_upvalueindex(1));
+    ml_args(L, op->nargs, op->fn);
     ml_comm *c = check_comm(L, op->fn);
     push_world(L);
     lua_insert(L, 1);
@@ -502,6 +513,7 @@ static int call_on_world(lua_State *L)
 static int call_on_group(lua_State *L)
 {
     const group_op *op = lua_touserdata(L, lua_upvalueindex(1));
+    ml_args(L, op->nargs + 1, op->method);
     l_comm *b = luaL_testudata(L, 1, GROUP_MT);
     if (!b)
         ml_error(L, op->method, "self must be a moelua.dist group (call it as g:%s(...)), got %s",
@@ -537,6 +549,7 @@ static l_req *check_req(lua_State *L, ml_comm **c)
 
 static int l_req_test(lua_State *L)
 {
+    ml_args(L, 1, "moelua.dist.Request:test");
     ml_comm *c;
     l_req *q = check_req(L, &c);
     int done = 1;
@@ -549,6 +562,7 @@ static int l_req_test(lua_State *L)
 
 static int l_req_wait(lua_State *L)
 {
+    ml_args(L, 1, "moelua.dist.Request:wait");
     ml_comm *c;
     l_req *q = check_req(L, &c);
     ml_err e;
@@ -568,6 +582,7 @@ static int l_req_release(lua_State *L)
 
 static int l_dist_progress(lua_State *L)
 {
+    ml_args(L, 0, "moelua.dist.progress");
     ml_comm *c = comm_of(L);
     if (c)
         ml_comm_progress(c);
@@ -576,6 +591,7 @@ static int l_dist_progress(lua_State *L)
 
 static int l_dist_abort(lua_State *L)
 {
+    ml_args(L, 1, "moelua.dist.abort");
     if (lua_type(L, 1) != LUA_TSTRING)
         ml_error(L, "moelua.dist.abort", "argument #1 (msg) must be a string, got %s",
                  luaL_typename(L, 1));

@@ -399,7 +399,7 @@ static ml_experts_table read_weight_tables(lua_State *L, int gi, const ml_tensor
 static int l_experts_dispatch(lua_State *L)
 {
     static const char fn[] = "moelua.experts.dispatch";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *idx = arg(L, 1, fn, "idx");
     int isint;
     lua_Integer E = lua_tointegerx(L, 2, &isint);
@@ -435,7 +435,7 @@ static int l_experts_dispatch(lua_State *L)
 static int l_experts_pack(lua_State *L)
 {
     static const char fn[] = "moelua.experts.pack";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *src = arg(L, 1, fn, "src");
     int64_t k;
     ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
@@ -450,7 +450,7 @@ static int l_experts_pack(lua_State *L)
 static int l_experts_unpack(lua_State *L)
 {
     static const char fn[] = "moelua.experts.unpack";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *rows = arg(L, 1, fn, "rows");
     int64_t k;
     ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
@@ -466,7 +466,7 @@ static int l_experts_unpack(lua_State *L)
 static int l_experts_forward(lua_State *L)
 {
     static const char fn[] = "moelua.experts.forward";
-    lua_settop(L, 7);
+    ml_args(L, 7, fn);
     ml_tensor *x = arg(L, 1, fn, "x");
     int tables = weight_tables(L, 2, fn);
     ml_tensor *gate_up = tables ? NULL : arg(L, 2, fn, "gate_up");
@@ -534,7 +534,7 @@ static const char *const GRADS[] = {"dx", "dgate_up", "ddown", "dw", "touched", 
 static int l_experts_backward(lua_State *L)
 {
     static const char fn[] = "moelua.experts.backward";
-    lua_settop(L, 10);
+    ml_args(L, 10, fn);
     ml_tensor *dy = arg(L, 1, fn, "dy"), *x = arg(L, 2, fn, "x");
     int tables = weight_tables(L, 3, fn);
     ml_tensor *gate_up = tables ? NULL : arg(L, 3, fn, "gate_up");

@@ -121,6 +121,7 @@ static void widen(int64_t *dst, const unsigned char *buf, size_t n, int w)
 static int l_fs_read(lua_State *L)
 {
     static const char fn[] = "moelua.fs.read";
+    ml_args(L, 6, fn);
     const char *path = check_path(L, 1, fn, "path");
     int64_t offset = check_int(L, 2, fn, "offset", 0);
     int64_t count = check_int(L, 3, fn, "count", 0);
@@ -190,6 +191,7 @@ static int l_fs_read(lua_State *L)
 /* fs.stat(path) -> table or nil, message */
 static int l_fs_stat(lua_State *L)
 {
+    ml_args(L, 1, "moelua.fs.stat");
     const char *path = check_path(L, 1, "moelua.fs.stat", "path");
     struct stat sb;   /* lstat first: one call for all but links (a corpus walk stats every entry) */
     int rc = lstat(path, &sb);
@@ -217,6 +219,7 @@ static int l_fs_stat(lua_State *L)
 static int l_fs_fsync(lua_State *L)
 {
     static const char fn[] = "moelua.fs.fsync";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     fs_fd *f = push_fd(L);
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -231,6 +234,7 @@ static int l_fs_fsync(lua_State *L)
 static int l_fs_mkdir_p(lua_State *L)
 {
     static const char fn[] = "moelua.fs.mkdir_p";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     size_t len = strlen(path);
     char *p = lua_newuserdatauv(L, len + 1, 0);
@@ -254,6 +258,7 @@ static int l_fs_mkdir_p(lua_State *L)
 static int l_fs_rename(lua_State *L)
 {
     static const char fn[] = "moelua.fs.rename";
+    ml_args(L, 2, fn);
     const char *from = check_path(L, 1, fn, "from");
     const char *to = check_path(L, 2, fn, "to");
     if (rename(from, to) != 0)
@@ -266,6 +271,7 @@ static int l_fs_rename(lua_State *L)
 static int l_fs_exchange(lua_State *L)
 {
     static const char fn[] = "moelua.fs.exchange";
+    ml_args(L, 2, fn);
     const char *a = check_path(L, 1, fn, "a");
     const char *b = check_path(L, 2, fn, "b");
     if (renameat2(AT_FDCWD, a, AT_FDCWD, b, RENAME_EXCHANGE) == 0) {
@@ -321,6 +327,7 @@ static int l_fs_dir_close(lua_State *L)
 static int l_fs_listdir(lua_State *L)
 {
     static const char fn[] = "moelua.fs.listdir";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     lua_settop(L, 1);
     fs_dir *d = lua_newuserdatauv(L, sizeof *d, 0);   /* slot 2 */
@@ -357,6 +364,7 @@ static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *
 static int l_fs_remove_tree(lua_State *L)
 {
     static const char fn[] = "moelua.fs.remove_tree";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     if (!strcmp(path, "/") || !strcmp(path, ".") || !strcmp(path, ".."))
         ml_error(L, fn, "refusing to remove '%s'", path);
@@ -380,6 +388,7 @@ static int l_fs_remove_tree(lua_State *L)
 static int l_fs_free_bytes(lua_State *L)
 {
     static const char fn[] = "moelua.fs.free_bytes";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     struct statvfs sv;
     if (statvfs(path, &sv) != 0)
@@ -434,6 +443,7 @@ static void push_digest(lua_State *L, fs_hash *h, const char *fn)
 static int l_fs_sha256(lua_State *L)
 {
     static const char fn[] = "moelua.fs.sha256";
+    ml_args(L, 1, fn);
     const char *path = check_path(L, 1, fn, "path");
     lua_settop(L, 1);
     fs_hash *h = push_hash(L, fn);
@@ -458,6 +468,7 @@ static int l_fs_sha256(lua_State *L)
 static int l_fs_sha256_string(lua_State *L)
 {
     static const char fn[] = "moelua.fs.sha256_string";
+    ml_args(L, 1, fn);
     if (lua_type(L, 1) != LUA_TSTRING)
         ml_error(L, fn, "argument #1: expected a string, got %s", luaL_typename(L, 1));
     size_t len;
@@ -487,6 +498,7 @@ static int l_fs_glob_close(lua_State *L)
 static int l_fs_glob(lua_State *L)
 {
     static const char fn[] = "moelua.fs.glob";
+    ml_args(L, 1, fn);
     const char *pat = check_path(L, 1, fn, "pattern");
     lua_settop(L, 1);
     fs_glob *g = lua_newuserdatauv(L, sizeof *g, 0);   /* slot 2 */
@@ -511,6 +523,7 @@ static int l_fs_glob(lua_State *L)
 /* fs.isatty(fd): is the descriptor a terminal? (progress bars vs plain lines) */
 static int l_fs_isatty(lua_State *L)
 {
+    ml_args(L, 1, "moelua.fs.isatty");
     lua_Integer fd = luaL_checkinteger(L, 1);
     if (fd < 0 || fd > 1024)
         ml_error(L, "moelua.fs.isatty", "argument #1: descriptor %lld out of range", (long long)fd);
@@ -520,8 +533,8 @@ static int l_fs_isatty(lua_State *L)
 
 #define LOCK_MT "moelua.fs.Lock"
 
-/* lock:release(), __gc and __close: closing the descriptor drops the flock */
-static int l_fs_lock_release(lua_State *L)
+/* __gc and __close (and lock:release()): closing the descriptor drops the flock */
+static int l_fs_lock_gc(lua_State *L)
 {
     fs_fd *f = luaL_checkudata(L, 1, LOCK_MT);
     if (f->fd >= 0) {
@@ -531,9 +544,16 @@ static int l_fs_lock_release(lua_State *L)
     return 0;
 }
 
+static int l_fs_lock_release(lua_State *L)
+{
+    ml_args(L, 1, "moelua.fs.Lock:release");
+    return l_fs_lock_gc(L);
+}
+
 /* fs.lock(path) */
 static int l_fs_lock(lua_State *L)
 {
+    ml_args(L, 1, "moelua.fs.lock");
     const char *path = check_path(L, 1, "moelua.fs.lock", "path");
     fs_fd *f = lua_newuserdatauv(L, sizeof *f, 0);
     f->fd = -1;
@@ -593,7 +613,7 @@ int luaopen_moelua_fs(lua_State *L)
     static const struct { const char *name; lua_CFunction close; } mts[] = {
         {FD_MT, l_fs_fd_close}, {DIR_MT, l_fs_dir_close},
         {HASH_MT, l_fs_hash_close}, {GLOB_MT, l_fs_glob_close},
-        {LOCK_MT, l_fs_lock_release},
+        {LOCK_MT, l_fs_lock_gc},
     };
     ml_host_of(L);  /* refuse to load outside the host */
     /* fs.read makes tensors: their metatable must exist before the first */

@@ -215,6 +215,7 @@ static int l_host_interruptible(lua_State *L)
 
 static int l_host_is_interrupt(lua_State *L)
 {
+    ml_args(L, 1, "moelua.host.is_interrupt");
     luaL_checkany(L, 1);
     lua_pushboolean(L, ml_is_interrupt_error(L, 1));
     return 1;
@@ -222,6 +223,7 @@ static int l_host_is_interrupt(lua_State *L)
 
 static int l_host_take_interrupt(lua_State *L)
 {
+    ml_args(L, 0, "moelua.host.take_interrupt");
     int taken = held != 0;
     if (taken)   /* a signal now finds held set and aborts: none is lost between the two lines */
         held = 0;

@@ -133,6 +133,7 @@ static void refuse_in_plan(lua_State *L, const char *fn)
 static int l_io_save(lua_State *L)
 {
     static const char fn[] = "moelua.save";
+    ml_args(L, 3, fn);
     refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     if (!lua_istable(L, 2) || ml_testtensor(L, 2))
@@ -200,12 +201,18 @@ static int l_io_save(lua_State *L)
 }
 
 /* __gc and __close of a reader: idempotent, never raises. */
-static int l_io_reader_close(lua_State *L)
+static int l_io_reader_gc(lua_State *L)
 {
     ml_st_file *f = luaL_testudata(L, 1, READER_MT);
     if (f)
         ml_st_close(f);
     return 0;
+}
+
+static int l_io_reader_close(lua_State *L)
+{
+    ml_args(L, 1, "Reader:close");
+    return l_io_reader_gc(L);
 }
 
 /* The open reader at idx (closed: an error naming fn). */
@@ -221,6 +228,7 @@ static ml_st_file *check_reader(lua_State *L, int idx, const char *fn)
 static int l_io_open(lua_State *L)
 {
     static const char fn[] = "moelua.io.open";
+    ml_args(L, 1, fn);
     refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     char err[1024];
@@ -251,6 +259,7 @@ static void push_entry(lua_State *L, const ml_st_entry *e)
 
 static int l_io_reader_entries(lua_State *L)
 {
+    ml_args(L, 1, "Reader:entries");
     ml_st_file *f = check_reader(L, 1, "Reader:entries");
     lua_createtable(L, 0, f->nentries > INT_MAX ? INT_MAX : (int)f->nentries);
     for (size_t i = 0; i < f->nentries; i++) {
@@ -285,6 +294,7 @@ static int64_t check_offset(lua_State *L, int idx, const char *fn)
 
 static int l_io_reader_metadata(lua_State *L)
 {
+    ml_args(L, 1, "Reader:metadata");
     ml_st_file *f = check_reader(L, 1, "Reader:metadata");
     lua_createtable(L, 0, f->nmeta > INT_MAX ? INT_MAX : (int)f->nmeta);
     for (size_t i = 0; i < f->nmeta; i++) {
@@ -298,6 +308,7 @@ static int l_io_reader_metadata(lua_State *L)
 static int l_io_reader_read_into(lua_State *L)
 {
     static const char fn[] = "Reader:read_into";
+    ml_args(L, 3, fn);
     ml_st_file *f = check_reader(L, 1, fn);
     size_t i = check_name(L, 2, f, fn);
     ml_tensor *dst = ml_checktensor_named(L, 3, fn, "argument #2 (dst)");
@@ -311,6 +322,7 @@ static int l_io_reader_read_into(lua_State *L)
 static int l_io_reader_read_range(lua_State *L)
 {
     static const char fn[] = "Reader:read_range";
+    ml_args(L, 4, fn);
     ml_st_file *f = check_reader(L, 1, fn);
     size_t i = check_name(L, 2, f, fn);
     int64_t off = check_offset(L, 3, fn);
@@ -343,7 +355,7 @@ static writer *push_writer(lua_State *L)
 }
 
 /* __gc and __close of a writer: idempotent, never raises. */
-static int l_io_writer_close(lua_State *L)
+static int l_io_writer_gc(lua_State *L)
 {
     writer *w = luaL_testudata(L, 1, WRITER_MT);
     if (w) {
@@ -351,6 +363,12 @@ static int l_io_writer_close(lua_State *L)
         w->open = 0;
     }
     return 0;
+}
+
+static int l_io_writer_close(lua_State *L)
+{
+    ml_args(L, 1, "Writer:close");
+    return l_io_writer_gc(L);
 }
 
 static writer *check_writer(lua_State *L, int idx, const char *fn)
@@ -399,6 +417,7 @@ static void check_spec(lua_State *L, const char *fn, lua_Integer i, ml_st_tensor
 static int l_io_create(lua_State *L)
 {
     static const char fn[] = "moelua.io.create";
+    ml_args(L, 3, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     if (!lua_istable(L, 2) || ml_testtensor(L, 2))
         ml_error(L, fn, "argument #2: expected a list of {name =, dtype =, shape =}, got %s",
@@ -432,6 +451,7 @@ static int l_io_create(lua_State *L)
 static int l_io_open_writer(lua_State *L)
 {
     static const char fn[] = "moelua.io.open_writer";
+    ml_args(L, 1, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     writer *w = push_writer(L);
     char err[1024];
@@ -446,6 +466,7 @@ static int l_io_open_writer(lua_State *L)
 static int l_io_writer_write_range(lua_State *L)
 {
     static const char fn[] = "Writer:write_range";
+    ml_args(L, 4, fn);
     writer *w = check_writer(L, 1, fn);
     if (w->blind) {
         check_cstring(L, 2, fn, "argument #1 (name)");
@@ -463,6 +484,7 @@ static int l_io_writer_write_range(lua_State *L)
 
 static int l_io_writer_entries(lua_State *L)
 {
+    ml_args(L, 1, "Writer:entries");
     writer *w = check_writer(L, 1, "Writer:entries");
     lua_createtable(L, w->f.nentries > INT_MAX ? INT_MAX : (int)w->f.nentries, 0);
     for (size_t i = 0; i < w->f.nentries; i++) {
@@ -475,6 +497,7 @@ static int l_io_writer_entries(lua_State *L)
 static int l_io_writer_sync(lua_State *L)
 {
     static const char fn[] = "Writer:sync";
+    ml_args(L, 1, fn);
     writer *w = check_writer(L, 1, fn);
     char err[1024];
     if (!w->planned && ml_st_sync(&w->f, err, sizeof err))
@@ -486,6 +509,7 @@ static int l_io_writer_sync(lua_State *L)
 static int l_io_load(lua_State *L)
 {
     static const char fn[] = "moelua.load";
+    ml_args(L, 1, fn);
     refuse_in_plan(L, fn);
     const char *path = check_cstring(L, 1, fn, "argument #1 (path)");
     char err[1024];
@@ -542,14 +566,14 @@ static const luaL_Reg writer_methods[] = {
 };
 
 static const luaL_Reg writer_meta[] = {
-    {"__gc", l_io_writer_close},
-    {"__close", l_io_writer_close},
+    {"__gc", l_io_writer_gc},
+    {"__close", l_io_writer_gc},
     {NULL, NULL}
 };
 
 static const luaL_Reg reader_meta[] = {
-    {"__gc", l_io_reader_close},
-    {"__close", l_io_reader_close},
+    {"__gc", l_io_reader_gc},
+    {"__close", l_io_reader_gc},
     {NULL, NULL}
 };
 

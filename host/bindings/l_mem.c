@@ -55,6 +55,7 @@ static ml_tier opt_tier(lua_State *L, int idx, const char *fn)
  * other book that holds bytes now, so the report shows where they live. */
 static int l_mem_report(lua_State *L)
 {
+    ml_args(L, 1, "moelua.mem.report");
     ml_host *h = ml_host_of(L);
     if (!lua_isnoneornil(L, 1)) {
         ml_push_ledger_report(L, h, opt_tier(L, 1, "moelua.mem.report"));
@@ -152,6 +153,7 @@ static int l_mem_stats(lua_State *L)
 /* mem.format_bytes(n): n bytes as the ledger's reports print them ("1.50 MiB"). */
 static int l_mem_format_bytes(lua_State *L)
 {
+    ml_args(L, 1, "moelua.mem.format_bytes");
     lua_Integer n = luaL_checkinteger(L, 1);
     if (n < 0)
         ml_error(L, "moelua.mem.format_bytes", "argument #1: expected bytes >= 0, got %lld", (long long)n);
@@ -167,6 +169,7 @@ static int l_mem_format_bytes(lua_State *L)
  * total peaks is its stats' peak_phase. */
 static int l_mem_phase(lua_State *L)
 {
+    ml_args(L, 1, "moelua.mem.phase");
     ml_host *h = ml_host_of(L);
     const char *text = luaL_checkstring(L, 1);
     for (int t = 0; t < ML_NTIERS; t++)
@@ -176,6 +179,7 @@ static int l_mem_phase(lua_State *L)
 
 static int l_mem_reset_peak(lua_State *L)
 {
+    ml_args(L, 1, "moelua.mem.reset_peak");
     ml_host *h = ml_host_of(L);
     if (lua_isnoneornil(L, 1)) {
         for (int t = 0; t < ML_NTIERS; t++)
@@ -239,6 +243,7 @@ static void check_holdable(lua_State *L, ml_host *h, ml_tier d, const char *key,
 static int l_mem_budget(lua_State *L)
 {
     static const char fn[] = "moelua.mem.budget";
+    ml_args(L, 1, fn);
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TTABLE);
     lua_getfield(L, 1, "device");
@@ -288,6 +293,7 @@ static int check_category(lua_State *L, int idx, const char *fn)
 
 static int l_mem_category(lua_State *L)
 {
+    ml_args(L, 1, "moelua.mem.category");
     ml_host *h = ml_host_of(L);
     lua_pushstring(L, ml_category_names[h->category]);
     if (!lua_isnoneornil(L, 1))
@@ -317,6 +323,7 @@ static int l_mem_scope(lua_State *L)
 static int l_mem_timeline(lua_State *L)
 {
     static const char fn[] = "moelua.mem.timeline";
+    ml_args(L, 1, fn);
     ml_host *h = ml_host_of(L);
     if (lua_istable(L, 1)) {
         static const char *const opts[] = {"cap", "interval", "device", NULL};
@@ -359,6 +366,7 @@ static int l_mem_timeline(lua_State *L)
  * device, and the CPU's kept mappings to the system. */
 static int l_mem_empty_cache(lua_State *L)
 {
+    ml_args(L, 0, "moelua.mem.empty_cache");
     ml_cpu_empty_cache();
 #ifdef ML_WITH_CUDA
     ml_cuda_empty_cache(&ml_host_of(L)->books[ML_TIER_CUDA]);
@@ -420,6 +428,7 @@ static int l_mem_plan(lua_State *L)
 
 static int l_mem_planning(lua_State *L)
 {
+    ml_args(L, 0, "moelua.mem.planning");
     lua_pushboolean(L, ml_host_of(L)->planning);
     return 1;
 }

@@ -50,7 +50,7 @@ static ml_tensor *opt_output(lua_State *L, int idx, const char *fn, const char *
 static int l_ops_rmsnorm_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_forward";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *x = ml_checktensor_named(L, 1, fn, "argument #1 (x)");
     ml_tensor *w = ml_checktensor_named(L, 2, fn, "argument #2 (w)");
     double eps = 1e-6;
@@ -69,7 +69,7 @@ static int l_ops_rmsnorm_forward(lua_State *L)
 static int l_ops_rmsnorm_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_backward";
-    lua_settop(L, 5);
+    ml_args(L, 5, fn);
     ml_tensor *dy = ml_checktensor_named(L, 1, fn, "argument #1 (dy)");
     ml_tensor *x = ml_checktensor_named(L, 2, fn, "argument #2 (x)");
     ml_tensor *w = ml_checktensor_named(L, 3, fn, "argument #3 (w)");
@@ -89,7 +89,7 @@ static int l_ops_rmsnorm_backward(lua_State *L)
 static int l_ops_embedding_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.embedding_forward";
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *ids = ml_checktensor_named(L, 1, fn, "argument #1 (ids)");
     ml_tensor *W = ml_checktensor_named(L, 2, fn, "argument #2 (W)");
     ml_tensor *out = ml_pushtensor(L);
@@ -101,7 +101,7 @@ static int l_ops_embedding_forward(lua_State *L)
 static int l_ops_embedding_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.embedding_backward";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *dout = ml_checktensor_named(L, 1, fn, "argument #1 (dout)");
     ml_tensor *ids = ml_checktensor_named(L, 2, fn, "argument #2 (ids)");
     ml_tensor *dW;
@@ -139,7 +139,7 @@ static void ce_opts(lua_State *L, const char *fn, int oi, int64_t *rows, int64_t
 static int l_ops_cross_entropy_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.cross_entropy_forward";
-    lua_settop(L, 4);
+    ml_args(L, 4, fn);
     ml_tensor *hs = ml_checktensor_named(L, 1, fn, "argument #1 (h)");
     ml_tensor *W = ml_checktensor_named(L, 2, fn, "argument #2 (W)");
     ml_tensor *tg = ml_checktensor_named(L, 3, fn, "argument #3 (targets)");
@@ -161,7 +161,7 @@ static int l_ops_cross_entropy_forward(lua_State *L)
 static int l_ops_cross_entropy_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.cross_entropy_backward";
-    lua_settop(L, 6);
+    ml_args(L, 6, fn);
     if (lua_type(L, 1) != LUA_TNUMBER)
         ml_error(L, fn, "argument #1 (dloss) must be a number, got %s", luaL_typename(L, 1));
     double dloss = lua_tonumber(L, 1);
@@ -186,7 +186,7 @@ static const char *const ROPE_OPTS[] = {"theta", "offset", "out", NULL};
 
 static int rope_common(lua_State *L, const char *fn, const char *what, int inverse)
 {
-    lua_settop(L, 2);
+    ml_args(L, 2, fn);
     ml_tensor *x = ml_checktensor_named(L, 1, fn, what);
     ml_check_opts(L, 2, fn, ROPE_OPTS);
     double theta = ml_opt_number(L, 2, fn, "theta", 10000.0);
@@ -214,7 +214,7 @@ static int l_ops_rope_backward(lua_State *L)
 static int l_ops_attention_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.attention_forward";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *q = ml_checktensor_named(L, 1, fn, "argument #1 (q)");
     ml_tensor *k = ml_checktensor_named(L, 2, fn, "argument #2 (k)");
     ml_tensor *v = ml_checktensor_named(L, 3, fn, "argument #3 (v)");
@@ -228,7 +228,7 @@ static int l_ops_attention_forward(lua_State *L)
 static int l_ops_attention_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.attention_backward";
-    lua_settop(L, 6);
+    ml_args(L, 6, fn);
     ml_tensor *dout = ml_checktensor_named(L, 1, fn, "argument #1 (dout)");
     ml_tensor *q = ml_checktensor_named(L, 2, fn, "argument #2 (q)");
     ml_tensor *k = ml_checktensor_named(L, 3, fn, "argument #3 (k)");

@@ -248,6 +248,7 @@ static void prep_sgd(lua_State *L, int base, int args, const char *fn, ml_optim_
 static int l_optim_adamw_step(lua_State *L)
 {
     const char *fn = "moelua.optim_c.adamw_step";
+    ml_args(L, 5, fn);
     ml_optim_job j = {0};
     prep_adamw(L, 1, 1, fn, &j);
     ml_err e;
@@ -259,6 +260,7 @@ static int l_optim_adamw_step(lua_State *L)
 static int l_optim_lazy_adamw_step(lua_State *L)
 {
     const char *fn = "moelua.optim_c.lazy_adamw_step";
+    ml_args(L, 8, fn);
     int64_t E = arg_experts(L, 7, 7, fn, "E");
     ml_optim_job j = {0};
     prep_lazy(L, 1, 1, fn, scratch(L, (size_t)(E > 0 ? 2 * E : 0) * sizeof(ml_tensor *)), &j);
@@ -274,6 +276,7 @@ static int l_optim_lazy_adamw_step(lua_State *L)
 static int l_optim_sgd_step(lua_State *L)
 {
     const char *fn = "moelua.optim_c.sgd_step";
+    ml_args(L, 4, fn);
     ml_optim_job j = {0};
     prep_sgd(L, 1, 1, fn, &j);
     ml_err e;
@@ -326,6 +329,7 @@ static int64_t lazy_room(lua_State *L, lua_Integer n)
 static int l_optim_step_all(lua_State *L)
 {
     const char *fn0 = "moelua.optim_c.step_all";
+    ml_args(L, 3, fn0);
     luaL_checktype(L, 1, LUA_TTABLE);
     luaL_checktype(L, 2, LUA_TTABLE);
     lua_Integer extra = luaL_optinteger(L, 3, 0);
@@ -403,6 +407,7 @@ static int l_optim_step_all(lua_State *L)
 static int l_optim_unstated(lua_State *L)
 {
     const char *fn = "moelua.optim_c.unstated";
+    ml_args(L, 3, fn);
     ml_tensor *a = arg_tensor(L, 1, 1, fn, "active");
     if (!lua_istable(L, 2) || ml_testtensor(L, 2))
         ml_error(L, fn, "argument #2 (states): expected a table {[expert] = tensor}, got %s",
@@ -459,6 +464,7 @@ static ml_tensor **tensor_list(lua_State *L, int idx, const char *fn, int64_t *n
  * of a list of flat tensors together. */
 static int grad_norm(lua_State *L, const char *fn, int squared)
 {
+    ml_args(L, 1, fn);
     int64_t n;
     ml_tensor **t = tensor_list(L, 1, fn, &n);
     ml_err e;
@@ -476,6 +482,7 @@ static int l_optim_grad_sumsq(lua_State *L) { return grad_norm(L, "moelua.optim_
 static int l_optim_clip_grad_norm_(lua_State *L)
 {
     const char *fn = "moelua.optim_c.clip_grad_norm_";
+    ml_args(L, 2, fn);
     int64_t n;
     ml_tensor **t = tensor_list(L, 1, fn, &n);
     if (lua_type(L, 2) != LUA_TNUMBER)
@@ -502,6 +509,7 @@ static ml_tensor *norms_out(lua_State *L, int idx, const char *fn)
 static int l_optim_slice_norms(lua_State *L)
 {
     const char *fn = "moelua.optim_c.slice_norms";
+    ml_args(L, 3, fn);
     ml_tensor *t = arg_tensor(L, 1, 1, fn, "grads");
     int64_t E = arg_experts(L, 2, 2, fn, "E");
     ml_tensor *o = norms_out(L, 3, fn);
@@ -513,6 +521,7 @@ static int l_optim_slice_norms(lua_State *L)
 static int l_optim_scale_(lua_State *L)
 {
     const char *fn = "moelua.optim_c.scale_";
+    ml_args(L, 2, fn);
     ml_tensor *t = arg_tensor(L, 1, 1, fn, "tensor");
     if (lua_type(L, 2) != LUA_TNUMBER)
         ml_error(L, fn, "argument #2 (factor): expected a number, got %s", luaL_typename(L, 2));
@@ -554,6 +563,7 @@ static void bounds_arg(lua_State *L, int idx, const char *fn, int64_t E, double 
 static int l_optim_clip_slices_(lua_State *L)
 {
     const char *fn = "moelua.optim_c.clip_slices_";
+    ml_args(L, 4, fn);
     ml_tensor *t = arg_tensor(L, 1, 1, fn, "grads");
     int64_t E = arg_experts(L, 2, 2, fn, "E");
     double *bounds = NULL;

@@ -85,6 +85,7 @@ static int l_pool_new(lua_State *L)
 {
     static const char fn[] = "moelua.pool.new";
     static const char *const opts[] = {"grow", "device", NULL};
+    ml_args(L, 2, fn);
     ml_host *h = ml_host_of(L);
     lua_Integer bytes = luaL_checkinteger(L, 1);
     if (bytes < 0)
@@ -135,6 +136,7 @@ static int l_pool_tensor(lua_State *L)
 
 static int l_pool_mark(lua_State *L)
 {
+    ml_args(L, 1, "Pool:mark");
     lua_pushinteger(L, (lua_Integer)ml_pool_mark(check_pool(L, 1, "Pool:mark")));
     return 1;
 }
@@ -142,8 +144,9 @@ static int l_pool_mark(lua_State *L)
 static int l_pool_rewind(lua_State *L)
 {
     static const char fn[] = "Pool:rewind";
+    ml_args(L, 2, fn);
     ml_pool *p = check_pool(L, 1, fn);
-    lua_Integer mark = luaL_checkinteger(L, 2);
+    lua_Integer mark = ml_checkinteger_named(L, 2, fn, "argument #2 (mark)");
     size_t depth = ml_pool_mark(p);
     if (mark < 0)
         ml_error(L, fn, "argument #2: mark must be >= 0, got %lld", (long long)mark);
@@ -156,6 +159,7 @@ static int l_pool_rewind(lua_State *L)
 
 static int l_pool_reset(lua_State *L)
 {
+    ml_args(L, 1, "Pool:reset");
     ml_pool_rewind(check_pool(L, 1, "Pool:reset"), 0);
     return 0;
 }
@@ -163,8 +167,9 @@ static int l_pool_reset(lua_State *L)
 static int l_pool_reserve(lua_State *L)
 {
     static const char fn[] = "Pool:reserve";
+    ml_args(L, 2, fn);
     ml_pool *p = check_pool(L, 1, fn);
-    lua_Integer bytes = luaL_checkinteger(L, 2);
+    lua_Integer bytes = ml_checkinteger_named(L, 2, fn, "argument #2 (bytes)");
     if (bytes < 0)
         ml_error(L, fn, "argument #2: size must be >= 0 bytes, got %lld", (long long)bytes);
     ml_alloc_status as;
@@ -187,6 +192,7 @@ static int l_pool_reserve(lua_State *L)
 
 static int l_pool_stats(lua_State *L)
 {
+    ml_args(L, 1, "Pool:stats");
     ml_pool *p = check_pool(L, 1, "Pool:stats");
     lua_createtable(L, 0, 9);
     ml_setfield_int(L, "capacity", (lua_Integer)p->capacity);
@@ -214,6 +220,12 @@ static int l_pool_release(lua_State *L)
         u->p = NULL;
     }
     return 0;
+}
+
+static int l_pool_close(lua_State *L)
+{
+    ml_args(L, 1, "Pool:close");
+    return l_pool_release(L);
 }
 
 static int l_pool_tostring(lua_State *L)
@@ -244,7 +256,7 @@ static const luaL_Reg pool_methods[] = {
     {"reset", l_pool_reset},
     {"reserve", l_pool_reserve},
     {"stats", l_pool_stats},
-    {"close", l_pool_release},
+    {"close", l_pool_close},
     {NULL, NULL}
 };
 

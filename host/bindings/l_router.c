@@ -129,7 +129,7 @@ static void read_opts(lua_State *L, int idx, const char *fn, router_opts *o)
 static int l_router_forward(lua_State *L)
 {
     static const char fn[] = "moelua.router.forward";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *x = ml_contiguous_arg(L, 1, fn);
     ml_tensor *wg = ml_contiguous_arg(L, 2, fn);
     router_opts o;
@@ -175,7 +175,7 @@ static ml_tensor *grad_tensor(lua_State *L, int gi, const char *fn, const char *
 static int l_router_backward(lua_State *L)
 {
     static const char fn[] = "moelua.router.backward";
-    lua_settop(L, 6);
+    ml_args(L, 6, fn);
     ml_tensor *dw = ml_contiguous_arg(L, 1, fn);
     ml_tensor *x = ml_contiguous_arg(L, 2, fn);
     ml_tensor *wg = ml_contiguous_arg(L, 3, fn);
@@ -211,7 +211,7 @@ static int l_router_backward(lua_State *L)
 static int l_router_update_bias(lua_State *L)
 {
     static const char fn[] = "moelua.router.update_bias";
-    lua_settop(L, 3);
+    ml_args(L, 3, fn);
     ml_tensor *b = ml_checktensor(L, 1, fn);
     ml_tensor *c = ml_checktensor(L, 2, fn);
     if (lua_type(L, 3) != LUA_TNUMBER)
@@ -227,6 +227,7 @@ static int l_router_scratch_bytes(lua_State *L)
 {
     static const char fn[] = "moelua.router.scratch_bytes";
     static const char *const names[] = {"T", "D", "E", "chunk"};
+    ml_args(L, 5, fn);
     int64_t v[4];
     for (int i = 0; i < 4; i++) {
         int isint = 0;

@@ -83,6 +83,7 @@ static int l_store_open(lua_State *L)
     static const char fn[] = "moelua.store.open";
     static const char *const opts[] = {"device", "path", "slabs", "slab_bytes", "slots", "prefetch",
                                        "category", "slot_category", NULL};
+    ml_args(L, 1, fn);
     ml_host *h = ml_host_of(L);
     luaL_checktype(L, 1, LUA_TTABLE);
     ml_check_opts(L, 1, fn, opts);
@@ -149,6 +150,7 @@ static int l_store_slot(lua_State *L)
     static const char fn[] = "Store:slot";
     static const char *const dtypes[] = {"f32", "bf16", NULL};
     static const ml_dtype dt_of[] = {ML_F32, ML_BF16};
+    ml_args(L, 3, fn);
     ml_expert_store *s = check_store(L, fn);
     size_t slot = check_id(L, 2, fn, "slot", s->nslots);
     const char *name = luaL_optstring(L, 3, "f32");
@@ -172,6 +174,7 @@ static int l_store_slot(lua_State *L)
 static int l_store_read(lua_State *L)
 {
     static const char fn[] = "Store:read";
+    ml_args(L, 3, fn);
     ml_expert_store *s = check_store(L, fn);
     size_t slab = check_id(L, 2, fn, "slab", s->nslabs);
     size_t slot = check_id(L, 3, fn, "slot", s->nslots);
@@ -183,6 +186,7 @@ static int l_store_read(lua_State *L)
 static int l_store_write(lua_State *L)
 {
     static const char fn[] = "Store:write";
+    ml_args(L, 3, fn);
     ml_expert_store *s = check_store(L, fn);
     size_t slot = check_id(L, 2, fn, "slot", s->nslots);
     size_t slab = check_id(L, 3, fn, "slab", s->nslabs);
@@ -194,6 +198,7 @@ static int l_store_write(lua_State *L)
 static int l_store_schedule(lua_State *L)
 {
     static const char fn[] = "Store:schedule";
+    ml_args(L, 2, fn);
     ml_expert_store *s = check_store(L, fn);
     luaL_checktype(L, 2, LUA_TTABLE);
     size_t n = (size_t)luaL_len(L, 2);
@@ -216,6 +221,7 @@ static int l_store_schedule(lua_State *L)
 static int l_store_acquire(lua_State *L)
 {
     static const char fn[] = "Store:acquire";
+    ml_args(L, 2, fn);
     ml_expert_store *s = check_store(L, fn);
     size_t slab = check_id(L, 2, fn, "slab", s->nslabs), slot;
     int hit;
@@ -229,6 +235,7 @@ static int l_store_acquire(lua_State *L)
 static int l_store_release(lua_State *L)
 {
     static const char fn[] = "Store:release";
+    ml_args(L, 3, fn);
     ml_expert_store *s = check_store(L, fn);
     size_t slab = check_id(L, 2, fn, "slab", s->nslabs);
     if (!lua_isnoneornil(L, 3) && !lua_isboolean(L, 3))
@@ -241,6 +248,7 @@ static int l_store_release(lua_State *L)
 static int l_store_flush(lua_State *L)
 {
     static const char fn[] = "Store:flush";
+    ml_args(L, 1, fn);
     ml_expert_store *s = check_store(L, fn);
     ml_err e;
     ml_check_op(L, fn, ml_store_flush(s, &e), &e);
@@ -250,6 +258,7 @@ static int l_store_flush(lua_State *L)
 static int l_store_resident(lua_State *L)
 {
     static const char fn[] = "Store:resident";
+    ml_args(L, 2, fn);
     ml_expert_store *s = check_store(L, fn);
     int64_t slot = ml_store_resident(s, check_id(L, 2, fn, "slab", s->nslabs));
     if (slot < 0)
@@ -261,6 +270,7 @@ static int l_store_resident(lua_State *L)
 
 static int l_store_stats(lua_State *L)
 {
+    ml_args(L, 1, "Store:stats");
     ml_expert_store *s = check_store(L, "Store:stats");
     const ml_store_stats *st = &s->stats;
     lua_createtable(L, 0, 10);
@@ -278,7 +288,7 @@ static int l_store_stats(lua_State *L)
 }
 
 /* __gc, __close and :close() share this: idempotent, never raises. */
-static int l_store_close(lua_State *L)
+static int l_store_gc(lua_State *L)
 {
     l_store *u = luaL_testudata(L, 1, ML_STORE_MT);
     if (u && u->s) {
@@ -286,6 +296,12 @@ static int l_store_close(lua_State *L)
         u->s = NULL;
     }
     return 0;
+}
+
+static int l_store_close(lua_State *L)
+{
+    ml_args(L, 1, "Store:close");
+    return l_store_gc(L);
 }
 
 static int l_store_tostring(lua_State *L)
@@ -323,8 +339,8 @@ static const luaL_Reg store_methods[] = {
 };
 
 static const luaL_Reg store_meta[] = {
-    {"__gc", l_store_close},
-    {"__close", l_store_close},
+    {"__gc", l_store_gc},
+    {"__close", l_store_gc},
     {"__tostring", l_store_tostring},
     {NULL, NULL}
 };

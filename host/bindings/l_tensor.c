@@ -152,6 +152,7 @@ static int l_tensor_arange(lua_State *L)
             step = lua_tonumber(L, 3);
     }
     int opt = lua_istable(L, nnum + 1) ? nnum + 1 : 0;
+    check_rest(L, fn, nnum + 1, opt);
     ml_check_opts(L, opt, fn, CREATE_OPTS);
     ml_device dev = ml_opt_device(L, opt, fn, ML_CPU);
     ml_dtype dt = ml_opt_dtype(L, opt, fn, ML_F32);
@@ -209,11 +210,12 @@ static void table_fill(lua_State *L, const char *fn, ml_tensor *t, int level, in
 static int l_tensor_tensor(lua_State *L)
 {
     static const char fn[] = "moelua.tensor";
+    ml_args(L, 2, fn);
     if (!lua_istable(L, 1) && lua_type(L, 1) != LUA_TNUMBER)
         ml_error(L, fn, "argument #1: expected a table or a number, got %s", luaL_typename(L, 1));
-    ml_check_opts(L, lua_istable(L, 2) ? 2 : 0, fn, CREATE_OPTS);
-    ml_dtype dt = ml_opt_dtype(L, lua_istable(L, 2) ? 2 : 0, fn, ML_F32);
-    ml_device dev = ml_opt_device(L, lua_istable(L, 2) ? 2 : 0, fn, ML_CPU);
+    ml_check_opts(L, 2, fn, CREATE_OPTS);
+    ml_dtype dt = ml_opt_dtype(L, 2, fn, ML_F32);
+    ml_device dev = ml_opt_device(L, 2, fn, ML_CPU);
     int64_t shape[ML_MAXDIM];
     int ndim = lua_istable(L, 1) ? table_shape(L, 1, fn, shape) : 0;
     ml_tensor *t = ml_newtensor(L, fn, ML_CPU, dt, ndim, shape);
@@ -287,6 +289,7 @@ static int l_tensor_normal_(lua_State *L)
 {
     static const char fn[] = "Tensor:normal_";
     static const char *const opts[] = {"mean", "std", "seed", "offset", NULL};
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int opt = lua_isnoneornil(L, 2) ? 0 : 2;
     if (opt)
@@ -305,6 +308,7 @@ static int l_tensor_randn(lua_State *L) { return draw(L, "moelua.randn", 1); }
 static int l_tensor_philox4x32_10(lua_State *L)
 {
     static const char fn[] = "moelua.philox4x32_10";
+    ml_args(L, 2, fn);
     uint32_t ctr[4], key[2], out[4];
     luaL_checktype(L, 1, LUA_TTABLE);
     luaL_checktype(L, 2, LUA_TTABLE);
@@ -326,6 +330,7 @@ static int l_tensor_philox4x32_10(lua_State *L)
 
 static int l_tensor_manual_seed(lua_State *L)
 {
+    ml_args(L, 1, "moelua.manual_seed");
     ml_host *h = ml_host_of(L);
     h->seed = (uint64_t)luaL_checkinteger(L, 1);
     h->rng_offset = 0;
@@ -361,6 +366,7 @@ static int l_tensor_rng_state(lua_State *L)
 
 static int l_tensor_threads(lua_State *L)
 {
+    ml_args(L, 1, "moelua.threads");
     ml_host *h = ml_host_of(L);
     if (!lua_isnoneornil(L, 1)) {
         lua_Integer n = luaL_checkinteger(L, 1);
@@ -375,6 +381,7 @@ static int l_tensor_threads(lua_State *L)
 /* cuda_available() -> true, or false and why not */
 static int l_tensor_cuda_available(lua_State *L)
 {
+    ml_args(L, 0, "moelua.cuda_available");
     ml_host *h = ml_host_of(L);
     const ml_memory *mem = h->device_mem[ML_CUDA];
     if (mem && mem->available()) {
@@ -390,6 +397,7 @@ static int l_tensor_cuda_available(lua_State *L)
 
 static int l_tensor_shape(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:shape");
     ml_tensor *t = ml_checkview(L, 1, "Tensor:shape");
     lua_createtable(L, t->ndim, 0);
     for (int i = 0; i < t->ndim; i++) {
@@ -428,36 +436,42 @@ static int l_tensor_size(lua_State *L)
 
 static int l_tensor_dim(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:dim");
     lua_pushinteger(L, ml_checkview(L, 1, "Tensor:dim")->ndim);
     return 1;
 }
 
 static int l_tensor_numel(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:numel");
     lua_pushinteger(L, ml_numel(ml_checkview(L, 1, "Tensor:numel")));
     return 1;
 }
 
 static int l_tensor_dtype(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:dtype");
     lua_pushstring(L, ml_dtype_names[ml_checkview(L, 1, "Tensor:dtype")->dtype]);
     return 1;
 }
 
 static int l_tensor_device(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:device");
     lua_pushstring(L, ml_device_names[ml_checkview(L, 1, "Tensor:device")->st->device]);
     return 1;
 }
 
 static int l_tensor_category(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:category");
     lua_pushstring(L, ml_category_names[ml_checkview(L, 1, "Tensor:category")->st->cat]);
     return 1;
 }
 
 static int l_tensor_is_contiguous(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:is_contiguous");
     lua_pushboolean(L, ml_is_contiguous(ml_checkview(L, 1, "Tensor:is_contiguous")));
     return 1;
 }
@@ -466,6 +480,7 @@ static int l_tensor_is_contiguous(lua_State *L)
  * its storage (0-based), so a view's place in a flat unit can be found. */
 static int l_tensor_storage_offset(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:storage_offset");
     lua_pushinteger(L, ml_checkview(L, 1, "Tensor:storage_offset")->offset);
     return 1;
 }
@@ -473,6 +488,7 @@ static int l_tensor_storage_offset(lua_State *L)
 /* a:same_storage(b): are a and b views of one storage? */
 static int l_tensor_same_storage(lua_State *L)
 {
+    ml_args(L, 2, "Tensor:same_storage");
     ml_tensor *a = ml_checkview(L, 1, "Tensor:same_storage");
     ml_tensor *b = ml_checkview(L, 2, "Tensor:same_storage");
     lua_pushboolean(L, a->st == b->st);
@@ -481,6 +497,7 @@ static int l_tensor_same_storage(lua_State *L)
 
 static int l_tensor_is_tensor(lua_State *L)
 {
+    ml_args(L, 1, "moelua.is_tensor");
     lua_pushboolean(L, ml_testtensor(L, 1) != NULL);
     return 1;
 }
@@ -497,6 +514,7 @@ static int view_done(lua_State *L, const char *fn, ml_status s, const ml_err *e)
 static int l_tensor_narrow(lua_State *L)
 {
     static const char fn[] = "Tensor:narrow";
+    ml_args(L, 4, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
@@ -510,6 +528,7 @@ static int l_tensor_narrow(lua_State *L)
 static int l_tensor_select(lua_State *L)
 {
     static const char fn[] = "Tensor:select";
+    ml_args(L, 3, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     lua_Integer i = luaL_checkinteger(L, 3);
@@ -582,6 +601,7 @@ static int l_tensor_view_at(lua_State *L)
 static int l_tensor_transpose(lua_State *L)
 {
     static const char fn[] = "Tensor:transpose";
+    ml_args(L, 3, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     int a = ml_checkdim(L, 2, fn, t->ndim), b = ml_checkdim(L, 3, fn, t->ndim);
     ml_err e;
@@ -590,6 +610,7 @@ static int l_tensor_transpose(lua_State *L)
 
 static int l_tensor_t(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:t");
     ml_tensor *t = ml_checkview(L, 1, "Tensor:t");
     if (t->ndim != 2)
         ml_error(L, "Tensor:t", "expected a 2-dim tensor, got %d dims", t->ndim);
@@ -603,7 +624,7 @@ static int l_tensor_t(lua_State *L)
 
 static int l_tensor_contiguous(lua_State *L)
 {
-    lua_settop(L, 1);
+    ml_args(L, 1, "Tensor:contiguous");
     ml_contiguous_arg(L, 1, "Tensor:contiguous");
     return 1;
 }
@@ -611,6 +632,7 @@ static int l_tensor_contiguous(lua_State *L)
 static int l_tensor_clone(lua_State *L)
 {
     static const char fn[] = "Tensor:clone";
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *c = ml_newtensor(L, fn, t->st->device, t->dtype, t->ndim, t->shape);
     ml_run_copy(L, fn, c, t);
@@ -622,6 +644,7 @@ static int l_tensor_to(lua_State *L)
 {
     static const char fn[] = "Tensor:to";
     static const char *const opts[] = {"dtype", "device", NULL};
+    ml_args(L, 2, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_dtype dt = t->dtype;
     ml_device dev = t->st->device;
@@ -652,6 +675,7 @@ static int l_tensor_to(lua_State *L)
 static int l_tensor_copy_(lua_State *L)
 {
     static const char fn[] = "Tensor:copy_";
+    ml_args(L, 2, fn);
     ml_tensor *dst = ml_checktensor(L, 1, fn), *src = ml_checktensor(L, 2, fn);
     ml_run_copy(L, fn, dst, src);
     lua_settop(L, 1);
@@ -674,7 +698,7 @@ static int l_tensor_fill_(lua_State *L)
 
 static int l_tensor_zero_(lua_State *L)
 {
-    lua_settop(L, 1);
+    ml_args(L, 1, "Tensor:zero_");
     lua_pushinteger(L, 0);
     return l_tensor_fill_(L);
 }
@@ -720,6 +744,7 @@ static void totable_rec(lua_State *L, const ml_tensor *t, int level, size_t *pos
 static int l_tensor_totable(lua_State *L)
 {
     static const char fn[] = "Tensor:totable";
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     /* Lua tables made: one per index of every leading dim (shape [2^40, 0]
      * has no elements but would make 2^40 tables) plus the elements. */
@@ -746,6 +771,7 @@ static int l_tensor_totable(lua_State *L)
 static int l_tensor_item(lua_State *L)
 {
     static const char fn[] = "Tensor:item";
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     if (ml_numel(t) != 1)
         ml_error(L, fn, "expected a tensor with one element, got %lld", (long long)ml_numel(t));
@@ -765,6 +791,12 @@ static int l_tensor_release(lua_State *L)
         t->st = NULL;
     }
     return 0;
+}
+
+static int l_tensor_free(lua_State *L)
+{
+    ml_args(L, 1, "Tensor:free");
+    return l_tensor_release(L);
 }
 
 /* ---- released storage (tensor.h: ml_storage_release_memory) ------------------
@@ -790,6 +822,7 @@ static ml_storage *storage_arg(lua_State *L, const char *fn)
 static int l_tensor_release_storage(lua_State *L)
 {
     static const char fn[] = "Tensor:release_storage";
+    ml_args(L, 2, fn);
     ml_storage *st = storage_arg(L, fn);
     const char *why = luaL_optstring(L, 2, NULL);
     if (st->pool)
@@ -805,6 +838,7 @@ static int l_tensor_release_storage(lua_State *L)
 static int l_tensor_acquire_storage(lua_State *L)
 {
     static const char fn[] = "Tensor:acquire_storage";
+    ml_args(L, 1, fn);
     ml_storage *st = storage_arg(L, fn);
     if (!st->released[0])
         return 0;
@@ -831,6 +865,7 @@ static int l_tensor_acquire_storage(lua_State *L)
 static int l_tensor_commit_(lua_State *L)
 {
     static const char fn[] = "Tensor:commit_";
+    ml_args(L, 1, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     ml_err e;
     ml_check_op(L, fn, ml_tensor_commit(t, &e), &e);
@@ -840,12 +875,14 @@ static int l_tensor_commit_(lua_State *L)
 
 static int l_tensor_committed(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:committed");
     lua_pushboolean(L, ml_tensor_uncommitted(ml_checkview(L, 1, "Tensor:committed")) == NULL);
     return 1;
 }
 
 static int l_tensor_storage_released(lua_State *L)
 {
+    ml_args(L, 1, "Tensor:storage_released");
     lua_pushboolean(L, storage_arg(L, "Tensor:storage_released")->released[0] != 0);
     return 1;
 }
@@ -983,7 +1020,7 @@ static const luaL_Reg tensor_methods[] = {
     {"zero_", l_tensor_zero_},
     {"totable", l_tensor_totable},
     {"item", l_tensor_item},
-    {"free", l_tensor_release},
+    {"free", l_tensor_free},
     {"release_storage", l_tensor_release_storage},
     {"acquire_storage", l_tensor_acquire_storage},
     {"storage_released", l_tensor_storage_released},

@@ -20,6 +20,7 @@ static const char *const BINOP_NAMES[ML_NBINOPS] = {
 static int binary(lua_State *L, ml_binop op, int inplace)
 {
     const char *fn = BINOP_NAMES[op];
+    ml_args(L, 2, fn);
     int ta = ml_testtensor(L, 1) != NULL, tb = ml_testtensor(L, 2) != NULL;
     if (!ta && !tb)
         ml_error(L, fn, "expected a tensor argument");

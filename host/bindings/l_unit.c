@@ -70,6 +70,7 @@ static void check_segment_spec(lua_State *L, int idx, const char *where, ml_segm
 static int l_unit_new(lua_State *L)
 {
     static const char fn[] = "moelua.unit.new";
+    ml_args(L, 2, fn);
     const char *name = luaL_checkstring(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     ml_unit *u = lua_newuserdatauv(L, sizeof *u, 0);   /* empty first: __gc is safe */
@@ -120,12 +121,14 @@ static void push_segment(lua_State *L, const ml_segment *s)
 
 static int l_unit_name(lua_State *L)
 {
+    ml_args(L, 1, "Unit:name");
     lua_pushstring(L, check_unit(L, 1)->name);
     return 1;
 }
 
 static int l_unit_numel(lua_State *L)
 {
+    ml_args(L, 1, "Unit:numel");
     lua_pushinteger(L, check_unit(L, 1)->numel);
     return 1;
 }
@@ -138,6 +141,7 @@ static int l_unit_len(lua_State *L)
 
 static int l_unit_segments(lua_State *L)
 {
+    ml_args(L, 1, "Unit:segments");
     ml_unit *u = check_unit(L, 1);
     lua_createtable(L, u->nseg, 0);
     for (int i = 0; i < u->nseg; i++) {
@@ -149,6 +153,7 @@ static int l_unit_segments(lua_State *L)
 
 static int l_unit_segment(lua_State *L)
 {
+    ml_args(L, 2, "Unit:segment");
     ml_unit *u = check_unit(L, 1);
     int i = ml_unit_find(u, luaL_checkstring(L, 2));
     if (i < 0)
@@ -161,8 +166,10 @@ static int l_unit_segment(lua_State *L)
 static int l_unit_partition(lua_State *L)
 {
     static const char fn[] = "Unit:partition";
+    ml_args(L, 3, fn);
     ml_unit *u = check_unit(L, 1);
-    lua_Integer rank = luaL_checkinteger(L, 2), world = luaL_checkinteger(L, 3);
+    lua_Integer rank = ml_checkinteger_named(L, 2, fn, "argument #2 (rank)");
+    lua_Integer world = ml_checkinteger_named(L, 3, fn, "argument #3 (world)");
     if (world < 1 || world > INT_MAX)
         ml_error(L, fn, "world must be in [1, %d], got %lld", INT_MAX, (long long)world);
     if (rank < 0 || rank >= world)
@@ -181,8 +188,10 @@ static int l_unit_partition(lua_State *L)
 static int l_unit_pieces(lua_State *L)
 {
     static const char fn[] = "Unit:pieces";
+    ml_args(L, 3, fn);
     ml_unit *u = check_unit(L, 1);
-    lua_Integer off = luaL_checkinteger(L, 2), len = luaL_checkinteger(L, 3);
+    lua_Integer off = ml_checkinteger_named(L, 2, fn, "argument #2 (offset)");
+    lua_Integer len = ml_checkinteger_named(L, 3, fn, "argument #3 (len)");
     if (off < 0)
         ml_error(L, fn, "offset must be >= 0, got %lld", (long long)off);
     if (len < 0 || len > INT64_MAX - off)
@@ -208,6 +217,7 @@ static int l_unit_pieces(lua_State *L)
 static int l_unit_views(lua_State *L)
 {
     static const char fn[] = "Unit:views";
+    ml_args(L, 2, fn);
     ml_unit *u = check_unit(L, 1);
     ml_tensor *flat = ml_checkview(L, 2, fn);
     if (flat->ndim != 1 || !ml_is_contiguous(flat))

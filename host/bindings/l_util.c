@@ -448,6 +448,15 @@ const char *ml_not_integer(lua_State *L, int idx, lua_Integer *v)
     return lua_type(L, idx) == LUA_TNUMBER ? "a fraction" : luaL_typename(L, idx);
 }
 
+lua_Integer ml_checkinteger_named(lua_State *L, int idx, const char *fn, const char *what)
+{
+    lua_Integer v;
+    const char *got = ml_not_integer(L, idx, &v);
+    if (got)
+        ml_error(L, fn, "%s must be an integer, got %s", what, got);
+    return v;
+}
+
 void ml_args(lua_State *L, int n, const char *fn)
 {
     int top = lua_gettop(L), self = strchr(fn, ':') != NULL;

@@ -111,6 +111,10 @@ void ml_args(lua_State *L, int n, const char *fn);
 /* NULL when the value at idx is an integer (a whole float too), stored in
  * *v; else what it is, for an error's "got ...": "a fraction" or its type. */
 const char *ml_not_integer(lua_State *L, int idx, lua_Integer *v);
+/* The integer at idx (a whole float too), else "fn: what must be an
+ * integer, got a fraction" (or the type); `what` names it ("argument #2
+ * (mark)"), as ml_checktensor_named's does. */
+lua_Integer ml_checkinteger_named(lua_State *L, int idx, const char *fn, const char *what);
 /* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
 

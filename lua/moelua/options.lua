@@ -77,6 +77,10 @@ end
 local KINDS = {
   integer = function(v) return math.type(v) and math.tointeger(v) or nil end,   -- 2^20 is an integer too
   number = function(v) return type(v) == "number" and v == v and math.abs(v) < math.huge and v or nil end,
+  ["function"] = function(v)   -- a callable table too (a schedule object)
+    local mt = type(v) == "table" and getmetatable(v)
+    return (type(v) == "function" or mt and mt.__call) and v or nil
+  end,
 }
 local KIND_NAMES = {integer = "an integer", number = "a finite number", string = "a string", boolean = "a boolean",
                     table = "a table", ["function"] = "a function"}
@@ -92,10 +96,10 @@ end
 -- options.check(opts, spec, fail [, prefix]) -> a copy of the options table
 -- opts (nil: none given) with spec's defaults filled in: the options of the
 -- Lua APIs (moe.new, nn.Transformer.new, expert_store.new, the optimizers,
--- inspect, train.run's rollback and alarms). spec = {key = {kind, default
+-- inspect, train.run and its rollback and alarms). spec = {key = {kind, default
 -- [, min = least | above = bound]}}: kind is
 -- "integer", "number" (finite), "string", "boolean", "table", "function"
--- or alternatives ("string|table"); a default nil makes the option
+-- (a callable table too) or alternatives ("string|table"); a default nil makes the option
 -- required, false leaves it out (a boolean's false is its value; a false
 -- given for such an option is none, as `cond and {...}` passes it). An
 -- unknown key, a value of the wrong kind or out of bounds, or a missing

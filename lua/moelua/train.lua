@@ -1223,65 +1223,52 @@ end
 
 -- cfg[name] with the defaults of `spec` (ROLLBACK, ALARMS), checked.
 local function settings(cfg, name, spec)
-  local given = cfg[name]
-  if given ~= nil and type(given) ~= "table" then error("moelua.train.run: " .. name .. " must be a table", 4) end
+  local given = cfg[name]   -- (a table: check_options)
   -- raised at train.run's caller: past this closure, options.check, settings, new_trainer and train.run
   local function fail(fmt, ...) error("moelua.train.run: " .. fmt:format(...), 6) end
   local out = options.check(given, spec, fail, name .. ".")
   return out
 end
 
--- train.run's and train.plan's options and what each must be: a misspelt
--- or mistyped one is refused by name before anything runs (a misspelt
--- ckpt_every saved nothing; a number for a hook failed at its first call).
+-- train.run's and train.plan's options and what each must be
+-- (moelua.options.check's spec; none has a default here: new_trainer
+-- gives them): a misspelt or mistyped one is refused by name before
+-- anything runs (a misspelt ckpt_every saved nothing; a number for a hook
+-- failed at its first call).
+local function opt(kind, min) return {kind, false, min = min} end
 local RUN_OPTIONS = {
-  model = "table", data = "table", optimizer = "table", groups = "table", build = "function",
-  seq_len = "integer", steps = "integer", accum = "integer", lr = "function", clip = "number",
-  hook = "function", state = "table", run_dir = "string", ckpt_every = "integer", keep = "integer",
-  rollback = "table", alarms = "table", on_rollback = "function", on_alarm = "function",
-  attach = "table", val_every = "integer", val_batches = "integer", tty = "boolean",
-  log_every = "number", progress_after = "number", init_from = "string", resume = "string",
-  overwrite = "boolean", plan = "table", reload = "table", provenance = "table",
-  aux_weight = "number", z_weight = "number",
+  model = opt"table", data = opt"table", optimizer = opt"table", groups = opt"table", build = opt"function",
+  seq_len = opt("integer", 1), steps = opt("integer", 1), accum = opt("integer", 1), lr = opt"function",
+  clip = opt"number", hook = opt"function", state = opt"table", run_dir = opt"string",
+  ckpt_every = opt("integer", 0), keep = opt("integer", 1), rollback = opt"table", alarms = opt"table",
+  on_rollback = opt"function", on_alarm = opt"function", attach = opt"table", val_every = opt("integer", 0),
+  val_batches = opt("integer", 1), tty = opt"boolean", log_every = opt("number", 1),
+  progress_after = opt("number", 0), init_from = opt"string", resume = opt"string", overwrite = opt"boolean",
+  plan = opt"table", reload = opt"table", provenance = opt"table", aux_weight = opt("number", 0),
+  z_weight = opt("number", 0),
 }
-local RUN_MINIMUM = {seq_len = 1, steps = 1, accum = 1, keep = 1, val_batches = 1, log_every = 1,
-                     ckpt_every = 0, val_every = 0, progress_after = 0, aux_weight = 0, z_weight = 0}
 
 local ATTACH_METHODS = {"poll", "position", "safe_point", "finish"}
 
+-- cfg checked: a copy, whole floats as integers and a false option (`x
+-- and {...}`) left out.
 local function check_options(cfg, fn)
-  if type(cfg) ~= "table" then error(string.format("moelua.train.%s: expected an options table, got %s", fn,
-                                                   type(cfg)), 3) end
-  for k, v in pairs(cfg) do
-    local want = RUN_OPTIONS[k]
-    if not want then error(string.format("moelua.train.%s: %s", fn, options.unknown(k, RUN_OPTIONS)), 3) end
-    local callable = type(v) == "table" and getmetatable(v) and getmetatable(v).__call
-    local ok = v == false and (want == "table" or want == "function")   -- `x and {...}`: none
-            or (want == "integer" and math.type(v) == "integer") or type(v) == want
-            or (want == "function" and callable)
-    if not ok then
-      error(string.format("moelua.train.%s: %s must be a%s %s, got %s", fn, k, want == "integer" and "n" or "",
-                          want, math.type(v) or type(v)), 3)
-    end
-    if want == "number" and not (v == v and v > -math.huge and v < math.huge) then
-      error(string.format("moelua.train.%s: %s must be a finite number, got %s", fn, k, tostring(v)), 3)
-    end
-    if RUN_MINIMUM[k] and v < RUN_MINIMUM[k] then
-      error(string.format("moelua.train.%s: %s must be >= %d, got %s", fn, k, RUN_MINIMUM[k], tostring(v)), 3)
-    end
-    if k == "attach" and v then   -- moelua.remote.listen's server, or one that answers as it does
-      for _, method in ipairs(ATTACH_METHODS) do
-        if type(v[method]) ~= "function" then
-          error(string.format("moelua.train.%s: attach must be what moelua.remote.listen(run_dir) returns " ..
-                              "(this one has no %s)", fn, method), 3)
-        end
+  local name = "moelua.train." .. fn
+  if cfg == nil then error(name .. ": options must be a table, got nil", 3) end
+  -- raised at the caller of train.run / train.plan: past this closure, options.check and this function
+  local c = options.check(cfg, RUN_OPTIONS, function(fmt, ...) error(name .. ": " .. fmt:format(...), 5) end)
+  if c.attach then   -- moelua.remote.listen's server, or one that answers as it does
+    for _, method in ipairs(ATTACH_METHODS) do
+      if type(c.attach[method]) ~= "function" then
+        error(string.format("%s: attach must be what moelua.remote.listen(run_dir) returns (this one has no %s)",
+                            name, method), 3)
       end
     end
-    if k == "clip" and not (v > 0) then   -- a norm clipped to 0 zeroes every update
-      error(string.format("moelua.train.%s: clip must be > 0 (leave it out for no clipping), got %s", fn,
-                          tostring(v)), 3)
-    end
   end
+  if c.clip and not (c.clip > 0) then   -- a norm clipped to 0 zeroes every update
+    error(string.format("%s: clip must be > 0 (leave it out for no clipping), got %s", name, tostring(c.clip)), 3)
+  end
+  return c
 end
 
 -- A trainer from run's cfg, touching no file (train.run's and train.plan's).
@@ -1302,11 +1289,6 @@ local function new_trainer(cfg)
     rollbacks_to = {}, skip_to = {}, alarm_runs = {},
     machine = measure.cpu().model, tty = cfg.tty, progress_after = cfg.progress_after or 3,
   }, Trainer)
-  for _, k in ipairs({"steps", "accum"}) do
-    if math.type(self[k]) ~= "integer" or self[k] < 1 then
-      error(string.format("moelua.train.run: %s must be an integer >= 1, got %s", k, tostring(self[k])), 3)
-    end
-  end
   local unsaved = cfg.run_dir and cfg.provenance and ckpt.json_error(cfg.provenance, "provenance")
   if unsaved then   -- now, not at the first checkpoint: the steps before it would be lost
     error("moelua.train.run: provenance cannot be saved in a checkpoint (" ..
@@ -1359,7 +1341,7 @@ end
 -- left as they were; the hooks run inside the plans (four steps), so what
 -- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
-  check_options(cfg, "plan")
+  cfg = check_options(cfg, "plan")
   if cfg.build == nil then
     error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
   end
@@ -1607,7 +1589,7 @@ local function clear_run_dir(dir)
 end
 
 function train.run(cfg)
-  check_options(cfg, "run")
+  cfg = check_options(cfg, "run")
   local mode = train.check_run_dir(cfg)
   local self = new_trainer(cfg)
   local z = self.model.zero

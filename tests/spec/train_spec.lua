@@ -161,16 +161,16 @@ describe("train.run", function()
                 "moelua.train.run: unknown option 'ckpt_evry' (expected one of: accum, alarms, attach,")
     support.has(support.errmsg(train.plan, with("kep", 1)), "moelua.train.plan: unknown option 'kep'")
     support.has(support.errmsg(train.run, with("on_alarm", 5)),
-                "moelua.train.run: on_alarm must be a function, got integer")
-    support.has(support.errmsg(train.run, with("lr", 5)), "moelua.train.run: lr must be a function, got integer")
-    support.has(support.errmsg(train.run, with("data", 5)), "moelua.train.run: data must be a table, got integer")
+                "moelua.train.run: option 'on_alarm' must be a function, got 5")
+    support.has(support.errmsg(train.run, with("lr", 5)), "moelua.train.run: option 'lr' must be a function, got 5")
+    support.has(support.errmsg(train.run, with("data", 5)), "moelua.train.run: option 'data' must be a table, got 5")
     support.has(support.errmsg(train.run, with("ckpt_every", 2.5)),
-                "moelua.train.run: ckpt_every must be an integer, got float")
-    support.has(support.errmsg(train.run, with("keep", 0)), "moelua.train.run: keep must be >= 1, got 0")
+                "moelua.train.run: option 'ckpt_every' must be an integer >= 0, got 2.5")
+    support.has(support.errmsg(train.run, with("keep", 0)), "moelua.train.run: option 'keep' must be an integer >= 1, got 0")
     support.has(support.errmsg(train.run, with("clip", -1)),
                 "moelua.train.run: clip must be > 0 (leave it out for no clipping), got -1")
     support.has(support.errmsg(train.run, with("clip", 0)), "moelua.train.run: clip must be > 0")
-    support.has(support.errmsg(train.run, 5), "moelua.train.run: expected an options table, got number")
+    support.has(support.errmsg(train.run, 5), "moelua.train.run: options must be a table, got number")
     -- a schedule may be a callable table; `x and {...}` passes false for none
     local sched_t = setmetatable({}, {__call = function() return 1e-3 end})
     local c = with("lr", sched_t)
@@ -191,7 +191,7 @@ describe("train.run", function()
             "unknown option 'rollback.windw' (expected one of: collapse_steps, max_rollbacks, max_skipped,")
     refused({alarms = {hot_steps = 0}}, "option 'alarms.hot_steps' must be an integer >= 1, got 0")
     refused({alarms = {collapse = 1}}, "option 'alarms.collapse' must be a finite number > 1, got 1")
-    refused({alarms = 5}, "moelua.train.run: alarms must be a table")
+    refused({alarms = 5}, "moelua.train.run: option 'alarms' must be a table, got 5")
     local r = run{steps = 2, rollback = {window = 50.0, max_rollbacks = 0}, alarms = {hot = 2}}
     assert.is_true(r.final_loss == r.final_loss)
   end)
@@ -245,8 +245,8 @@ describe("train.run", function()
     support.has(support.errmsg(train.run, with{run_dir = dir, provenance = {options = {f = print}}}),
                 "moelua.train.run: provenance cannot be saved in a checkpoint (provenance.options.f: a function")
     assert.is_nil(fs.stat(dir .. "/metrics.jsonl"))
-    support.has(support.errmsg(train.run, with{aux_weight = 0 / 0}), "moelua.train.run: aux_weight must be a finite")
-    support.has(support.errmsg(train.run, with{log_every = 0 / 0}), "log_every must be a finite number, got ")
+    support.has(support.errmsg(train.run, with{aux_weight = 0 / 0}), "moelua.train.run: option 'aux_weight' must be a finite number >= 0, got ")
+    support.has(support.errmsg(train.run, with{log_every = 0 / 0}), "option 'log_every' must be a finite number >= 1, got ")
     support.has(support.errmsg(train.run, with{attach = {}}),
                 "moelua.train.run: attach must be what moelua.remote.listen(run_dir) returns")
     -- train.plan refuses the same, with the pieces from build
