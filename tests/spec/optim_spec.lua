@@ -1142,9 +1142,9 @@ describe("optimizer bad input", function()
     e(function() C.clip_grad_norm_({f32, m.zeros({2}, {dtype = "i32"})}, 1) end,
       "moelua.optim_c.clip_grad_norm_: tensor 2 must be f32 or f64, got i32")
     e(function() C.slice_norms(f32, 3) end,
-      "moelua.optim_c.slice_norms: E = 3 does not divide the 8 elements of x")
+      "moelua.optim_c.slice_norms: E = 3 does not divide the 8 elements of grads")
     e(function() C.slice_norms(f32, 4, m.zeros({4})) end,
-      "moelua.optim_c.slice_norms: norms must be f64, got f32")
+      "moelua.optim_c.slice_norms: out must be f64, got f32")
     e(function() C.scale_(f32, math.huge) end,
       "moelua.optim_c.scale_: factor must be finite, got inf")
     e(function() optim.clip_expert_norms(f32, 4, {1, 2, 3}) end,
@@ -1225,5 +1225,15 @@ describe("optimizer bad input", function()
                        function() opt:step(-1) end} do
       assert.matches("^[^:]*optim_spec%.lua:%d+: moelua%.optim%.AdamW", select(2, pcall(f)))
     end
+  end)
+
+  it("README's example runs as written", function()
+    local readme = support.read_file("README.md")
+    local a = assert(readme:find("```lua\nlocal m, optim = require \"moelua\", require \"moelua.optim\"", 1, true))
+    local b = assert(readme:find("\n```\n", a, true))
+    local chunk = assert(load(readme:sub(a + 7, b) .. "return opt, norm", "=README"))
+    local opt, norm = chunk()
+    assert.are.equal(3, opt.skipped_expert_steps)   -- the example's comment
+    assert.is_true(norm > 0 and norm < math.huge)
   end)
 end)
