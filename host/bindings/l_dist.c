@@ -153,6 +153,7 @@ static int l_dist_init(lua_State *L)
     static const char fn[] = "moelua.dist.init";
     static const char *const allowed[] = {"timeout", "debug", "nccl", NULL};
     ml_args(L, 1, fn);
+    lua_settop(L, 1);
     ml_check_opts(L, 1, fn, allowed);
     ml_comm *c = comm_of(L);
     double timeout = ml_opt_number(L, 1, fn, "timeout", c ? ml_comm_timeout(c) : DEFAULT_TIMEOUT);
@@ -273,6 +274,7 @@ static int l_dist_planned_group(lua_State *L)
 {
     static const char fn[] = "moelua.dist.planned_group";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     int rank = check_nonneg_int(L, 1, fn, "rank");
     int world = check_nonneg_int(L, 2, fn, "world");
     const char *label = lua_isnil(L, 3) ? NULL : check_string(L, 3, fn, "label");

@@ -400,6 +400,7 @@ static int l_experts_dispatch(lua_State *L)
 {
     static const char fn[] = "moelua.experts.dispatch";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *idx = arg(L, 1, fn, "idx");
     int isint;
     lua_Integer E = lua_tointegerx(L, 2, &isint);
@@ -436,6 +437,7 @@ static int l_experts_pack(lua_State *L)
 {
     static const char fn[] = "moelua.experts.pack";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *src = arg(L, 1, fn, "src");
     int64_t k;
     ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
@@ -451,6 +453,7 @@ static int l_experts_unpack(lua_State *L)
 {
     static const char fn[] = "moelua.experts.unpack";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *rows = arg(L, 1, fn, "rows");
     int64_t k;
     ml_dispatch_plan plan = read_plan_rows(L, 2, fn, &k);
@@ -467,6 +470,7 @@ static int l_experts_forward(lua_State *L)
 {
     static const char fn[] = "moelua.experts.forward";
     ml_args(L, 7, fn);
+    lua_settop(L, 7);
     ml_tensor *x = arg(L, 1, fn, "x");
     int tables = weight_tables(L, 2, fn);
     ml_tensor *gate_up = tables ? NULL : arg(L, 2, fn, "gate_up");
@@ -535,6 +539,7 @@ static int l_experts_backward(lua_State *L)
 {
     static const char fn[] = "moelua.experts.backward";
     ml_args(L, 10, fn);
+    lua_settop(L, 10);
     ml_tensor *dy = arg(L, 1, fn, "dy"), *x = arg(L, 2, fn, "x");
     int tables = weight_tables(L, 3, fn);
     ml_tensor *gate_up = tables ? NULL : arg(L, 3, fn, "gate_up");

@@ -51,6 +51,7 @@ static int l_ops_rmsnorm_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_forward";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *x = ml_checktensor_named(L, 1, fn, "argument #1 (x)");
     ml_tensor *w = ml_checktensor_named(L, 2, fn, "argument #2 (w)");
     double eps = 1e-6;
@@ -70,6 +71,7 @@ static int l_ops_rmsnorm_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.rmsnorm_backward";
     ml_args(L, 5, fn);
+    lua_settop(L, 5);
     ml_tensor *dy = ml_checktensor_named(L, 1, fn, "argument #1 (dy)");
     ml_tensor *x = ml_checktensor_named(L, 2, fn, "argument #2 (x)");
     ml_tensor *w = ml_checktensor_named(L, 3, fn, "argument #3 (w)");
@@ -90,6 +92,7 @@ static int l_ops_embedding_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.embedding_forward";
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *ids = ml_checktensor_named(L, 1, fn, "argument #1 (ids)");
     ml_tensor *W = ml_checktensor_named(L, 2, fn, "argument #2 (W)");
     ml_tensor *out = ml_pushtensor(L);
@@ -102,6 +105,7 @@ static int l_ops_embedding_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.embedding_backward";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *dout = ml_checktensor_named(L, 1, fn, "argument #1 (dout)");
     ml_tensor *ids = ml_checktensor_named(L, 2, fn, "argument #2 (ids)");
     ml_tensor *dW;
@@ -140,6 +144,7 @@ static int l_ops_cross_entropy_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.cross_entropy_forward";
     ml_args(L, 4, fn);
+    lua_settop(L, 4);
     ml_tensor *hs = ml_checktensor_named(L, 1, fn, "argument #1 (h)");
     ml_tensor *W = ml_checktensor_named(L, 2, fn, "argument #2 (W)");
     ml_tensor *tg = ml_checktensor_named(L, 3, fn, "argument #3 (targets)");
@@ -162,6 +167,7 @@ static int l_ops_cross_entropy_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.cross_entropy_backward";
     ml_args(L, 6, fn);
+    lua_settop(L, 6);
     if (lua_type(L, 1) != LUA_TNUMBER)
         ml_error(L, fn, "argument #1 (dloss) must be a number, got %s", luaL_typename(L, 1));
     double dloss = lua_tonumber(L, 1);
@@ -184,15 +190,38 @@ static int l_ops_cross_entropy_backward(lua_State *L)
 
 static const char *const ROPE_OPTS[] = {"theta", "offset", "out", NULL};
 
-static int rope_common(lua_State *L, const char *fn, const char *what, int inverse)
+/* A given option 'out' y: x's device, dtype and shape, contiguous, x itself
+ * or apart from it. The op checks the same but names it y (dx); x (named
+ * xname, as the op does) is checked first, so a bad x is reported as x. */
+static void rope_check_out(lua_State *L, const char *fn, ml_host *h, const ml_tensor *y,
+                           const ml_tensor *x, const char *xname)
+{
+    static const char what[] = "option 'out'";
+    ml_device dev = ml_tensor_device(x);
+    ml_err e;
+    ml_status s = ml_check_input(x, xname, dev, ml_float_dtypes(h, dev, ML_OP_ROPE), 3, 1, &e);
+    if (s == ML_OK)
+        s = ml_check_input(y, what, dev, ML_DT(x->dtype), 3, 1, &e);
+    if (s == ML_OK)
+        s = ml_check_shape(y, what, 3, x->shape, &e);
+    if (s == ML_OK && ml_data(y) != ml_data(x) && ml_tensors_overlap(y, x))
+        s = ml_err_set(&e, ML_EINVAL, "%s overlaps %s but is not %s itself", what, xname, xname);
+    ml_check_op(L, fn, s, &e);
+}
+
+static int rope_common(lua_State *L, const char *fn, const char *what, const char *xname,
+                       int inverse)
 {
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *x = ml_checktensor_named(L, 1, fn, what);
     ml_check_opts(L, 2, fn, ROPE_OPTS);
     double theta = ml_opt_number(L, 2, fn, "theta", 10000.0);
     int64_t offset = ml_opt_integer(L, 2, fn, "offset", 0, 0, ML_ROPE_OFFSET_MAX);
     ml_tensor *y = opt_output(L, 2, fn, "out", "option 'out'");
     ml_host *h = ml_host_of(L);
+    if (y->st)
+        rope_check_out(L, fn, h, y, x, xname);
     ml_err e;
     ml_check_op(L, fn, inverse ? ml_op_rope_backward(h, y, x, offset, theta, &e)
                                : ml_op_rope_forward(h, y, x, offset, theta, &e), &e);
@@ -201,12 +230,12 @@ static int rope_common(lua_State *L, const char *fn, const char *what, int inver
 
 static int l_ops_rope_forward(lua_State *L)
 {
-    return rope_common(L, "moelua.ops.rope_forward", "argument #1 (x)", 0);
+    return rope_common(L, "moelua.ops.rope_forward", "argument #1 (x)", "x", 0);
 }
 
 static int l_ops_rope_backward(lua_State *L)
 {
-    return rope_common(L, "moelua.ops.rope_backward", "argument #1 (dy)", 1);
+    return rope_common(L, "moelua.ops.rope_backward", "argument #1 (dy)", "dy", 1);
 }
 
 /* ---- attention ---------------------------------------------------------------- */
@@ -215,6 +244,7 @@ static int l_ops_attention_forward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.attention_forward";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *q = ml_checktensor_named(L, 1, fn, "argument #1 (q)");
     ml_tensor *k = ml_checktensor_named(L, 2, fn, "argument #2 (k)");
     ml_tensor *v = ml_checktensor_named(L, 3, fn, "argument #3 (v)");
@@ -229,6 +259,7 @@ static int l_ops_attention_backward(lua_State *L)
 {
     static const char fn[] = "moelua.ops.attention_backward";
     ml_args(L, 6, fn);
+    lua_settop(L, 6);
     ml_tensor *dout = ml_checktensor_named(L, 1, fn, "argument #1 (dout)");
     ml_tensor *q = ml_checktensor_named(L, 2, fn, "argument #2 (q)");
     ml_tensor *k = ml_checktensor_named(L, 3, fn, "argument #3 (k)");

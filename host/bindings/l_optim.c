@@ -98,12 +98,12 @@ static ml_tensor *arg_tensor(lua_State *L, int idx, int argn, const char *fn, co
  * op to refuse when it is < 1, and refused here when it is larger. */
 static int64_t arg_experts(lua_State *L, int idx, int argn, const char *fn, const char *name)
 {
-    int isint;
-    lua_Integer E = lua_tointegerx(L, idx, &isint);
+    lua_Integer E;
+    const char *got = ml_not_integer(L, idx, &E);   /* (a numeric string is no integer) */
     char what[64];
     arg_name(what, sizeof what, argn, name);
-    if (!isint)
-        ml_error(L, fn, "%s: expected an integer, got %s", what, luaL_tolstring(L, idx, NULL));
+    if (got)
+        ml_error(L, fn, "%s: expected an integer, got %s", what, got);
     if (E > MAX_EXPERTS)
         ml_error(L, fn, "%s: at most %d experts, got %lld", what, MAX_EXPERTS, (long long)E);
     return E;
@@ -508,7 +508,7 @@ static ml_tensor *norms_out(lua_State *L, int idx, const char *fn)
 
 static int l_optim_slice_norms(lua_State *L)
 {
-    const char *fn = "moelua.optim_c.slice_norms";
+    const char *fn = "moelua.optim.expert_norms";   /* its public name (moelua.optim) */
     ml_args(L, 3, fn);
     ml_tensor *t = arg_tensor(L, 1, 1, fn, "grads");
     int64_t E = arg_experts(L, 2, 2, fn, "E");
@@ -562,7 +562,7 @@ static void bounds_arg(lua_State *L, int idx, const char *fn, int64_t E, double 
 
 static int l_optim_clip_slices_(lua_State *L)
 {
-    const char *fn = "moelua.optim_c.clip_slices_";
+    const char *fn = "moelua.optim.clip_expert_norms";   /* its public name (moelua.optim) */
     ml_args(L, 4, fn);
     ml_tensor *t = arg_tensor(L, 1, 1, fn, "grads");
     int64_t E = arg_experts(L, 2, 2, fn, "E");

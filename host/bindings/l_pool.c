@@ -175,8 +175,10 @@ static int l_pool_reserve(lua_State *L)
     ml_alloc_status as;
     ml_pool_status ps = ml_pool_reserve(p, (size_t)bytes, &as);
     if (ml_pool_may_retry(ps, as)) {
+        uint64_t refused = p->lg->nrefused;   /* one request: counted once */
         ml_reclaim(L, p->host, p->device);
         ps = ml_pool_reserve(p, (size_t)bytes, &as);
+        p->lg->nrefused = refused;
     }
     if (ps == ML_POOL_BUSY)
         ml_error(L, fn, "the pool has %zu live slot%s (reserve an empty pool: reset it first)",

@@ -130,6 +130,7 @@ static int l_router_forward(lua_State *L)
 {
     static const char fn[] = "moelua.router.forward";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *x = ml_contiguous_arg(L, 1, fn);
     ml_tensor *wg = ml_contiguous_arg(L, 2, fn);
     router_opts o;
@@ -176,6 +177,7 @@ static int l_router_backward(lua_State *L)
 {
     static const char fn[] = "moelua.router.backward";
     ml_args(L, 6, fn);
+    lua_settop(L, 6);
     ml_tensor *dw = ml_contiguous_arg(L, 1, fn);
     ml_tensor *x = ml_contiguous_arg(L, 2, fn);
     ml_tensor *wg = ml_contiguous_arg(L, 3, fn);
@@ -212,6 +214,7 @@ static int l_router_update_bias(lua_State *L)
 {
     static const char fn[] = "moelua.router.update_bias";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *b = ml_checktensor(L, 1, fn);
     ml_tensor *c = ml_checktensor(L, 2, fn);
     if (lua_type(L, 3) != LUA_TNUMBER)

@@ -342,6 +342,7 @@ static int l_tensor_rng_state(lua_State *L)
 {
     ml_host *h = ml_host_of(L);
     ml_args(L, 1, "moelua.rng_state");
+    lua_settop(L, 1);
     if (!lua_isnil(L, 1)) {   /* both fields, as rng_state() gave them */
         if (!lua_istable(L, 1))
             ml_error(L, "moelua.rng_state", "expected a state {seed =, offset =} (from rng_state()), got %s",
@@ -411,6 +412,7 @@ static int l_tensor_shape(lua_State *L)
 static int l_tensor_stride(lua_State *L)
 {
     ml_args(L, 2, "Tensor:stride");
+    lua_settop(L, 2);
     ml_tensor *t = ml_checkview(L, 1, "Tensor:stride");
     if (!lua_isnil(L, 2)) {
         lua_pushinteger(L, t->stride[ml_checkdim(L, 2, "Tensor:stride", t->ndim)]);
@@ -427,6 +429,7 @@ static int l_tensor_stride(lua_State *L)
 static int l_tensor_size(lua_State *L)
 {
     ml_args(L, 2, "Tensor:size");
+    lua_settop(L, 2);
     ml_tensor *t = ml_checkview(L, 1, "Tensor:size");
     if (lua_isnoneornil(L, 2))
         return l_tensor_shape(L);
@@ -625,6 +628,7 @@ static int l_tensor_t(lua_State *L)
 static int l_tensor_contiguous(lua_State *L)
 {
     ml_args(L, 1, "Tensor:contiguous");
+    lua_settop(L, 1);
     ml_contiguous_arg(L, 1, "Tensor:contiguous");
     return 1;
 }
@@ -686,6 +690,7 @@ static int l_tensor_fill_(lua_State *L)
 {
     static const char fn[] = "Tensor:fill_";
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     if (lua_type(L, 2) != LUA_TNUMBER)
         ml_error(L, fn, "expected the fill value (a number), got %s", luaL_typename(L, 2));
@@ -699,6 +704,7 @@ static int l_tensor_fill_(lua_State *L)
 static int l_tensor_zero_(lua_State *L)
 {
     ml_args(L, 1, "Tensor:zero_");
+    lua_settop(L, 1);
     lua_pushinteger(L, 0);
     return l_tensor_fill_(L);
 }

@@ -69,6 +69,7 @@ static int unary(lua_State *L, ml_unop op, int inplace)
 {
     const char *fn = UNOP_NAMES[op];
     ml_args(L, 1, fn);
+    lua_settop(L, 1);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = inplace ? t : ml_pushtensor(L);
     ml_err e;
@@ -97,6 +98,7 @@ UNARY(abs, ML_ABS)
 static int reduce(lua_State *L, const char *fn, ml_redop op, int values, int want_idx)
 {
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = lua_isnil(L, 2) ? -1 : ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *out = values ? ml_pushtensor(L) : NULL;
@@ -116,6 +118,7 @@ static int l_tensor_cumsum(lua_State *L)
 {
     static const char fn[] = "Tensor:cumsum";
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *out = ml_pushtensor(L);
@@ -129,6 +132,7 @@ static int l_tensor_cumsum(lua_State *L)
 static int softmax(lua_State *L, const char *fn, int log)
 {
     ml_args(L, 1, fn);
+    lua_settop(L, 1);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
@@ -144,6 +148,7 @@ static int l_tensor_topk(lua_State *L)
 {
     static const char fn[] = "Tensor:topk";
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     lua_Integer k;
     const char *got = ml_not_integer(L, 2, &k);
@@ -163,6 +168,7 @@ static int index_op(lua_State *L, const char *fn,
                                     ml_err *))
 {
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *idx = ml_checktensor(L, 3, fn);
@@ -187,6 +193,7 @@ static int l_tensor_scatter_add_(lua_State *L)
 {
     static const char fn[] = "Tensor:scatter_add_";
     ml_args(L, 4, fn);
+    lua_settop(L, 4);
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
     ml_tensor *idx = ml_checktensor(L, 3, fn), *src = ml_checktensor(L, 4, fn);
@@ -201,6 +208,7 @@ static int l_tensor_bincount(lua_State *L)
 {
     static const char fn[] = "moelua.bincount";
     ml_args(L, 2, fn);
+    lua_settop(L, 2);
     ml_tensor *idx = ml_checktensor(L, 1, fn);
     lua_Integer nbins = luaL_checkinteger(L, 2);
     ml_tensor *out = ml_pushtensor(L);
@@ -219,6 +227,7 @@ static int l_tensor_matmul(lua_State *L)
 {
     static const char fn[] = "moelua.matmul";
     ml_args(L, 3, fn);
+    lua_settop(L, 3);
     ml_tensor *a = ml_checktensor(L, 1, fn), *b = ml_checktensor(L, 2, fn);
     ml_check_opts(L, lua_isnil(L, 3) ? 0 : 3, fn, MATMUL_OPTS);
     double alpha = 1, beta = 0;

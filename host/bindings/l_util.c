@@ -469,7 +469,8 @@ void ml_args(lua_State *L, int n, const char *fn)
         ml_error(L, fn, "takes %s, got %d (#%d is a %s)", takes, top - self, n + 1 - self,
                  luaL_typename(L, n + 1));
     }
-    lua_settop(L, n);
+    if (lua_gettop(L) > n)   /* the trailing nils */
+        lua_settop(L, n);
 }
 
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim)

@@ -105,8 +105,10 @@ void ml_check_opts(lua_State *L, int idx, const char *fn, const char *const *all
 int ml_checkshape(lua_State *L, int idx, const char *fn, int64_t *shape, int *next);
 /* A binding's n arguments: more is an error that names the count (a
  * binding reading fewer would ignore them: t:softmax(1) would run over the
- * last dim); fewer are padded with nil. A method (fn "Type:name") counts
- * its arguments after self, as Lua's own errors do. */
+ * last dim); trailing nils past n are dropped, fewer are left as they are
+ * (a missing one is "no value" in errors; a binding that wants nils in
+ * fixed slots follows with lua_settop(L, n)). A method (fn "Type:name")
+ * counts its arguments after self, as Lua's own errors do. */
 void ml_args(lua_State *L, int n, const char *fn);
 /* NULL when the value at idx is an integer (a whole float too), stored in
  * *v; else what it is, for an error's "got ...": "a fraction" or its type. */

@@ -127,8 +127,10 @@ ml_status ml_tier_charge(ml_host *h, ml_tier tier, ml_category cat, size_t nbyte
     if (s != ML_ALLOC_OK && h->reclaim) {
         /* the collector frees dead holders of every tier; only a device's
          * tier has an allocator cache to empty as well */
+        uint64_t refused = h->ledger[tier]->nrefused;   /* one request: counted once */
         h->reclaim(h, tier == ML_TIER_CUDA ? ML_CUDA : ML_CPU);
         s = ml_tier_take(h, tier, cat, nbytes, book);
+        h->ledger[tier]->nrefused = refused;
     }
     return s == ML_ALLOC_OK ? ML_OK : tier_refusal(h, tier, cat, nbytes, s, verb, e);
 }
@@ -145,8 +147,10 @@ static ml_status tensor_new(ml_host *h, ml_tensor *t, ml_device dev, ml_dtype dt
     ml_storage *st = NULL;
     ml_alloc_status s = make(h, dev, nbytes, &st);
     if ((s == ML_ALLOC_OVER_TOTAL || s == ML_ALLOC_OVER_CATEGORY || s == ML_ALLOC_NOMEM) && h->reclaim) {
+        uint64_t refused = h->ledger[dev]->nrefused;   /* one request: counted once */
         h->reclaim(h, dev);
         s = make(h, dev, nbytes, &st);
+        h->ledger[dev]->nrefused = refused;
     }
     if (s == ML_ALLOC_NODEVICE)
         return ml_err_set(e, ML_EINVAL, "device %s is not available (%s)", ml_device_names[dev],
@@ -211,8 +215,10 @@ ml_status ml_pool_tensor(ml_host *h, ml_pool *p, ml_tensor *t, const char *name,
     ml_pool_retain(p);   /* the view's reference; h->reclaim might close the pool meanwhile */
     ml_pool_status ps = ml_pool_alloc(p, nbytes, &data, &slot, &id, &as);
     if (h->reclaim && ml_pool_may_retry(ps, as)) {
+        uint64_t refused = p->lg->nrefused;   /* one request: counted once */
         h->reclaim(h, p->device);
         ps = ml_pool_alloc(p, nbytes, &data, &slot, &id, &as);
+        p->lg->nrefused = refused;
     }
     if (ps != ML_POOL_OK) {
         char need[32], used[32], cap[32], what[160];

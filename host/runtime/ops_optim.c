@@ -420,9 +420,9 @@ ml_status ml_op_slice_norms(ml_host *h, ml_tensor *norms, const ml_tensor *x, in
                             ml_err *e)
 {
     ml_device dev = ml_tensor_device(x);
-    ML_TRY(check_flat(x, "x", dev, e));
-    ML_TRY(check_slices(x, "x", E, e));
-    ML_TRY(ml_prepare_output(h, norms, "norms", dev, ML_F64, 1, &E, e));
+    ML_TRY(check_flat(x, "grads", dev, e));
+    ML_TRY(check_slices(x, "grads", E, e));
+    ML_TRY(ml_prepare_output(h, norms, "out", dev, ML_F64, 1, &E, e));
     ml_tensor scr = {0};
     ML_TRY(ml_kernel_scratch(h, &scr, dev, ML_KSCRATCH(h, dev, slice_norms, ml_numel(x), E), e));
     ml_kctx c = ml_host_kctx(h);
@@ -445,8 +445,8 @@ ml_status ml_op_clip_slices(ml_host *h, ml_tensor *x, int64_t E, const double *b
                             ml_tensor *norms, ml_err *e)
 {
     ml_device dev = ml_tensor_device(x);
-    ML_TRY(check_flat(x, "x", dev, e));
-    ML_TRY(check_slices(x, "x", E, e));
+    ML_TRY(check_flat(x, "grads", dev, e));
+    ML_TRY(check_slices(x, "grads", E, e));
     for (int64_t i = 0; i < E; i++)
         if (!(bounds[i] >= 0) || isinf(bounds[i]))
             return ml_err_set(e, ML_EINVAL, "bounds[%lld] must be finite and >= 0, got %g",

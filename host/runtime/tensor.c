@@ -237,8 +237,10 @@ ml_status ml_storage_commit(ml_storage *st, size_t off, size_t n, ml_err *e)
     if (charged_on_commit(st)) {
         ml_alloc_status s = check_budget(st->lg, st->cat, n, n);
         if (s != ML_ALLOC_OK && h->reclaim) {
+            uint64_t refused = st->lg->nrefused;   /* one request: counted once */
             h->reclaim(h, st->device);
             s = check_budget(st->lg, st->cat, n, n);
+            st->lg->nrefused = refused;
         }
         if (s != ML_ALLOC_OK)
             return ml_alloc_refusal(h, st->device, st->cat, n, s, "committing", e);

@@ -1031,32 +1031,16 @@ function optim.clip_grad_norm(groups, max_norm)
   return total
 end
 
--- grads_flat in E slices, checked at the caller's line.
-local function check_slices(fn, grads_flat, E)
-  if not tensor.is_tensor(grads_flat) then fail(fn, "argument #1 (grads_flat): expected a tensor, got %s",
-                                                type(grads_flat)) end
-  if math.type(E) ~= "integer" or E < 1 or grads_flat:numel() % E ~= 0 then
-    fail(fn, "argument #2 (E): expected an integer >= 1 dividing the %d elements of grads_flat, got %s",
-         grads_flat:numel(), type(E) == "number" and tostring(E) or type(E))
-  end
-end
-
 -- norms = optim.clip_expert_norms(grads_flat, E, bounds [, out]): grads_flat
 -- is E equal expert slices; slice e is scaled by min(1, bounds[e] /
 -- (norm_e + 1e-6)). bounds: a Lua table or a tensor of E numbers. Returns
 -- the per-expert norms before clipping (f64 [E], or `out`). Call it before
 -- clip_grad_norm (per-expert first, then global).
-function optim.clip_expert_norms(grads_flat, E, bounds, out)
-  check_slices("clip_expert_norms", grads_flat, E)
-  local norms = C.clip_slices_(grads_flat, E, bounds, out)
-  return norms
-end
+-- (The C functions themselves: their errors name these and the caller's line.)
+optim.clip_expert_norms = C.clip_slices_
 
--- Per-expert gradient norms without clipping (f64 [E]).
-function optim.expert_norms(grads_flat, E, out)
-  check_slices("expert_norms", grads_flat, E)
-  local norms = C.slice_norms(grads_flat, E, out)
-  return norms
-end
+-- optim.expert_norms(grads_flat, E [, out]): per-expert gradient norms
+-- without clipping (f64 [E]).
+optim.expert_norms = C.slice_norms
 
 return optim

@@ -1142,25 +1142,26 @@ describe("optimizer bad input", function()
     e(function() C.clip_grad_norm_({f32, m.zeros({2}, {dtype = "i32"})}, 1) end,
       "moelua.optim_c.clip_grad_norm_: tensor 2 must be f32 or f64, got i32")
     e(function() C.slice_norms(f32, 3) end,
-      "moelua.optim_c.slice_norms: E = 3 does not divide the 8 elements of grads")
+      "moelua.optim.expert_norms: E = 3 does not divide the 8 elements of grads")
     e(function() C.slice_norms(f32, 4, m.zeros({4})) end,
-      "moelua.optim_c.slice_norms: out must be f64, got f32")
+      "moelua.optim.expert_norms: out must be f64, got f32")
     e(function() C.scale_(f32, math.huge) end,
       "moelua.optim_c.scale_: factor must be finite, got inf")
     e(function() optim.clip_expert_norms(f32, 4, {1, 2, 3}) end,
-      "moelua.optim_c.clip_slices_: argument #3 (bounds): expected 4 bounds, got 3")
+      "moelua.optim.clip_expert_norms: argument #3 (bounds): expected 4 bounds, got 3")
     e(function() optim.clip_expert_norms(f32, 2, {1, -1}) end,
-      "moelua.optim_c.clip_slices_: bounds[2] must be finite and >= 0, got -1")
+      "moelua.optim.clip_expert_norms: bounds[2] must be finite and >= 0, got -1")
     e(function() optim.clip_grad_norm({{params = f32}}, 1) end,
       "moelua.optim.clip_grad_norm: group 1 has no 'grads' tensor")
     e(function() optim.clip_grad_norm({{grads = m.zeros({2}, {dtype = "i64"})}}, 1) end,
       "moelua.optim.clip_grad_norm: group 1: grads must be f32 or f64, got i64")
     e(function() optim.clip_expert_norms(m.zeros(7), 3, {1, 1, 1}) end,
-      "moelua.optim.clip_expert_norms: argument #2 (E): expected an integer >= 1 dividing the 7 elements of " ..
-      "grads_flat, got 3")
+      "moelua.optim.clip_expert_norms: E = 3 does not divide the 7 elements of grads")
     e(function() optim.expert_norms(f32, "4") end,
-      "moelua.optim.expert_norms: argument #2 (E): expected an integer >= 1 dividing the 8 elements of " ..
-      "grads_flat, got string")
+      "moelua.optim.expert_norms: argument #2 (E): expected an integer, got string")
+    -- at the caller's line, not optim.lua's
+    assert.matches("^[^:]*optim_spec%.lua:%d+: moelua%.optim%.clip_expert_norms: bounds%[2%]",
+                   select(2, pcall(function() local n = optim.clip_expert_norms(f32, 2, {1, -1}); return n end)))
   end)
 
   it("step_all checks every job before it updates any", function()
