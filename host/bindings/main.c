@@ -15,9 +15,9 @@
  *
  *   moelua plot RUN_DIR [OUT_DIR]
  *   moelua plan RECIPE [--max-seq | --fit] [recipe options]
- * Subcommands: when argv[1] is exactly "plot" (or "plan") and no file of
- * that name but a directory exists in the current directory (else it is a
- * script, as in lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
+ * Subcommands: when argv[1] is exactly "plot" (or "plan") and the current
+ * directory holds no file of that name other than a directory (else it is
+ * a script, as in lua.c), the host runs require("moelua.plot").main({RUN_DIR, OUT_DIR})
  * (moelua.plan_cli's for plan; arg[0] = the subcommand); main returning
  * false makes the exit status 1.
  *

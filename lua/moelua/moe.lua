@@ -128,8 +128,7 @@ local function check_options(opts)
   -- the router's and the experts' own checks (ops_moe.c, l_experts.c), here before any allocation
   need(o.mode == "softmax_topk" or o.mode == "topk_softmax",
        string.format("option 'mode' must be \"softmax_topk\" or \"topk_softmax\", got %s", o.mode))
-  need(o.temperature > 0 and o.temperature < math.huge,
-       string.format("option 'temperature' must be finite and > 0, got %s", o.temperature))
+  need(o.temperature > 0, string.format("option 'temperature' must be finite and > 0, got %s", o.temperature))
   need(o.eps >= 0 and o.eps < 1, string.format("option 'eps' must be in [0, 1), got %s", o.eps))
   need(o.partial_recompute == -1 or (o.partial_recompute >= 0 and o.partial_recompute <= 1),
        string.format("option 'partial_recompute' must be in [0, 1] (-1: off), got %s", o.partial_recompute))

@@ -97,7 +97,7 @@ end
 -- opts (nil: none given) with spec's defaults filled in: the options of the
 -- Lua APIs (moe.new, nn.Transformer.new, expert_store.new, the optimizers,
 -- inspect, train.run and its rollback and alarms). spec = {key = {kind, default
--- [, min = least | above = bound]}}: kind is
+-- [, min = least | above = bound] [, inf = true: math.huge too]}}: kind is
 -- "integer", "number" (finite), "string", "boolean", "table", "function"
 -- (a callable table too) or alternatives ("string|table"); a default nil makes the option
 -- required, false leaves it out (a boolean's false is its value; a false
@@ -114,12 +114,12 @@ function options.check(opts, spec, fail, prefix)
     local s = spec[k]
     if not s then fail("%s", options.unknown(prefix .. tostring(k), spec)) end
     if not (v == false and s[2] == false) then   -- `x and {...}` passes false for none
-      local got = accept(s[1], v)
+      local got = s.inf and v == math.huge and v or accept(s[1], v)
       if got == nil or s.min and got < s.min or s.above and got <= s.above then
         local names = {}
         for kind in s[1]:gmatch("[^|]+") do names[#names + 1] = KIND_NAMES[kind] end
-        fail("option '%s%s' must be %s%s, got %s", prefix, k, table.concat(names, " or "),
-             s.min and " >= " .. s.min or s.above and " > " .. s.above or "",
+        fail("option '%s%s' must be %s%s%s, got %s", prefix, k, table.concat(names, " or "),
+             s.min and " >= " .. s.min or s.above and " > " .. s.above or "", s.inf and " or math.huge" or "",
              type(v) == "number" and tostring(v) or type(v))
       end
       o[k] = got

@@ -30,8 +30,8 @@ end
 -- Linear warmup from 0 to peak over `warmup` steps (step 0 gives peak/warmup,
 -- so no step trains at lr 0), then `decay(progress)` from peak to min.
 local function warmup_then(opts, fn, decay)
-  check(opts, fn, WARMUP)
-  local peak, warmup, total, min = opts.peak, opts.warmup, opts.total, opts.min or 0
+  local o = check(opts, fn, WARMUP)
+  local peak, warmup, total, min = o.peak, o.warmup, o.total, o.min or 0
   if warmup < 0 or total <= warmup then
     error(string.format("moelua.sched.%s: need 0 <= warmup < total (got %g and %g)", fn, warmup, total), 2)
   end
@@ -60,8 +60,8 @@ end
 
 -- start * factor ^ floor(step / every): report 1's temperature 1.0 x0.99 every 1000 steps
 function sched.exponential(opts)
-  check(opts, "exponential", EXPONENTIAL)
-  local start, factor, every = opts.start, opts.factor, opts.every
+  local o = check(opts, "exponential", EXPONENTIAL)
+  local start, factor, every = o.start, o.factor, o.every
   return function(step) return start * factor ^ (step // every) end
 end
 

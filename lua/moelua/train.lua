@@ -169,11 +169,13 @@ local train = {}
 
 -- The rollback and alarm settings (moelua.options.check's spec). A ratio
 -- of 1 is the even share: an alarm there fires on every step (above E/k,
--- never); a spike_sigma of 0 calls any loss above the mean a spike.
-local ROLLBACK = {spike_sigma = {"number", 6, above = 0}, window = {"integer", 50, min = 1},
+-- never: math.huge turns it off); a spike_sigma of 0 calls any loss above
+-- the mean a spike (math.huge: no spike rollbacks).
+local ROLLBACK = {spike_sigma = {"number", 6, above = 0, inf = true}, window = {"integer", 50, min = 1},
                   max_skipped = {"integer", 3, min = 1}, collapse_steps = {"integer", 20, min = 1},
                   max_rollbacks = {"integer", 5, min = 0}}
-local ALARMS = {hot = {"number", false, above = 1}, collapse = {"number", false, above = 1},   -- none: balance's
+local ALARMS = {hot = {"number", false, above = 1, inf = true},   -- none given: balance's default
+                collapse = {"number", false, above = 1, inf = true},
                 hot_steps = {"integer", 5, min = 1}, dead_steps = {"integer", 20, min = 1}}
 
 local function now(device) return bench.now(device) end
@@ -1171,7 +1173,7 @@ function Trainer:check_balance(m)
   local runs = self.alarm_runs
   m.alarms = {}
   for l, load in ipairs(m.loads) do
-    local b = balance.layer(load.counts, k, a)   -- a.hot, a.collapse: false takes balance's default
+    local b = balance.layer(load.counts, k, a)   -- a.hot, a.collapse: nil takes balance's default
     -- one condition of this layer: counted, listed while on, fired once per episode; returns its run
     local function note(kind, expert, ratio, threshold, on, need)
       local key = kind .. ":" .. l .. ":" .. (expert or "")
@@ -1265,6 +1267,13 @@ local function check_options(cfg, fn)
       end
     end
   end
+  -- train.plan's build makes model, optimizer and groups
+  for _, k in ipairs(fn == "run" and {"model", "data", "optimizer", "groups"} or {"data", "build"}) do
+    if c[k] == nil then
+      error(string.format("%s: %s is required%s", name, k, k == "groups" and " (the optimizer's param groups)" or
+                          k == "build" and " (a function returning model, optimizer, groups)" or ""), 3)
+    end
+  end
   if c.clip and not (c.clip > 0) then   -- a norm clipped to 0 zeroes every update
     error(string.format("%s: clip must be > 0 (leave it out for no clipping), got %s", name, tostring(c.clip)), 3)
   end
@@ -1274,10 +1283,7 @@ end
 -- A trainer from run's cfg, touching no file (train.run's and train.plan's).
 local function new_trainer(cfg)
   local self = setmetatable({
-    model = assert(cfg.model, "moelua.train.run: model is required"),
-    data = assert(cfg.data, "moelua.train.run: data is required"),
-    optimizer = assert(cfg.optimizer, "moelua.train.run: optimizer is required"),
-    groups = assert(cfg.groups, "moelua.train.run: groups (the optimizer's param groups) are required"),
+    model = cfg.model, data = cfg.data, optimizer = cfg.optimizer, groups = cfg.groups,   -- (check_options)
     attach = cfg.attach,
     provenance = cfg.provenance,
     steps = cfg.steps or 100, accum = cfg.accum or 1, clip = cfg.clip,
@@ -1342,9 +1348,6 @@ end
 -- they do outside their state table (upvalues, files) happens then too.
 function train.plan(cfg)
   cfg = check_options(cfg, "plan")
-  if cfg.build == nil then
-    error("moelua.train.plan: build (a function returning model, optimizer, groups) is required", 2)
-  end
   -- a run that would be refused is refused before it is planned; `moelua plan` runs nothing
   if not train.plan_only then train.check_run_dir(cfg) end
   local pool_bytes, device, exchange, nparams, per_step = nil, "cpu", nil, nil, nil
@@ -1360,6 +1363,10 @@ function train.plan(cfg)
     local c = {}
     for k, v in pairs(cfg) do c[k] = v end
     c.model, c.optimizer, c.groups = cfg.build()
+    if not (c.model and c.optimizer and c.groups) then
+      error("moelua.train.plan: build returned no " .. (not c.model and "model" or not c.optimizer and "optimizer"
+            or "groups") .. " (it returns model, optimizer, groups)", 0)
+    end
     device = c.model.opts and c.model.opts.device or "cpu"
     c.state, c.attach, c.plan = deep_copy(cfg.state or {}), nil, plan
     local t = new_trainer(c)
@@ -1820,16 +1827,18 @@ function train.run(cfg)
         if interrupt then interrupted(step, stood and (save(step - 1, "interrupt")) or nil) end
         -- an error before the update (a hook's, the lr schedule's, a bug's)
         -- loses no step that stood: the one before it is saved, as for Ctrl-C
-        local dir = self.failed_before_update and stood and self.run_dir and z.world == 1 and
-                    (saved.step == step - 1 and saved.dir or save(step - 1, "error"))
-        if dir then
+        local note
+        if self.failed_before_update and stood and self.run_dir and z.world == 1 then
+          -- (a save that fails too must not hide the error that stopped the run)
+          local ok, dir = true, saved.step == step - 1 and saved.dir
+          if not dir then ok, dir = pcall(save, step - 1, "error") end
           self:end_line(true)
-          self:log({event = "stopped", step = step, reason = "error", checkpoint = dir})
-          local note = string.format("; step %d is saved in %s", step - 1, dir)
-          if errors.is_user(m) then errors.user(tostring(m) .. note) end
-          m = tostring(m) .. "\n(" .. note:sub(3) .. ")"
+          self:log({event = "stopped", step = step, reason = "error", checkpoint = ok and dir or nil})
+          note = ok and string.format("step %d is saved in %s", step - 1, dir)
+                    or string.format("saving step %d failed too: %s", step - 1, tostring(dir))
         end
-        error(m, 0)
+        if note and errors.is_user(m) then errors.user(tostring(m) .. "; " .. note) end
+        error(note and tostring(m) .. "\n(" .. note .. ")" or m, 0)
       end
       result.losses[step] = m.loss
       -- Between steps a signal is held until the bookkeeping is done (none

@@ -177,7 +177,7 @@ describe("GPU optimizer parity: norms and clipping", function()
       assert_close(x, gx, TOL[dt], "scale_ " .. dt)
       -- slice norms are about 0.37 sqrt(S) ~ 20: bounds 1 and 5 clip, 100 does not
       local bounds = {1, 100, 5, 100, 0}
-      -- out = nil spelled out, as optim.clip_expert_norms passes it
+      -- out = nil spelled out: a trailing nil counts as no out
       local cpu = C.clip_slices_(x, E, bounds, nil)
       local gpu = C.clip_slices_(gx, E, bounds, nil)
       local cv, gv = support.values(cpu), values(gpu)

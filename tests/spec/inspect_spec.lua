@@ -170,7 +170,8 @@ describe("moelua.inspect", function()
                    {temperature = 0 / 0})
     support.raises("moelua.inspect.run: 1 byte of input: a prediction needs 2 (a byte and the next)", h.run, h, "x")
     support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
-    support.raises("moelua.inspect.run: unknown option 'seqlen' (expected one of: seq_len)", h.run, h, "abc", {seqlen = 8})
+    support.raises("moelua.inspect.run: unknown option 'seqlen' (expected one of: seq_len)", h.run, h, "abc",
+                   {seqlen = 8})
     support.raises("moelua.inspect.run: options must be a table, got number", h.run, h, "abc", 8)
   end)
 

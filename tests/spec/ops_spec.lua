@@ -415,11 +415,13 @@ describe("moelua.ops rope", function()
 
   it("rejects bad arguments", function()
     local x = m.randn({4, 2, 6})
-    has(errmsg(ops.rope_forward, x, {out = x:narrow(1, 2, 3)}), "moelua.ops.rope_forward: option 'out' is [3,2,6] but must be [4,2,6]")
+    has(errmsg(ops.rope_forward, x, {out = x:narrow(1, 2, 3)}),
+        "moelua.ops.rope_forward: option 'out' is [3,2,6] but must be [4,2,6]")
     local big = m.randn({5, 2, 6})
     has(errmsg(ops.rope_forward, big:narrow(1, 1, 4), {out = big:narrow(1, 2, 4)}),
         "moelua.ops.rope_forward: option 'out' overlaps x but is not x itself")
-    has(errmsg(ops.rope_backward, x, {out = x:to("f64")}), "moelua.ops.rope_backward: option 'out' must be f32, got f64")
+    has(errmsg(ops.rope_backward, x, {out = x:to("f64")}),
+        "moelua.ops.rope_backward: option 'out' must be f32, got f64")
     has(errmsg(ops.rope_forward, x, {out = 3}), "moelua.ops.rope_forward: option 'out'")
     has(errmsg(ops.rope_forward, m.randn({2, 3, 5})), "moelua.ops.rope_forward: x: head dim 5 must be even and >= 2")
     has(errmsg(ops.rope_forward, m.randn({2, 6})), "moelua.ops.rope_forward: x must have 3 dims, got 2")

@@ -76,6 +76,10 @@ describe("moelua.options", function()
     refused({n = 1, name = 2}, "api: option 'm.name' must be a string, got 2", "m.")
     assert.are.same({n = 1, rate = 0.5, on = false, ck = "none"}, check{n = 1, name = false})   -- false: none
     refused({n = false}, "api: option 'n' must be an integer >= 1, got boolean")   -- required: no none
+    local off = {cut = {"number", 6, above = 0, inf = true}}   -- math.huge allowed: "off"
+    assert.are.equal(math.huge, options.check({cut = math.huge}, off, fail).cut)
+    assert.are.equal("api: option 'cut' must be a finite number > 0 or math.huge, got 0",
+                     support.errmsg(options.check, {cut = 0}, off, fail))
   end)
 
   it("checks --device: cpu or cuda, and a usable GPU when one is needed", function()

@@ -308,7 +308,7 @@ describe("train.plan", function()
   end)
 
   it("needs a build function", function()
-    support.raises("build (a function returning model, optimizer, groups) is required", train.plan,
+    support.raises("build is required (a function returning model, optimizer, groups)", train.plan,
                    {data = ds, seq_len = SEQ})
   end)
 end)

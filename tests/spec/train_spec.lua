@@ -166,7 +166,8 @@ describe("train.run", function()
     support.has(support.errmsg(train.run, with("data", 5)), "moelua.train.run: option 'data' must be a table, got 5")
     support.has(support.errmsg(train.run, with("ckpt_every", 2.5)),
                 "moelua.train.run: option 'ckpt_every' must be an integer >= 0, got 2.5")
-    support.has(support.errmsg(train.run, with("keep", 0)), "moelua.train.run: option 'keep' must be an integer >= 1, got 0")
+    support.has(support.errmsg(train.run, with("keep", 0)),
+                "moelua.train.run: option 'keep' must be an integer >= 1, got 0")
     support.has(support.errmsg(train.run, with("clip", -1)),
                 "moelua.train.run: clip must be > 0 (leave it out for no clipping), got -1")
     support.has(support.errmsg(train.run, with("clip", 0)), "moelua.train.run: clip must be > 0")
@@ -185,14 +186,17 @@ describe("train.run", function()
             "moelua.train.run: option 'rollback.max_rollbacks' must be an integer >= 0, got ")
     refused({rollback = {window = 2.5}}, "option 'rollback.window' must be an integer >= 1, got 2.5")
     refused({rollback = {max_skipped = 0}}, "option 'rollback.max_skipped' must be an integer >= 1, got 0")
-    refused({rollback = {spike_sigma = 0}}, "option 'rollback.spike_sigma' must be a finite number > 0, got 0")
-    refused({rollback = {spike_sigma = 1 / 0}}, "option 'rollback.spike_sigma' must be a finite number > 0, got inf")
+    refused({rollback = {spike_sigma = 0}},
+            "option 'rollback.spike_sigma' must be a finite number > 0 or math.huge, got 0")
+    refused({rollback = {spike_sigma = 0 / 0}},
+            "option 'rollback.spike_sigma' must be a finite number > 0 or math.huge, got ")
     refused({rollback = {windw = 5}},
             "unknown option 'rollback.windw' (expected one of: collapse_steps, max_rollbacks, max_skipped,")
     refused({alarms = {hot_steps = 0}}, "option 'alarms.hot_steps' must be an integer >= 1, got 0")
-    refused({alarms = {collapse = 1}}, "option 'alarms.collapse' must be a finite number > 1, got 1")
+    refused({alarms = {collapse = 1}}, "option 'alarms.collapse' must be a finite number > 1 or math.huge, got 1")
     refused({alarms = 5}, "moelua.train.run: option 'alarms' must be a table, got 5")
-    local r = run{steps = 2, rollback = {window = 50.0, max_rollbacks = 0}, alarms = {hot = 2}}
+    local r = run{steps = 2, rollback = {window = 50.0, max_rollbacks = 0, spike_sigma = math.huge},
+                  alarms = {hot = 2, collapse = math.huge}}   -- math.huge: off
     assert.is_true(r.final_loss == r.final_loss)
   end)
 
@@ -245,8 +249,10 @@ describe("train.run", function()
     support.has(support.errmsg(train.run, with{run_dir = dir, provenance = {options = {f = print}}}),
                 "moelua.train.run: provenance cannot be saved in a checkpoint (provenance.options.f: a function")
     assert.is_nil(fs.stat(dir .. "/metrics.jsonl"))
-    support.has(support.errmsg(train.run, with{aux_weight = 0 / 0}), "moelua.train.run: option 'aux_weight' must be a finite number >= 0, got ")
-    support.has(support.errmsg(train.run, with{log_every = 0 / 0}), "option 'log_every' must be a finite number >= 1, got ")
+    support.has(support.errmsg(train.run, with{aux_weight = 0 / 0}),
+                "moelua.train.run: option 'aux_weight' must be a finite number >= 0, got ")
+    support.has(support.errmsg(train.run, with{log_every = 0 / 0}),
+                "option 'log_every' must be a finite number >= 1, got ")
     support.has(support.errmsg(train.run, with{attach = {}}),
                 "moelua.train.run: attach must be what moelua.remote.listen(run_dir) returns")
     -- train.plan refuses the same, with the pieces from build
@@ -271,6 +277,18 @@ describe("train.run", function()
     support.has(plan{reload = {file = recipe, nmes = {"hook"}}}, "moelua.train.run: reload: unknown option 'nmes'")
   end)
 
+  it("resumes a run whose experts are frozen under lazy Adam", function()
+    local function frozen(over)
+      local model, ds = pieces()
+      local groups = model:param_groups{weight_decay = 0.1, sparse = true, freeze = {experts = true}}
+      over.model, over.data, over.groups, over.optimizer = model, ds, groups, optim.AdamW(groups, {lr = 3e-3})
+      return over
+    end
+    run(frozen{steps = 2, run_dir = dir})
+    local r = run(frozen{steps = 3, run_dir = dir, resume = dir .. "/ckpt/step-000001"})
+    assert.are.equal(2, r.first_step)
+  end)
+
   it("refuses a resume at another count of micro-batches per step unless it takes no step", function()
     run{steps = 2, accum = 2, run_dir = dir}
     local saved = dir .. "/ckpt/step-000001"
@@ -287,7 +305,14 @@ describe("train.run", function()
 
   it("refuses a run without its pieces", function()
     local model, ds, groups, opt = pieces()
-    assert.matches("groups", support.errmsg(train.run, {model = model, data = ds, optimizer = opt}))
+    support.has(support.errmsg(train.run, {model = model, data = ds, optimizer = opt}),
+                "moelua.train.run: groups is required (the optimizer's param groups)")
+    assert.matches("^[^:]*train_spec%.lua:%d+: moelua%.train%.run: model is required",   -- at the caller's line
+                   select(2, pcall(function() local r = train.run{}; return r end)))
+    support.has(support.errmsg(train.plan, {data = ds}),
+                "moelua.train.plan: build is required (a function returning model, optimizer, groups)")
+    support.has(support.errmsg(train.plan, {data = ds, build = function() return model end}),
+                "moelua.train.plan: build returned no optimizer (it returns model, optimizer, groups)")
     local sgd = optim.SGD(groups, {lr = 0.1})
     assert.matches("checkpoints carry AdamW states",
                    support.errmsg(train.run, {model = model, data = ds, optimizer = sgd, groups = groups,
