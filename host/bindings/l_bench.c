@@ -67,7 +67,7 @@ static int l_bench_raw_sgemm(lua_State *L)
     ml_tensor *c = ml_checkcontig(L, 1, fn, ML_F32);
     ml_tensor *a = ml_checkcontig(L, 2, fn, ML_F32);
     ml_tensor *b = ml_checkcontig(L, 3, fn, ML_F32);
-    lua_Integer calls = luaL_checkinteger(L, 4);
+    lua_Integer calls = ml_checkinteger_named(L, 4, fn, "argument #4 (calls)");
     if (calls < 1)
         ml_error(L, fn, "argument #4: calls must be >= 1");
     static const char *const libraries[] = {"openblas", "onednn", NULL};

@@ -524,7 +524,7 @@ static int l_fs_glob(lua_State *L)
 static int l_fs_isatty(lua_State *L)
 {
     ml_args(L, 1, "moelua.fs.isatty");
-    lua_Integer fd = luaL_checkinteger(L, 1);
+    lua_Integer fd = ml_checkinteger_named(L, 1, "moelua.fs.isatty", "argument #1 (fd)");
     if (fd < 0 || fd > 1024)
         ml_error(L, "moelua.fs.isatty", "argument #1: descriptor %lld out of range", (long long)fd);
     lua_pushboolean(L, isatty((int)fd));

@@ -154,7 +154,7 @@ static int l_mem_stats(lua_State *L)
 static int l_mem_format_bytes(lua_State *L)
 {
     ml_args(L, 1, "moelua.mem.format_bytes");
-    lua_Integer n = luaL_checkinteger(L, 1);
+    lua_Integer n = ml_checkinteger_named(L, 1, "moelua.mem.format_bytes", "argument #1 (n)");
     if (n < 0)
         ml_error(L, "moelua.mem.format_bytes", "argument #1: expected bytes >= 0, got %lld", (long long)n);
     char buf[32];

@@ -87,7 +87,7 @@ static int l_pool_new(lua_State *L)
     static const char *const opts[] = {"grow", "device", NULL};
     ml_args(L, 2, fn);
     ml_host *h = ml_host_of(L);
-    lua_Integer bytes = luaL_checkinteger(L, 1);
+    lua_Integer bytes = ml_checkinteger_named(L, 1, fn, "argument #1 (bytes)");
     if (bytes < 0)
         ml_error(L, fn, "argument #1: size must be >= 0 bytes, got %lld", (long long)bytes);
     int optidx = lua_isnoneornil(L, 2) ? 0 : 2;
@@ -126,6 +126,7 @@ static int l_pool_tensor(lua_State *L)
     if (!optidx && !lua_isnoneornil(L, next))
         ml_error(L, fn, "argument #%d: expected an options table, got %s", next,
                  luaL_typename(L, next));
+    ml_args(L, optidx ? optidx : next - 1, fn);   /* nothing after the options */
     ml_check_opts(L, optidx, fn, opts);
     ml_dtype dt = ml_opt_dtype(L, optidx, fn, ML_F32);
     ml_tensor *t = ml_pushtensor(L);   /* safe empty state first */

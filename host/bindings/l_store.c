@@ -63,7 +63,7 @@ static ml_expert_store *check_store(lua_State *L, const char *fn)
 /* Argument idx: a slab or slot number in [0, n). */
 static size_t check_id(lua_State *L, int idx, const char *fn, const char *what, size_t n)
 {
-    lua_Integer v = luaL_checkinteger(L, idx);
+    lua_Integer v = ml_checkinteger_named(L, idx, fn, what);
     if (v < 0 || (lua_Unsigned)v >= n)
         ml_error(L, fn, "%s %lld is outside [0, %zu)", what, (long long)v, n);
     return (size_t)v;

@@ -332,7 +332,7 @@ static int l_tensor_manual_seed(lua_State *L)
 {
     ml_args(L, 1, "moelua.manual_seed");
     ml_host *h = ml_host_of(L);
-    h->seed = (uint64_t)luaL_checkinteger(L, 1);
+    h->seed = (uint64_t)ml_checkinteger_named(L, 1, "moelua.manual_seed", "argument #1 (seed)");
     h->rng_offset = 0;
     return 0;
 }
@@ -370,7 +370,7 @@ static int l_tensor_threads(lua_State *L)
     ml_args(L, 1, "moelua.threads");
     ml_host *h = ml_host_of(L);
     if (!lua_isnoneornil(L, 1)) {
-        lua_Integer n = luaL_checkinteger(L, 1);
+        lua_Integer n = ml_checkinteger_named(L, 1, "moelua.threads", "argument #1 (n)");
         if (n < 1 || n > 1024)
             ml_error(L, "moelua.threads", "thread count must be in 1..1024, got %lld", (long long)n);
         ml_host_set_threads(h, (int)n);
@@ -520,7 +520,8 @@ static int l_tensor_narrow(lua_State *L)
     ml_args(L, 4, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
-    lua_Integer start = luaL_checkinteger(L, 3), len = luaL_checkinteger(L, 4);
+    lua_Integer start = ml_checkinteger_named(L, 3, fn, "argument #3 (start)");
+    lua_Integer len = ml_checkinteger_named(L, 4, fn, "argument #4 (len)");
     if (start < 1 || len < 0 || start - 1 > t->shape[d] - len)
         ml_error(L, fn, "range [%lld, %lld] is outside dim %d of size %lld (1-based, inclusive)",
                  (long long)start, (long long)(start + len - 1), d + 1, (long long)t->shape[d]);
@@ -534,7 +535,7 @@ static int l_tensor_select(lua_State *L)
     ml_args(L, 3, fn);
     ml_tensor *t = ml_checkview(L, 1, fn);
     int d = ml_checkdim(L, 2, fn, t->ndim);
-    lua_Integer i = luaL_checkinteger(L, 3);
+    lua_Integer i = ml_checkinteger_named(L, 3, fn, "argument #3 (index)");
     int64_t i1 = i < 0 ? i + t->shape[d] + 1 : i;   /* -1 is the last */
     if (i1 < 1 || i1 > t->shape[d])
         ml_error(L, fn, "index %lld is outside dim %d of size %lld (1-based, negative from the end)",
@@ -543,7 +544,18 @@ static int l_tensor_select(lua_State *L)
     return view_done(L, fn, ml_op_select(ml_pushtensor(L), t, d, i1 - 1, &e), &e);
 }
 
-/* The sizes of a shape given as a table {2, -1} or as integers from idx on. */
+/* Size i of a view's shape, at idx: an integer (-1: inferred; the op checks the sizes). */
+static int64_t shape_size(lua_State *L, int idx, const char *fn, int i)
+{
+    lua_Integer v;
+    const char *got = ml_not_integer(L, idx, &v);
+    if (got)
+        ml_error(L, fn, "size of dim %d must be an integer, got %s", i + 1, got);
+    return v;
+}
+
+/* The sizes of a shape given as a table {2, -1} or as integers from idx
+ * on, and nothing after them. */
 static int shape_arg(lua_State *L, int idx, const char *fn, int64_t *shape)
 {
     int ndim = 0;
@@ -553,17 +565,19 @@ static int shape_arg(lua_State *L, int idx, const char *fn, int64_t *shape)
             ml_error(L, fn, "%d dims given, at most %d are supported", ndim, ML_MAXDIM);
         for (int i = 0; i < ndim; i++) {
             lua_geti(L, idx, i + 1);
-            shape[i] = luaL_checkinteger(L, -1);
+            shape[i] = shape_size(L, -1, fn, i);
             lua_pop(L, 1);
         }
+        ml_args(L, idx, fn);   /* nothing after the shape */
         return ndim;
     }
     while (lua_type(L, idx + ndim) == LUA_TNUMBER) {
         if (ndim == ML_MAXDIM)
             ml_error(L, fn, "more than %d dims given", ML_MAXDIM);
-        shape[ndim] = luaL_checkinteger(L, idx + ndim);
+        shape[ndim] = shape_size(L, idx + ndim, fn, ndim);
         ndim++;
     }
+    ml_args(L, idx + ndim - 1, fn);
     return ndim;
 }
 
@@ -593,10 +607,11 @@ static int l_tensor_view_at(lua_State *L)
 {
     static const char fn[] = "Tensor:view_at";
     ml_tensor *t = ml_checkview(L, 1, fn);
-    lua_Integer off = luaL_checkinteger(L, 2);
+    lua_Integer off = ml_checkinteger_named(L, 2, fn, "argument #2 (offset)");
     int64_t shape[ML_MAXDIM];
     int next;
     int nd = ml_checkshape(L, 3, fn, shape, &next);
+    ml_args(L, next - 1, fn);   /* nothing after the shape */
     ml_err e;
     return view_done(L, fn, ml_op_view_at(ml_pushtensor(L), t, off, nd, shape, &e), &e);
 }

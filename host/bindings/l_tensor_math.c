@@ -210,7 +210,7 @@ static int l_tensor_bincount(lua_State *L)
     ml_args(L, 2, fn);
     lua_settop(L, 2);
     ml_tensor *idx = ml_checktensor(L, 1, fn);
-    lua_Integer nbins = luaL_checkinteger(L, 2);
+    lua_Integer nbins = ml_checkinteger_named(L, 2, fn, "argument #2 (nbins)");
     ml_tensor *out = ml_pushtensor(L);
     ml_err e;
     ml_check_op(L, fn, ml_op_bincount(ml_host_of(L), out, idx, nbins, &e), &e);

@@ -267,7 +267,7 @@ describe("index ops: bad input", function()
     raises(fn .. "argument #1: expected a tensor, got table", m.bincount, {0, 1}, 2)
     raises(fn .. "argument #1: the tensor was freed", m.bincount, (function()
       local t = i64({0}); t:free(); return t end)(), 2)
-    raises("number expected, got nil", m.bincount, i64({0}))
+    raises("moelua.bincount: argument #2 (nbins) must be an integer, got nil", m.bincount, i64({0}))
   end)
 end)
 

@@ -25,7 +25,8 @@ describe("mem.format_bytes", function()
     assert.are.equal("1.50 MiB", mem.format_bytes(1572864))
     assert.are.equal("20.00 GiB", mem.format_bytes(20 * 2^30 // 1))
     support.raises("moelua.mem.format_bytes: argument #1: expected bytes >= 0, got -1", mem.format_bytes, -1)
-    support.raises("number has no integer representation", mem.format_bytes, 1.5)
+    support.raises("moelua.mem.format_bytes: argument #1 (n) must be an integer, got a fraction",
+                   mem.format_bytes, 1.5)
   end)
 end)
 

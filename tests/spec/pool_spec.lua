@@ -394,9 +394,9 @@ end)
 
 describe("bad input", function()
   it("pool.new", function()
-    has(errmsg(pool.new), "number expected, got no value")
-    has(errmsg(pool.new, "x"), "number expected, got string")
-    has(errmsg(pool.new, 1.5), "number has no integer representation")
+    has(errmsg(pool.new), "moelua.pool.new: argument #1 (bytes) must be an integer, got no value")
+    has(errmsg(pool.new, "x"), "moelua.pool.new: argument #1 (bytes) must be an integer, got string")
+    has(errmsg(pool.new, 1.5), "moelua.pool.new: argument #1 (bytes) must be an integer, got a fraction")
     assert.are.equal("moelua.pool.new: argument #1: size must be >= 0 bytes, got -1", errmsg(pool.new, -1))
     assert.are.equal("moelua.pool.new: options must be a table, got number", errmsg(pool.new, 64, 5))
     assert.are.equal("moelua.pool.new: unknown option 'bogus' (expected one of: grow, device)",
