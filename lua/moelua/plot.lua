@@ -88,9 +88,9 @@ function plot.read(run_dir)
   local path = run_dir .. "/metrics.jsonl"
   local f = io.open(path, "r")
   if not f then
-    local d = io.open(run_dir, "r")
-    if not d then fail("no run directory %s", run_dir) end
-    d:close()
+    local st = require("moelua.fs").stat(run_dir)
+    if not st then fail("no run directory %s", run_dir) end
+    if st.type ~= "dir" then fail("%s is not a run directory (a directory holding metrics.jsonl)", run_dir) end
     fail("no metrics.jsonl in %s", run_dir)
   end
   local text, why = f:read("a")   -- (f:lines() would raise a read error with this file's line)
@@ -828,8 +828,12 @@ local USAGE = "usage: moelua plot RUN_DIR [OUT_DIR]   (writes OUT_DIR, default R
 function plot.main(args)
   args = args or {}
   if args[1] == "-h" or args[1] == "--help" then print(USAGE); return true end
-  if #args < 1 or #args > 2 then
-    io.stderr:write(USAGE, "\n")
+  local bad = #args > 2 and "an extra argument '" .. tostring(args[3]) .. "'"
+  for _, a in ipairs(args) do
+    if a:match("^%-") then bad = "unknown option '" .. a .. "'" end   -- not a directory to write into
+  end
+  if #args < 1 or bad then
+    io.stderr:write(bad and "moelua plot: " .. bad .. "\n" or "", USAGE, "\n")
     return false
   end
   local ok, paths, bad = pcall(plot.run, args[1], args[2])

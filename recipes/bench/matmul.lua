@@ -15,8 +15,8 @@ local bench = moelua.bench
 
 local opts = options.parse(arg, {
   {"sizes", "64,256,2048", "square sizes, comma-separated"},
-  {"reps", 15, "timed samples per size (medians)"},
-  {"threads", 0, "threads for the GEMMs (0: as started)"},
+  {"reps", 15, "timed samples per size (medians)", min = 1},
+  {"threads", 0, "threads for the GEMMs (0: as started)", min = 0, max = 1024},
 }, "usage: moelua recipes/bench/matmul.lua [options]")
 
 -- Calls per timed sample: enough for ~20 ms of work, so the clock resolution is noise.

@@ -27,11 +27,13 @@ local bench, mem = moelua.bench, moelua.mem
 local median, peak_rss = measure.median, measure.peak_rss
 
 local opts = options.parse(arg, {
-  {"tokens", 4096, "tokens T"}, {"dim", 512, "model width D"}, {"ffn", 1408, "expert hidden width F"},
-  {"experts", 8, "experts E"}, {"topk", 2, "experts per token"}, {"chunk", 2048, "router chunk"},
-  {"tile", 256, "expert GEMM tile rows"}, {"save", "save", "save | recompute | a partial_recompute fraction"},
-  {"reps", 3, "timed repetitions (medians)"}, {"suite", "", "issue: the issue's configs"},
-  {"router-memory", 0, "1: router memory against T (E = 64)"},
+  {"tokens", 4096, "tokens T", min = 1}, {"dim", 512, "model width D", min = 1},
+  {"ffn", 1408, "expert hidden width F", min = 1}, {"experts", 8, "experts E", min = 1},
+  {"topk", 2, "experts per token", min = 1}, {"chunk", 2048, "router chunk", min = 1},
+  {"tile", 256, "expert GEMM tile rows", min = 1}, {"save", "save", "save | recompute | a partial_recompute fraction"},
+  {"reps", 3, "timed repetitions (medians)", min = 1},
+  {"suite", "", "issue: the issue's configs", choices = {"", "issue"}},
+  {"router-memory", 0, "1: router memory against T (E = 64)", min = 0, max = 1},
   {"device", "cpu", "where the layer runs: cpu or cuda"},
   {"dtype", "f32", "f32, or bf16 on cuda (mixed precision)"},
 }, "usage: moelua recipes/bench/moe_layer.lua [options]")

@@ -53,7 +53,7 @@ local opts = options.parse(arg, {
   {"checkpoint", "moe", "activation checkpointing: none, attention, moe, full"},
   {"save", "recompute", "expert pre-activations: save or recompute"},
   {"sparse", false, "lazy Adam for the experts (param_groups{sparse = true})"},
-  {"steps", 3, "timed steps (after the warm-up steps)"},
+  {"steps", 3, "timed steps (after the warm-up steps)", min = 1},
   {"warmup", 1, "untimed warm-up steps before mem.reset_peak() (0: the peak includes the first step)"},
   {"lr", 3e-3, "learning rate (constant)"},
   {"aux-weight", 0.02, "HF aux loss weight"},
@@ -61,7 +61,7 @@ local opts = options.parse(arg, {
   {"clip", 1.0, "global gradient-norm clip"},
   {"data", "/usr/include/**/*.h", "corpus glob"},
   {"seed", 0, "seed"},
-  {"threads", 2, "CPU threads"},
+  {"threads", 2, "CPU threads", min = 1, max = 1024},
   {"device", "cpu", "where the model trains: cpu or cuda"},
   {"dtype", "f32", "f32, or bf16 on cuda (mixed precision)"},
 }, "usage: moelua recipes/bench/train.lua [options]")

@@ -469,6 +469,13 @@ describe("moelua.plot", function()
     code, out = support.finish_child(assert(io.popen(support.host_command({"plot"}) .. " 2>&1")))
     assert.are.equal(1, code)
     assert.truthy(out:find("usage: moelua plot", 1, true), out)
+    -- an option is no output directory; the bad word is named
+    code, out = support.finish_child(assert(io.popen(support.host_command({"plot", dir, "--bogus"}) .. " 2>&1")))
+    assert.are.equal(1, code)
+    support.has(out, "moelua plot: unknown option '--bogus'\nusage: moelua plot")
+    assert.is_nil(require("moelua.fs").stat("--bogus"))
+    support.write_file(dir .. "/file", "x")
+    support.has(support.errmsg(plot.run, dir .. "/file"), "is not a run directory (a directory holding metrics.jsonl)")
     -- a metrics.jsonl that cannot be read: said as such, not with plot.lua's line
     require("moelua.fs").mkdir_p(dir .. "/d/metrics.jsonl")
     assert.are.equal("moelua.plot: cannot read " .. dir .. "/d/metrics.jsonl: Is a directory",
