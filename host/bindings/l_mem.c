@@ -382,7 +382,8 @@ static int l_mem_empty_cache(lua_State *L)
  * kernel skipped, allocations charged to virtual books. Tensor contents
  * inside a plan are meaningless; code whose sizes depend on data asks
  * mem.planning() and takes its worst case. A plan whose tensors are still
- * referenced when it ends fails. */
+ * referenced when it ends fails. A failed plan returns nil, the message,
+ * the books and the error as raised. */
 
 static int l_mem_plan(lua_State *L)
 {
@@ -423,7 +424,8 @@ static int l_mem_plan(lua_State *L)
     lua_pushnil(L);
     lua_pushfstring(L, "%s: the planned run failed (nothing was allocated): %s", fn, msg);
     lua_pushvalue(L, -4);
-    return 3;
+    lua_pushvalue(L, -6);   /* the error as raised: a caller re-raises a user error as it is */
+    return 4;
 }
 
 static int l_mem_planning(lua_State *L)

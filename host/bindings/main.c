@@ -703,7 +703,8 @@ static int pmain(lua_State *L)
 }
 
 /* `moelua attach RUN_DIR`; -h / --help print the usage on stdout (exit 0),
- * no run directory, or more than one argument, prints it on stderr (exit 1). */
+ * no run directory, an option, or more than one argument, prints it on
+ * stderr (exit 1). */
 static int attach_main(int argc, char **argv)
 {
     static const char usage[] =
@@ -717,6 +718,11 @@ static int attach_main(int argc, char **argv)
         return EXIT_SUCCESS;
     }
     if (!dir || !dir[0]) {
+        fprintf(stderr, usage, progname);
+        return EXIT_FAILURE;
+    }
+    if (dir[0] == '-') {   /* (a directory named so is ./-dir) */
+        fprintf(stderr, "%s: attach: unknown option '%s'\n", progname, dir);
         fprintf(stderr, usage, progname);
         return EXIT_FAILURE;
     }

@@ -579,7 +579,10 @@ end
 function M.main(args)
   local recipe = args[1]
   if recipe == "-h" or recipe == "--help" then print(USAGE); return true end
-  if not recipe or recipe:match("^%-") then errors.user(USAGE) end
+  if not recipe then errors.user(USAGE) end
+  if recipe:match("^%-") then   -- an option of plan's own, or of a recipe, comes after the recipe
+    errors.user(string.format("moelua plan: the recipe comes first, got the option %s\n%s", recipe, USAGE))
+  end
   if require("moelua.dist").launched() then   -- each rank would plan alone, and --fit's children fight over stdio
     errors.user("moelua plan: plans in one process, not under mpiexec: --world N plans the N ranks of a job " ..
                 "(--rank R one of them)")

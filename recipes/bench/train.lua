@@ -141,10 +141,12 @@ end
 
 -- The ledger's peak predicted by a dry run of the same code (moelua.mem.plan:
 -- nothing allocated, kernels skipped), then measured.
-local plan = assert(mem.plan(function()
+local books, why, _, raised = mem.plan(function()
   local model, groups, opt = build()
   run(model, groups, opt, 1)
-end))[device]
+end)
+if not books then error(errors.is_user(raised) and raised or why, 0) end   -- a refused option: its message alone
+local plan = books[device]
 local model, groups, opt = build()
 local w, times, phases, losses, parts = run(model, groups, opt, opts.steps)
 

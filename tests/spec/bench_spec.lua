@@ -49,4 +49,13 @@ describe("moelua.bench", function()
       assert.is_nil(out:find("traceback", 1, true), out)
     end
   end)
+
+  it("recipes/bench/train.lua prints a refused model option as its message, with no traceback", function()
+    local p = assert(io.popen(support.host_command({"recipes/bench/train.lua", "--experts", "4", "--topk", "9",
+                                                    "--steps", "1"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are.equal(1, code, out)
+    support.has(out, "option 'topk' = 9 must be in 1..experts (4)")
+    assert.is_nil(out:find("traceback", 1, true), out)
+  end)
 end)

@@ -294,5 +294,8 @@ train.run{model = model, data = ds, optimizer = optim.AdamW(groups, {lr = 1e-3})
         code, out, err = run({"attach", "runs/x", "extra"})
         assert.are.equal(1, code)
         assert.matches("^[^\n]*: attach takes one run directory, got also 'extra'\nusage: ", err)
+        code, out, err = run({"attach", "--bogus"})   -- named at once, no wait for a job in '--bogus'
+        assert.are.equal(1, code)
+        assert.matches("^[^\n]*: attach: unknown option '%-%-bogus'\nusage: ", err)
     end)
 end)

@@ -157,6 +157,9 @@ describe("moelua plan", function()
     assert.are.equal(1, code, out)
     support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit] [--world N [--rank R]] [--json] [--preset report1] " ..
                      "[recipe options]")
+    code, out = host({"plan", "--fit", "recipes/longctx.lua"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan: the recipe comes first, got the option --fit\nusage: moelua plan RECIPE")
     code, out = host({"plan", "--help"})   -- asked for: on stdout, status 0
     assert.are.equal(0, code, out)
     support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit]")

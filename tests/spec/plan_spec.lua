@@ -51,6 +51,18 @@ describe("mem.plan", function()
     assert.are.equal(refused, mem.stats().cpu.refused)   -- the real book refused nothing
   end)
 
+  it("returns the error as raised, so that a user error is raised again as it is", function()
+    local errors = require "moelua.errors"
+    local ok, why, books, raised = mem.plan(function() errors.user("option --topk must be at least 1") end)
+    assert.is_nil(ok)
+    support.has(why, "the planned run failed (nothing was allocated): option --topk must be at least 1")
+    assert.are.equal("table", type(books.cpu))
+    assert.is_true(errors.is_user(raised))
+    assert.are.equal("option --topk must be at least 1", tostring(raised))
+    local _, _, _, bug = mem.plan(function() error("a bug", 0) end)
+    assert.are.equal("a bug", bug)
+  end)
+
   it("restores the host's RNG and category", function()
     m.manual_seed(7)
     local plain = m.randn({5}):totable()
