@@ -610,6 +610,7 @@ static void host_init(ml_host *h)
 static int host_close(lua_State *L)
 {
     lua_close(L);
+    ml_comm_finalize();   /* after Lua freed the communicators; returns what timed-out collectives held */
     int clean = check_ledgers(&host);
     ml_host_free(&host);
 #ifdef ML_WITH_CUDA
@@ -628,7 +629,7 @@ static int os_exit(lua_State *L)
         status = (int)luaL_optinteger(L, 1, EXIT_SUCCESS);
     if (lua_toboolean(L, 2) && !host_close(L) && status == EXIT_SUCCESS)
         status = EXIT_FAILURE;
-    ml_comm_finalize();
+    ml_comm_finalize();   /* (done already when host_close ran) */
     exit(status);
 }
 
@@ -764,6 +765,5 @@ int main(int argc, char **argv)
     int result = lua_toboolean(L, -1);
     report(L, status);
     int clean = host_close(L);
-    ml_comm_finalize();   /* after Lua closed: its communicators are freed */
     return (result && status == LUA_OK && clean) ? EXIT_SUCCESS : EXIT_FAILURE;
 }

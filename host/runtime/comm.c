@@ -22,6 +22,25 @@
 /* MPI is process-wide: whether this process initialized / finalized it. */
 static int mpi_up, mpi_down;
 
+/* The buffers of operations that never completed, held until MPI is
+ * finalized (it may still write them): then ml_comm_finalize returns them
+ * to their books, so the exit's ledger check sees no leak. */
+static ml_storage **abandoned;
+static size_t nabandoned, cap_abandoned;
+
+static void abandon(ml_storage *st)
+{
+    if (nabandoned == cap_abandoned) {
+        size_t cap = cap_abandoned ? 2 * cap_abandoned : 16;
+        ml_storage **a = realloc(abandoned, cap * sizeof *a);
+        if (!a)
+            return;   /* kept for the process's life: the exit check reports it */
+        abandoned = a;
+        cap_abandoned = cap;
+    }
+    abandoned[nabandoned++] = st;
+}
+
 #ifdef ML_WITH_CUDA
 static const ml_nccl_api *const nx = &ml_nccl_cuda;
 #else
@@ -659,6 +678,8 @@ void ml_comm_free(ml_comm *c)
     while (c->pending) {   /* never completed: their buffers stay (MPI may still write) */
         ml_comm_req *r = c->pending;
         c->pending = r->next;
+        for (int i = 0; i < r->nheld; i++)
+            abandon(r->held[i]);
         r->nheld = 0;
         r->c = NULL;
         if (r->orphan)
@@ -679,6 +700,11 @@ void ml_comm_finalize(void)
         MPI_Finalize();
         mpi_down = 1;
     }
+    while (nabandoned)   /* nothing writes them now (NCCL's were aborted) */
+        ml_storage_release(abandoned[--nabandoned]);
+    free(abandoned);
+    abandoned = NULL;
+    cap_abandoned = 0;
 }
 
 int ml_comm_world_rank(void)

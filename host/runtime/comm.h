@@ -136,7 +136,9 @@ void ml_comm_free(ml_comm *c);
 ml_status ml_comm_split(ml_comm *c, int color, int key, const char *label, ml_comm **out,
                         ml_err *e);
 
-/* At exit: MPI_Finalize when this process initialized MPI. */
+/* At exit, after every communicator is freed: MPI_Finalize when this
+ * process initialized MPI, then the buffers of operations that never
+ * completed (a timeout) go back to their books. */
 void ml_comm_finalize(void);
 /* This process's rank in MPI's world when MPI is up, else 0. */
 int ml_comm_world_rank(void);
