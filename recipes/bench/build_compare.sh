@@ -10,10 +10,15 @@
 # make -C /tmp/base`). Model: train_compare.sh's (V=256, D=256, L=4, 4 heads,
 # 2 kv heads, E=8, k=2, F=512), 3 timed steps after one warm-up step.
 set -euo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
-other=${1:?usage: build_compare.sh OTHER_CHECKOUT [rounds] [seq_lens]}
-rounds=${2:-3}
-seqs=${3:-"1024 4096"}
+bench_at_most 3 "$@"
+[ $# -ge 1 ] || bench_refuse "needs OTHER_CHECKOUT"
+other=$1 rounds=${2:-3} seqs=${3:-"1024 4096"}
+bench_word OTHER_CHECKOUT "$other"
+bench_count rounds "$rounds"
+bench_counts seq_len "$seqs"
 [ -x "$other/moelua" ] || { echo "build_compare.sh: $other/moelua missing (make -C $other)" >&2; exit 1; }
 cfg="--dim 256 --layers 4 --heads 4 --kv-heads 2 --experts 8 --topk 2 --ffn 512 --steps 3"
 out=$(mktemp)

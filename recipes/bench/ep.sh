@@ -9,12 +9,17 @@
 # Default model: the one of recipes/bench/zero.sh (D=256, 4 layers, 8 heads /
 # 4 kv, E=8 top-2, F=512, seq_len 1024, checkpoint moe). Two cores cannot
 # show a speed-up at N = 4 (four ranks share them): read it for memory and
-# bytes. About 3-6 min on 2 cores.
+# bytes. About 3-6 min on 2 cores. out_dir must not exist (earlier results
+# stay).
 set -uo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
 out=${1:-runs/bench/ep}
 steps=${2:-4}
-shift 2 2>/dev/null
+bench_fresh out_dir "$out"
+bench_count steps "$steps"
+shift $(($# < 2 ? $# : 2))
 model=("$@")
 [ ${#model[@]} -eq 0 ] && model=(--dim 256 --layers 4 --heads 8 --kv-heads 4 --experts 8 --ffn 512 --seq-len 1024)
 mkdir -p "$out"

@@ -8,7 +8,12 @@
 # Leaves the environment (OPENBLAS_*, OMP_*) as it finds it: the run prints
 # what it saw.
 set -euo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 2 "$@"
+bench_count rounds "${1:-7}"
+bench_count ms_per_sample "${2:-20}"
 pkgs="libopenblas-dev libblis-dev libdnnl-dev libxsmm-dev"
 missing=$(for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
 if [ -n "$missing" ]; then

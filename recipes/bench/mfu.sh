@@ -10,9 +10,14 @@
 # Model: train_compare.sh's (V=256, D=256, L=4, 4 heads, 2 kv heads, E=8,
 # k=2, F=512), 3 timed steps after one warm-up step.
 set -euo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 2 "$@"
 rounds=${1:-3}
 seqs=${2:-"4096 16384"}
+bench_count rounds "$rounds"
+bench_counts seq_len "$seqs"
 cfg="--dim 256 --layers 4 --heads 4 --kv-heads 2 --experts 8 --topk 2 --ffn 512"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

@@ -10,12 +10,19 @@
 # A configuration is <torch threads>[:<OMP_WAIT_POLICY>]; OpenBLAS keeps its
 # own pool either way. Needs `make bench-deps` (Debian's python3-torch).
 # OPENBLAS_* variables are used as the environment sets them; the first line
-# of $out (bench_env.py) records them.
+# of $out (bench_env.py) records them. $out must not exist (earlier results
+# stay).
 set -euo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 3 "$@"
 rounds=${1:-3}
 out=${2:-runs/bench/moe_layer.jsonl}
 configs=(${3:-1 2 2:PASSIVE})
+bench_count rounds "$rounds"
+bench_fresh out "$out"
+bench_configs "${configs[*]}"
 mkdir -p "$(dirname "$out")"
 py=/usr/bin/python3
 $py recipes/bench/bench_env.py > "$out"

@@ -20,10 +20,16 @@
 # AdamW states, f32) is 48 D F bytes = 6 MiB, 32 of them = 192 MiB; an
 # inference slab (parameters) is 12 D F = 1.5 MiB. About 4 min on 2 cores.
 set -uo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 3 "$@"
 out=${1:-runs/bench/store}
 steps=${2:-12}
 part=${3:-all}
+bench_word out_dir "$out"
+bench_count steps "$steps"
+[ "$part" = all ] || [ "$part" = generate ] || bench_refuse "part must be all or generate, got '$part'"
 D=256 F=512 L=4 E=8
 model=(--dim $D --layers $L --heads 8 --kv-heads 4 --experts $E --ffn $F --seq-len 512 --threads 2)
 slab=$((48 * D * F)) islab=$((12 * D * F)) slabs=$((L * E))

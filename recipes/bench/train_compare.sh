@@ -13,14 +13,23 @@
 # Model: V=256, D=256, L=4, 4 heads (2 kv heads), E=8, k=2, F=512, AdamW.
 # Steps timed after one warm-up step: 3 at seq_len <= 4096, 1 above.
 # Needs `make bench-deps`. OPENBLAS_* variables are used as the environment
-# sets them; the first line of $out (bench_env.py) records them.
+# sets them; the first line of $out (bench_env.py) records them. $out must
+# not exist (earlier results stay).
 set -euo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 5 "$@"
 rounds=${1:-3}
 out=${2:-runs/bench/train.jsonl}
 seqs=${3:-"1024 4096 16384"}
 long_rounds=${4:-1}
 configs=(${5:-1 2 2:PASSIVE})
+bench_count rounds "$rounds"
+bench_fresh out "$out"
+bench_counts seq_len "$seqs"
+bench_count long_rounds "$long_rounds" 0
+bench_configs "${configs[*]}"
 mkdir -p "$(dirname "$out")"
 py=/usr/bin/python3
 $py recipes/bench/bench_env.py > "$out"

@@ -11,11 +11,16 @@
 # both at 8192..131072. Attention is O(S^2) in time: a 131072 step takes
 # about 3 min (default model) on 2 cores, the whole script about 25 min.
 # Issue 4's criterion: doubling seq_len multiplies peak acts+pool by at most
-# 2.05.
+# 2.05. $out must not exist (earlier results stay).
 set -uo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
+bench_at_most 2 "$@"
 out=${1:-runs/bench/train_memory.jsonl}
 limit=${2:-7200}
+bench_fresh out "$out"
+bench_count timeout_s "$limit"
 mkdir -p "$(dirname "$out")"
 : > "$out"
 for S in 8192 16384 32768 65536 131072; do

@@ -7,12 +7,16 @@
 # Default model: D=256, 4 layers, 8 heads / 4 kv, E=8 top-2, F=512,
 # seq_len 1024 (13.5 M parameters: 51.5 MiB in f32), checkpoint moe. Two cores cannot
 # show a speed-up at N = 2 or 4 (the ranks share them): read it for memory.
-# About 3 min on 2 cores.
+# About 3 min on 2 cores. out_dir must not exist (earlier results stay).
 set -uo pipefail
+. "$(dirname "$0")/args.sh"
+bench_help "$@"
 cd "$(dirname "$0")/../.."
 out=${1:-runs/bench/zero}
 steps=${2:-4}
-shift 2 2>/dev/null
+bench_fresh out_dir "$out"
+bench_count steps "$steps"
+shift $(($# < 2 ? $# : 2))
 model=("$@")
 [ ${#model[@]} -eq 0 ] && model=(--dim 256 --layers 4 --heads 8 --kv-heads 4 --experts 8 --ffn 512 --seq-len 1024)
 mkdir -p "$out"

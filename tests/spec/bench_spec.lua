@@ -58,4 +58,58 @@ describe("moelua.bench", function()
     support.has(out, "option 'topk' = 9 must be in 1..experts (4)")
     assert.is_nil(out:find("traceback", 1, true), out)
   end)
+
+  describe("the benchmark scripts (recipes/bench/*.sh) check their arguments before they run anything", function()
+    local function script(args)
+      local words = {}
+      for i, a in ipairs(args) do words[i] = support.shell_quote(a) end
+      local p = assert(io.popen("timeout -k 5 60 " .. table.concat(words, " ") .. " 2>&1"))
+      return support.finish_child(p)
+    end
+
+    it("-h and --help print the header comment and exit 0", function()
+      for _, opt in ipairs({"-h", "--help"}) do
+        local code, out = script({"recipes/bench/mfu.sh", opt})
+        assert.are.equal(0, code, out)
+        support.has(out, "recipes/bench/mfu.sh: the training step's model FLOP utilisation")
+        support.has(out, "\n  recipes/bench/mfu.sh [rounds=3] [seq_lens=\"4096 16384\"]\n")
+      end
+    end)
+
+    it("name a bad count, an extra argument, an option where a path goes, a bad configuration", function()
+      local cases = {
+        {{"recipes/bench/mfu.sh", "x"}, "mfu.sh: rounds must be a whole number >= 1, got 'x'"},
+        {{"recipes/bench/mfu.sh", "1", "4096 0"}, "mfu.sh: seq_len must be a whole number >= 1, got '0'"},
+        {{"recipes/bench/mfu.sh", "1", "4096", "9"}, "mfu.sh: takes at most 2 arguments, got 3 (the first extra: '9')"},
+        {{"recipes/bench/zero.sh", "--dim", "64"}, "zero.sh: expected out_dir, got the option '--dim'"},
+        {{"recipes/bench/ep.sh", "/nonexistent/ep", "0"}, "ep.sh: steps must be a whole number >= 1, got '0'"},
+        {{"recipes/bench/store.sh", "/nonexistent/store", "2", "gen"},
+         "store.sh: part must be all or generate, got 'gen'"},
+        {{"recipes/bench/train_compare.sh", "1", "/nonexistent/t.jsonl", "4096", "1", "1 2:passive"},
+         "train_compare.sh: a configuration is <torch threads>[:<OMP_WAIT_POLICY>], got '2:passive'"},
+        {{"recipes/bench/build_compare.sh"}, "build_compare.sh: needs OTHER_CHECKOUT"},
+      }
+      for _, c in ipairs(cases) do
+        local code, out = script(c[1])
+        assert.are.equal(2, code, out)
+        support.has(out, c[2] .. "\nusage: recipes/bench/" .. c[1][1]:match("[^/]+$"))
+      end
+    end)
+
+    it("refuse an output that exists: an earlier run's results are never overwritten", function()
+      local path = os.tmpname()
+      local f = assert(io.open(path, "w"))
+      f:write("an earlier run\n")
+      f:close()
+      for _, args in ipairs({{"recipes/bench/train_compare.sh", "1", path},
+                             {"recipes/bench/moe_layer_compare.sh", "1", path},
+                             {"recipes/bench/train_memory.sh", path}}) do
+        local code, out = script(args)
+        assert.are.equal(2, code, out)
+        support.has(out, "out " .. path .. " exists (an earlier run's results): give another path or remove it")
+      end
+      assert.are.equal("an earlier run\n", support.read_file(path))
+      os.remove(path)
+    end)
+  end)
 end)
