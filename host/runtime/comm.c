@@ -725,6 +725,10 @@ void ml_comm_abort(const char *msg)
         return;
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    /* An error every rank meets (a bad option, a mismatch the debug mode
+     * found) is said once: rank 0's abort ends the others in this pause. */
+    if (rank > 0)
+        nanosleep(&(struct timespec){1, 0}, NULL);
     fprintf(stderr, "rank %d: %s\n", rank, msg);
     fflush(stderr);
     /* mpiexec forwards our stderr asynchronously and MPI_Abort kills every

@@ -146,6 +146,8 @@ int ml_comm_world_rank(void);
  * than one rank, print "rank R: msg" on stderr and MPI_Abort(1) (MPI is
  * initialized first if no ml_comm_init did: the other ranks may be waiting
  * in theirs), so no rank stays blocked in a collective; never returns then.
+ * Ranks other than 0 wait 1 s first: when rank 0 raised the same error,
+ * its abort ends them before they print it again.
  * Otherwise returns and does nothing (the caller reports as usual). */
 void ml_comm_abort(const char *msg);
 

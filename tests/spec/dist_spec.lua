@@ -270,6 +270,16 @@ dist.barrier("never reached by rank 1")
     has(err, "boom on one rank")
   end)
 
+  it("an error every rank raises is printed once, by rank 0", function()
+    local code, _, err = mpirun(preamble .. [[
+dist.init{timeout = 30}
+require("moelua.errors").user("option --steps must be at least 1, got 0")
+]], 10)
+    assert.are_not.equal(0, code)
+    has(err, "rank 0: option --steps must be at least 1, got 0")
+    assert.is_nil(err:find("rank 1: ", 1, true), err)
+  end)
+
   it("a stopped rank makes the other exit within timeout + 2 s, naming the collective", function()
     local code, _, err, took = mpirun(preamble .. [[
 dist.init{timeout = 1}
