@@ -156,14 +156,14 @@ static int l_fs_read(lua_State *L)
     fs_fd *f = push_fd(L);
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (f->fd < 0)
-        ml_error(L, fn, "cannot open '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     struct stat sb;
     if (fstat(f->fd, &sb) != 0)
-        ml_error(L, fn, "cannot stat '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: cannot stat '%s': %s", fn, path, strerror(errno));
     if (!S_ISREG(sb.st_mode))
-        ml_error(L, fn, "'%s' is not a regular file", path);
+        ml_env_error(L, "%s: '%s' is not a regular file", fn, path);
     if ((offset + count) * w > (int64_t)sb.st_size)
-        ml_error(L, fn, "tokens [%lld, %lld) of %d byte(s) read past the end of '%s' (%lld bytes)",
+        ml_env_error(L, "%s: tokens [%lld, %lld) of %d byte(s) read past the end of '%s' (%lld bytes)", fn,
                  (long long)offset, (long long)(offset + count), w, path, (long long)sb.st_size);
 
     int64_t *dst = (int64_t *)ml_data(out) + (at - 1);
@@ -176,9 +176,9 @@ static int l_fs_read(lua_State *L)
             ssize_t r = pread(f->fd, buf + got, n * w - got, (off_t)((offset + done) * w) + (off_t)got);
             if (r < 0 && errno == EINTR) continue;
             if (r < 0)
-                ml_error(L, fn, "reading '%s': %s", path, strerror(errno));
+                ml_env_error(L, "%s: reading '%s': %s", fn, path, strerror(errno));
             if (r == 0)
-                ml_error(L, fn, "reading '%s': the file shrank while reading", path);
+                ml_env_error(L, "%s: reading '%s': the file shrank while reading", fn, path);
             got += (size_t)r;
         }
         widen(dst + done, buf, n, w);
@@ -224,9 +224,9 @@ static int l_fs_fsync(lua_State *L)
     fs_fd *f = push_fd(L);
     f->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (f->fd < 0)
-        ml_error(L, fn, "cannot open '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     if (fsync(f->fd) != 0)
-        ml_error(L, fn, "fsync '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: fsync '%s': %s", fn, path, strerror(errno));
     return 0;
 }
 
@@ -245,12 +245,12 @@ static int l_fs_mkdir_p(lua_State *L)
         char c = p[i];
         p[i] = '\0';
         if (mkdir(p, 0777) != 0 && errno != EEXIST)
-            ml_error(L, fn, "cannot create '%s': %s", p, strerror(errno));
+            ml_env_error(L, "%s: cannot create '%s': %s", fn, p, strerror(errno));
         p[i] = c;
     }
     struct stat sb;
     if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode))
-        ml_error(L, fn, "'%s' exists and is not a directory", path);
+        ml_env_error(L, "%s: '%s' exists and is not a directory", fn, path);
     return 0;
 }
 
@@ -262,7 +262,7 @@ static int l_fs_rename(lua_State *L)
     const char *from = check_path(L, 1, fn, "from");
     const char *to = check_path(L, 2, fn, "to");
     if (rename(from, to) != 0)
-        ml_error(L, fn, "'%s' -> '%s': %s", from, to, strerror(errno));
+        ml_env_error(L, "%s: '%s' -> '%s': %s", fn, from, to, strerror(errno));
     return 0;
 }
 
@@ -280,7 +280,7 @@ static int l_fs_exchange(lua_State *L)
     }
     int e = errno;
     if (e != EINVAL && e != ENOSYS && e != EOPNOTSUPP)
-        ml_error(L, fn, "'%s' <-> '%s': %s", a, b, strerror(e));
+        ml_env_error(L, "%s: '%s' <-> '%s': %s", fn, a, b, strerror(e));
     lua_pushnil(L);
     lua_pushstring(L, strerror(e));
     return 2;
@@ -336,7 +336,7 @@ static int l_fs_listdir(lua_State *L)
     lua_toclose(L, 2);
     d->d = opendir(path);
     if (!d->d)
-        ml_error(L, fn, "cannot open directory '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: cannot open directory '%s': %s", fn, path, strerror(errno));
     lua_newtable(L);                                   /* slot 3 */
     lua_Integer n = 0;
     struct dirent *e;
@@ -349,7 +349,7 @@ static int l_fs_listdir(lua_State *L)
         errno = 0;
     }
     if (errno)
-        ml_error(L, fn, "reading directory '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: reading directory '%s': %s", fn, path, strerror(errno));
     sort_names(L, 3, n);
     return 1;
 }
@@ -374,12 +374,12 @@ static int l_fs_remove_tree(lua_State *L)
             lua_pushboolean(L, 0);
             return 1;
         }
-        ml_error(L, fn, "'%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: '%s': %s", fn, path, strerror(errno));
     }
     int rc = S_ISDIR(sb.st_mode) ? nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS)
                                  : (unlink(path) ? errno : 0);
     if (rc != 0)
-        ml_error(L, fn, "removing '%s': %s", path, strerror(rc > 0 ? rc : errno));
+        ml_env_error(L, "%s: removing '%s': %s", fn, path, strerror(rc > 0 ? rc : errno));
     lua_pushboolean(L, 1);
     return 1;
 }
@@ -392,7 +392,7 @@ static int l_fs_free_bytes(lua_State *L)
     const char *path = check_path(L, 1, fn, "path");
     struct statvfs sv;
     if (statvfs(path, &sv) != 0)
-        ml_error(L, fn, "'%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: '%s': %s", fn, path, strerror(errno));
     unsigned long long b = (unsigned long long)sv.f_bavail * sv.f_frsize;
     lua_pushinteger(L, b > (unsigned long long)LUA_MAXINTEGER ? LUA_MAXINTEGER : (lua_Integer)b);
     return 1;
@@ -449,13 +449,13 @@ static int l_fs_sha256(lua_State *L)
     fs_hash *h = push_hash(L, fn);
     h->fd = open(path, O_RDONLY | O_CLOEXEC);
     if (h->fd < 0)
-        ml_error(L, fn, "cannot open '%s': %s", path, strerror(errno));
+        ml_env_error(L, "%s: cannot open '%s': %s", fn, path, strerror(errno));
     unsigned char buf[FS_CHUNK];
     for (;;) {
         ssize_t r = read(h->fd, buf, sizeof buf);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0)
-            ml_error(L, fn, "reading '%s': %s", path, strerror(errno));
+            ml_env_error(L, "%s: reading '%s': %s", fn, path, strerror(errno));
         if (r == 0) break;
         if (EVP_DigestUpdate(h->ctx, buf, (size_t)r) != 1)
             ml_error(L, fn, "SHA-256 failed (OpenSSL)");
@@ -510,7 +510,7 @@ static int l_fs_glob(lua_State *L)
     if (rc == GLOB_NOSPACE)
         ml_error(L, fn, "'%s': out of memory", pat);
     if (rc == GLOB_ABORTED)
-        ml_error(L, fn, "'%s': a directory could not be read", pat);
+        ml_env_error(L, "%s: '%s': a directory could not be read", fn, pat);
     lua_createtable(L, rc == 0 ? (int)g->g.gl_pathc : 0, 0);
     if (rc == 0)
         for (size_t i = 0; i < g->g.gl_pathc; i++) {   /* glob(3) sorts them */
@@ -560,7 +560,7 @@ static int l_fs_lock(lua_State *L)
     luaL_setmetatable(L, LOCK_MT);
     f->fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (f->fd < 0)
-        ml_error(L, "moelua.fs.lock", "'%s': %s", path, strerror(errno));
+        ml_env_error(L, "moelua.fs.lock: '%s': %s", path, strerror(errno));
     char pid[32];
     if (flock(f->fd, LOCK_EX | LOCK_NB) != 0) {
         int e = errno;
@@ -573,7 +573,7 @@ static int l_fs_lock(lua_State *L)
             return 2;
         }
         if (e != EWOULDBLOCK)
-            ml_error(L, "moelua.fs.lock", "'%s': %s", path, strerror(e));
+            ml_env_error(L, "moelua.fs.lock: '%s': %s", path, strerror(e));
         pid[n > 0 ? n : 0] = '\0';
         lua_pushnil(L);
         lua_pushinteger(L, strtoll(pid, NULL, 10));
@@ -585,7 +585,7 @@ static int l_fs_lock(lua_State *L)
         int e = errno ? errno : EIO;   /* a short write sets none */
         close(f->fd);                  /* released before raising */
         f->fd = -1;
-        ml_error(L, "moelua.fs.lock", "'%s': writing the pid: %s", path, strerror(e));
+        ml_env_error(L, "moelua.fs.lock: '%s': writing the pid: %s", path, strerror(e));
     }
     return 1;
 }

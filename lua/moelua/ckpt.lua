@@ -184,13 +184,11 @@ local function write_pointer(root, name, target)
   fs.fsync(root)
 end
 
-local function read_pointer(root, name)
+local function read_pointer(root, name, fn)
   local s = read_all(join(root, name))
   if not s then return nil end
   local target = s:match("^(step%-%d+)\n?$")
-  if not target then
-    error(string.format("moelua.ckpt: '%s' does not name a step directory", join(root, name)), 0)
-  end
+  if not target then fail(fn, "'%s' does not name a step directory", join(root, name)) end
   return join(root, target)
 end
 
@@ -312,12 +310,12 @@ end
 
 function ckpt.latest(root)
   if type(root) ~= "string" then fail("latest", "argument #1 (root): expected a string, got %s", type(root)) end
-  return read_pointer(root, "latest")
+  return read_pointer(root, "latest", "latest")
 end
 
 function ckpt.last_good(root)
   if type(root) ~= "string" then fail("last_good", "argument #1 (root): expected a string, got %s", type(root)) end
-  return read_pointer(root, "last_good")
+  return read_pointer(root, "last_good", "last_good")
 end
 
 -- ckpt.mark_good(root, dir): root/last_good names dir (kept by keep-K).
@@ -421,17 +419,20 @@ function ckpt.save(root, step, state, opts)
     return final
   end
 
-  fs.mkdir_p(root)
-  for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
-    local aside = name:match("^(step%-%d+)%.replaced%.tmp$")
-    if aside and not exists(join(root, aside)) then     -- killed between the fallback's two renames
-      fs.rename(join(root, name), join(root, aside))
-    elseif name:match("^step%-%d+%.tmp$") or aside or name:match("^step%-%d+%.pruned%.tmp$") then
-      fs.remove_tree(join(root, name))
-    end
-  end
-  local prev = read_pointer(root, "latest")
+  local prev = read_pointer(root, "latest", fn)
   local intact = prev and ("the previous checkpoint " .. prev .. " is intact") or "no previous checkpoint"
+  local made, why = pcall(function()
+    fs.mkdir_p(root)
+    for _, name in ipairs(fs.listdir(root)) do             -- leftovers of a crashed save
+      local aside = name:match("^(step%-%d+)%.replaced%.tmp$")
+      if aside and not exists(join(root, aside)) then     -- killed between the fallback's two renames
+        fs.rename(join(root, name), join(root, aside))
+      elseif name:match("^step%-%d+%.tmp$") or aside or name:match("^step%-%d+%.pruned%.tmp$") then
+        fs.remove_tree(join(root, name))
+      end
+    end
+  end)
+  if not made then fail(fn, "saving step %d failed: %s; nothing written, %s", step, tostring(why), intact) end
 
   local need = nbytes(model) + nbytes(exp_avg) + nbytes(exp_avg_sq) + nbytes(steps) + #config +
                #trainer + 65536
@@ -475,14 +476,14 @@ function ckpt.save(root, step, state, opts)
   if opts.good then
     write_pointer(root, "last_good", name)   -- with latest, before any pruning
   elseif opts.good == false then
-    local okp, good = pcall(read_pointer, root, "last_good")
+    local okp, good = pcall(read_pointer, root, "last_good", fn)
     if okp and good == final then os.remove(join(root, "last_good")) end   -- replaced by one that is not
   end
 
   if opts.keep then
     local protect = {[final] = true}
     for _, p in ipairs({"latest", "last_good"}) do
-      local okp, d = pcall(read_pointer, root, p)
+      local okp, d = pcall(read_pointer, root, p, fn)
       if okp and d then protect[d] = true end
     end
     -- Steps after this one belong to a run that was rolled back past: they
@@ -525,7 +526,9 @@ local function verify_manifest(dir, required)
       end
       local p = join(dir, rel)
       if not exists(p) then fail("load", "'%s' is listed in MANIFEST.sha256 but missing", p) end
-      if fs.sha256(p) ~= sum:lower() then
+      local readable, got = pcall(fs.sha256, p)
+      if not readable then fail("load", "%s", (tostring(got):gsub("^moelua%.fs%.sha256: ", ""))) end
+      if got ~= sum:lower() then
         fail("load", "'%s' is corrupted or truncated: its SHA-256 does not match MANIFEST.sha256", p)
       end
     end
@@ -630,9 +633,7 @@ function ckpt.load(path)
   if st.type ~= "dir" then fail("load", "'%s' is not a directory", path) end
   local dir = path
   if exists(join(path, "latest")) then
-    local ok, d = pcall(read_pointer, path, "latest")
-    if not ok then fail("load", "%s", d) end
-    dir = d
+    dir = read_pointer(path, "latest", "load")
     if not exists(dir) then fail("load", "'%s' names '%s', which does not exist", join(path, "latest"), dir) end
   elseif not exists(join(dir, "model.safetensors")) and not exists(join(dir, "model.safetensors.index.json")) then
     local partial = {}

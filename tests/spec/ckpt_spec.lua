@@ -86,6 +86,28 @@ describe("moelua.ckpt", function()
     assert.equal(root .. "/step-000004", ckpt.load(root).dir)
   end)
 
+  it("an unreadable file of a checkpoint, or an unusable root, is a user error that names it", function()
+    local errors = require "moelua.errors"
+    local dir = ckpt.save(root, 1, state(1, 1))
+    os.remove(dir .. "/model.safetensors")
+    fs.mkdir_p(dir .. "/model.safetensors")        -- a directory where the file was
+    local ok, err = pcall(ckpt.load, root)
+    assert.is_false(ok)
+    assert.is_true(errors.is_user(err), tostring(err))
+    has(tostring(err), "moelua.ckpt.load: reading '" .. dir .. "/model.safetensors': Is a directory")
+    support.write_file(root .. "/latest", "nonsense\n")
+    ok, err = pcall(ckpt.latest, root)
+    assert.is_true(errors.is_user(err), tostring(err))
+    assert.equal("moelua.ckpt.latest: '" .. root .. "/latest' does not name a step directory", tostring(err))
+    has(errmsg(ckpt.load, root), "moelua.ckpt.load: '" .. root .. "/latest' does not name a step directory")
+    local file = root:match("^(.*)/run$") .. "/a-file"
+    support.write_file(file, "x")
+    ok, err = pcall(ckpt.save, file .. "/ckpt", 2, state(2, 1))
+    assert.is_true(errors.is_user(err), tostring(err))
+    has(tostring(err), "moelua.ckpt.save: saving step 2 failed: moelua.fs.mkdir_p: ")
+    has(tostring(err), "; nothing written, no previous checkpoint")
+  end)
+
   it("names the checkpoints of a root whose `latest` is gone", function()
     ckpt.save(root, 1, state(1, 1))
     ckpt.save(root, 2, state(2, 1))
