@@ -634,15 +634,73 @@ function train.init_from(model, dir)
   return c.dir
 end
 
+-- trainer.json is read like every checkpoint file, as untrusted: each
+-- field the restore uses is checked before anything is loaded (a sum in
+-- MANIFEST.sha256 proves the file whole, not sound).
+local function check_trainer(self, c)
+  local tr, where = c.trainer, c.dir .. "/trainer.json"
+  local function bad(field, want, v)
+    errors.user(string.format("moelua.train: %s: %s must be %s, got %s", where, field, want,
+                              type(v) == "string" and string.format("%q", v) or tostring(v)))
+  end
+  local function int(field, v, min, optional)
+    if v == nil and optional then return end
+    if math.type(v) ~= "integer" or v < min then
+      bad(field, min == math.mininteger and "an integer" or "an integer >= " .. min, v)
+    end
+  end
+  local function tbl(field, v, optional)
+    if not (v == nil and optional) and type(v) ~= "table" then bad(field, "an object", v) end
+  end
+  tbl("the file", tr)
+  int("step", tr.step, 0)
+  int("data_offset", tr.data_offset, 0, true)
+  int("skipped", tr.skipped, 0, true)
+  int("micro_batches", tr.micro_batches, 1, true)
+  int("threads", tr.threads, 1, true)
+  local function finite(field, v, min)
+    if not (type(v) == "number" and v >= min and math.abs(v) < math.huge) then
+      bad(field, min == -math.huge and "a finite number" or "a finite number >= " .. min, v)
+    end
+  end
+  tbl("ema", tr.ema, true)   -- the loss's running mean and variance (spike rollbacks)
+  if tr.ema then
+    finite("ema.mean", tr.ema.mean, -math.huge)
+    finite("ema.var", tr.ema.var, 0)
+    int("ema.n", tr.ema.n, 1)
+  end
+  if tr.machine ~= nil and type(tr.machine) ~= "string" then bad("machine", "a string", tr.machine) end
+  tbl("rng", tr.rng)
+  int("rng.seed", tr.rng.seed, math.mininteger)
+  int("rng.offset", tr.rng.offset, math.mininteger)
+  tbl("data", tr.data)
+  for _, k in ipairs({"recipe_state", "rollbacks_to", "skip_to", "alarm_runs"}) do tbl(k, tr[k], true) end
+  for dir, n in pairs(tr.rollbacks_to or {}) do int("rollbacks_to[" .. tostring(dir) .. "]", n, 1) end
+  for dir, n in pairs(tr.skip_to or {}) do int("skip_to[" .. tostring(dir) .. "]", n, 0) end
+  local o = tr.optim
+  tbl("optim", o)
+  int("optim.t", o.t, 0)
+  int("optim.skipped_expert_steps", o.skipped_expert_steps, 0, true)
+  tbl("optim.group_steps", o.group_steps, true)
+  if o.group_steps and next(o.group_steps) ~= nil then   -- (an empty list: a sharded save's, t alone)
+    if #o.group_steps ~= #self.groups then
+      bad("optim.group_steps", string.format("a list of %d step counts, one per group", #self.groups),
+          string.format("%d", #o.group_steps))
+    end
+    for gi = 1, #self.groups do int(string.format("optim.group_steps[%d]", gi), o.group_steps[gi], 0) end
+  end
+end
+
 -- Load checkpoint dir into the trainer; returns its step. A rollback
 -- keeps the recipe's live state (its back-off compounds) and moves the
 -- data past every batch skipped since that checkpoint (cumulative).
 function Trainer:restore(dir, rollback)
   local c = ckpt.load(dir)
   if not c.trainer then
-    error("moelua.train: " .. c.dir .. " has no trainer.json: not a moelua training checkpoint " ..
-          "(use init_from / --init-from to start from its weights)", 0)
+    errors.user("moelua.train: " .. c.dir .. " has no trainer.json: not a moelua training checkpoint " ..
+                "(use init_from / --init-from to start from its weights)")
   end
+  check_trainer(self, c)
   local tr = c.trainer
   if sharded(self) then
     load_sharded(self, c, tr.optim)

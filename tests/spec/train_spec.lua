@@ -73,8 +73,49 @@ describe("train.run", function()
     end
   end)
 
+  -- A checkpoint edited after its save, with its MANIFEST.sha256 written again.
+  local function remanifest(step)
+    local fs = require "moelua.fs"
+    local lines = {}
+    for line in io.lines(step .. "/MANIFEST.sha256") do
+      local rel = line:match("^%x+  (.+)$")
+      lines[#lines + 1] = fs.sha256(step .. "/" .. rel) .. "  " .. rel
+    end
+    support.write_file(step .. "/MANIFEST.sha256", table.concat(lines, "\n") .. "\n")
+  end
+
+  it("refuses a trainer.json whose fields are not what a save writes, naming the field", function()
+    local json = require "dkjson"
+    run{run_dir = dir .. "/a", ckpt_every = 3, keep = 5}
+    local step = dir .. "/a/ckpt/step-000002"
+    local saved = support.read_file(step .. "/trainer.json")
+    local cases = {
+      {function(t) t.step = 5.5 end, "step must be an integer >= 0, got 5.5"},
+      {function(t) t.step = "five" end, 'step must be an integer >= 0, got "five"'},
+      {function(t) t.step = -3 end, "step must be an integer >= 0, got -3"},
+      {function(t) t.optim = nil end, "optim must be an object, got nil"},
+      {function(t) t.ema = "x" end, 'ema must be an object, got "x"'},
+      {function(t) t.ema.var = -1 end, "ema.var must be a finite number >= 0, got -1"},
+      {function(t) t.rng.seed = "a" end, 'rng.seed must be an integer, got "a"'},
+      {function(t) t.optim.group_steps = {1} end, "optim.group_steps must be a list of "},
+      {function(t) t.optim.group_steps[1] = -1 end, "optim.group_steps[1] must be an integer >= 0, got -1"},
+    }
+    for _, c in ipairs(cases) do
+      local t = json.decode(saved)
+      c[1](t)
+      support.write_file(step .. "/trainer.json", json.encode(t))
+      remanifest(step)
+      local model, ds, groups, opt = pieces()
+      local ok, err = pcall(train.run, {model = model, data = ds, optimizer = opt, groups = groups, seq_len = SEQ,
+                                        steps = 4, resume = step})
+      assert.is_false(ok)
+      assert.is_true(require("moelua.errors").is_user(err), tostring(err))
+      support.has(tostring(err), "moelua.train: " .. step .. "/trainer.json: " .. c[2])
+    end
+  end)
+
   it("refuses a checkpoint whose optimizer states do not fit the parameters, naming the tensor", function()
-    local fs, mio = require "moelua.fs", require "moelua.io"
+    local mio = require "moelua.io"
     run{run_dir = dir .. "/a", ckpt_every = 3, keep = 5}
     local step = dir .. "/a/ckpt/step-000002"
     -- transpose one state and write the manifest again, so only the shape is wrong
@@ -84,12 +125,7 @@ describe("train.run", function()
       t[name] = t[name]:t():contiguous()
       mio.save(step .. "/" .. f, t, {format = "pt"})
     end
-    local lines = {}
-    for line in io.lines(step .. "/MANIFEST.sha256") do
-      local rel = line:match("^%x+  (.+)$")
-      lines[#lines + 1] = fs.sha256(step .. "/" .. rel) .. "  " .. rel
-    end
-    support.write_file(step .. "/MANIFEST.sha256", table.concat(lines, "\n") .. "\n")
+    remanifest(step)
     local model, ds, groups, opt = pieces()
     local msg = support.errmsg(train.run, {model = model, data = ds, optimizer = opt, groups = groups,
                                           seq_len = SEQ, steps = 4, run_dir = dir .. "/b", resume = step})
