@@ -96,8 +96,8 @@ static int l_attach_listen(lua_State *L)
     char path[4200];
     int plen = snprintf(path, sizeof path, "%s/attach/sock", run_dir);
     if ((size_t)plen >= ML_ATTACH_PATH_MAX)
-        ml_error(L, fn, "socket path '%s' is %d bytes, over the %zu-byte limit of a Unix socket "
-                 "address: use a shorter run directory", path, plen, ML_ATTACH_PATH_MAX - 1);
+        ml_env_error(L, "%s: socket path '%s' is %d bytes, over the %zu-byte limit of a Unix socket "
+                     "address: use a shorter run directory", fn, path, plen, ML_ATTACH_PATH_MAX - 1);
     find_lua(L, fn, "dkjson", "dkjson.lua");
     find_lua(L, fn, "moelua.attach_env", "moelua/attach_env.lua");
     find_lua(L, fn, "moelua.pretty", "moelua/pretty.lua");

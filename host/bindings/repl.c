@@ -415,8 +415,10 @@ static int send_line(int fd, char *line)
 }
 
 /* The pid in RUN_DIR/lock when that process is alive (a job trains
- * there; moelua.train writes its pid when it takes the lock), 0 when it
- * is not, -1 when there is no lock yet (no job has started there). */
+ * there; moelua.train writes its pid when it takes the lock), -1 when
+ * there is no lock yet (no job has started there), -2 when the lock is a
+ * job's that ended (one may be starting there again), 0 when the lock
+ * cannot be read. */
 static long live_job(const char *run_dir)
 {
     char path[4200], text[32];
@@ -428,7 +430,7 @@ static long live_job(const char *run_dir)
     fclose(f);
     text[n] = '\0';
     long pid = strtol(text, NULL, 10);
-    return pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM) ? pid : 0;
+    return pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM) ? pid : -2;
 }
 
 /* Connect fd to addr, waiting for a job that is starting, so that
@@ -447,8 +449,11 @@ static int connect_job(int fd, const struct sockaddr_un *addr, const char *run_d
             errno = e;
             return -1;
         }
-        if (pid < 0 && !said_start++)
+        if (pid == -1 && !said_start++)
             fprintf(stderr, "moelua attach: no job in %s yet: waiting up to 5 s for one to start\n", run_dir);
+        if (pid == -2 && !said_start++)
+            fprintf(stderr, "moelua attach: the last job in %s has ended: waiting up to 5 s for another "
+                    "to start\n", run_dir);
         if (pid > 0 && !said_job++)
             fprintf(stderr, "moelua attach: waiting for the job (pid %ld) to open %s\n", pid, addr->sun_path);
         nanosleep(&(struct timespec){0, 100000000}, NULL);
