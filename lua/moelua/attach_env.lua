@@ -184,8 +184,14 @@ function attach_env.new(pretty)
 
   function E.show(v) return pretty.show(v) end
 
+  -- Before the first step is logged: a `stats` that says so when read.
+  local no_stats = setmetatable({}, {__index = function(_, k)
+    error("stats." .. tostring(k) .. ": no step has been logged yet (stats is the last logged step's metrics; " ..
+          "progress.step says where the job is)", 2)
+  end})
+
   function E.env(data, controls, out)
-    local env = {stats = data.stats, ledger = data.ledger, progress = data.progress,
+    local env = {stats = data.stats or no_stats, ledger = data.ledger, progress = data.progress,
                  overrides = copy(data.overrides), staged = copy(data.staged)}   -- changes go through set{...}
     for _, k in ipairs(BASE) do env[k] = G[k] end
     for _, k in ipairs(LIBS) do env[k] = copy(k == "string" and STRING or k == "table" and TABLE or G[k]) end

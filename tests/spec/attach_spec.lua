@@ -488,6 +488,14 @@ describe("moelua attach", function()
     end)
   end)
 
+  it("before the first step is logged, reading stats says so", function()
+    local E = attach_env.new(pretty)
+    assert.are.equal("error: attach:1: stats.max_share: no step has been logged yet (stats is the last logged " ..
+                     "step's metrics; progress.step says where the job is)",
+                     E.run("stats.max_share, stats.alarms", {}, {}, pcall))
+    assert.are.equal("0.5", E.run("stats.max_share", {stats = {max_share = 0.5}}, {}, pcall))
+  end)
+
   it("has no pattern matching in a request's string library (a pattern runs in C, past the instruction limit); " ..
      "find searches plainly", function()
     local E = attach_env.new(pretty)
