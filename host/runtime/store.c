@@ -59,7 +59,8 @@ static ml_status create_file(ml_expert_store *s, size_t bytes, ml_err *e)
         return ml_err_set(e, ML_EINVAL, "%s exists: the store creates its file and never "
                           "overwrites one (remove it or choose another path)", s->path);
     if (fd < 0)
-        return ml_err_set(e, ML_EINVAL, "cannot create %s: %s", s->path, strerror(errno));
+        return ml_err_set(e, ML_EINVAL, "cannot create %s: %s%s", s->path, strerror(errno),
+                          errno == ENOENT ? " (its directory must exist)" : "");
     s->fd = fd;
     struct statfs fs;
     if (fstatfs(fd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC))

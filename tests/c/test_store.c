@@ -337,7 +337,7 @@ static void test_refusals(void)
     o = (ml_store_opts){.path = path_of("nodir/x"), .nslabs = 2, .slab_bytes = 64, .nslots = 1,
                        .prefetch_depth = 0, .category = ML_CAT_PARAMS, .slot_category = ML_CAT_CACHE};
     ok(ml_store_open(&h, &o, &s, &e) == ML_EINVAL && strstr(e.msg, "cannot create") &&
-       strstr(e.msg, "No such file or directory"), "options: %s", e.msg);
+       strstr(e.msg, "No such file or directory (its directory must exist)"), "options: %s", e.msg);
     ok(h.books[ML_TIER_FILE].total == 0 && h.books[ML_CPU].total == 0 && !exists(path_of("bad")),
        "refusals: nothing charged, no file");
     ml_host_free(&h);
