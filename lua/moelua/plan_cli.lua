@@ -295,8 +295,18 @@ local function take(args, name, flag)
 end
 
 -- An integer option's value >= lo, or nil.
-local function take_int(args, name, lo)
+-- One of plan's own options (--world, --rank, --preset): once, as what
+-- follows goes to the recipe, which does not know it.
+local function take_own(args, name)
   local v = take(args, name)
+  if v ~= nil and take({table.unpack(args)}, name) ~= nil then
+    errors.user("moelua plan: --" .. name .. " is given twice")
+  end
+  return v
+end
+
+local function take_int(args, name, lo)
+  local v = take_own(args, name)
   if v == nil then return nil end
   local n = math.tointeger(tonumber(v))
   if not n or n < lo then errors.user(string.format("moelua plan: --%s must be an integer >= %d, got %s", name, lo, v)) end
@@ -367,13 +377,17 @@ function M.max_seq(recipe, rest)
   end
   local host = host_path()
   local limit = 1 << 24
-  local lo = 64
+  local lo, hi, hi_need = 64, nil, nil
   local fits, peak, _, budget = probe_seq(host, recipe, rest, lo)
-  if not fits then
-    errors.user(string.format("moelua plan --max-seq: not even --seq-len %d fits the budget (it needs %s)", lo,
-                              mib(peak)))
+  if not fits then   -- below 64, from 1
+    hi, hi_need, lo = lo, peak, 1
+    fits, peak = probe_seq(host, recipe, rest, lo)
+    if not fits then
+      errors.user(string.format("moelua plan --max-seq: not even --seq-len %d fits the budget (it needs %s)", lo,
+                                mib(peak)))
+    end
   end
-  local lo_peak, prev, prev_peak, hi, hi_need = peak, nil, nil, nil, nil
+  local lo_peak, prev, prev_peak = peak, nil, nil
   local plain = true   -- the first probe doubles: one point makes no line
   while not hi or hi - lo > 1 do
     if not hi and lo >= limit then
@@ -594,7 +608,7 @@ function M.main(args)
     elseif args[i] == "--json" then M.json = true
     else rest[#rest + 1] = args[i] end
   end
-  M.preset = take(rest, "preset")
+  M.preset = take_own(rest, "preset")
   if M.preset then   -- the preset's options where the command line gives none; children get the preset again
     local p = PRESETS[M.preset]
     if not p then errors.user(string.format("moelua plan: --preset %s: unknown (presets: report1)", M.preset)) end

@@ -160,6 +160,9 @@ describe("moelua plan", function()
     code, out = host({"plan", "--fit", "recipes/longctx.lua"})
     assert.are.equal(1, code, out)
     support.has(out, "moelua plan: the recipe comes first, got the option --fit\nusage: moelua plan RECIPE")
+    code, out = host({"plan", "recipes/tiny.lua", "--world", "2", "--world=3"})
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua plan: --world is given twice")
     code, out = host({"plan", "--help"})   -- asked for: on stdout, status 0
     assert.are.equal(0, code, out)
     support.has(out, "usage: moelua plan RECIPE [--max-seq | --fit]")
@@ -182,7 +185,12 @@ describe("moelua plan", function()
     -- a preset's own --seq-len gives way to the search
     code, out = host({"plan", "recipes/longctx.lua", "--preset", "report1", "--max-seq", "--budget-gib", "1"})
     assert.are.equal(1, code, out)
-    support.has(out, "moelua plan --max-seq: not even --seq-len 64 fits the budget (it needs ")
+    support.has(out, "moelua plan --max-seq: not even --seq-len 1 fits the budget (it needs ")
+    -- below 64 too: the longest that fits, where 64 does not
+    code, out = host({"plan", "recipes/tiny.lua", "--max-seq", "--budget-gib", "0.00178"})
+    assert.are.equal(0, code, out)
+    local n = tonumber(out:match("moelua plan %-%-max%-seq: %-%-seq%-len (%d+) fits"))
+    assert.is_true(n and n > 1 and n < 64, out)
     -- FLOPs in a unit that shows them: a tiny step's are MFLOPs
     code, out = host({"plan", "recipes/tiny.lua", "--seq-len", "64"})
     assert.are.equal(0, code, out)
