@@ -466,7 +466,12 @@ local WHAT = {attention = "the forward of attention",
 function M.fit(recipe, rest)
   local host = host_path()
   local offered = recipe_options(host, recipe)
-  local args, tried = {table.unpack(rest)}, {}
+  local args = {table.unpack(rest)}
+  local function say(line)   -- each try as it ends: a long search shows its progress, and Ctrl-C keeps it
+    io.stdout:write(line, "\n")
+    io.stdout:flush()
+  end
+  say("moelua plan --fit: " .. recipe)
   local function flag(name) return offered[name] == "true" or offered[name] == "false" end   -- (--help's default)
   local function set(name, value, into)
     into = into or args
@@ -479,17 +484,15 @@ function M.fit(recipe, rest)
     if v == nil then return offered[name] end
     return v
   end
-  -- a knob's value: fits (true/false) and the plan's words, or nil when the recipe refuses it
+  -- a knob's value: fits (true/false), the plan's words and peak, and the
+  -- line that says so; or nil and that line when the recipe refuses it
   local function try(label, refusable)
     local fits, peak, text = probe(host, recipe, args, "with " .. label, refusable)
-    if fits == nil then
-      tried[#tried + 1] = string.format("  %-40s refused: %s", label, peak)
-      return nil
-    end
-    tried[#tried + 1] = string.format("  %-40s %s %s", label, fits and "fits, peak" or "needs", mib(peak))
-    return fits, text, peak
+    if fits == nil then return nil, string.format("  %-40s refused: %s", label, peak) end
+    return fits, text, peak, string.format("  %-40s %s %s", label, fits and "fits, peak" or "needs", mib(peak))
   end
-  local fits, text, peak = try("as given")
+  local fits, text, peak, line = try("as given")
+  say(line)
   local chosen = {}
   local world = tonumber(take({table.unpack(rest)}, "world") or "1")
   for _, k in ipairs(KNOBS) do
@@ -504,7 +507,7 @@ function M.fit(recipe, rest)
         local ok, got, t = probe(host, recipe, all_in, "with every expert in the store", true)
         values = {}
         if ok == nil then
-          tried[#tried + 1] = string.format("  %-40s refused: %s", "--" .. name, got)
+          say(string.format("  %-40s refused: %s", "--" .. name, got))
         else
           local all = cache_bytes(t)
           for d = 1, 20 do
@@ -515,8 +518,7 @@ function M.fit(recipe, rest)
             values[#values + 1] = kib % 1024 == 0 and string.format("%dMiB", kib // 1024) or string.format("%dKiB", kib)
           end
           if #values == 0 then
-            tried[#tried + 1] = string.format("  %-40s not tried: the experts hold %s in all", "--" .. name,
-                                              mib(all))
+            say(string.format("  %-40s not tried: the experts hold %s in all", "--" .. name, mib(all)))
           end
         end
       end
@@ -525,16 +527,18 @@ function M.fit(recipe, rest)
         if v ~= given then
           local before = {table.unpack(args)}
           set(name, v)
-          local f, t, p = try("--" .. name .. " " .. v, true)
+          local f, t, p, said = try("--" .. name .. " " .. v, true)
           if f == nil then   -- refused here (e.g. not built for this device): the knob is left as it was
+            say(t)
             args = before
             break
           end
           if p < peak then   -- kept only when it lowers the peak (an offload's staging may add more than it frees)
+            say(said)
             fits, text, peak, last = f, t, p, v
             if fits then break end
           else
-            tried[#tried] = tried[#tried] .. ": no lower, not kept"
+            say(said .. ": no lower, not kept")
             args = before
           end
         end
@@ -553,17 +557,15 @@ function M.fit(recipe, rest)
     local label = "without --" .. name .. " " .. v
     local f, p, t = probe(host, recipe, without, label, true)
     if f then
-      tried[#tried + 1] = string.format("  %-40s fits, peak %s: dropped", label, mib(p))
+      say(string.format("  %-40s fits, peak %s: dropped", label, mib(p)))
       args, text, peak = without, t, p
       table.remove(chosen, i)
     elseif f == false then
-      tried[#tried + 1] = string.format("  %-40s needs %s: kept", label, mib(p))
+      say(string.format("  %-40s needs %s: kept", label, mib(p)))
     else
-      tried[#tried + 1] = string.format("  %-40s refused: %s: kept", label, p)
+      say(string.format("  %-40s refused: %s: kept", label, p))
     end
   end
-  print(string.format("moelua plan --fit: %s", recipe))
-  print(table.concat(tried, "\n"))
   if not fits then
     print("nothing tried fits the budget: lower --seq-len (moelua plan --max-seq finds the longest), raise the budget, " ..
           "or add ranks (--world with --zero)")

@@ -175,7 +175,8 @@ describe("moelua plan", function()
     -- --fit's plans say a user error as it is, once
     code, out = host({"plan", "recipes/tiny.lua", "--fit", "--world", "2", "--rank", "2"})
     assert.are.equal(1, code, out)
-    assert.are.equal("moelua plan: --rank 2 of --world 2: ranks are 0 to 1\n", out:gsub("^[^:]*moelua: ", ""))
+    assert.are.equal("moelua plan --fit: recipes/tiny.lua\nmoelua plan: --rank 2 of --world 2: ranks are 0 to 1\n",
+                     (out:gsub("\n[^:\n]*moelua: ", "\n")))
     code, out = host({"plan", "recipes/longctx.lua", "--world", "4", "--ep", "3"})
     assert.are.equal(1, code, out)
     support.has(out, "--ep 3: the expert-parallel size must divide the number of ranks (4)")
