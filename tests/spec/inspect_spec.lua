@@ -170,6 +170,16 @@ describe("moelua.inspect", function()
                    {temperature = 0 / 0})
     support.raises("moelua.inspect.run: 1 byte of input: a prediction needs 2 (a byte and the next)", h.run, h, "x")
     support.raises("moelua.inspect.run: expected a text or a file path, got an empty string", h.run, h, "")
+    -- what names a directory, or looks like a path and names nothing, is not routed as text
+    support.raises("moelua.inspect.run: '" .. root .. "' is a directory: give a file, or {text = s}", h.run, h, root)
+    support.raises("moelua.inspect.run: '/nonexistent/file.c' looks like a path but names no file (to route these " ..
+                   "bytes as text: {text = s})", h.run, h, "/nonexistent/file.c")
+    assert.are.equal(#"/nonexistent/file.c", h:run({text = "/nonexistent/file.c"}).tokens)
+    support.raises("moelua.inspect.run: {text = s}: unknown key 'txt'", h.run, h, {txt = "abc"})
+    support.raises("moelua.inspect.run: {text = s}: expected a non-empty string, got number", h.run, h, {text = 1})
+    support.raises("moelua.inspect.run: expected a text, a file path or {text = s}, got nil", h.run, h)
+    support.raises("moelua.inspect.run: call it with a colon: h:run(...)", h.run, "abc")
+    support.raises("moelua.inspect.generate: call it with a colon: h:generate(...)", h.generate, "abc")
     support.raises("moelua.inspect.run: unknown option 'seqlen' (expected one of: seq_len)", h.run, h, "abc",
                    {seqlen = 8})
     support.raises("moelua.inspect.run: options must be a table, got number", h.run, h, "abc", 8)
