@@ -121,11 +121,13 @@ local G = _G
 local sfind, gsub = string.find, string.gsub
 local STRMETA = getmetatable("")   -- its __index: what s:find(...) calls
 
-local function copy(t)
+-- A shallow copy (of overrides and staged: flat tables of controls).
+function attach_env.copy(t)
   local c = {}
   for k, v in pairs(t or {}) do c[k] = v end
   return c
 end
+local copy = attach_env.copy
 
 -- The line's string library (copied for each line): the real one without
 -- pattern matching (see above).
@@ -205,6 +207,7 @@ function attach_env.new(pretty)
     return env
   end
 
+  -- The reply to one line, and true when the line ended in an error.
   function E.run(code, data, controls, limited)
     local out = {}
     local env = E.env(data, controls, out)
@@ -212,12 +215,12 @@ function attach_env.new(pretty)
     if not fn then
       local err
       fn, err = load(code, "=attach", "t", env)
-      if not fn then return no_nul("error: " .. err) end
+      if not fn then return no_nul("error: " .. err), true end
     end
     local index = STRMETA.__index
     STRMETA.__index = env.string
     local res = table.pack(restore(index, pcall(limited, fn)))
-    if not res[1] then return no_nul("error: " .. E.show(res[2])) end
+    if not res[1] then return no_nul("error: " .. E.show(res[2])), true end
     for i = 2, res.n do out[#out + 1] = E.show(res[i]) end
     local text = no_nul(table.concat(out, "\n"))
     local max = attach_env.REPLY_MAX

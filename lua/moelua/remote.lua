@@ -246,11 +246,27 @@ function Server:where()
   return self.micros and self.micros > 1 and s .. " of " .. self.micros or s
 end
 
--- Run one line against the live state; returns the reply text. Never raises.
+-- Run one line against the live state; returns the reply text. A line is
+-- all or nothing: one that ends in an error undoes what its controls did
+-- (`set{temperature = 0.5}; set{noise = -1}` sets no temperature), and its
+-- reply says so. Never raises.
 function Server:run(code)
   local data = {stats = self.stats_line and json.decode(self.stats_line), ledger = mem.stats(),
                 progress = self:progress(), overrides = self.overrides, staged = self.staged}
-  return E.run(code, data, self.controls, self.limited)
+  local overrides, staged = attach_env.copy(self.overrides), attach_env.copy(self.staged)
+  local paused, want_checkpoint = self.paused, self.want_checkpoint
+  local text, failed = E.run(code, data, self.controls, self.limited)
+  local function same(a, b)
+    for k, v in pairs(a) do if b[k] ~= v then return false end end
+    for k in pairs(b) do if a[k] == nil then return false end end
+    return true
+  end
+  if failed and not (same(overrides, self.overrides) and same(staged, self.staged) and paused == self.paused
+                     and want_checkpoint == self.want_checkpoint) then
+    self.overrides, self.staged, self.paused, self.want_checkpoint = overrides, staged, paused, want_checkpoint
+    text = text .. "\n(what this line set, unset, paused or asked for before the error is undone)"
+  end
+  return text
 end
 
 local function send_error(srv, client, err)

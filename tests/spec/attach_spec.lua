@@ -457,10 +457,12 @@ describe("moelua attach", function()
     local LIMIT = "error: attach:1: instruction limit exceeded (10000 instructions)"
     -- each pcall took the limit's one error and the loop went on: this one
     -- ended only because it counts to 100 (the next one never did)
-    assert.are.equal(LIMIT, srv:run("pcall(set, {temperature = 0.5}) local n = 0 " ..
-                                    "while n < 100 do n = n + 1 pcall(function() while true do end end) end return n"))
-    assert.are.equal(LIMIT, srv:run("pcall(set,{temperature=0.5}); while true do pcall(function() while true do end end) end"))
-    assert.are.same({temperature = 0.5}, srv.overrides)
+    local UNDONE = "\n(what this line set, unset, paused or asked for before the error is undone)"
+    assert.are.equal(LIMIT .. UNDONE, srv:run("pcall(set, {temperature = 0.5}) local n = 0 while n < 100 do " ..
+                                              "n = n + 1 pcall(function() while true do end end) end return n"))
+    assert.are.equal(LIMIT .. UNDONE,
+                     srv:run("pcall(set,{temperature=0.5}); while true do pcall(function() while true do end end) end"))
+    assert.are.same({}, srv.overrides)
     assert.matches("^applied from step nil: lr_scale = 2", srv:run("set{lr_scale = 2}"))   -- the next line runs as before
   end)
 
@@ -486,6 +488,22 @@ describe("moelua attach", function()
       srv:poll(1)
       return support.read_file(out) == want
     end)
+  end)
+
+  it("a line that ends in an error applies none of its controls, and says so", function()
+    local out = dir .. "/client.out"
+    local srv, client = attached(dir .. "/run", out)
+    client:write("set{temperature = 0.5}; pause(); checkpoint(); set{noise = -1}\n")
+    wait_for("the reply", function()
+      srv:poll(1)
+      return support.read_file(out):find("is undone)\n", 1, true)
+    end)
+    support.has(support.read_file(out), "set: noise must be")
+    support.has(support.read_file(out), "\n(what this line set, unset, paused or asked for before the error is undone)\n")
+    assert.are.same({}, srv.overrides)
+    assert.are.same({}, srv.staged)
+    assert.is_false(srv.paused)
+    assert.is_falsy(srv.want_checkpoint)
   end)
 
   it("before the first step is logged, reading stats says so", function()
@@ -529,11 +547,12 @@ describe("moelua attach", function()
                  'set{temperature = 0.5}; return string.rep("a", 20000):find(".-.-.-.-.-b")\n')
     local refused = "error: string.find: the pattern '.-.-.-.-.-b' is refused here (" .. WHY ..
                     "); to search for it plainly: s:find(text, init, true)\n"
+    local undone = "(what this line set, unset, paused or asked for before the error is undone)\n"
     wait_for("the replies", function()
       srv:poll(1)
-      return support.read_file(out) == refused .. refused
+      return support.read_file(out) == refused .. refused .. undone
     end)
-    assert.are.same({temperature = 0.5}, srv.overrides)
+    assert.are.same({}, srv.overrides)
   end)
 
   it("prints replies readably on both threads (nested, keys sorted, arrays inline, bounded); help() lists " ..
