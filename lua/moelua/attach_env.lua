@@ -87,7 +87,10 @@ function attach_env.check(name, value)
   local ok = type(value) == "number" and value == value and value > -math.huge and value < math.huge and
              (value > c.lo or (value == c.lo and not c.lo_open)) and
              (not c.hi or value < c.hi or (value == c.hi and not c.hi_open))
-  if not ok then return name .. " must be a finite number " .. c.what .. ", got " .. tostring(value) end
+  if not ok then
+    return name .. " must be a finite number " .. c.what .. ", got " ..
+           (type(value) == "number" and tostring(value) or string.format("%s %q", type(value), tostring(value)))
+  end
 end
 
 -- help()'s text, made once: a line's string methods are its own meanwhile.

@@ -140,17 +140,24 @@ local function controls(srv)
       for k in pairs(srv.staged) do names[#names + 1] = k end
     end
     local into, from = target()
-    local gone = {}
+    local gone, none = {}, {}
     for i = 1, #names do
       local k = names[i]
       if not attach_env.is_control(k) then
         error("unset: unknown control '" .. tostring(k) .. "' (one of " .. attach_env.names() .. ")", 2)
       end
-      if into == srv.overrides then into[k] = nil; srv.staged[k] = nil else into[k] = false end
-      gone[#gone + 1] = k
+      if srv.overrides[k] == nil and not srv.staged[k] then   -- nothing in force or to come: nothing to drop
+        none[#none + 1] = k
+      else
+        if into == srv.overrides then into[k] = nil; srv.staged[k] = nil else into[k] = false end
+        gone[#gone + 1] = k
+      end
     end
     table.sort(gone)
-    if #gone == 0 then return "no overrides to unset" end
+    table.sort(none)
+    if #gone == 0 then
+      return #none == 0 and "no overrides to unset" or "no override of " .. table.concat(none, ", ") .. " to unset"
+    end
     return ("unset from step %s: %s (the recipe's hook sets them again)"):format(tostring(from),
                                                                                  table.concat(gone, ", "))
   end

@@ -620,7 +620,8 @@ describe("moelua attach", function()
       {"set{eps = 1}", "set: eps must be a finite number in [0, 1)"},
       {"set{temperature = 0}", "set: temperature must be a finite number > 0"},
       {"set{lr_scale = 1/0}", "set: lr_scale must be a finite number >= 0"},
-      {"set{temperature = '1'}", "set: temperature must be a finite number > 0"},
+      {"set{temperature = '1'}", "set: temperature must be a finite number > 0 " ..
+                                 "(changes combine weights, never which experts), got string \"1\""},
       {"set{temperature = false}", "set: temperature must be a finite number > 0"},
       {"set{noise = 0.2, eps = -1}", "set: eps must be a finite number in [0, 1)"},
       {"set{capacity_factor = 1.25}", 'set: capacity_factor applies only to a model with moe policy "drop"'},
@@ -662,6 +663,7 @@ describe("moelua attach", function()
                      srv:run("unset()"))
     assert.are.same({}, srv.overrides)
     assert.are.equal("no overrides to unset", srv:run("unset()"))
+    assert.are.equal("no override of noise, temperature to unset", srv:run('unset("temperature", "noise")'))
   end)
 
   it("refuses a second job on a run directory a live job serves; a job removes only the socket it bound", function()
