@@ -627,11 +627,12 @@ local function load_weights(model, c)
 end
 
 -- train.init_from(model, dir): load a Mixtral-format checkpoint's weights
--- into model (what train.run's init_from does); returns the checkpoint dir.
+-- into model (what train.run's init_from does); returns the checkpoint dir
+-- and whether it has a config.json (checked against the model).
 function train.init_from(model, dir)
   local c = ckpt.load(dir)
   load_weights(model, c)
-  return c.dir
+  return c.dir, c.config ~= nil
 end
 
 -- trainer.json is read like every checkpoint file, as untrusted: each
@@ -1663,7 +1664,13 @@ function train.run(cfg)
   local resuming = cfg.resume and cfg.resume ~= ""
   local init_dir   -- loaded (and checked) before the run directory is touched
   if cfg.init_from and cfg.init_from ~= "" and not resuming then
-    init_dir = train.init_from(self.model, cfg.init_from)
+    local configured
+    init_dir, configured = train.init_from(self.model, cfg.init_from)
+    if not configured then
+      self:message("moelua.train: warning: " .. init_dir .. " has no config.json: its weights' names, shapes " ..
+                   "and dtypes were checked, not the math they were trained with (rope_theta, rms_norm_eps, ...)",
+                   io.stderr)
+    end
   end
   local first = 0
   local resumed_from

@@ -166,7 +166,9 @@ describe("eval, init-from and the profile", function()
       {nil, "moelua.nn.Transformer.from_checkpoint: " .. root .. "/hf1 has no config.json"},
       {{num_local_experts = json.null}, "from_config: config.json: 'num_local_experts' is missing"},
       {{hidden_act = "gelu"}, "from_config: config.json: hidden_act 'gelu' is not supported (silu only)"},
-      {{hidden_size = "32"}, "config.json: 'hidden_size' must be a positive integer, got \"32\" (a string)"},
+      {{hidden_size = "32"}, "config.json: 'hidden_size' must be an integer in [1, 2147483647], got \"32\" (a string)"},
+      {{num_local_experts = 4000000000000}, "config.json: 'num_local_experts' must be an integer in [1, 2147483647], " ..
+                                            "got 4000000000000"},
       {{num_attention_heads = 3}, "option 'kv_heads' = 2 must divide heads = 3 (config.json's num_key_value_heads)"},
     } do
       local dir = root .. "/hf" .. i
@@ -212,7 +214,8 @@ describe("eval, init-from and the profile", function()
 
   it("--init-from starts a run from a checkpoint's weights", function()
     local run = root .. "/fine"
-    tiny_run(run, {"--init-from", base .. "/ckpt", "--lr", "0", "--steps", "1", "--seed", "7"})
+    local said = tiny_run(run, {"--init-from", base .. "/ckpt", "--lr", "0", "--steps", "1", "--seed", "7"})
+    assert.is_nil(said:find("has no config.json", 1, true), said)
     local a, b = params_of(base .. "/ckpt"), params_of(run .. "/ckpt")
     local n = 0
     for name, t in pairs(a) do
@@ -225,6 +228,13 @@ describe("eval, init-from and the profile", function()
       if json.decode(line).event == "init_from" then saw = true end
     end
     assert.is_true(saw, "no init_from event in metrics.jsonl")
+    -- weights without config.json: loaded, saying what could not be checked
+    local bare = root .. "/bare"
+    os.execute("mkdir -p " .. support.shell_quote(bare))
+    m.save(bare .. "/model.safetensors", a)
+    local out = tiny_run(root .. "/fine2", {"--init-from", bare, "--lr", "0", "--steps", "1", "--seed", "7"})
+    support.has(out, "moelua.train: warning: " .. bare .. " has no config.json: its weights' names, shapes and " ..
+                     "dtypes were checked, not the math they were trained with (rope_theta, rms_norm_eps, ...)")
   end)
 
   it("--init-from names a missing, unexpected or mismatched tensor and changes nothing", function()

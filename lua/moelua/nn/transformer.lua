@@ -956,7 +956,8 @@ function Transformer.options_from_config(cfg)
     local v = cfg[key]
     if v == nil and optional then return nil end
     need(v ~= nil, "'%s' is missing", key)
-    need(math.type(v) == "integer" and v >= 1, "'%s' must be a positive integer, got %s", key, shown(v))
+    need(math.type(v) == "integer" and v >= 1 and v <= 0x7fffffff, "'%s' must be an integer in [1, 2147483647], got %s",
+         key, shown(v))
     return v
   end
   local function num(key, default)
