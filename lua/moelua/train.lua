@@ -1615,6 +1615,10 @@ function train.optim_store_path(run_dir) return store_path(run_dir, OPTIM_STORE_
 -- written, else returns "new", "resume" (append to its metrics) or
 -- "overwrite". train.plan and train.run call it.
 function train.check_run_dir(cfg)
+  if type(cfg.resume) == "string" and cfg.resume ~= "" and not fs.stat(cfg.resume) then   -- said before the plan
+    errors.user(string.format("moelua.train: --resume %s: no such checkpoint (it does not exist); nothing was " ..
+                              "written", cfg.resume))
+  end
   local dir = cfg.run_dir
   if not dir then return "new" end
   if type(dir) ~= "string" then error("moelua.train.run: run_dir must be a path", 3) end

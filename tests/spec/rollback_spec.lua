@@ -229,6 +229,15 @@ describe("run directories", function()
     local cfg = planted({}, {run_dir = dir})
     cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
     assert.matches("already holds a run", support.errmsg(train.plan, cfg))
+    -- a --resume that names nothing: said before planning, by both
+    cfg = planted({}, {run_dir = dir .. "/new", resume = dir .. "/nothing/ckpt"})
+    cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
+    local none = "moelua.train: --resume " .. dir .. "/nothing/ckpt: no such checkpoint (it does not exist); " ..
+                 "nothing was written"
+    assert.are.equal(none, support.errmsg(train.plan, cfg))
+    assert.are.equal(none, support.errmsg(train.run, (planted({}, {run_dir = dir .. "/new",
+                                                                   resume = dir .. "/nothing/ckpt"}))))
+    assert.is_nil(require("moelua.fs").stat(dir .. "/new"))
     -- a run stopped before its first checkpoint: no --resume to suggest
     local bare = dir .. "/bare"
     require("moelua.fs").mkdir_p(bare)
