@@ -111,9 +111,11 @@ describe("moelua.inspect", function()
     for i = 1, 8 do assert.are.same(s1.trace[i].layers, s2.trace[i].layers) end
     for _, bad in ipairs{1.5, "a", 2 ^ 70} do   -- never silently seed 0
       support.has(support.errmsg(h.generate, h, "#include", {n = 2, seed = bad}),
-                  "moelua.inspect.generate: option 'seed' must be an integer, got " ..
+                  "moelua.inspect.generate: option 'seed' must be an integer >= 0, got " ..
                   (type(bad) == "number" and tostring(bad) or type(bad)))
     end
+    support.has(support.errmsg(h.generate, h, "#include", {n = 2, seed = -1}),
+                "moelua.inspect.generate: option 'seed' must be an integer >= 0, got -1")
     assert.is_table(h:run("ab\0c", {seq_len = SEQ}).layers)   -- a short text with a NUL: text, not a path
     -- the combine weights of each token's top-k experts: in (0, 1], summing to 1 (renormalised)
     for _, g in ipairs({a, s1}) do
