@@ -36,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -433,10 +434,29 @@ static long live_job(const char *run_dir)
     return pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM) ? pid : -2;
 }
 
+/* Has the job that holds RUN_DIR/lock started training? moelua.train
+ * writes metrics.jsonl right after it takes the lock, and a recipe listens
+ * before it trains: such a job without a socket was started without
+ * --attach, and waiting for it is pointless. */
+static int job_trains(const char *run_dir)
+{
+    char path[4200];
+    struct stat lock, metrics;
+    snprintf(path, sizeof path, "%s/lock", run_dir);
+    if (stat(path, &lock) != 0)
+        return 0;
+    snprintf(path, sizeof path, "%s/metrics.jsonl", run_dir);
+    if (stat(path, &metrics) != 0)
+        return 0;
+    return metrics.st_mtim.tv_sec > lock.st_mtim.tv_sec ||
+           (metrics.st_mtim.tv_sec == lock.st_mtim.tv_sec && metrics.st_mtim.tv_nsec >= lock.st_mtim.tv_nsec);
+}
+
 /* Connect fd to addr, waiting for a job that is starting, so that
  * `job --attach & moelua attach RUN_DIR` works: up to 5 s for a job to
  * take RUN_DIR's lock, then up to a minute while a live one holds it
- * (it plans and builds before it listens). */
+ * (it plans and builds before it listens), unless it trains already
+ * (job_trains: then -2, errno untouched). */
 static int connect_job(int fd, const struct sockaddr_un *addr, const char *run_dir)
 {
     int said_start = 0, said_job = 0;
@@ -448,6 +468,11 @@ static int connect_job(int fd, const struct sockaddr_un *addr, const char *run_d
         if (pid == 0 || tries >= (pid < 0 ? 50 : 600)) {
             errno = e;
             return -1;
+        }
+        if (pid > 0 && job_trains(run_dir)) {
+            fprintf(stderr, "moelua attach: the job in %s (pid %ld) is training and listens on no socket: "
+                    "it was started without --attach\n", run_dir, pid);
+            return -2;
         }
         if (pid == -1 && !said_start++)
             fprintf(stderr, "moelua attach: no job in %s yet: waiting up to 5 s for one to start\n", run_dir);
@@ -476,9 +501,11 @@ int ml_attach_repl(const char *run_dir)
         return 1;
     }
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0 || connect_job(fd, &addr, run_dir) != 0) {
-        fprintf(stderr, "moelua attach: cannot connect to %s: %s (is a job running with --attach?)\n",
-                addr.sun_path, strerror(errno));
+    int rc = fd < 0 ? -1 : connect_job(fd, &addr, run_dir);
+    if (rc != 0) {
+        if (rc == -1)
+            fprintf(stderr, "moelua attach: cannot connect to %s: %s (is a job running with --attach?)\n",
+                    addr.sun_path, strerror(errno));
         if (fd >= 0)
             close(fd);
         return 1;

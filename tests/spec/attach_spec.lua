@@ -711,6 +711,20 @@ describe("moelua attach", function()
     support.has(out, "cannot connect to " .. dir .. "/attach/sock")
   end)
 
+  it("a job that trains without --attach is said at once, not waited for", function()
+    local run = dir .. "/plain"
+    local cmd = support.host_command({"recipes/tiny.lua", "--steps", "400", "--seq-len", "64", "--threads", "1",
+                                      "--run-dir", run, "--ckpt-every", "0"}) ..
+                " >/dev/null 2>&1 & job=$!; while [ ! -s " .. q(run .. "/metrics.jsonl") .. " ]; do sleep 0.1; done; " ..
+                support.host_command({"attach", run}) .. " </dev/null 2>&1; rc=$?; kill -INT $job; wait $job; exit $rc"
+    local t0 = bench.now()
+    local code, out = support.finish_child(assert(io.popen(cmd)))
+    assert.are.equal(1, code, out)
+    support.has(out, "moelua attach: the job in " .. run .. " (pid ")
+    support.has(out, ") is training and listens on no socket: it was started without --attach")
+    assert.is_true(bench.now() - t0 < 30, out)
+  end)
+
   it("attached right after the job is started (`job --attach & moelua attach`): waits for its socket", function()
     local run = dir .. "/late"
     require("moelua.fs").mkdir_p(run)
