@@ -16,7 +16,9 @@
 -- values, {"save", "recompute", "...", choices = {"save", "recompute"}}. An unknown option, a
 -- missing value, a wrong type or a value out of bounds is a user error
 -- (moelua.errors: printed without a traceback) naming the option. Dashes
--- in names become underscores in the result.
+-- in names become underscores in the result. The spec is checked first:
+-- a misspelt key, a default outside its own bounds or choices, or a name
+-- declared twice is an error at the recipe's line.
 local errors = require "moelua.errors"
 
 local options = {}
@@ -144,10 +146,56 @@ function options.help(spec, out)
   end
 end
 
+local RULE_KEYS = {min = "number", max = "number", below = "number", choices = "table"}
+
+-- The recipe's own spec, checked before the command line: a misspelt
+-- bound, a name declared twice or a default its own rule refuses is a bug
+-- of the recipe, raised at the recipe's line (with its traceback).
+local function check_spec(spec)
+  local fn = "moelua.options.parse"
+  if type(spec) ~= "table" then
+    error(string.format("%s: argument #2 (spec): expected a list of {name, default, help}, got %s", fn, type(spec)), 3)
+  end
+  local seen = {}
+  for i, o in ipairs(spec) do
+    local where = string.format("%s: spec[%d]", fn, i)
+    if type(o) ~= "table" or type(o[1]) ~= "string" or o[1] == "" then
+      error(where .. ": expected {name, default, help}", 3)
+    end
+    where = where .. " (--" .. o[1] .. ")"
+    if seen[key(o[1])] then error(where .. ": declared twice", 3) end
+    seen[key(o[1])] = true
+    local t = type(o[2])
+    if t ~= "number" and t ~= "string" and t ~= "boolean" then
+      error(where .. ": the default must be a number, a string or a boolean, got " .. t, 3)
+    end
+    for k, v in pairs(o) do
+      if math.type(k) ~= "integer" and not RULE_KEYS[k] then
+        error(where .. ": unknown key '" .. tostring(k) .. "' (min, max, below, choices)", 3)
+      end
+      if RULE_KEYS[k] and type(v) ~= RULE_KEYS[k] then error(where .. ": " .. k .. " must be a " .. RULE_KEYS[k], 3) end
+    end
+    if (o.min or o.max or o.below) and t ~= "number" then error(where .. ": min, max and below bound numbers", 3) end
+    if o.choices and t ~= "string" then error(where .. ": choices are a string option's", 3) end
+    if t == "number" and (o.min and o[2] < o.min or o.max and o[2] > o.max or o.below and o[2] >= o.below) then
+      error(string.format("%s: the default %s is outside its own bounds", where, tostring(o[2])), 3)
+    end
+    if o.choices then
+      local found = false
+      for _, c in ipairs(o.choices) do found = found or c == o[2] end
+      if not found then error(string.format("%s: the default '%s' is not one of its choices", where, o[2]), 3) end
+    end
+  end
+end
+
 -- values, given = options.parse(argv, spec [, usage]): spec is a list of
 -- {name, default, help}; given[key] is true for each option on the command
 -- line (so a recipe can refuse one that its other options make unused).
 function options.parse(argv, spec, usage)
+  if type(argv) ~= "table" then
+    error("moelua.options.parse: argument #1 (argv): expected the script's arg table, got " .. type(argv), 2)
+  end
+  check_spec(spec)
   local byname, values, given = {}, {}, {}
   for _, o in ipairs(spec) do
     byname[o[1]] = o
@@ -193,7 +241,10 @@ end
 -- options leave it without effect) is a user error "--name: why", not
 -- silently ignored.
 function options.refuse_unused(given, rules)
-  for _, r in ipairs(rules) do
+  for i, r in ipairs(rules) do
+    if type(r) ~= "table" or type(r[1]) ~= "string" or type(r[3]) ~= "string" then
+      error(string.format("moelua.options.refuse_unused: rules[%d]: expected {name, unused, why}", i), 2)
+    end
     if given[key(r[1])] and r[2] then fail("--%s: %s", r[1], r[3]) end
   end
 end

@@ -51,6 +51,26 @@ describe("moelua.options", function()
     assert.are.equal("options: none\n", table.concat(out))
   end)
 
+  it("refuses a recipe's own spec that is wrong, at the recipe's line, before reading the command line", function()
+    local function refused(spec, msg) support.has(support.errmsg(options.parse, {}, spec, "usage"), msg) end
+    local P = "moelua.options.parse: "
+    refused({{"steps", 20, "steps", mn = 1}}, P .. "spec[1] (--steps): unknown key 'mn' (min, max, below, choices)")
+    refused({{"steps", 20, "steps", min = "x"}}, P .. "spec[1] (--steps): min must be a number")
+    refused({{"steps", 0, "steps", min = 1}}, P .. "spec[1] (--steps): the default 0 is outside its own bounds")
+    refused({{"mode", "a", "m", choices = {"x", "y"}}}, P .. "spec[1] (--mode): the default 'a' is not one of its " ..
+                                                       "choices")
+    refused({{"n", 1, "n"}, {"n", 5, "again"}}, P .. "spec[2] (--n): declared twice")
+    refused({{"mode", "a", "m", min = 1}}, P .. "spec[1] (--mode): min, max and below bound numbers")
+    refused({{"lr", {}, "lr"}}, P .. "spec[1] (--lr): the default must be a number, a string or a boolean, got table")
+    refused({"steps"}, P .. "spec[1]: expected {name, default, help}")
+    support.has(support.errmsg(options.parse, {"--steps", "3"}), P .. "argument #2 (spec): expected a list of " ..
+                "{name, default, help}, got nil")
+    support.has(support.errmsg(options.parse, nil, SPEC), P .. "argument #1 (argv): expected the script's arg table, " ..
+                "got nil")
+    support.has(support.errmsg(options.refuse_unused, {}, {"steps", true, "why"}),
+                "moelua.options.refuse_unused: rules[1]: expected {name, unused, why}")
+  end)
+
   it("checks a Lua API's options table by kind, with defaults (options.check)", function()
     local spec = {n = {"integer", min = 1}, rate = {"number", 0.5, min = 0}, name = {"string", false},
                   on = {"boolean", false}, ck = {"string|table", "none"}}
