@@ -238,8 +238,8 @@ static int l_tensor_tensor(lua_State *L)
 
 /* ---- random ------------------------------------------------------------ */
 
-static const char *const RAND_OPTS[] = {"dtype", "device", "lo", "hi", "mean", "std", "seed",
-                                        "offset", NULL};
+static const char *const RAND_OPTS[] = {"dtype", "device", "lo", "hi", "seed", "offset", NULL};
+static const char *const RANDN_OPTS[] = {"dtype", "device", "mean", "std", "seed", "offset", NULL};
 
 /* A draw uses the host generator (advancing its counter) unless opts give
  * a seed and/or an offset (seed defaults to the host's, offset to 0), which
@@ -278,7 +278,7 @@ static int draw_into(lua_State *L, const char *fn, ml_tensor *t, int opt, int no
 static int draw(lua_State *L, const char *fn, int normal)
 {
     int opt;
-    ml_tensor *t = create(L, fn, 1, &opt, RAND_OPTS);
+    ml_tensor *t = create(L, fn, 1, &opt, normal ? RANDN_OPTS : RAND_OPTS);
     return draw_into(L, fn, t, opt, normal);
 }
 

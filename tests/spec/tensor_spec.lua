@@ -278,6 +278,11 @@ describe("bad input", function()
                    nil, true)
     assert.matches("moelua.rand: option 'seed' must be an integer, got a fraction", errmsg(m.rand, {3}, {seed = 0.5}),
                    nil, true)
+    -- each draw takes its own distribution's options, not the other's
+    assert.matches("moelua.rand: unknown option 'mean' (expected one of: dtype, device, lo, hi, seed, offset)",
+                   errmsg(m.rand, {3}, {mean = 3}), nil, true)
+    assert.matches("moelua.randn: unknown option 'lo' (expected one of: dtype, device, mean, std, seed, offset)",
+                   errmsg(m.randn, {3}, {lo = 1}), nil, true)
     assert.matches("moelua.rng_state: the state has no 'seed'", errmsg(m.rng_state, {1, 2}), nil, true)
     assert.matches("moelua.rng_state: expected a state {seed =, offset =}", errmsg(m.rng_state, "x"), nil, true)
     assert.matches("moelua.rng_state: option 'offset' must be >= 0, got -1",
