@@ -179,7 +179,7 @@ static void hold_end(void)
 
 static int l_host_hold_interrupts(lua_State *L)
 {
-    luaL_checktype(L, 1, LUA_TFUNCTION);
+    ml_checktype_named(L, 1, "moelua.host.hold_interrupts", "argument #1 (fn)", LUA_TFUNCTION);
     int before = hold_begin(L);
     int status = lua_pcall(L, lua_gettop(L) - 1, LUA_MULTRET, 0);
     int n = held > before;   /* 0 when an interruptible() inside consumed the one held before */
@@ -194,7 +194,7 @@ static int l_host_hold_interrupts(lua_State *L)
 
 static int l_host_interruptible(lua_State *L)
 {
-    luaL_checktype(L, 1, LUA_TFUNCTION);
+    ml_checktype_named(L, 1, "moelua.host.interruptible", "argument #1 (fn)", LUA_TFUNCTION);
     int depth = hold_depth;
     if (depth == 0) {
         lua_call(L, lua_gettop(L) - 1, LUA_MULTRET);

@@ -171,7 +171,7 @@ static int l_mem_phase(lua_State *L)
 {
     ml_args(L, 1, "moelua.mem.phase");
     ml_host *h = ml_host_of(L);
-    const char *text = luaL_checkstring(L, 1);
+    const char *text = ml_checkstring_named(L, 1, "moelua.mem.phase", "argument #1 (phase)");
     for (int t = 0; t < ML_NTIERS; t++)
         ml_ledger_set_phase(h->ledger[t], text);
     return 0;
@@ -245,7 +245,7 @@ static int l_mem_budget(lua_State *L)
     static const char fn[] = "moelua.mem.budget";
     ml_args(L, 1, fn);
     ml_host *h = ml_host_of(L);
-    luaL_checktype(L, 1, LUA_TTABLE);
+    ml_checktype_named(L, 1, fn, "argument #1 (budgets)", LUA_TTABLE);
     lua_getfield(L, 1, "device");
     ml_tier d = opt_tier(L, -1, fn);
     lua_pop(L, 1);
@@ -284,7 +284,7 @@ static int l_mem_budget(lua_State *L)
 
 static int check_category(lua_State *L, int idx, const char *fn)
 {
-    const char *s = luaL_checkstring(L, idx);
+    const char *s = ml_checkstring_named(L, idx, fn, "the category");
     int c = ml_category_from_name(s);
     if (c < 0)
         ml_error(L, fn, "unknown category '%s' (params, grads, optim, acts, pool, comm, cache, other)", s);
@@ -307,7 +307,7 @@ static int l_mem_scope(lua_State *L)
     static const char fn[] = "moelua.mem.scope";
     ml_host *h = ml_host_of(L);
     ml_category c = (ml_category)check_category(L, 1, fn);
-    luaL_checktype(L, 2, LUA_TFUNCTION);
+    ml_checktype_named(L, 2, fn, "argument #2 (fn)", LUA_TFUNCTION);
     ml_category saved = h->category;
     h->category = c;
     int nargs = lua_gettop(L) - 2;
@@ -389,7 +389,7 @@ static int l_mem_plan(lua_State *L)
 {
     static const char fn[] = "moelua.mem.plan";
     ml_host *h = ml_host_of(L);
-    luaL_checktype(L, 1, LUA_TFUNCTION);
+    ml_checktype_named(L, 1, fn, "argument #1 (fn)", LUA_TFUNCTION);
     if (!h->planning)
         lua_gc(L, LUA_GCCOLLECT);   /* an earlier plan's garbage returns to its book */
     ml_plan_saved saved;

@@ -293,7 +293,7 @@ static int l_tensor_normal_(lua_State *L)
     ml_tensor *t = ml_checktensor(L, 1, fn);
     int opt = lua_isnoneornil(L, 2) ? 0 : 2;
     if (opt)
-        luaL_checktype(L, 2, LUA_TTABLE);
+        ml_checktype_named(L, 2, fn, "argument #1 (options)", LUA_TTABLE);
     ml_check_opts(L, opt, fn, opts);
     lua_settop(L, opt ? 2 : 1);
     lua_pushvalue(L, 1);
@@ -310,8 +310,8 @@ static int l_tensor_philox4x32_10(lua_State *L)
     static const char fn[] = "moelua.philox4x32_10";
     ml_args(L, 2, fn);
     uint32_t ctr[4], key[2], out[4];
-    luaL_checktype(L, 1, LUA_TTABLE);
-    luaL_checktype(L, 2, LUA_TTABLE);
+    ml_checktype_named(L, 1, fn, "argument #1 (counter)", LUA_TTABLE);
+    ml_checktype_named(L, 2, fn, "argument #2 (key)", LUA_TTABLE);
     for (int i = 0; i < 6; i++) {
         lua_geti(L, i < 4 ? 1 : 2, i < 4 ? i + 1 : i - 3);
         int isint;

@@ -71,8 +71,8 @@ static int l_unit_new(lua_State *L)
 {
     static const char fn[] = "moelua.unit.new";
     ml_args(L, 2, fn);
-    const char *name = luaL_checkstring(L, 1);
-    luaL_checktype(L, 2, LUA_TTABLE);
+    const char *name = ml_checkstring_named(L, 1, fn, "argument #1 (name)");
+    ml_checktype_named(L, 2, fn, "argument #2 (segments)", LUA_TTABLE);
     ml_unit *u = lua_newuserdatauv(L, sizeof *u, 0);   /* empty first: __gc is safe */
     memset(u, 0, sizeof *u);
     luaL_setmetatable(L, ML_UNIT_MT);
@@ -155,7 +155,7 @@ static int l_unit_segment(lua_State *L)
 {
     ml_args(L, 2, "Unit:segment");
     ml_unit *u = check_unit(L, 1);
-    int i = ml_unit_find(u, luaL_checkstring(L, 2));
+    int i = ml_unit_find(u, ml_checkstring_named(L, 2, "Unit:segment", "argument #1 (name)"));
     if (i < 0)
         lua_pushnil(L);
     else

@@ -457,6 +457,18 @@ lua_Integer ml_checkinteger_named(lua_State *L, int idx, const char *fn, const c
     return v;
 }
 
+void ml_checktype_named(lua_State *L, int idx, const char *fn, const char *what, int t)
+{
+    if (lua_type(L, idx) != t)
+        ml_error(L, fn, "%s must be a %s, got %s", what, lua_typename(L, t), luaL_typename(L, idx));
+}
+
+const char *ml_checkstring_named(lua_State *L, int idx, const char *fn, const char *what)
+{
+    ml_checktype_named(L, idx, fn, what, LUA_TSTRING);
+    return lua_tostring(L, idx);
+}
+
 void ml_args(lua_State *L, int n, const char *fn)
 {
     int top = lua_gettop(L), self = strchr(fn, ':') != NULL;

@@ -117,6 +117,11 @@ const char *ml_not_integer(lua_State *L, int idx, lua_Integer *v);
  * integer, got a fraction" (or the type); `what` names it ("argument #2
  * (mark)"), as ml_checktensor_named's does. */
 lua_Integer ml_checkinteger_named(lua_State *L, int idx, const char *fn, const char *what);
+/* The value at idx is of Lua type t (LUA_TTABLE, LUA_TFUNCTION, ...), else
+ * "fn: what must be a table, got no value"; the string at idx (a string
+ * only, not a number), else the same error. */
+void ml_checktype_named(lua_State *L, int idx, const char *fn, const char *what, int t);
+const char *ml_checkstring_named(lua_State *L, int idx, const char *fn, const char *what);
 /* Normalise a 1-based (or negative, from the end) dim to 0-based; error if out of range. */
 int ml_checkdim(lua_State *L, int idx, const char *fn, int ndim);
 

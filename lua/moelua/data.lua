@@ -31,6 +31,7 @@
 local fs = require "moelua.fs"
 local T = require "moelua.tensor"
 local errors = require "moelua.errors"
+local options = require "moelua.options"
 local host = require "moelua.host"
 
 local data = {}
@@ -136,7 +137,7 @@ end
 function data.open(opts)
   if type(opts) ~= "table" then fail("open", "expected an options table, got %s", type(opts)) end
   for k in pairs(opts) do
-    if not OPTIONS[k] then fail("open", "unknown option '%s'", tostring(k)) end
+    if not OPTIONS[k] then fail("open", "%s", options.unknown(k, OPTIONS)) end
   end
   local format = opts.format or "bytes"
   if not WIDTH[format] then

@@ -70,9 +70,9 @@ describe("moelua.host.hold_interrupts in this process", function()
     end)
 
     it("checks its argument", function()
-        assert.matches("bad argument #1 to 'moelua%.host%.hold_interrupts' %(function expected, got no value%)",
+        assert.matches("moelua%.host%.hold_interrupts: argument #1 %(fn%) must be a function, got no value",
                        errmsg(host.hold_interrupts))
-        assert.matches("function expected, got number", errmsg(host.hold_interrupts, 5))
+        assert.matches("must be a function, got number", errmsg(host.hold_interrupts, 5))
     end)
 end)
 
@@ -90,9 +90,9 @@ describe("moelua.host.interruptible in this process", function()
     end)
 
     it("checks its argument", function()
-        assert.matches("bad argument #1 to 'moelua%.host%.interruptible' %(function expected, got no value%)",
+        assert.matches("moelua%.host%.interruptible: argument #1 %(fn%) must be a function, got no value",
                        errmsg(host.interruptible))
-        assert.matches("function expected, got table", errmsg(host.interruptible, {}))
+        assert.matches("must be a function, got table", errmsg(host.interruptible, {}))
     end)
 end)
 

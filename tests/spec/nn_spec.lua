@@ -277,6 +277,14 @@ describe("nn.Transformer", function()
     -- dense groups work with SGD
     optim.SGD(model:param_groups{}, {lr = 0.1}):step(0.1)
     assert.are.same({4}, model:active_experts(1):shape())
+    -- an unknown or bad option is named, with the ones it takes
+    support.has(support.errmsg(model.param_groups, model, {weight_decay = 0.1, foo = 1}),
+                "moelua.nn.Transformer:param_groups: unknown option 'foo' (expected one of: freeze, offload, " ..
+                "router_lr_mult, sparse, weight_decay)")
+    support.has(support.errmsg(model.param_groups, model, {weight_decay = -1}),
+                "moelua.nn.Transformer:param_groups: option 'weight_decay' must be a finite number >= 0, got -1")
+    support.has(support.errmsg(model.param_groups, model, {freeze = {experts = 1}}),
+                "moelua.nn.Transformer:param_groups: bad option 'freeze.experts'")
   end)
 
   it("a tiny model overfits a repeated sequence with plain SGD", function()

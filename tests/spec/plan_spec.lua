@@ -100,7 +100,7 @@ describe("mem.plan", function()
     support.raises("made inside a memory plan that has ended", function() return kept:view({2, 2}) end)
     kept = nil
     assert.is_table(mem.plan(function() end))
-    support.raises("bad argument #1", mem.plan, 42)
+    support.raises("moelua.mem.plan: argument #1 (fn) must be a function, got number", mem.plan, 42)
   end)
 
   it("reads and writes no file inside a plan", function()

@@ -641,14 +641,12 @@ local FREEZE_KEYS = {router = true, experts = true, attention = true}
 -- for lazy Adam (then pass model:active_masks(groups) to AdamW:step). With
 -- offload = true (for AdamW's offload) the groups carry no state buffers and
 -- none is reserved (moelua.zero's groups).
+local GROUP_OPTIONS = {weight_decay = {"number", false, min = 0}, router_lr_mult = {"number", false, min = 0},
+                       freeze = {"table", false}, sparse = {"boolean", false}, offload = {"boolean", false}}
+
 function Transformer:param_groups(o)
-  o = o or {}
   local fn = "moelua.nn.Transformer:param_groups"
-  for k, v in pairs(o) do
-    local ok = (k == "weight_decay" or k == "router_lr_mult") and type(v) == "number" and v >= 0
-      or k == "freeze" and type(v) == "table" or (k == "sparse" or k == "offload") and type(v) == "boolean"
-    if not ok then error(string.format("%s: bad option '%s' (%s)", fn, tostring(k), tostring(v)), 2) end
-  end
+  o = options.check(o, GROUP_OPTIONS, function(fmt, ...) error(fn .. ": " .. fmt:format(...), 4) end)
   local fr = o.freeze or {}
   for k, v in pairs(fr) do
     if not FREEZE_KEYS[k] or type(v) ~= "boolean" then
