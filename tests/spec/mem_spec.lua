@@ -447,8 +447,9 @@ describe("bad input", function()
 
   it("mem.budget", function()
     local before = cpu().budget_total
-    has(errmsg(mem.budget), "table expected, got no value")
-    has(errmsg(mem.budget, "x"), "table expected, got string")
+    has(errmsg(mem.budget), "moelua.mem.budget: argument #1 (budgets) must be a table, got no " ..
+                            "value")
+    has(errmsg(mem.budget, "x"), "must be a table, got string")
     has(errmsg(mem.budget, {bogus = 1}), "moelua.mem.budget: unknown option 'bogus' (total, device, force, or a category")
     has(errmsg(mem.budget, {[1] = 5}), "unknown option 'number'")
     assert.are.equal("moelua.mem.budget: option 'total' must be a whole byte count >= 0, got -1",
@@ -468,11 +469,11 @@ describe("bad input", function()
   it("mem.category and mem.scope", function()
     assert.are.equal("moelua.mem.category: unknown category 'bogus' (params, grads, optim, acts, pool, comm, cache, other)",
                      errmsg(mem.category, "bogus"))
-    has(errmsg(mem.category, {}), "string expected, got table")
+    has(errmsg(mem.category, {}), "moelua.mem.category: the category must be a string, got table")
     has(errmsg(mem.scope, "bogus", print), "moelua.mem.scope: unknown category 'bogus'")
-    has(errmsg(mem.scope, nil, print), "string expected, got nil")
-    has(errmsg(mem.scope, "acts"), "function expected, got no value")
-    has(errmsg(mem.scope, "acts", 5), "function expected, got number")
+    has(errmsg(mem.scope, nil, print), "the category must be a string, got nil")
+    has(errmsg(mem.scope, "acts"), "moelua.mem.scope: argument #2 (fn) must be a function, got no value")
+    has(errmsg(mem.scope, "acts", 5), "argument #2 (fn) must be a function, got number")
     assert.are.equal("other", mem.category())
   end)
 
