@@ -30,15 +30,14 @@ local opts = options.parse(arg, {
   {"data", "", "the text file to evaluate (read as bytes unless --format says otherwise)"},
   {"format", "bytes", "token format of --data: bytes, u16 or u32 (pre-tokenized .bin)",
    choices = {"bytes", "u16", "u32"}},
-  {"seq-len", 1024, "predictions per window (windows are seq-len + 1 tokens)"},
+  {"seq-len", 1024, "predictions per window (windows are seq-len + 1 tokens)", min = 1},
   {"json", false, "print one JSON object"},
   {"grad-norms", false, "add per-tensor gradient L2 norms of the mean loss, by HF name"},
   {"checkpoint", "none", "activation checkpointing per layer: none, attention, moe, full"},
-  {"threads", 2, "CPU threads", min = 1},
+  {"threads", 2, "CPU threads", min = 1, max = 1024},
 }, "usage: moelua recipes/eval.lua --ckpt DIR --data FILE [options]")
 if opts.ckpt == "" then errors.user("recipes/eval.lua: --ckpt DIR is required") end
 if opts.data == "" then errors.user("recipes/eval.lua: --data FILE is required") end
-if opts.seq_len < 1 then errors.user("recipes/eval.lua: --seq-len must be >= 1") end
 moelua.threads(opts.threads)
 
 local model, c = nn.Transformer.from_checkpoint(opts.ckpt, {checkpoint = opts.checkpoint})

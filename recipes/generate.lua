@@ -35,7 +35,7 @@ local opts, given = options.parse(arg, {
   {"expert-budget", "", "keep at most this many bytes of experts resident, e.g. 32MiB (default: all)"},
   {"expert-store", "", "the store's backing file, on a disk (default: generate-<pid>.store here; removed at exit)"},
   {"expert-prefetch", 2, "experts the store hints ahead of use", min = 0},
-  {"threads", 2, "CPU threads", min = 1},
+  {"threads", 2, "CPU threads", min = 1, max = 1024},
 }, "usage: moelua recipes/generate.lua --ckpt DIR --prompt TEXT [options]")
 if opts.ckpt == "" then errors.user("recipes/generate.lua: --ckpt DIR is required") end
 if opts.prompt == "" then errors.user("recipes/generate.lua: --prompt TEXT is required") end
@@ -65,6 +65,14 @@ local before = es and es:stats()
 local function show(text)
   errors.written("recipes/generate.lua: writing the text", io.stdout:write(text))
   errors.written("recipes/generate.lua: writing the text", io.stdout:flush())
+end
+-- The KV cache of --seq-len positions (what grows with it), planned
+-- (moelua.mem.plan: nothing allocated) before it is made: a context that
+-- cannot fit is said here, naming --seq-len.
+local books, why = moelua.mem.plan(function() h.model:kv_cache(opts.seq_len):free() end)
+if not books then
+  errors.user(string.format("recipes/generate.lua: --seq-len %d does not fit: %s", opts.seq_len,
+                            (tostring(why):gsub("^moelua%.mem%.plan: ", ""))))
 end
 show(opts.prompt)
 local t0 = now()

@@ -57,7 +57,7 @@ local spec = {
   {"device", "cpu", "where the model trains: cpu or cuda"},
   {"dtype", "", "f32, or bf16 on cuda: mixed precision (bf16 weights and activations; f32 gradients, " ..
                 "optimizer states and master weights, which checkpoints hold); default: bf16 on cuda, f32 on cpu"},
-  {"threads", 2, "CPU threads", min = 1},
+  {"threads", 2, "CPU threads", min = 1, max = 1024},
   {"budget-gib", 0.0, "memory budget in GiB (0: 90% of available)", min = 0},
   {"force-budget", false, "accept a --budget-gib above the memory available (the OOM killer, not an error, " ..
                           "then ends a run that needs it)"},

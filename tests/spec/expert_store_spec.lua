@@ -246,11 +246,15 @@ train.run(cfg)
                        {{"--temperature", "0", "--top-p", "0.5"}, "%-%-top%-p: greedy decoding %(%-%-greedy or " ..
                                                                   "%-%-temperature 0%) takes the most likely byte"},
                        {{"--greedy", "--seed", "3"}, "%-%-seed: greedy decoding %(%-%-greedy or %-%-temperature 0%) " ..
-                                                     "draws nothing to seed"}} do
+                                                     "draws nothing to seed"},
+                       {{"--threads", "1025"}, "option %-%-threads must be at most 1024, got 1025"},
+                       {{"--seq-len", "1000000000"}, "recipes/generate%.lua: %-%-seq%-len 1000000000 does not fit: the " ..
+                                                     "planned run failed %(nothing was allocated%)"}} do
       args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)
       assert.matches(c[2], out)
+      assert.is_nil(out:find("traceback", 1, true), out)
       assert.are_not.equal("alpha", out:sub(1, 5), out)   -- refused before the prompt is echoed
     end
     -- a reader that stops early (| head): an error, and the store's file is removed all the same
