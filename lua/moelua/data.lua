@@ -85,6 +85,10 @@ end
 -- and the walk's fs.stat of each path it visited (not to stat them twice).
 local function expand(pattern)
   local base, rest = pattern:match("^(.-)/%*%*/(.+)$")
+  if not base then   -- "**/x": under the current directory, paths as the glob spells them
+    rest = pattern:match("^%*%*/(.+)$")
+    if rest then base = "." end
+  end
   if not base then
     if pattern:find("**", 1, true) then
       fail("open", "glob: '**' must be a whole path component followed by a pattern, got '%s'",
@@ -98,9 +102,13 @@ local function expand(pattern)
     fail("open", "glob: only one '**' is supported, got '%s'", pattern)
   end
   if base == "" then base = "/" end
+  local function under(dir, name)   -- ("." itself is not spelt: "**/*.h" gives "a.h", "sub/b.h")
+    if dir == "." then return name end
+    return (dir:sub(-1) == "/" and dir or dir .. "/") .. name
+  end
   local seen, out, stats = {}, {}, {}
   local function walk(dir, depth)
-    for _, p in ipairs(fs.glob((dir:sub(-1) == "/" and dir or dir .. "/") .. rest)) do
+    for _, p in ipairs(fs.glob(under(dir, rest))) do
       if not seen[p] then seen[p] = true; out[#out + 1] = p end
     end
     if depth > 64 then return end
@@ -108,7 +116,7 @@ local function expand(pattern)
     if not ok and host.is_interrupt(names) then error(names, 0) end   -- Ctrl-C, not the directory
     if not ok then return end   -- unreadable directories are skipped, as glob(3) would
     for _, name in ipairs(names) do
-      local p = (dir:sub(-1) == "/" and dir or dir .. "/") .. name
+      local p = under(dir, name)
       local st = fs.stat(p)
       stats[p] = st
       if st and st.type == "dir" and not st.link then walk(p, depth + 1) end
@@ -178,12 +186,13 @@ function data.open(opts)
 
   local w = WIDTH[format]
   local files, starts, listed = {}, {}, {}
-  local n = 0
+  local n, dirs = 0, 0
   for _, p in ipairs(paths) do
     local st, err = stats[p], nil
     if not st then st, err = fs.stat(p) end
     if not st then fail("open", "cannot read '%s': %s", p, err) end
-    if st.type == "file" then           -- a glob may match directories: they are skipped
+    if st.type == "dir" then dirs = dirs + 1 end
+    if st.type == "file" then           -- a glob may match directories, devices, FIFOs: they are skipped
       if st.size % w ~= 0 then
         fail("open", "'%s': %d bytes is not a whole number of %s tokens", p, st.size, format)
       end
@@ -198,9 +207,12 @@ function data.open(opts)
     end
   end
   starts[#files + 1] = n
-  if #listed == 0 and opts.glob then   -- a glob of directories only, such as a directory's name
+  if #listed == 0 and opts.glob and dirs > 0 then   -- a glob of directories only, such as a directory's name
     fail("open", "glob '%s' matches no regular file (only directories: a glob such as '%s/**/*' reads the " ..
          "files under one)", opts.glob, (opts.glob:gsub("/$", "")))
+  end
+  if #listed == 0 and opts.glob then
+    fail("open", "glob '%s' matches no regular file (only devices, FIFOs or sockets, which are not read)", opts.glob)
   end
 
   local W = S + 1

@@ -171,6 +171,14 @@ describe("moelua.data", function()
     assert.same({path("x/one.h"), path("x/y/z/two.h")}, ds.files)
     local ds2 = data.open{glob = path("*.txt"), seq_len = 9}
     assert.same(files, ds2.files)
+    -- "**" first: under the current directory, the paths as the glob spells them
+    local p = assert(io.popen("cd " .. support.shell_quote(path("x")) .. " && " ..
+                              support.shell_quote(support.host_path()) .. " -e " ..
+                              support.shell_quote('print(table.concat(require("moelua.data").open{glob = "**/*.h", ' ..
+                                                  'seq_len = 9}.files, " "))') .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    assert.are.equal(0, code, out)
+    assert.are.equal("one.h y/z/two.h\n", out)
   end)
 
   it("rejects bad options with messages", function()
@@ -185,6 +193,8 @@ describe("moelua.data", function()
     fs.mkdir_p(path("sub"))
     has(errmsg(data.open, {glob = path("sub"), seq_len = 4}), "glob '" .. path("sub") .. "' matches no regular " ..
         "file (only directories: a glob such as '" .. path("sub") .. "/**/*' reads the files under one)")
+    has(errmsg(data.open, {glob = "/dev/null", seq_len = 4}), "glob '/dev/null' matches no regular file (only " ..
+        "devices, FIFOs or sockets, which are not read)")
     has(errmsg(data.open, {paths = files, seq_len = 5000}), "too few for one training window")
     local ds = data.open{paths = files, seq_len = 4}
     has(errmsg(ds.batch, ds, -1), "moelua.data.batch: step: expected a non-negative integer")
