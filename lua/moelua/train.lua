@@ -1785,6 +1785,7 @@ function train.run(cfg)
       -- max_skipped in a row and nothing to go back to: the policy stops here
       self:end_line(true)
       local latest = self.run_dir and ckpt.latest(self.run_dir .. "/ckpt")
+      self:log(m)   -- the step that stopped it has its line, as a rollback's does
       self:log({event = "stopped", step = step, reason = why, rollbacks = 0})
       errors.user(string.format("moelua.train: %d steps skipped in a row at step %d (%s), and no good checkpoint " ..
                                 "to roll back to: stopping. %s; start again (or resume from an earlier " ..

@@ -101,6 +101,11 @@ describe("rollbacks", function()
     assert.are.equal(1, #stop)
     assert.are.equal("skipped steps", stop[1].reason)
     assert.is_nil(ckpt.latest(dir .. "/ckpt"))
+    -- every step has its line, the one that stopped the run too, before the stop
+    local all = lines(dir)
+    local last = all[#all - 1]
+    assert.are.same({2, true, nil}, {last.step, last.skipped, last.event})
+    assert.are.equal("stopped", all[#all].event)
   end)
 
   it("roll back past checkpoints followed by a skipped step: they are not good", function()
