@@ -1633,6 +1633,15 @@ function train.check_run_dir(cfg)
   if cfg.overwrite then return "overwrite" end
   if resuming and inside(dir, cfg.resume) then return "resume" end
   local what = table.concat(names, ", ")
+  local a_run = false
+  for _, n in ipairs(names) do
+    for _, f in ipairs(RUN_FILES) do a_run = a_run or n == f end
+  end
+  if not a_run then   -- the user's own files: no run to continue or replace
+    errors.user(string.format("moelua.train: run directory '%s' holds other files (%s), not a run; nothing was " ..
+                              "written. Choose a new or empty --run-dir (--overwrite would write metrics.jsonl, " ..
+                              "ckpt and plots beside them)", dir, what))
+  end
   if resuming then
     errors.user(string.format("moelua.train: run directory '%s' already holds a run (%s), and --resume %s is " ..
                               "not one of its checkpoints: resuming there would append to it and prune its " ..

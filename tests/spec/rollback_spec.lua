@@ -234,6 +234,14 @@ describe("run directories", function()
     local cfg = planted({}, {run_dir = dir})
     cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
     assert.matches("already holds a run", support.errmsg(train.plan, cfg))
+    -- a directory of the user's own files is not called a run
+    local own = dir .. "/own"
+    require("moelua.fs").mkdir_p(own)
+    support.write_file(own .. "/notes.txt", "mine\n")
+    assert.are.equal("moelua.train: run directory '" .. own .. "' holds other files (notes.txt), not a run; nothing " ..
+                     "was written. Choose a new or empty --run-dir (--overwrite would write metrics.jsonl, ckpt and " ..
+                     "plots beside them)", support.errmsg(train.run, (planted({}, {run_dir = own}))))
+    assert.are.equal("mine\n", support.read_file(own .. "/notes.txt"))
     -- a --resume that names nothing: said before planning, by both
     cfg = planted({}, {run_dir = dir .. "/new", resume = dir .. "/nothing/ckpt"})
     cfg.build = function() return cfg.model, cfg.optimizer, cfg.groups end
