@@ -204,6 +204,7 @@ function options.parse(argv, spec, usage)
   local i = 1
   while argv[i] do
     local a = argv[i]
+    if a:match("^%-%-help=") then fail("option --help takes no value, got '%s'", a) end
     if a == "--help" or a == "-h" then
       if usage then io.stdout:write(usage, "\n") end
       options.help(spec)
@@ -211,7 +212,12 @@ function options.parse(argv, spec, usage)
     end
     local name, inline = a:match("^%-%-([%w%-_]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w%-_]+)$") end
-    if not name then fail("unexpected argument '%s' (options are --name value)", a) end
+    if not name then
+      local path = io.open(a, "r")   -- a file name: a glob the shell expanded into many arguments
+      if path then path:close() end
+      fail("unexpected argument '%s' (options are --name value%s)", a,
+           path and "; an unquoted glob is expanded by the shell into many arguments: quote it" or "")
+    end
     local o = byname[name] or byname[name:gsub("_", "-")]
     if not o then
       local names = {}

@@ -98,8 +98,8 @@
 --
 -- metrics.jsonl in run_dir: one JSON object per step (loss, ce, aux, z, lr,
 -- every control the step ran with: temperature, noise, eps, aux_weight,
--- z_weight, lr_scale, capacity_factor, and `overrides` when `moelua attach`
--- set any; tokens/s, ledger peaks by category, per-layer expert loads,
+-- z_weight, lr_scale, capacity_factor (a "drop" policy's only), and
+-- `overrides` when `moelua attach` set any; tokens/s, ledger peaks by category, per-layer expert loads,
 -- active alarms, skipped steps, phase times) and events as their own lines.
 -- With cfg.plan (train.plan's book), the run starts with the event
 -- {event = "plan", step, planned_peak = {total, each category, ranks},

@@ -43,6 +43,11 @@ describe("moelua.options", function()
                                                  options.boolean("false"), options.boolean("0")})
     assert.is_nil(options.boolean("yes"))
     assert.is_nil(options.boolean(""))
+    support.raises("option --help takes no value, got '--help=false'", options.parse, {"--help=false"}, flag)
+    support.raises("unexpected argument '4' (options are --name value)", options.parse, {"--steps", "3", "4"}, flag)
+    support.raises("unexpected argument 'tests/support.lua' (options are --name value; an unquoted glob is expanded " ..
+                   "by the shell into many arguments: quote it)", options.parse,
+                   {"--steps", "tests/spec/options_spec.lua", "tests/support.lua"}, {{"steps", "", "a path"}})
     -- a script without options (recipes/demo.lua) still refuses one, and says it takes none
     support.raises("unknown option --bogus (this script takes no options)", options.parse, {"--bogus"}, {}, "usage")
     assert.are.same({}, options.parse({}, {}, "usage"))
