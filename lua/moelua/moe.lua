@@ -579,18 +579,25 @@ end
 -- and bias included: a dead expert restarts beside a live one, and the
 -- noise breaks the tie between their scores. Optimizer states are left:
 -- a dead expert's moments have decayed toward zero.
-function Layer:reinit_expert(dead, from, std)
-  local E = self.opts.experts
+-- moe.check_reinit(fn, first, E, dead, from, std): reinit_expert's
+-- arguments, numbered from `first` (a model's come after its layer), in
+-- fn's name; raises at the caller of fn's caller.
+function moe.check_reinit(fn, first, E, dead, from, std)
   for i, v in ipairs({dead, from}) do
     if math.type(v) ~= "integer" or v < 0 or v >= E then
-      error(string.format("moelua.moe.reinit_expert: argument #%d: expected an expert id in 0..%d, got %s",
-                          i, E - 1, tostring(v)), 2)
+      error(string.format("%s: argument #%d (%s): expected an expert id in 0..%d, got %s", fn, first + i - 1,
+                          i == 1 and "dead" or "from", E - 1, tostring(v)), 3)
     end
   end
-  if dead == from then error("moelua.moe.reinit_expert: dead and from are the same expert", 2) end
+  if dead == from then error(fn .. ": dead and from are the same expert", 3) end
   if type(std) ~= "number" or not (std >= 0) then
-    error("moelua.moe.reinit_expert: argument #3 (noise_std): expected a number >= 0, got " .. tostring(std), 2)
+    error(string.format("%s: argument #%d (noise_std): expected a number >= 0, got %s", fn, first + 2,
+                        tostring(std)), 3)
   end
+end
+
+function Layer:reinit_expert(dead, from, std)
+  moe.check_reinit("moelua.moe.reinit_expert", 1, self.opts.experts, dead, from, std)
   local views = {self.params.wg, self.params.gate_up, self.params.down}
   if self.bias then views[#views + 1] = self.bias end
   for _, v in ipairs(views) do

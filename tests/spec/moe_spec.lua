@@ -288,7 +288,10 @@ describe("moe layer on given units", function()
     assert.are.same(support.values(before), support.values(p.gate_up:select(1, 4)))   -- others untouched
     layer:reset_bias()
     assert.are.same({0, 0, 0, 0}, layer.bias:totable())
-    assert.matches("argument #1: expected an expert id in 0..3, got 4", errmsg(layer.reinit_expert, layer, 4, 0, 0))
+    assert.matches("moelua.moe.reinit_expert: argument #1 (dead): expected an expert id in 0..3, got 4",
+                   errmsg(layer.reinit_expert, layer, 4, 0, 0), nil, true)
+    assert.matches("argument #2 (from): expected an expert id in 0..3, got 1.5",
+                   errmsg(layer.reinit_expert, layer, 0, 1.5, 0), nil, true)
     assert.matches("dead and from are the same expert", errmsg(layer.reinit_expert, layer, 1, 1, 0))
     assert.matches("noise_std%): expected a number >= 0", errmsg(layer.reinit_expert, layer, 1, 2, -1))
   end)

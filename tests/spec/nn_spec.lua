@@ -285,6 +285,11 @@ describe("nn.Transformer", function()
                 "moelua.nn.Transformer:param_groups: option 'weight_decay' must be a finite number >= 0, got -1")
     support.has(support.errmsg(model.param_groups, model, {freeze = {experts = 1}}),
                 "moelua.nn.Transformer:param_groups: bad option 'freeze.experts'")
+    -- the model's own methods name their own arguments
+    support.has(support.errmsg(model.reinit_expert, model, 1, 9, 0, 0.01),
+                "moelua.nn.Transformer:reinit_expert: argument #2 (dead): expected an expert id in 0..3, got 9")
+    support.has(support.errmsg(model.flops, model, "x"),
+                "moelua.nn.Transformer:flops: argument #1 (seq_len): expected an integer >= 1, got x")
   end)
 
   it("a tiny model overfits a repeated sequence with plain SGD", function()

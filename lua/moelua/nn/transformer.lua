@@ -553,6 +553,9 @@ end
 -- where the layer saves none (save = "recompute", which a checkpointed MoE
 -- half always runs).
 function Transformer:flops(S)
+  if math.type(S) ~= "integer" or S < 1 then
+    error("moelua.nn.Transformer:flops: argument #1 (seq_len): expected an integer >= 1, got " .. tostring(S), 2)
+  end
   local o = self.opts
   local rows = S * o.topk
   local router, experts = 2 * S * o.dim * o.experts, 6 * rows * o.dim * o.ffn
@@ -583,6 +586,7 @@ function Transformer:reinit_expert(layer, dead, from, std)
   if self.zero.ep > 1 or self.expert_store then   -- the two experts may live on different ranks, or in the store
     error("moelua.nn.Transformer:reinit_expert: not with expert parallelism (--ep > 1) or an expert store", 2)
   end
+  moe.check_reinit("moelua.nn.Transformer:reinit_expert", 2, self.opts.experts, dead, from, std)
   local z = self.zero
   z:edit(b.dense, function() z:edit(b.experts, function() b.moe.layer:reinit_expert(dead, from, std) end) end)
 end
