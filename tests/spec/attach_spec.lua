@@ -499,7 +499,8 @@ describe("moelua attach", function()
       return support.read_file(out):find("is undone)\n", 1, true)
     end)
     support.has(support.read_file(out), "set: noise must be")
-    support.has(support.read_file(out), "\n(what this line set, unset, paused or asked for before the error is undone)\n")
+    support.has(support.read_file(out),
+                "\n(what this line set, unset, paused or asked for before the error is undone)\n")
     assert.are.same({}, srv.overrides)
     assert.are.same({}, srv.staged)
     assert.is_false(srv.paused)
@@ -715,7 +716,8 @@ describe("moelua attach", function()
     local run = dir .. "/plain"
     local cmd = support.host_command({"recipes/tiny.lua", "--steps", "400", "--seq-len", "64", "--threads", "1",
                                       "--run-dir", run, "--ckpt-every", "0"}) ..
-                " >/dev/null 2>&1 & job=$!; while [ ! -s " .. q(run .. "/metrics.jsonl") .. " ]; do sleep 0.1; done; " ..
+                " >/dev/null 2>&1 & job=$!; " ..
+                "while [ ! -s " .. q(run .. "/metrics.jsonl") .. " ]; do sleep 0.1; done; " ..
                 support.host_command({"attach", run}) .. " </dev/null 2>&1; rc=$?; kill -INT $job; wait $job; exit $rc"
     local t0 = bench.now()
     local code, out = support.finish_child(assert(io.popen(cmd)))

@@ -167,8 +167,8 @@ describe("eval, init-from and the profile", function()
       {{num_local_experts = json.null}, "from_config: config.json: 'num_local_experts' is missing"},
       {{hidden_act = "gelu"}, "from_config: config.json: hidden_act 'gelu' is not supported (silu only)"},
       {{hidden_size = "32"}, "config.json: 'hidden_size' must be an integer in [1, 2147483647], got \"32\" (a string)"},
-      {{num_local_experts = 4000000000000}, "config.json: 'num_local_experts' must be an integer in [1, 2147483647], " ..
-                                            "got 4000000000000"},
+      {{num_local_experts = 4000000000000},
+       "config.json: 'num_local_experts' must be an integer in [1, 2147483647], got 4000000000000"},
       {{num_attention_heads = 3}, "option 'kv_heads' = 2 must divide heads = 3 (config.json's num_key_value_heads)"},
     } do
       local dir = root .. "/hf" .. i

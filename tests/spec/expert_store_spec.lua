@@ -248,8 +248,9 @@ train.run(cfg)
                        {{"--greedy", "--seed", "3"}, "%-%-seed: greedy decoding %(%-%-greedy or %-%-temperature 0%) " ..
                                                      "draws nothing to seed"},
                        {{"--threads", "1025"}, "option %-%-threads must be at most 1024, got 1025"},
-                       {{"--seq-len", "1000000000"}, "recipes/generate%.lua: %-%-seq%-len 1000000000 does not fit: the " ..
-                                                     "planned run failed %(nothing was allocated%)"}} do
+                       {{"--seq-len", "1000000000"},
+                        "recipes/generate%.lua: %-%-seq%-len 1000000000 does not fit: the planned run failed " ..
+                        "%(nothing was allocated%)"}} do
       args = {"recipes/generate.lua", "--ckpt", dir("whole/ckpt"), "--prompt", "alpha", table.unpack(c[1])}
       code, out = support.finish_child(assert(io.popen(support.host_command(args) .. " 2>&1")))
       assert.are.equal(1, code, out)

@@ -70,8 +70,8 @@ describe("moelua.options", function()
     refused({"steps"}, P .. "spec[1]: expected {name, default, help}")
     support.has(support.errmsg(options.parse, {"--steps", "3"}), P .. "argument #2 (spec): expected a list of " ..
                 "{name, default, help}, got nil")
-    support.has(support.errmsg(options.parse, nil, SPEC), P .. "argument #1 (argv): expected the script's arg table, " ..
-                "got nil")
+    support.has(support.errmsg(options.parse, nil, SPEC),
+                P .. "argument #1 (argv): expected the script's arg table, got nil")
     support.has(support.errmsg(options.refuse_unused, {}, {"steps", true, "why"}),
                 "moelua.options.refuse_unused: rules[1]: expected {name, unused, why}")
   end)
