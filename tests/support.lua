@@ -186,11 +186,16 @@ function support.host_command(args)
   return "timeout -k 5 60 " .. table.concat(words, " ")
 end
 
--- Why jobs under mpiexec cannot run here (a GPU bundle's machine has no
--- MPICH), or nil.
+-- Why jobs under mpiexec cannot run here, or nil: a GPU bundle's machine
+-- has no MPICH, and another MPI's mpiexec (Open MPI's) cannot start the
+-- ranks of a host linked with MPICH.
 function support.mpiexec_missing()
-  local ok = os.execute("command -v mpiexec >/dev/null 2>&1")
-  return not ok and "no mpiexec on this machine: MPI jobs skipped" or nil
+  if not os.execute("command -v mpiexec >/dev/null 2>&1") then
+    return "no mpiexec on this machine: MPI jobs skipped"
+  end
+  if not os.execute("mpiexec --version 2>&1 | grep -q HYDRA") then
+    return "this machine's mpiexec is not MPICH's (moelua is built with MPICH): MPI jobs skipped"
+  end
 end
 
 -- The shell command that runs the host under `mpiexec -n n` with `args` (a

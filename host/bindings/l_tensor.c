@@ -379,15 +379,17 @@ static int l_tensor_threads(lua_State *L)
     return 1;
 }
 
-/* cuda_available() -> true, or false and why not */
+/* cuda_available() -> true and the number of devices, or false and why not */
 static int l_tensor_cuda_available(lua_State *L)
 {
     ml_args(L, 0, "moelua.cuda_available");
     ml_host *h = ml_host_of(L);
     const ml_memory *mem = h->device_mem[ML_CUDA];
-    if (mem && mem->available()) {
+    int devices = mem ? mem->available() : 0;
+    if (devices > 0) {
         lua_pushboolean(L, 1);
-        return 1;
+        lua_pushinteger(L, devices);
+        return 2;
     }
     lua_pushboolean(L, 0);
     lua_pushstring(L, ml_device_unavailable_reason(h, ML_CUDA));

@@ -47,7 +47,8 @@ typedef enum { ML_COPY_H2H, ML_COPY_H2D, ML_COPY_D2H, ML_COPY_D2D } ml_copy_dir;
  * cudaEvent_t on CUDA); the CPU's are NULL and every call on them is a no-op. */
 typedef struct ml_memory {
     const char *name;
-    /* Is a device of this kind present? (CUDA: cudaGetDeviceCount > 0) */
+    /* How many devices of this kind are present and usable (0: none; the
+     * CPU: 1; CUDA: cudaGetDeviceCount when the build runs on them)? */
     int (*available)(void);
     /* Raw device memory; the ledger is charged by the caller (tensor.c,
      * pool.c). The CUDA table caches freed blocks and reports its reserved

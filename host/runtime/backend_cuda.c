@@ -20,7 +20,7 @@
 
 /* ---- availability ------------------------------------------------------- */
 
-static int avail = -1;            /* -1: not asked yet */
+static int avail = -1;            /* devices usable; -1: not asked yet */
 static char unavail_reason[256];
 
 /* The oldest compute capability the binary carries code for (Makefile
@@ -67,7 +67,7 @@ static int cuda_available(void)
         snprintf(unavail_reason, sizeof unavail_reason, "no CUDA device found");
         avail = 0;
     } else {
-        avail = capability_ok();
+        avail = capability_ok() ? n : 0;
     }
     return avail;
 }

@@ -24,8 +24,9 @@
 -- With --device cuda the model, its pool and activations live on the GPU
 -- (the data loader's tokens are copied over), every clock read waits for
 -- the GPU's queued work, and the peaks and plan are the cuda ledger's; the
--- line then also holds "device":"cuda" and "dtype" (--dtype bf16: mixed
--- precision). Every line holds params and
+-- line then also holds "device":"cuda", "dtype" (--dtype bf16: mixed
+-- precision) and device_untracked_bytes (the device memory outside the
+-- ledger, from cudaMemGetInfo). Every line holds params and
 -- active_params (the experts counted at topk/experts) and
 -- model_flop_per_token (3x model:flops(S)'s forward), for MFU.
 -- The baseline is train_torch.py beside it; train_compare.sh interleaves both.
@@ -184,6 +185,9 @@ local out = {
   model_flop_per_token = 3 * model:flops(S).forward / S,   -- forward + backward, recomputes not counted
   planned_peak_ledger_bytes = plan.total_peak,
   planned_peak_acts_pool_bytes = plan.peak.acts + plan.peak.pool,
+  -- cuda: the device memory in use (cudaMemGetInfo) beyond the allocator's
+  -- reservations: the CUDA context, cuBLAS's workspace, other processes
+  device_untracked_bytes = device ~= "cpu" and st.untracked or nil,
   -- the ledger charges the pool's capacity (blocks grow geometrically);
   -- high_water is the most bytes the model's pool ever had in use
   pool_capacity_bytes = model.pool:stats().capacity, pool_high_water_bytes = model.pool:stats().high_water,

@@ -99,6 +99,12 @@ def main():
         print("%s %s, model D %d L %d E %d k %d F %d, seq %d: %.0f tokens/s, step %.1f ms, params %s (active %s)" %
               (r.get("device", "cpu"), r.get("dtype", "f32"), r["dim"], r["layers"], r["experts"], r["topk"],
                r["ffn"], r["seq_len"], tps, r["step_ms"], r.get("params"), n))
+        planned, peak = r.get("planned_peak_ledger_bytes"), r.get("peak_ledger_bytes", {}).get("total")
+        untracked = r.get("device_untracked_bytes")
+        if planned is not None and peak is not None:
+            print("  ledger peak %d bytes, planned %d (%s); outside the ledger (cudaMemGetInfo's used less the "
+                  "allocator's reserved): %s MiB" % (peak, planned, "equal" if peak == planned else "DIFFER",
+                                                    fmt(untracked and untracked / 2**20, ".1f")))
         if n is None:
             continue
         f6n = 6 * n

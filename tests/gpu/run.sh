@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# tests/gpu/run.sh - run every spec on a GPU machine from the bundle
-# (gpu-bundle/run.sh, made by tests/gpu/bundle.sh). Needs a CUDA driver,
+# tests/gpu/run.sh - run every spec (or those named: paths relative to the
+# bundle) on a GPU machine from the bundle (gpu-bundle/run.sh, made by
+# tests/gpu/bundle.sh). Needs a CUDA driver,
 # libcublas.so.13 and libnccl.so.2 (the CUDA install or PyTorch's
 # nvidia-cublas / nvidia-nccl wheels: env.sh finds them); no Lua, busted,
 # OpenBLAS or MPICH: the bundle carries the first three, and without
 # mpiexec the MPI specs pend (gpu_nccl_spec is NCCL's 1-rank smoke test).
 #
 # Writes per-spec TAP output, the device description and summary.txt into
-# $OUT when set, else ./results. gpu_spec runs first, then the other
-# gpu_*_spec files, then the rest. About 4 minutes at most: each spec has
+# $OUT when set, else ./results, in the order below. About 4 minutes at most: each spec has
 # a timeout and the remaining specs are skipped once the overall budget
 # (RUN_BUDGET_S, default 210 s) is spent.
 # Exit status: 0 when every spec passed and CUDA was available.
@@ -24,20 +24,31 @@ t_start=$(date +%s)
 describe_device >"$RES/device.txt" 2>&1
 cat "$RES/device.txt"
 
-# gpu_spec first, then the other gpu_*_spec files, then the rest: the
-# budget may cut the tail, and the GPU specs are what this machine is for
-specs=(tests/spec/gpu_spec.lua)
-for s in tests/spec/gpu_*_spec.lua; do
-    [ "$s" = tests/spec/gpu_spec.lua ] || specs+=("$s")
-done
-for s in tests/spec/*_spec.lua; do
-    case $s in tests/spec/gpu_*) ;; *) specs+=("$s") ;; esac
-done
+# The specs named as arguments (./run.sh tests/spec/gpu_*.lua), else all:
+# gpu_spec first, then the other gpu_*_spec files, then the specs that
+# take another path where CUDA is available (they mention it), then the
+# rest (the budget may cut the tail, and the GPU is what this machine is for)
+if [ $# -gt 0 ]; then
+    specs=("$@")
+else
+    specs=(tests/spec/gpu_spec.lua)
+    for s in tests/spec/gpu_*_spec.lua; do
+        [ "$s" = tests/spec/gpu_spec.lua ] || specs+=("$s")
+    done
+    for s in tests/spec/*_spec.lua; do
+        case $s in tests/spec/gpu_*) ;; *) grep -q cuda "$s" && specs+=("$s") ;; esac
+    done
+    for s in tests/spec/*_spec.lua; do
+        case $s in tests/spec/gpu_*) ;; *) grep -q cuda "$s" || specs+=("$s") ;; esac
+    done
+fi
 
 passed=0 failed=0 skipped_specs=0
 : >"$RES/summary.txt"
 for s in "${specs[@]}"; do
-    [ -f "$s" ] || continue
+    if [ ! -f "$s" ]; then
+        echo "$s: no such spec" | tee -a "$RES/summary.txt"; failed=$((failed + 1)); continue
+    fi
     name=$(basename "$s" .lua)
     left=$((BUDGET - ($(date +%s) - t_start)))
     if [ "$left" -le 5 ]; then

@@ -97,9 +97,29 @@ static void emu_queue(emu_stream *s, emu_op op)
 
 extern "C" {
 
-cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
-cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
-cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+/* Each emulated process is its own device: a node has 8 (more than the MPI
+ * specs start, so NCCL's one rank per device holds), or as many as
+ * CUDA_VISIBLE_DEVICES lists, as on a real node. */
+static int emu_devices(void)
+{
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    if (!v || !*v)
+        return 8;
+    int n = 1;
+    for (; *v; v++)
+        n += *v == ',';
+    return n;
+}
+static int emu_device;
+cudaError_t cudaGetDeviceCount(int *n) { *n = emu_devices(); return cudaSuccess; }
+cudaError_t cudaGetDevice(int *d) { *d = emu_device; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d)
+{
+    if (d < 0 || d >= emu_devices())
+        return cudaErrorInvalidDevice;
+    emu_device = d;
+    return cudaSuccess;
+}
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 cudaError_t cudaDeviceSynchronize(void)
 {
@@ -115,7 +135,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
     p->minor = 0;
     p->totalGlobalMem = EMU_DEVICE_BYTES;
     p->multiProcessorCount = 4;
-    return d == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+    return d >= 0 && d < emu_devices() ? cudaSuccess : cudaErrorInvalidDevice;
 }
 
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
