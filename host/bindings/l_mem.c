@@ -116,14 +116,18 @@ static void push_ledger(lua_State *L, const ml_host *h, const ml_ledger *lg, ml_
         ml_setfield_int(L, "untracked", (lua_Integer)(rss > lg->total ? rss - lg->total : 0));
     }
 #ifdef ML_WITH_CUDA
-    size_t free_b, total_b;
-    if (d == ML_TIER_CUDA && !ml_is_plan_ledger(h, lg) && ml_cuda_mem_info(&free_b, &total_b) == 0) {
-        /* device bytes in use that the caching allocator did not reserve:
-         * the CUDA context, cuBLAS workspaces, other processes */
-        size_t used = total_b - free_b;
-        ml_setfield_int(L, "untracked", (lua_Integer)(used > lg->reserved ? used - lg->reserved : 0));
+    if (d == ML_TIER_CUDA && !ml_is_plan_ledger(h, lg)) {
         ml_cuda_alloc_stats a;
         ml_cuda_alloc_get_stats(&a);
+        /* device bytes in use that the caching allocator did not reserve:
+         * the CUDA context, cuBLAS workspaces, other processes. Read once
+         * this process has device memory: before, cudaMemGetInfo would
+         * create the context (hundreds of MiB there, ~100 MB of RSS here) */
+        size_t free_b, total_b;
+        if (a.nmalloc > 0 && ml_cuda_mem_info(&free_b, &total_b) == 0) {
+            size_t used = total_b - free_b;
+            ml_setfield_int(L, "untracked", (lua_Integer)(used > lg->reserved ? used - lg->reserved : 0));
+        }
         lua_createtable(L, 0, 8);
         ml_setfield_int(L, "reserved", (lua_Integer)a.reserved);
         ml_setfield_int(L, "allocated", (lua_Integer)a.allocated);

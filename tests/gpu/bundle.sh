@@ -44,6 +44,7 @@ strip --strip-debug "$OUTDIR/moelua"
 cp -r lua "$OUTDIR/lua"
 cp -r tests/spec "$OUTDIR/tests/spec"
 cp tests/support.lua "$OUTDIR/tests/support.lua"
+cp README.md "$OUTDIR/README.md"   # optim_spec and train_spec run its examples
 for d in tests/data tests/fixtures recipes; do
     [ -d "$d" ] && cp -r "$d" "$OUTDIR/$d"
 done
