@@ -97,6 +97,23 @@ end
 
 local function gb(n) return string.format("%.2f", n / 1e9) end
 
+-- The device memory a CUDA run holds outside the ledger, as measured by
+-- tests/spec/gpu_memory_spec.lua (cudaMemGetInfo's used bytes less the
+-- allocator's reservations) on an NVIDIA H200, driver 580.159.04, CUDA 13.0
+-- (2026-12-04); the 2-step training runs there measured context + cuBLAS
+-- as 595-598 MiB (BENCHMARKS.md, "The GPU, measured").
+local CUDA_OUTSIDE = {
+  where = "measured on an NVIDIA H200, driver 580.159.04, CUDA 13.0: tests/spec/gpu_memory_spec.lua",
+  context = 528.8 * 2^20, cublas = 66.0 * 2^20, nccl = 578.0 * 2^20,
+}
+
+-- What a CUDA run of `world` ranks holds on its device outside the ledger
+-- (an NCCL communicator only when world > 1).
+local function cuda_outside(world)
+  local o = CUDA_OUTSIDE
+  return o.context + o.cublas + (world > 1 and o.nccl or 0)
+end
+
 -- The preset's book beside the plan's (at the peak), and where the report
 -- is wrong, computed from the plan (PROBLEM.md, "Where the reports are wrong").
 local function preset_lines(plan, out)
@@ -109,8 +126,10 @@ local function preset_lines(plan, out)
     out[#out + 1] = string.format("  %-9s %12s %12s", c[1], gb(r[c[1]]), gb(a[c[2]] or 0))
   end
   out[#out + 1] = string.format("  %-9s %12s %12s", "acts", gb(r.acts), gb((a.acts or 0) + (a.pool or 0) + (a.comm or 0)))
-  out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, "not planned")
+  out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, gb(cuda_outside(1)))
   out[#out + 1] = string.format("  %-9s %12s %12s", "total", r.total, gb(plan.total_peak))
+  out[#out + 1] = "  (this plan's outside is measured, not planned, and not in its total: the CUDA context and " ..
+                  "cuBLAS, " .. CUDA_OUTSIDE.where .. ")"
   out[#out + 1] = "where report 1 is wrong:"
   out[#out + 1] = string.format("  - %s GB of 2-byte parameters is %.1fB parameters, not 20B; this model's %.2fB " ..
                                 "take %s GB in bf16", gb(r.params), r.params / 2 / 1e9, n / 1e9, gb(2 * n))
@@ -137,15 +156,18 @@ end
 -- What the ledger leaves out, with what this process measured of it: its
 -- RSS less its ledger (the plan allocated nothing, so that is the code,
 -- the libraries and the Lua heap of the recipe's build: a run has the
--- same and its data). The CUDA context and the cuBLAS and NCCL workspaces
--- are measured only on a device (tests/spec/gpu_train_spec.lua prints the
--- device memory outside the allocator there).
+-- same and its data); on cuda, the device's share (CUDA_OUTSIDE).
 local function outside_lines(device)
   local host = require("moelua.mem").stats().cpu.untracked
-  return string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
-                       "(%s measured in this process: its RSS less its ledger)%s", mib(host),
-                       device == "cuda" and "; the CUDA context, cuBLAS and NCCL workspaces (measured only on " ..
-                       "a device: tests/gpu/run.sh prints them)" or "")
+  local line = string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
+                             "(%s measured in this process: its RSS less its ledger)", mib(host))
+  if device ~= "cuda" then return line end
+  local o, world = CUDA_OUTSIDE, require("moelua.dist").world()
+  return line .. string.format("; on the GPU, %s for this run: the CUDA context %s, cuBLAS's handle and workspace " ..
+                               "%s%s (%s; other GPUs, drivers and versions differ)", mib(cuda_outside(world)),
+                               mib(o.context), mib(o.cublas), world > 1 and ", an NCCL communicator " ..
+                               mib(o.nccl) or " (an NCCL communicator, " .. mib(o.nccl) .. ", with 2 or more ranks)",
+                               o.where)
 end
 
 -- The lines of train.plan's report: the headline (the peak, or what a plan

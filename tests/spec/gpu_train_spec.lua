@@ -66,7 +66,11 @@ local function cfg(path, device, over, dtype)
   return c
 end
 
--- A 2-step run on DEV (of dtype) measures the peak train.plan predicted, per category.
+-- A 2-step run on DEV (of dtype) measures the peak train.plan predicted, per
+-- category. On cuda the device's used memory (cudaMemGetInfo) is the
+-- allocator's reservations plus what lies outside the ledger: the CUDA
+-- context and cuBLAS, 595 MiB on an H200 (gpu_memory_spec; the plan quotes
+-- it), so under 1 GiB here (no NCCL in one process).
 local function planned_is_measured(dir, dtype)
   local c = cfg(corpus(dir), DEV, {run_dir = dir .. "/p", steps = 2}, dtype)
   c.model, c.optimizer, c.groups = nil, nil, nil
@@ -80,7 +84,7 @@ local function planned_is_measured(dir, dtype)
   assert.are.equal(plan.total_peak, s.total_peak)
   for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
   if DEV == "cuda" then   -- what the plan cannot book (issue 14): measured here, for the plan to quote
-    assert.is_true(s.untracked ~= nil and s.untracked < 4 << 30, "device memory outside the allocator")
+    assert.is_true(s.untracked ~= nil and s.untracked < 1 << 30, "device memory outside the allocator")
     print(string.format("# %s: device memory outside the ledger (CUDA context, cuBLAS and NCCL workspaces, " ..
                         "other processes): %.1f MiB", dtype or "f32", s.untracked / 2^20))
   end

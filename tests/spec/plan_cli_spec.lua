@@ -138,6 +138,11 @@ describe("moelua plan", function()
     support.has(text, string.format("\nthe model: %d parameters (%.2fB)\n", n, n / 1e9))
     support.has(text, "\n  params           15.20 " .. string.format("%12.2f", 2 * n / 1e9) .. "\n")
     support.has(text, "15.20 GB of 2-byte parameters is 7.6B parameters, not 20B")
+    -- outside the ledger: the H200's measured context + cuBLAS (tests/spec/gpu_memory_spec.lua), one GPU
+    support.has(text, "\n  outside        1.2-1.8         0.62\n")
+    support.has(text, "; on the GPU, 594.80 MiB for this run: the CUDA context 528.80 MiB, cuBLAS's handle and " ..
+                      "workspace 66.00 MiB (an NCCL communicator, 578.00 MiB, with 2 or more ranks) (measured on " ..
+                      "an NVIDIA H200, driver 580.159.04, CUDA 13.0: tests/spec/gpu_memory_spec.lua")
     support.has(text, string.format("model states alone (params, grads, optim) are %.2f GB here, 18.0 bytes per " ..
                                     "parameter", 18 * n / 1e9))
     local small = {table.unpack(args)}
@@ -150,6 +155,17 @@ describe("moelua plan", function()
     code, text = host({"plan", "recipes/longctx.lua", "--preset", "report2"})
     assert.are.equal(1, code, text)
     support.has(text, "moelua plan: --preset report2: unknown (presets: report1)")
+  end)
+
+  it("on cuda lists the device memory outside the ledger as measured on a GPU, NCCL's with 2 or more ranks", function()
+    local code, text = host({"plan", "recipes/longctx.lua", "--device", "cuda", "--world", "2", "--zero", "3",
+                             "--seq-len", "256"})
+    assert.are.equal(0, code, text)
+    support.has(text, "; on the GPU, 1172.80 MiB for this run: the CUDA context 528.80 MiB, cuBLAS's handle and " ..
+                      "workspace 66.00 MiB, an NCCL communicator 578.00 MiB (measured on an NVIDIA H200")
+    code, text = host({"plan", "recipes/longctx.lua", "--seq-len", "256"})
+    assert.are.equal(0, code, text)
+    assert.is_nil(text:find("on the GPU", 1, true), text)
   end)
 
   it("needs a recipe; --rank needs --world; --max-seq sets --seq-len itself", function()
