@@ -104,7 +104,10 @@
 -- With cfg.plan (train.plan's book), the run starts with the event
 -- {event = "plan", step, planned_peak = {total, each category, ranks},
 -- phase, budget}: what the run was admitted on, in the form of the steps'
--- ledger_peak, so a reader compares the two to the byte.
+-- ledger_peak, so a reader compares the two to the byte. On cuda a step
+-- also logs device_untracked: the device memory in use outside the ledger
+-- (cudaMemGetInfo's used less the allocator's reservations: the CUDA
+-- context, cuBLAS, NCCL).
 -- phases (seconds): data, fwd, bwd, optim (the step's wall time is their
 -- sum, `step_seconds`), and inside fwd + bwd the model's profile: attention, router,
 -- dispatch, experts, ce; `gflops` = {attention, experts, ce} (model FLOPs
@@ -1185,6 +1188,7 @@ function Trainer:step(step)
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
   m.ledger_peak = ledger_peaks(z, dev)
+  if dev == "cuda" then m.device_untracked = mem.stats().cuda.untracked end   -- this rank's, outside the ledger
   if z.expert_store then m.expert_store = z.expert_store:stats() end   -- counters since the start
   if self.optimizer.offload then m.optim_store = self.optimizer:offload_stats() end
   if z.world > 1 then m.comm_seconds = comm_seconds(z) end

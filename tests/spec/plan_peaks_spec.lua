@@ -2,6 +2,7 @@
 -- first test): for recipes/tiny.lua and recipes/longctx.lua at three
 -- sequence lengths, in one process, on each rank of `mpiexec -n 2` with
 -- ZeRO-3, and with an expert budget (one process: the store refuses ZeRO),
+-- and on a GPU (the device memory outside the ledger under 1 GiB there),
 -- the ledger peak of every category and the total that the run measures
 -- (the last step's ledger_peak in its metrics.jsonl) equal to the byte both
 -- plans of it: `moelua plan` with the same options (--world 2 --rank R for
@@ -32,6 +33,16 @@ local MODES = {
   {name = "--expert-budget", tag = "budget", ranks = 1,
    options = function(recipe) return {"--expert-budget", recipe.budget} end,
    check = function(p) assert.is_true(p.measured.cache > 0, "the experts are in the store's cache") end},
+  -- on a GPU (bf16, mixed precision): the device's used memory is the
+  -- ledger's reservations and what lies outside it, the CUDA context and
+  -- cuBLAS (595 MiB on an H200: gpu_memory_spec; the plan quotes it):
+  -- under 1 GiB
+  {name = "--device cuda", tag = "cuda", ranks = 1, cuda = true,
+   options = function() return {"--device", "cuda"} end,
+   check = function(p)
+     assert.is_true(p.untracked ~= nil and p.untracked > 0 and p.untracked < 1 << 30,
+                    "device memory outside the ledger: " .. tostring(p.untracked))
+   end},
 }
 
 local base   -- build/plan_peaks: an expert store's file must be on a disk
@@ -77,9 +88,9 @@ local function train(recipe, seq_len, mode)
   end
   local args = {recipe.file, table.unpack(opts)}
   local out = child(ranks > 1 and support.mpiexec_command(ranks, args) or support.host_command(args))
-  local last, plan
+  local last, plan, untracked
   for _, m in ipairs(support.metrics(run_dir)) do
-    if m.ledger_peak then last = m.ledger_peak end
+    if m.ledger_peak then last, untracked = m.ledger_peak, m.device_untracked end
     if m.event == "plan" then plan = m.planned_peak end
   end
   assert.is_not_nil(last, "no step logged its ledger peak: " .. out)
@@ -90,7 +101,7 @@ local function train(recipe, seq_len, mode)
   assert.are.equal(ranks, #planned, "ranks in the plan event")
   local per_rank = {}
   for r = 1, ranks do
-    per_rank[r] = {cli = cli[r], run = planned[r], measured = measured[r]}
+    per_rank[r] = {cli = cli[r], run = planned[r], measured = measured[r], untracked = untracked}
   end
   return per_rank
 end
@@ -117,6 +128,7 @@ describe("the plans of a run equal its measured ledger peaks, per category, to t
     for _, mode in ipairs(MODES) do
       it(string.format("%s, %s, --seq-len %s", recipe.file, mode.name, table.concat(SEQS, ", ")), function()
         if mode.ranks > 1 and support.mpiexec_missing() then return pending(support.mpiexec_missing()) end
+        if mode.cuda and not require("moelua").cuda_available() then return pending("no CUDA device") end
         for _, seq_len in ipairs(SEQS) do
           for r, p in ipairs(train(recipe, seq_len, mode)) do
             local what = string.format("--seq-len %d, rank %d", seq_len, r - 1)
