@@ -1,8 +1,11 @@
 -- recipes/bench/mfu_summary.lua LINES: the table of recipes/bench/mfu.sh
--- from its JSON lines (matmul.lua's, train.lua's, in run order): per
--- train.lua run, its tokens/s and the best GEMM rate of the matmul.lua runs
--- just before and after it, MFU = tokens/s x model_flop_per_token over the
--- higher of the two; then the median per seq_len.
+-- from its JSON lines (matmul.lua's, train.lua's, moe_layer.lua's, in run
+-- order): per train.lua run, its tokens/s and the best GEMM rate of the
+-- matmul.lua runs just before and after it, MFU = tokens/s x
+-- model_flop_per_token over the higher of the two; per moe_layer.lua run,
+-- its forward + backward time and its share of the GEMM floor (the expert
+-- GEMMs' 6·T·k·3·D·F FLOPs at that rate, over the time); then the median
+-- of each.
 local json = require "dkjson"
 local median = require("moelua.measure").median
 local rows, gemms = {}, {}
@@ -15,21 +18,26 @@ for line in f:lines() do
     gemms[#gemms + 1] = math.max(r.raw_gflops, r.raw_onednn_gflops, r.lua_out_gflops)
   elseif r.tokens_per_s then
     rows[#rows + 1] = {S = r.seq_len, tps = r.tokens_per_s, flop = r.model_flop_per_token, g = #gemms}
+  elseif r.bench == "moe_layer" then   -- one "token" a layer call: its FLOPs over its time
+    local s = (r.fwd_ms + r.bwd_ms) / 1e3
+    rows[#rows + 1] = {S = "moe", tps = 1 / s, flop = 6 * r.tokens * r.topk * 3 * r.dim * r.ffn, g = #gemms}
   end
 end
 local by = {}
-print("| seq_len | tokens/s | best GEMM before / after (GFLOP/s) | MFU |")
+print("| seq_len | tokens/s (moe: fwd + bwd ms) | best GEMM before / after (GFLOP/s) | MFU (moe: share of the floor) |")
 print("|---:|---:|---|---:|")
 for _, r in ipairs(rows) do
   local best = math.max(gemms[r.g], gemms[r.g + 1])
   local mfu = r.tps * r.flop / (best * 1e9)
   by[r.S] = by[r.S] or {}
   table.insert(by[r.S], mfu)
-  print(string.format("| %d | %.0f | %.1f / %.1f | %.1f%% |", r.S, r.tps, gemms[r.g], gemms[r.g + 1], 100 * mfu))
+  local speed = r.S == "moe" and string.format("%.1f ms", 1e3 / r.tps) or string.format("%.0f", r.tps)
+  print(string.format("| %s | %s | %.1f / %.1f | %.1f%% |", r.S, speed, gemms[r.g], gemms[r.g + 1], 100 * mfu))
 end
 local seqs = {}
 for S in pairs(by) do seqs[#seqs + 1] = S end
-table.sort(seqs)
+table.sort(seqs, function(a, b) return tostring(a) < tostring(b) end)
 for _, S in ipairs(seqs) do
-  print(string.format("seq_len %d: MFU median %.1f%% over %d rounds", S, 100 * median(by[S]), #by[S]))
+  print(string.format(S == "moe" and "the MoE layer: its share of the GEMM floor, median %.1f%% over %d rounds"
+                        or "seq_len " .. S .. ": MFU median %.1f%% over %d rounds", 100 * median(by[S]), #by[S]))
 end

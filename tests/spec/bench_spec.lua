@@ -50,6 +50,25 @@ describe("moelua.bench", function()
     end
   end)
 
+  it("recipes/bench/mfu_summary.lua: a step's MFU and the MoE layer's share of its GEMM floor, each against the " ..
+     "higher GEMM rate beside it", function()
+    local dir = support.make_tmpdir()
+    local gemm = '{"bench":"matmul","raw_gflops":%g,"raw_onednn_gflops":1,"lua_out_gflops":%g}\n'
+    support.write_file(dir .. "/lines", gemm:format(100, 200) .. -- a step of 1e6 FLOPs a token at 1e5 tokens/s
+                       '{"seq_len":4096,"tokens_per_s":1e5,"model_flop_per_token":1e6}\n' .. gemm:format(250, 3) ..
+                       -- 6 T k 3 D F = 6 * 1000 * 2 * 3 * 10 * 20 = 7.2e6 FLOPs in 0.1 ms: 72 GFLOP/s
+                       '{"bench":"moe_layer","tokens":1000,"topk":2,"dim":10,"ffn":20,"fwd_ms":0.04,"bwd_ms":0.06}\n' ..
+                       gemm:format(80, 90))
+    local p = assert(io.popen(support.host_command({"recipes/bench/mfu_summary.lua", dir .. "/lines"}) .. " 2>&1"))
+    local code, out = support.finish_child(p)
+    support.remove_dir(dir)
+    assert.are.equal(0, code, out)
+    support.has(out, "| 4096 | 100000 | 200.0 / 250.0 | 40.0% |")   -- 100 GFLOP/s of the best 250
+    support.has(out, "| moe | 0.1 ms | 250.0 / 90.0 | 28.8% |")           -- 72 of 250
+    support.has(out, "the MoE layer: its share of the GEMM floor, median 28.8% over 1 rounds")
+    support.has(out, "seq_len 4096: MFU median 40.0% over 1 rounds")
+  end)
+
   it("recipes/bench/train.lua prints a refused model option as its message, with no traceback", function()
     local p = assert(io.popen(support.host_command({"recipes/bench/train.lua", "--experts", "4", "--topk", "9",
                                                     "--steps", "1"}) .. " 2>&1"))
