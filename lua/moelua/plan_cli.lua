@@ -21,7 +21,8 @@
 --
 -- --json: the same plan as one JSON object (every book's peak and at_peak
 -- per category in bytes, total_peak, the phase, pool_bytes,
--- expert_exchange, per_step); with --world and no --rank, one line per rank.
+-- expert_exchange, per_step, outside: what lies outside the ledger); with
+-- --world and no --rank, one line per rank.
 --
 -- --fit: the recipe's memory knobs, tried in a stated order (KNOBS below)
 -- and kept as they add up, until a plan fits, then the kept ones a later
@@ -104,7 +105,7 @@ local function gb(n) return string.format("%.2f", n / 1e9) end
 -- as 595-598 MiB (BENCHMARKS.md, "The GPU, measured").
 local CUDA_OUTSIDE = {
   where = "measured on an NVIDIA H200, driver 580.159.04, CUDA 13.0: tests/spec/gpu_memory_spec.lua",
-  context = 528.8 * 2^20, cublas = 66.0 * 2^20, nccl = 578.0 * 2^20,
+  context = math.floor(528.8 * 2^20), cublas = 66 << 20, nccl = 578 << 20,
 }
 
 -- What a CUDA run of `world` ranks holds on its device outside the ledger
@@ -156,9 +157,20 @@ end
 -- What the ledger leaves out, with what this process measured of it: its
 -- RSS less its ledger (the plan allocated nothing, so that is the code,
 -- the libraries and the Lua heap of the recipe's build: a run has the
--- same and its data); on cuda, the device's share (CUDA_OUTSIDE).
+-- same and its data); on cuda, the device's share (CUDA_OUTSIDE). As
+-- --json's `outside`: bytes.
+local function outside(device)
+  local out = {host_bytes = require("moelua.mem").stats().cpu.untracked}
+  if device == "cuda" then
+    local o, world = CUDA_OUTSIDE, require("moelua.dist").world()
+    out.cuda = {bytes = cuda_outside(world), context = o.context, cublas = o.cublas,
+                nccl = world > 1 and o.nccl or 0, measured = o.where}
+  end
+  return out
+end
+
 local function outside_lines(device)
-  local host = require("moelua.mem").stats().cpu.untracked
+  local host = outside(device).host_bytes
   local line = string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
                              "(%s measured in this process: its RSS less its ledger)", mib(host))
   if device ~= "cuda" then return line end
@@ -259,7 +271,8 @@ function M.finish_json(recipe, device, plan, books)
   local out = {recipe = recipe, device = device, peak_bytes = plan.total_peak, phase = plan.peak_phase,
                budget_bytes = plan.budget_total, books = {[device] = book(plan)},
                pool_bytes = plan.pool_bytes, expert_exchange = plan.expert_exchange,
-               parameters = plan.parameters, preset = M.preset, per_step = plan.per_step}
+               parameters = plan.parameters, preset = M.preset, per_step = plan.per_step,
+               outside = outside(device)}
   if dist.planned() then out.rank, out.world = dist.rank(), dist.world() end
   for _, tier in ipairs(other_tiers(device)) do
     local b = books[tier]

@@ -166,6 +166,22 @@ describe("moelua plan", function()
     code, text = host({"plan", "recipes/longctx.lua", "--seq-len", "256"})
     assert.are.equal(0, code, text)
     assert.is_nil(text:find("on the GPU", 1, true), text)
+    -- --json: the same in bytes (528.8, 66 and 578 MiB), the host's share measured in the planning process
+    local json = require "dkjson"
+    for _, world in ipairs{1, 2} do
+      code, text = host({"plan", "recipes/longctx.lua", "--device", "cuda", "--seq-len", "256", "--json",
+                         "--world", tostring(world), "--rank", "0"})
+      assert.are.equal(0, code, text)
+      local o = json.decode(text).outside
+      local nccl = world > 1 and 578 * 2^20 or 0
+      assert.are.same({bytes = 554486988 + 66 * 2^20 + nccl, context = 554486988, cublas = 66 * 2^20, nccl = nccl,
+                       measured = "measured on an NVIDIA H200, driver 580.159.04, CUDA 13.0: " ..
+                                  "tests/spec/gpu_memory_spec.lua"}, o.cuda)
+      assert.is_true(o.host_bytes > 0 and o.host_bytes < 1 << 30, text)
+    end
+    code, text = host({"plan", "recipes/longctx.lua", "--seq-len", "256", "--json"})
+    assert.are.equal(0, code, text)
+    assert.is_nil(json.decode(text).outside.cuda)
   end)
 
   it("needs a recipe; --rank needs --world; --max-seq sets --seq-len itself", function()
