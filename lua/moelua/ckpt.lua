@@ -70,7 +70,18 @@ local function join(a, b) return a:sub(-1) == "/" and a .. b or a .. "/" .. b en
 
 local function exists(p) return fs.stat(p) ~= nil end
 
-local function read_all(path)
+-- A checkpoint is read from regular files only: opening a FIFO or a
+-- device would wait for a writer forever.
+local function regular(path, fn)
+  local st = fs.stat(path)
+  if st and st.type ~= "file" then
+    fail(fn or "load", "'%s' is not a regular file (%s)", path,
+         st.type == "dir" and "a directory" or "a FIFO, socket or device")
+  end
+end
+
+local function read_all(path, fn)
+  regular(path, fn)
   local f, err = io.open(path, "rb")
   if not f then return nil, err end
   local s = f:read("a")
@@ -185,7 +196,7 @@ local function write_pointer(root, name, target)
 end
 
 local function read_pointer(root, name, fn)
-  local s = read_all(join(root, name))
+  local s = read_all(join(root, name), fn)
   if not s then return nil end
   local target = s:match("^(step%-%d+)\n?$")
   if not target then fail(fn, "'%s' does not name a step directory", join(root, name)) end
@@ -526,6 +537,7 @@ local function verify_manifest(dir, required)
       end
       local p = join(dir, rel)
       if not exists(p) then fail("load", "'%s' is listed in MANIFEST.sha256 but missing", p) end
+      regular(p)
       local readable, got = pcall(fs.sha256, p)
       if not readable then fail("load", "%s", (tostring(got):gsub("^moelua%.fs%.sha256: ", ""))) end
       if got ~= sum:lower() then
@@ -574,6 +586,7 @@ function ckpt.is_source(v) return getmetatable(v) == Source end
 
 -- The sources of the safetensors file at path, by name.
 local function open_st(path)
+  regular(path)
   local ok, reader = pcall(mio.open, path)
   if not ok then fail("load", "%s", tostring(reader)) end
   local out = {}
