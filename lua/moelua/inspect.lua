@@ -411,7 +411,8 @@ local function run_topk(fn, run_dir, opts)
   -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
   for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
     local ok, dir = pcall(pointer, run_dir .. "/ckpt")
-    local f = ok and dir and io.open(dir .. "/config.json", "r")
+    local st = ok and dir and fs.stat(dir .. "/config.json")   -- a regular file: a FIFO would block the read
+    local f = st and st.type == "file" and io.open(dir .. "/config.json", "r")
     if f then
       local c = json.decode(f:read("a"))
       f:close()

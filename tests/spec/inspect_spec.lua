@@ -377,6 +377,12 @@ describe("moelua.inspect on reports built by hand", function()
                                                                   "no layer 3: step 0 logs 2 layers (1..2)")
     support.has(support.errmsg(inspect.loads, dir), "moelua.inspect.loads: no checkpoint config in " .. dir ..
                                                    "/ckpt to read top-k from: pass {topk = k}")
+    -- a checkpoint whose config.json is a FIFO: not read (the read would block), the same error
+    require("moelua.fs").mkdir_p(dir .. "/ckpt/step-000003")
+    support.write_file(dir .. "/ckpt/latest", "step-000003\n")
+    assert(os.execute("mkfifo " .. support.shell_quote(dir .. "/ckpt/step-000003/config.json")))
+    support.has(support.errmsg(inspect.loads, dir), "moelua.inspect.loads: no checkpoint config in " .. dir ..
+                                                   "/ckpt to read top-k from: pass {topk = k}")
     support.has(support.errmsg(inspect.loads, dir .. "/none", {topk = 2}), "moelua.inspect.loads: ")
     support.has(support.errmsg(inspect.loads, nil), "argument #1 (run_dir): expected a run directory, got nil")
   end)
