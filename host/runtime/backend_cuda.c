@@ -376,7 +376,7 @@ int ml_cuda_mem_info(size_t *free_bytes, size_t *total_bytes)
 
 void ml_cuda_shutdown(void)
 {
-    if (avail != 1)
+    if (avail <= 0)
         return;
     ml_cublas_release();
     pthread_mutex_lock(&A.mu);

@@ -190,13 +190,10 @@ static ml_nccl_status nccl_open(ml_nccl **out, const unsigned char id[ML_NCCL_ID
     if (ce != cudaSuccess || count <= 0)
         return cuda_error("cudaGetDeviceCount", ce != cudaSuccess ? ce : cudaErrorNoDevice, why,
                           len);
-    if (local_rank >= count) {   /* NCCL refuses two ranks on one device ("Duplicate GPU") */
-        snprintf(why, len, "this rank is rank %d on its node, which has %d CUDA device%s: NCCL runs "
-                 "one rank per device (start at most %d rank%s per node)", local_rank, count,
-                 count == 1 ? "" : "s", count, count == 1 ? "" : "s");
-        return ML_NCCL_ERROR;
-    }
-    if ((ce = cudaSetDevice(local_rank)) != cudaSuccess)
+    /* modulo: a launcher that gives each rank one GPU of its own
+     * (CUDA_VISIBLE_DEVICES per rank) leaves every rank device 0; ranks
+     * that do share a GPU are refused by NCCL ("Duplicate GPU detected") */
+    if ((ce = cudaSetDevice(local_rank % count)) != cudaSuccess)
         return cuda_error("cudaSetDevice", ce, why, len);
     ml_nccl *n = calloc(1, sizeof *n);
     if (!n) {

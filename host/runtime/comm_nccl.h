@@ -40,8 +40,8 @@ typedef struct {
     int (*usable)(char *why, size_t len);
     /* A new unique id (rank 0, then broadcast). */
     ml_nccl_status (*unique_id)(unsigned char id[ML_NCCL_ID_BYTES], char *why, size_t len);
-    /* Select the GPU local_rank (an error when the node has no more
-     * devices: NCCL refuses two ranks on one), then
+    /* Select the GPU local_rank modulo the device count (NCCL refuses two
+     * ranks on one GPU), then
      * make rank's communicator of world ranks (non-blocking, polled for
      * `timeout` seconds; then ncclCommAbort and ML_NCCL_TIMEOUT), its
      * stream and events. */

@@ -102,22 +102,47 @@ local function gb(n) return string.format("%.2f", n / 1e9) end
 -- tests/spec/gpu_memory_spec.lua (cudaMemGetInfo's used bytes less the
 -- allocator's reservations) on an NVIDIA H200, driver 580.159.04, CUDA 13.0
 -- (2026-12-04); the 2-step training runs there measured context + cuBLAS
--- as 595-598 MiB (BENCHMARKS.md, "The GPU, measured").
+-- as 595-598 MiB (BENCHMARKS.md, "The GPU, measured"). The NCCL figure is
+-- a communicator of one rank: with peers NCCL adds buffers per peer and
+-- channel, not measured (one GPU), so for 2+ ranks it is a lower bound.
 local CUDA_OUTSIDE = {
   where = "measured on an NVIDIA H200, driver 580.159.04, CUDA 13.0: tests/spec/gpu_memory_spec.lua",
   context = math.floor(528.8 * 2^20), cublas = 66 << 20, nccl = 578 << 20,
 }
 
--- What a CUDA run of `world` ranks holds on its device outside the ledger
--- (an NCCL communicator only when world > 1).
-local function cuda_outside(world)
-  local o = CUDA_OUTSIDE
-  return o.context + o.cublas + (world > 1 and o.nccl or 0)
+-- What the ledger leaves out, with what this process measured of it: its
+-- RSS less its ledger (the plan allocated nothing, so that is the code,
+-- the libraries and the Lua heap of the recipe's build: a run has the
+-- same and its data); on cuda, the device's share of this run's world
+-- (CUDA_OUTSIDE; the NCCL communicator only with 2+ ranks). Bytes, as
+-- --json's `outside`.
+local function outside(device)
+  local out = {host_bytes = require("moelua.mem").stats().cpu.untracked}
+  if device == "cuda" then
+    local o, world = CUDA_OUTSIDE, require("moelua.dist").world()
+    local nccl = world > 1 and o.nccl or 0
+    out.cuda = {bytes = o.context + o.cublas + nccl, context = o.context, cublas = o.cublas, nccl = nccl,
+                measured = o.where}
+  end
+  return out
+end
+
+local function outside_lines(device)
+  local o = outside(device)
+  local line = string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
+                             "(%s measured in this process: its RSS less its ledger)", mib(o.host_bytes))
+  local c = o.cuda
+  if not c then return line end
+  return line .. string.format("; on the GPU, %s for this run (%s; other GPUs, drivers and versions differ): the " ..
+                               "CUDA context %s, cuBLAS's handle and workspace %s, %s", mib(c.bytes), c.measured,
+                               mib(c.context), mib(c.cublas), c.nccl > 0 and "an NCCL communicator " .. mib(c.nccl) ..
+                               " (one rank's: more with peers, not measured)" or "no NCCL communicator (one rank; " ..
+                               mib(CUDA_OUTSIDE.nccl) .. " with 2 or more)")
 end
 
 -- The preset's book beside the plan's (at the peak), and where the report
 -- is wrong, computed from the plan (PROBLEM.md, "Where the reports are wrong").
-local function preset_lines(plan, out)
+local function preset_lines(plan, out, device)
   local r, a, n = PRESETS[M.preset].book, plan.at_peak, plan.parameters
   local states = (a.params or 0) + (a.grads or 0) + (a.optim or 0)
   out[#out + 1] = ""
@@ -127,10 +152,13 @@ local function preset_lines(plan, out)
     out[#out + 1] = string.format("  %-9s %12s %12s", c[1], gb(r[c[1]]), gb(a[c[2]] or 0))
   end
   out[#out + 1] = string.format("  %-9s %12s %12s", "acts", gb(r.acts), gb((a.acts or 0) + (a.pool or 0) + (a.comm or 0)))
-  out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, gb(cuda_outside(1)))
+  local c = outside(device).cuda
+  out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, c and gb(c.bytes) or "-")
   out[#out + 1] = string.format("  %-9s %12s %12s", "total", r.total, gb(plan.total_peak))
-  out[#out + 1] = "  (this plan's outside is measured, not planned, and not in its total: the CUDA context and " ..
-                  "cuBLAS, " .. CUDA_OUTSIDE.where .. ")"
+  if c then
+    out[#out + 1] = "  (this plan's outside is measured, not planned, and not in its total: the CUDA context and " ..
+                    "cuBLAS" .. (c.nccl > 0 and ", an NCCL communicator" or "") .. ", " .. CUDA_OUTSIDE.where .. ")"
+  end
   out[#out + 1] = "where report 1 is wrong:"
   out[#out + 1] = string.format("  - %s GB of 2-byte parameters is %.1fB parameters, not 20B; this model's %.2fB " ..
                                 "take %s GB in bf16", gb(r.params), r.params / 2 / 1e9, n / 1e9, gb(2 * n))
@@ -152,34 +180,6 @@ end
 local function other_tiers(device)
   if device == "cpu" then return {"pinned", "file"} end
   return {"cpu", "pinned", "file"}
-end
-
--- What the ledger leaves out, with what this process measured of it: its
--- RSS less its ledger (the plan allocated nothing, so that is the code,
--- the libraries and the Lua heap of the recipe's build: a run has the
--- same and its data); on cuda, the device's share (CUDA_OUTSIDE). As
--- --json's `outside`: bytes.
-local function outside(device)
-  local out = {host_bytes = require("moelua.mem").stats().cpu.untracked}
-  if device == "cuda" then
-    local o, world = CUDA_OUTSIDE, require("moelua.dist").world()
-    out.cuda = {bytes = cuda_outside(world), context = o.context, cublas = o.cublas,
-                nccl = world > 1 and o.nccl or 0, measured = o.where}
-  end
-  return out
-end
-
-local function outside_lines(device)
-  local host = outside(device).host_bytes
-  local line = string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
-                             "(%s measured in this process: its RSS less its ledger)", mib(host))
-  if device ~= "cuda" then return line end
-  local o, world = CUDA_OUTSIDE, require("moelua.dist").world()
-  return line .. string.format("; on the GPU, %s for this run: the CUDA context %s, cuBLAS's handle and workspace " ..
-                               "%s%s (%s; other GPUs, drivers and versions differ)", mib(cuda_outside(world)),
-                               mib(o.context), mib(o.cublas), world > 1 and ", an NCCL communicator " ..
-                               mib(o.nccl) or " (an NCCL communicator, " .. mib(o.nccl) .. ", with 2 or more ranks)",
-                               o.where)
 end
 
 -- The lines of train.plan's report: the headline (the peak, or what a plan
@@ -241,7 +241,7 @@ local function report(recipe, device, plan, books, over)
                                   ex.capacity and string.format("; capacity of its experts: %d", ex.capacity) or "")
   end
   out[#out + 1] = outside_lines(device)
-  if M.preset and plan.parameters then preset_lines(plan, out) end
+  if M.preset and plan.parameters then preset_lines(plan, out, device) end
   return out
 end
 

@@ -21,7 +21,7 @@ bench_at_most 2 "$@"
 rounds=${1:-3}
 seqs=${2:-"4096 16384"}
 bench_count rounds "$rounds"
-for S in $seqs; do [ "$S" = moe ] || bench_count seq_len "$S"; done
+for S in $seqs; do [ "$S" = moe ] || bench_count "seq_len (or moe)" "$S"; done
 cfg="--dim 256 --layers 4 --heads 4 --kv-heads 2 --experts 8 --topk 2 --ffn 512"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

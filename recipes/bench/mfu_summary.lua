@@ -3,9 +3,9 @@
 -- order): per train.lua run, its tokens/s and the best GEMM rate of the
 -- matmul.lua runs just before and after it, MFU = tokens/s x
 -- model_flop_per_token over the higher of the two; per moe_layer.lua run,
--- its forward + backward time and its share of the GEMM floor (the expert
--- GEMMs' 6·T·k·3·D·F FLOPs at that rate, over the time); then the median
--- of each.
+-- its forward + backward time and its share of the GEMM floor (its
+-- gemm_gflops, the expert GEMMs' 6·T·k·3·D·F FLOPs over its time, over
+-- that rate); then the median of each.
 local json = require "dkjson"
 local median = require("moelua.measure").median
 local rows, gemms = {}, {}
@@ -18,9 +18,9 @@ for line in f:lines() do
     gemms[#gemms + 1] = math.max(r.raw_gflops, r.raw_onednn_gflops, r.lua_out_gflops)
   elseif r.tokens_per_s then
     rows[#rows + 1] = {S = r.seq_len, tps = r.tokens_per_s, flop = r.model_flop_per_token, g = #gemms}
-  elseif r.bench == "moe_layer" then   -- one "token" a layer call: its FLOPs over its time
+  elseif r.bench == "moe_layer" then   -- one "token" a layer call: its expert GEMM FLOPs over its time
     local s = (r.fwd_ms + r.bwd_ms) / 1e3
-    rows[#rows + 1] = {S = "moe", tps = 1 / s, flop = 6 * r.tokens * r.topk * 3 * r.dim * r.ffn, g = #gemms}
+    rows[#rows + 1] = {S = "moe", tps = 1 / s, flop = r.gemm_gflops * 1e9 * s, g = #gemms}
   end
 end
 local by = {}
@@ -36,7 +36,10 @@ for _, r in ipairs(rows) do
 end
 local seqs = {}
 for S in pairs(by) do seqs[#seqs + 1] = S end
-table.sort(seqs, function(a, b) return tostring(a) < tostring(b) end)
+table.sort(seqs, function(a, b)   -- seq_lens in order, then moe
+  if type(a) ~= type(b) then return type(a) == "number" end
+  return a < b
+end)
 for _, S in ipairs(seqs) do
   print(string.format(S == "moe" and "the MoE layer: its share of the GEMM floor, median %.1f%% over %d rounds"
                         or "seq_len " .. S .. ": MFU median %.1f%% over %d rounds", 100 * median(by[S]), #by[S]))

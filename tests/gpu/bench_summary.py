@@ -101,7 +101,7 @@ def main():
                r["ffn"], r["seq_len"], tps, r["step_ms"], r.get("params"), n))
         planned, peak = r.get("planned_peak_ledger_bytes"), r.get("peak_ledger_bytes", {}).get("total")
         untracked = r.get("device_untracked_bytes")
-        if planned is not None and peak is not None:
+        if r.get("device") == "cuda" and planned is not None and peak is not None:
             print("  ledger peak %d bytes, planned %d (%s); outside the ledger (cudaMemGetInfo's used less the "
                   "allocator's reserved): %s MiB" % (peak, planned, "equal" if peak == planned else "DIFFER",
                                                     fmt(untracked and untracked / 2**20, ".1f")))

@@ -3,7 +3,8 @@
 -- bytes less the caching allocator's reservations, read after each thing
 -- that takes some in this process: the CUDA context (the first tensor),
 -- cuBLAS (its handle and workspace: the first matmul) and an NCCL
--- communicator (dist.init{nccl = true}, one rank). None of them frees
+-- communicator (dist.init{nccl = true}, one rank); before the first, none
+-- (mem.stats() does not make the context). None of them frees
 -- memory, so the readings never fall; each stays under 2 GiB. The lines it
 -- prints are what plan_cli's outside lines quote (an H200 with CUDA 13:
 -- BENCHMARKS.md, "The GPU, measured").
@@ -26,10 +27,13 @@ end
 
 describe("GPU memory outside the ledger", function()
   it("is the context, then cuBLAS, then NCCL, each read as it comes", function()
+    -- nothing read before this process has device memory (the read would make the context)
+    assert.is_nil(untracked())
     local steps, readings = {}, {}
     local function read(what)
-      readings[#readings + 1] = untracked()
-      steps[#steps + 1] = what
+      local v = untracked()
+      assert.is_number(v, what)
+      readings[#readings + 1], steps[#steps + 1] = v, what
     end
     local a = m.randn({64, 64}, {seed = 1}):to("cuda")
     read("the CUDA context")

@@ -85,7 +85,7 @@ local function planned_is_measured(dir, dtype)
   for k, v in pairs(plan.at_peak) do assert.are.equal(v, s.at_peak[k], k) end
   if DEV == "cuda" then   -- what the plan cannot book (issue 14): measured here, for the plan to quote
     assert.is_true(s.untracked ~= nil and s.untracked < 1 << 30, "device memory outside the allocator")
-    print(string.format("# %s: device memory outside the ledger (CUDA context, cuBLAS and NCCL workspaces, " ..
+    print(string.format("# %s: device memory outside the ledger (CUDA context, cuBLAS, " ..
                         "other processes): %.1f MiB", dtype or "f32", s.untracked / 2^20))
   end
 end

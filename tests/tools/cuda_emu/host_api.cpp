@@ -103,8 +103,10 @@ extern "C" {
 static int emu_devices(void)
 {
     const char *v = getenv("CUDA_VISIBLE_DEVICES");
-    if (!v || !*v)
+    if (!v)
         return 8;
+    if (!*v)   /* set and empty: none, as CUDA has it */
+        return 0;
     int n = 1;
     for (; *v; v++)
         n += *v == ',';
