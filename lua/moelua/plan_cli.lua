@@ -127,8 +127,7 @@ local function outside(device)
   return out
 end
 
-local function outside_lines(device)
-  local o = outside(device)
+local function outside_lines(o)
   local line = string.format("outside the ledger (not planned): the Lua heap and the process's code and libraries " ..
                              "(%s measured in this process: its RSS less its ledger)", mib(o.host_bytes))
   local c = o.cuda
@@ -141,8 +140,9 @@ local function outside_lines(device)
 end
 
 -- The preset's book beside the plan's (at the peak), and where the report
--- is wrong, computed from the plan (PROBLEM.md, "Where the reports are wrong").
-local function preset_lines(plan, out, device)
+-- is wrong, computed from the plan (PROBLEM.md, "Where the reports are wrong");
+-- c: outside()'s cuda part, nil on the CPU.
+local function preset_lines(plan, out, c)
   local r, a, n = PRESETS[M.preset].book, plan.at_peak, plan.parameters
   local states = (a.params or 0) + (a.grads or 0) + (a.optim or 0)
   out[#out + 1] = ""
@@ -152,12 +152,11 @@ local function preset_lines(plan, out, device)
     out[#out + 1] = string.format("  %-9s %12s %12s", c[1], gb(r[c[1]]), gb(a[c[2]] or 0))
   end
   out[#out + 1] = string.format("  %-9s %12s %12s", "acts", gb(r.acts), gb((a.acts or 0) + (a.pool or 0) + (a.comm or 0)))
-  local c = outside(device).cuda
   out[#out + 1] = string.format("  %-9s %12s %12s", "outside", r.outside, c and gb(c.bytes) or "-")
   out[#out + 1] = string.format("  %-9s %12s %12s", "total", r.total, gb(plan.total_peak))
   if c then
     out[#out + 1] = "  (this plan's outside is measured, not planned, and not in its total: the CUDA context and " ..
-                    "cuBLAS" .. (c.nccl > 0 and ", an NCCL communicator" or "") .. ", " .. CUDA_OUTSIDE.where .. ")"
+                    "cuBLAS" .. (c.nccl > 0 and ", an NCCL communicator" or "") .. ", " .. c.measured .. ")"
   end
   out[#out + 1] = "where report 1 is wrong:"
   out[#out + 1] = string.format("  - %s GB of 2-byte parameters is %.1fB parameters, not 20B; this model's %.2fB " ..
@@ -240,8 +239,9 @@ local function report(recipe, device, plan, books, over)
                                   "(every token of the group to this rank's experts: %d%s)", ex.bound, ex.worst,
                                   ex.capacity and string.format("; capacity of its experts: %d", ex.capacity) or "")
   end
-  out[#out + 1] = outside_lines(device)
-  if M.preset and plan.parameters then preset_lines(plan, out, device) end
+  local o = outside(device)
+  out[#out + 1] = outside_lines(o)
+  if M.preset and plan.parameters then preset_lines(plan, out, o.cuda) end
   return out
 end
 

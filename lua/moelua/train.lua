@@ -201,9 +201,6 @@ local function book_peaks(z, book, what)
   return peaks
 end
 
--- This rank's measured ledger peaks on the model's device (every rank's
--- with more ranks): the book its plan is of.
-local function ledger_peaks(z, dev) return book_peaks(z, mem.stats()[dev or "cpu"], "ledger peaks") end
 
 -- Every rank's seconds in each kind of collective during the step (this
 -- exchange's own wait counts in the next step's), rank 0 first.
@@ -1187,8 +1184,12 @@ function Trainer:step(step)
   local seconds = t.data + t.fwd + t.bwd + t.optim
   m.step_seconds = seconds
   m.tokens_per_s = self.tokens_per_step / seconds
-  m.ledger_peak = ledger_peaks(z, dev)
-  if dev == "cuda" then m.device_untracked = mem.stats().cuda.untracked end   -- this rank's, outside the ledger
+  -- this rank's measured ledger peaks on the model's device (every rank's
+  -- with more ranks): the book its plan is of; on cuda also the device
+  -- memory outside the ledger (this rank's)
+  local book = mem.stats()[dev or "cpu"]
+  m.ledger_peak = book_peaks(z, book, "ledger peaks")
+  if dev == "cuda" then m.device_untracked = book.untracked end
   if z.expert_store then m.expert_store = z.expert_store:stats() end   -- counters since the start
   if self.optimizer.offload then m.optim_store = self.optimizer:offload_stats() end
   if z.world > 1 then m.comm_seconds = comm_seconds(z) end

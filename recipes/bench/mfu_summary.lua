@@ -16,11 +16,12 @@ for line in f:lines() do
   local r = json.decode(line)
   if r.bench == "matmul" then
     gemms[#gemms + 1] = math.max(r.raw_gflops, r.raw_onednn_gflops, r.lua_out_gflops)
-  elseif r.tokens_per_s then
-    rows[#rows + 1] = {S = r.seq_len, tps = r.tokens_per_s, flop = r.model_flop_per_token, g = #gemms}
-  elseif r.bench == "moe_layer" then   -- one "token" a layer call: its expert GEMM FLOPs over its time
-    local s = (r.fwd_ms + r.bwd_ms) / 1e3
-    rows[#rows + 1] = {S = "moe", tps = 1 / s, flop = r.gemm_gflops * 1e9 * s, g = #gemms}
+  elseif r.tokens_per_s then   -- each row: its model FLOP/s, how fast it ran, the GEMM sample before it
+    rows[#rows + 1] = {S = r.seq_len, flops = r.tokens_per_s * r.model_flop_per_token,
+                       speed = string.format("%.0f", r.tokens_per_s), g = #gemms}
+  elseif r.bench == "moe_layer" then
+    rows[#rows + 1] = {S = "moe", flops = r.gemm_gflops * 1e9,
+                       speed = string.format("%.1f ms", r.fwd_ms + r.bwd_ms), g = #gemms}
   end
 end
 local by = {}
@@ -28,11 +29,10 @@ print("| seq_len | tokens/s (moe: fwd + bwd ms) | best GEMM before / after (GFLO
 print("|---:|---:|---|---:|")
 for _, r in ipairs(rows) do
   local best = math.max(gemms[r.g], gemms[r.g + 1])
-  local mfu = r.tps * r.flop / (best * 1e9)
+  local mfu = r.flops / (best * 1e9)
   by[r.S] = by[r.S] or {}
   table.insert(by[r.S], mfu)
-  local speed = r.S == "moe" and string.format("%.1f ms", 1e3 / r.tps) or string.format("%.0f", r.tps)
-  print(string.format("| %s | %s | %.1f / %.1f | %.1f%% |", r.S, speed, gemms[r.g], gemms[r.g + 1], 100 * mfu))
+  print(string.format("| %s | %s | %.1f / %.1f | %.1f%% |", r.S, r.speed, gemms[r.g], gemms[r.g + 1], 100 * mfu))
 end
 local seqs = {}
 for S in pairs(by) do seqs[#seqs + 1] = S end
