@@ -638,6 +638,14 @@ local function load_model(dir)
   return model
 end
 
+-- ckpt.config(dir): the checkpoint directory's config.json decoded, or nil
+-- when it has none; one that is not a regular file or not JSON is load's error.
+function ckpt.config(dir)
+  local path = join(dir, "config.json")
+  local s = read_all(path)
+  return s and decode(s, path, "load") or nil
+end
+
 -- ckpt.load(root_or_dir)
 function ckpt.load(path)
   if type(path) ~= "string" then fail("load", "argument #1: expected a path, got %s", type(path)) end
@@ -670,8 +678,7 @@ function ckpt.load(path)
   c.names = {}
   for k in pairs(c.model) do c.names[#c.names + 1] = k end
   table.sort(c.names)
-  local cfg = read_all(join(dir, "config.json"))
-  c.config = cfg and decode(cfg, join(dir, "config.json"), "load") or nil
+  c.config = ckpt.config(dir)
   local tr = read_all(join(dir, "trainer.json"))
   c.trainer = tr and decode(tr, join(dir, "trainer.json"), "load") or nil
   local ea = join(dir, "optim/exp_avg.safetensors")

@@ -38,7 +38,6 @@ local ckpt = require "moelua.ckpt"
 local balance = require "moelua.balance"
 local errors = require "moelua.errors"
 local options = require "moelua.options"
-local json = require "dkjson"
 
 local M = {}
 local Handle = {}
@@ -411,12 +410,11 @@ local function run_topk(fn, run_dir, opts)
   -- `latest` and `last_good` are files naming a step directory (moelua.ckpt)
   for _, pointer in ipairs({ckpt.latest, ckpt.last_good}) do
     local ok, dir = pcall(pointer, run_dir .. "/ckpt")
-    local st = ok and dir and fs.stat(dir .. "/config.json")   -- a regular file: a FIFO would block the read
-    local f = st and st.type == "file" and io.open(dir .. "/config.json", "r")
-    if f then
-      local c = json.decode(f:read("a"))
-      f:close()
-      if type(c) == "table" and math.type(c.num_experts_per_tok) == "integer" then return c.num_experts_per_tok end
+    if ok and dir then
+      local read, c = pcall(ckpt.config, dir)   -- a config that cannot be read tells nothing
+      if read and type(c) == "table" and math.type(c.num_experts_per_tok) == "integer" then
+        return c.num_experts_per_tok
+      end
     end
   end
   fail(fn, "no checkpoint config in %s/ckpt to read top-k from: pass {topk = k}", run_dir)
