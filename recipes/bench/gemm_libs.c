@@ -16,7 +16,9 @@
  * Determinism, each bitwise: `rep` two one-thread calls agree; `addr` the
  * one-thread result with operands and output moved by one float agrees;
  * `nest` both threads of an OpenMP region (library at one thread) agree
- * with it; `1t=2t` the one- and two-thread results agree.
+ * with it; `1t=2t` the one- and two-thread results agree. Before the table,
+ * per library: the MoE layer's six tile GEMMs together at 2x1t against the
+ * best 2048³, the most of its GEMM floor that layer can reach.
  *
  *   gemm_libs [rounds=7] [ms_per_sample=20]
  */
@@ -45,6 +47,7 @@ static const char *lib_name[NLIB] = {"OpenBLAS", "BLIS", "oneDNN", "libxsmm"};
 typedef struct {
     const char *what;
     int m, n, k, ta, tb, lda, ldb;
+    int layer;      /* 1: one of the MoE layer's six GEMMs, each run once per tile */
 } shape;
 
 static const shape shapes[] = {
@@ -52,11 +55,12 @@ static const shape shapes[] = {
     {"square", 256, 256, 256, 0, 0, 0, 0},
     {"square", 2048, 2048, 2048, 0, 1, 0, 0},
     {"square", 2048, 2048, 2048, 0, 0, 0, 0},
-    {"expert h = x·gate_upᵀ", 256, 2816, 512, 0, 1, 0, 0},
-    {"expert out = act·downᵀ", 256, 512, 1408, 0, 1, 0, 0},
-    {"expert dact = dy·down", 256, 1408, 512, 0, 0, 0, 0},
-    {"expert dx = dh·gate_up", 256, 512, 2816, 0, 0, 0, 0},
-    {"expert dgate_up = dhᵀ·x", 2816, 512, 256, 1, 0, 0, 0},
+    {"expert h = x·gate_upᵀ", 256, 2816, 512, 0, 1, 0, 0, 1},
+    {"expert out = act·downᵀ", 256, 512, 1408, 0, 1, 0, 0, 1},
+    {"expert dact = dy·down", 256, 1408, 512, 0, 0, 0, 0, 1},
+    {"expert dx = dh·gate_up", 256, 512, 2816, 0, 0, 0, 0, 1},
+    {"expert dgate_up = dhᵀ·x", 2816, 512, 256, 1, 0, 0, 0, 1},
+    {"expert ddown = doutᵀ·act", 512, 1408, 256, 1, 0, 0, 0, 1},
     {"expert h, M 64", 64, 2816, 512, 0, 1, 0, 0},
     {"expert out, M 64", 64, 512, 1408, 0, 1, 0, 0},
     {"attention s = q·kᵀ", 128, 128, 64, 0, 1, 256, 256},
@@ -325,6 +329,45 @@ static void checks(int lib, const shape *s, const float *a, const float *b, resu
     free(cn0); free(cn1);
 }
 
+/* The MoE layer's six GEMMs (shape.layer) at a library's 2x1t rates, as the
+ * layer runs them (h saved: each once per tile, the two threads on tiles of
+ * their own): per round their FLOPs over the sum of their times, against the
+ * best 2048³ rate of any library on 2 threads in the same round. The
+ * layer's share of its GEMM floor (moe_layer.lua, mfu.sh) is at most this
+ * ratio while its GEMMs run no faster than alone. Medians over rounds.
+ * (The weight gradients run here with beta 0; the layer adds, beta 1.) */
+static void print_layer_mix(result res[][NLIB], int rounds)
+{
+    printf("\nThe MoE layer's six GEMMs per tile, 2x1t, against the best 2048³ on 2 threads "
+           "(median of rounds):\n");
+    for (int lib = 0; lib < NLIB; lib++) {
+        double rate[rounds], share[rounds];
+        int have = 1;
+        for (int si = 0; si < NSHAPE; si++)
+            if (shapes[si].layer && !res[si][lib].gflops[MODE_2X1T])
+                have = 0;
+        if (!have)
+            continue;
+        for (int round = 0; round < rounds; round++) {
+            double f = 0, t = 0, best = 0;
+            for (int si = 0; si < NSHAPE; si++) {
+                const shape *s = &shapes[si];
+                if (s->layer) {
+                    f += flops(s);
+                    t += flops(s) / res[si][lib].gflops[MODE_2X1T][round];
+                }
+                for (int l = 0; s->m == 2048 && l < NLIB; l++)
+                    if (res[si][l].gflops[MODE_2T] && res[si][l].gflops[MODE_2T][round] > best)
+                        best = res[si][l].gflops[MODE_2T][round];
+            }
+            rate[round] = f / t;
+            share[round] = best > 0 ? rate[round] / best : 0;
+        }
+        printf("  %s: %.0f GFLOP/s, %.1f%% of the best 2048³\n", lib_name[lib],
+               median(rate, rounds), 100 * median(share, rounds));
+    }
+}
+
 static const char *flag(int v) { return v < 0 ? "–" : v ? "yes" : "**no**"; }
 
 int main(int argc, char **argv)
@@ -380,6 +423,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "round %d of %d done\n", round + 1, rounds);
     }
 
+    print_layer_mix(res, rounds);   /* before the table's medians sort the rounds */
     printf("\n| shape | M x N x K | op | library | 1t GFLOP/s | 2t | 2x1t | rel. error "
            "| rep | addr | nest | 1t=2t |\n|---|---|---|---|---:|---:|---:|---:|---|---|---|---|\n");
     for (int si = 0; si < NSHAPE; si++) {
