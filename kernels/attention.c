@@ -24,29 +24,43 @@
  * QB = 2·FB query rows against each FB-row key block, so every K and V
  * block it streams from memory serves twice the rows (BENCHMARKS.md,
  * "Attention's forward": 0.91× the time at S 8192 on a Zen 5, with the
- * softmax changes below). */
+ * softmax changes below). The backward takes up to QT = 4·FB query rows
+ * against each key block: the rows of one group of QT, groups aligned to
+ * multiples of QT (qgroup_end), so a key block's first group starts at the
+ * key block and every scheme below runs the same GEMMs (BENCHMARKS.md,
+ * issue 15's ninth pass: 0.87-0.90× the backward's time at S 4096). */
 #define FB 128
 #define QB (2 * FB)
+#define QT (4 * FB)
 #define LANES 16   /* fixed partial sums/maxima per row (vmath.h's lanes16_*): vectorises, order fixed */
+
+/* The backward's query rows per tile for S query rows: QT, or fewer when S
+ * is shorter (rounded up to FB), so a short sequence's scratch stays small. */
+static int64_t bwd_rows(int64_t S)
+{
+    int64_t r = (S + FB - 1) / FB * FB;
+    return r < QT ? r : QT;
+}
 
 /* per-thread scratch in doubles: f64 path; f32 path: forward l [QB] f64,
  * m and mx [QB] f32 (QB doubles), sc [QB, FB] f32, acc [QB, hd] f32;
- * backward sc and dp [FB, FB] f32 after 2·FB doubles */
+ * backward sc and dp [bwd_rows(S), FB] f32 after 2·FB doubles */
 static size_t f64_stride(int64_t hd)
 {
     return (size_t)(6 * BQ * hd + 4 * BQ);
 }
 
-static size_t f32_stride(int64_t hd)
+static size_t f32_stride(int64_t hd, int64_t S)
 {
-    return (size_t)(2 * QB + QB * FB / 2 + QB * hd / 2 + 8);
+    size_t fwd = (size_t)(2 * QB + QB * FB / 2 + QB * hd / 2 + 8), bwd = (size_t)(2 * FB + bwd_rows(S) * FB);
+    return fwd > bwd ? fwd : bwd;
 }
 
-size_t ml_attention_scratch_bytes(int64_t hd, int nthreads)
+size_t ml_attention_scratch_bytes(int64_t hd, int64_t S, int nthreads)
 {
     if (nthreads < 1)
         nthreads = 1;
-    size_t a = f64_stride(hd), b = f32_stride(hd);
+    size_t a = f64_stride(hd), b = f32_stride(hd, S);
     return (size_t)nthreads * (a > b ? a : b) * sizeof(double);
 }
 
@@ -74,7 +88,7 @@ static inline int64_t zigzag(int64_t t, int64_t n)
  * f32_stride */
 static double *my_scratch(const att_args *a)
 {
-    size_t st = a->dt == ML_F32 ? f32_stride(a->hd) : f64_stride(a->hd);
+    size_t st = a->dt == ML_F32 ? f32_stride(a->hd, a->S) : f64_stride(a->hd);
     return a->scratch + (size_t)omp_get_thread_num() * st;
 }
 
@@ -358,41 +372,50 @@ static inline void tile_dq(const att_args *a, int64_t nq, int64_t nk, const floa
                 dp, FB, Kb, ldk, 1.0f, dQ, ldq);
 }
 
-/* dq for one (head, FB query block) per item, accumulated in place */
+/* The end of the backward's query group holding row i0 (the next multiple
+ * of QT, or S). */
+static inline int64_t qgroup_end(int64_t i0, int64_t S)
+{
+    int64_t e = (i0 / QT + 1) * QT;
+    return e < S ? e : S;
+}
+
+/* dq for one (head, QT query group) per item, accumulated in place: per key
+ * block the group's rows that see it, as one tile */
 ML_CLONES
 static void dq_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
-    int64_t S = a->S, hd = a->hd, nqb = (S + FB - 1) / FB, ldq = a->H * hd;
+    int64_t S = a->S, hd = a->hd, nqg = (S + QT - 1) / QT;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
     for (int64_t it = lo; it < hi; it++) {
-        int64_t h = it / nqb, g = h / a->group;
-        int64_t i0 = zigzag(it % nqb, nqb) * FB, nq = i0 + FB < S ? FB : S - i0;
-        size_t off = (size_t)((i0 * a->H + h) * hd);
-        const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
-        float *dQ = (float *)a->dq + off;
-        for (int64_t r = 0; r < nq; r++)
-            memset(dQ + r * ldq, 0, (size_t)hd * sizeof(float));
-        for (int64_t j0 = 0; j0 <= i0; j0 += FB) {
-            int64_t nk = j0 + FB < S ? FB : S - j0;
+        int64_t h = it / nqg, g = h / a->group;
+        int64_t q0 = zigzag(it % nqg, nqg) * QT, q1 = qgroup_end(q0, S);
+        for (int64_t i = q0; i < q1; i++)
+            memset((float *)a->dq + (i * a->H + h) * hd, 0, (size_t)hd * sizeof(float));
+        for (int64_t j0 = 0; j0 < q1; j0 += FB) {
+            int64_t nk = j0 + FB < S ? FB : S - j0, i0 = j0 > q0 ? j0 : q0;
+            size_t off = (size_t)((i0 * a->H + h) * hd);
+            const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
             const float *Kb = (const float *)a->k + (j0 * a->KV + g) * hd;
             const float *Vb = (const float *)a->v + (j0 * a->KV + g) * hd;
-            tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
-            tile_dq(a, nq, nk, dp, Kb, dQ);
+            tile_p_ds(a, h, i0, q1 - i0, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
+            tile_dq(a, q1 - i0, nk, dp, Kb, (float *)a->dq + off);
         }
     }
 }
 
 /* dk, dv for one (kv head, FB key block) per item, accumulated in place: the
- * group's query heads in order, then the query blocks i0 >= j0 in order */
+ * group's query heads in order, then the query groups' rows i0 >= j0 in
+ * order */
 ML_CLONES
 static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldk = a->KV * hd;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
         int64_t j0 = zigzag(it % nkb, nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
@@ -404,8 +427,8 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
             memset(dV + c * ldk, 0, (size_t)hd * sizeof(float));
         }
         for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
-            for (int64_t i0 = j0; i0 < S; i0 += FB) {
-                int64_t nq = i0 + FB < S ? FB : S - i0;
+            for (int64_t i0 = j0; i0 < S; i0 = qgroup_end(i0, S)) {
+                int64_t nq = qgroup_end(i0, S) - i0;
                 size_t off = (size_t)((i0 * a->H + h) * hd);
                 const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
                 tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
@@ -416,17 +439,18 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
 
 /* dq, dk and dv in one pass for one kv head per item (it owns the dq rows
  * of its group's query heads and its dk, dv rows): key blocks in order, then
- * the group's query heads, then the query blocks i0 >= j0. Every output sees
- * the same sgemms with the same operands in the same order as in dq_tile32
- * (key blocks ascending) and dkv_tile32 (heads, then query blocks), so both
- * schemes give the same bits; this one computes each tile's P and dS once. */
+ * the group's query heads, then the query groups' rows i0 >= j0. Every
+ * output sees the same sgemms with the same operands in the same order as
+ * in dq_tile32 (key blocks ascending) and dkv_tile32 (heads, then query
+ * groups), so both schemes give the same bits; this one computes each
+ * tile's P and dS once. */
 ML_CLONES
 static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + FB * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
     for (int64_t g = lo; g < hi; g++) {
         for (int64_t i = 0; i < S; i++) {
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
@@ -440,8 +464,8 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
             const float *Kb = (const float *)a->k + koff, *Vb = (const float *)a->v + koff;
             float *dK = (float *)a->dk + koff, *dV = (float *)a->dv + koff;
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
-                for (int64_t i0 = j0; i0 < S; i0 += FB) {
-                    int64_t nq = i0 + FB < S ? FB : S - i0;
+                for (int64_t i0 = j0; i0 < S; i0 = qgroup_end(i0, S)) {
+                    int64_t nq = qgroup_end(i0, S) - i0;
                     size_t off = (size_t)((i0 * a->H + h) * hd);
                     const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
                     tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
@@ -596,7 +620,7 @@ ml_status ml_attention_backward_cpu(ml_dtype dt, void *dq, void *dk, void *dv, d
         int64_t nb = (S + FB - 1) / FB;
         if (KV % nt == 0)
             return tiles_blas1(KV, a.group * FB * (S / 2 + 1) * hd * nb * 10, ctx, dqkv_tile32, &a);
-        s = tiles_blas1(H * nb, FB * (S / 2 + 1) * hd * 6, ctx, dq_tile32, &a);
+        s = tiles_blas1(H * ((S + QT - 1) / QT), QT * (S / 2 + 1) * hd * 6, ctx, dq_tile32, &a);
         if (s != ML_OK)
             return s;
         return tiles_blas1(KV * nb, a.group * FB * (S / 2 + 1) * hd * 8, ctx, dkv_tile32, &a);

@@ -50,8 +50,8 @@
  * OpenBLAS 0.3.21 and oneDNN 2.6, tests/c/test_gemm.c; the spec compares 1
  * and 4 threads for both dtypes).
  *
- * Scratch: the caller passes ml_attention_scratch_bytes(hd, ctx->nthreads)
- * bytes (8-aligned), for either dtype.
+ * Scratch: the caller passes ml_attention_scratch_bytes(hd, Sq,
+ * ctx->nthreads) bytes (8-aligned), for either dtype.
  *
  * CUDA (kernels/attention.cu): the same arguments and the f64 path's
  * summation order in 16 x 16 tiles, for f32, f64 and bf16 (bf16 in and out,
@@ -67,8 +67,9 @@
 
 #define ML_ATT_HD_MAX 256
 
-/* Bytes of scratch a forward or backward call needs with nthreads threads. */
-size_t ml_attention_scratch_bytes(int64_t hd, int nthreads);
+/* Bytes of scratch a forward or backward call over Sq query rows needs
+ * with nthreads threads. */
+size_t ml_attention_scratch_bytes(int64_t hd, int64_t Sq, int nthreads);
 
 /* Forward.
  *   out [Sq, H, hd] dt   =

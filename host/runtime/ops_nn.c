@@ -295,7 +295,7 @@ static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor 
 static ml_status attention_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *q,
                                    const ml_kctx *c, ml_err *e)
 {
-    int64_t n = (int64_t)(ml_attention_scratch_bytes(q->shape[2], c->nthreads) / sizeof(double));
+    int64_t n = (int64_t)(ml_attention_scratch_bytes(q->shape[2], q->shape[0], c->nthreads) / sizeof(double));
     return ml_tensor_alloc(h, scr, q->st->device, ML_F64, 1, &n, e);
 }
 

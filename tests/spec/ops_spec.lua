@@ -489,9 +489,11 @@ describe("moelua.ops attention", function()
   end)
 
   it("f32 (sgemm tiles) matches the f64 path: outputs and gradients, block edges", function()
-    -- f32 tiles are 128 x 128 (the forward's query blocks 256 rows): S = 128,
-    -- 129, 256 and 300 put the causal edge and a partial block on the boundaries
-    for _, c in ipairs({{200, 4, 2, 32}, {128, 2, 1, 8}, {129, 2, 2, 4}, {256, 3, 1, 16}, {300, 2, 1, 8}}) do
+    -- f32 tiles are 128 x 128 (the forward's query blocks 256 rows, the
+    -- backward's query groups 512): S = 128, 129, 256, 300 and 600 put the
+    -- causal edge and a partial block or group on the boundaries
+    for _, c in ipairs({{200, 4, 2, 32}, {128, 2, 1, 8}, {129, 2, 2, 4}, {256, 3, 1, 16}, {300, 2, 1, 8},
+                        {600, 2, 1, 4}}) do
       local S, H, KV, hd = c[1], c[2], c[3], c[4]
       local q, k, v = randflat(S * H * hd), randflat(S * KV * hd), randflat(S * KV * hd)
       local R = randflat(S * H * hd)
@@ -509,7 +511,9 @@ describe("moelua.ops attention", function()
   end)
 
   it("forward and backward are bitwise identical for 1 and 4 threads (f32, f64)", function()
-    local S, H, KV, hd = 200, 4, 2, 16
+    -- KV 2: one thread runs the backward in one pass over kv heads, four in
+    -- two (dq, then dk and dv); S 700 spans two of its query groups
+    local S, H, KV, hd = 700, 4, 2, 16
     for _, dt in ipairs({"f32", "f64"}) do
       local q, k, v = m.randn({S, H, hd}, {seed = 11, dtype = dt}), m.randn({S, KV, hd}, {seed = 12, dtype = dt}),
           m.randn({S, KV, hd}, {seed = 13, dtype = dt})
