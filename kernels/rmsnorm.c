@@ -129,6 +129,17 @@ static void bwd_rows(void *arg, int64_t lo, int64_t hi)
     }
 }
 
+/* acc [n] += dy·x·r of one f32 row's n columns (vectorised across the
+ * columns: each column's sum keeps its order over the rows) */
+ML_CLONES
+static void dw_row_f32(double *restrict acc, const float *restrict dy, const float *restrict x, double r,
+                       int64_t n)
+{
+    #pragma omp simd
+    for (int64_t d = 0; d < n; d++)
+        acc[d] += (double)dy[d] * (double)x[d] * r;
+}
+
 /* Columns [lo, hi) of dw: each summed over the rows in order, in f64. */
 static void bwd_cols(void *arg, int64_t lo, int64_t hi)
 {
@@ -141,6 +152,11 @@ static void bwd_cols(void *arg, int64_t lo, int64_t hi)
             acc[d - c0] = 0;
         for (int64_t n = 0; n < a->N; n++) {
             double r = a->crstd[n];
+            if (a->dt == ML_F32) {
+                dw_row_f32(acc, (const float *)a->dy + n * D + c0, (const float *)a->x + n * D + c0, r,
+                           c1 - c0);
+                continue;
+            }
             for (int64_t d = c0; d < c1; d++)
                 acc[d - c0] += ld(a->dt, a->dy, n * D + d) * ld(a->dt, a->x, n * D + d) * r;
         }
