@@ -21,30 +21,33 @@
 /* The f32 path's tiles: FB query rows x FB key rows, one sgemm per product.
  * Query and key blocks share the size and start at multiples of it, so the
  * diagonal tile of a query block is its last key block. The forward takes
- * QB = 2·FB query rows against each FB-row key block, so every K and V
- * block it streams from memory serves twice the rows (BENCHMARKS.md,
- * "Attention's forward": 0.91× the time at S 8192 on a Zen 5, with the
- * softmax changes below). The backward takes up to QT = 4·FB query rows
+ * QB = 4·FB query rows against each FB-row key block, so every K and V
+ * block it streams from memory serves four times the rows (BENCHMARKS.md,
+ * "Attention's forward": 0.91× the time at S 8192 on a Zen 5 with 2·FB and
+ * the softmax changes below; issue 15's ninth pass: 0.95× again with 4·FB).
+ * The backward takes up to QT = 4·FB query rows
  * against each key block: the rows of one group of QT, groups aligned to
  * multiples of QT (qgroup_end), so a key block's first group starts at the
  * key block and every scheme below runs the same GEMMs (BENCHMARKS.md,
  * issue 15's ninth pass: 0.87-0.90× the backward's time at S 4096). */
 #define FB 128
-#define QB (2 * FB)
+#define QB (4 * FB)
 #define QT (4 * FB)
 #define LANES 16   /* fixed partial sums/maxima per row (vmath.h's lanes16_*): vectorises, order fixed */
 
-/* The backward's query rows per tile for S query rows: QT, or fewer when S
- * is shorter (rounded up to FB), so a short sequence's scratch stays small. */
-static int64_t bwd_rows(int64_t S)
+/* Query rows per tile for S query rows, tiles of up to cap (QB forward, QT
+ * backward): fewer when S is shorter (rounded up to FB), so a short
+ * sequence's scratch stays small. */
+static int64_t tile_rows(int64_t S, int64_t cap)
 {
     int64_t r = (S + FB - 1) / FB * FB;
-    return r < QT ? r : QT;
+    return r < cap ? r : cap;
 }
 
-/* per-thread scratch in doubles: f64 path; f32 path: forward l [QB] f64,
- * m and mx [QB] f32 (QB doubles), sc [QB, FB] f32, acc [QB, hd] f32;
- * backward sc and dp [bwd_rows(S), FB] f32 after 2·FB doubles */
+/* per-thread scratch in doubles: f64 path; f32 path, with R =
+ * tile_rows(S, QB): forward l [R] f64, m and mx [R] f32 (R doubles), sc
+ * [R, FB] f32, acc [R, hd] f32; backward sc and dp [tile_rows(S, QT), FB]
+ * f32 after 2·FB doubles */
 static size_t f64_stride(int64_t hd)
 {
     return (size_t)(6 * BQ * hd + 4 * BQ);
@@ -52,7 +55,8 @@ static size_t f64_stride(int64_t hd)
 
 static size_t f32_stride(int64_t hd, int64_t S)
 {
-    size_t fwd = (size_t)(2 * QB + QB * FB / 2 + QB * hd / 2 + 8), bwd = (size_t)(2 * FB + bwd_rows(S) * FB);
+    int64_t R = tile_rows(S, QB);
+    size_t fwd = (size_t)(2 * R + R * FB / 2 + R * hd / 2 + 8), bwd = (size_t)(2 * FB + tile_rows(S, QT) * FB);
     return fwd > bwd ? fwd : bwd;
 }
 
@@ -265,8 +269,9 @@ static void fwd_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, P = a->P, hd = a->hd, nqb = (S + QB - 1) / QB, ldq = a->H * hd, ldk = a->KV * hd;
+    int64_t R = tile_rows(S, QB);
     double *l = my_scratch(a);
-    float *m = (float *)(l + QB), *mx = m + QB, *sc = mx + QB, *acc = sc + QB * FB;
+    float *m = (float *)(l + R), *mx = m + R, *sc = mx + R, *acc = sc + R * FB;
     float scale = (float)a->scale;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqb, g = h / a->group;
@@ -388,7 +393,7 @@ static void dq_tile32(void *arg, int64_t lo, int64_t hi)
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd, nqg = (S + QT - 1) / QT;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqg, g = h / a->group;
         int64_t q0 = zigzag(it % nqg, nqg) * QT, q1 = qgroup_end(q0, S);
@@ -415,7 +420,7 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldk = a->KV * hd;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
         int64_t j0 = zigzag(it % nkb, nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
@@ -450,7 +455,7 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd;
     double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + bwd_rows(S) * FB;
+    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
     for (int64_t g = lo; g < hi; g++) {
         for (int64_t i = 0; i < S; i++) {
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)

@@ -489,9 +489,9 @@ describe("moelua.ops attention", function()
   end)
 
   it("f32 (sgemm tiles) matches the f64 path: outputs and gradients, block edges", function()
-    -- f32 tiles are 128 x 128 (the forward's query blocks 256 rows, the
-    -- backward's query groups 512): S = 128, 129, 256, 300 and 600 put the
-    -- causal edge and a partial block or group on the boundaries
+    -- f32 tiles are 128 x 128 (the forward's query blocks and the backward's
+    -- query groups 512 rows): S = 128, 129, 256, 300 and 600 put the causal
+    -- edge and a partial block or group on the boundaries
     for _, c in ipairs({{200, 4, 2, 32}, {128, 2, 1, 8}, {129, 2, 2, 4}, {256, 3, 1, 16}, {300, 2, 1, 8},
                         {600, 2, 1, 4}}) do
       local S, H, KV, hd = c[1], c[2], c[3], c[4]
