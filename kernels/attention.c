@@ -24,12 +24,12 @@
  * QB = 4·FB query rows against each FB-row key block, so every K and V
  * block it streams from memory serves four times the rows (BENCHMARKS.md,
  * "Attention's forward": 0.91× the time at S 8192 on a Zen 5 with 2·FB and
- * the softmax changes below; issue 15's ninth pass: 0.95× again with 4·FB).
- * The backward takes up to QT = 4·FB query rows
- * against each key block: the rows of one group of QT, groups aligned to
- * multiples of QT (qgroup_end), so a key block's first group starts at the
- * key block and every scheme below runs the same GEMMs (BENCHMARKS.md,
- * issue 15's ninth pass: 0.87-0.90× the backward's time at S 4096). */
+ * the softmax changes below; issue 15's ninth pass: 0.93-0.98× again with
+ * 4·FB). The backward takes up to QT = 4·FB query rows against each key
+ * block: the rows of one group of QT, groups aligned to multiples of QT
+ * (qgroup_end), so a key block's first group starts at the key block and
+ * every scheme below runs the same GEMMs (issue 15's ninth pass: 0.91-0.95×
+ * the backward's time at S 4096-16384). */
 #define FB 128
 #define QB (4 * FB)
 #define QT (4 * FB)
