@@ -377,6 +377,15 @@ static inline void tile_dq(const att_args *a, int64_t nq, int64_t nk, const floa
                 dp, FB, Kb, ldk, 1.0f, dQ, ldq);
 }
 
+/* The backward's sc and dp [tile_rows(S, QT), FB] f32 in this thread's
+ * scratch (f32_stride): sc returned, dp through *dp. */
+static float *bwd_tiles(const att_args *a, float **dp)
+{
+    float *sc = (float *)(my_scratch(a) + 2 * FB);
+    *dp = sc + tile_rows(a->S, QT) * FB;
+    return sc;
+}
+
 /* The end of the backward's query group holding row i0 (the next multiple
  * of QT, or S). */
 static inline int64_t qgroup_end(int64_t i0, int64_t S)
@@ -392,8 +401,7 @@ static void dq_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd, nqg = (S + QT - 1) / QT;
-    double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
+    float *dp, *sc = bwd_tiles(a, &dp);
     for (int64_t it = lo; it < hi; it++) {
         int64_t h = it / nqg, g = h / a->group;
         int64_t q0 = zigzag(it % nqg, nqg) * QT, q1 = qgroup_end(q0, S);
@@ -419,8 +427,7 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd, nkb = (S + FB - 1) / FB, ldk = a->KV * hd;
-    double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
+    float *dp, *sc = bwd_tiles(a, &dp);
     for (int64_t it = lo; it < hi; it++) {
         int64_t g = it / nkb;
         int64_t j0 = zigzag(it % nkb, nkb) * FB, nk = j0 + FB < S ? FB : S - j0;
@@ -432,8 +439,9 @@ static void dkv_tile32(void *arg, int64_t lo, int64_t hi)
             memset(dV + c * ldk, 0, (size_t)hd * sizeof(float));
         }
         for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
-            for (int64_t i0 = j0; i0 < S; i0 = qgroup_end(i0, S)) {
-                int64_t nq = qgroup_end(i0, S) - i0;
+            for (int64_t i0 = j0, i1; i0 < S; i0 = i1) {
+                i1 = qgroup_end(i0, S);
+                int64_t nq = i1 - i0;
                 size_t off = (size_t)((i0 * a->H + h) * hd);
                 const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
                 tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);
@@ -454,8 +462,7 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
 {
     const att_args *a = arg;
     int64_t S = a->S, hd = a->hd;
-    double *base = my_scratch(a);
-    float *sc = (float *)(base + 2 * FB), *dp = sc + tile_rows(S, QT) * FB;
+    float *dp, *sc = bwd_tiles(a, &dp);
     for (int64_t g = lo; g < hi; g++) {
         for (int64_t i = 0; i < S; i++) {
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
@@ -469,8 +476,9 @@ static void dqkv_tile32(void *arg, int64_t lo, int64_t hi)
             const float *Kb = (const float *)a->k + koff, *Vb = (const float *)a->v + koff;
             float *dK = (float *)a->dk + koff, *dV = (float *)a->dv + koff;
             for (int64_t h = g * a->group; h < (g + 1) * a->group; h++)
-                for (int64_t i0 = j0; i0 < S; i0 = qgroup_end(i0, S)) {
-                    int64_t nq = qgroup_end(i0, S) - i0;
+                for (int64_t i0 = j0, i1; i0 < S; i0 = i1) {
+                    i1 = qgroup_end(i0, S);
+                    int64_t nq = i1 - i0;
                     size_t off = (size_t)((i0 * a->H + h) * hd);
                     const float *Qb = (const float *)a->q + off, *Gb = (const float *)a->dout + off;
                     tile_p_ds(a, h, i0, nq, j0, nk, Qb, Gb, Kb, Vb, sc, dp);

@@ -638,13 +638,15 @@ local function load_model(dir)
   return model
 end
 
--- ckpt.config(dir): the checkpoint directory's config.json decoded, or nil
--- when it has none; one that is not a regular file or not JSON is load's error.
-function ckpt.config(dir)
-  local path = join(dir, "config.json")
+-- A checkpoint's JSON file decoded, or nil when it has none; one that is
+-- not a regular file or not JSON is load's error.
+local function read_json(path)
   local s = read_all(path)
   return s and decode(s, path, "load") or nil
 end
+
+-- ckpt.config(dir): the checkpoint directory's config.json (read_json).
+function ckpt.config(dir) return read_json(join(dir, "config.json")) end
 
 -- ckpt.load(root_or_dir)
 function ckpt.load(path)
@@ -679,8 +681,7 @@ function ckpt.load(path)
   for k in pairs(c.model) do c.names[#c.names + 1] = k end
   table.sort(c.names)
   c.config = ckpt.config(dir)
-  local tr = read_all(join(dir, "trainer.json"))
-  c.trainer = tr and decode(tr, join(dir, "trainer.json"), "load") or nil
+  c.trainer = read_json(join(dir, "trainer.json"))
   local ea = join(dir, "optim/exp_avg.safetensors")
   if exists(ea) then
     local a, b = open_st(ea), open_st(join(dir, "optim/exp_avg_sq.safetensors"))

@@ -201,7 +201,6 @@ local function book_peaks(z, book, what)
   return peaks
 end
 
-
 -- Every rank's seconds in each kind of collective during the step (this
 -- exchange's own wait counts in the next step's), rank 0 first.
 local COLLECTIVES = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "numbers"}
