@@ -3,7 +3,10 @@
  * (DESIGN.md, Numerics): pairs (i, i + hd/2), i < hd/2, of each head of
  * token s at position p = offset + s are rotated by the angle
  *     a_i = p * inv_freq_i,   inv_freq_i = theta^(-2i/hd)
- * computed in f64; cos a_i and sin a_i are rounded once to dt, and
+ * computed in f64 (on the CPU, libm gives cos and sin of a 16-row tile's
+ * first row; each next row's rotate the previous row's by inv_freq_i in
+ * f64, a few 1e-16 off per row); cos a_i and sin a_i are rounded once to
+ * dt, and
  *     y[i]        = x[i] c - x[i + hd/2] s
  *     y[i + hd/2] = x[i + hd/2] c + x[i] s
  * is evaluated in f64 and rounded to dt. The backward is the inverse

@@ -382,6 +382,13 @@ describe("moelua.ops rope", function()
     end
   end)
 
+  it("keeps that accuracy on every row of a 16-row tile (angles stepped from the tile's first)", function()
+    local n, o = 40, {offset = 3000, theta = 10000}
+    local x = randflat(n * NH * hd)
+    assert_close(ops.rope_forward(T(x, {n, NH, hd}), o), ref_rope(x, n, NH, hd, 3000, 10000, "f64"), 1e-12, "f64")
+    assert_close(ops.rope_forward(T(x, {n, NH, hd}, "f32"), o), ref_rope(x, n, NH, hd, 3000, 10000, "f32"), 1e-6, "f32")
+  end)
+
   it("backward is the inverse rotation and matches finite differences", function()
     local x, R = randflat(S * NH * hd), randflat(S * NH * hd)
     local o = {offset = 17, theta = 1000}
