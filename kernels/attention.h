@@ -56,7 +56,8 @@
  * CUDA (kernels/attention.cu): the same arguments and the f64 path's
  * summation order in 16 x 16 tiles, for f32, f64 and bf16 (bf16 in and out,
  * f32 accumulation; lse and drow stay f64). The CUDA kernels do not use
- * `scratch` (tiles live in shared memory); it may be NULL.
+ * `scratch` (tiles live in shared memory): the op layer passes NULL, and
+ * books nothing for it (the CUDA kernel table has no scratch size).
  *
  * Not here: allocation, Lua, RoPE (kernels/rope.h).
  */

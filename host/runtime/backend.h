@@ -95,7 +95,7 @@ typedef struct ml_kernels {
      * router: as ml_router_scratch_bytes;
      * topk: (rows, cols, k); reduce_all: (n); sumsq: (n); slice_norms:
      * (n, E); experts: (dt, cfg, backward, the host's thread count), SIZE_MAX
-     * on overflow. */
+     * on overflow; attention: (hd, Sq, the host's thread count). */
     size_t (*dispatch_scratch_bytes)(int64_t n, int64_t E, int check);
     size_t (*dispatch_unpack_scratch_bytes)(int64_t rows_out, int64_t div);
     size_t (*router_scratch_bytes)(int64_t T, int64_t D, int64_t E, int64_t chunk, int backward);
@@ -105,6 +105,7 @@ typedef struct ml_kernels {
     size_t (*slice_norms_scratch_bytes)(int64_t n, int64_t E);
     size_t (*experts_scratch_bytes)(ml_dtype dt, const ml_experts_cfg *c, int backward,
                                     int nthreads);
+    size_t (*attention_scratch_bytes)(int64_t hd, int64_t Sq, int nthreads);
 
     ml_status (*fill)(ml_dtype, void *, double, int64_t, const ml_kctx *);
     ml_status (*arange)(ml_dtype, void *, double, double, int64_t, const ml_kctx *);

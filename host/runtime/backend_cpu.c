@@ -186,6 +186,7 @@ static const ml_kernels cpu_kernels = {
     .supports = cpu_supports,
     .router_scratch_bytes = ml_router_scratch_bytes,
     .experts_scratch_bytes = ml_experts_scratch_bytes,
+    .attention_scratch_bytes = ml_attention_scratch_bytes,
     .fill = ml_fill_cpu,
     .arange = ml_arange_cpu,
     .binary = ml_binary_cpu,

@@ -291,12 +291,14 @@ static ml_status qkv_args(const ml_host *h, const ml_tensor *q, const ml_tensor 
     return ML_OK;
 }
 
-/* The kernels' per-thread blocks (f64, so 8-aligned) for c's thread count. */
+/* The CPU kernels' per-thread blocks for c's thread count; none on CUDA,
+ * whose tiles live in shared memory (scr stays empty). */
 static ml_status attention_scratch(ml_host *h, ml_tensor *scr, const ml_tensor *q,
                                    const ml_kctx *c, ml_err *e)
 {
-    int64_t n = (int64_t)(ml_attention_scratch_bytes(q->shape[2], q->shape[0], c->nthreads) / sizeof(double));
-    return ml_tensor_alloc(h, scr, q->st->device, ML_F64, 1, &n, e);
+    ml_device dev = q->st->device;
+    return ml_kernel_scratch(h, scr, dev, ML_KSCRATCH(h, dev, attention, q->shape[2], q->shape[0],
+                                                      c->nthreads), e);
 }
 
 ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, const ml_tensor *q,
@@ -312,7 +314,8 @@ ml_status ml_op_attention_forward(ml_host *h, ml_tensor *out, ml_tensor *lse, co
     ml_tensor scr = {0};
     ML_TRY(attention_scratch(h, &scr, q, &c, e));
     ml_status s = ML_KCALL(h, dev, attention_forward, q->dtype, ml_data(out), ml_data(lse),
-                           ml_data(q), ml_data(k), ml_data(v), S, Sk, H, KV, hd, ml_data(&scr), &c);
+                           ml_data(q), ml_data(k), ml_data(v), S, Sk, H, KV, hd,
+                           scr.st ? ml_data(&scr) : NULL, &c);
     ml_tensor_drop(&scr);
     return ml_kernel_status(s, e);
 }
@@ -346,7 +349,7 @@ ml_status ml_op_attention_backward(ml_host *h, ml_tensor *dq, ml_tensor *dk, ml_
         s = ml_kernel_status(ML_KCALL(h, dev, attention_backward, q->dtype, ml_data(dq), ml_data(dk),
                                       ml_data(dv), ml_data(&drow), ml_data(dout), ml_data(q),
                                       ml_data(k), ml_data(v), ml_data(out), ml_data(lse), S, H, KV,
-                                      hd, ml_data(&scr), &c), e);
+                                      hd, scr.st ? ml_data(&scr) : NULL, &c), e);
     ml_tensor_drop(&scr);
     ml_tensor_drop(&drow);
     return s;

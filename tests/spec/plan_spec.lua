@@ -185,6 +185,20 @@ describe("mem.plan", function()
     assert.are.equal(12 * n, peak.optim)   -- f32 masters and both moments (address space, booked in a plan)
   end)
 
+  it("books attention's per-thread scratch on the CPU and none on CUDA (its tiles live in shared memory)", function()
+    local S, H, KV, hd = 256, 4, 2, 64
+    local tensors = (S * H * hd * 2 + S * KV * hd * 2) * 4 + H * S * 8   -- q, out, k, v (f32) and lse (f64)
+    local function peak(device)
+      return mem.plan(function()
+        local q = m.zeros({S, H, hd}, {device = device})
+        local k, v = m.zeros({S, KV, hd}, {device = device}), m.zeros({S, KV, hd}, {device = device})
+        m.ops.attention_forward(q, k, v)
+      end)[device].total_peak
+    end
+    assert.is_true(peak("cpu") > tensors)
+    assert.are.equal(tensors, peak("cuda"))
+  end)
+
   it("books the scratch a CUDA dispatch takes from the ledger (its per-tile ranks)", function()
     local experts = require "moelua.experts"
     -- n = 2^21 assignments over E = 2048 experts: tiles of 2048 (at most 2^22
