@@ -58,25 +58,26 @@ static void rotate_angles(double *restrict c, double *restrict s, const double *
 }
 
 /* cos and sin as the rotation uses them: rounded once to f32 for f32 data,
- * sin times the direction (+1 forward, -1 backward). */
-static void round_angles(double *c, double *s, int f32, double sign, int64_t n)
+ * then sin times the direction (+1 forward, -1 backward). */
+static void finish_angles(double *c, double *s, int f32, double sign, int64_t n)
 {
-    for (int64_t i = 0; i < n; i++) {
-        if (f32) {
+    if (f32)
+        for (int64_t i = 0; i < n; i++) {
             c[i] = (double)(float)c[i];
             s[i] = (double)(float)s[i];
         }
+    for (int64_t i = 0; i < n; i++)
         s[i] *= sign;
-    }
 }
 
 /* Rows [lo, hi) (at most TILE), in blocks of PAIRS pairs: the block's
  * cos and sin for the tile's rows first, then each row's heads in one
- * vector pass per head. Per pair one pow and two sincos (libm is most of
- * the cost): the first row's angle, and inv_freq, the step by which the
- * next rows (at most TILE - 1) are rotated in f64. Each step adds a few
- * 1e-16 of error, far below f32's rounding and as small as the error of
- * rounding the angle itself (0.5 ulp of p·inv_freq, 1e-11 rad at p 1e5). */
+ * vector pass per head. Per pair one pow and at most two sincos (libm is
+ * most of the cost): the first row's angle, and inv_freq, the step by which
+ * the next rows (at most TILE - 1) are rotated in f64. Each step adds a few
+ * 1e-16 of error, far below f32's rounding and, past the first positions,
+ * below the error of rounding the angle itself (0.5 ulp of p·inv_freq,
+ * 7e-12 rad at p 1e5). */
 static void rope_rows(void *arg, int64_t lo, int64_t hi)
 {
     const rope_args *a = arg;
@@ -89,13 +90,15 @@ static void rope_rows(void *arg, int64_t lo, int64_t hi)
             double ang = (double)(a->offset + lo) * inv_freq;
             c[0][i] = cos(ang);
             sn[0][i] = sin(ang);
-            cs[i] = cos(inv_freq);
-            ss[i] = sin(inv_freq);
+            if (hi - lo > 1) {   /* a one-row tile (a decode's token) takes no step */
+                cs[i] = cos(inv_freq);
+                ss[i] = sin(inv_freq);
+            }
         }
         for (int64_t s = 1; s < hi - lo; s++)
             rotate_angles(c[s], sn[s], c[s - 1], sn[s - 1], cs, ss, np);
         for (int64_t s = 0; s < hi - lo; s++)
-            round_angles(c[s], sn[s], a->dt == ML_F32, a->sign, np);
+            finish_angles(c[s], sn[s], a->dt == ML_F32, a->sign, np);
         for (int64_t s = lo; s < hi; s++)
             for (int64_t h = 0; h < a->heads; h++) {
                 int64_t base = (s * a->heads + h) * a->hd + i0;

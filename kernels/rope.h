@@ -4,8 +4,11 @@
  * token s at position p = offset + s are rotated by the angle
  *     a_i = p * inv_freq_i,   inv_freq_i = theta^(-2i/hd)
  * computed in f64 (on the CPU, libm gives cos and sin of a 16-row tile's
- * first row; each next row's rotate the previous row's by inv_freq_i in
- * f64, a few 1e-16 off per row); cos a_i and sin a_i are rounded once to
+ * first row, and each following row's are the previous row's rotated by
+ * inv_freq_i in f64: at most about 3e-15 off by a tile's last row, below
+ * the error of rounding p·inv_freq itself past the first positions; so a
+ * row's last bits depend on its place in its tile, and a one-token decode
+ * may differ from a prefill there); cos a_i and sin a_i are rounded once to
  * dt, and
  *     y[i]        = x[i] c - x[i + hd/2] s
  *     y[i + hd/2] = x[i + hd/2] c + x[i] s

@@ -4,8 +4,8 @@
  * below, on and past a tile edge (19 = 16 + 3) and past the CPU f32 path's
  * 128-row tile; GQA groups of 1, 2, 3 with KV = 1 and 2; hd from 5 to
  * ML_ATT_HD_MAX (256: the largest dynamic shared memory). The CUDA side
- * gets no scratch (attention.h: it may be NULL); the CPU gets
- * ml_attention_scratch_bytes(hd, 1). Each side runs forward then backward
+ * gets no scratch (NULL, as the op layer passes it); the CPU gets
+ * ml_attention_scratch_bytes(hd, S, nthreads). Each side runs forward then backward
  * on its own out and lse, as the spec does.
  *
  * bf16: q, k, v, dout rounded to bf16; the reference is the CPU's f32
@@ -57,7 +57,7 @@ static void run(ml_dtype dt, int64_t S, int64_t H, int64_t KV, int64_t hd)
     auto cq = as_dt(rt, q), ck = as_dt(rt, k), cv = as_dt(rt, v), cdout = as_dt(rt, dout);
     std::vector<unsigned char> cout(nq * ml_dtype_size(rt) + 1), cdq(cout.size());
     std::vector<unsigned char> cdk(nk * ml_dtype_size(rt) + 1), cdv(cdk.size());
-    std::vector<unsigned char> scratch(ml_attention_scratch_bytes(hd, emu_ctx.nthreads));
+    std::vector<unsigned char> scratch(ml_attention_scratch_bytes(hd, S, emu_ctx.nthreads));
     std::vector<double> clse(H * S + 1), cdrow(H * S + 1);
     check_status(s + " cpu fwd", ml_attention_forward_cpu(rt, cout.data(), clse.data(), cq.data(), ck.data(),
                                                           cv.data(), S, S, H, KV, hd, scratch.data(), &emu_ctx),
@@ -100,7 +100,7 @@ static void run_cached(ml_dtype dt, int64_t Sq, int64_t Sk, int64_t H, int64_t K
     std::string s = nm;
     struct side { ml_dtype dt; bool cuda; std::vector<double> out, lse, sq_out, sq_lse; };
     side sides[2] = {{dt, true, {}, {}, {}, {}}, {rt, false, {}, {}, {}, {}}};
-    std::vector<unsigned char> scratch(ml_attention_scratch_bytes(hd, emu_ctx.nthreads));
+    std::vector<unsigned char> scratch(ml_attention_scratch_bytes(hd, Sk, emu_ctx.nthreads));   /* the square call's */
     for (auto &sd : sides) {
         auto fwd = sd.cuda ? ml_attention_forward_cuda : ml_attention_forward_cpu;
         void *scr = sd.cuda ? nullptr : scratch.data();
