@@ -340,6 +340,14 @@ static void print_layer_mix(result res[][NLIB], int rounds)
 {
     printf("\nThe MoE layer's six GEMMs per tile, 2x1t, against the best 2048³ on 2 threads "
            "(median of rounds):\n");
+    double best[rounds];
+    for (int round = 0; round < rounds; round++) {
+        best[round] = 0;
+        for (int si = 0; si < NSHAPE; si++)
+            for (int l = 0; shapes[si].m == 2048 && l < NLIB; l++)
+                if (res[si][l].gflops[MODE_2T] && res[si][l].gflops[MODE_2T][round] > best[round])
+                    best[round] = res[si][l].gflops[MODE_2T][round];
+    }
     for (int lib = 0; lib < NLIB; lib++) {
         double rate[rounds], share[rounds];
         int have = 1;
@@ -349,19 +357,14 @@ static void print_layer_mix(result res[][NLIB], int rounds)
         if (!have)
             continue;
         for (int round = 0; round < rounds; round++) {
-            double f = 0, t = 0, best = 0;
-            for (int si = 0; si < NSHAPE; si++) {
-                const shape *s = &shapes[si];
-                if (s->layer) {
-                    f += flops(s);
-                    t += flops(s) / res[si][lib].gflops[MODE_2X1T][round];
+            double f = 0, t = 0;
+            for (int si = 0; si < NSHAPE; si++)
+                if (shapes[si].layer) {
+                    f += flops(&shapes[si]);
+                    t += flops(&shapes[si]) / res[si][lib].gflops[MODE_2X1T][round];
                 }
-                for (int l = 0; s->m == 2048 && l < NLIB; l++)
-                    if (res[si][l].gflops[MODE_2T] && res[si][l].gflops[MODE_2T][round] > best)
-                        best = res[si][l].gflops[MODE_2T][round];
-            }
             rate[round] = f / t;
-            share[round] = best > 0 ? rate[round] / best : 0;
+            share[round] = best[round] > 0 ? rate[round] / best[round] : 0;
         }
         printf("  %s: %.0f GFLOP/s, %.1f%% of the best 2048³\n", lib_name[lib],
                median(rate, rounds), 100 * median(share, rounds));
